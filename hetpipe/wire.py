@@ -1,0 +1,543 @@
+"""The parameter-server wire protocol: msgpack header + raw tensor frames, strictly validated. No socket loops."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import zmq
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DTYPES",
+    "ERROR_CODES",
+    "FIELDS",
+    "MAX_FRAME_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_NDIM",
+    "MAX_TENSORS",
+    "MAX_TENSOR_BYTES",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "Message",
+    "TensorView",
+    "WireError",
+    "configure_socket",
+    "decode",
+    "encode",
+    "error_frames",
+]
+
+PROTOCOL_VERSION = 1
+CHUNK_BYTES = 1 << 20                   # one data frame; a multiple of every allowed itemsize
+MAX_HEADER_BYTES = 1 << 20
+MAX_TENSORS = 100_000
+MAX_TENSOR_BYTES = 8 << 30
+MAX_NDIM = 8
+MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES)
+MAX_KEY_CHARS = 256
+MAX_RUN_CHARS = 128
+MAX_MESSAGE_CHARS = 4096
+MAX_INFO_DEPTH = 4
+MAX_INFO_ENTRIES = 4096
+MAX_INFO_STR_BYTES = 64 << 10
+ERROR_CODES = frozenset(
+    {"bad_message", "version", "run_mismatch", "not_registered", "conflict", "out_of_order", "stale", "internal"}
+)
+# Bytes on the wire are little-endian whatever the host; on the usual little-endian hosts this is native.
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<") for name in ("float32", "float16", "float64", "int32", "int64")
+}
+assert all(CHUNK_BYTES % dt.itemsize == 0 for dt in DTYPES.values())
+
+_RESERVED = ("v", "type", "tensors")
+_I31 = 2**31
+_I63 = 2**63
+
+
+class WireError(Exception):
+    """An invalid message (or a sender's bug); `.code` is one of ERROR_CODES.
+
+    `.request_id` is the request's id when decode could read it, so the server can address its error reply.
+    """
+
+    def __init__(self, code: str, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Field schema: a check returns None when the value is valid, else what was expected.
+
+Check = Callable[[object], str | None]
+
+
+def _int_in(lo: int, hi: int, shown: str) -> Check:
+    def check(value: object) -> str | None:
+        ok = type(value) is int and lo <= value < hi
+        return None if ok else f"an int in [{lo}, {shown})"
+
+    return check
+
+
+def _str_len(lo: int, hi: int) -> Check:
+    def check(value: object) -> str | None:
+        return None if type(value) is str and lo <= len(value) <= hi else f"a str of {lo}..{hi} chars"
+
+    return check
+
+
+def _is_bool(value: object) -> str | None:
+    return None if type(value) is bool else "a bool"
+
+
+def _is_error_id(value: object) -> str | None:
+    return None if value is None or _ID(value) is None else "nil or an int in [0, 2**63)"
+
+
+def _is_error_code(value: object) -> str | None:
+    return None if type(value) is str and value in ERROR_CODES else f"one of {sorted(ERROR_CODES)}"
+
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def _small(value: object) -> bool:
+    """Strings and bytes fit msgpack's max_str_len/max_bin_len on the decoding side."""
+    if type(value) is str:
+        return len(value) <= MAX_INFO_STR_BYTES // 4 or len(value.encode("utf-8", "replace")) <= MAX_INFO_STR_BYTES
+    return type(value) is not bytes or len(value) <= MAX_INFO_STR_BYTES
+
+
+def _is_info(value: object) -> str | None:
+    """A map with str keys, nesting depth <= MAX_INFO_DEPTH, <= MAX_INFO_ENTRIES entries in all.
+
+    Strings and bytes are capped at MAX_INFO_STR_BYTES, the limit decode gives msgpack, so that what encode
+    accepts decode accepts too.
+    """
+    expected = (
+        f"a map with str keys, depth <= {MAX_INFO_DEPTH}, <= {MAX_INFO_ENTRIES} entries of msgpack values,"
+        f" strings <= {MAX_INFO_STR_BYTES} bytes"
+    )
+    if type(value) is not dict:
+        return expected
+    entries = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if type(node) in (list, tuple, dict) and depth > MAX_INFO_DEPTH:
+            return expected
+        if type(node) is dict:
+            if not all(type(k) is str and _small(k) for k in node):
+                return expected
+            children = list(node.values())
+        elif type(node) in (list, tuple):
+            children = list(node)
+        elif type(node) in _SCALARS:
+            if (type(node) is int and not -_I63 <= node < 2**64) or not _small(node):
+                return expected
+            continue
+        else:
+            return expected
+        entries += len(children)
+        if entries > MAX_INFO_ENTRIES:
+            return expected
+        stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+_ID = _int_in(0, _I63, "2**63")
+_RUN = _str_len(1, MAX_RUN_CHARS)
+_INDEX = _int_in(0, _I31, "2**31")
+_COUNT = _int_in(1, _I31, "2**31")
+
+FIELDS: dict[str, dict[str, Check]] = {
+    "register": {
+        "id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX,
+        "num_vws": _COUNT, "num_stages": _COUNT, "want_weights": _is_bool,
+    },
+    "push": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
+    "pull": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
+    "status": {"id": _ID, "run": _RUN},
+    "read": {"id": _ID, "run": _RUN},
+    "registered": {"id": _ID, "c_global": _INDEX},
+    "ack": {"id": _ID, "wave": _INDEX, "applied": _is_bool, "c_global": _INDEX},
+    "weights": {
+        "id": _ID, "wave": _INDEX, "version": _INDEX, "own_through": _int_in(-1, _I31, "2**31"),
+    },
+    "status_reply": {"id": _ID, "info": _is_info},
+    "snapshot": {"id": _ID, "version": _INDEX, "info": _is_info},
+    "error": {"id": _is_error_id, "code": _is_error_code, "message": _str_len(0, MAX_MESSAGE_CHARS)},
+}
+MESSAGE_TYPES = frozenset(FIELDS)
+_WITH_TENSORS = frozenset({"register", "push", "registered", "weights", "snapshot"})
+
+
+def _show(value: object) -> str:
+    """A short, safe rendering of an untrusted value for error messages."""
+    if isinstance(value, str | bytes):
+        text = repr(value[:40]) + ("..." if len(value) > 40 else "")
+    elif isinstance(value, list | tuple | dict):
+        return f"a {type(value).__name__} of {len(value)} items"
+    else:
+        text = repr(value)[:60]
+    return f"{text} ({type(value).__name__})"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Header validation, shared by encode (sender bugs fail loudly) and decode (never trust the transport).
+
+
+@dataclass(frozen=True)
+class _Spec:
+    key: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def nframes(self) -> int:
+        return -(-self.nbytes // CHUNK_BYTES)
+
+
+def _bad(message: str) -> WireError:
+    return WireError("bad_message", message)
+
+
+def _check_version(header: dict) -> None:
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise WireError(
+            "version",
+            f"protocol version {_show(version)} is not supported: this side speaks version {PROTOCOL_VERSION};"
+            " run the same hetpipe version on the server and every worker",
+        )
+
+
+def _check_fields(header: dict) -> str:
+    """Check "type" and the exact field set with each value's type and range; return the type."""
+    msg_type = header.get("type")
+    if type(msg_type) is not str or msg_type not in FIELDS:
+        raise _bad(f"unknown message type {_show(msg_type)}: expected one of {sorted(FIELDS)}")
+    schema = FIELDS[msg_type]
+    allowed = set(schema) | {"v", "type"} | ({"tensors"} if msg_type in _WITH_TENSORS else set())
+    unknown = [k for k in header if k not in allowed]
+    if unknown:
+        raise _bad(f"{msg_type}: unknown field {_show(unknown[0])}; its fields are {sorted(allowed)}")
+    missing = sorted(allowed - set(header))
+    if missing:
+        raise _bad(f"{msg_type}: missing field {missing[0]!r}; its fields are {sorted(allowed)}")
+    for name, check in schema.items():
+        expected = check(header[name])
+        if expected is not None:
+            raise _bad(f"{msg_type}.{name} must be {expected}, got {_show(header[name])}")
+    return msg_type
+
+
+def _check_spec(index: int, entry: object) -> _Spec:
+    where = f"tensors[{index}]"
+    if type(entry) is not dict or set(entry) != {"key", "dtype", "shape"}:
+        raise _bad(f"{where} must be a map with exactly key, dtype, shape; got {_show(entry)}")
+    key, dtype, shape = entry["key"], entry["dtype"], entry["shape"]
+    if type(key) is not str or not 1 <= len(key) <= MAX_KEY_CHARS:
+        raise _bad(f"{where}.key must be a str of 1..{MAX_KEY_CHARS} chars, got {_show(key)}")
+    if type(dtype) is not str or dtype not in DTYPES:
+        raise _bad(f"tensor {key!r}: dtype {_show(dtype)} is not allowed; use one of {sorted(DTYPES)}")
+    if type(shape) is not list or len(shape) > MAX_NDIM or not all(
+        type(d) is int and d >= 0 for d in shape
+    ):
+        raise _bad(f"tensor {key!r}: shape must be a list of <= {MAX_NDIM} ints >= 0, got {_show(shape)}")
+    itemsize = DTYPES[dtype].itemsize
+    # Bounding the product of the non-zero dims also keeps zero-size shapes within what numpy can build.
+    if math.prod(max(d, 1) for d in shape) * itemsize > MAX_TENSOR_BYTES:
+        raise _bad(
+            f"tensor {key!r}: shape {list(shape)} of {dtype} exceeds {MAX_TENSOR_BYTES} bytes;"
+            " split it into several keys"
+        )
+    return _Spec(key, DTYPES[dtype], tuple(shape), math.prod(shape) * itemsize)
+
+
+def _check_specs(entries: object) -> list[_Spec]:
+    if type(entries) is not list or len(entries) > MAX_TENSORS:
+        raise _bad(f"tensors must be a list of <= {MAX_TENSORS} entries, got {_show(entries)}")
+    specs = [_check_spec(i, entry) for i, entry in enumerate(entries)]
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.key in seen:
+            raise _bad(f"duplicate tensor key {spec.key!r}: each key may appear once per message")
+        seen.add(spec.key)
+    return specs
+
+
+def _validate_header(header: object) -> tuple[str, dict, list[_Spec]]:
+    if type(header) is not dict:
+        raise _bad(f"header must be a msgpack map, got {_show(header)}")
+    _check_version(header)
+    msg_type = _check_fields(header)
+    specs = _check_specs(header["tensors"]) if msg_type in _WITH_TENSORS else []
+    fields = {k: v for k, v in header.items() if k not in _RESERVED}
+    return msg_type, fields, specs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _wire_array(key: object, value: object) -> np.ndarray:
+    """The array as it goes on the wire: allowed dtype, little-endian, C-contiguous (copied only if not)."""
+    if type(key) is not str:
+        raise _bad(f"tensor keys must be str, got {_show(key)}")
+    if not isinstance(value, np.ndarray):
+        raise _bad(f"tensor {key!r} must be a numpy array, got {type(value).__name__} (torch: t.detach().cpu().numpy())")
+    if value.dtype.name not in DTYPES:
+        raise _bad(f"tensor {key!r}: dtype {value.dtype} is not allowed; cast it to one of {sorted(DTYPES)}")
+    wire_dtype = DTYPES[value.dtype.name]
+    if value.dtype == wire_dtype and value.flags.c_contiguous:
+        return value
+    return np.asarray(value, dtype=wire_dtype, order="C")
+
+
+def _data_frames(arr: np.ndarray) -> list[memoryview]:
+    """Zero-copy CHUNK_BYTES slices of a C-contiguous array's bytes (none for an empty array)."""
+    if arr.nbytes == 0:
+        return []
+    flat = memoryview(arr).cast("B")
+    return [flat[start : start + CHUNK_BYTES] for start in range(0, arr.nbytes, CHUNK_BYTES)]
+
+
+def _pack(header: dict) -> bytes:
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise _bad(f"{header.get('type')}: header cannot be packed ({err}); use plain Python values") from None
+    if len(packed) > MAX_HEADER_BYTES:
+        raise _bad(
+            f"{header['type']}: header is {len(packed)} bytes, over the {MAX_HEADER_BYTES}-byte limit;"
+            " send fewer tensors (or shorter keys) per message"
+        )
+    return packed
+
+
+def encode(
+    msg_type: str, fields: Mapping[str, object], tensors: Mapping[str, np.ndarray] | None = None
+) -> list[bytes | memoryview]:
+    """Frames for `socket.send_multipart(frames, copy=False)`: the header, then each tensor's chunks.
+
+    Validates like decode, so a sender's bug raises WireError here. Data frames are views of the arrays:
+    do not modify them until the send has completed.
+    """
+    if not isinstance(fields, Mapping):
+        raise _bad(f"fields must be a mapping, got {type(fields).__name__}")
+    reserved = [k for k in _RESERVED if k in fields]
+    if reserved:
+        raise _bad(f"field {reserved[0]!r} is set by encode; leave it out of fields")
+    arrays = {k: _wire_array(k, v) for k, v in (tensors or {}).items()}
+    header: dict[str, object] = {"v": PROTOCOL_VERSION, "type": msg_type, **fields}
+    if msg_type in _WITH_TENSORS:
+        header["tensors"] = [
+            {"key": k, "dtype": a.dtype.name, "shape": list(a.shape)} for k, a in arrays.items()
+        ]
+    _validate_header(header)
+    if arrays and msg_type not in _WITH_TENSORS:
+        raise _bad(f"{msg_type} carries no tensors; got {sorted(arrays)[:5]}")
+    frames: list[bytes | memoryview] = [_pack(header)]
+    for arr in arrays.values():
+        frames.extend(_data_frames(arr))
+    return frames
+
+
+def error_frames(request_id: int | None, code: str, message: str) -> list[bytes]:
+    """Frames of an `error` reply; an unreadable id becomes nil and a long message is truncated."""
+    if type(request_id) is not int or not 0 <= request_id < _I63:
+        request_id = None
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    return [bytes(f) for f in encode("error", {"id": request_id, "code": code, "message": message})]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decoding
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """One received tensor as read-only 1-d chunks over the frames (zero-copy)."""
+
+    key: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    chunks: list[np.ndarray]
+    nbytes: int
+
+    def to_array(self) -> np.ndarray:
+        """The tensor: a read-only view when it came in one frame, else one fresh (writable) array."""
+        if len(self.chunks) == 1:
+            return self.chunks[0].reshape(self.shape)
+        if not self.chunks:
+            return np.empty(self.shape, dtype=self.dtype)
+        return np.concatenate(self.chunks).reshape(self.shape)
+
+    def copy_into(self, dst: np.ndarray) -> None:
+        """dst[...] = tensor, chunk by chunk, without temporaries."""
+        flat = self._flat(dst, "copy_into")
+        for start, chunk in self._spans():
+            np.copyto(flat[start : start + chunk.size], chunk)
+
+    def add_into(self, dst: np.ndarray) -> None:
+        """dst += tensor, chunk by chunk, in place, without temporaries."""
+        flat = self._flat(dst, "add_into")
+        for start, chunk in self._spans():
+            part = flat[start : start + chunk.size]
+            np.add(part, chunk, out=part)
+
+    def _spans(self) -> list[tuple[int, np.ndarray]]:
+        per_chunk = CHUNK_BYTES // self.dtype.itemsize
+        return [(i * per_chunk, chunk) for i, chunk in enumerate(self.chunks)]
+
+    def _flat(self, dst: object, what: str) -> np.ndarray:
+        if not isinstance(dst, np.ndarray):
+            raise _bad(f"{what}: tensor {self.key!r} needs a numpy array destination, got {type(dst).__name__}")
+        if dst.dtype != self.dtype or dst.shape != self.shape:
+            raise _bad(
+                f"{what}: tensor {self.key!r} is {self.dtype.name}{list(self.shape)} but the destination is"
+                f" {dst.dtype.name}{list(dst.shape)}; the sender and this side disagree on the model"
+            )
+        if not dst.flags.c_contiguous or not dst.flags.writeable:
+            raise _bad(f"{what}: destination for tensor {self.key!r} must be C-contiguous and writable")
+        return dst.reshape(-1)
+
+
+@dataclass(frozen=True)
+class Message:
+    """A validated message: its type, header fields (without v/type/tensors) and tensors in header order."""
+
+    type: str
+    fields: dict
+    tensors: dict[str, TensorView]
+
+
+def _buffer(index: int, frame: object) -> memoryview:
+    if isinstance(frame, zmq.Frame):
+        view = frame.buffer
+    elif isinstance(frame, bytes | bytearray | memoryview):
+        view = memoryview(frame)
+    else:
+        raise _bad(f"frame {index} must be a zmq.Frame, bytes or memoryview, got {type(frame).__name__}")
+    if view.format == "B" and view.ndim == 1:
+        return view
+    try:
+        return view.cast("B")
+    except (TypeError, ValueError):
+        raise _bad(f"frame {index} is not a contiguous buffer") from None
+
+
+def _unique_map(pairs: list[tuple[object, object]]) -> dict:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise _bad("header has a map with a repeated key")
+    return result
+
+
+def _unpack_header(buf: memoryview) -> object:
+    if buf.nbytes > MAX_HEADER_BYTES:
+        raise _bad(f"header frame is {buf.nbytes} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        object_pairs_hook=_unique_map,
+        max_buffer_size=MAX_HEADER_BYTES,
+        max_str_len=MAX_INFO_STR_BYTES,
+        max_bin_len=MAX_INFO_STR_BYTES,
+        max_array_len=MAX_TENSORS,
+        max_map_len=MAX_INFO_ENTRIES,
+        max_ext_len=0,
+    )
+    try:
+        unpacker.feed(buf)
+        header = unpacker.unpack()
+    except WireError:
+        raise
+    except Exception as err:  # msgpack raises a zoo (ValueError, FormatError, StackError, ...): all mean garbage
+        raise _bad(f"header frame is not valid msgpack ({type(err).__name__}: {str(err)[:200]})") from None
+    if unpacker.tell() != buf.nbytes:
+        raise _bad(f"header frame has {buf.nbytes - unpacker.tell()} bytes after its msgpack map")
+    return header
+
+
+def _tensor_views(specs: list[_Spec], data: list[memoryview]) -> dict[str, TensorView]:
+    needed = sum(s.nframes for s in specs)
+    if needed != len(data):
+        raise _bad(f"header lists tensors needing {needed} data frames but the message has {len(data)}")
+    views: dict[str, TensorView] = {}
+    position = 0
+    for spec in specs:
+        chunks = []
+        for i in range(spec.nframes):
+            expected = min(CHUNK_BYTES, spec.nbytes - i * CHUNK_BYTES)
+            frame = data[position]
+            if frame.nbytes != expected:
+                raise _bad(
+                    f"tensor {spec.key!r} frame {i + 1} of {spec.nframes} has {frame.nbytes} bytes,"
+                    f" expected {expected} (shape {list(spec.shape)} of {spec.dtype.name})"
+                )
+            chunk = np.frombuffer(frame, dtype=spec.dtype)
+            chunk.flags.writeable = False
+            chunks.append(chunk)
+            position += 1
+        views[spec.key] = TensorView(spec.key, spec.dtype, spec.shape, chunks, spec.nbytes)
+    return views
+
+
+def _readable_id(header: object) -> int | None:
+    if type(header) is dict and _ID(header.get("id")) is None:
+        return header["id"]
+    return None
+
+
+def decode(frames: Sequence[zmq.Frame | bytes | memoryview]) -> Message:
+    """Validate and unpack one message (the frames after any ROUTER envelope); raises only WireError."""
+    if isinstance(frames, bytes | str) or not isinstance(frames, Sequence) or not frames:
+        raise _bad("a message is a non-empty sequence of frames: a msgpack header, then data frames")
+    buffers = [_buffer(i, f) for i, f in enumerate(frames)]
+    header = _unpack_header(buffers[0])
+    try:
+        msg_type, fields, specs = _validate_header(header)
+        if msg_type not in _WITH_TENSORS and len(buffers) > 1:
+            raise _bad(f"{msg_type} carries no data frames but the message has {len(buffers) - 1}")
+        return Message(msg_type, fields, _tensor_views(specs, buffers[1:]))
+    except WireError as err:
+        err.request_id = _readable_id(header)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sockets
+
+
+def configure_socket(sock: zmq.Socket, *, router: bool) -> None:
+    """Options every PS socket uses: fail fast and loudly rather than hang or drop silently.
+
+    MAXMSGSIZE is enforced per frame, not per multipart message (observed on libzmq 4.3.5, pyzmq 27,
+    tcp://127.0.0.1 with MAXMSGSIZE=1000 on a ROUTER): a DEALER's 3 x 900-byte message arrived whole;
+    a single 1001-byte frame was dropped without any error at either end, the ROUTER closed the connection
+    (monitor: DISCONNECTED), the DEALER reconnected on its own and its next message arrived. So chunked
+    tensors pass, an oversized frame costs the message and the connection, and only the client's
+    application-level timeout + retry notices.
+    """
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + (64 << 10))
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.RCVHWM, 10_000)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 60)  # the OS default (2 h) would never notice a dead peer
+    if router:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: EHOSTUNREACH instead of a silent drop
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
