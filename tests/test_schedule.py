@@ -1,0 +1,434 @@
+"""Tests for hetpipe/schedule.py: literal tables derived by hand from hetpipe.md §2-§3, properties, the validator."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.schedule import (
+    KINDS,
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    format_grid,
+    format_lists,
+    get_schedule,
+    parse_action,
+    parse_actions,
+    register_schedule,
+    simulate,
+    steps,
+    validate,
+    validate_lists,
+    wsp_schedule,
+)
+
+RANGES = dict(num_stages=(1, 6), nm=(1, 8), num_waves=(1, 4), staleness=(0, 3))
+
+
+def lists(*lines: str) -> tuple[tuple[Action, ...], ...]:
+    return tuple(parse_actions(line) for line in lines)
+
+
+def schedules() -> st.SearchStrategy[Schedule]:
+    return st.builds(
+        wsp_schedule,
+        *(st.integers(lo, hi) for lo, hi in RANGES.values()),
+    )
+
+
+# --- actions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, kind, index",
+    [("F3", "F", 3), ("B0", "B", 0), ("PUSH1", "PUSH", 1), ("WAIT12", "WAIT", 12)],
+)
+def test_parse_action_and_str_round_trip(text: str, kind: str, index: int) -> None:
+    action = parse_action(text)
+    assert action == Action(kind, index)
+    assert str(action) == text
+
+
+@given(st.sampled_from(KINDS), st.integers(0, 10_000))
+def test_str_then_parse_is_identity(kind: str, index: int) -> None:
+    assert parse_action(str(Action(kind, index))) == Action(kind, index)
+
+
+def test_parse_actions_splits_on_whitespace() -> None:
+    assert parse_actions("F0 F1  B0\nPUSH0") == (
+        Action("F", 0),
+        Action("F", 1),
+        Action("B", 0),
+        Action("PUSH", 0),
+    )
+    assert parse_actions("") == ()
+
+
+@pytest.mark.parametrize("text", ["X3", "F", "F-1", "push1", "F 3", "B3x", "PULL2"])
+def test_parse_action_rejects_with_the_accepted_forms(text: str) -> None:
+    with pytest.raises(ScheduleError, match=r"cannot parse action .*F<p>, B<p>, PUSH<c> or WAIT<c>"):
+        parse_action(text)
+
+
+def test_action_rejects_bad_kind_and_index() -> None:
+    with pytest.raises(ScheduleError, match="unknown action kind 'PULL'"):
+        Action("PULL", 1)
+    with pytest.raises(ScheduleError, match="index >= 0"):
+        Action("F", -1)
+    assert issubclass(ScheduleError, HetpipeError)
+
+
+# --- the wsp generator against literal tables (derived by hand from hetpipe.md §2, §3) ---------
+
+
+def test_one_stage_one_in_flight_is_sequential_with_gate_from_wave_2() -> None:
+    s = wsp_schedule(num_stages=1, nm=1, num_waves=3, staleness=0)
+    assert s.stages == lists("F0 B0 PUSH0 F1 B1 PUSH1 WAIT2 F2 B2 PUSH2")
+    validate(s)
+
+
+def test_two_stages_nm_2_two_waves() -> None:
+    s = wsp_schedule(2, 2, 2, 0)
+    assert s.stages == lists(
+        "F0 F1 B0 F2 B1 PUSH0 F3 B2 B3 PUSH1",
+        "F0 B0 F1 B1 PUSH0 F2 B2 F3 B3 PUSH1",
+    )
+
+
+def test_four_stages_nm_4_three_waves() -> None:
+    s = wsp_schedule(4, 4, 3, 0)
+    assert s.stages == lists(
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 PUSH0 F7 B4 WAIT2 F8 B5 F9 B6 F10 B7 PUSH1 F11 B8 B9 B10 B11 PUSH2",
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 PUSH0 F6 B4 F7 B5 WAIT2 F8 B6 F9 B7 PUSH1 F10 B8 F11 B9 B10 B11 PUSH2",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 PUSH0 F5 B4 F6 B5 F7 B6 WAIT2 F8 B7 PUSH1 F9 B8 F10 B9 F11 B10 B11 PUSH2",
+        "F0 B0 F1 B1 F2 B2 F3 B3 PUSH0 F4 B4 F5 B5 F6 B6 F7 B7 PUSH1 WAIT2 F8 B8 F9 B9 F10 B10 F11 B11 PUSH2",
+    )
+
+
+def test_three_stages_nm_3_staleness_1_gates_from_wave_3() -> None:
+    s = wsp_schedule(3, 3, 4, 1)
+    assert s.stages == lists(
+        "F0 F1 F2 B0 F3 B1 F4 B2 PUSH0 F5 B3 F6 B4 F7 B5 PUSH1 F8 B6 WAIT3 F9 B7 F10 B8 PUSH2 F11 B9 B10 B11 PUSH3",
+        "F0 F1 B0 F2 B1 F3 B2 PUSH0 F4 B3 F5 B4 F6 B5 PUSH1 F7 B6 F8 B7 WAIT3 F9 B8 PUSH2 F10 B9 F11 B10 B11 PUSH3",
+        "F0 B0 F1 B1 F2 B2 PUSH0 F3 B3 F4 B4 F5 B5 PUSH1 F6 B6 F7 B7 F8 B8 PUSH2 WAIT3 F9 B9 F10 B10 F11 B11 PUSH3",
+    )
+
+
+def test_nm_below_stages_warms_up_with_at_least_one_forward() -> None:
+    # nm - j <= 0 for j >= nm: those stages still do one forward first, then plain 1F1B.
+    s = wsp_schedule(4, 2, 2, 0)
+    assert s.stages == lists(
+        "F0 F1 B0 F2 B1 PUSH0 F3 B2 B3 PUSH1",
+        "F0 B0 F1 B1 PUSH0 F2 B2 F3 B3 PUSH1",
+        "F0 B0 F1 B1 PUSH0 F2 B2 F3 B3 PUSH1",
+        "F0 B0 F1 B1 PUSH0 F2 B2 F3 B3 PUSH1",
+    )
+    validate(s)
+
+
+def test_doc_example_prefix() -> None:
+    # style.md / "Schedules are data": stage 0 (nm=4, D=0)
+    doc = "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 PUSH0 F7 B4 WAIT2 F8"
+    stage0 = wsp_schedule(4, 4, 3, 0).stages[0]
+    assert " ".join(map(str, stage0)).startswith(doc + " ")
+
+
+def test_every_generated_schedule_in_range_validates() -> None:
+    for k, nm, waves, d in itertools.product(*(range(lo, hi + 1) for lo, hi in RANGES.values())):
+        validate(wsp_schedule(k, nm, waves, d))
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_generated_schedule_invariants(s: Schedule) -> None:
+    validate(s)
+    total = s.num_waves * s.nm
+    for j, actions in enumerate(s.stages):
+        compute = [a for a in actions if a.kind in "FB"]
+        assert sorted((a.kind, a.index) for a in compute) == sorted(itertools.product("FB", range(total)))
+        in_flight = peak = 0
+        for a in compute:
+            in_flight += 1 if a.kind == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == max(1, min(s.nm - j, total)) <= s.nm
+        for i, a in enumerate(actions):
+            if a.kind == "PUSH":
+                assert actions[i - 1] == Action("B", a.index * s.nm + s.nm - 1)
+            if a.kind == "WAIT":
+                assert actions[i + 1] == Action("F", a.index * s.nm)
+        waits = [a.index for a in actions if a.kind == "WAIT"]
+        assert waits == [c for c in range(s.num_waves) if c - s.staleness - 1 >= 1]
+        assert [a.index for a in actions if a.kind == "PUSH"] == list(range(s.num_waves))
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedules(), st.data())
+def test_dropping_any_action_is_rejected(s: Schedule, data: st.DataObject) -> None:
+    j = data.draw(st.integers(0, s.num_stages - 1))
+    i = data.draw(st.integers(0, len(s.stages[j]) - 1))
+    broken = list(s.stages)
+    broken[j] = s.stages[j][:i] + s.stages[j][i + 1 :]
+    with pytest.raises(ScheduleError, match=f"stage {j}"):
+        validate_lists(broken, s.nm, s.num_waves, s.staleness)
+
+
+def test_generator_rejects_bad_parameters() -> None:
+    with pytest.raises(UsageError, match=r"num_stages \(--stages\) must be an integer >= 1, got 0"):
+        wsp_schedule(0, 2, 1, 0)
+    with pytest.raises(UsageError, match=r"staleness D \(--staleness\) must be an integer >= 0, got -1"):
+        wsp_schedule(2, 2, 1, -1)
+
+
+# --- registry --------------------------------------------------------------------------------
+
+
+def test_registry_knows_wsp() -> None:
+    assert get_schedule("wsp") is wsp_schedule
+    assert SCHEDULES["wsp"] is wsp_schedule
+
+
+def test_unknown_schedule_lists_known_names_and_suggests() -> None:
+    with pytest.raises(UsageError, match=r'unknown schedule "wps"') as info:
+        get_schedule("wps")
+    assert "known schedules: wsp" in str(info.value)
+    assert 'did you mean "wsp"?' in str(info.value)
+    assert info.value.exit_code == 2
+
+
+def test_register_schedule_adds_a_generator_and_refuses_duplicates() -> None:
+    def sequential(num_stages: int, nm: int, num_waves: int, staleness: int = 0) -> Schedule:
+        return wsp_schedule(num_stages, 1, num_waves, staleness)
+
+    try:
+        assert register_schedule("test-sequential")(sequential) is sequential
+        assert get_schedule("test-sequential") is sequential
+        with pytest.raises(ValueError, match="registered twice"):
+            register_schedule("test-sequential")(sequential)
+    finally:
+        SCHEDULES.pop("test-sequential", None)
+
+
+# --- the validator rejects -------------------------------------------------------------------
+
+
+def test_deadlock_of_two_stages_waiting_on_each_other() -> None:
+    stages = lists(
+        "F0 B0 F1 B1 PUSH0",
+        "F1 B1 F0 B0 PUSH0",
+    )
+    with pytest.raises(ScheduleError) as info:
+        validate_lists(stages, nm=2, num_waves=1, staleness=0)
+    message = str(info.value)
+    assert message.startswith("deadlock: no stage can proceed")
+    assert "stage 0, position 1 (B0) waits for B0 at stage 1" in message
+    assert "stage 1, position 0 (F1) waits for F1 at stage 0" in message
+
+
+def test_deadlock_of_a_gate_waiting_for_its_own_later_push() -> None:
+    stages = lists("F0 B0 F1 B1 WAIT2 PUSH0 PUSH1 F2 B2 PUSH2")
+    with pytest.raises(ScheduleError, match=r"stage 0, position 4 \(WAIT2\) waits for PUSH0 at stage 0"):
+        validate_lists(stages, nm=1, num_waves=3, staleness=0)
+
+
+def test_deadlock_of_a_gate_waiting_for_another_stage() -> None:
+    # stage 1 holds PUSH0 back until after its F2, which needs stage 0's F2, which is gated on PUSH0
+    # at every stage (k=2, nm=1, D=0).
+    stages = lists(
+        "F0 B0 PUSH0 F1 B1 PUSH1 WAIT2 F2 B2 PUSH2",
+        "F0 B0 F1 B1 PUSH1 WAIT2 F2 PUSH0 B2 PUSH2",
+    )
+    with pytest.raises(ScheduleError) as info:
+        validate_lists(stages, nm=1, num_waves=3, staleness=0)
+    assert "stage 0, position 6 (WAIT2) waits for PUSH0 at stage 1" in str(info.value)
+    assert "stage 1, position 5 (WAIT2) waits for PUSH0 at stage 1" in str(info.value)
+
+
+def test_backward_before_forward() -> None:
+    stages = lists(
+        "F0 B0 PUSH0",
+        "B0 F0 PUSH0",
+    )
+    with pytest.raises(
+        ScheduleError, match=r"stage 1, position 0 \(B0\): backward before its forward .*put F0 before B0"
+    ):
+        validate_lists(stages, nm=1, num_waves=1, staleness=0)
+
+
+def test_in_flight_above_nm() -> None:
+    stages = lists("F0 F1 B0 PUSH0 B1 PUSH1")
+    with pytest.raises(
+        ScheduleError, match=r"stage 0, position 1 \(F1\): 2 minibatches in flight .* more than nm=1"
+    ):
+        validate_lists(stages, nm=1, num_waves=2, staleness=0)
+
+
+def test_forward_before_the_backward_nm_earlier() -> None:
+    # in flight stays <= 2, but F2 runs before B0: guarantee L (hetpipe.md §2) breaks
+    stages = lists("F0 F1 B1 F2 B0 PUSH0 F3 B2 B3 PUSH1")
+    with pytest.raises(ScheduleError, match=r"stage 0, position 3 \(F2\): comes before B0"):
+        validate_lists(stages, nm=2, num_waves=2, staleness=0)
+
+
+def test_missing_push() -> None:
+    stages = list(wsp_schedule(2, 2, 2, 0).stages)
+    stages[1] = tuple(a for a in stages[1] if a != Action("PUSH", 0))
+    with pytest.raises(
+        ScheduleError, match=r"stage 1: PUSH0 is missing; put it right after B1 \(position 3\)"
+    ):
+        validate_lists(stages, nm=2, num_waves=2, staleness=0)
+
+
+def test_push_before_the_wave_is_done() -> None:
+    stages = lists("F0 F1 B0 PUSH0 B1")
+    with pytest.raises(
+        ScheduleError, match=r"stage 0, position 3 \(PUSH0\): wave 0's update is not complete, B1"
+    ):
+        validate_lists(stages, nm=2, num_waves=1, staleness=0)
+
+
+def test_wait_after_the_waves_first_forward() -> None:
+    stages = lists("F0 B0 PUSH0 F1 B1 PUSH1 F2 WAIT2 B2 PUSH2")
+    with pytest.raises(ScheduleError) as info:
+        validate_lists(stages, nm=1, num_waves=3, staleness=0)
+    assert "stage 0, position 6 (F2): first action of wave 2, but WAIT2 comes later (position 7)" in str(
+        info.value
+    )
+    assert "put WAIT2 right before F2" in str(info.value)
+
+
+def test_missing_wait() -> None:
+    stages = lists("F0 B0 PUSH0 F1 B1 PUSH1 F2 B2 PUSH2")
+    with pytest.raises(
+        ScheduleError, match=r"stage 0, position 6 \(F2\): first action of wave 2, but WAIT2 is missing"
+    ):
+        validate_lists(stages, nm=1, num_waves=3, staleness=0)
+
+
+def test_wait_that_is_not_needed() -> None:
+    stages = lists("F0 B0 PUSH0 WAIT1 F1 B1 PUSH1")
+    with pytest.raises(ScheduleError, match=r"stage 0, position 3 \(WAIT1\): wave 1 needs no gate with D=0"):
+        validate_lists(stages, nm=1, num_waves=2, staleness=0)
+
+
+@pytest.mark.parametrize(
+    "line, nm, waves, message",
+    [
+        ("F0 F0 B0 PUSH0", 1, 1, r"position 1 \(F0\): F0 already at position 0"),
+        ("F0 B0 PUSH0 F1", 1, 1, r"position 3 \(F1\): no minibatch 1; .* minibatches are 0..0"),
+        ("F0 B0 PUSH0 PUSH1", 1, 1, r"position 3 \(PUSH1\): no wave 1; waves are 0..0"),
+        ("F0 B0 F1 PUSH0", 2, 1, r"position 3 \(PUSH0\): wave 0's update is not complete, B1 has not run"),
+        ("F0 B0 F1 B1", 2, 1, r"stage 0: PUSH0 is missing; put it right after B1 \(position 3\)"),
+        ("F0 B0 PUSH0", 1, 2, r"stage 0: F1 is missing"),
+    ],
+)
+def test_list_level_errors(line: str, nm: int, waves: int, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        validate_lists([parse_actions(line)], nm=nm, num_waves=waves, staleness=0)
+
+
+def test_schedule_with_wrong_number_of_lists() -> None:
+    s = wsp_schedule(2, 2, 1, 0)
+    with pytest.raises(ScheduleError, match="num_stages=3 but 2 stage lists"):
+        validate(Schedule(3, 2, 1, 0, "wsp", s.stages))
+
+
+# --- timing, steps, text ---------------------------------------------------------------------
+
+
+def test_steps_one_stage() -> None:
+    f0, b0, push0 = parse_actions("F0 B0 PUSH0")
+    assert steps(wsp_schedule(1, 1, 1, 0)) == [((f0,),), ((b0,),), ((push0,),)]
+
+
+GRID_2_2_2 = """\
+wsp: stages=2 nm=2 waves=2 D=0
+step  stage 0   stage 1
+   0  F0        .
+   1  F1        F0
+   2  .         B0
+   3  B0        F1
+   4  F2        B1
+   5  B1        PUSH0 F2
+   6  PUSH0 F3  B2
+   7  B2        F3
+   8  .         B3
+   9  B3        PUSH1
+  10  PUSH1     ."""
+
+
+def test_grid_two_stages() -> None:
+    assert format_grid(wsp_schedule(2, 2, 2, 0)) == GRID_2_2_2
+
+
+def test_lists_text() -> None:
+    assert format_lists(wsp_schedule(2, 2, 2, 0)) == (
+        "wsp: stages=2 nm=2 waves=2 D=0\n"
+        "stage 0: F0 F1 B0 F2 B1 PUSH0 F3 B2 B3 PUSH1\n"
+        "stage 1: F0 B0 F1 B1 PUSH0 F2 B2 F3 B3 PUSH1"
+    )
+
+
+def test_simulate_heterogeneous_stage_times() -> None:
+    # F0: stage 0 [0,1), stage 1 [1,4); B0: stage 1 [4,8), stage 0 [8,10); pushes when B0 ends.
+    timeline = simulate(wsp_schedule(2, 1, 1, 0), forward_time=[1.0, 3.0], backward_time=[2.0, 4.0])
+    spans = {(e.stage, str(e.action)): (e.start, e.end) for e in timeline.events}
+    assert spans == {
+        (0, "F0"): (0.0, 1.0),
+        (1, "F0"): (1.0, 4.0),
+        (1, "B0"): (4.0, 8.0),
+        (1, "PUSH0"): (8.0, 8.0),
+        (0, "B0"): (8.0, 10.0),
+        (0, "PUSH0"): (10.0, 10.0),
+    }
+    assert timeline.makespan == 10.0
+
+
+def test_simulate_matches_the_figures_in_hetpipe_md() -> None:
+    # hetpipe.md §2: k=4, nm=2, forward 1 and backward 2 per stage: static 1F1B runs 0.11 minibatches
+    # per time unit; the ideal is nm / (k * (1 + 2)) = 0.17. With nm = k the pipe fills: 1 / 3.
+    assert round(simulate(wsp_schedule(4, 2, 100, 0)).throughput, 2) == 0.11
+    assert round(simulate(wsp_schedule(4, 4, 100, 0)).throughput, 2) == 0.33
+
+
+def test_simulate_rejects_bad_times() -> None:
+    s = wsp_schedule(2, 1, 1, 0)
+    with pytest.raises(UsageError, match="forward_time has 3 entries for 2 stages"):
+        simulate(s, forward_time=[1.0, 1.0, 1.0])
+    with pytest.raises(UsageError, match="backward_time must be finite and > 0"):
+        simulate(s, backward_time=0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    schedules(),
+    st.lists(st.integers(1, 4), min_size=6, max_size=6),
+    st.lists(st.integers(1, 4), min_size=6, max_size=6),
+)
+def test_simulated_run_keeps_the_dependency_rules(s: Schedule, fwd: list[int], bwd: list[int]) -> None:
+    k = s.num_stages
+    timeline = simulate(s, [float(t) for t in fwd[:k]], [float(t) for t in bwd[:k]])
+    end = {(e.stage, e.action): e.end for e in timeline.events}
+    start = {(e.stage, e.action): e.start for e in timeline.events}
+    assert len(end) == sum(len(a) for a in s.stages)
+    for (j, a), t in start.items():
+        if a.kind == "F" and j > 0:
+            assert end[j - 1, a] <= t
+        if a.kind == "B":
+            assert end[j, Action("F", a.index)] <= t
+            if j < k - 1:
+                assert end[j + 1, a] <= t
+        if a.kind == "PUSH":
+            assert all(end[j, Action("B", p)] <= t for p in range(a.index * s.nm, (a.index + 1) * s.nm))
+        if a.kind == "WAIT":
+            assert all(
+                end[i, Action("PUSH", c)] <= t for i in range(k) for c in range(a.index - s.staleness - 1)
+            )
+    for j in range(k):  # a stage runs one action at a time, in list order
+        spans = [(start[j, a], end[j, a]) for a in s.stages[j]]
+        assert all(prev[1] <= nxt[0] for prev, nxt in itertools.pairwise(spans))
