@@ -1,0 +1,251 @@
+"""Tests of hetpipe.wsp: the WSP rules of hetpipe.md §3 on a ledger where each (vw, stage, wave) adds 1.0."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetpipe.wsp import ShardState, WspError, first_pulled_wave, gate_version
+
+
+def ledger_key(stage: int) -> str:
+    return f"s{stage}"
+
+
+def ledger_delta(num_vws: int, num_waves: int, vw: int, wave: int) -> np.ndarray:
+    d = np.zeros((num_vws, num_waves), dtype=np.float32)
+    d[vw, wave] = 1.0
+    return d
+
+
+def expected_weights(num_vws: int, num_waves: int, through: int) -> np.ndarray:
+    """W_through on the ledger: every VW's slots of waves < through hold exactly 1.0."""
+    w = np.zeros((num_vws, num_waves), dtype=np.float32)
+    w[:, :through] = 1.0
+    return w
+
+
+def make_shard(num_vws: int, num_stages: int, num_waves: int, staleness: int, mode: str) -> ShardState:
+    shard = ShardState(staleness, mode)
+    for vw in range(num_vws):
+        for stage in range(num_stages):
+            init = {ledger_key(stage): np.zeros((num_vws, num_waves), dtype=np.float32)}
+            shard.register(vw, stage, num_vws, num_stages, init)
+    return shard
+
+
+def push(shard: ShardState, vw: int, stage: int, wave: int, num_vws: int, num_waves: int):
+    return shard.push(vw, stage, wave, {ledger_key(stage): ledger_delta(num_vws, num_waves, vw, wave)})
+
+
+# ---- literal cases ------------------------------------------------------------------------------------
+
+
+def test_gate_version_and_first_pull():
+    assert [gate_version(c, 0) for c in range(4)] == [-1, 0, 1, 2]
+    assert gate_version(5, 2) == 2
+    assert first_pulled_wave(0) == 2 and first_pulled_wave(3) == 5
+
+
+def test_clock_needs_every_stage_of_a_vw():
+    shard = make_shard(num_vws=2, num_stages=2, num_waves=3, staleness=0, mode="exact")
+    push(shard, 0, 0, 0, 2, 3)
+    assert shard.c_local(0) == 0
+    push(shard, 0, 1, 0, 2, 3)
+    assert shard.c_local(0) == 1 and shard.c_global == 0
+    push(shard, 1, 1, 0, 2, 3)
+    r = push(shard, 1, 0, 0, 2, 3)
+    assert r.clock_advanced and r.c_global == 1 and shard.c_global == 1
+
+
+def test_gate_d0_waits_for_wave_c_minus_2():
+    shard = make_shard(num_vws=2, num_stages=1, num_waves=4, staleness=0, mode="exact")
+    assert shard.gate_open(1)  # c - D - 1 = 0: W_0 is the initial model
+    assert not shard.gate_open(2)
+    push(shard, 0, 0, 0, 2, 4)
+    assert not shard.gate_open(2)
+    push(shard, 1, 0, 0, 2, 4)
+    assert shard.gate_open(2) and not shard.gate_open(3)
+
+
+def test_duplicate_push_counts_once():
+    shard = make_shard(num_vws=1, num_stages=1, num_waves=2, staleness=0, mode="latest")
+    assert push(shard, 0, 0, 0, 1, 2).applied
+    assert not push(shard, 0, 0, 0, 1, 2).applied
+    np.testing.assert_array_equal(shard.read().tensors["s0"], expected_weights(1, 2, 1))
+
+
+def test_out_of_order_push_is_refused():
+    shard = make_shard(num_vws=1, num_stages=1, num_waves=3, staleness=0, mode="exact")
+    with pytest.raises(WspError) as err:
+        push(shard, 0, 0, 1, 1, 3)
+    assert err.value.code == "out_of_order" and "before wave 0" in str(err.value)
+
+
+def test_push_with_wrong_keys_or_shape_changes_nothing():
+    shard = make_shard(num_vws=1, num_stages=1, num_waves=2, staleness=0, mode="latest")
+    for bad in ({"s0": np.zeros((1, 3), np.float32)}, {"s9": np.zeros((1, 2), np.float32)}, {}):
+        with pytest.raises(WspError) as err:
+            shard.push(0, 0, 0, bad)
+        assert err.value.code == "bad_message"
+    with pytest.raises(WspError):
+        shard.push(0, 0, 0, {"s0": np.zeros((1, 2), np.float64)})
+    assert shard.pushed[(0, 0)] == 0
+    np.testing.assert_array_equal(shard.read().tensors["s0"], np.zeros((1, 2), np.float32))
+
+
+def test_registration_conflicts():
+    shard = ShardState(0, "exact")
+    shard.register(0, 0, 2, 2, {"a": np.ones(3, np.float32)})
+    cases = [
+        (lambda: shard.register(0, 1, 3, 2, {"b": np.ones(1, np.float32)}), "conflict", "3 VWs"),
+        (lambda: shard.register(0, 1, 2, 3, {"b": np.ones(1, np.float32)}), "conflict", "stages"),
+        (lambda: shard.register(0, 1, 2, 2, {"a": np.ones(3, np.float32)}), "conflict", "owned by its stage 0"),
+        (lambda: shard.register(1, 0, 2, 2, {"a": np.ones(4, np.float32)}), "conflict", "shape"),
+        (lambda: shard.register(2, 0, 2, 2, {"c": np.ones(1, np.float32)}), "bad_message", "out of range"),
+        (lambda: shard.register(0, 0, 2, 2, {"z": np.ones(3, np.float32)}), "conflict", "other keys"),
+        (lambda: shard.push(1, 1, 0, {}), "not_registered", "not registered"),
+    ]
+    for call, code, text in cases:
+        with pytest.raises(WspError) as err:
+            call()
+        assert err.value.code == code and text in str(err.value)
+
+
+def test_first_registration_sets_w0_for_everyone():
+    shard = ShardState(0, "exact")
+    got0 = shard.register(0, 0, 2, 1, {"a": np.full(2, 3.0, np.float32)})
+    got1 = shard.register(1, 0, 2, 1, {"a": np.full(2, 7.0, np.float32)})
+    np.testing.assert_array_equal(got0["a"], [3.0, 3.0])
+    np.testing.assert_array_equal(got1["a"], [3.0, 3.0])
+
+
+def test_exact_sum_is_in_vw_order_whatever_the_arrival_order():
+    """Float addition is not associative: S_t must be ((Δ0 + Δ1) + Δ2) for any arrival order."""
+    rng = np.random.default_rng(0)
+    deltas = [(rng.standard_normal(1000) * 10.0 ** rng.integers(-4, 4)).astype(np.float32) for _ in range(3)]
+    w0 = rng.standard_normal(1000).astype(np.float32)
+    reference = w0 + ((deltas[0] + deltas[1]) + deltas[2])
+    results = []
+    for order in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
+        shard = ShardState(0, "exact")
+        for vw in range(3):
+            shard.register(vw, 0, 3, 1, {"k": w0})
+        for vw in order:
+            shard.push(vw, 0, 0, {"k": deltas[vw]})
+        results.append(shard.read().tensors["k"])
+    for r in results:
+        assert np.array_equal(r, reference)
+
+
+def test_lent_weights_are_copied_before_they_change():
+    shard = make_shard(num_vws=1, num_stages=1, num_waves=4, staleness=0, mode="latest")
+    sent = shard.read().tensors["s0"]
+    shard.lend("s0", lambda: False)  # a zero-copy send still holds the buffer
+    push(shard, 0, 0, 0, 1, 4)
+    assert sent.sum() == 0.0 and shard.read().tensors["s0"].sum() == 1.0
+    now = shard.read().tensors["s0"]
+    shard.lend("s0", lambda: True)  # send finished: update in place
+    push(shard, 0, 0, 1, 1, 4)
+    assert now.sum() == 2.0
+
+
+def test_stale_exact_pull_is_refused():
+    shard = make_shard(num_vws=1, num_stages=1, num_waves=6, staleness=0, mode="exact")
+    for wave in range(4):
+        push(shard, 0, 0, wave, 1, 6)
+        if wave + 2 < 6:
+            shard.pull(0, 0, wave + 2)
+    with pytest.raises(WspError) as err:
+        shard.pull(0, 0, 2)  # W_1 was folded away long ago
+    assert err.value.code == "stale"
+
+
+def test_snapshot_round_trip_keeps_pending_sums_and_held_updates():
+    shard = make_shard(num_vws=3, num_stages=1, num_waves=4, staleness=1, mode="exact")
+    push(shard, 2, 0, 0, 3, 4)  # held: VW 0 has not pushed wave 0 yet
+    push(shard, 0, 0, 0, 3, 4)
+    push(shard, 0, 0, 1, 3, 4)
+    meta, arrays = shard.to_state()
+    copy = ShardState.from_state(meta, arrays)
+    assert copy.status() == shard.status()
+    for s in (shard, copy):
+        push(s, 1, 0, 0, 3, 4)
+        push(s, 1, 0, 1, 3, 4)
+        push(s, 2, 0, 1, 3, 4)
+    np.testing.assert_array_equal(copy.read().tensors["s0"], shard.read().tensors["s0"])
+    np.testing.assert_array_equal(copy.read().tensors["s0"], expected_weights(3, 4, 2))
+
+
+# ---- properties over random push orders and speeds ----------------------------------------------------
+
+
+def stage_program(num_waves: int, staleness: int, rng: random.Random) -> list[tuple[str, int]]:
+    """PUSH c for every wave, WAIT c (c >= D+2) somewhere after PUSH c-2 and before PUSH c, as the wsp
+    schedule places it (before or after PUSH c-1 depending on Nm and the stage)."""
+    program: list[tuple[str, int]] = []
+    for c in range(num_waves):
+        if c >= first_pulled_wave(staleness):
+            program.insert(len(program) - (1 if rng.random() < 0.5 else 0), ("WAIT", c))
+        program.append(("PUSH", c))
+    return program
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    num_vws=st.integers(1, 3),
+    num_stages=st.integers(1, 3),
+    num_waves=st.integers(1, 7),
+    staleness=st.integers(0, 3),
+    mode=st.sampled_from(["exact", "latest"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_wsp_invariants_over_random_orders(num_vws, num_stages, num_waves, staleness, mode, seed):
+    rng = random.Random(seed)
+    speeds = [rng.choice([1, 1, 2, 4, 8]) for _ in range(num_vws)]
+    shard = make_shard(num_vws, num_stages, num_waves, staleness, mode)
+    programs = {(v, j): stage_program(num_waves, staleness, rng) for v in range(num_vws) for j in range(num_stages)}
+    pos = dict.fromkeys(programs, 0)
+    pushed = dict.fromkeys(programs, 0)  # the test's own ledger, independent of ShardState
+
+    def completed(vw: int) -> int:
+        return min(pushed[(vw, j)] for j in range(num_stages))
+
+    while any(pos[s] < len(programs[s]) for s in programs):
+        runnable = []
+        for sid, program in programs.items():
+            if pos[sid] == len(program):
+                continue
+            kind, wave = program[pos[sid]]
+            if kind == "PUSH" or shard.gate_open(wave):
+                runnable.append(sid)
+        assert runnable, "deadlock: no stage can proceed"
+        sid = rng.choices(runnable, weights=[speeds[v] for v, _ in runnable])[0]
+        vw, stage = sid
+        kind, wave = programs[sid][pos[sid]]
+        if kind == "PUSH":
+            assert push(shard, vw, stage, wave, num_vws, num_waves).applied
+            pushed[sid] += 1
+            if rng.random() < 0.3:  # a retried push must count once
+                again = rng.randrange(wave + 1)
+                assert not push(shard, vw, stage, again, num_vws, num_waves).applied
+        else:
+            # the bound: nobody starts wave c before every VW completed wave c - D - 2
+            assert all(completed(v) >= wave - staleness - 1 for v in range(num_vws))
+            result = shard.pull(vw, stage, wave)
+            got = result.tensors[ledger_key(stage)]
+            need = gate_version(wave, staleness)
+            if mode == "exact":
+                assert result.version == need and result.own_through == wave - staleness - 2
+                np.testing.assert_array_equal(got, expected_weights(num_vws, num_waves, need))
+            else:
+                assert (got[:, :need] == 1.0).all() and np.isin(got, (0.0, 1.0)).all()
+                assert (got[vw, : result.own_through + 1] == 1.0).all()
+        pos[sid] += 1
+    assert shard.c_global == num_waves
+    np.testing.assert_array_equal(shard.read().tensors[ledger_key(0)], np.ones((num_vws, num_waves)))
+    assert len(shard.wave_sums) <= staleness + 2 + 1
