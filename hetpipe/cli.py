@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from pathlib import Path
 
 import click
 
@@ -19,6 +20,55 @@ __all__ = ["main", "cli"]
 def cli(ctx: click.Context, debug: bool) -> None:
     """Train DNNs on heterogeneous GPU clusters with pipelined virtual workers and a WSP parameter server."""
     ctx.obj = {"debug": debug}
+
+
+def _config_option(f):
+    return click.option(
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="Cluster config TOML (default: the embedded launch/clusters/local.toml).",
+    )(f)
+
+
+def _load(config_path: Path | None):
+    from hetpipe.config import default_config_path, load_config
+
+    return load_config(config_path or default_config_path())
+
+
+@cli.command()
+@_config_option
+@click.option("--shard", type=int, default=None, help="Serve only this shard (default: all, as child processes).")
+def server(config_path: Path | None, shard: int | None) -> None:
+    """Run the parameter server of a cluster config (Ctrl-C or SIGTERM checkpoints, then stops)."""
+    from hetpipe.server.launch import run_shard, serve_all
+
+    config = _load(config_path)
+    if shard is None:
+        serve_all(config)
+    else:
+        from hetpipe.server.launch import shard_settings
+
+        shard_settings(config, shard)  # validate the index before anything starts
+        run_shard(str(config.path), shard)
+
+
+@cli.command()
+@click.option("--stages", type=int, default=4, show_default=True, help="Stages (GPUs) of the virtual worker.")
+@click.option("--nm", type=int, default=4, show_default=True, help="Minibatches in flight (a wave is nm minibatches).")
+@click.option("--waves", type=int, default=2, show_default=True, help="Waves to show.")
+@click.option("--staleness", "-D", type=int, default=0, show_default=True, help="Global staleness bound D.")
+@click.option("--name", default="wsp", show_default=True, help="Schedule name.")
+@click.option("--lists", is_flag=True, help="Print one action list per stage instead of the step grid.")
+def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists: bool) -> None:
+    """Print a pipeline schedule as a step x stage grid (or as per-stage action lists)."""
+    from hetpipe import schedule as sched
+
+    plan = sched.get_schedule(name)(stages, nm, waves, staleness)
+    sched.validate(plan)
+    click.echo(sched.format_lists(plan) if lists else sched.format_grid(plan))
 
 
 def main(argv: list[str] | None = None) -> None:

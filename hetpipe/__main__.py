@@ -1,0 +1,5 @@
+"""`python -m hetpipe` runs the CLI."""
+
+from hetpipe.cli import main
+
+main()

@@ -1,0 +1,135 @@
+"""Child processes owned by a launcher: spawned, logged to files, watched, and all stopped together.
+
+No process is left behind: `stop()` sends SIGTERM, waits, then SIGKILLs stragglers; a launcher that
+sees one child fail stops the rest and reports the failed child's exit and its last log lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Child", "ChildFailed", "ChildGroup", "describe_exit", "tail"]
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _child_main(log_path: str | None, target: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    if log_path is not None:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+    target(*args)
+
+
+@dataclass
+class Child:
+    name: str
+    process: BaseProcess
+    log: Path | None
+
+
+class ChildFailed(Exception):
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        detail = describe_exit(child.process.exitcode)
+        last = tail(child.log) if child.log else ""
+        text = f"{child.name} (pid {child.process.pid}) {detail}"
+        if last:
+            text += f"; its last log lines ({child.log}):\n{last}"
+        super().__init__(text)
+
+
+class ChildGroup:
+    """Spawned children that live and die together."""
+
+    def __init__(self, log_dir: Path | None = None) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, target: Callable[..., Any], *args: Any) -> Child:
+        log = self.log_dir / f"{name}.log" if self.log_dir is not None else None
+        if log is not None:
+            log.write_text("")
+        proc = self.ctx.Process(target=_child_main, args=(str(log) if log else None, target, args), name=name)
+        proc.start()
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def failed(self) -> Child | None:
+        """The first child that ended with a non-zero exit, if any."""
+        for child in self.children:
+            code = child.process.exitcode
+            if code is not None and code != 0:
+                return child
+        return None
+
+    def all_done(self) -> bool:
+        return all(c.process.exitcode is not None for c in self.children)
+
+    def wait(self, poll_s: float = 0.2, on_tick: Callable[[], None] | None = None) -> None:
+        """Until every child exits 0; raises ChildFailed (after stopping the rest) when one fails."""
+        while not self.all_done():
+            bad = self.failed()
+            if bad is not None:
+                self.stop()
+                raise ChildFailed(bad)
+            if on_tick:
+                on_tick()
+            time.sleep(poll_s)
+        bad = self.failed()
+        if bad is not None:
+            raise ChildFailed(bad)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every live child, wait up to grace_s, SIGKILL the rest, reap all."""
+        for child in self.children:
+            if child.process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            child.process.join(max(0.0, deadline - time.monotonic()))
+        for child in self.children:
+            if child.process.exitcode is None:
+                child.process.kill()
+                child.process.join(2.0)
+
+    def __enter__(self) -> ChildGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,59 @@
+"""Start parameter-server shards from a cluster config: one in this process, or all as owned children."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from hetpipe.server.shard import ShardServer, ShardSettings
+
+from hetpipe.config import ClusterConfig, load_config
+from hetpipe.errors import UsageError
+from hetpipe.procs import ChildGroup
+
+__all__ = ["run_shard", "serve_all", "serve_settings", "shard_settings"]
+
+
+def shard_settings(config: ClusterConfig, shard: int, port: int | None = None) -> ShardSettings:
+    """The settings of shard `shard`; it listens on ps.port + shard unless `port` is given (0: any)."""
+    if not 0 <= shard < config.ps.shards:
+        raise UsageError(f"--shard {shard} is out of range: {config.path} has ps.shards = {config.ps.shards}")
+    ckpt = config.checkpoint
+    return ShardSettings(
+        run=config.name,
+        shard=shard,
+        endpoint=f"tcp://{config.ps.host}:{config.ps.port + shard if port is None else port}",
+        staleness=config.wsp.staleness,
+        pull_mode=config.wsp.pull,
+        checkpoint_dir=Path(ckpt.dir) / f"shard-{shard}" if ckpt.dir else None,
+        checkpoint_every=ckpt.every,
+        checkpoint_keep=ckpt.keep,
+    )
+
+
+def run_shard(config_path: str, shard: int) -> None:
+    """Serve one shard in this process until SIGTERM/SIGINT (child-process entry point too)."""
+    config = load_config(config_path)
+    ShardServer(shard_settings(config, shard)).serve()
+
+
+def serve_all(config: ClusterConfig) -> None:
+    """Serve every shard of the config as child processes; stop all when one fails or on Ctrl-C."""
+    if config.ps.shards == 1:
+        run_shard(str(config.path), 0)
+        return
+    group = ChildGroup()
+    try:
+        for shard in range(config.ps.shards):
+            group.start(f"ps-shard-{shard}", run_shard, str(config.path), shard)
+        group.wait()
+    except KeyboardInterrupt:
+        print("stopping the shards (they checkpoint first)...", file=sys.stderr)
+    finally:
+        group.stop(grace_s=30.0)
+
+
+def serve_settings(settings: ShardSettings, port_queue: Any = None) -> None:
+    """Child-process entry point: serve a shard from explicit settings, putting its bound port on a queue."""
+    ShardServer(settings).serve(ready=port_queue.put if port_queue is not None else None)

@@ -1,0 +1,310 @@
+"""One PS shard: a single-threaded ZeroMQ ROUTER loop around hetpipe.wsp.ShardState.
+
+Requests are decoded and validated by hetpipe.wire; every request gets a reply (or, for a pull whose
+gate is closed, is parked and answered the moment the gate opens). Weights leave by zero-copy sends;
+the state copies an array before changing it while such a send still reads it.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+from hetpipe.server.checkpoint import load_newest, write_checkpoint
+
+from hetpipe import wire
+from hetpipe.wsp import PullResult, ShardState, WspError
+
+__all__ = ["ShardServer", "ShardSettings"]
+
+REQUEST_TYPES = ("register", "push", "pull", "status", "read")
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    run: str
+    shard: int
+    endpoint: str  # tcp://host:port to bind
+    staleness: int
+    pull_mode: str = "exact"
+    checkpoint_dir: Path | None = None  # None: no checkpoints
+    checkpoint_every: int = 0  # clocks between checkpoints; 0: only on SIGTERM
+    checkpoint_keep: int = 3
+
+
+@dataclass
+class Parked:
+    identity: bytes
+    request_id: int
+    vw: int
+    stage: int
+    wave: int
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Traffic:
+    """Counters for the status line, reset at every clock."""
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    pull_wait_s: float = 0.0
+
+
+def _request_id(frames: list[zmq.Frame]) -> int | None:
+    """Best effort: the id of a request that failed validation, so its error reply can be matched."""
+    try:
+        header = msgpack.unpackb(frames[0].bytes, max_buffer_size=wire.MAX_HEADER_BYTES)
+        rid = header.get("id") if isinstance(header, dict) else None
+    except Exception:
+        return None
+    return rid if type(rid) is int and 0 <= rid < 2**63 else None
+
+
+class ShardServer:
+    """Serves one shard until stopped; `serve()` returns after a SIGTERM checkpoint or `stop()`."""
+
+    def __init__(self, settings: ShardSettings, log: Callable[[str], None] | None = None) -> None:
+        self.settings = settings
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.state = ShardState(settings.staleness, settings.pull_mode)
+        self.identities: dict[tuple[int, int], bytes] = {}
+        self.parked: dict[tuple[bytes, int], Parked] = {}
+        self.traffic = Traffic()
+        self._stopping = False
+        self._last_checkpoint = -1
+        self._sock: zmq.Socket | None = None
+        self._restore()
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        directory = self.settings.checkpoint_dir
+        if directory is None:
+            return
+        ckpt = load_newest(directory, lambda m: self.log(f"[shard {self.settings.shard}] {m}"))
+        if ckpt is None:
+            return
+        meta = ckpt.meta
+        if meta.get("run") != self.settings.run or meta["wsp"]["staleness"] != self.settings.staleness:
+            self.log(
+                f"[shard {self.settings.shard}] note: checkpoint {ckpt.path.name} is of run {meta.get('run')!r} "
+                f"with D={meta['wsp']['staleness']}; resuming it as it was written"
+            )
+        self.state = ShardState.from_state(meta["wsp"], ckpt.arrays)
+        self._last_checkpoint = ckpt.clock
+        self.log(
+            f"[shard {self.settings.shard}] resumed from {ckpt.path} at clock {ckpt.clock} "
+            f"(c_local {self.state.status()['c_local']})"
+        )
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def serve(self, ready: Callable[[int], None] | None = None) -> None:
+        """Bind, then handle requests until stop() or SIGTERM (which checkpoints first)."""
+        ctx = zmq.Context()
+        sock = self._sock = ctx.socket(zmq.ROUTER)
+        wire.configure_socket(sock, router=True)
+        port = self._bind(sock)
+        if threading_main():
+            signal.signal(signal.SIGTERM, lambda *_: self.stop())
+            signal.signal(signal.SIGINT, lambda *_: self.stop())
+        self.log(
+            f"[shard {self.settings.shard}] run {self.settings.run!r} listening on port {port} "
+            f"(D={self.settings.staleness}, pull={self.settings.pull_mode})"
+        )
+        if ready:
+            ready(port)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                if not poller.poll(100):
+                    continue
+                for _ in range(64):  # drain a burst, then look at the stop flag again
+                    try:
+                        frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+        finally:
+            if self.settings.checkpoint_dir is not None and self.state.stage_keys:
+                self.checkpoint(reason="stop")
+            sock.close(linger=0)
+            ctx.term()
+
+    def _bind(self, sock: zmq.Socket) -> int:
+        endpoint = self.settings.endpoint
+        if endpoint.endswith(":0"):
+            return sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            from hetpipe.errors import HetpipeError
+
+            raise HetpipeError(
+                f"shard {self.settings.shard} cannot listen on {endpoint}: {exc}; "
+                "is another server running? choose another [ps] port"
+            ) from None
+        return int(endpoint.rsplit(":", 1)[1])
+
+    def checkpoint(self, reason: str) -> Path | None:
+        directory = self.settings.checkpoint_dir
+        if directory is None:
+            return None
+        meta, arrays = self.state.to_state()
+        clock = self.state.c_global
+        full_meta = {"run": self.settings.run, "shard": self.settings.shard, "c_local": meta_clocks(self.state), "wsp": meta}
+        path = write_checkpoint(directory, clock, full_meta, arrays, self.settings.checkpoint_keep)
+        self._last_checkpoint = clock
+        self.log(f"[shard {self.settings.shard}] checkpoint {path.name} written ({reason})")
+        return path
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity, body = frames[0].bytes, frames[1:]
+        self.traffic.bytes_in += sum(len(f.buffer) for f in body)
+        request_id: int | None = None
+        try:
+            if not body:
+                raise wire.WireError("bad_message", "empty message")
+            msg = wire.decode(body)
+            request_id = msg.fields["id"]
+            if msg.type not in REQUEST_TYPES:
+                raise wire.WireError("bad_message", f"{msg.type!r} is a reply, not a request")
+            if msg.fields["run"] != self.settings.run:
+                raise wire.WireError(
+                    "run_mismatch",
+                    f"this shard serves run {self.settings.run!r}, not {msg.fields['run']!r}: check the config",
+                )
+            getattr(self, f"_on_{msg.type}")(identity, msg)
+        except (wire.WireError, WspError) as exc:
+            if request_id is None:
+                request_id = _request_id(body)
+            self._send(identity, wire.error_frames(request_id, exc.code, str(exc)))
+        except Exception as exc:  # a bug must not take the shard down; say so loudly and go on
+            self.log(f"[shard {self.settings.shard}] internal error: {exc}\n{traceback.format_exc()}")
+            self._send(identity, wire.error_frames(request_id, "internal", f"internal error: {exc}"))
+
+    def _owner_check(self, identity: bytes, vw: int, stage: int) -> None:
+        owner = self.identities.get((vw, stage))
+        if owner is None or owner != identity:
+            raise WspError(
+                "not_registered", f"vw {vw} stage {stage} is not registered from this connection: register first"
+            )
+
+    def _on_register(self, identity: bytes, msg: wire.Message) -> None:
+        f = msg.fields
+        sid = (f["vw"], f["stage"])
+        owner = self.identities.get(sid)
+        if owner is not None and owner != identity:
+            raise WspError("conflict", f"vw {sid[0]} stage {sid[1]} is already registered from another connection")
+        values = self.state.register(f["vw"], f["stage"], f["num_vws"], f["num_stages"], msg.tensors)
+        self.identities[sid] = identity
+        tensors = values if f["want_weights"] else {}
+        frames = wire.encode("registered", {"id": f["id"], "c_global": self.state.c_global}, tensors)
+        self._send(identity, frames, lent=tensors)
+
+    def _on_push(self, identity: bytes, msg: wire.Message) -> None:
+        f = msg.fields
+        self._owner_check(identity, f["vw"], f["stage"])
+        result = self.state.push(f["vw"], f["stage"], f["wave"], msg.tensors)
+        ack = {"id": f["id"], "wave": f["wave"], "applied": result.applied, "c_global": result.c_global}
+        self._send(identity, wire.encode("ack", ack))
+        if result.clock_advanced:
+            self._on_clock()
+
+    def _on_pull(self, identity: bytes, msg: wire.Message) -> None:
+        f = msg.fields
+        self._owner_check(identity, f["vw"], f["stage"])
+        parked = Parked(identity, f["id"], f["vw"], f["stage"], f["wave"])
+        if self.state.gate_open(f["wave"]):
+            self._answer_pull(parked)
+        else:
+            self.parked[(identity, f["id"])] = parked  # a retried pull replaces its twin
+
+    def _answer_pull(self, p: Parked) -> None:
+        try:
+            result: PullResult = self.state.pull(p.vw, p.stage, p.wave)
+        except WspError as exc:
+            self._send(p.identity, wire.error_frames(p.request_id, exc.code, str(exc)))
+            return
+        fields = {"id": p.request_id, "wave": p.wave, "version": result.version, "own_through": result.own_through}
+        self._send(p.identity, wire.encode("weights", fields, result.tensors), lent=result.tensors)
+
+    def _on_status(self, identity: bytes, msg: wire.Message) -> None:
+        info = self.status_info()
+        self._send(identity, wire.encode("status_reply", {"id": msg.fields["id"], "info": info}))
+
+    def _on_read(self, identity: bytes, msg: wire.Message) -> None:
+        result = self.state.read()
+        fields = {"id": msg.fields["id"], "version": result.version, "info": self.status_info()}
+        self._send(identity, wire.encode("snapshot", fields, result.tensors), lent=result.tensors)
+
+    def status_info(self) -> dict[str, Any]:
+        info = self.state.status()
+        now = time.monotonic()
+        info.update(
+            run=self.settings.run,
+            shard=self.settings.shard,
+            slowest_vw=self.state.slowest_vw(),
+            parked=[
+                {"vw": p.vw, "stage": p.stage, "wave": p.wave, "waiting_s": round(now - p.since, 3)}
+                for p in self.parked.values()
+            ],
+            last_checkpoint=self._last_checkpoint,
+        )
+        return info
+
+    # ---- clocks -----------------------------------------------------------------------------------
+    def _on_clock(self) -> None:
+        opened = [p for p in self.parked.values() if self.state.gate_open(p.wave)]
+        now = time.monotonic()
+        for p in sorted(opened, key=lambda p: (p.wave, p.vw, p.stage)):
+            del self.parked[(p.identity, p.request_id)]
+            self.traffic.pull_wait_s += now - p.since
+            self._answer_pull(p)
+        self._status_line()
+        every = self.settings.checkpoint_every
+        if every and self.state.c_global % every == 0 and self.state.c_global != self._last_checkpoint:
+            self.checkpoint(reason=f"every {every} clocks")
+
+    def _status_line(self) -> None:
+        t = self.traffic
+        self.log(
+            f"[shard {self.settings.shard}] clock {self.state.c_global}  c_local {meta_clocks(self.state)}  "
+            f"in {t.bytes_in / 1e6:.1f} MB  out {t.bytes_out / 1e6:.1f} MB  pulls waited {t.pull_wait_s:.2f} s"
+        )
+        self.traffic = Traffic()
+
+    # ---- sending ----------------------------------------------------------------------------------
+    def _send(self, identity: bytes, frames: list, lent: dict[str, np.ndarray] | None = None) -> None:
+        """Reply zero-copy; arrays of the state that the send reads are lent until it completes."""
+        self.traffic.bytes_out += sum(len(memoryview(f)) for f in frames)
+        try:
+            tracker = self._sock.send_multipart([identity, *frames], copy=False, track=bool(lent))
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is gone; nothing to answer
+            self.log(f"[shard {self.settings.shard}] reply dropped, peer unreachable: {exc}")
+            return
+        for key, arr in (lent or {}).items():
+            if self.state.weights.get(key) is arr:
+                self.state.lend(key, lambda tracker=tracker: tracker.done)
+
+
+def meta_clocks(state: ShardState) -> list[int]:
+    return [state.c_local(v) for v in range(state.num_vws or 0)]
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,94 @@
+"""Multi-process tests of the PS: real shards and clients on 127.0.0.1 (hetpipe.server, hetpipe.worker.ps_client)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import start_shard
+
+from hetpipe.placement import balanced_placement
+from hetpipe.server.shard import ShardSettings
+from hetpipe.worker.ledger_client import LedgerSpec, ledger_keys, ledger_stage
+from hetpipe.worker.ps_client import PSClient, PSError, PSTimeout
+
+pytestmark = pytest.mark.slow
+
+
+def admin(endpoints: list[str], run: str) -> PSClient:
+    """A client that only reads (status, read); it registers nothing."""
+    return PSClient(endpoints, run, 0, 0, 1, 1, {}, timeout_s=10, retry_s=1)
+
+
+@pytest.mark.parametrize(
+    ("staleness", "mode", "shards"), [(0, "exact", 1), (2, "exact", 2), (0, "latest", 1), (2, "latest", 1)]
+)
+def test_three_vws_ledger_every_slot_exactly_once(children, staleness, mode, shards):
+    spec = LedgerSpec(run="ledger", num_vws=3, num_stages=2, num_waves=8, staleness=staleness, pull_mode=mode)
+    endpoints = [
+        start_shard(children, ShardSettings(spec.run, s, "tcp://127.0.0.1:0", staleness, mode), name=f"ps{s}")[0]
+        for s in range(shards)
+    ]
+    pauses = [0.0, 0.01, 0.04]  # VW 2 is the slow one; VW 0 runs as fast as the bound lets it
+    stages = [
+        children.start(f"vw{v}-s{j}", ledger_stage, endpoints, spec, v, j, pauses[v])
+        for v in range(spec.num_vws)
+        for j in range(spec.num_stages)
+    ]
+    for stage in stages:
+        stage.process.join(60)
+        assert stage.process.exitcode == 0, stage.log.read_text()
+    with admin(endpoints, spec.run) as ps:
+        weights = ps.read()
+        infos = ps.status()
+    for stage in range(spec.num_stages):
+        for key in ledger_keys(spec, stage):
+            np.testing.assert_array_equal(weights[key], np.ones((spec.num_vws, spec.num_waves), np.float32))
+    assert all(info["c_global"] == spec.num_waves and info["c_local"] == [8, 8, 8] for info in infos)
+
+
+def test_wrong_run_and_unregistered_push_are_refused(children):
+    endpoint, _ = start_shard(children, ShardSettings("real", 0, "tcp://127.0.0.1:0", 0))
+    place = {"k": 0}
+    with PSClient([endpoint], "other", 0, 0, 1, 1, place, timeout_s=5, retry_s=1) as ps:
+        with pytest.raises(PSError) as err:
+            ps.register({"k": np.zeros(3, np.float32)})
+        assert err.value.code == "run_mismatch" and "'real'" in str(err.value)
+    with PSClient([endpoint], "real", 0, 0, 1, 1, place, timeout_s=5, retry_s=1) as ps:
+        with pytest.raises(PSError) as err:
+            ps.push(0, {"k": np.zeros(3, np.float32)})
+        assert err.value.code == "not_registered"
+
+
+def test_pull_timeout_names_the_vw_everyone_waits_for(children):
+    endpoint, _ = start_shard(children, ShardSettings("wait", 0, "tcp://127.0.0.1:0", 0))
+    place = {"k": 0}
+    fast = PSClient([endpoint], "wait", 0, 0, 2, 1, place, timeout_s=2, retry_s=0.5)
+    slow = PSClient([endpoint], "wait", 1, 0, 2, 1, place, timeout_s=2, retry_s=0.5)
+    with fast, slow:
+        fast.register({"k": np.zeros(2, np.float32)})
+        slow.register({"k": np.zeros(2, np.float32)})
+        fast.push(0, {"k": np.ones(2, np.float32)})
+        with pytest.raises(PSTimeout) as err:
+            fast.pull(2)  # needs c_global >= 1: vw 1 has not pushed wave 0
+        assert "waiting for vw 1, which completed 0 waves" in str(err.value)
+        slow.push(0, {"k": np.ones(2, np.float32)})
+        pulled = fast.pull(2)
+        np.testing.assert_array_equal(pulled.tensors["k"], [2.0, 2.0])
+
+
+def test_placement_spreads_keys_and_every_shard_gets_its_part(children):
+    endpoints = [
+        start_shard(children, ShardSettings("spread", s, "tcp://127.0.0.1:0", 0), name=f"ps{s}")[0] for s in range(3)
+    ]
+    sizes = {f"k{i}": 4 * (i + 1) for i in range(9)}
+    place = balanced_placement(sizes, 3)
+    tensors = {k: np.full(n // 4, float(i), np.float32) for i, (k, n) in enumerate(sizes.items())}
+    with PSClient(endpoints, "spread", 0, 0, 1, 1, place, timeout_s=5, retry_s=1) as ps:
+        w0 = ps.register(tensors)
+        assert set(w0) == set(sizes)
+        infos = ps.status()
+        assert [i["registered"] for i in infos] == [1, 1, 1]
+        ps.push(0, {k: np.ones_like(v) for k, v in tensors.items()})
+        pulled = ps.pull(2)  # D = 0: W_1 = W_0 + wave 0
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(pulled.tensors[k], v + 1.0)
