@@ -6,11 +6,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hetpipe.server.shard import ShardServer, ShardSettings
-
 from hetpipe.config import ClusterConfig, load_config
 from hetpipe.errors import UsageError
 from hetpipe.procs import ChildGroup
+from hetpipe.server.shard import ShardServer, ShardSettings
 
 __all__ = ["run_shard", "serve_all", "serve_settings", "shard_settings"]
 

@@ -19,9 +19,9 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
-from hetpipe.server.checkpoint import load_newest, write_checkpoint
 
 from hetpipe import wire
+from hetpipe.server.checkpoint import load_newest, write_checkpoint
 from hetpipe.wsp import PullResult, ShardState, WspError
 
 __all__ = ["ShardServer", "ShardSettings"]

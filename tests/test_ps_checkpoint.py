@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import start_shard
 
 from hetpipe.server.checkpoint import CheckpointError, list_manifests, load_newest, write_checkpoint
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient
+
+from conftest import start_shard
 
 
 def test_write_and_load_round_trip(tmp_path: Path):

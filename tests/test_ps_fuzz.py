@@ -4,16 +4,16 @@ weights and clocks must not change, and a good client must still work afterwards
 from __future__ import annotations
 
 import random
-import time
 
 import numpy as np
 import pytest
 import zmq
-from conftest import start_shard
 
 from hetpipe import wire
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient
+
+from conftest import start_shard
 
 pytestmark = pytest.mark.slow
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import start_shard
 
 from hetpipe.placement import balanced_placement
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ledger_client import LedgerSpec, ledger_keys, ledger_stage
 from hetpipe.worker.ps_client import PSClient, PSError, PSTimeout
+
+from conftest import start_shard
 
 pytestmark = pytest.mark.slow
 

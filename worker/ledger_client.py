@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from hetpipe.worker.ps_client import PSClient
 
 from hetpipe.placement import balanced_placement
+from hetpipe.worker.ps_client import PSClient
 from hetpipe.wsp import first_pulled_wave, gate_version
 
 __all__ = ["LedgerSpec", "ledger_keys", "ledger_stage", "check_pull"]
