@@ -1,0 +1,72 @@
+"""What a plan is: virtual workers, each an ordered list of GPUs with a contiguous layer split and Nm.
+
+Data only: the partitioner and policies produce these, the simulator and `hetpipe train --plan` use them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+__all__ = ["Plan", "StagePlan", "VwPlan"]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    gpu: str  # "node:index", as in the config
+    gpu_type: str
+    start: int  # first layer (inclusive)
+    stop: int  # last layer (exclusive)
+    forward_s: float  # compute of one minibatch on this GPU
+    backward_s: float
+    recv_s: float  # receiving the input activation (forward) and the output gradient (backward)
+    send_s: float  # sending the output activation (forward) and the input gradient (backward)
+    memory_bytes: int  # peak by the memory model of hetpipe.md §4
+    memory_limit_bytes: int
+
+    @property
+    def time_s(self) -> float:
+        """The stage's time per minibatch: compute plus its boundary transfers."""
+        return self.forward_s + self.backward_s + self.recv_s + self.send_s
+
+
+@dataclass(frozen=True)
+class VwPlan:
+    stages: tuple[StagePlan, ...]
+    nm: int
+    param_bytes: int  # the whole model's weights (what a wave pushes and pulls)
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        return tuple(s.gpu for s in self.stages)
+
+    @property
+    def split(self) -> tuple[int, ...]:
+        """Layers per stage."""
+        return tuple(s.stop - s.start for s in self.stages)
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(s.time_s for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str  # "np" | "ed" | "hd" | "explicit"
+    model: str
+    batch_size: int
+    staleness: int  # D
+    vws: tuple[VwPlan, ...]
+    placement: str = "balanced"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        vws = tuple(
+            VwPlan(stages=tuple(StagePlan(**s) for s in vw["stages"]), nm=vw["nm"], param_bytes=vw["param_bytes"])
+            for vw in data.pop("vws")
+        )
+        return cls(vws=vws, **data)

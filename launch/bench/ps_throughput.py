@@ -1,0 +1,165 @@
+"""PS throughput benchmark: one client's push+pull round trips through the PS against raw ZeroMQ.
+
+For each model size and shard count, in the same run:
+  ps   - a stage registers a model of SIZE MB (4 MB tensors), then repeats push(wave c) + pull(wave c+2)
+         (D = 0, exact pulls; the pull copies the weights into the stage's arrays as a worker does);
+  raw  - the same bytes in the same 1 MiB zero-copy frames to S echo servers (ROUTER) that answer with
+         the same number of bytes from a preallocated buffer: ZeroMQ loopback with no PS work at all.
+Throughput counts both directions: 2 x SIZE bytes per round trip.
+
+    python launch/bench/ps_throughput.py [--sizes 10,100,400] [--shards 1,4] [--rounds 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+import zmq
+
+from hetpipe import wire
+from hetpipe.placement import balanced_placement
+from hetpipe.procs import ChildGroup
+from hetpipe.server.launch import serve_settings
+from hetpipe.server.shard import ShardSettings
+from hetpipe.worker.ps_client import PSClient
+
+TENSOR_BYTES = 4 << 20
+
+
+def make_model(size_mb: int) -> dict[str, np.ndarray]:
+    total = size_mb * 1_000_000
+    n_full, rest = divmod(total, TENSOR_BYTES)
+    sizes = [TENSOR_BYTES] * n_full + ([rest - rest % 4] if rest >= 4 else [])
+    rng = np.random.default_rng(0)
+    return {f"layer{i:03d}.weight": rng.standard_normal(n // 4).astype(np.float32) for i, n in enumerate(sizes)}
+
+
+def echo_server(nbytes: int, port_queue) -> None:
+    """Raw peer: answer every message with `nbytes` in 1 MiB zero-copy frames from one buffer."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    wire.configure_socket(sock, router=True)
+    port_queue.put(sock.bind_to_random_port("tcp://127.0.0.1"))
+    reply = np.ones(max(nbytes, 1), np.uint8)
+    view = memoryview(reply)
+    frames = [view[i : i + wire.CHUNK_BYTES] for i in range(0, nbytes, wire.CHUNK_BYTES)]
+    while True:
+        msg = sock.recv_multipart(copy=False)
+        if msg[1].bytes == b"stop":
+            break
+        sock.send_multipart([msg[0], b"r", *frames], copy=False)
+    sock.close()
+    ctx.term()
+
+
+def start(group: ChildGroup, name: str, target, *args) -> int:
+    queue = group.ctx.Queue()
+    group.start(name, target, *args, queue)
+    return queue.get(timeout=60)
+
+
+def bench_raw(group: ChildGroup, model: dict[str, np.ndarray], shards: int, rounds: int) -> list[float]:
+    placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
+    parts = [[v for k, v in model.items() if placement[k] == s] for s in range(shards)]
+    ports = [start(group, f"raw{s}", echo_server, sum(a.nbytes for a in part)) for s, part in enumerate(parts)]
+    ctx = zmq.Context()
+    socks = []
+    for port in ports:
+        sock = ctx.socket(zmq.DEALER)
+        wire.configure_socket(sock, router=False)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        socks.append(sock)
+    frames = []
+    for part in parts:
+        out: list[memoryview] = [memoryview(b"q")]
+        for arr in part:
+            flat = memoryview(arr).cast("B")
+            out += [flat[i : i + wire.CHUNK_BYTES] for i in range(0, arr.nbytes, wire.CHUNK_BYTES)]
+        frames.append(out)
+    times = []
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        for sock, f in zip(socks, frames, strict=True):
+            sock.send_multipart(f, copy=False)
+        for sock in socks:
+            sock.recv_multipart(copy=False)
+        if r:  # round 0 warms up
+            times.append(time.perf_counter() - t0)
+    for sock in socks:
+        sock.send(b"stop")
+        sock.close(linger=1000)
+    ctx.term()
+    return times
+
+
+def bench_ps(group: ChildGroup, model: dict[str, np.ndarray], shards: int, rounds: int, mode: str) -> list[float]:
+    endpoints = []
+    for s in range(shards):
+        settings = ShardSettings("bench", s, "tcp://127.0.0.1:0", 0, mode)
+        endpoints.append(f"tcp://127.0.0.1:{start(group, f'ps{s}', serve_settings, settings)}")
+    placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
+    delta = {k: np.full_like(v, 1e-3) for k, v in model.items()}
+    weights = {k: v.copy() for k, v in model.items()}
+    times = []
+    with PSClient(endpoints, "bench", 0, 0, 1, 1, placement, timeout_s=120, retry_s=60) as ps:
+        ps.register(model, want_weights=False)
+        for wave in range(rounds + 1):
+            t0 = time.perf_counter()
+            ps.push(wave, delta)
+            ps.pull(wave + 2, out=weights)  # D = 0: W_{wave+1} contains this push
+            if wave:
+                times.append(time.perf_counter() - t0)
+        expected = model[next(iter(model))][:4] + np.float32(1e-3) * (rounds + 1)
+        got = weights[next(iter(model))][:4]
+        if not np.allclose(got, expected, rtol=1e-5, atol=1e-5):
+            raise SystemExit(f"PS returned wrong weights: {got} != {expected}")
+    return times
+
+
+@click.command()
+@click.option("--sizes", default="10,100,400", show_default=True, help="Model sizes in MB.")
+@click.option("--shards", "shard_counts", default="1,4", show_default=True, help="Shard counts.")
+@click.option("--rounds", default=5, show_default=True, help="Timed round trips per cell (after one warm-up).")
+@click.option("--mode", type=click.Choice(["exact", "latest"]), default="exact", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON rows here.")
+def main(sizes: str, shard_counts: str, rounds: int, mode: str, out: Path | None) -> None:
+    rows = []
+    header = f"{'size_mb':>7} {'shards':>6} {'ps_gbps':>8} {'raw_gbps':>8} {'ratio':>6}   (median of {rounds}; GB/s both ways)"
+    print(header, flush=True)
+    logs = Path(tempfile.mkdtemp(prefix="hetpipe-bench-"))  # the shards' status lines go here
+    for size in (int(s) for s in sizes.split(",")):
+        model = make_model(size)
+        nbytes = 2 * sum(v.nbytes for v in model.values())
+        for shards in (int(s) for s in shard_counts.split(",")):
+            with ChildGroup(logs) as group:
+                raw = bench_raw(group, model, shards, rounds)
+            with ChildGroup(logs) as group:
+                ps = bench_ps(group, model, shards, rounds, mode)
+            row = {
+                "size_mb": size,
+                "shards": shards,
+                "mode": mode,
+                "ps_gbps": round(nbytes / statistics.median(ps) / 1e9, 3),
+                "raw_gbps": round(nbytes / statistics.median(raw) / 1e9, 3),
+                "ps_spread_gbps": [round(nbytes / max(ps) / 1e9, 3), round(nbytes / min(ps) / 1e9, 3)],
+                "raw_spread_gbps": [round(nbytes / max(raw) / 1e9, 3), round(nbytes / min(raw) / 1e9, 3)],
+            }
+            row["ratio"] = round(row["ps_gbps"] / row["raw_gbps"], 3)
+            rows.append(row)
+            print(f"{size:>7} {shards:>6} {row['ps_gbps']:>8.2f} {row['raw_gbps']:>8.2f} {row['ratio']:>6.2f}", flush=True)
+    if out is not None:
+        meta = {"python": sys.version.split()[0], "zmq": zmq.zmq_version(), "machine": platform.machine()}
+        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
