@@ -1,0 +1,294 @@
+"""Run outputs: JSONL metrics, Chrome traces (a row per stage, grouped by VW), progress and summary text."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+__all__ = [
+    "MetricsWriter",
+    "TraceRecorder",
+    "VwProgress",
+    "format_progress",
+    "format_summary",
+    "merge_traces",
+    "read_jsonl",
+    "write_summary",
+]
+
+
+def _jsonable(value: Any) -> Any:
+    """json.dumps fallback: numpy scalars and arrays via .item()/.tolist(), anything else as str (paths)."""
+    for method in ("item", "tolist"):
+        if hasattr(value, method):
+            try:
+                return getattr(value, method)()
+            except (TypeError, ValueError):
+                pass
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------- JSONL
+
+
+class MetricsWriter:
+    """Appends one JSON object per line, `{"t": seconds since start, "event": ..., **fields}`, flushed at once.
+
+    Lines survive a crash of the process that wrote them; several writers may append to different files.
+    """
+
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self._start = clock()
+        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Append `{"t", "event", **fields}`; fields must be JSON values (numpy scalars and paths are converted)."""
+        if self._file is None:
+            raise ValueError(f"MetricsWriter for {self.path} is closed")
+        record = {"t": round(self._clock() - self._start, 6), "event": event, **fields}
+        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every line of a metrics file as a dict (blank lines skipped)."""
+    with Path(path).open(encoding="utf-8") as file:
+        return [json.loads(line) for line in file if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------- traces
+
+_CATEGORY = re.compile(r"[A-Za-z]+")
+
+
+def _category(name: str) -> str:
+    """"F3" -> "f", "PUSH1" -> "push": lets Perfetto filter forwards, backwards, pushes, waits."""
+    match = _CATEGORY.match(name)
+    return match[0].lower() if match else "span"
+
+
+class TraceRecorder:
+    """Complete events (`ph: "X"`) of one thread of the timeline: pid_label "vw0" groups, tid is the stage.
+
+    Timestamps are microseconds of the Unix clock (time.time), shared by every process on the machine,
+    so traces recorded by separate stage processes line up when merged; durations come from a
+    monotonic clock. `thread_label` names the row ("stage 0 (n0:1)"); default "stage {tid}".
+    """
+
+    def __init__(
+        self,
+        pid_label: str,
+        tid: int,
+        thread_label: str | None = None,
+        wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.pid_label = pid_label
+        self.tid = tid
+        self.thread_label = thread_label if thread_label is not None else f"stage {tid}"
+        self._wall = wall
+        self._clock = clock
+        self.events: list[dict[str, Any]] = []
+
+    def add(self, name: str, ts_us: float, dur_us: float, **args: Any) -> None:
+        """Record an event measured elsewhere: start in Unix microseconds, duration in microseconds."""
+        event: dict[str, Any] = {
+            "name": name, "cat": _category(name), "ph": "X", "ts": ts_us, "dur": dur_us,
+            "pid": 0, "tid": self.tid,
+        }
+        if args:
+            event["args"] = args
+        self.events.append(event)
+
+    @contextmanager
+    def span(self, name: str, **args: Any) -> Iterator[None]:
+        """Record the block as one event (also when it raises)."""
+        ts_us = self._wall() * 1e6
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self.add(name, round(ts_us, 3), round((self._clock() - start) * 1e6, 3), **args)
+
+    def dump(self, path: str | Path) -> None:
+        """Write a trace file of this thread alone (viewable as is; merge_traces combines several)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = [
+            _meta("process_name", 0, 0, self.pid_label),
+            _meta("thread_name", 0, self.tid, self.thread_label),
+        ]
+        path.write_text(json.dumps({"traceEvents": meta + self.events}, default=_jsonable), encoding="utf-8")
+
+
+def _meta(kind: str, pid: int, tid: int, value: str | int) -> dict[str, Any]:
+    key = "sort_index" if kind.endswith("sort_index") else "name"
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
+
+
+def _natural(text: str) -> list[Any]:
+    """"vw10" after "vw2": digit runs compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def merge_traces(paths: Sequence[str | Path], out_path: str | Path) -> None:
+    """Combine dumped traces into one `{"traceEvents": [...]}` file: one process per pid label (VW), ordered
+    naturally (vw2 before vw10), one thread per stage; times shifted so the earliest event starts at 0
+    (the Unix origin is kept in otherData.origin_unix_us)."""
+    labels: list[str] = []
+    threads: dict[tuple[str, int], str] = {}
+    spans: list[tuple[str, dict[str, Any]]] = []
+    for path in paths:
+        events = json.loads(Path(path).read_text(encoding="utf-8"))["traceEvents"]
+        process = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+        for event in events:
+            label = process.get(event["pid"], f"pid {event['pid']}")
+            if label not in labels:
+                labels.append(label)
+            if event["ph"] == "M" and event["name"] == "thread_name":
+                threads[(label, event["tid"])] = event["args"]["name"]
+            elif event["ph"] != "M":
+                spans.append((label, event))
+    labels.sort(key=_natural)
+    pid_of = {label: i + 1 for i, label in enumerate(labels)}
+    origin = min((event["ts"] for _, event in spans), default=0)
+    meta = []
+    for label in labels:
+        pid = pid_of[label]
+        meta += [_meta("process_name", pid, 0, label), _meta("process_sort_index", pid, 0, pid)]
+    for (label, tid), name in sorted(threads.items(), key=lambda item: (pid_of[item[0][0]], item[0][1])):
+        pid = pid_of[label]
+        meta += [_meta("thread_name", pid, tid, name), _meta("thread_sort_index", pid, tid, tid)]
+    merged = [
+        {**event, "pid": pid_of[label], "ts": round(event["ts"] - origin, 3)}
+        for label, event in sorted(spans, key=lambda item: item[1]["ts"])
+    ]
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    document = {"traceEvents": meta + merged, "displayTimeUnit": "ms", "otherData": {"origin_unix_us": origin}}
+    out_path.write_text(json.dumps(document), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- progress
+
+
+@dataclass(frozen=True)
+class VwProgress:
+    """One virtual worker's line of the live view."""
+
+    vw: int
+    gpus: str                 # label of its GPUs in stage order, e.g. "titan-v,rtx-2060"
+    wave: int                 # waves completed, c_local
+    loss: float | None        # latest training loss; None before the first
+    samples_per_s: float
+    lead: int                 # c_local - c_global, waves ahead of the slowest VW
+    gate_wait_s: float        # total time its stages spent waiting at the WSP gate
+
+
+def _duration(seconds: float) -> str:
+    """41 s, 3 min 05 s, 2 h 07 min."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def _progress_cells(row: VwProgress, total_waves: int) -> list[str]:
+    loss = "-" if row.loss is None else f"{row.loss:.3f}"
+    return [
+        f"vw{row.vw} [{row.gpus}]", f"{row.wave}/{total_waves}", loss,
+        f"{row.samples_per_s:.0f}", f"{row.lead:+d}", f"{row.gate_wait_s:.1f}",
+    ]
+
+
+def format_progress(
+    rows: Sequence[VwProgress], total_waves: int, width: int = 100, *, elapsed_s: float
+) -> str:
+    """The live view: one line per VW, columns aligned across VWs, then the overall bar, `width` wide.
+
+        vw0 [fast,slow] wave 7/20  loss 0.412  312 samples/s  lead +1  gate wait 3.2 s
+        [#######.............................] 35%  elapsed 41 s  eta 76 s
+
+    Done = completed waves of all VWs / (VWs x total_waves); eta extrapolates elapsed_s at that rate.
+    """
+    cells = [_progress_cells(row, total_waves) for row in rows]
+    widths = [max((len(c[i]) for c in cells), default=0) for i in range(6)]
+    lines = [
+        f"{c[0]:<{widths[0]}} wave {c[1]:>{widths[1]}}  loss {c[2]:>{widths[2]}}  {c[3]:>{widths[3]}} samples/s"
+        f"  lead {c[4]:>{widths[4]}}  gate wait {c[5]:>{widths[5]}} s"
+        for c in cells
+    ]
+    planned = len(rows) * total_waves
+    done = min(1.0, sum(min(row.wave, total_waves) for row in rows) / planned) if planned > 0 else 0.0
+    eta = _duration(elapsed_s * (1 - done) / done) if done > 0 else "-"
+    tail = f" {math.floor(done * 100):>2d}%  elapsed {_duration(elapsed_s)}  eta {eta}"
+    bar = max(10, width - len(tail) - 2)
+    filled = math.floor(done * bar)
+    lines.append(f"[{'#' * filled}{'.' * (bar - filled)}]{tail}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+
+def write_summary(path: str | Path, summary: Mapping[str, Any]) -> None:
+    """The run summary as JSON, sorted keys, two-space indent."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=_jsonable) + "\n", encoding="utf-8")
+
+
+def _flatten(summary: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items = []
+    for key in sorted(summary):
+        value = summary[key]
+        if isinstance(value, Mapping):
+            items += _flatten(value, f"{prefix}{key}.")
+        else:
+            items.append((f"{prefix}{key}", value))
+    return items
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list | tuple):
+        return ", ".join(_show(item) for item in value)
+    return str(value)
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """`key: value` lines, sorted, values aligned; nested mappings become dotted keys (vw0.loss)."""
+    items = _flatten(summary)
+    width = max((len(key) for key, _ in items), default=0) + 1
+    return "\n".join(f"{key + ':':<{width}} {_show(value)}" for key, value in items)

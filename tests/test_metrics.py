@@ -1,0 +1,175 @@
+"""Tests of hetpipe.metrics: JSONL parses, merged traces hold the expected events, text equals literals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetpipe.metrics import (
+    MetricsWriter,
+    TraceRecorder,
+    VwProgress,
+    format_progress,
+    format_summary,
+    merge_traces,
+    read_jsonl,
+    write_summary,
+)
+
+
+class FakeClock:
+    """Monotonic seconds that tests move by hand; `wall` is the same clock shifted to a Unix time."""
+
+    def __init__(self, unix_start: float = 1_700_000_000.0) -> None:
+        self.now = 0.0
+        self.unix_start = unix_start
+
+    def clock(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.unix_start + self.now
+
+
+# ---------------------------------------------------------------------------------------------- JSONL
+
+
+def test_metrics_lines_parse_and_are_flushed(tmp_path: Path) -> None:
+    fake = FakeClock()
+    path = tmp_path / "run" / "metrics.jsonl"
+    with MetricsWriter(path, clock=fake.clock) as writer:
+        writer.write("start", vws=2)
+        fake.now = 1.5
+        writer.write("wave", vw=0, wave=3, loss=np.float32(0.25), out=tmp_path / "x")
+        assert len(read_jsonl(path)) == 2  # readable before close
+    assert read_jsonl(path) == [
+        {"t": 0.0, "event": "start", "vws": 2},
+        {"t": 1.5, "event": "wave", "vw": 0, "wave": 3, "loss": 0.25, "out": str(tmp_path / "x")},
+    ]
+    with MetricsWriter(path, clock=fake.clock) as writer:  # appends
+        writer.write("end")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3
+    assert json.loads(lines[2]) == {"t": 0.0, "event": "end"}
+    with pytest.raises(ValueError, match="closed"):
+        writer.write("late")
+
+
+# ---------------------------------------------------------------------------------------------- traces
+
+
+def record(
+    fake: FakeClock, recorder: TraceRecorder, name: str, start: float, seconds: float, **args: object
+) -> None:
+    fake.now = start
+    with recorder.span(name, **args):
+        fake.now += seconds
+
+
+def test_merge_two_vws(tmp_path: Path) -> None:
+    fake = FakeClock()
+    a = TraceRecorder("vw10", 0, "stage 0 (n1:0)", wall=fake.wall, clock=fake.clock)
+    b = TraceRecorder("vw2", 1, wall=fake.wall, clock=fake.clock)
+    record(fake, a, "F0", 0.5, 0.25, minibatch=0)
+    record(fake, b, "WAIT2", 0.25, 0.125)
+    record(fake, b, "PUSH1", 1.0, 0.0)
+    a.dump(tmp_path / "a.json")
+    b.dump(tmp_path / "b.json")
+
+    single = json.loads((tmp_path / "a.json").read_text())["traceEvents"]
+    assert [e["ph"] for e in single] == ["M", "M", "X"]
+
+    merge_traces([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "out" / "trace.json")
+    doc = json.loads((tmp_path / "out" / "trace.json").read_text())
+    assert doc["otherData"] == {"origin_unix_us": 1_700_000_000_250_000.0}
+    meta = [(e["name"], e["pid"], e["tid"], e["args"]) for e in doc["traceEvents"] if e["ph"] == "M"]
+    assert meta == [  # vw2 before vw10
+        ("process_name", 1, 0, {"name": "vw2"}),
+        ("process_sort_index", 1, 0, {"sort_index": 1}),
+        ("process_name", 2, 0, {"name": "vw10"}),
+        ("process_sort_index", 2, 0, {"sort_index": 2}),
+        ("thread_name", 1, 1, {"name": "stage 1"}),
+        ("thread_sort_index", 1, 1, {"sort_index": 1}),
+        ("thread_name", 2, 0, {"name": "stage 0 (n1:0)"}),
+        ("thread_sort_index", 2, 0, {"sort_index": 0}),
+    ]
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert spans == [
+        {"name": "WAIT2", "cat": "wait", "ph": "X", "ts": 0.0, "dur": 125_000.0, "pid": 1, "tid": 1},
+        {"name": "F0", "cat": "f", "ph": "X", "ts": 250_000.0, "dur": 250_000.0, "pid": 2, "tid": 0,
+         "args": {"minibatch": 0}},
+        {"name": "PUSH1", "cat": "push", "ph": "X", "ts": 750_000.0, "dur": 0.0, "pid": 1, "tid": 1},
+    ]
+
+
+def test_span_records_a_block_that_raises() -> None:
+    recorder = TraceRecorder("vw0", 0)
+    with pytest.raises(RuntimeError), recorder.span("B3"):
+        raise RuntimeError("boom")
+    assert [e["name"] for e in recorder.events] == ["B3"]
+
+
+# ---------------------------------------------------------------------------------------------- progress
+
+
+def test_progress_two_equal_vws() -> None:
+    rows = [
+        VwProgress(vw=0, gpus="fast,slow", wave=7, loss=0.412, samples_per_s=312.4, lead=1, gate_wait_s=3.21),
+        VwProgress(vw=1, gpus="fast,slow", wave=6, loss=0.4567, samples_per_s=298.0, lead=0, gate_wait_s=0.0),
+    ]
+    assert format_progress(rows, 20, 40, elapsed_s=41.0) == (
+        "vw0 [fast,slow] wave 7/20  loss 0.412  312 samples/s  lead +1  gate wait 3.2 s\n"
+        "vw1 [fast,slow] wave 6/20  loss 0.457  298 samples/s  lead +0  gate wait 0.0 s\n"
+        "[###.......] 32%  elapsed 41 s  eta 1 min 25 s"  # the bar never drops below 10 cells
+    )
+
+
+def test_progress_aligns_columns() -> None:
+    rows = [
+        VwProgress(vw=2, gpus="titan-v,rtx-2060", wave=3, loss=None, samples_per_s=95.0, lead=0, gate_wait_s=12.54),
+        VwProgress(vw=10, gpus="p4000", wave=12, loss=1.5, samples_per_s=1234.0, lead=9, gate_wait_s=0.0),
+    ]
+    assert format_progress(rows, 20, 60, elapsed_s=200.0) == (
+        "vw2 [titan-v,rtx-2060] wave  3/20  loss     -    95 samples/s  lead +0  gate wait 12.5 s\n"
+        "vw10 [p4000]           wave 12/20  loss 1.500  1234 samples/s  lead +9  gate wait  0.0 s\n"
+        "[######............] 37%  elapsed 3 min 20 s  eta 5 min 33 s"
+    )
+
+
+def test_progress_start_and_end() -> None:
+    start = [VwProgress(vw=0, gpus="fast", wave=0, loss=None, samples_per_s=0.0, lead=0, gate_wait_s=0.0)]
+    assert format_progress(start, 5, elapsed_s=0.0).splitlines()[1] == "[" + "." * 74 + "]  0%  elapsed 0 s  eta -"
+    end = [VwProgress(vw=0, gpus="fast", wave=5, loss=0.1, samples_per_s=10.0, lead=0, gate_wait_s=0.0)]
+    assert format_progress(end, 5, 30, elapsed_s=7300.0).splitlines()[1] == (
+        "[##########] 100%  elapsed 2 h 01 min  eta 0 s"  # the bar never drops below 10 cells
+    )
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+SUMMARY = {"waves": 20, "loss": 0.41234567, "vws": {"vw0": {"samples_per_s": 312.5}}, "pull": "exact",
+           "emulated": True, "gpus": ["n0:0", "n0:1"], "accuracy": None}
+
+
+def test_write_summary(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "summary.json"
+    write_summary(path, SUMMARY)
+    text = path.read_text()
+    assert json.loads(text) == SUMMARY
+    assert list(json.loads(text)) == ["accuracy", "emulated", "gpus", "loss", "pull", "vws", "waves"]
+    assert text.endswith("}\n")
+
+
+def test_format_summary() -> None:
+    assert format_summary(SUMMARY) == (
+        "accuracy:              -\n"
+        "emulated:              true\n"
+        "gpus:                  n0:0, n0:1\n"
+        "loss:                  0.412346\n"
+        "pull:                  exact\n"
+        "vws.vw0.samples_per_s: 312.5\n"
+        "waves:                 20"
+    )
