@@ -71,6 +71,33 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
     click.echo(sched.format_lists(plan) if lists else sched.format_grid(plan))
 
 
+@cli.command()
+@click.argument("config_path", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A plan file from `hetpipe plan --out` (grouping and splits); default: the config's VWs.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where metrics, traces, logs and the model go (default: <train.out_dir>/run-<time>).")
+@click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the summary as JSON here.")
+@click.option("--quiet", is_flag=True, help="No progress output; print only the summary.")
+def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
+          quiet: bool) -> None:
+    """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
+    from hetpipe.metrics import format_summary
+    from hetpipe.worker.launcher import TrainOptions, plan_layouts
+    from hetpipe.worker.launcher import train as run_train
+
+    config = _load(config_path)
+    layouts = plan_layouts(config, plan_path) if plan_path else None
+    summary = run_train(config, TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts))
+    click.echo(format_summary(summary))
+    if summary_path:
+        import json
+
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the group, turning HetpipeError into a one-paragraph message and its exit code."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,78 @@
+"""Point-to-point tensors between the stages of one virtual worker (torch.distributed: gloo or NCCL).
+
+Sends are non-blocking (isend) so a stage never waits for its neighbour to post a receive; receives
+block. Each tensor goes as a small int64 header (ndim, shape) and then its data, so receivers need not
+know shapes in advance. Plain send/recv only: batch_isend_irecv has hung on gloo (pytorch #132644).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["P2P"]
+
+MAX_NDIM = 8
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class P2P:
+    """One process's end of its VW's process group (rank = stage index)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    _pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    bytes_sent: int = 0
+
+    @classmethod
+    def connect(cls, rank: int, world_size: int, port: int, device: torch.device, timeout_s: float = 300) -> P2P:
+        """Join the VW's process group; stage 0 hosts the rendezvous on 127.0.0.1:port."""
+        if world_size > 1:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        return cls(rank, world_size, device)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        tensor = tensor.detach().contiguous()
+        if tensor.dim() > MAX_NDIM or tensor.dtype not in DTYPES:
+            raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between stages")
+        header = torch.tensor(
+            [tensor.dim(), DTYPES.index(tensor.dtype), *tensor.shape, *([0] * (MAX_NDIM - tensor.dim()))],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        for t in (header, tensor):
+            self._pending.append((dist.isend(t, dst), t))
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        self._reap()
+
+    def recv(self, src: int) -> torch.Tensor:
+        header = torch.empty(MAX_NDIM + 2, dtype=torch.int64, device=self.device)
+        dist.recv(header, src)
+        ndim, dtype_index = int(header[0]), int(header[1])
+        shape = [int(d) for d in header[2 : 2 + ndim]]
+        out = torch.empty(shape, dtype=DTYPES[dtype_index], device=self.device)
+        dist.recv(out, src)
+        return out
+
+    def _reap(self) -> None:
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+
+    def close(self) -> None:
+        """Wait for every send to complete, then leave the group."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
