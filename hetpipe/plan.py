@@ -23,6 +23,9 @@ class StagePlan:
     send_s: float  # sending the output activation (forward) and the input gradient (backward)
     memory_bytes: int  # peak by the memory model of hetpipe.md §4
     memory_limit_bytes: int
+    # This stage's weights (what its PUSH and pull move). 0 on every stage means "not known": the
+    # simulator then splits VwPlan.param_bytes over the stages by layer count.
+    param_bytes: int = 0
 
     @property
     def time_s(self) -> float:

@@ -1,0 +1,343 @@
+"""Discrete-event simulator of a plan under WSP (throughput, gate waits, PS load) and of the baselines. Pure."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.plan import Plan, VwPlan
+from hetpipe.schedule import BACKWARD, FORWARD, PUSH, WAIT, Action, wsp_schedule
+from hetpipe.schedule import simulate as simulate_schedule
+
+__all__ = [
+    "BaselineResult",
+    "GateRecord",
+    "SimEvent",
+    "SimResult",
+    "VwResult",
+    "simulate",
+    "simulate_allreduce",
+    "simulate_sync_pipeline",
+    "stage_param_bytes",
+    "stage_times",
+]
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    """One action of one stage: F/B busy the stage; PUSH ends when its bytes reach the PS (the stage
+    goes on at once); WAIT starts when the gate opens and ends when the pull has arrived."""
+
+    vw: int
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class GateRecord:
+    """A gate opening: stage `stage` of VW `vw` starts wave `wave`; `completed` is c_local of every VW then."""
+
+    time_s: float
+    vw: int
+    stage: int
+    wave: int
+    completed: tuple[int, ...]
+
+    @property
+    def lead(self) -> int:
+        """How many waves this VW has completed beyond the slowest; WSP keeps it <= D + 1."""
+        return self.completed[self.vw] - min(self.completed)
+
+
+@dataclass(frozen=True)
+class VwResult:
+    """One virtual worker's run."""
+
+    wave_done_s: tuple[float, ...]  # when wave c completed: every stage's push of c had reached the PS
+    wave_s: float  # steady-state time per wave: mean gap between wave completions, fill and drain excluded
+    samples_per_s: float  # its own samples / its own finish time
+    finish_s: float
+    gate_wait_s: float  # stage-seconds blocked at gates waiting for c_global (all stages summed)
+    pull_s: float  # stage-seconds spent pulling after the gate opened (queueing on the PS link included)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """A simulated WSP run of every virtual worker of a plan."""
+
+    samples_per_s: float  # batch_size x all minibatches of all VWs / makespan
+    makespan_s: float
+    ps_utilisation: float  # busy fraction of the PS link over the makespan
+    vws: tuple[VwResult, ...]
+    gates: tuple[GateRecord, ...]
+    events: tuple[SimEvent, ...]
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """A synchronous alternative: every step processes `samples_per_step` samples in `step_s`."""
+
+    name: str
+    samples_per_s: float
+    step_s: float
+    comm_s: float  # part of step_s spent synchronising parameters
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def stage_times(vw: VwPlan) -> tuple[list[float], list[float]]:
+    """Per-stage forward and backward durations: compute plus the stage's transfers in that direction.
+
+    recv_s holds the input activation (forward) and the output gradient (backward); send_s the
+    output activation (forward) and the input gradient (backward). Stage 0 receives only gradients
+    and sends only activations, the last stage the reverse; a middle stage's are split half and
+    half (activation and gradient have the same size). So every stage is busy time_s per minibatch
+    (transfers block the stage, as gloo send/recv does), and a full pipe runs at batch / bottleneck_s,
+    the partitioner's objective.
+    """
+    k = len(vw.stages)
+    forward, backward = [], []
+    for j, stage in enumerate(vw.stages):
+        recv_forward = 0.5 if k == 1 else 0.0 if j == 0 else 1.0 if j == k - 1 else 0.5
+        send_forward = 0.5 if k == 1 else 1.0 if j == 0 else 0.0 if j == k - 1 else 0.5
+        forward.append(stage.forward_s + stage.recv_s * recv_forward + stage.send_s * send_forward)
+        backward.append(
+            stage.backward_s + stage.recv_s * (1 - recv_forward) + stage.send_s * (1 - send_forward)
+        )
+    return forward, backward
+
+
+def stage_param_bytes(vw: VwPlan) -> list[float]:
+    """Bytes each stage pushes and pulls per wave: StagePlan.param_bytes, or, when no stage has it
+    set (all 0), VwPlan.param_bytes split over the stages by layer count."""
+    own = [float(stage.param_bytes) for stage in vw.stages]
+    layers = sum(vw.split)
+    if any(own) or vw.param_bytes == 0 or layers == 0:
+        return own
+    return [vw.param_bytes * n / layers for n in vw.split]
+
+
+# ---------------------------------------------------------------------------------------------- WSP run
+
+
+class _Link:
+    """The PS link: one FIFO for pushes and pulls, `bytes_per_s` in all (every shard's share in parallel)."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.free_at = 0.0
+        self.busy_s = 0.0
+
+    def transfer(self, now: float, nbytes: float) -> float:
+        """Queue `nbytes` at `now`; the time they have arrived."""
+        if nbytes == 0 or math.isinf(self.bytes_per_s):
+            return now
+        start = max(now, self.free_at)
+        self.free_at = start + nbytes / self.bytes_per_s
+        self.busy_s += self.free_at - start
+        return self.free_at
+
+
+class _Vw:
+    """Run state of one virtual worker: its lists, times, and what has finished when."""
+
+    def __init__(self, vw: VwPlan, waves: int, staleness: int) -> None:
+        self.schedule = wsp_schedule(len(vw.stages), vw.nm, waves, staleness)
+        self.k = len(vw.stages)
+        self.forward, self.backward = stage_times(vw)
+        self.param_bytes = stage_param_bytes(vw)
+        self.position = [0] * self.k
+        self.free_at = [0.0] * self.k
+        self.ready_at = [0.0] * self.k  # when the stage reached its current position
+        self.done: list[dict[Action, float]] = [{} for _ in range(self.k)]
+        self.push_landed: list[list[float]] = [[] for _ in range(waves)]
+        self.completed = 0  # waves completed by the current time (advanced by `completed_at`)
+        self.gate_wait_s = 0.0
+        self.pull_s = 0.0
+
+    def finished(self, stage: int, action: Action, now: float) -> bool:
+        return self.done[stage].get(action, math.inf) <= now
+
+    def completed_at(self, now: float) -> int:
+        """c_local at `now` (times only grow, so the count only advances)."""
+        while (
+            self.completed < len(self.push_landed)
+            and len(self.push_landed[self.completed]) == self.k
+            and max(self.push_landed[self.completed]) <= now
+        ):
+            self.completed += 1
+        return self.completed
+
+    def wave_done_s(self) -> tuple[float, ...]:
+        return tuple(max(landed) for landed in self.push_landed)
+
+
+class _Run:
+    """All virtual workers on one clock and one PS link, so the D bound couples them."""
+
+    def __init__(self, plan: Plan, waves: int, link: _Link) -> None:
+        self.staleness = plan.staleness
+        self.vws = [_Vw(vw, waves, plan.staleness) for vw in plan.vws]
+        self.link = link
+        self.events: list[SimEvent] = []
+        self.gates: list[GateRecord] = []
+        self.upcoming: list[float] = []
+
+    def ready(self, i: int, j: int, action: Action, now: float) -> bool:
+        vw, n = self.vws[i], action.index
+        if action.kind == FORWARD:
+            return j == 0 or vw.finished(j - 1, action, now)
+        if action.kind == BACKWARD:
+            return vw.finished(j, Action(FORWARD, n), now) and (j == vw.k - 1 or vw.finished(j + 1, action, now))
+        if action.kind == PUSH:
+            return vw.finished(j, Action(BACKWARD, n * vw.schedule.nm + vw.schedule.nm - 1), now)
+        return self.c_global(now) >= n - self.staleness - 1  # WAIT: hetpipe.md §3 gate
+
+    def c_global(self, now: float) -> int:
+        return min(vw.completed_at(now) for vw in self.vws)
+
+    def start(self, i: int, j: int, action: Action, now: float) -> None:
+        vw = self.vws[i]
+        if action.kind == PUSH:
+            end = self.link.transfer(now, vw.param_bytes[j])
+            vw.push_landed[action.index].append(end)
+            vw.ready_at[j] = now
+        else:
+            if action.kind == WAIT:
+                vw.gate_wait_s += now - vw.ready_at[j]
+                completed = tuple(other.completed_at(now) for other in self.vws)
+                self.gates.append(GateRecord(now, i, j, action.index, completed))
+                end = self.link.transfer(now, vw.param_bytes[j])
+                vw.pull_s += end - now
+            else:
+                end = now + (vw.forward[j] if action.kind == FORWARD else vw.backward[j])
+            vw.free_at[j] = vw.ready_at[j] = end
+        vw.done[j][action] = end
+        vw.position[j] += 1
+        self.events.append(SimEvent(i, j, action, now, end))
+        if end > now:
+            heapq.heappush(self.upcoming, end)
+
+    def step(self, now: float) -> None:
+        """Start everything that can start at `now` (a zero-time action may unblock others at `now`)."""
+        progressed = True
+        while progressed:
+            progressed = False
+            for i, vw in enumerate(self.vws):
+                for j, actions in enumerate(vw.schedule.stages):
+                    while vw.free_at[j] <= now and vw.position[j] < len(actions):
+                        action = actions[vw.position[j]]
+                        if not self.ready(i, j, action, now):
+                            break
+                        self.start(i, j, action, now)
+                        progressed = True
+
+    def finished_all(self) -> bool:
+        return all(
+            vw.position[j] == len(actions) for vw in self.vws for j, actions in enumerate(vw.schedule.stages)
+        )
+
+    def run(self) -> None:
+        now = 0.0
+        while True:
+            self.step(now)
+            if self.finished_all():
+                return
+            while self.upcoming and self.upcoming[0] <= now:
+                heapq.heappop(self.upcoming)
+            if not self.upcoming:  # cannot happen with wsp lists; a guard against an endless loop
+                raise HetpipeError(f"simulation stuck at t={now}: no stage can proceed; this is a bug, report it")
+            now = heapq.heappop(self.upcoming)
+
+
+def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1) -> SimResult:
+    """Run every VW of `plan` for `waves` waves of the wsp schedule under WSP with D = plan.staleness.
+
+    Stages take stage_times(); PUSH c sends the stage's param bytes (stage_param_bytes) to the PS
+    without holding the stage; VW i has completed wave c once every stage's push of c has arrived.
+    WAIT c blocks until c_global >= c - D - 1, then pulls the stage's param bytes, holding the stage.
+    Pushes and pulls share one FIFO PS link; with balanced placement every transfer is spread
+    evenly over the shards, each with its own `ps_gbps` link, so the link runs at ps_shards x ps_gbps
+    (math.inf: free). The run ends when the last push has arrived.
+    """
+    if waves < 1:
+        raise UsageError(f"waves must be >= 1, got {waves}")
+    if not ps_gbps > 0:
+        raise UsageError(f"ps_gbps must be > 0 (math.inf for a free PS), got {ps_gbps}")
+    if ps_shards < 1:
+        raise UsageError(f"ps_shards must be >= 1, got {ps_shards}")
+    if not plan.vws:
+        raise UsageError("the plan has no virtual workers; allocate GPUs to at least one")
+    link = _Link(ps_gbps * ps_shards * 1e9 / 8)
+    run = _Run(plan, waves, link)
+    run.run()
+    makespan = max(e.end for e in run.events)
+    results = []
+    for i, vw in enumerate(run.vws):
+        done = vw.wave_done_s()
+        finish = max(e.end for e in run.events if e.vw == i)
+        wave_s = _steady_wave_s(done)
+        samples = plan.batch_size * vw.schedule.num_minibatches
+        results.append(VwResult(done, wave_s, samples / finish, finish, vw.gate_wait_s, vw.pull_s))
+    total = plan.batch_size * sum(vw.schedule.num_minibatches for vw in run.vws)
+    return SimResult(
+        samples_per_s=total / makespan,
+        makespan_s=makespan,
+        ps_utilisation=link.busy_s / makespan,
+        vws=tuple(results),
+        gates=tuple(run.gates),
+        events=tuple(run.events),
+    )
+
+
+def _steady_wave_s(done: Sequence[float]) -> float:
+    """Mean gap between wave completions, leaving out wave 0 (pipeline fill) and the last wave (drain)."""
+    if len(done) >= 3:
+        return (done[-2] - done[0]) / (len(done) - 2)
+    return done[-1] - done[0] if len(done) == 2 else done[0]
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+
+
+def simulate_allreduce(
+    step_times: Sequence[float], param_bytes: float, allreduce_gbps: float, batch_size: int
+) -> BaselineResult:
+    """Synchronous data parallelism (Horovod): one model replica per GPU, each GPU one minibatch per step.
+
+    `step_times[g]` is forward + backward of one minibatch on GPU g (a GPU that cannot hold the model
+    does not belong in the list). A step waits for the slowest GPU, then a ring all-reduce moves
+    2 (n-1)/n x param_bytes over the slowest link (`allreduce_gbps`).
+    """
+    if not step_times or any(not t > 0 for t in step_times):
+        raise UsageError(f"step_times needs one time > 0 per GPU, got {list(step_times)}")
+    if not allreduce_gbps > 0:
+        raise UsageError(f"allreduce_gbps must be > 0, got {allreduce_gbps}")
+    n = len(step_times)
+    comm = 2 * (n - 1) / n * param_bytes / (allreduce_gbps * 1e9 / 8)
+    step = max(step_times) + comm
+    return BaselineResult("allreduce", n * batch_size / step, step, comm)
+
+
+def simulate_sync_pipeline(vw: VwPlan, microbatches: int, batch_size: int) -> BaselineResult:
+    """One synchronous pipeline (GPipe-like, 1F1B order) over the VW's GPUs with a flush per minibatch.
+
+    The minibatch is cut into `microbatches` pieces; each stage's times (stage_times) are assumed
+    to scale linearly, so a microbatch takes 1/m of them. The step is the simulated makespan of
+    one wave of m in flight (hetpipe.schedule.simulate), about (m + k - 1) x the bottleneck / m.
+    One replica: no parameter synchronisation.
+    """
+    if microbatches < 1:
+        raise UsageError(f"microbatches must be >= 1, got {microbatches}")
+    forward, backward = stage_times(vw)
+    schedule = wsp_schedule(len(vw.stages), microbatches, 1, 0)
+    timeline = simulate_schedule(
+        schedule, [t / microbatches for t in forward], [t / microbatches for t in backward]
+    )
+    return BaselineResult("sync-pipeline", batch_size / timeline.makespan, timeline.makespan, 0.0)

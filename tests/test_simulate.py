@@ -1,0 +1,212 @@
+"""The WSP simulator and the baselines, against numbers worked out by hand from the rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetpipe.errors import UsageError
+from hetpipe.plan import Plan, StagePlan, VwPlan
+from hetpipe.schedule import BACKWARD, FORWARD, wsp_schedule
+from hetpipe.schedule import simulate as simulate_schedule
+from hetpipe.simulate import (
+    simulate,
+    simulate_allreduce,
+    simulate_sync_pipeline,
+    stage_param_bytes,
+    stage_times,
+)
+
+BATCH = 32
+GB = 1e9  # 8 Gbit/s moves GB bytes per second
+
+
+def stage(
+    forward: float, backward: float, *, recv: float = 0.0, send: float = 0.0, params: int = 0, layers: int = 1
+) -> StagePlan:
+    return StagePlan("n0:0", "g", 0, layers, forward, backward, recv, send, 0, 0, params)
+
+
+def vw(*stages: StagePlan, nm: int = 1, param_bytes: int = 0) -> VwPlan:
+    return VwPlan(tuple(stages), nm, param_bytes)
+
+
+def plan(*vws: VwPlan, staleness: int = 0) -> Plan:
+    return Plan("explicit", "m", BATCH, staleness, tuple(vws))
+
+
+def pipeline(k: int, forward: float, backward: float, nm: int, params: int = 0) -> VwPlan:
+    return vw(*(stage(forward, backward, params=params) for _ in range(k)), nm=nm)
+
+
+# ---------------------------------------------------------------------------------------------- one VW
+
+
+def test_one_stage_without_ps_cost_runs_at_batch_over_f_plus_b() -> None:
+    result = simulate(plan(vw(stage(1.0, 2.0), nm=2)), waves=5, ps_gbps=math.inf)
+    assert result.makespan_s == 5 * 2 * 3.0
+    assert result.samples_per_s == BATCH / 3.0
+    # F0 F1 B0 F2 B1 PUSH0 ...: wave 0 completes at 7, then one wave every 6, the last one drains in 5
+    assert result.vws[0].wave_s == 6.0 and result.vws[0].wave_done_s == (7.0, 13.0, 19.0, 25.0, 30.0)
+    assert result.ps_utilisation == 0.0 and result.vws[0].gate_wait_s == 0.0
+
+
+def test_push_and_pull_timed_on_the_ps_link_by_hand() -> None:
+    # One stage, nm=1, D=0, f=1, b=2, 1 GB of weights over 8 Gbit/s: each transfer takes 1 s.
+    # wave 0: F0 0-1, B0 1-3, PUSH0 3-4 (stage goes on)   wave 1 (no gate: c-D-1 = 0): F1 3-4, B1 4-6,
+    # PUSH1 6-7   wave 2: gate needs wave 0 (landed at 4): opens at 6, pull queues behind PUSH1: 7-8,
+    # F2 8-9, B2 9-11, PUSH2 11-12.
+    result = simulate(plan(vw(stage(1.0, 2.0, params=int(GB)))), waves=3, ps_gbps=8.0)
+    assert result.makespan_s == 12.0
+    assert result.samples_per_s == 3 * BATCH / 12.0
+    assert result.ps_utilisation == pytest.approx(4 / 12)
+    one = result.vws[0]
+    assert one.wave_done_s == (4.0, 7.0, 12.0) and one.gate_wait_s == 0.0 and one.pull_s == 2.0
+    assert [(g.time_s, g.wave, g.completed) for g in result.gates] == [(6.0, 2, (1,))]
+
+
+def test_transfers_split_between_forward_and_backward() -> None:
+    three = vw(stage(1.0, 2.0, recv=0.2, send=0.4), stage(1.0, 2.0, recv=0.4, send=0.6), stage(1.0, 2.0, recv=0.6))
+    forward, backward = stage_times(three)
+    # stage 0 sends its activation forward and receives a gradient backward; the last stage the reverse
+    assert forward == pytest.approx([1.4, 1.5, 1.6]) and backward == pytest.approx([2.2, 2.5, 2.0])
+    assert [f + b for f, b in zip(forward, backward, strict=True)] == pytest.approx([s.time_s for s in three.stages])
+
+
+def test_full_pipeline_approaches_batch_over_bottleneck() -> None:
+    four = vw(stage(1.0, 2.0), stage(1.5, 2.5, recv=0.2, send=0.2), stage(1.0, 1.0), stage(0.5, 1.5), nm=4)
+    assert four.bottleneck_s == pytest.approx(4.4)
+    rates = [simulate(plan(four), waves=w, ps_gbps=math.inf).samples_per_s for w in (2, 8, 32)]
+    assert rates[0] < rates[1] < rates[2] < BATCH / four.bottleneck_s
+    assert rates[2] > 0.95 * BATCH / four.bottleneck_s
+    steady = simulate(plan(four), waves=8, ps_gbps=math.inf).vws[0].wave_s
+    assert steady == pytest.approx(4 * four.bottleneck_s)  # nm minibatches per wave at the bottleneck's pace
+
+
+@pytest.mark.parametrize("nm", [1, 2, 3, 5])
+@pytest.mark.parametrize("staleness", [0, 1, 100])
+def test_agrees_with_the_schedule_timeline_when_ps_is_free(nm: int, staleness: int) -> None:
+    three = vw(
+        stage(1.0, 2.0, send=0.25), stage(1.5, 2.5, recv=0.25, send=0.5), stage(0.5, 1.0, recv=0.5),
+        nm=nm, param_bytes=10**6,
+    )
+    result = simulate(plan(three, staleness=staleness), waves=6, ps_gbps=math.inf)
+    timeline = simulate_schedule(wsp_schedule(3, nm, 6, staleness), *stage_times(three))
+    compute = {(e.stage, e.action, e.start, e.end) for e in result.events if e.action.kind in (FORWARD, BACKWARD)}
+    assert compute == {(e.stage, e.action, e.start, e.end) for e in timeline.events if e.action.kind in (FORWARD, BACKWARD)}
+    assert result.makespan_s == timeline.makespan
+    assert result.samples_per_s == BATCH * timeline.throughput
+
+
+# ---------------------------------------------------------------------------------------------- WSP across VWs
+
+
+def two_speeds(staleness: int, params: int = 0) -> Plan:
+    """VW 0 four times as fast as VW 1, two stages each, nm = 2."""
+    return plan(pipeline(2, 1.0, 2.0, 2, params), pipeline(2, 4.0, 8.0, 2, params), staleness=staleness)
+
+
+def test_d0_holds_the_fast_worker_to_the_slow_one() -> None:
+    result = simulate(two_speeds(0), waves=12, ps_gbps=math.inf)
+    fast, slow = result.vws
+    assert result.gates and all(g.lead <= 1 and g.wave - min(g.completed) <= 1 for g in result.gates)
+    assert fast.gate_wait_s > 0 and slow.gate_wait_s == 0
+    assert fast.wave_s == pytest.approx(slow.wave_s, rel=0.05)  # held to the slow pace, not 4x faster
+    assert slow.wave_s == pytest.approx(2 * 12.0)  # nm x (f + b) of its bottleneck stage
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2, 3])
+def test_every_gate_keeps_the_bound(staleness: int) -> None:
+    result = simulate(two_speeds(staleness), waves=12, ps_gbps=math.inf)
+    assert result.gates
+    for gate in result.gates:
+        assert min(gate.completed) >= gate.wave - staleness - 1  # the gate rule, hetpipe.md §3
+        assert gate.lead <= staleness + 1
+    assert max(g.lead for g in result.gates) == staleness  # the fast VW runs right up to the bound
+
+
+def test_larger_d_lets_the_fast_worker_run_ahead_and_raises_throughput() -> None:
+    free = {d: simulate(two_speeds(d), waves=12, ps_gbps=math.inf) for d in (0, 1, 3, 20)}
+    finish = [free[d].vws[0].finish_s for d in (0, 1, 3, 20)]
+    assert finish[0] > finish[1] > finish[2] > finish[3]
+    assert free[20].vws[0].wave_s == pytest.approx(2 * 3.0)  # unbounded: its own pace
+    # Fixed waves per VW, free PS: the slow VW never waits, so the run's length and throughput do not depend on D.
+    assert len({r.samples_per_s for r in free.values()}) == 1
+    # With a shared PS link the slow VW's own pushes queue behind the fast one's; a larger D waits for
+    # older waves, so it blocks less and the whole run goes faster.
+    loaded = [simulate(two_speeds(d, params=10**8), waves=12, ps_gbps=1.0).samples_per_s for d in (0, 1, 3, 20)]
+    assert loaded[0] < loaded[1] < loaded[2] < loaded[3]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    speeds=st.lists(st.sampled_from([1.0, 2.0, 3.0, 5.0]), min_size=2, max_size=3),
+    staleness=st.integers(0, 3),
+    nm=st.integers(1, 3),
+    ps_gbps=st.sampled_from([math.inf, 1.0, 0.1]),
+)
+def test_bound_holds_for_any_speeds(speeds: list[float], staleness: int, nm: int, ps_gbps: float) -> None:
+    workers = [pipeline(2, 1.0 / s, 2.0 / s, nm, params=10**7) for s in speeds]
+    result = simulate(plan(*workers, staleness=staleness), waves=6, ps_gbps=ps_gbps)
+    assert all(min(g.completed) >= g.wave - staleness - 1 and g.lead <= staleness + 1 for g in result.gates)
+    assert all(len(v.wave_done_s) == 6 for v in result.vws)
+
+
+def test_ps_bandwidth_towards_zero_drops_throughput() -> None:
+    bandwidths = [math.inf, 10.0, 1.0, 0.1, 0.01]
+    runs = [simulate(two_speeds(1, params=10**8), waves=8, ps_gbps=gbps) for gbps in bandwidths]
+    rates = [r.samples_per_s for r in runs]
+    assert all(a > b for a, b in zip(rates, rates[1:], strict=False))
+    assert runs[0].ps_utilisation == 0.0 and runs[-1].ps_utilisation > 0.95
+
+
+def test_shards_add_bandwidth() -> None:
+    two = simulate(two_speeds(1, params=10**8), waves=6, ps_gbps=1.0, ps_shards=2)
+    one = simulate(two_speeds(1, params=10**8), waves=6, ps_gbps=2.0)
+    assert two.samples_per_s == one.samples_per_s
+
+
+def test_stage_param_bytes_from_stages_or_split_by_layers() -> None:
+    assert stage_param_bytes(vw(stage(1, 1, params=5), stage(1, 1, params=0))) == [5.0, 0.0]
+    unknown = vw(stage(1, 1, layers=1), StagePlan("n0:1", "g", 1, 4, 1, 1, 0, 0, 0, 0), param_bytes=400)
+    assert stage_param_bytes(unknown) == [100.0, 300.0]
+
+
+def test_per_stage_param_bytes_survive_json() -> None:
+    original = plan(vw(stage(1.0, 2.0, params=7)))
+    assert Plan.from_json(original.to_json()) == original
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"waves": 0, "ps_gbps": 1.0}, "waves must be >= 1"), ({"waves": 1, "ps_gbps": 0.0}, "ps_gbps must be > 0"),
+     ({"waves": 1, "ps_gbps": 1.0, "ps_shards": 0}, "ps_shards must be >= 1")],
+)
+def test_bad_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        simulate(plan(vw(stage(1.0, 1.0))), **kwargs)
+    with pytest.raises(UsageError, match="no virtual workers"):
+        simulate(plan(), waves=1, ps_gbps=1.0)
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+
+
+def test_allreduce_runs_at_the_slowest_gpu_pace() -> None:
+    assert simulate_allreduce([1.0, 1.0, 1.0, 4.0], 0, 10.0, BATCH).samples_per_s == 4 * BATCH / 4.0
+    # ring all-reduce of 1 GB over 8 Gbit/s among 4: 2 x 3/4 x 1 s
+    result = simulate_allreduce([1.0, 1.0, 1.0, 4.0], int(GB), 8.0, BATCH)
+    assert result.comm_s == 1.5 and result.step_s == 5.5 and result.samples_per_s == 4 * BATCH / 5.5
+    assert simulate_allreduce([2.0], int(GB), 8.0, BATCH).samples_per_s == BATCH / 2.0  # alone: no all-reduce
+    with pytest.raises(UsageError, match="one time > 0 per GPU"):
+        simulate_allreduce([], 0, 1.0, BATCH)
+
+
+@pytest.mark.parametrize(("k", "m"), [(4, 4), (4, 8), (3, 1), (2, 5)])
+def test_sync_pipeline_takes_m_plus_k_minus_1_microbatch_slots(k: int, m: int) -> None:
+    result = simulate_sync_pipeline(pipeline(k, 1.0, 2.0, 1), m, BATCH)
+    assert result.step_s == pytest.approx((m + k - 1) * 3.0 / m)
+    assert result.samples_per_s == pytest.approx(BATCH / result.step_s) and result.comm_s == 0.0
