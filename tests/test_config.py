@@ -85,7 +85,7 @@ def test_default_config_values() -> None:
     assert cfg.checkpoint == CheckpointConfig("runs/local/ps", every=0, keep=3)
     assert cfg.model == ModelConfig("mnist-cnn", FrozenMap())
     assert cfg.data == DataConfig("mnist", FrozenMap(), 0.2)
-    assert cfg.train == TrainConfig(32, 20, "momentum", 0.02, 0.9, 0.0, True, "wsp", "runs/local")
+    assert cfg.train == TrainConfig(32, 200, "momentum", 0.01, 0.9, 0.0, True, "wsp", "runs/local")
     assert cfg.emulation == EmulationConfig(enabled=True, time_scale=None, link_bandwidth=False)
     assert cfg.allocation == AllocationConfig("explicit")
     assert cfg.virtual_workers == (
