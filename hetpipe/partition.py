@@ -1,0 +1,473 @@
+"""Partitioning one virtual worker (hetpipe.md §4): contiguous split, GPU order and Nm. Pure, no torch.
+
+Stage j runs layers [start, stop) on GPU j. Its time per minibatch is its layers' forward + backward on
+that GPU's type plus its boundary transfers (bytes / link bandwidth): receiving the input activation and
+the output gradient, sending the output activation and the input gradient; the model input (stage 0) and
+the last stage's output cross no link. Its memory is hetpipe.memory's model; it must fit the GPU's memory
+minus `reserve_bytes`. The split minimises the slowest stage time, then the peak memory use (the largest
+stage memory as a fraction of its GPU's usable memory), exactly, by dynamic programming over
+(stage, first layer) on numpy tables: O(k n^2) per (order, Nm).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetpipe.config import NetworkConfig
+from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.memory import format_bytes, in_flight, stage_memory_terms
+from hetpipe.plan import StagePlan, VwPlan
+from hetpipe.profile import ModelProfile
+from hetpipe.schedule import simulate, wsp_schedule
+
+__all__ = ["Gpu", "best_order_and_nm", "minibatch_time_s", "node_links", "partition"]
+
+Gpu = tuple[str, str, int]  # (GPU reference "node:index", GPU type, memory in bytes)
+_TIE = 1e-9  # relative: stage times this close count as equal for the memory tie-break
+
+
+# ---------------------------------------------------------------------------------------------- public
+
+
+def partition(
+    profiles: Sequence[ModelProfile],
+    gpus: Sequence[Gpu],
+    link_gbps: Sequence[float],
+    nm: int,
+    *,
+    weight_stashing: bool = True,
+    reserve_bytes: int = 0,
+    fixed_split: Sequence[int] | None = None,
+) -> VwPlan:
+    """The best contiguous split of the model over `gpus` in this order (profiles[j]: the model on gpus[j]'s
+    type; link_gbps[j]: Gbit/s between gpus[j] and gpus[j+1]).
+
+    `fixed_split` (layers per stage) replaces the search, still checked against memory. HetpipeError when
+    no split fits (naming the GPU, what it needs in the best case and what it has) or the fixed one does not.
+    """
+    problem = _Problem.build(profiles, gpus, link_gbps, reserve_bytes)
+    _check_nm(nm, "nm")
+    if fixed_split is not None:
+        split = problem.check_split(fixed_split)
+        vw = problem.plan(split, nm, weight_stashing)
+        over = [s for s in vw.stages if s.memory_bytes > s.memory_limit_bytes]
+        if over:
+            j = vw.stages.index(over[0])
+            raise HetpipeError(problem.overflow_message(j, split, nm, weight_stashing, f"the fixed split {list(split)}")
+                               + ": move layers off that stage, lower batch_size, lower nm, or add GPUs to the VW")
+        return vw
+    found = problem.solve(nm, weight_stashing)
+    if found is None:
+        raise HetpipeError(problem.infeasible_message(nm, weight_stashing))
+    return problem.plan(found.split, nm, weight_stashing)
+
+
+def best_order_and_nm(
+    profiles: Mapping[str, ModelProfile],
+    gpus: Sequence[Gpu],
+    link_gbps: Callable[[str, str], float],
+    nm_max: int,
+    *,
+    weight_stashing: bool = True,
+    reserve_bytes: int = 0,
+    max_orders: int = 720,
+) -> VwPlan:
+    """Partition `gpus` choosing also their order inside the VW and Nm in 1..nm_max.
+
+    `profiles` maps GPU type -> the model's profile on it; `link_gbps(a, b)` the Gbit/s between two GPUs.
+    Orders: the distinct permutations of the GPUs, GPUs with the same type, memory and node being
+    interchangeable (so `link_gbps` must depend only on the nodes), tried large-memory-first; with more
+    than `max_orders` of them only two heuristic orders (memory-descending, and nodes kept together).
+
+    Choice, per order: the split for every Nm, scored by minibatch_time_s - the bottleneck when Nm >= k,
+    the simulated steady state of the wsp schedule when Nm < k (the pipe cannot fill; computed only when
+    it could win). The order keeps the *largest* Nm with its best time (hetpipe.md §4: the largest that
+    fits; a larger Nm is never bought with a slower split). Across orders: least time, then lower peak
+    memory use, then smaller Nm, then the earlier order. So Nm < k is chosen only when no Nm >= k does
+    as well, typically because nothing with Nm >= k fits or nm_max < k.
+    """
+    _check_nm(nm_max, "nm_max")
+    if not gpus:
+        raise UsageError("a virtual worker needs at least one GPU")
+    missing = sorted({t for _, t, _ in gpus} - set(profiles))
+    if missing:
+        raise UsageError(f"no profile for GPU type(s) {', '.join(missing)}: profile the model on them "
+                         f"(hetpipe.profiler.cached_profile) or derive one (derive_profile)")
+    k = len(gpus)
+    tables: dict[int, _Tables] = {}
+    best: tuple[tuple[float, float, int, int], _Problem, _Solution] | None = None
+    closest: tuple[float, _Problem] | None = None
+    for index, order in enumerate(_orders(gpus, max_orders)):
+        links = [_link(link_gbps, a[0], b[0]) for a, b in itertools.pairwise(order)]
+        problem = _Problem.build([profiles[t] for _, t, _ in order], order, links, reserve_bytes, tables)
+        chosen: tuple[tuple[float, int, float], _Solution] | None = None
+        filled_best = math.inf
+        for nm in range(nm_max, 0, -1):  # largest first; the bottleneck can only improve as nm falls
+            found = problem.solve(nm, weight_stashing)
+            if found is None:
+                continue
+            if nm >= k:
+                time_s = found.bottleneck
+                filled_best = min(filled_best, time_s)
+            elif found.bottleneck < min(filled_best, chosen[0][0] if chosen else math.inf):
+                time_s = problem.steady_time(found.split, nm)
+            else:
+                continue  # cannot beat what a larger Nm already gives
+            key = (time_s, -nm, found.peak)
+            if chosen is None or key < chosen[0]:
+                chosen = (key, found)
+        if chosen is None:
+            worst = problem.least_overcommit(1, weight_stashing)[0]
+            if closest is None or worst < closest[0]:
+                closest = (worst, problem)
+            continue
+        (time_s, neg_nm, peak), found = chosen
+        rank = (time_s, peak, -neg_nm, index)
+        if best is None or rank < best[0]:
+            best = (rank, problem, found)
+    if best is None:
+        assert closest is not None
+        raise HetpipeError(closest[1].infeasible_message(1, weight_stashing, orders_tried=True))
+    (_, _, nm, _), problem, found = best
+    return problem.plan(found.split, nm, weight_stashing)
+
+
+def minibatch_time_s(vw: VwPlan) -> float:
+    """Steady-state time per minibatch of one VW: the bottleneck stage when Nm >= k (batch / this is its
+    throughput), else the wsp schedule simulated with the stages' times (the pipe cannot fill)."""
+    if vw.nm >= len(vw.stages):
+        return vw.bottleneck_s
+    forward = [s.forward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]
+    backward = [s.backward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]
+    return _simulated_time(forward, backward, vw.nm)
+
+
+def node_links(network: NetworkConfig) -> Callable[[str, str], float]:
+    """link_gbps for best_order_and_nm from a config: intra-node between GPUs "n:i" of one node, else inter."""
+
+    def link(a: str, b: str) -> float:
+        same = a.rsplit(":", 1)[0] == b.rsplit(":", 1)[0]
+        return network.intra_node_gbps if same else network.inter_node_gbps
+
+    return link
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """One profile as (start, stop) tables over prefix sums; entries with stop <= start are unused."""
+
+    compute: np.ndarray  # forward + backward seconds of layers [s, e)
+    act_in: np.ndarray  # (n,) bytes entering layer s: model input for s = 0, else output of layer s - 1
+    weights: np.ndarray  # (n+1, n+1) param bytes of [s, e)
+    static: np.ndarray  # weights + gradients + optimizer + max working, independent of the stage's position
+    held: np.ndarray  # saved activations of [s, e) + input buffer, per minibatch in flight
+
+    @classmethod
+    def of(cls, profile: ModelProfile) -> _Tables:
+        layers = profile.layers
+        n = len(layers)
+
+        def span(values: Sequence[float], dtype: type) -> np.ndarray:
+            prefix = np.concatenate(([0], np.cumsum(np.asarray(values, dtype=dtype))))
+            return prefix[None, :] - prefix[:, None]
+
+        compute = span([layer.forward_s + layer.backward_s for layer in layers], np.float64)
+        weights = span([layer.param_bytes for layer in layers], np.int64)
+        optimizer = span([layer.optimizer_bytes for layer in layers], np.int64)
+        saved = span([layer.saved_bytes for layer in layers], np.int64)
+        working = np.zeros((n + 1, n + 1), dtype=np.int64)
+        for s in range(n):
+            working[s, s + 1:] = np.maximum.accumulate([layer.working_bytes for layer in layers[s:]])
+        act_in = np.asarray([profile.input_bytes] + [layer.output_bytes for layer in layers[:-1]], dtype=np.int64)
+        held = saved + np.append(act_in, 0)[:, None]
+        return cls(compute, act_in, weights, 2 * weights + optimizer + working, held)
+
+
+@dataclass(frozen=True)
+class _Solution:
+    split: tuple[int, ...]
+    bottleneck: float
+    peak: float  # largest stage memory / usable memory
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """One VW in one GPU order: the profile tables per position, link rates, usable memory."""
+
+    profiles: tuple[ModelProfile, ...]
+    gpus: tuple[Gpu, ...]
+    links: tuple[float, ...]  # Gbit/s
+    caps: tuple[int, ...]  # usable bytes per GPU
+    reserve: int
+    tables: tuple[_Tables, ...]
+
+    @classmethod
+    def build(cls, profiles: Sequence[ModelProfile], gpus: Sequence[Gpu], link_gbps: Sequence[float],
+              reserve_bytes: int, cache: dict[int, _Tables] | None = None) -> _Problem:
+        k = len(gpus)
+        if k == 0:
+            raise UsageError("a virtual worker needs at least one GPU")
+        if len(profiles) != k:
+            raise UsageError(f"{len(profiles)} profiles for {k} GPUs: give one profile per GPU, in stage order")
+        if len(link_gbps) != k - 1:
+            raise UsageError(f"{len(link_gbps)} link bandwidths for {k} GPUs: give k - 1 = {k - 1}, "
+                             "one between each pair of consecutive GPUs")
+        for j, rate in enumerate(link_gbps):
+            if not (rate > 0 and math.isfinite(rate)):
+                raise UsageError(f"link_gbps[{j}] (between {gpus[j][0]} and {gpus[j + 1][0]}) must be a finite "
+                                 f"number > 0, got {rate!r}")
+        if reserve_bytes < 0:
+            raise UsageError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
+        first = profiles[0]
+        for j, p in enumerate(profiles):
+            if (p.model, p.batch_size, p.num_layers) != (first.model, first.batch_size, first.num_layers):
+                raise UsageError(f"profile {j} is {p.model} at batch {p.batch_size} with {p.num_layers} layers, "
+                                 f"profile 0 is {first.model} at batch {first.batch_size} with {first.num_layers}: "
+                                 "profile the same model at the same batch size on every GPU type")
+        n = first.num_layers
+        if n < k:
+            raise UsageError(f"cannot split {first.model}'s {n} layers over {k} GPUs: each stage needs at least "
+                             f"one layer; use at most {n} GPUs in this virtual worker")
+        cache = {} if cache is None else cache
+        tables = tuple(cache.setdefault(id(p), _Tables.of(p)) for p in profiles)
+        caps = tuple(int(mem) - reserve_bytes for _, _, mem in gpus)
+        return cls(tuple(profiles), tuple(gpus), tuple(float(r) for r in link_gbps), caps, reserve_bytes, tables)
+
+    # -- tables per position
+
+    @functools.cached_property
+    def times(self) -> list[np.ndarray]:
+        """stage_time of every position (independent of Nm, so computed once)."""
+        return [self.stage_time(j) for j in range(len(self.gpus))]
+
+    def _rate(self, link: int) -> float:
+        """Bytes per second of link `link` (between GPU link and link + 1)."""
+        return self.links[link] * 1e9 / 8
+
+    def stage_time(self, j: int) -> np.ndarray:
+        """Seconds per minibatch of layers [s, e) at position j: compute plus boundary transfers."""
+        t = self.tables[j]
+        time = t.compute.copy()
+        # boundary[i]: the activation entering layer i (= the output of layer i - 1) one way plus its
+        # gradient back; 0 at i = n, where the model output stays on the last stage
+        boundary = 2 * np.append(t.act_in, 0).astype(np.float64)
+        if j > 0:  # in at s
+            time += (boundary / self._rate(j - 1))[:, None]
+        if j < len(self.gpus) - 1:  # out at e
+            time += (boundary / self._rate(j))[None, :]
+        return time
+
+    def stage_memory(self, j: int, nm: int, weight_stashing: bool) -> np.ndarray:
+        t = self.tables[j]
+        flight = in_flight(j, nm)
+        stash = (flight - 1) if weight_stashing else 0
+        return t.static + flight * t.held + stash * t.weights
+
+    # -- the dynamic programme
+
+    def _min_max(self, values: Sequence[np.ndarray], allowed: Sequence[np.ndarray]) -> tuple[float, list[np.ndarray]]:
+        """min over splits of max_j values[j][s_j, e_j], stages restricted to `allowed`; argmins per stage."""
+        n = values[0].shape[0] - 1
+        lower = np.tri(n + 1, dtype=bool)  # stop <= start
+        after = np.full(n + 1, np.inf)
+        after[n] = -np.inf  # no layers left after the last stage: nothing to add
+        choices = []
+        for j in range(len(self.gpus) - 1, -1, -1):
+            cand = np.maximum(values[j], after[None, :])
+            cand[lower | ~allowed[j]] = np.inf
+            choices.append(cand.argmin(axis=1))
+            after = cand.min(axis=1)
+        return float(after[0]), choices[::-1]
+
+    @staticmethod
+    def _walk(choices: Sequence[np.ndarray]) -> tuple[int, ...]:
+        split, s = [], 0
+        for choice in choices:
+            e = int(choice[s])
+            split.append(e - s)
+            s = e
+        return tuple(split)
+
+    def solve(self, nm: int, weight_stashing: bool) -> _Solution | None:
+        """The split with the least bottleneck, then the least peak memory use; None when nothing fits."""
+        k = len(self.gpus)
+        times = self.times
+        mems = [self.stage_memory(j, nm, weight_stashing) for j in range(k)]
+        fits = [mems[j] <= self.caps[j] for j in range(k)]
+        bottleneck, _ = self._min_max(times, fits)
+        if math.isinf(bottleneck):
+            return None
+        use = [mems[j] / self.caps[j] for j in range(k)]
+        limit = bottleneck * (1 + _TIE)  # equal up to rounding (prefix sums vs plain sums)
+        peak, choices = self._min_max(use, [fits[j] & (times[j] <= limit) for j in range(k)])
+        return _Solution(self._walk(choices), bottleneck, peak)
+
+    def least_overcommit(self, nm: int, weight_stashing: bool) -> tuple[float, tuple[int, ...]]:
+        """The split whose fullest GPU is least full (memory / usable memory, may exceed 1), ignoring time."""
+        k = len(self.gpus)
+        use = []
+        for j in range(k):
+            use.append(self.stage_memory(j, nm, weight_stashing) / max(self.caps[j], 1))
+        everything = [np.ones_like(u, dtype=bool) for u in use]
+        worst, choices = self._min_max(use, everything)
+        return worst, self._walk(choices)
+
+    # -- results
+
+    def check_split(self, split: Sequence[int]) -> tuple[int, ...]:
+        n, k = self.profiles[0].num_layers, len(self.gpus)
+        if (len(split) != k or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in split)
+                or sum(split) != n):
+            raise UsageError(f"fixed split {list(split)} does not fit {self.profiles[0].model}: give {k} layer "
+                             f"counts (one per GPU), each >= 1, summing to its {n} layers")
+        return tuple(split)
+
+    def stage_plan(self, j: int, start: int, stop: int, nm: int, weight_stashing: bool) -> StagePlan:
+        profile = self.profiles[j]
+        layers = profile.layers[start:stop]
+        act_in = profile.input_bytes if start == 0 else profile.layers[start - 1].output_bytes
+        recv = send = 0.0
+        if j > 0:  # activation in, input gradient back
+            recv += act_in / self._rate(j - 1)
+            send += act_in / self._rate(j - 1)
+        if j < len(self.gpus) - 1:  # activation out, output gradient in
+            out = layers[-1].output_bytes
+            send += out / self._rate(j)
+            recv += out / self._rate(j)
+        memory = stage_memory_terms(layers, j, nm, weight_stashing, input_bytes=act_in).total
+        ref, gpu_type, _ = self.gpus[j]
+        return StagePlan(
+            gpu=ref, gpu_type=gpu_type, start=start, stop=stop,
+            forward_s=sum(layer.forward_s for layer in layers), backward_s=sum(layer.backward_s for layer in layers),
+            recv_s=recv, send_s=send, memory_bytes=memory, memory_limit_bytes=self.caps[j],
+        )
+
+    def plan(self, split: Sequence[int], nm: int, weight_stashing: bool) -> VwPlan:
+        bounds = [0, *itertools.accumulate(split)]
+        stages = tuple(self.stage_plan(j, s, e, nm, weight_stashing)
+                       for j, (s, e) in enumerate(itertools.pairwise(bounds)))
+        return VwPlan(stages=stages, nm=nm, param_bytes=sum(layer.param_bytes for layer in self.profiles[0].layers))
+
+    def steady_time(self, split: Sequence[int], nm: int) -> float:
+        return minibatch_time_s(self.plan(split, nm, True))
+
+    # -- messages
+
+    def _where(self, j: int) -> str:
+        ref, gpu_type, mem = self.gpus[j]
+        reserve = f" minus a reserve of {format_bytes(self.reserve)}" if self.reserve else ""
+        return f"stage {j} on GPU {ref} ({gpu_type}, {format_bytes(mem)}{reserve})"
+
+    def overflow_message(self, j: int, split: Sequence[int], nm: int, weight_stashing: bool, which: str) -> str:
+        start = sum(split[:j])
+        stop = start + split[j]
+        profile = self.profiles[j]
+        act_in = profile.input_bytes if start == 0 else profile.layers[start - 1].output_bytes
+        terms = stage_memory_terms(profile.layers[start:stop], j, nm, weight_stashing, input_bytes=act_in)
+        layers = f"layer {start}" if stop - start == 1 else f"layers {start}-{stop - 1}"
+        return (f"{profile.model} at batch {profile.batch_size}, nm={nm}: with {which}, {self._where(j)} needs "
+                f"{format_bytes(terms.total)} for {layers} but has {format_bytes(max(self.caps[j], 0))} usable "
+                f"({terms.describe()})")
+
+    def infeasible_message(self, nm: int, weight_stashing: bool, *, orders_tried: bool = False) -> str:
+        _, split = self.least_overcommit(nm, weight_stashing)
+        k = len(self.gpus)
+        usage = [self.stage_memory(j, nm, weight_stashing)[sum(split[:j]), sum(split[:j + 1])] for j in range(k)]
+        j = max(range(k), key=lambda i: usage[i] / max(self.caps[i], 1))
+        which = (f"the best case (the split {list(split)}, which needs the least memory, "
+                 f"in the best order of the GPUs, with nm=1)" if orders_tried
+                 else f"the best case (the split {list(split)}, which needs the least memory)")
+        fix = "lower batch_size, lower nm, or add GPUs to the VW" if nm > 1 else "lower batch_size or add GPUs to the VW"
+        if weight_stashing and nm > 1:
+            fix += " (or turn weight_stashing off)"
+        return (f"no split of {self.profiles[0].model} over virtual worker {', '.join(g[0] for g in self.gpus)} "
+                f"fits: {self.overflow_message(j, split, nm, weight_stashing, which)}\n  {fix}")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _check_nm(nm: int, what: str) -> None:
+    if isinstance(nm, bool) or not isinstance(nm, int) or nm < 1:
+        raise UsageError(f"{what} must be an integer >= 1, got {nm!r}")
+
+
+def _link(link_gbps: Callable[[str, str], float], a: str, b: str) -> float:
+    rate = link_gbps(a, b)
+    if not (rate > 0 and math.isfinite(rate)):
+        raise UsageError(f"link bandwidth between {a} and {b} must be a finite number > 0 Gbit/s, got {rate!r}")
+    return float(rate)
+
+
+def _orders(gpus: Sequence[Gpu], max_orders: int) -> Iterator[tuple[Gpu, ...]]:
+    """Distinct orders of `gpus` (same type, memory and node = interchangeable), large memory first."""
+
+    def key(g: Gpu) -> tuple[int, str, str]:
+        return (-g[2], g[1], g[0].rsplit(":", 1)[0])
+
+    groups: dict[tuple[int, str, str], list[Gpu]] = {}
+    for g in sorted(gpus, key=key):
+        groups.setdefault(key(g), []).append(g)
+    counts = Counter({kind: len(members) for kind, members in groups.items()})
+    total = math.factorial(len(gpus))
+    for c in counts.values():
+        total //= math.factorial(c)
+    if total <= max_orders:
+        kinds = _multiset_permutations(list(groups), counts, len(gpus))
+    else:
+        by_memory = [key(g) for g in sorted(gpus, key=key)]
+        node_best: dict[str, tuple[int, str]] = {}
+        for g in gpus:
+            node = g[0].rsplit(":", 1)[0]
+            node_best[node] = min(node_best.get(node, (-g[2], node)), (-g[2], node))
+        by_node = [key(g) for g in sorted(gpus, key=lambda g: (node_best[g[0].rsplit(":", 1)[0]], key(g)))]
+        kinds = iter([by_memory] if by_node == by_memory else [by_memory, by_node])
+    for kind_order in kinds:
+        taken: Counter[tuple[int, str, str]] = Counter()
+        order = []
+        for kind in kind_order:
+            order.append(groups[kind][taken[kind]])
+            taken[kind] += 1
+        yield tuple(order)
+
+
+def _multiset_permutations(kinds: list, counts: Counter, length: int) -> Iterator[list]:
+    """Distinct permutations in lexicographic order of `kinds` (already sorted)."""
+    if length == 0:
+        yield []
+        return
+    for kind in kinds:
+        if counts[kind]:
+            counts[kind] -= 1
+            for rest in _multiset_permutations(kinds, counts, length - 1):
+                yield [kind, *rest]
+            counts[kind] += 1
+
+
+def _simulated_time(forward: Sequence[float], backward: Sequence[float], nm: int) -> float:
+    return _steady(tuple(forward), tuple(backward), nm)
+
+
+@functools.lru_cache(maxsize=4096)
+def _steady(forward: tuple[float, ...], backward: tuple[float, ...], nm: int) -> float:
+    """Steady-state time per minibatch of the wsp schedule: the makespan growth from w to 2w waves, with
+    w * nm >= 2k + 2nm minibatches, past the fill (checked against much longer runs when written)."""
+    k = len(forward)
+    fwd = [max(f, 1e-12) for f in forward]  # simulate wants times > 0
+    bwd = [max(b, 1e-12) for b in backward]
+    waves = -(-2 * k // nm) + 2
+
+    def makespan(w: int) -> float:
+        return simulate(wsp_schedule(k, nm, w, w), fwd, bwd).makespan  # D = w: a lone VW never waits
+
+    return (makespan(2 * waves) - makespan(waves)) / (waves * nm)

@@ -1,0 +1,314 @@
+"""Measuring a model's per-layer profile (times, weights, activations) on one device, with a JSON cache.
+
+Not pure: it builds and runs the model. The caller sets torch.set_num_threads(1) first, as every stage
+process does (design.md), so that the times match what a stage will see. Data types: hetpipe.profile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.models.spec import ModelSpec
+from hetpipe.profile import LayerProfile, ModelProfile
+
+__all__ = ["OPTIMIZER_STATE", "cached_profile", "derive_profile", "profile_cache_path", "profile_model"]
+
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}  # copies of the trainable weights each optimizer keeps
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def profile_model(
+    spec: ModelSpec,
+    batch_size: int,
+    *,
+    optimizer: str = "momentum",
+    repeats: int = 3,
+    device: str = "cpu",
+    gpu_type: str | None = None,
+) -> ModelProfile:
+    """Measure every layer of `spec` at `batch_size` on `device`; label the result `gpu_type` (default: device).
+
+    Times: each layer alone on the previous layer's real output, one warm-up forward+backward, then the
+    median of `repeats` timed forwards and backwards (backward without the optimizer step); the last
+    layer's forward and backward include the loss. On CUDA the device is synchronised around each timing.
+
+    Sizes (bytes, one minibatch):
+    - param_bytes: parameters and buffers; optimizer_bytes: OPTIMIZER_STATE[optimizer] x trainable ones.
+    - output_bytes: the layer's output, what crosses a stage boundary.
+    - saved_bytes: storages autograd saves during the layer's forward (saved_tensors_hooks), without the
+      layer's own weights and without storages an earlier layer already saved: a ReLU output that the next
+      Linear saves again counts once, in the ReLU's layer, so a layer that only saves an input its
+      predecessor saved shows 0 (the last layer still shows the loss's saved tensors). When a stage starts
+      at a layer that saves its input (a conv after a pool, the first layer on the model input), the
+      memory model counts that input twice, as input buffer and as saved: conservative by one activation
+      per in-flight minibatch.
+    - working_bytes: the gradient of the output plus the gradient of the input (alive together in the
+      backward) - an estimate. On CUDA it is the larger of that and the measured peak of a forward+backward
+      (torch.cuda.max_memory_allocated) beyond what was allocated before, the saved tensors and the
+      parameter gradients (those the memory model counts on their own).
+    """
+    _check_options(spec, batch_size, optimizer, repeats)
+    dev = torch.device(device)
+    layers = [spec.build_layer(i, dev).train() for i in range(spec.num_layers)]
+    x0 = spec.example_input(batch_size).to(dev)
+    target = _example_target(spec, batch_size).to(dev)
+    traced = _trace(spec, layers, x0, target)
+
+    profiles = []
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        x = x0 if i == 0 else traced.outputs[i - 1].detach().requires_grad_(traced.outputs[i - 1].is_floating_point())
+        grad_out = None if last else torch.ones_like(traced.outputs[i])
+        loss_fn = (lambda out: spec.loss(out, target)) if last else None
+        step = _Step(layer, x, grad_out, loss_fn, dev)
+        step()  # warm-up (lazy initialisation, allocator caches, kernel selection)
+        trainable = sum(_nbytes(p) for p in layer.parameters() if p.requires_grad)
+        input_grad = _nbytes(x) if x.requires_grad else 0
+        working = _nbytes(traced.outputs[i]) + input_grad
+        if dev.type == "cuda":
+            working = max(working, _measured_working(step, dev, traced.raw_saved[i] + trainable))
+        times = [step() for _ in range(repeats)]
+        profiles.append(LayerProfile(
+            name=spec.layer_names[i],
+            forward_s=statistics.median(t[0] for t in times),
+            backward_s=statistics.median(t[1] for t in times),
+            param_bytes=sum(_nbytes(t) for t in _own_tensors(layer)),
+            optimizer_bytes=OPTIMIZER_STATE[optimizer] * trainable,
+            output_bytes=_nbytes(traced.outputs[i]),
+            saved_bytes=traced.saved[i],
+            working_bytes=working,
+        ))
+    return ModelProfile(
+        model=spec.name, batch_size=batch_size, gpu_type=gpu_type or str(dev), dtype=_model_dtype(spec),
+        torch_version=torch.__version__, input_bytes=_nbytes(x0), layers=tuple(profiles),
+    )
+
+
+def _check_options(spec: ModelSpec, batch_size: int, optimizer: str, repeats: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(f"profiling {spec.name}: batch_size must be an integer >= 1, got {batch_size!r}")
+    if optimizer not in OPTIMIZER_STATE:
+        raise UsageError(f'profiling {spec.name}: unknown optimizer "{optimizer}"; '
+                         f"choose one of: {', '.join(OPTIMIZER_STATE)}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise UsageError(f"profiling {spec.name}: repeats must be an integer >= 1, got {repeats!r}")
+
+
+def _example_target(spec: ModelSpec, batch_size: int) -> Tensor:
+    shape = (batch_size,) if spec.task == "classification" else (batch_size, *spec.input_shape)
+    return torch.randint(0, spec.num_classes, shape, generator=torch.Generator().manual_seed(1))
+
+
+@dataclass(frozen=True)
+class _Trace:
+    outputs: list[Tensor]  # each layer's output on the chained forward
+    saved: list[int]  # saved_bytes as profile_model documents it
+    raw_saved: list[int]  # everything the layer saved except its weights and its input (for CUDA working)
+
+
+def _trace(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, target: Tensor) -> _Trace:
+    """One forward through the whole model, the graph kept alive so storage addresses stay unique."""
+    seen: set[int] = set()
+    outputs: list[Tensor] = []
+    saved: list[int] = []
+    raw_saved: list[int] = []
+    x = x0
+    keep: list[Tensor] = []  # the loss, so its saved tensors stay alive until the end
+    for i, layer in enumerate(layers):
+        own = {_storage_key(t) for t in _own_tensors(layer)}
+        found: dict[int, int] = {}
+
+        def pack(t: Tensor, own: set[int] = own, found: dict[int, int] = found) -> Tensor:
+            key = _storage_key(t)
+            if key not in own and key != 0:
+                found[key] = _storage_bytes(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+            out = layer(x)
+            if i == len(layers) - 1:
+                keep.append(spec.loss(out, target))
+        saved.append(sum(size for key, size in found.items() if key not in seen))
+        raw_saved.append(sum(size for key, size in found.items() if key != _storage_key(x)))
+        seen.update(found)
+        outputs.append(out)
+        x = out
+    return _Trace(outputs, saved, raw_saved)
+
+
+class _Step:
+    """One timed forward and backward of one layer: returns (forward_s, backward_s)."""
+
+    def __init__(self, layer: nn.Module, x: Tensor, grad_out: Tensor | None,
+                 loss_fn: Callable[[Tensor], Tensor] | None, device: torch.device) -> None:
+        self.layer, self.x, self.grad_out, self.loss_fn, self.device = layer, x, grad_out, loss_fn, device
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __call__(self) -> tuple[float, float]:
+        self.layer.zero_grad(set_to_none=True)
+        self.x.grad = None
+        self._sync()
+        start = time.perf_counter()
+        out = self.layer(self.x)
+        if self.loss_fn is not None:
+            out = self.loss_fn(out)
+        self._sync()
+        middle = time.perf_counter()
+        if not out.requires_grad:  # no weights, and the input needs no gradient: no backward to run
+            return middle - start, 0.0
+        out.backward(self.grad_out)
+        self._sync()
+        return middle - start, time.perf_counter() - middle
+
+
+def _measured_working(step: _Step, device: torch.device, accounted: int) -> int:
+    """Peak allocated during one forward+backward beyond the start, minus what is counted elsewhere."""
+    step.layer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    return max(0, torch.cuda.max_memory_allocated(device) - base - accounted)
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def _own_tensors(layer: nn.Module) -> Iterator[Tensor]:
+    yield from layer.parameters()
+    yield from layer.buffers()
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.nelement() * t.element_size()
+
+
+def _storage_key(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+        return id(t)
+
+
+def _storage_bytes(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return _nbytes(t)
+
+
+def _model_dtype(spec: ModelSpec) -> str:
+    """The dtype of the model's first floating-point parameter (built on meta: no memory, no time)."""
+    for i in range(spec.num_layers):
+        for p in spec.build_layer(i, "meta").parameters():
+            if p.is_floating_point():
+                return str(p.dtype).removeprefix("torch.")
+    return str(torch.get_default_dtype()).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------- cache
+
+
+def profile_cache_path(spec: ModelSpec, batch_size: int, gpu_type: str, cache_dir: str | Path, *,
+                       optimizer: str = "momentum") -> Path:
+    """Where cached_profile keeps (or looks for) this profile: one JSON file per model, options, batch,
+    GPU type, dtype, optimizer and torch version. Copy a profile measured elsewhere to this path to use it."""
+    options = json.dumps({"options": [[k, repr(v)] for k, v in spec.options],
+                          "input_shape": list(spec.input_shape), "input_dtype": str(spec.input_dtype)},
+                         sort_keys=True)
+    digest = hashlib.sha256(options.encode()).hexdigest()[:12]
+    parts = (spec.name, digest, f"b{batch_size}", gpu_type, _model_dtype(spec), optimizer, f"torch{torch.__version__}")
+    return Path(cache_dir) / ("-".join(_safe(p) for p in parts) + ".json")
+
+
+def cached_profile(
+    spec: ModelSpec,
+    batch_size: int,
+    gpu_type: str,
+    cache_dir: str | Path,
+    *,
+    optimizer: str = "momentum",
+    repeats: int = 3,
+    device: str = "cpu",
+    measure: bool = True,
+) -> ModelProfile:
+    """The profile from the cache when there, else measured on `device` (labelled `gpu_type`) and stored.
+
+    measure=False only reads: a GPU type this machine does not have needs a profile file measured there
+    (or one made with ModelProfile.scaled / derive_profile); HetpipeError names the path it looked for.
+    """
+    _check_options(spec, batch_size, optimizer, repeats)
+    path = profile_cache_path(spec, batch_size, gpu_type, cache_dir, optimizer=optimizer)
+    problem = "no such file"
+    if path.exists():
+        try:
+            found = ModelProfile.load(path)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            problem = f"unreadable ({type(exc).__name__}: {exc})"
+        else:
+            expected = (spec.name, batch_size, gpu_type, _model_dtype(spec), torch.__version__, spec.num_layers)
+            actual = (found.model, found.batch_size, found.gpu_type, found.dtype, found.torch_version, found.num_layers)
+            if actual == expected:
+                return found
+            problem = f"holds model/batch/gpu/dtype/torch/layers {actual}, expected {expected}"
+    if not measure:
+        raise HetpipeError(f"no usable profile of {spec.name} at batch {batch_size} for GPU type {gpu_type}: "
+                           f"{path}: {problem}\n  profile on a machine with that GPU and copy the file there, "
+                           "or derive one with derive_profile / ModelProfile.scaled")
+    profile = profile_model(spec, batch_size, optimizer=optimizer, repeats=repeats, device=device, gpu_type=gpu_type)
+    _write_atomic(path, profile.to_json())
+    return profile
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------- emulation
+
+
+def derive_profile(
+    cpu_profile: ModelProfile,
+    gpu_type_speed: float,
+    reference_speed: float,
+    time_scale: float,
+    *,
+    gpu_type: str | None = None,
+) -> ModelProfile:
+    """The profile of an emulated GPU: times x reference_speed / gpu_type_speed x time_scale, sizes unchanged.
+
+    `reference_speed` is the speed the measured CPU stands for (the fastest type, design.md), so a type half
+    as fast runs 2 x time_scale times slower than the measurement. Labelled `gpu_type` (default: unchanged).
+    """
+    for what, value in (("gpu_type_speed", gpu_type_speed), ("reference_speed", reference_speed),
+                        ("time_scale", time_scale)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"derive_profile: {what} must be a finite number > 0, got {value!r}")
+    factor = reference_speed / gpu_type_speed * time_scale
+    return cpu_profile.scaled(gpu_type or cpu_profile.gpu_type, factor)

@@ -1,0 +1,173 @@
+"""Measuring profiles (hetpipe/profiler.py): fields of real measurements, the JSON cache, emulated types."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.models import get_model
+from hetpipe.profile import ModelProfile
+from hetpipe.profiler import cached_profile, derive_profile, profile_cache_path, profile_model
+
+BATCH = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """As every stage process does (design.md): profile_model leaves the thread count to its caller."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def mlp_profile() -> ModelProfile:
+    return profile_model(get_model("mlp", image_size=8, hidden=(16,)), BATCH, repeats=2)
+
+
+@pytest.fixture(scope="module")
+def cnn_profile() -> ModelProfile:
+    return profile_model(get_model("mnist-cnn"), BATCH, repeats=2)
+
+
+def test_mlp_fields_follow_the_layers(mlp_profile: ModelProfile) -> None:
+    p = mlp_profile
+    assert (p.model, p.batch_size, p.gpu_type, p.dtype, p.torch_version) == ("mlp", BATCH, "cpu", "float32",
+                                                                             torch.__version__)
+    assert [layer.name for layer in p.layers] == ["flatten", "fc1", "head"]
+    assert p.input_bytes == BATCH * 64 * 4
+    flatten, fc1, head = p.layers
+    assert [layer.param_bytes for layer in p.layers] == [0, (64 * 16 + 16) * 4, (16 * 10 + 10) * 4]
+    assert [layer.optimizer_bytes for layer in p.layers] == [layer.param_bytes for layer in p.layers]  # momentum
+    assert [layer.output_bytes for layer in p.layers] == [BATCH * 64 * 4, BATCH * 16 * 4, BATCH * 10 * 4]
+    # flatten saves nothing (a view); fc1's Linear saves its input (the flattened batch), its ReLU its output;
+    # the head's Linear saves that same ReLU output (counted once, in fc1) and the loss saves its own
+    assert flatten.saved_bytes == 0
+    assert fc1.saved_bytes == BATCH * 64 * 4 + BATCH * 16 * 4
+    assert head.saved_bytes > 0
+    assert all(layer.forward_s > 0 for layer in p.layers)
+    assert fc1.backward_s > 0 and head.backward_s > 0
+    assert flatten.backward_s == 0.0  # no weights and the data needs no gradient: nothing to run
+    # working: output gradient + input gradient (stage 0's first layer gets none for its input)
+    assert flatten.working_bytes == BATCH * 64 * 4
+    assert fc1.working_bytes == BATCH * 16 * 4 + BATCH * 64 * 4
+
+
+def test_cnn_fields_positive_where_they_should_be(cnn_profile: ModelProfile) -> None:
+    p = cnn_profile
+    assert [layer.name for layer in p.layers] == ["conv1", "pool1", "conv2", "pool2", "fc", "head"]
+    for layer in p.layers:
+        assert layer.forward_s > 0 and layer.backward_s > 0, layer
+        assert layer.output_bytes > 0 and layer.working_bytes > 0, layer
+        assert layer.saved_bytes > 0, layer  # every layer saves something (pools: the ReLU output, indices)
+        has_weights = layer.name not in ("pool1", "pool2")
+        assert (layer.param_bytes > 0) == has_weights, layer
+        assert layer.optimizer_bytes == layer.param_bytes
+    assert p.layers[0].output_bytes == BATCH * 32 * 28 * 28 * 4
+    assert p.layers[1].output_bytes == BATCH * 32 * 14 * 14 * 4
+    assert p.layers[0].saved_bytes == p.input_bytes  # conv1 saves the image batch (its weight is not counted)
+    assert p.layers[2].saved_bytes == p.layers[1].output_bytes  # conv2 saves its input, which pool1 did not
+
+
+def test_optimizer_state_multiplier() -> None:
+    spec = get_model("mlp", image_size=4, hidden=(8,))
+    sgd = profile_model(spec, 2, optimizer="sgd", repeats=1)
+    adam = profile_model(spec, 2, optimizer="adam", repeats=1)
+    assert [layer.optimizer_bytes for layer in sgd.layers] == [0, 0, 0]
+    assert [layer.optimizer_bytes for layer in adam.layers] == [2 * layer.param_bytes for layer in adam.layers]
+
+
+def test_language_model_profiles() -> None:
+    p = profile_model(get_model("char-gpt", n_layer=1, n_embd=16, n_head=2, block_size=8), 2, repeats=1)
+    assert p.input_bytes == 2 * 8 * 8  # int64 token ids
+    assert p.dtype == "float32"
+    assert all(layer.saved_bytes > 0 and layer.param_bytes > 0 for layer in p.layers)
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"batch_size": 0}, "batch_size"), ({"optimizer": "rmsprop"}, "choose one of: sgd, momentum, adam"),
+    ({"repeats": 0}, "repeats"),
+])
+def test_bad_options(options: dict, match: str) -> None:
+    kwargs = {"batch_size": 2, **options}
+    with pytest.raises(UsageError, match=match):
+        profile_model(get_model("mlp", image_size=4, hidden=(8,)), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- cache
+
+
+def test_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = get_model("mlp", image_size=4, hidden=(8,))
+    first = cached_profile(spec, 2, "titan-v", tmp_path, repeats=1)
+    assert first.gpu_type == "titan-v"
+    path = profile_cache_path(spec, 2, "titan-v", tmp_path)
+    assert path.exists() and ModelProfile.load(path) == first
+
+    def no_measuring(*args: object, **kwargs: object) -> ModelProfile:
+        raise AssertionError("measured although the cache holds the profile")
+
+    monkeypatch.setattr("hetpipe.profiler.profile_model", no_measuring)
+    assert cached_profile(spec, 2, "titan-v", tmp_path, repeats=1) == first
+    assert cached_profile(spec, 2, "titan-v", tmp_path, measure=False) == first
+
+
+def test_cache_key_sensitivity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = get_model("mlp", image_size=4, hidden=(8,))
+    base = profile_cache_path(spec, 2, "titan-v", tmp_path)
+    others = [
+        profile_cache_path(get_model("mlp", image_size=4, hidden=(9,)), 2, "titan-v", tmp_path),
+        profile_cache_path(get_model("mnist-cnn"), 2, "titan-v", tmp_path),
+        profile_cache_path(spec, 4, "titan-v", tmp_path),
+        profile_cache_path(spec, 2, "rtx-2060", tmp_path),
+        profile_cache_path(spec, 2, "titan-v", tmp_path, optimizer="adam"),
+    ]
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    others.append(profile_cache_path(spec, 2, "titan-v", tmp_path))
+    monkeypatch.undo()
+    assert base == profile_cache_path(get_model("mlp", image_size=4, hidden=(8,)), 2, "titan-v", tmp_path)
+    monkeypatch.setattr("hetpipe.profiler._model_dtype", lambda spec: "bfloat16")
+    others.append(profile_cache_path(spec, 2, "titan-v", tmp_path))
+    assert len({base, *others}) == len(others) + 1
+    assert base.parent == tmp_path and base.name.startswith("mlp-") and "-b2-titan-v-float32-momentum-" in base.name
+
+
+def test_cache_refuses_or_remeasures_a_wrong_file(tmp_path: Path) -> None:
+    spec = get_model("mlp", image_size=4, hidden=(8,))
+    path = profile_cache_path(spec, 2, "titan-v", tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(HetpipeError, match=r"unreadable.*\n  profile on a machine with that GPU"):
+        cached_profile(spec, 2, "titan-v", tmp_path, measure=False)
+    measured = cached_profile(spec, 2, "titan-v", tmp_path, repeats=1)  # heals the cache
+    assert ModelProfile.load(path) == measured
+    with pytest.raises(HetpipeError, match="no such file"):
+        cached_profile(spec, 2, "p4000", tmp_path, measure=False)
+    # a file for another batch copied to this path is not trusted
+    path.write_text(profile_model(spec, 3, repeats=1).to_json())
+    with pytest.raises(HetpipeError, match="expected"):
+        cached_profile(spec, 2, "titan-v", tmp_path, measure=False)
+
+
+# ---------------------------------------------------------------------------------------------- emulation
+
+
+def test_derive_profile_scales_times_only(mlp_profile: ModelProfile) -> None:
+    # a type half as fast as the reference, emulated at time_scale 3: 6x the measured times
+    slow = derive_profile(mlp_profile, 5.0, 10.0, 3.0, gpu_type="half")
+    assert slow.gpu_type == "half"
+    for a, b in zip(mlp_profile.layers, slow.layers, strict=True):
+        assert b.forward_s == pytest.approx(6 * a.forward_s)
+        assert b.backward_s == pytest.approx(6 * a.backward_s)
+        assert (b.param_bytes, b.saved_bytes, b.output_bytes, b.working_bytes) == (
+            a.param_bytes, a.saved_bytes, a.output_bytes, a.working_bytes)
+    same = derive_profile(mlp_profile, 10.0, 10.0, 1.0)
+    assert same == mlp_profile
+    with pytest.raises(UsageError, match="gpu_type_speed must be a finite number > 0"):
+        derive_profile(mlp_profile, 0.0, 10.0, 1.0)
+    with pytest.raises(UsageError, match="time_scale"):
+        derive_profile(mlp_profile, 1.0, 10.0, float("inf"))
