@@ -98,6 +98,19 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
         summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
 
 
+@cli.command()
+@_config_option
+@click.option("--vw", type=int, required=True, help="The virtual worker to run (0-based, in config order).")
+@click.option("--stage", type=int, default=None, help="Run only this stage of it (default: all its stages).")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/worker"),
+              show_default=True, help="Where logs and traces go.")
+def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path) -> None:
+    """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines."""
+    from hetpipe.worker.launcher import run_worker
+
+    run_worker(_load(config_path), vw, stage, run_dir)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the group, turning HetpipeError into a one-paragraph message and its exit code."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)

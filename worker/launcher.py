@@ -273,3 +273,44 @@ def plan_layouts(config: ClusterConfig, plan_path: Path) -> tuple[VwLayout, ...]
         if unknown:
             raise UsageError(f"{plan_path}: GPU {unknown[0]} is not in {config.path}; plan again for this cluster")
     return tuple(VwLayout(vw.gpus, vw.split) for vw in plan.vws)
+
+
+def worker_jobs(config: ClusterConfig, vw: int, run_dir: Path) -> list[StageJob]:
+    """The stage jobs of VW `vw` for a multi-machine run: the PS at [ps] host:port+i, the VW's P2P
+    rendezvous on its first GPU's node at ps.port + 100 + vw (open these ports between the machines)."""
+    spec = model_of(config)
+    vws = layouts(config, spec)
+    if not 0 <= vw < len(vws):
+        raise UsageError(f"--vw {vw} is out of range: {config.path} has {len(vws)} virtual workers (0..{len(vws) - 1})")
+    lay = vws[vw]
+    speeds = {g: config.gpu(g).speed for v in vws for g in v.gpus}
+    slow = slowdowns(speeds, cpu_cores(), config.emulation.time_scale) if config.emulation.enabled else {}
+    return [
+        StageJob(
+            config_path=str(config.path), run_dir=str(run_dir), vw=vw, stage=s, num_vws=len(vws), gpus=lay.gpus,
+            split=lay.split, ps_endpoints=tuple(config.ps_endpoints()), p2p_port=config.ps.port + 100 + vw,
+            slowdown=slow.get(lay.gpus[s], 1.0), device=_device(config, lay.gpus[s]),
+            p2p_host=config.node(lay.gpus[0].split(":")[0]).host,
+        )
+        for s in range(len(lay.split))
+    ]
+
+
+def run_worker(config: ClusterConfig, vw: int, stage: int | None, run_dir: Path) -> None:
+    """Run one VW's stages (or one stage) against a running `hetpipe server`; owned children, logs in run_dir."""
+    jobs = worker_jobs(config, vw, run_dir)
+    if stage is not None:
+        if not 0 <= stage < len(jobs):
+            raise UsageError(f"--stage {stage} is out of range: vw {vw} has {len(jobs)} stages (0..{len(jobs) - 1})")
+        jobs = [jobs[stage]]
+    group = ChildGroup(log_dir=run_dir / "logs")
+    try:
+        for job in jobs:
+            group.start(f"vw{job.vw}-s{job.stage}", run_stage, job, None)
+        group.wait()
+    except ChildFailed as exc:
+        raise HetpipeError(str(exc)) from None
+    except KeyboardInterrupt:
+        raise HetpipeError("interrupted: stopped this worker's stages") from None
+    finally:
+        group.stop()

@@ -30,13 +30,15 @@ class P2P:
     bytes_sent: int = 0
 
     @classmethod
-    def connect(cls, rank: int, world_size: int, port: int, device: torch.device, timeout_s: float = 300) -> P2P:
-        """Join the VW's process group; stage 0 hosts the rendezvous on 127.0.0.1:port."""
+    def connect(
+        cls, rank: int, world_size: int, host: str, port: int, device: torch.device, timeout_s: float = 300
+    ) -> P2P:
+        """Join the VW's process group; stage 0 hosts the rendezvous on host:port."""
         if world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://127.0.0.1:{port}",
+                init_method=f"tcp://{host}:{port}",
                 rank=rank,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),

@@ -48,6 +48,7 @@ class StageJob:
     slowdown: float = 1.0  # emulation: compute runs this many times slower
     device: str = "cpu"
     dump_weights: bool = False  # write the stage's final live weights (for equivalence tests)
+    p2p_host: str = "127.0.0.1"  # where stage 0 of this VW hosts the process-group rendezvous
 
     @property
     def num_stages(self) -> int:
@@ -114,7 +115,7 @@ class StageRunner:
         job = self.job
         local = {k: t.detach().cpu().numpy() for k, t in synced_tensors(self.compute.module).items()}
         self.compute.load(self.ps.register(local, want_weights=True))  # every VW starts from the PS's W_0
-        self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_port, self.device)
+        self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device)
         self.started = time.monotonic()
         try:
             for action in self.schedule.stages[job.stage]:
