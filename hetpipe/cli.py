@@ -80,8 +80,10 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 @click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the summary as JSON here.")
 @click.option("--quiet", is_flag=True, help="No progress output; print only the summary.")
+@click.option("--audit", is_flag=True,
+              help="Carry a tagged-update ledger and check at every forward what it saw (guarantees L and G).")
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
-          quiet: bool) -> None:
+          quiet: bool, audit: bool) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
     from hetpipe.metrics import format_summary
     from hetpipe.worker.launcher import TrainOptions, plan_layouts
@@ -89,7 +91,7 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 
     config = _load(config_path)
     layouts = plan_layouts(config, plan_path) if plan_path else None
-    summary = run_train(config, TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts))
+    summary = run_train(config, TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit))
     click.echo(format_summary(summary))
     if summary_path:
         import json

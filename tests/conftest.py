@@ -36,3 +36,47 @@ def start_shard(group: ChildGroup, settings: ShardSettings, name: str = "ps") ->
     except Exception as exc:
         raise AssertionError(f"shard {name} did not start: {child.log.read_text() if child.log else ''}") from exc
     return f"tcp://127.0.0.1:{port}", child
+
+
+def write_config(
+    tmp_path: Path, *, vws: list[list[str]], nm: int, staleness: int, waves: int, optimizer: str = "momentum",
+    pull: str = "exact", speeds: list[float] | None = None, emulation: bool = False, time_scale: float = 1.0,
+    hidden: tuple[int, ...] = (24, 16), model: str = "mlp", batch_size: int = 16,
+) -> Path:
+    """A cluster config for runtime tests: one node, one GPU type per entry of `speeds` (GPU i has type i
+    when speeds are given), the given VWs, a small MLP on MNIST."""
+    num = sum(len(v) for v in vws)
+    speeds = speeds or [1.0] * num
+    types = "".join(f"[gpu_types.g{i}]\nspeed = {s}\nmemory_gib = 4.0\n" for i, s in enumerate(speeds))
+    gpus = ", ".join(f'"g{i if len(speeds) == num else 0}"' for i in range(num))
+    vw_tables = "".join("[[virtual_workers]]\ngpus = [" + ", ".join(f'"{g}"' for g in v) + "]\n" for v in vws)
+    text = f"""name = "test"
+seed = 3
+{types}[[nodes]]
+name = "n0"
+gpus = [{gpus}]
+[wsp]
+staleness = {staleness}
+nm = {nm}
+pull = "{pull}"
+[checkpoint]
+dir = ""
+[model]
+name = "{model}"
+{f"options = {{ hidden = {list(hidden)} }}" if model == "mlp" else ""}
+[data]
+name = "mnist"
+test_fraction = 0.2
+[train]
+batch_size = {batch_size}
+waves = {waves}
+optimizer = "{optimizer}"
+lr = 0.05
+out_dir = "{tmp_path / 'runs'}"
+[emulation]
+enabled = {str(emulation).lower()}
+time_scale = {time_scale}
+{vw_tables}"""
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    return path

@@ -16,46 +16,9 @@ from hetpipe.reference import run_reference
 from hetpipe.worker.launcher import TrainOptions, VwLayout, train
 from hetpipe.worker.stage import dataset_of, model_of
 
+from conftest import write_config
+
 pytestmark = pytest.mark.slow
-
-
-def write_config(tmp_path: Path, *, vws: list[list[str]], nm: int, staleness: int, waves: int,
-                 optimizer: str = "momentum", pull: str = "exact") -> Path:
-    gpus = sum(len(v) for v in vws)
-    vw_tables = "".join(f'[[virtual_workers]]\ngpus = {v!r}\n'.replace("'", '"') for v in vws)
-    text = f"""
-name = "equiv"
-seed = 3
-[gpu_types.g]
-speed = 1.0
-memory_gib = 4.0
-[[nodes]]
-name = "n0"
-gpus = {["g"] * gpus!r}
-[wsp]
-staleness = {staleness}
-nm = {nm}
-pull = "{pull}"
-[checkpoint]
-dir = ""
-[model]
-name = "mlp"
-options = {{ hidden = [24, 16] }}
-[data]
-name = "mnist"
-test_fraction = 0.2
-[train]
-batch_size = 16
-waves = {waves}
-optimizer = "{optimizer}"
-lr = 0.05
-out_dir = "{tmp_path / 'runs'}"
-[emulation]
-enabled = false
-""".replace("'", '"') + vw_tables
-    path = tmp_path / "equiv.toml"
-    path.write_text(text)
-    return path
 
 
 def run(tmp_path: Path, config_path: Path, splits: list[tuple[int, ...]]):

@@ -46,6 +46,7 @@ class TrainOptions:
     progress: bool = True
     dump_weights: bool = False
     layouts: tuple[VwLayout, ...] | None = None  # from a plan; default: the config's VWs
+    audit: bool = False  # check guarantees L and G at every forward with a tagged-update ledger
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -89,15 +90,21 @@ class Progress:
     speed: dict[int, float] = field(default_factory=dict)
     gate_wait: dict[tuple[int, int], float] = field(default_factory=dict)
     pushed: dict[tuple[int, int], int] = field(default_factory=dict)
+    audit_checks: int = 0
+    max_lead: int = 0
 
     def update(self, event: dict[str, Any]) -> None:
         vw = event.get("vw")
+        if event["event"] == "stage_done":
+            self.audit_checks += event.get("audit_checks", 0)
         if event["event"] == "minibatch":
             self.loss[vw] = event["loss"]
             self.speed[vw] = event["samples_per_s"]
         elif event["event"] == "push":
             self.pushed[(vw, event["stage"])] = event["wave"] + 1
             self.gate_wait[(vw, event["stage"])] = event["gate_wait_s"]
+            done = [self.completed(v) for v in range(len(self.layouts))]
+            self.max_lead = max(self.max_lead, max(done) - min(done))
 
     def completed(self, vw: int) -> int:
         return min(self.pushed.get((vw, s), 0) for s in range(len(self.layouts[vw].split)))
@@ -190,9 +197,10 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                         config_path=str(config.path), run_dir=str(run_dir), vw=v, stage=s, num_vws=len(vws),
                         gpus=lay.gpus, split=lay.split, ps_endpoints=tuple(endpoints), p2p_port=port,
                         slowdown=slow.get(lay.gpus[s], 1.0), device=_device(config, lay.gpus[s]),
-                        dump_weights=options.dump_weights,
+                        dump_weights=options.dump_weights, audit=options.audit,
                     )
                     stages.append(group.start(f"vw{v}-s{s}", run_stage, job, events))
+            (run_dir / "pids.json").write_text(json.dumps({c.name: c.process.pid for c in group.children}, indent=1))
 
             def pump() -> None:
                 while True:
@@ -234,7 +242,8 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
 
 
 def _finish(config, spec, run_dir: Path, final, wall: float, progress: Progress, vws) -> dict[str, Any]:
-    state = {k: torch.from_numpy(v.copy()) for k, v in final.items()}
+    ledgers = {k: v for k, v in final.items() if k.startswith("audit/")}
+    state = {k: torch.from_numpy(v.copy()) for k, v in final.items() if not k.startswith("audit/")}
     torch.save(state, run_dir / "model.pt")
     traces = sorted((run_dir / "trace").glob("vw*-s*.json"))
     if traces:
@@ -245,8 +254,14 @@ def _finish(config, spec, run_dir: Path, final, wall: float, progress: Progress,
         "config": str(config.path), "run_dir": str(run_dir), "model": spec.name, "virtual_workers": len(vws),
         "waves": config.train.waves, "nm": config.wsp.nm, "staleness": config.wsp.staleness,
         "pull": config.wsp.pull, "samples": samples, "wall_s": round(wall, 2),
-        "samples_per_s": round(samples / wall, 2), "final_train_loss": {str(v): progress.loss.get(v) for v in range(len(vws))},
+        "samples_per_s": round(samples / wall, 2), "max_lead_waves": progress.max_lead,
+        "gate_wait_s": {str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
+                        for v in range(len(vws))},
+        "final_train_loss": {str(v): progress.loss.get(v) for v in range(len(vws))},
     }
+    if ledgers:  # every (vw, minibatch) update must sit in the final weights exactly once
+        summary["audit_checks"] = progress.audit_checks
+        summary["audit_final_ledgers_exact"] = all(bool((v == 1.0).all()) for v in ledgers.values())
     summary.update(evaluate(spec, state, dataset, batch_size=256))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     latest = Path(config.train.out_dir) / "latest"

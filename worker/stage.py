@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hetpipe import data as datalib
+from hetpipe.audit import AuditError, audit_key, ledger_violations
 from hetpipe.config import ClusterConfig, load_config
 from hetpipe.emulate import Dilator
 from hetpipe.metrics import TraceRecorder
@@ -27,7 +28,7 @@ from hetpipe.placement import get_placement
 from hetpipe.schedule import get_schedule
 from hetpipe.worker.p2p import P2P
 from hetpipe.worker.ps_client import PSClient
-from hetpipe.worker.stage_compute import StageCompute, synced_tensors
+from hetpipe.worker.stage_compute import StageCompute
 
 __all__ = ["StageJob", "StageRunner", "run_stage"]
 
@@ -49,6 +50,7 @@ class StageJob:
     device: str = "cpu"
     dump_weights: bool = False  # write the stage's final live weights (for equivalence tests)
     p2p_host: str = "127.0.0.1"  # where stage 0 of this VW hosts the process-group rendezvous
+    audit: bool = False  # carry a tagged-update ledger and check guarantees L and G at every forward
 
     @property
     def num_stages(self) -> int:
@@ -70,10 +72,17 @@ def dataset_of(config: ClusterConfig) -> datalib.DatasetSplit:
     )
 
 
-def ps_placement(config: ClusterConfig, spec) -> dict[str, int]:
+def audit_shape(config: ClusterConfig, num_vws: int) -> tuple[int, int]:
+    return num_vws, config.train.waves * config.wsp.nm
+
+
+def ps_placement(config: ClusterConfig, spec, audit_vws: int = 0) -> dict[str, int]:
     """Shard of every synced key of the whole model (computed on the meta device, split-independent)."""
     whole = build_stage(spec, 0, spec.num_layers, "meta")
     sizes = {k: t.numel() * t.element_size() for k, t in named_stage_tensors(whole).items() if t.is_floating_point()}
+    if audit_vws:
+        rows, cols = audit_shape(config, audit_vws)
+        sizes.update({audit_key(layer): rows * cols * 4 for layer in range(spec.num_layers)})
     return get_placement(config.ps.placement)(sizes, config.ps.shards)
 
 
@@ -92,15 +101,21 @@ class StageRunner:
         start, stop = job.layers
         module = build_stage(self.spec, start, stop, self.device)
         t = config.train
+        self.ledgers: dict[str, torch.Tensor] = {}
+        if job.audit:
+            shape = audit_shape(config, job.num_vws)
+            self.ledgers = {audit_key(layer): torch.zeros(shape, device=self.device) for layer in range(start, stop)}
+        self.audit_checks = 0
         self.compute = StageCompute(
-            module, t.optimizer, t.lr, t.momentum, t.weight_decay, nm=config.wsp.nm, weight_stashing=t.weight_stashing
+            module, t.optimizer, t.lr, t.momentum, t.weight_decay, nm=config.wsp.nm,
+            weight_stashing=t.weight_stashing, extra=self.ledgers, on_step=self._tag_update,
         )
         self.schedule = get_schedule(t.schedule)(job.num_stages, config.wsp.nm, t.waves, config.wsp.staleness)
         self.dilator = Dilator(job.slowdown)
         self.trace = TraceRecorder(f"vw{job.vw}", job.stage)
         self.ps = PSClient(
             list(job.ps_endpoints), config.name, job.vw, job.stage, job.num_vws, job.num_stages,
-            ps_placement(config, self.spec), timeout_s=config.ps.timeout_s, retry_s=min(5.0, config.ps.timeout_s / 4),
+            ps_placement(config, self.spec, job.num_vws if job.audit else 0), timeout_s=config.ps.timeout_s, retry_s=min(5.0, config.ps.timeout_s / 4),
         )
         self.p2p: P2P | None = None
         self.gate_wait_s = 0.0
@@ -113,7 +128,7 @@ class StageRunner:
     # ---- lifecycle ----------------------------------------------------------------------------------
     def run(self) -> None:
         job = self.job
-        local = {k: t.detach().cpu().numpy() for k, t in synced_tensors(self.compute.module).items()}
+        local = {k: t.detach().cpu().numpy() for k, t in self.compute.synced.items()}
         self.compute.load(self.ps.register(local, want_weights=True))  # every VW starts from the PS's W_0
         self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device)
         self.started = time.monotonic()
@@ -128,7 +143,7 @@ class StageRunner:
         if job.dump_weights:
             state = {k: t.detach().cpu().clone() for k, t in self.compute.synced.items()}
             torch.save(state, run_dir / f"final-vw{job.vw}-s{job.stage}.pt")
-        self.report({"event": "stage_done", "vw": job.vw, "stage": job.stage,
+        self.report({"event": "stage_done", "vw": job.vw, "stage": job.stage, "audit_checks": self.audit_checks,
                      "compute_s": round(self.dilator.compute_s, 3), "slept_s": round(self.dilator.slept_s, 3)})
 
     def _batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,9 +154,25 @@ class StageRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    # ---- audit ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _tag_update(self, p: int) -> None:
+        for ledger in self.ledgers.values():
+            ledger[self.job.vw, p] += 1.0
+
+    def _check_ledgers(self, p: int) -> None:
+        for key, ledger in self.ledgers.items():
+            problems = ledger_violations(ledger.cpu().numpy(), self.job.vw, p, self.config.wsp.nm, self.config.wsp.staleness)
+            if problems:
+                raise AuditError(f"vw {self.job.vw} stage {self.job.stage}, forward of minibatch {p}, {key}: "
+                                 + "; ".join(problems))
+            self.audit_checks += 1
+
     # ---- actions --------------------------------------------------------------------------------------
     def forward(self, p: int) -> None:
         job = self.job
+        if self.ledgers:
+            self._check_ledgers(p)
         with self.trace.span(f"F{p}"):
             if self.first:
                 inputs, target = self._batch(p)

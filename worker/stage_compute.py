@@ -9,7 +9,7 @@ reproducible bit for bit:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,11 +53,15 @@ class StageCompute:
 
     def __init__(
         self, module: nn.Module, optimizer_name: str, lr: float, momentum: float, weight_decay: float,
-        *, nm: int, weight_stashing: bool = True,
+        *, nm: int, weight_stashing: bool = True, extra: Mapping[str, Tensor] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> None:
+        """`extra`: more synced tensors (e.g. the audit ledger) that `on_step(p)` may change after the
+        optimizer step of minibatch p, before the step's update is recorded."""
         self.module = module
         self.params = dict(module.named_parameters())
-        self.synced = synced_tensors(module)
+        self.synced = {**synced_tensors(module), **(extra or {})}
+        self.on_step = on_step
         self.optimizer = make_optimizer(list(self.params.values()), optimizer_name, lr, momentum, weight_decay)
         self.nm = nm
         self.weight_stashing = weight_stashing
@@ -112,6 +116,8 @@ class StageCompute:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if self.on_step is not None:
+            self.on_step(p)
         self._record_update(self.wave_of(p))
         grad_in = flight.inputs.grad if flight.inputs.requires_grad else None
         return grad_in, (None if flight.loss is None else flight.loss.detach())

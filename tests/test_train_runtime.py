@@ -1,0 +1,80 @@
+"""The runtime as a user runs it: audited WSP guarantees under a slow VW, a killed stage, `hetpipe train`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import write_config
+
+from hetpipe.config import load_config
+from hetpipe.worker.launcher import TrainOptions, train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("pull", "staleness"), [("latest", 1), ("exact", 0)])
+def test_audit_holds_with_one_vw_four_times_slower(tmp_path: Path, pull: str, staleness: int):
+    # VW 0 on two speed-4 GPUs, VW 1 on two speed-1 GPUs: VW 1 computes 4x slower (time dilation)
+    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=staleness, waves=8,
+                        pull=pull, speeds=[4.0, 4.0, 1.0, 1.0], emulation=True, time_scale=1.0, model="mnist-cnn",
+                        batch_size=32)
+    summary = train(load_config(path), TrainOptions(run_dir=tmp_path / "run", progress=False, audit=True))
+    # every forward of every stage checked each of its layers' ledgers: 2 VWs x 16 minibatches x 6 layers
+    assert summary["audit_checks"] == 2 * 8 * 2 * 6
+    assert summary["audit_final_ledgers_exact"] is True
+    assert summary["max_lead_waves"] <= staleness + 2  # launcher's view; the ledger checks are the proof
+    assert summary["gate_wait_s"]["0"] > summary["gate_wait_s"]["1"]  # the fast VW is the one held back
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(m["event"] == "push" for m in metrics)
+
+
+def test_sigkill_of_a_stage_stops_the_run_naming_it(tmp_path: Path):
+    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=3000,
+                        speeds=[2.0, 1.0, 2.0, 1.0], emulation=True, time_scale=1.0)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(run_dir), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids_file = run_dir / "pids.json"
+        deadline = time.monotonic() + 60
+        while not (pids_file.exists() and (run_dir / "metrics.jsonl").exists()
+                   and '"push"' in (run_dir / "metrics.jsonl").read_text()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        pids = json.loads(pids_file.read_text())
+        os.kill(pids["vw1-s0"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        stopped_in = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "vw1-s0" in err and "SIGKILL" in err and "Traceback" not in err
+    assert stopped_in < 15, f"took {stopped_in:.1f} s to stop"
+    for name, pid in pids.items():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_train_cli_writes_summary_and_model(tmp_path: Path):
+    path = write_config(tmp_path, vws=[["n0:0", "n0:1"]], nm=2, staleness=0, waves=4)
+    out = tmp_path / "summary.json"
+    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
+                             "--summary", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())
+    assert {"test_accuracy", "samples_per_s", "wall_s"} <= set(summary)
+    assert "test_accuracy" in result.stdout and "wave 4/4" in result.stderr
+    import torch
+
+    state = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
+    assert "1.0.weight" in state and all(t.dtype == torch.float32 for t in state.values())
