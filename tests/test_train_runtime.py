@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import write_config
 
 from hetpipe.config import load_config
 from hetpipe.worker.launcher import TrainOptions, train
+
+from conftest import write_config
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def test_sigkill_of_a_stage_stops_the_run_naming_it(tmp_path: Path):
     assert proc.returncode == 1
     assert "vw1-s0" in err and "SIGKILL" in err and "Traceback" not in err
     assert stopped_in < 15, f"took {stopped_in:.1f} s to stop"
-    for name, pid in pids.items():
+    for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
