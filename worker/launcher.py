@@ -92,9 +92,12 @@ class Progress:
     pushed: dict[tuple[int, int], int] = field(default_factory=dict)
     audit_checks: int = 0
     max_lead: int = 0
+    first_step: float | None = None  # when the first minibatch finished (start-up excluded from speed)
 
     def update(self, event: dict[str, Any]) -> None:
         vw = event.get("vw")
+        if self.first_step is None and event["event"] == "minibatch":
+            self.first_step = time.monotonic()
         if event["event"] == "stage_done":
             self.audit_checks += event.get("audit_checks", 0)
         if event["event"] == "minibatch":
@@ -225,7 +228,9 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
             if bad is not None:
                 raise ChildFailed(bad)
             view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started), force=True)
-            wall = time.monotonic() - started
+            finished = time.monotonic()
+            wall = finished - started
+            training = finished - (progress.first_step or started)
             with PSClient(endpoints, config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=5) as admin:
                 final = admin.read()
     except ChildFailed as exc:
@@ -238,10 +243,10 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
         raise HetpipeError("interrupted: stopped the PS and every stage") from None
     finally:
         group.stop(grace_s=30.0)
-    return _finish(config, spec, run_dir, final, wall, progress, vws)
+    return _finish(config, spec, run_dir, final, wall, training, progress, vws)
 
 
-def _finish(config, spec, run_dir: Path, final, wall: float, progress: Progress, vws) -> dict[str, Any]:
+def _finish(config, spec, run_dir: Path, final, wall: float, training: float, progress: Progress, vws) -> dict[str, Any]:
     ledgers = {k: v for k, v in final.items() if k.startswith("audit/")}
     state = {k: torch.from_numpy(v.copy()) for k, v in final.items() if not k.startswith("audit/")}
     torch.save(state, run_dir / "model.pt")
@@ -254,7 +259,10 @@ def _finish(config, spec, run_dir: Path, final, wall: float, progress: Progress,
         "config": str(config.path), "run_dir": str(run_dir), "model": spec.name, "virtual_workers": len(vws),
         "waves": config.train.waves, "nm": config.wsp.nm, "staleness": config.wsp.staleness,
         "pull": config.wsp.pull, "samples": samples, "wall_s": round(wall, 2),
-        "samples_per_s": round(samples / wall, 2), "max_lead_waves": progress.max_lead,
+        # speed over the training itself: the samples after the first finished minibatch, over the time
+        # from then to the end (process start-up, data loading and registration excluded)
+        "train_s": round(training, 2), "startup_s": round(wall - training, 2),
+        "samples_per_s": round((samples - config.train.batch_size) / max(training, 1e-9), 2), "max_lead_waves": progress.max_lead,
         "gate_wait_s": {str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
                         for v in range(len(vws))},
         "final_train_loss": {str(v): progress.loss.get(v) for v in range(len(vws))},
