@@ -1,6 +1,6 @@
 """PS throughput benchmark: one client's push+pull round trips through the PS against raw ZeroMQ.
 
-For each model size and shard count, in the same run:
+For each model size and shard count, in the same run, round by round, alternating which goes first:
   ps   - a stage registers a model of SIZE MB (4 MB tensors), then repeats push(wave c) + pull(wave c+2)
          (D = 0, exact pulls; the pull copies the weights into the stage's arrays as a worker does);
   raw  - the same bytes in the same 1 MiB zero-copy frames to S echo servers (ROUTER) that answer with
@@ -66,68 +66,97 @@ def start(group: ChildGroup, name: str, target, *args) -> int:
     return queue.get(timeout=60)
 
 
-def bench_raw(group: ChildGroup, model: dict[str, np.ndarray], shards: int, rounds: int) -> list[float]:
-    placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
-    parts = [[v for k, v in model.items() if placement[k] == s] for s in range(shards)]
-    ports = [start(group, f"raw{s}", echo_server, sum(a.nbytes for a in part)) for s, part in enumerate(parts)]
-    ctx = zmq.Context()
-    socks = []
-    for port in ports:
-        sock = ctx.socket(zmq.DEALER)
-        wire.configure_socket(sock, router=False)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        socks.append(sock)
-    frames = []
-    for part in parts:
-        out: list[memoryview] = [memoryview(b"q")]
-        for arr in part:
-            flat = memoryview(arr).cast("B")
-            out += [flat[i : i + wire.CHUNK_BYTES] for i in range(0, arr.nbytes, wire.CHUNK_BYTES)]
-        frames.append(out)
-    times = []
-    for r in range(rounds + 1):
+class RawPeer:
+    """Raw ZeroMQ: the same bytes in the same frames to echo servers, one per shard."""
+
+    def __init__(self, group: ChildGroup, model: dict[str, np.ndarray], shards: int) -> None:
+        placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
+        parts = [[v for k, v in model.items() if placement[k] == s] for s in range(shards)]
+        ports = [start(group, f"raw{s}", echo_server, sum(a.nbytes for a in part)) for s, part in enumerate(parts)]
+        self.ctx = zmq.Context()
+        self.socks = []
+        for port in ports:
+            sock = self.ctx.socket(zmq.DEALER)
+            wire.configure_socket(sock, router=False)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            self.socks.append(sock)
+        self.frames = []
+        for part in parts:
+            out: list[memoryview] = [memoryview(b"q")]
+            for arr in part:
+                flat = memoryview(arr).cast("B")
+                out += [flat[i : i + wire.CHUNK_BYTES] for i in range(0, arr.nbytes, wire.CHUNK_BYTES)]
+            self.frames.append(out)
+
+    def round(self) -> float:
         t0 = time.perf_counter()
-        for sock, f in zip(socks, frames, strict=True):
+        for sock, f in zip(self.socks, self.frames, strict=True):
             sock.send_multipart(f, copy=False)
-        for sock in socks:
+        for sock in self.socks:
             sock.recv_multipart(copy=False)
-        if r:  # round 0 warms up
-            times.append(time.perf_counter() - t0)
-    for sock in socks:
-        sock.send(b"stop")
-        sock.close(linger=1000)
-    ctx.term()
-    return times
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.send(b"stop")
+            sock.close(linger=1000)
+        self.ctx.term()
 
 
-def bench_ps(group: ChildGroup, model: dict[str, np.ndarray], shards: int, rounds: int, mode: str) -> list[float]:
-    endpoints = []
-    for s in range(shards):
-        settings = ShardSettings("bench", s, "tcp://127.0.0.1:0", 0, mode)
-        endpoints.append(f"tcp://127.0.0.1:{start(group, f'ps{s}', serve_settings, settings)}")
-    placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
-    delta = {k: np.full_like(v, 1e-3) for k, v in model.items()}
-    weights = {k: v.copy() for k, v in model.items()}
-    times = []
-    with PSClient(endpoints, "bench", 0, 0, 1, 1, placement, timeout_s=120, retry_s=60) as ps:
-        ps.register(model, want_weights=False)
-        for wave in range(rounds + 1):
-            t0 = time.perf_counter()
-            ps.push(wave, delta)
-            ps.pull(wave + 2, out=weights)  # D = 0: W_{wave+1} contains this push
-            if wave:
-                times.append(time.perf_counter() - t0)
-        expected = model[next(iter(model))][:4] + np.float32(1e-3) * (rounds + 1)
-        got = weights[next(iter(model))][:4]
+class PsPeer:
+    """The PS: one stage pushes a wave's update, then pulls the weights that contain it."""
+
+    def __init__(self, group: ChildGroup, model: dict[str, np.ndarray], shards: int, mode: str) -> None:
+        endpoints = []
+        for s in range(shards):
+            settings = ShardSettings("bench", s, "tcp://127.0.0.1:0", 0, mode)
+            endpoints.append(f"tcp://127.0.0.1:{start(group, f'ps{s}', serve_settings, settings)}")
+        placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
+        self.model = model
+        self.delta = {k: np.full_like(v, 1e-3) for k, v in model.items()}
+        self.weights = {k: v.copy() for k, v in model.items()}
+        self.ps = PSClient(endpoints, "bench", 0, 0, 1, 1, placement, timeout_s=120, retry_s=60)
+        self.ps.register(model, want_weights=False)
+        self.wave = 0
+
+    def round(self) -> float:
+        t0 = time.perf_counter()
+        self.ps.push(self.wave, self.delta)
+        self.ps.pull(self.wave + 2, out=self.weights)  # D = 0: W_{wave+1} contains this push
+        self.wave += 1
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        key = next(iter(self.model))
+        expected = self.model[key][:4] + np.float32(1e-3) * self.wave
+        got = self.weights[key][:4]
+        self.ps.close()
         if not np.allclose(got, expected, rtol=1e-5, atol=1e-5):
             raise SystemExit(f"PS returned wrong weights: {got} != {expected}")
-    return times
+
+
+def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, logs: Path) -> tuple[list, list]:
+    """Rounds of both peers, interleaved (and alternating who goes first), after one warm-up round each."""
+    raw_times, ps_times = [], []
+    with ChildGroup(logs) as group:
+        raw, ps = RawPeer(group, model, shards), PsPeer(group, model, shards, mode)
+        try:
+            for r in range(rounds + 1):
+                order = (raw, ps) if r % 2 == 0 else (ps, raw)
+                times = {id(peer): peer.round() for peer in order}
+                if r:
+                    raw_times.append(times[id(raw)])
+                    ps_times.append(times[id(ps)])
+        finally:
+            raw.close()
+            ps.close()
+    return raw_times, ps_times
 
 
 @click.command()
 @click.option("--sizes", default="10,100,400", show_default=True, help="Model sizes in MB.")
 @click.option("--shards", "shard_counts", default="1,4", show_default=True, help="Shard counts.")
-@click.option("--rounds", default=5, show_default=True, help="Timed round trips per cell (after one warm-up).")
+@click.option("--rounds", default=9, show_default=True, help="Timed round trips per cell (after one warm-up).")
 @click.option("--mode", type=click.Choice(["exact", "latest"]), default="exact", show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON rows here.")
 def main(sizes: str, shard_counts: str, rounds: int, mode: str, out: Path | None) -> None:
@@ -139,10 +168,7 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, out: Path | None
         model = make_model(size)
         nbytes = 2 * sum(v.nbytes for v in model.values())
         for shards in (int(s) for s in shard_counts.split(",")):
-            with ChildGroup(logs) as group:
-                raw = bench_raw(group, model, shards, rounds)
-            with ChildGroup(logs) as group:
-                ps = bench_ps(group, model, shards, rounds, mode)
+            raw, ps = measure(model, shards, rounds, mode, logs)
             row = {
                 "size_mb": size,
                 "shards": shards,
