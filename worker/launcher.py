@@ -177,6 +177,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     run_dir.mkdir(parents=True, exist_ok=True)
     speeds = {g: config.gpu(g).speed for lay in vws for g in lay.gpus}
     slow = slowdowns(speeds, cpu_cores(), config.emulation.time_scale) if config.emulation.enabled else {}
+    time_scale = min(slow.values(), default=1.0)  # the fastest GPU's slowdown is the time scale
     progress = Progress(vws, config.train.waves, config.wsp.nm)
     view = ProgressView(options.progress)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
@@ -200,7 +201,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                         config_path=str(config.path), run_dir=str(run_dir), vw=v, stage=s, num_vws=len(vws),
                         gpus=lay.gpus, split=lay.split, ps_endpoints=tuple(endpoints), p2p_port=port,
                         slowdown=slow.get(lay.gpus[s], 1.0), device=_device(config, lay.gpus[s]),
-                        dump_weights=options.dump_weights, audit=options.audit,
+                        dump_weights=options.dump_weights, audit=options.audit, time_scale=time_scale,
                     )
                     stages.append(group.start(f"vw{v}-s{s}", run_stage, job, events))
             (run_dir / "pids.json").write_text(json.dumps({c.name: c.process.pid for c in group.children}, indent=1))
@@ -313,7 +314,7 @@ def worker_jobs(config: ClusterConfig, vw: int, run_dir: Path) -> list[StageJob]
             config_path=str(config.path), run_dir=str(run_dir), vw=vw, stage=s, num_vws=len(vws), gpus=lay.gpus,
             split=lay.split, ps_endpoints=tuple(config.ps_endpoints()), p2p_port=config.ps.port + 100 + vw,
             slowdown=slow.get(lay.gpus[s], 1.0), device=_device(config, lay.gpus[s]),
-            p2p_host=config.node(lay.gpus[0].split(":")[0]).host,
+            p2p_host=config.node(lay.gpus[0].split(":")[0]).host, time_scale=min(slow.values(), default=1.0),
         )
         for s in range(len(lay.split))
     ]

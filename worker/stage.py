@@ -21,9 +21,10 @@ import torch
 from hetpipe import data as datalib
 from hetpipe.audit import AuditError, audit_key, ledger_violations
 from hetpipe.config import ClusterConfig, load_config
-from hetpipe.emulate import Dilator
+from hetpipe.emulate import Dilator, LinkEmulator
 from hetpipe.metrics import TraceRecorder
 from hetpipe.models import build_stage, get_model, named_stage_tensors
+from hetpipe.partition import node_links
 from hetpipe.placement import get_placement
 from hetpipe.schedule import get_schedule
 from hetpipe.worker.p2p import P2P
@@ -51,6 +52,7 @@ class StageJob:
     dump_weights: bool = False  # write the stage's final live weights (for equivalence tests)
     p2p_host: str = "127.0.0.1"  # where stage 0 of this VW hosts the process-group rendezvous
     audit: bool = False  # carry a tagged-update ledger and check guarantees L and G at every forward
+    time_scale: float = 1.0  # emulation: the global slowdown, also applied to emulated link delays
 
     @property
     def num_stages(self) -> int:
@@ -112,6 +114,13 @@ class StageRunner:
         )
         self.schedule = get_schedule(t.schedule)(job.num_stages, config.wsp.nm, t.waves, config.wsp.staleness)
         self.dilator = Dilator(job.slowdown)
+        link = node_links(config.network)
+        emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
+        self.links = {
+            peer: LinkEmulator.for_link(emulate_links, link(job.gpus[job.stage], job.gpus[peer]), job.time_scale)
+            for peer in (job.stage - 1, job.stage + 1)
+            if 0 <= peer < job.num_stages
+        }
         self.trace = TraceRecorder(f"vw{job.vw}", job.stage)
         self.ps = PSClient(
             list(job.ps_endpoints), config.name, job.vw, job.stage, job.num_vws, job.num_stages,
@@ -150,6 +159,10 @@ class StageRunner:
         x, y = datalib.minibatch(self.x, self.y, self.indices, self.config.train.batch_size, self.config.seed, p)
         return x.to(self.device), y.to(self.device)
 
+    def _send(self, tensor: torch.Tensor, peer: int) -> None:
+        self.links[peer].delay(tensor.numel() * tensor.element_size())  # emulated link (off by default)
+        self.p2p.send(tensor, peer)
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -183,7 +196,7 @@ class StageRunner:
                 flight = self.compute.forward(p, inputs, target if self.last else None, self.spec.loss)
                 self._sync()
             if not self.last:
-                self.p2p.send(flight.output, job.stage + 1)
+                self._send(flight.output, job.stage + 1)
             if self.last:
                 self._targets[p] = target
 
@@ -196,7 +209,7 @@ class StageRunner:
                 grad_in, loss = self.compute.backward(p, grad, target, self.spec.loss)
                 self._sync()
             if not self.first:
-                self.p2p.send(grad_in, job.stage - 1)
+                self._send(grad_in, job.stage - 1)
         self.samples += self.config.train.batch_size
         if self.last:
             elapsed = time.monotonic() - self.started
