@@ -1,0 +1,356 @@
+"""The planner (hetpipe/planner.py) and the `hetpipe plan` / `hetpipe profile` commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from hetpipe.config import ClusterConfig, parse_config
+from hetpipe.emulate import slowdowns
+from hetpipe.errors import UsageError
+from hetpipe.models import get_model, param_counts
+from hetpipe.plan import Plan
+from hetpipe.planner import (
+    ALLREDUCE,
+    D_TOLERANCE,
+    SYNC_PIPELINE,
+    Candidate,
+    best,
+    candidates_json,
+    emulated_profiles,
+    explain,
+    format_table,
+    plan_candidates,
+    supplied_profiles,
+)
+from hetpipe.profile import LayerProfile, ModelProfile
+
+GIB = 2**30
+PAPER = Path(__file__).parent.parent / "launch" / "clusters" / "paper-16gpu.toml"
+
+
+def cluster(nodes: Sequence[Sequence[str]], types: dict[str, tuple[float, float]], *, batch: int = 4,
+            nm: int = 2, staleness: int = 0, extra: dict | None = None) -> ClusterConfig:
+    data = {
+        "name": "t", "gpu_types": {name: {"speed": s, "memory_gib": m} for name, (s, m) in types.items()},
+        "nodes": [{"name": f"n{i}", "gpus": list(gpus)} for i, gpus in enumerate(nodes)],
+        "network": {"intra_node_gbps": 100.0, "inter_node_gbps": 10.0},
+        "wsp": {"nm": nm, "staleness": staleness}, "train": {"batch_size": batch, "optimizer": "momentum"},
+        **(extra or {}),
+    }
+    return parse_config(data, Path("t.toml"))
+
+
+def toy_profile(gpu_type: str, time_factor: float, *, layers: int = 6, batch: int = 4, param_mib: float = 1.0,
+                saved_mib: float = 1.0) -> ModelProfile:
+    """Equal layers: each 30 ms x time_factor (a third forward), param_mib of weights, saved_mib of activations."""
+    p, a = int(param_mib * 2**20), int(saved_mib * 2**20)
+    out = tuple(LayerProfile(f"l{i}", 0.01 * time_factor, 0.02 * time_factor, p, p, a // 4, a, a // 4)
+                for i in range(layers))
+    return ModelProfile("toy", batch, gpu_type, "float32", "x", a // 4, out)
+
+
+def small() -> tuple[ClusterConfig, dict[str, ModelProfile]]:
+    """Two nodes: two fast 8 GiB GPUs, two slow 4 GiB GPUs (slow = half the speed)."""
+    config = cluster([["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 4.0)})
+    return config, {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
+
+
+# ---------------------------------------------------------------------------------------------- small cluster
+
+
+def test_candidates_cover_policies_d_and_baselines() -> None:
+    config, profiles = small()
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0, 2))
+    labels = [c.label for c in found]
+    assert labels == ["np D=0", "np D=2", "ed D=0", "ed D=2", "hd D=0", "hd D=2", ALLREDUCE, SYNC_PIPELINE]
+    for c in found:
+        assert c.feasible and c.samples_per_s > 0 and c.bottleneck
+        assert (c.plan is not None) == (c.policy not in (ALLREDUCE, SYNC_PIPELINE))
+    # one Nm for every VW of a plan (the runtime runs one), and every GPU's memory within its limit
+    for c in found:
+        if c.plan is not None:
+            assert len({vw.nm for vw in c.plan.vws}) == 1 and c.nm == c.plan.vws[0].nm
+            assert c.staleness == c.plan.staleness
+        assert all(u.memory_bytes <= u.limit_bytes for u in c.memory)
+
+
+def test_best_is_the_max_prediction_and_a_larger_d_must_buy_more_than_the_tolerance() -> None:
+    config, profiles = small()
+    one_d = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,))
+    runnable = [c for c in one_d if c.runnable]
+    assert best(one_d).samples_per_s == max(c.samples_per_s for c in runnable)
+    found = plan_candidates(config, profiles, ps_gbps=10.0)
+    top = max(c.samples_per_s for c in found if c.runnable)
+    chosen = best(found)
+    assert chosen.samples_per_s >= top * (1 - D_TOLERANCE)
+    assert all((c.staleness or 0) >= (chosen.staleness or 0)
+               for c in found if c.runnable and c.samples_per_s >= top * (1 - D_TOLERANCE))
+
+
+def test_balanced_policies_beat_node_partition_on_a_mixed_cluster() -> None:
+    config, profiles = small()
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,))
+    rate = {c.policy: c.samples_per_s for c in found}
+    # np: a fast VW (6 x 30 ms over 2 GPUs) and a slow one (twice that): WSP holds the fast one to the slow one.
+    # ed/hd: two equal fast+slow VWs; the fast GPU takes 4 layers, the slow one 2 (120 ms each)
+    assert rate["ed"] > rate["np"] * 1.2 and rate["hd"] > rate["np"] * 1.2
+
+
+def test_plan_json_round_trip() -> None:
+    config, profiles = small()
+    plan = best(plan_candidates(config, profiles, ps_gbps=10.0)).plan
+    assert plan is not None
+    assert Plan.from_json(plan.to_json()) == plan
+    # each stage carries its own weight bytes, so the simulator moves the right bytes to the PS
+    assert all(s.param_bytes == (s.stop - s.start) * 2**20 for vw in plan.vws for s in vw.stages)
+
+
+def test_vw_that_cannot_hold_the_model_is_left_out_with_a_reason() -> None:
+    # n1's GPUs have 32 MiB: any split of 6 layers over two gives one stage >= 3 layers, which needs at least
+    # 3 x 3 MiB (weights, gradients, momentum) + 3 x 8 MiB (saved activations) + input and working > 32 MiB
+    config = cluster([["big", "big"], ["tiny", "tiny"]], {"big": (1.0, 8.0), "tiny": (1.0, 1 / 32)})
+    profiles = {t: toy_profile(t, 1.0, saved_mib=8.0) for t in ("big", "tiny")}
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,))
+    np_plan = next(c for c in found if c.policy == "np")
+    assert np_plan.runnable and len(np_plan.plan.vws) == 1 and np_plan.gpus_used == 2
+    assert any("vw1 (n1:0 tiny, n1:1 tiny) left out" in note and "needs" in note for note in np_plan.notes)
+    dp = next(c for c in found if c.policy == ALLREDUCE)
+    assert dp.gpus_used == 2 and any("tiny" in n and "cannot hold toy" in n for n in dp.notes)
+
+
+def test_infeasible_everywhere_reports_every_reason() -> None:
+    config = cluster([["tiny", "tiny"]], {"tiny": (1.0, 1 / 64)})
+    found = plan_candidates(config, {"tiny": toy_profile("tiny", 1.0, saved_mib=8.0)}, ps_gbps=10.0, d_values=(0,))
+    assert not any(c.feasible for c in found)
+    for c in found:
+        assert c.samples_per_s == 0.0 and c.reason
+    assert "tiny" in next(c for c in found if c.policy == ALLREDUCE).reason
+    assert "16.00 MiB" in found[0].reason  # the GPU's memory, as the partitioner states it
+    with pytest.raises(UsageError, match="no plan fits this cluster"):
+        best(found)
+    assert "infeasible" in format_table(found)
+
+
+def test_policy_that_cannot_group_is_infeasible_with_its_remedy() -> None:
+    # explicit: the config lists no VWs
+    config, profiles = small()
+    found = plan_candidates(config, profiles, ps_gbps=10.0, policies=["explicit", "ed"], d_values=(0,),
+                            baselines=False)
+    assert not found[0].feasible and "[[virtual_workers]]" in found[0].reason
+    assert found[1].feasible
+
+
+def test_explicit_vws_keep_their_order_and_split() -> None:
+    extra = {"virtual_workers": [{"gpus": ["n1:0", "n0:0"], "layers": [1, 5]}, {"gpus": ["n0:1", "n1:1"]}]}
+    config = cluster([["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 4.0)}, extra=extra)
+    _, profiles = small()
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), policies=["explicit"], baselines=False)
+    vws = found[0].plan.vws
+    assert vws[0].gpus == ("n1:0", "n0:0") and vws[0].split == (1, 5)
+    assert vws[1].gpus == ("n0:1", "n1:1") and vws[1].split == (4, 2)
+
+
+def test_explain_names_every_loser_and_why() -> None:
+    config, profiles = small()
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0, 1))
+    text = explain(found)
+    top = best(found)
+    assert text.startswith(f"best: {top.label}")
+    for c in found:
+        if c is not top:
+            assert f"\n{c.label}: " in text
+    assert "WSP holds the fast ones to the slowest" in text  # np's VWs differ in speed
+    assert "every step waits for the slowest replica" in text
+
+
+def test_table_and_json_list_every_candidate() -> None:
+    config, profiles = small()
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,))
+    table = format_table(found).splitlines()
+    assert len(table) == 1 + len(found)
+    assert sum(line.startswith("*") for line in table) == 1
+    data = json.loads(json.dumps(candidates_json(found, {"waves": 10})))
+    assert found[data["best"]] is best(found)
+    assert len(data["candidates"]) == len(found) and data["inputs"] == {"waves": 10}
+
+
+def test_emulated_profiles_follow_the_runtime_slowdowns() -> None:
+    config, _ = small()
+    cpu = toy_profile("cpu", 1.0)
+    derived = emulated_profiles(config, cpu, cores=2)
+    slow = slowdowns({str(r): config.gpu(r).speed for r in config.all_gpus()}, 2, None)
+    assert derived["fast"].layers[0].forward_s == pytest.approx(cpu.layers[0].forward_s * slow["n0:0"])
+    assert derived["slow"].layers[0].backward_s == pytest.approx(cpu.layers[0].backward_s * slow["n1:0"])
+    assert derived["slow"].layers[0].saved_bytes == cpu.layers[0].saved_bytes
+
+
+def test_supplied_profiles_scale_missing_types_by_speed() -> None:
+    config, profiles = small()
+    got, notes = supplied_profiles(config, {"fast": profiles["fast"]})
+    assert got["slow"].layers[0].forward_s == pytest.approx(2 * profiles["fast"].layers[0].forward_s)
+    assert notes == ["slow: no profile given, times scaled from fast by speed 2/1"]
+    with pytest.raises(UsageError, match="hetpipe profile"):
+        supplied_profiles(config, {})
+
+
+def test_profiles_at_another_batch_are_refused() -> None:
+    config, profiles = small()
+    with pytest.raises(UsageError, match="batch 8"):
+        plan_candidates(config, {t: toy_profile(t, 1.0, batch=8) for t in profiles}, ps_gbps=10.0)
+
+
+# ---------------------------------------------------------------------------------------------- paper cluster
+
+
+@pytest.fixture(scope="module")
+def resnet152_counts() -> list[int]:
+    return param_counts(get_model("resnet152"))
+
+
+def resnet152(counts: list[int], gpu_type: str, tflops: float, batch: int = 32) -> ModelProfile:
+    """A ResNet-152 profile without profiling: real layer count and weights (param_counts); outputs from the
+    architecture at 224 px; saved activations 3x the output (5.5x in downsampling blocks, 10.75x in the stem)
+    and working memory 2x, as a CPU profile at batch 1 measures them; forward time = 2 x MACs / (half the FP32
+    peak), MACs = weights x output pixels (conv layers), backward twice the forward."""
+    shapes = [(64, 56, 112, 10.75)]  # channels, output side, side the convolutions run at, saved / output
+    for blocks, channels, side in ((3, 256, 56), (8, 512, 28), (36, 1024, 14), (3, 2048, 7)):
+        shapes += [(channels, side, side, 5.5 if b == 0 else 3.0) for b in range(blocks)]
+    rate = tflops * 0.5e12
+    layers = []
+    for i, (channels, side, conv_side, saved) in enumerate(shapes):
+        out = 4 * batch * channels * side * side
+        forward = 2 * counts[i] * conv_side * conv_side * batch / rate
+        layers.append(LayerProfile(f"l{i}", forward, 2 * forward, 4 * counts[i], 4 * counts[i], out,
+                                   int(saved * out), 2 * out))
+    forward = 2 * counts[-1] * batch / rate
+    layers.append(LayerProfile("head", forward, 2 * forward, 4 * counts[-1], 4 * counts[-1], 4 * batch * 1000,
+                               4 * batch * 2048, 8 * batch * 1000))
+    assert len(layers) == len(counts) == 52
+    return ModelProfile("resnet152", batch, gpu_type, "float32", "x", 4 * batch * 3 * 224 * 224, tuple(layers))
+
+
+def paper_plan(counts: list[int], *, drop: str | None = None, baselines: bool = True) -> list[Candidate]:
+    from hetpipe.config import load_config
+
+    config = load_config(PAPER)
+    if drop:
+        import dataclasses
+
+        config = dataclasses.replace(config, nodes=tuple(n for n in config.nodes if drop not in n.gpus))
+    used = {t for n in config.nodes for t in n.gpus}
+    profiles = {t: resnet152(counts, t, config.gpu_types[t].speed) for t in used}
+    return plan_candidates(config, profiles, ps_gbps=config.network.inter_node_gbps, baselines=baselines)
+
+
+def test_paper_cluster_properties(resnet152_counts: list[int]) -> None:
+    started = time.process_time()
+    found = paper_plan(resnet152_counts)
+    assert time.process_time() - started < 2.0  # all policies x D, and the baselines: CPU seconds
+    # data parallelism cannot place ResNet-152 on the 6 GiB RTX 2060s ...
+    dp = next(c for c in found if c.policy == ALLREDUCE)
+    assert dp.gpus_used == 12 and not any(u.gpu_type == "rtx-2060" for u in dp.memory)
+    assert any("rtx-2060" in note and "cannot hold resnet152" in note for note in dp.notes)
+    # ... but a HetPipe plan uses all 16 GPUs
+    top = best(found)
+    assert top.gpus_used == 16 and top.plan is not None
+    assert {u.gpu_type for u in top.memory} == {"titan-v", "titan-rtx", "rtx-2060", "p4000"}
+    assert top.samples_per_s > dp.samples_per_s
+    # ED or HD beats NP (whose p4000 VW holds the others back)
+    per_policy = {p: max(c.samples_per_s for c in found if c.policy == p) for p in ("np", "ed", "hd")}
+    assert max(per_policy["ed"], per_policy["hd"]) > per_policy["np"]
+    # adding the 4 whimpy GPUs raises HetPipe's prediction (12 -> 16), whichever 4 are "whimpy"
+    for whimpy in ("rtx-2060", "p4000"):
+        twelve = best(paper_plan(resnet152_counts, drop=whimpy, baselines=False))
+        assert twelve.gpus_used == 12
+        assert top.samples_per_s > twelve.samples_per_s
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def hetpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetpipe", *args], capture_output=True, text=True, timeout=timeout)
+
+
+SMALL_TOML = """
+name = "small"
+[gpu_types.fast]
+speed = 2.0
+memory_gib = 8.0
+[gpu_types.slow]
+speed = 1.0
+memory_gib = 4.0
+[[nodes]]
+name = "n0"
+gpus = ["fast", "slow"]
+[[nodes]]
+name = "n1"
+gpus = ["fast", "slow"]
+[model]
+name = "mlp"
+options = { hidden = [32, 32] }
+[train]
+batch_size = 8
+waves = 2
+"""
+
+
+def test_cli_plan_prints_a_table_and_writes_a_loadable_plan(tmp_path: Path) -> None:
+    from hetpipe.config import load_config
+    from hetpipe.worker.launcher import plan_layouts
+
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL_TOML)
+    out = tmp_path / "plan.json"
+    result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--out", str(out), "--explain")
+    assert result.returncode == 0, result.stderr
+    assert "policy" in result.stdout and "samples/s" in result.stdout and "\n*  " in result.stdout
+    assert "best: " in result.stdout and "allreduce" in result.stdout and "sync-pipeline" in result.stdout
+    assert "profiling mlp" in result.stderr and f"wrote {out}" in result.stderr
+    plan = Plan.from_json(out.read_text())
+    layouts = plan_layouts(load_config(config), out)
+    assert [lay.gpus for lay in layouts] == [vw.gpus for vw in plan.vws]
+    # the second run reads the cached profile; --json is machine-readable
+    result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--json", "-D", "0")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["candidates"][data["best"]]["runnable"] and "profile from the cache" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "missing.toml"], "no such config file"),
+        (["plan", "{bad}"], "unknown key"),
+        (["plan", "{small}", "--waves", "1"], "--waves"),
+        (["plan", "{unknown_option}"], 'has no option "widht"'),
+        (["profile", "mlp", "--batch", "2", "--option", "nonsense"], "KEY=VALUE"),
+    ],
+)
+def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "bad.toml").write_text(SMALL_TOML + "[wsp]\nnm_max = 3\n")
+    (tmp_path / "small.toml").write_text(SMALL_TOML)
+    (tmp_path / "unknown_option.toml").write_text(SMALL_TOML.replace("hidden = [32, 32]", "widht = 3"))
+    paths = {name: str(tmp_path / f"{name}.toml") for name in ("bad", "small", "unknown_option")}
+    result = hetpipe(*[a.format(**paths) for a in args], "--profile-dir" if args[0] == "plan" else "--cache",
+                     str(tmp_path / "profiles"))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_profile_prints_layers_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "cpu.json"
+    result = hetpipe("profile", "mlp", "--batch", "4", "--option", "hidden=[16]", "--repeats", "1",
+                     "--cache", str(tmp_path / "cache"), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("mlp at batch 4 on cpu") and "forward ms" in lines[1]
+    assert [line.split()[1] for line in lines[2:5]] == ["flatten", "fc1", "head"] and "total" in lines[5]
+    assert ModelProfile.load(out).num_layers == 3
