@@ -121,8 +121,11 @@ class Dilator:
             if on_cuda:
                 torch.cuda.synchronize()   # the caller's job: the block must end when the GPU is done
 
-    The block's wall time t is measured with `clock`; leaving the block sleeps (slowdown - 1) * t.
-    Sleeps that overshoot (the OS wakes late) are paid back from the next sleeps, so the long-run
+    The block's time t is measured with `clock`; leaving the block sleeps (slowdown - 1) * t. With
+    `cpu_clock` (the stages pass time.thread_time), t is the CPU time the block used and the sleep tops its
+    wall time up to slowdown * t: time spent waiting for a core under contention then counts against the
+    sleep instead of being multiplied by it, so an emulated device keeps its speed on a busy machine
+    (as long as the devices together fit the cores; see auto_time_scale). Sleeps that overshoot (the OS wakes late) are paid back from the next sleeps, so the long-run
     dilation stays exact even when single sleeps are not. A block that raises is not dilated.
     slowdown == 1 (emulation off, or the fastest type at time_scale 1) never sleeps.
     """
@@ -132,6 +135,7 @@ class Dilator:
         slowdown: float,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        cpu_clock: Callable[[], float] | None = None,
     ) -> None:
         if not (math.isfinite(slowdown) and slowdown >= 1.0):
             raise EmulationError(
@@ -141,6 +145,7 @@ class Dilator:
         self.slowdown = slowdown
         self._clock = clock
         self._sleep = sleep
+        self._cpu_clock = cpu_clock
         self._debt = 0.0  # sleep owed (> 0) or overslept (< 0) by earlier blocks
         self.compute_s = 0.0
         self.slept_s = 0.0
@@ -156,18 +161,20 @@ class Dilator:
     def compute(self, name: str) -> Iterator[None]:
         """Run the block, then sleep so that it takes slowdown times its measured time."""
         start = self._clock()
+        cpu_start = self._cpu_clock() if self._cpu_clock else 0.0
         yield
-        compute_s = self._clock() - start
-        slept_s = self._dilate(compute_s)
+        wall_s = self._clock() - start
+        compute_s = self._cpu_clock() - cpu_start if self._cpu_clock else wall_s
+        slept_s = self._dilate(compute_s, wall_s)
         self.compute_s += compute_s
         self.slept_s += slept_s
         self.count += 1
         self.last = DilatedBlock(name, compute_s, slept_s)
 
-    def _dilate(self, compute_s: float) -> float:
+    def _dilate(self, compute_s: float, wall_s: float) -> float:
         if self.slowdown == 1.0:
             return 0.0
-        due = (self.slowdown - 1.0) * compute_s + self._debt
+        due = self.slowdown * compute_s - wall_s + self._debt
         if due <= 0.0:
             self._debt = due
             return 0.0

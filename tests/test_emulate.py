@@ -198,3 +198,14 @@ def test_link_emulator_off_unless_configured() -> None:
     assert not link.enabled
     assert link.delay(10**9) == 0.0
     assert fake.sleeps == []
+
+
+def test_cpu_clock_tops_up_to_slowdown_times_cpu_time():
+    """Under contention a block's wall time exceeds its CPU time; the sleep fills up to slowdown x CPU."""
+    slept = []
+    walls = iter([0.0, 0.05])  # the block took 50 ms of wall time ...
+    cpus = iter([1.0, 1.02])  # ... but only 20 ms of CPU time (it waited for a core)
+    dilator = Dilator(3.0, clock=lambda: next(walls, 0.0), sleep=slept.append, cpu_clock=lambda: next(cpus))
+    with dilator.compute("F0"):
+        pass
+    assert slept == [pytest.approx(3.0 * 0.02 - 0.05)]

@@ -113,7 +113,7 @@ class StageRunner:
             weight_stashing=t.weight_stashing, extra=self.ledgers, on_step=self._tag_update,
         )
         self.schedule = get_schedule(t.schedule)(job.num_stages, config.wsp.nm, t.waves, config.wsp.staleness)
-        self.dilator = Dilator(job.slowdown)
+        self.dilator = Dilator(job.slowdown, cpu_clock=time.thread_time)
         link = node_links(config.network)
         emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
         self.links = {
