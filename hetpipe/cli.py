@@ -90,8 +90,9 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
     from hetpipe.worker.launcher import train as run_train
 
     config = _load(config_path)
-    layouts = plan_layouts(config, plan_path) if plan_path else None
-    summary = run_train(config, TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit))
+    planned = plan_layouts(config, plan_path) if plan_path else (None, None)
+    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=planned[0], wsp=planned[1], audit=audit)
+    summary = run_train(config, options)
     click.echo(format_summary(summary))
     if summary_path:
         import json
@@ -113,76 +114,6 @@ def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path) 
     run_worker(_load(config_path), vw, stage, run_dir)
 
 
-def _default_profile_dir() -> Path:
-    """Where profiles are cached: $XDG_CACHE_HOME/hetpipe/profiles (default ~/.cache/hetpipe/profiles)."""
-    import os
-
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "hetpipe" / "profiles"
-
-
-def _model_options(pairs: tuple[str, ...]) -> dict:
-    """KEY=VALUE pairs, each value read as a TOML value (32, 1e-3, true, [3, 32, 32]) or else as a string."""
-    import tomllib
-
-    from hetpipe.errors import UsageError
-
-    options = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--option {pair!r}: write KEY=VALUE, e.g. --option image_size=32")
-        try:
-            options[key.strip()] = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            options[key.strip()] = text
-    return options
-
-
-def _say(message: str) -> None:
-    click.echo(message, err=True)
-
-
-def _measure_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, optimizer: str, device: str = "cpu",
-                     repeats: int = 3):
-    """cached_profile with progress lines on stderr (measuring a large model takes minutes)."""
-    import time
-
-    import torch
-
-    from hetpipe.profiler import cached_profile, profile_cache_path
-
-    path = profile_cache_path(spec, batch, gpu_type, cache_dir, optimizer=optimizer)
-    cached = path.exists()
-    if not cached:
-        torch.set_num_threads(1)  # as every stage process does (design.md), so times match what stages see
-        _say(f"profiling {spec.name} ({spec.num_layers} layers) at batch {batch} on {device}, one thread, "
-             f"{repeats} timed repeats per layer ...")
-    started = time.monotonic()
-    profile = cached_profile(spec, batch, gpu_type, cache_dir, optimizer=optimizer, repeats=repeats, device=device)
-    _say(f"profile from the cache: {path}" if cached and path.exists()
-         else f"profiled in {time.monotonic() - started:.1f} s; cached at {path}")
-    return profile
-
-
-def _profile_table(profile) -> str:
-    from hetpipe.memory import format_bytes
-
-    header = ("#", "layer", "forward ms", "backward ms", "weights", "optimizer", "output", "saved", "working")
-    rows = [(str(i), layer.name, f"{layer.forward_s * 1e3:.3f}", f"{layer.backward_s * 1e3:.3f}",
-             format_bytes(layer.param_bytes), format_bytes(layer.optimizer_bytes), format_bytes(layer.output_bytes),
-             format_bytes(layer.saved_bytes), format_bytes(layer.working_bytes)) for i, layer in enumerate(profile.layers)]
-    layers = profile.layers
-    rows.append(("", "total", f"{sum(x.forward_s for x in layers) * 1e3:.3f}", f"{sum(x.backward_s for x in layers) * 1e3:.3f}",
-                 format_bytes(sum(x.param_bytes for x in layers)), format_bytes(sum(x.optimizer_bytes for x in layers)),
-                 "", format_bytes(sum(x.saved_bytes for x in layers)), format_bytes(max(x.working_bytes for x in layers))))
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i not in (1,) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in [header, *rows]]
-    title = (f"{profile.model} at batch {profile.batch_size} on {profile.gpu_type} ({profile.dtype}, torch "
-             f"{profile.torch_version}); input {format_bytes(profile.input_bytes)} per minibatch")
-    return "\n".join([title, *lines])
-
-
 @cli.command()
 @click.argument("model")
 @click.option("--batch", type=click.IntRange(min=1), required=True, help="Minibatch size to profile at.")
@@ -202,6 +133,7 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str, optimizer
     """Measure MODEL per layer (forward/backward time, weights, optimizer state, activations) and cache it."""
     from hetpipe.errors import UsageError
     from hetpipe.models import get_model
+    from hetpipe.plan_inputs import default_profile_dir, measure_profile, model_options, profile_table
 
     if device.startswith("cuda"):
         import torch
@@ -211,67 +143,13 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str, optimizer
                              "--device cpu (and --gpu-type to label it)")
     elif device != "cpu":
         raise UsageError(f"--device {device!r}: use cpu, cuda or cuda:N")
-    spec = get_model(model, **_model_options(options))
-    found = _measure_profile(spec, batch, gpu_type or device, cache_dir or _default_profile_dir(),
+    spec = get_model(model, **model_options(options))
+    found = measure_profile(spec, batch, gpu_type or device, cache_dir or default_profile_dir(),
                              optimizer=optimizer, device=device, repeats=repeats)
-    click.echo(_profile_table(found))
+    click.echo(profile_table(found))
     if out_path is not None:
         found.save(out_path)
-        _say(f"wrote {out_path}")
-
-
-def _load_profile(path: Path, model: str, batch: int, num_layers: int | None):
-    from hetpipe.errors import UsageError
-    from hetpipe.profile import ModelProfile
-
-    try:
-        p = ModelProfile.load(path)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise UsageError(f"{path}: not a readable profile ({type(exc).__name__}: {exc}); write one with "
-                         "`hetpipe profile --out`") from None
-    if (p.model, p.batch_size) != (model, batch) or num_layers not in (None, p.num_layers):
-        layers = f" ({num_layers} layers)" if num_layers is not None else ""
-        raise UsageError(f"{path}: a profile of {p.model} ({p.num_layers} layers) at batch {p.batch_size}, but the "
-                         f"config trains {model}{layers} at batch {batch}: profile again with matching settings")
-    return p
-
-
-def _plan_profiles(config, profile_dir: Path) -> tuple[dict, float, object, list[str]]:
-    """Profiles per GPU type, PS Gbit/s, the link function and notes, for emulated or real GPUs."""
-    from hetpipe.emulate import cpu_cores
-    from hetpipe.partition import node_links
-    from hetpipe.planner import EMULATED_P2P_GBPS, EMULATED_PS_GBPS, emulated_profiles, supplied_profiles
-
-    batch, optimizer = config.train.batch_size, config.train.optimizer
-    if config.emulation.enabled:
-        from hetpipe.models import get_model
-
-        spec = get_model(config.model.name, **config.model.options.to_dict())
-        cpu = _measure_profile(spec, batch, "cpu", profile_dir, optimizer=optimizer)
-        profiles = emulated_profiles(config, cpu, cpu_cores())
-        notes = [f"emulated on this CPU ({cpu_cores()} cores): times are the CPU profile x each type's slowdown, links "
-                 f"this machine's loopback ({EMULATED_P2P_GBPS:g} Gbit/s between stages, {EMULATED_PS_GBPS:g} to each "
-                 "PS shard); samples/s are wall-clock of `hetpipe train` here"]
-        return profiles, EMULATED_PS_GBPS, (lambda a, b: EMULATED_P2P_GBPS), notes
-    # Files named <type>.json are read first and checked against the config's model name and batch; the model
-    # itself (and torch, ~2 s to import) is loaded only to look for `hetpipe profile` cache names.
-    found = {}
-    for name in config.gpu_types:
-        if (profile_dir / f"{name}.json").exists():
-            found[name] = _load_profile(profile_dir / f"{name}.json", config.model.name, batch, None)
-    if not found:
-        from hetpipe.models import get_model
-        from hetpipe.profiler import profile_cache_path
-
-        spec = get_model(config.model.name, **config.model.options.to_dict())
-        for name in config.gpu_types:
-            path = profile_cache_path(spec, batch, name, profile_dir, optimizer=optimizer)
-            if path.exists():
-                found[name] = _load_profile(path, spec.name, batch, spec.num_layers)
-    profiles, notes = supplied_profiles(config, found)
-    notes.insert(0, f"real GPUs: profiles from {profile_dir}; links from [network], each PS shard at "
-                    f"{config.network.inter_node_gbps:g} Gbit/s")
-    return profiles, config.network.inter_node_gbps, node_links(config.network), notes
+        click.echo(f"wrote {out_path}", err=True)
 
 
 @cli.command()
@@ -301,6 +179,7 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     import time
 
     from hetpipe.config import load_config
+    from hetpipe.plan_inputs import default_profile_dir, plan_profiles
     from hetpipe.planner import (
         D_VALUES,
         best,
@@ -312,7 +191,7 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     )
 
     config = load_config(config_path)
-    profiles, ps_gbps, link, notes = _plan_profiles(config, profile_dir or _default_profile_dir())
+    profiles, ps_gbps, link, notes = plan_profiles(config, profile_dir or default_profile_dir())
     started = time.monotonic()
     candidates = plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
                                  nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),
@@ -339,12 +218,8 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
         assert chosen.plan is not None
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(chosen.plan.to_json())
-        _say(f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}`")
-        change = [f"{key} = {want} (now {have})" for key, want, have in
-                  (("nm", chosen.nm, config.wsp.nm), ("staleness", chosen.staleness, config.wsp.staleness)) if want != have]
-        if change:
-            _say(f"note: `hetpipe train --plan` takes the plan's VWs and splits; Nm and D come from [wsp] in "
-                 f"{config_path}: set {' and '.join(change)} there to run this plan as predicted")
+        click.echo(f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}` "
+                   f"(its VWs, splits, nm={chosen.nm} and D={chosen.staleness})", err=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -315,8 +315,9 @@ def test_cli_plan_prints_a_table_and_writes_a_loadable_plan(tmp_path: Path) -> N
     assert "best: " in result.stdout and "allreduce" in result.stdout and "sync-pipeline" in result.stdout
     assert "profiling mlp" in result.stderr and f"wrote {out}" in result.stderr
     plan = Plan.from_json(out.read_text())
-    layouts = plan_layouts(load_config(config), out)
+    layouts, wsp = plan_layouts(load_config(config), out)
     assert [lay.gpus for lay in layouts] == [vw.gpus for vw in plan.vws]
+    assert (wsp.nm, wsp.staleness) == (plan.vws[0].nm, plan.staleness)  # --plan runs the plan's Nm and D
     # the second run reads the cached profile; --json is machine-readable
     result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--json", "-D", "0")
     assert result.returncode == 0, result.stderr

@@ -13,13 +13,13 @@ import queue as queue_mod
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hetpipe.config import ClusterConfig
+from hetpipe.config import ClusterConfig, WspConfig
 from hetpipe.emulate import cpu_cores, slowdowns
 from hetpipe.errors import HetpipeError, UsageError
 from hetpipe.evaluate import evaluate
@@ -47,6 +47,7 @@ class TrainOptions:
     dump_weights: bool = False
     layouts: tuple[VwLayout, ...] | None = None  # from a plan; default: the config's VWs
     audit: bool = False  # check guarantees L and G at every forward with a tagged-update ledger
+    wsp: WspConfig | None = None  # Nm, D and pull mode to run with (a plan's); default: the config's [wsp]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -171,6 +172,8 @@ def _device(config: ClusterConfig, gpu: str) -> str:
 
 def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict[str, Any]:
     """Run a whole training job locally; returns the summary."""
+    if options.wsp is not None:
+        config = replace(config, wsp=options.wsp)
     spec = model_of(config)
     vws = options.layouts or layouts(config, spec)
     run_dir = options.run_dir or Path(config.train.out_dir) / time.strftime("run-%Y%m%d-%H%M%S")
@@ -202,6 +205,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                         gpus=lay.gpus, split=lay.split, ps_endpoints=tuple(endpoints), p2p_port=port,
                         slowdown=slow.get(lay.gpus[s], 1.0), device=_device(config, lay.gpus[s]),
                         dump_weights=options.dump_weights, audit=options.audit, time_scale=time_scale,
+                        wsp=config.wsp,
                     )
                     stages.append(group.start(f"vw{v}-s{s}", run_stage, job, events))
             (run_dir / "pids.json").write_text(json.dumps({c.name: c.process.pid for c in group.children}, indent=1))
@@ -283,8 +287,8 @@ def _finish(config, spec, run_dir: Path, final, wall: float, training: float, pr
     return summary
 
 
-def plan_layouts(config: ClusterConfig, plan_path: Path) -> tuple[VwLayout, ...]:
-    """The VWs and splits of a plan file written by `hetpipe plan --out`."""
+def plan_layouts(config: ClusterConfig, plan_path: Path) -> tuple[tuple[VwLayout, ...], WspConfig]:
+    """The VWs, splits, Nm and D of a plan file written by `hetpipe plan --out`."""
     from hetpipe.plan import Plan
 
     try:
@@ -292,11 +296,19 @@ def plan_layouts(config: ClusterConfig, plan_path: Path) -> tuple[VwLayout, ...]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"{plan_path}: not a readable plan file ({exc}); write one with `hetpipe plan --out`") from None
     known = {str(g) for g in config.all_gpus()}
+    layers = model_of(config).num_layers
     for vw in plan.vws:
         unknown = [g for g in vw.gpus if g not in known]
         if unknown:
             raise UsageError(f"{plan_path}: GPU {unknown[0]} is not in {config.path}; plan again for this cluster")
-    return tuple(VwLayout(vw.gpus, vw.split) for vw in plan.vws)
+        if sum(vw.split) != layers:
+            raise UsageError(f"{plan_path}: a split of {sum(vw.split)} layers, but {config.model.name} has {layers}: "
+                             "plan again for this config")
+    nms = {vw.nm for vw in plan.vws}
+    if len(nms) != 1:
+        raise UsageError(f"{plan_path}: VWs with different Nm {sorted(nms)}; the runtime runs one Nm for all VWs")
+    wsp = replace(config.wsp, nm=nms.pop(), staleness=plan.staleness)
+    return tuple(VwLayout(vw.gpus, vw.split) for vw in plan.vws), wsp
 
 
 def worker_jobs(config: ClusterConfig, vw: int, run_dir: Path) -> list[StageJob]:
@@ -315,6 +327,7 @@ def worker_jobs(config: ClusterConfig, vw: int, run_dir: Path) -> list[StageJob]
             split=lay.split, ps_endpoints=tuple(config.ps_endpoints()), p2p_port=config.ps.port + 100 + vw,
             slowdown=slow.get(lay.gpus[s], 1.0), device=_device(config, lay.gpus[s]),
             p2p_host=config.node(lay.gpus[0].split(":")[0]).host, time_scale=min(slow.values(), default=1.0),
+            wsp=config.wsp,
         )
         for s in range(len(lay.split))
     ]

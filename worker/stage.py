@@ -12,7 +12,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 
 from hetpipe import data as datalib
 from hetpipe.audit import AuditError, audit_key, ledger_violations
-from hetpipe.config import ClusterConfig, load_config
+from hetpipe.config import ClusterConfig, WspConfig, load_config
 from hetpipe.emulate import Dilator, LinkEmulator
 from hetpipe.metrics import TraceRecorder
 from hetpipe.models import build_stage, get_model, named_stage_tensors
@@ -53,6 +53,7 @@ class StageJob:
     p2p_host: str = "127.0.0.1"  # where stage 0 of this VW hosts the process-group rendezvous
     audit: bool = False  # carry a tagged-update ledger and check guarantees L and G at every forward
     time_scale: float = 1.0  # emulation: the global slowdown, also applied to emulated link delays
+    wsp: WspConfig | None = None  # Nm, D, pull mode as the launcher runs them (default: the config's)
 
     @property
     def num_stages(self) -> int:
@@ -93,7 +94,8 @@ class StageRunner:
 
     def __init__(self, job: StageJob, report: Callable[[dict[str, Any]], None]) -> None:
         self.job, self.report = job, report
-        self.config = config = load_config(job.config_path)
+        config = load_config(job.config_path)
+        self.config = config = replace(config, wsp=job.wsp) if job.wsp is not None else config
         self.device = torch.device(job.device)
         self.spec = model_of(config)
         self.first, self.last = job.stage == 0, job.stage == job.num_stages - 1
