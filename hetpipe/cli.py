@@ -123,7 +123,7 @@ def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path) 
               help="Optimizer whose state the profile counts.")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="A model option, e.g. --option image_size=32 (repeatable).")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed repeats per layer.")
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True, help="Timed repeats per layer.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the profile JSON here (e.g. DIR/<gpu-type>.json for `hetpipe plan --profile-dir DIR`).")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False, path_type=Path), default=None,

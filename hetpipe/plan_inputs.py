@@ -40,7 +40,7 @@ def _say(message: str) -> None:
 
 
 def measure_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, optimizer: str, device: str = "cpu",
-                     repeats: int = 3):
+                     repeats: int = 10):
     """cached_profile with progress lines on stderr (measuring a large model takes minutes)."""
     import time
 

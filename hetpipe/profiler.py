@@ -32,12 +32,16 @@ OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}  # copies of the trainabl
 # ---------------------------------------------------------------------------------------------- measuring
 
 
+WARMUP = 3  # untimed forward+backward runs per layer before the timed ones
+PROFILER_VERSION = 4  # part of the cache key: bump when what a profile measures changes
+
+
 def profile_model(
     spec: ModelSpec,
     batch_size: int,
     *,
     optimizer: str = "momentum",
-    repeats: int = 3,
+    repeats: int = 10,
     device: str = "cpu",
     gpu_type: str | None = None,
 ) -> ModelProfile:
@@ -74,9 +78,9 @@ def profile_model(
         last = i == len(layers) - 1
         x = x0 if i == 0 else traced.outputs[i - 1].detach().requires_grad_(traced.outputs[i - 1].is_floating_point())
         grad_out = None if last else torch.ones_like(traced.outputs[i])
-        loss_fn = (lambda out: spec.loss(out, target)) if last else None
-        step = _Step(layer, x, grad_out, loss_fn, dev)
-        step()  # warm-up (lazy initialisation, allocator caches, kernel selection)
+        step = _Step(i, layer, x, grad_out, spec.loss if last else None, target if last else None, dev, optimizer)
+        for _ in range(WARMUP):  # lazy initialisation, allocator caches, kernel selection
+            step()
         trainable = sum(_nbytes(p) for p in layer.parameters() if p.requires_grad)
         input_grad = _nbytes(x) if x.requires_grad else 0
         working = _nbytes(traced.outputs[i]) + input_grad
@@ -152,29 +156,40 @@ def _trace(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, target: Ten
 
 
 class _Step:
-    """One timed forward and backward of one layer: returns (forward_s, backward_s)."""
+    """One timed forward and backward of one layer as a stage runs it: returns (forward_s, backward_s).
 
-    def __init__(self, layer: nn.Module, x: Tensor, grad_out: Tensor | None,
-                 loss_fn: Callable[[Tensor], Tensor] | None, device: torch.device) -> None:
-        self.layer, self.x, self.grad_out, self.loss_fn, self.device = layer, x, grad_out, loss_fn, device
+    Through the runtime's own StageCompute, so the times include what a stage pays besides the layer's
+    kernels: the stashed weight copy and functional call in the forward, the optimizer step and the update
+    bookkeeping (Δ, wave sum, baseline) after the backward. Those scale with the weights and are dilated
+    like the kernels under emulation; leaving them out made small models look twice as fast as they run.
+    """
+
+    def __init__(self, index: int, layer: nn.Module, x: Tensor, grad_out: Tensor | None,
+                 loss: Callable[[Tensor, Tensor], Tensor] | None, target: Tensor | None, device: torch.device,
+                 optimizer: str) -> None:
+        from hetpipe.worker.stage_compute import StageCompute
+
+        module = nn.Sequential()
+        module.add_module(str(index), layer)
+        self.compute = StageCompute(module, optimizer, lr=0.0, momentum=0.9, weight_decay=0.0, nm=1)
+        self.x, self.grad_out, self.loss, self.target, self.device = x, grad_out, loss, target, device
+        self.input_grad = index > 0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def __call__(self) -> tuple[float, float]:
-        self.layer.zero_grad(set_to_none=True)
-        self.x.grad = None
         self._sync()
         start = time.perf_counter()
-        out = self.layer(self.x)
-        if self.loss_fn is not None:
-            out = self.loss_fn(out)
+        flight = self.compute.forward(0, self.x, self.target, self.loss, input_grad=self.input_grad)
         self._sync()
         middle = time.perf_counter()
-        if not out.requires_grad:  # no weights, and the input needs no gradient: no backward to run
+        if not (flight.output.requires_grad or (flight.loss is not None and flight.loss.requires_grad)):
+            self.compute.in_flight.clear()  # no weights, and the input needs no gradient: no backward to run
             return middle - start, 0.0
-        out.backward(self.grad_out)
+        self.compute.backward(0, self.grad_out, self.target, self.loss)
+        self.compute.sums.clear()
         self._sync()
         return middle - start, time.perf_counter() - middle
 
@@ -236,7 +251,8 @@ def profile_cache_path(spec: ModelSpec, batch_size: int, gpu_type: str, cache_di
                           "input_shape": list(spec.input_shape), "input_dtype": str(spec.input_dtype)},
                          sort_keys=True)
     digest = hashlib.sha256(options.encode()).hexdigest()[:12]
-    parts = (spec.name, digest, f"b{batch_size}", gpu_type, _model_dtype(spec), optimizer, f"torch{torch.__version__}")
+    parts = (spec.name, digest, f"b{batch_size}", gpu_type, _model_dtype(spec), optimizer, f"torch{torch.__version__}",
+             f"p{PROFILER_VERSION}")
     return Path(cache_dir) / ("-".join(_safe(p) for p in parts) + ".json")
 
 
@@ -247,7 +263,7 @@ def cached_profile(
     cache_dir: str | Path,
     *,
     optimizer: str = "momentum",
-    repeats: int = 3,
+    repeats: int = 10,
     device: str = "cpu",
     measure: bool = True,
 ) -> ModelProfile:

@@ -107,7 +107,7 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
         params = dict(st.module.named_parameters())
         if a.kind == "F":
             inputs = batch(v, a.index)[0] if j == 0 else acts.pop((v, j, a.index))
-            if inputs.is_floating_point():
+            if j > 0:
                 inputs = inputs.detach().requires_grad_(True)
             weights = {k: w.detach().clone().requires_grad_(True) for k, w in params.items()}
             out = functional_call(st.module, weights, (inputs,), strict=False)

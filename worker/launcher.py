@@ -93,12 +93,16 @@ class Progress:
     pushed: dict[tuple[int, int], int] = field(default_factory=dict)
     audit_checks: int = 0
     max_lead: int = 0
-    first_step: float | None = None  # when the first minibatch finished (start-up excluded from speed)
+    steps: int = 0  # minibatches finished, over all VWs
+    first_step: float | None = None  # when the first and the last of them finished (the stages' clock)
+    last_step: float | None = None
 
     def update(self, event: dict[str, Any]) -> None:
         vw = event.get("vw")
-        if self.first_step is None and event["event"] == "minibatch":
-            self.first_step = time.monotonic()
+        if event["event"] == "minibatch":
+            self.steps += 1
+            self.first_step = event["time"] if self.first_step is None else min(self.first_step, event["time"])
+            self.last_step = event["time"] if self.last_step is None else max(self.last_step, event["time"])
         if event["event"] == "stage_done":
             self.audit_checks += event.get("audit_checks", 0)
         if event["event"] == "minibatch":
@@ -235,7 +239,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
             view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started), force=True)
             finished = time.monotonic()
             wall = finished - started
-            training = finished - (progress.first_step or started)
+            training = (progress.last_step or 0.0) - (progress.first_step or 0.0)
             with PSClient(endpoints, config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=5) as admin:
                 final = admin.read()
     except ChildFailed as exc:
@@ -264,10 +268,11 @@ def _finish(config, spec, run_dir: Path, final, wall: float, training: float, pr
         "config": str(config.path), "run_dir": str(run_dir), "model": spec.name, "virtual_workers": len(vws),
         "waves": config.train.waves, "nm": config.wsp.nm, "staleness": config.wsp.staleness,
         "pull": config.wsp.pull, "samples": samples, "wall_s": round(wall, 2),
-        # speed over the training itself: the samples after the first finished minibatch, over the time
-        # from then to the end (process start-up, data loading and registration excluded)
-        "train_s": round(training, 2), "startup_s": round(wall - training, 2),
-        "samples_per_s": round((samples - config.train.batch_size) / max(training, 1e-9), 2), "max_lead_waves": progress.max_lead,
+        # speed over the training itself: the minibatches finished after the first one, over the time from
+        # the first to the last (process start-up, data loading, registration and shutdown excluded)
+        "train_s": round(training, 2),
+        "samples_per_s": round((progress.steps - 1) * config.train.batch_size / max(training, 1e-9), 2),
+        "max_lead_waves": progress.max_lead,
         "gate_wait_s": {str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
                         for v in range(len(vws))},
         "final_train_loss": {str(v): progress.loss.get(v) for v in range(len(vws))},

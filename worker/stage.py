@@ -195,7 +195,8 @@ class StageRunner:
                 inputs = self.p2p.recv(job.stage - 1)
                 target = self._batch(p)[1] if self.last else None
             with self.dilator.compute(f"F{p}"):
-                flight = self.compute.forward(p, inputs, target if self.last else None, self.spec.loss)
+                flight = self.compute.forward(p, inputs, target if self.last else None, self.spec.loss,
+                                              input_grad=not self.first)
                 self._sync()
             if not self.last:
                 self._send(flight.output, job.stage + 1)
@@ -215,7 +216,7 @@ class StageRunner:
         self.samples += self.config.train.batch_size
         if self.last:
             elapsed = time.monotonic() - self.started
-            self.report({"event": "minibatch", "vw": job.vw, "p": p, "loss": float(loss),
+            self.report({"event": "minibatch", "vw": job.vw, "p": p, "loss": float(loss), "time": time.time(),
                          "samples_per_s": self.samples / max(elapsed, 1e-9)})
 
     def push(self, wave: int) -> None:

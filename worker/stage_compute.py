@@ -81,9 +81,12 @@ class StageCompute:
         return minibatch // self.nm
 
     # ---- forward / backward -------------------------------------------------------------------------
-    def forward(self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None) -> InFlight:
-        """Forward of minibatch p; with stashing, on a private copy of the current weights."""
-        if inputs.is_floating_point():
+    def forward(
+        self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None, input_grad: bool = True
+    ) -> InFlight:
+        """Forward of minibatch p; with stashing, on a private copy of the current weights. `input_grad`:
+        the backward must produce the gradient w.r.t. the input (every stage but the first)."""
+        if input_grad and inputs.is_floating_point():
             inputs = inputs.detach().requires_grad_(True)
         if self.weight_stashing:
             weights = {k: w.detach().clone().requires_grad_(w.requires_grad) for k, w in self.params.items()}
