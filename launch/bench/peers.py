@@ -1,0 +1,517 @@
+"""What users would run instead of hetpipe, on the same emulated GPUs: torch DDP and one torch pipeline.
+
+Each peer is a group of spawned processes (hetpipe.procs.ChildGroup), one per emulated GPU, under the
+emulation hetpipe's own stages get (design.md, "Emulating..."): one torch thread per process, and every
+block of compute - forward with the loss, backward, optimizer step - stretched by hetpipe.emulate.Dilator
+to the GPU's slowdown, the same slowdowns hetpipe.emulate.slowdowns gives hetpipe's stages. Communication
+(gloo all-reduce, send/recv) is not stretched, as in hetpipe (link emulation is off).
+
+- DDP: torch DistributedDataParallel (gloo), synchronous, one replica per GPU that can hold the whole
+  model (memory rule: `whole_model_bytes`), each GPU one minibatch per step, same data shards and seeded
+  minibatches as hetpipe's virtual workers.
+- Pipeline: one torch.distributed.pipelining pipeline over all GPUs (Schedule1F1B, or ScheduleGPipe),
+  a flush and one optimizer step per minibatch of n_micro microbatches, split by hetpipe's partitioner.
+
+The parent reads the ranks' step end times; `steady_rate` turns them into samples/s after warm-up. This
+file does not run hetpipe (throughput.py does) and does not pick settings (the scripts sweep them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import queue as queue_mod
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetpipe import data as datalib
+from hetpipe.config import ClusterConfig, load_config
+from hetpipe.emulate import Dilator, cpu_cores, gpu_speeds, slowdowns
+from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.memory import format_bytes, stage_memory
+from hetpipe.models import build_stage
+from hetpipe.partition import best_order_and_nm
+from hetpipe.procs import ChildFailed, ChildGroup
+from hetpipe.profile import ModelProfile
+from hetpipe.profiler import cached_profile
+from hetpipe.worker.launcher import free_port
+from hetpipe.worker.stage import dataset_of, model_of
+from hetpipe.worker.stage_compute import make_optimizer
+
+__all__ = [
+    "Device",
+    "PeerRun",
+    "PipelineLayout",
+    "ddp_members",
+    "ddp_subsets",
+    "devices",
+    "model_profile",
+    "pipeline_layout",
+    "run_ddp",
+    "run_pipeline",
+    "run_solo",
+    "steady_rate",
+    "whole_model_bytes",
+]
+
+_GIB = 2**30
+_INIT_TIMEOUT_S = 300.0
+
+
+# ---------------------------------------------------------------------------------------------- devices
+
+
+@dataclass(frozen=True)
+class Device:
+    """One emulated GPU: its reference ("n0:1"), type, relative speed, memory and slowdown."""
+
+    gpu: str
+    gpu_type: str
+    speed: float
+    memory_bytes: int
+    slowdown: float
+
+
+def devices(config: ClusterConfig) -> list[Device]:
+    """Every GPU of the cluster, in config order, with the slowdown hetpipe's stages get.
+
+    Slowdowns come from hetpipe.emulate.slowdowns over all the cluster's GPUs, as the launcher computes
+    them over its virtual workers' GPUs (the same set when the VWs use every GPU); 1.0 without emulation.
+    """
+    speeds = gpu_speeds(config)
+    slow = (slowdowns(speeds, cpu_cores(), config.emulation.time_scale) if config.emulation.enabled
+            else dict.fromkeys(speeds, 1.0))
+    out = []
+    for ref in config.all_gpus():
+        kind = config.gpu(ref)
+        out.append(Device(str(ref), kind.name, kind.speed, int(kind.memory_gib * _GIB), slow[str(ref)]))
+    return out
+
+
+def model_profile(config: ClusterConfig, batch: int, cache_dir: str | Path) -> ModelProfile:
+    """The model's per-layer profile at `batch` on this CPU (one thread), cached in cache_dir."""
+    torch.set_num_threads(1)
+    return cached_profile(model_of(config), batch, "cpu", cache_dir, optimizer=config.train.optimizer)
+
+
+# ---------------------------------------------------------------------------------------------- DDP members
+
+
+def whole_model_bytes(profile: ModelProfile) -> int:
+    """Memory one data-parallel replica needs, by hetpipe's memory model (hetpipe.memory, hetpipe.md §4).
+
+    The whole model as a single stage with one minibatch in flight and no stashed weights: weights +
+    gradients + optimizer state + saved activations + input buffer + the largest layer's working memory.
+    DDP's gradient buckets are not counted (with gradient_as_bucket_view they are the gradients), so the
+    rule errs towards letting a GPU in.
+    """
+    return stage_memory(profile.layers, 0, 1, False, input_bytes=profile.input_bytes)
+
+
+def ddp_members(devs: Sequence[Device], need_bytes: int) -> tuple[list[Device], list[Device]]:
+    """(GPUs whose memory holds `need_bytes`, GPUs left out), each in the given order."""
+    fit = [d for d in devs if d.memory_bytes >= need_bytes]
+    return fit, [d for d in devs if d.memory_bytes < need_bytes]
+
+
+def ddp_subsets(fit: Sequence[Device]) -> dict[str, list[Device]]:
+    """The GPU sets worth trying for synchronous DDP: all that fit, and the fastest types only.
+
+    A synchronous step waits for the slowest replica, so dropping the slowest type can be faster:
+    for each speed s among the members, the set of members at least as fast as s. Named "fit" (all)
+    and "speed>=S" for the smaller ones.
+    """
+    if not fit:
+        return {}
+    out = {"fit": list(fit)}
+    for speed in sorted({d.speed for d in fit}, reverse=True)[:-1]:
+        out[f"speed>={speed:g}"] = [d for d in fit if d.speed >= speed]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- pipeline plan
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """One pipeline over `gpus` in stage order with `split` layers per stage; `bottleneck_s` predicted."""
+
+    gpus: tuple[Device, ...]
+    split: tuple[int, ...]
+    bottleneck_s: float
+
+
+def pipeline_layout(devs: Sequence[Device], profile: ModelProfile, link_gbps: float = 27.0) -> PipelineLayout:
+    """Order and time-balanced split of one synchronous pipeline over all `devs`, by hetpipe's partitioner.
+
+    `profile` is the model at the pipeline's microbatch size; each GPU's times are the profile's times its
+    slowdown (what the Dilator makes of them). The 1F1B schedule keeps at most k - j microbatches on stage
+    j, which is the memory model's nm = k, without weight stashing (one weight version: the pipeline
+    flushes before its optimizer step). link_gbps: gloo loopback (~3.4 GB/s measured, design.md).
+    """
+    by_type: dict[str, ModelProfile] = {}
+    for d in devs:
+        key = f"{d.gpu_type}@{d.slowdown:.6g}"
+        by_type.setdefault(key, profile.scaled(key, d.slowdown))
+    gpus = [(d.gpu, f"{d.gpu_type}@{d.slowdown:.6g}", d.memory_bytes) for d in devs]
+    plan = best_order_and_nm(by_type, gpus, lambda a, b: link_gbps, len(devs), weight_stashing=False)
+    ordered = {d.gpu: d for d in devs}
+    return PipelineLayout(tuple(ordered[s.gpu] for s in plan.stages), plan.split, plan.bottleneck_s)
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class PeerRun:
+    """What one peer run reports: per-step end times (Unix s) of the reporting rank and per-rank stats."""
+
+    system: str
+    setting: dict[str, Any]
+    gpus: list[str]
+    samples_per_step: int
+    ends: list[float]
+    start: float  # Unix time of the first step's start (after every process is up)
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # offline scores of snapshots: t, step, metrics
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # compute_s, slept_s per rank
+
+    def rate(self, warmup: int) -> float:
+        return steady_rate(self.ends, self.samples_per_step, warmup)
+
+
+def steady_rate(ends: Sequence[float], samples_per_step: int, warmup: int) -> float:
+    """Samples/s from the end of step `warmup - 1` to the end of the last step (steps after warm-up)."""
+    if warmup < 1 or len(ends) < warmup + 1:
+        raise UsageError(f"{len(ends)} steps leave nothing to measure after {warmup} warm-up steps: "
+                         "run more steps or lower the warm-up")
+    window = ends[-1] - ends[warmup - 1]
+    return (len(ends) - warmup) * samples_per_step / window
+
+
+# ---------------------------------------------------------------------------------------------- emulation
+
+
+class _HeldBlock:
+    """A Dilator block opened in one place and closed in another (start in the loop, end in a DDP hook)."""
+
+    def __init__(self, dilator: Dilator, name: str) -> None:
+        self.dilator, self.name = dilator, name
+        self._open: AbstractContextManager[None] | None = None
+
+    def start(self) -> None:
+        self._open = self.dilator.compute(self.name)
+        self._open.__enter__()
+
+    def end(self) -> None:
+        """Close the block (measure it and sleep); a second call does nothing."""
+        block, self._open = self._open, None
+        if block is not None:
+            block.__exit__(None, None, None)
+
+
+def _ddp_comm_hook(backward: _HeldBlock) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
+    """DDP's default all-reduce, but the last bucket first ends (dilates) the backward block.
+
+    DDP waits for its all-reduces inside loss.backward(), so dilating around backward() would stretch
+    communication too. The bucket that becomes ready last holds the first layers' gradients: when its
+    hook runs the backward compute is done, so the block ends there, before that bucket's all-reduce.
+    Earlier buckets' all-reduces overlap the sleep, as they would overlap the rest of a slower GPU's
+    backward (slightly generous to DDP: they also overlap the stretch of the layers before them).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):  # unannotated: DDP rejects the string annotations `from __future__` makes
+        if bucket.is_last():
+            backward.end()
+        return allreduce_hook(state, bucket)
+
+    return hook
+
+
+def _dilate_stage(stage: Any, dilator: Dilator) -> None:
+    """Stretch a torch.distributed.pipelining stage's forward and backward chunks (not its send/recv)."""
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_chunk(*args: Any, **kwargs: Any) -> Any:
+        with dilator.compute("F"):
+            return forward(*args, **kwargs)
+
+    def backward_chunk(*args: Any, **kwargs: Any) -> Any:
+        with dilator.compute("B"):
+            return backward(*args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_chunk, backward_chunk
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One process of a peer (picklable, passed to a spawned child)."""
+
+    kind: str  # "ddp" | "pipeline" | "solo"
+    config_path: str
+    rank: int
+    world: int
+    port: int
+    slowdown: float
+    batch: int  # DDP and solo: per-GPU minibatch; pipeline: microbatch
+    steps: int
+    n_micro: int = 1  # pipeline: microbatches per minibatch
+    split: tuple[int, ...] = ()  # pipeline: layers per stage
+    schedule: str = "1f1b"  # pipeline: "1f1b" | "gpipe"
+    snapshot_every: int = 0  # DDP: rank 0 keeps the weights every this many steps (0: never), scored after
+    lr: float | None = None  # None: the config's
+    deadline_s: float = 0.0  # DDP: stop after the step that ends this long after the start (0: run all steps)
+
+
+def _init_group(job: _Job) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=job.rank,
+                            world_size=job.world, timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S))
+
+
+def _optimizer(config: ClusterConfig, params: list[torch.nn.Parameter], lr: float | None) -> Any:
+    t = config.train
+    return make_optimizer(params, t.optimizer, t.lr if lr is None else lr, t.momentum, t.weight_decay)
+
+
+def _ddp_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    config = load_config(job.config_path)
+    spec, data = model_of(config), dataset_of(config)
+    _init_group(job)
+    model = DistributedDataParallel(build_stage(spec, 0, spec.num_layers))  # same init as hetpipe's W_0
+    dilator = Dilator(job.slowdown)
+    backward = _HeldBlock(dilator, "B")
+    model.register_comm_hook(None, _ddp_comm_hook(backward))
+    optimizer = _optimizer(config, list(model.parameters()), job.lr)
+    indices = datalib.shard_indices(len(data.train.y), job.world, job.rank, config.seed)
+    ends, losses, snapshots = [], [], []
+    dist.barrier()
+    start = time.time()
+    for step in range(job.steps):
+        x, y = datalib.minibatch(data.train.x, data.train.y, indices, job.batch, config.seed, step)
+        with dilator.compute("F"):
+            loss = spec.loss(model(x), y)
+        backward.start()
+        loss.backward()
+        backward.end()  # normally already ended by the comm hook
+        with dilator.compute("S"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        ends.append(time.time())
+        losses.append(float(loss.detach()))
+        if job.rank == 0 and job.snapshot_every and (step + 1) % job.snapshot_every == 0:
+            snapshots.append((ends[-1], step + 1, {k: v.detach().clone() for k, v in model.module.state_dict().items()}))
+        if job.deadline_s and _stop_all(job.rank == 0 and ends[-1] - start >= job.deadline_s):
+            break
+    evals = _score(spec, snapshots, data) if snapshots else []
+    report({"rank": job.rank, "ends": ends, "start": start, "losses": losses, "evals": evals,
+            "compute_s": dilator.compute_s, "slept_s": dilator.slept_s})
+    dist.destroy_process_group()
+
+
+def _stop_all(stop: bool) -> bool:
+    """Whether any rank wants to stop (rank 0 decides by the clock; all must run the same steps)."""
+    flag = torch.tensor([1.0 if stop else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _score(spec: Any, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]], data: Any) -> list[dict[str, Any]]:
+    """Test metrics of each kept weight version, after training (not timed)."""
+    from hetpipe.evaluate import evaluate
+
+    return [{"t": t, "step": step, **evaluate(spec, state, data)} for t, step, state in snapshots]
+
+
+def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    config = load_config(job.config_path)
+    spec, data = model_of(config), dataset_of(config)
+    _init_group(job)
+    first, last = job.rank == 0, job.rank == job.world - 1
+    start_layer = sum(job.split[: job.rank])
+    module = build_stage(spec, start_layer, start_layer + job.split[job.rank])
+    stage = PipelineStage(module, job.rank, job.world, torch.device("cpu"))
+    dilator = Dilator(job.slowdown)
+    _dilate_stage(stage, dilator)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        with dilator.compute("L"):
+            return spec.loss(output, target)
+
+    schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[job.schedule]
+    schedule = schedule_cls(stage, job.n_micro, loss_fn=loss_fn)
+    optimizer = _optimizer(config, list(module.parameters()), job.lr)
+    indices = datalib.shard_indices(len(data.train.y), 1, 0, config.seed)
+    ends, losses = [], []
+    dist.barrier()
+    start = time.time()
+    for step in range(job.steps):
+        x, y = datalib.minibatch(data.train.x, data.train.y, indices, job.batch * job.n_micro, config.seed, step)
+        step_losses: list[torch.Tensor] = []
+        args = (x,) if first else ()
+        if last:
+            schedule.step(*args, target=y, losses=step_losses)
+        else:
+            schedule.step(*args)
+        with dilator.compute("S"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        ends.append(time.time())
+        if step_losses:
+            losses.append(float(torch.stack(step_losses).detach().mean()))
+    report({"rank": job.rank, "ends": ends, "start": start, "losses": losses,
+            "compute_s": dilator.compute_s, "slept_s": dilator.slept_s})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _solo_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
+    """The whole model on one emulated GPU: plain training steps (forward, loss, backward, step)."""
+    config = load_config(job.config_path)
+    spec, data = model_of(config), dataset_of(config)
+    model = build_stage(spec, 0, spec.num_layers)
+    optimizer = _optimizer(config, list(model.parameters()), job.lr)
+    dilator = Dilator(job.slowdown)
+    indices = datalib.shard_indices(len(data.train.y), 1, 0, config.seed)
+    ends = []
+    start = time.time()
+    for step in range(job.steps):
+        x, y = datalib.minibatch(data.train.x, data.train.y, indices, job.batch, config.seed, step)
+        with dilator.compute("FBS"):
+            loss = spec.loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        ends.append(time.time())
+    report({"rank": 0, "ends": ends, "start": start, "losses": [], "compute_s": dilator.compute_s,
+            "slept_s": dilator.slept_s})
+
+
+_MAINS = {"ddp": _ddp_main, "pipeline": _pipeline_main, "solo": _solo_main}
+
+
+def _child(job: _Job, results: Any) -> None:
+    """Child-process entry point: one torch thread, run the job, report a failure with its traceback."""
+    torch.set_num_threads(1)
+    try:
+        _MAINS[job.kind](job, results.put)
+    except BaseException as exc:
+        results.put({"rank": job.rank, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        raise
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def _run(jobs: Sequence[_Job], log_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
+    """Start one child per job, collect every rank's report; any failure stops them all and raises."""
+    reports: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    with ChildGroup(log_dir) as group:
+        results = group.ctx.Queue()
+        for job in jobs:
+            group.start(f"{job.kind}-r{job.rank}", _child, job, results)
+        while len(reports) < len(jobs):
+            try:
+                msg = results.get(timeout=0.5)
+            except queue_mod.Empty:
+                bad = group.failed()
+                if bad is not None:
+                    raise HetpipeError(str(ChildFailed(bad))) from None
+                if time.monotonic() > deadline:
+                    raise HetpipeError(f"{jobs[0].kind} did not finish in {timeout_s:.0f} s (logs in {log_dir}): "
+                                       "give it more time or fewer steps") from None
+                continue
+            if "error" in msg:
+                raise HetpipeError(f"{jobs[0].kind} rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
+            reports[msg["rank"]] = msg
+        group.wait()
+    return [reports[r] for r in sorted(reports)]
+
+
+def _peer_run(system: str, setting: dict[str, Any], devs: Sequence[Device], samples_per_step: int,
+              reports: list[dict[str, Any]], reporter: int) -> PeerRun:
+    main = reports[reporter]
+    ranks = [{"gpu": d.gpu, "compute_s": round(r["compute_s"], 3), "slept_s": round(r["slept_s"], 3)}
+             for d, r in zip(devs, reports, strict=True)]
+    return PeerRun(system, setting, [d.gpu for d in devs], samples_per_step, main["ends"],
+                   min(r["start"] for r in reports), main["losses"], main.get("evals", []), ranks)
+
+
+def run_ddp(config: ClusterConfig, members: Sequence[Device], batch: int, steps: int, log_dir: Path, *,
+            snapshot_every: int = 0, lr: float | None = None, deadline_s: float = 0.0,
+            timeout_s: float = 900.0) -> PeerRun:
+    """Synchronous DDP over `members` (one replica each), `steps` steps of `batch` per replica (fewer when
+    deadline_s > 0 runs out first); with snapshot_every, rank 0 scores its weights every that many steps."""
+    if not members:
+        raise UsageError("DDP needs at least one GPU that holds the whole model: give the cluster a GPU type "
+                         "with more memory_gib, or lower batch_size")
+    port = free_port()
+    jobs = [_Job("ddp", str(config.path), r, len(members), port, d.slowdown, batch, steps,
+                 snapshot_every=snapshot_every, lr=lr, deadline_s=deadline_s) for r, d in enumerate(members)]
+    reports = _run(jobs, log_dir, timeout_s)
+    setting = {"batch": batch, "gpus": len(members), "lr": lr if lr is not None else config.train.lr}
+    return _peer_run("ddp", setting, members, batch * len(members), reports, 0)
+
+
+def run_pipeline(config: ClusterConfig, layout: PipelineLayout, microbatch: int, n_micro: int, steps: int,
+                 log_dir: Path, *, schedule: str = "1f1b", timeout_s: float = 900.0) -> PeerRun:
+    """One torch.distributed.pipelining pipeline: `steps` minibatches of n_micro x microbatch, flushed each."""
+    k = len(layout.gpus)
+    if schedule == "1f1b" and n_micro < k:
+        raise UsageError(f"Schedule1F1B needs at least as many microbatches as stages: n_micro={n_micro} < {k}; "
+                         f"use n_micro >= {k} or schedule gpipe")
+    port = free_port()
+    jobs = [_Job("pipeline", str(config.path), r, k, port, d.slowdown, microbatch, steps, n_micro=n_micro,
+                 split=layout.split, schedule=schedule) for r, d in enumerate(layout.gpus)]
+    reports = _run(jobs, log_dir, timeout_s)
+    setting = {"schedule": schedule, "microbatch": microbatch, "n_micro": n_micro, "split": list(layout.split)}
+    return _peer_run("pipeline", setting, list(layout.gpus), microbatch * n_micro, reports, k - 1)
+
+
+def run_solo(config: ClusterConfig, batch: int, steps: int, log_dir: Path, *, slowdown: float = 1.0,
+             timeout_s: float = 600.0) -> PeerRun:
+    """The whole model on one process (one thread) at `slowdown`: the unit of the capacity bound."""
+    job = _Job("solo", str(config.path), 0, 1, 0, slowdown, batch, steps)
+    reports = _run([job], log_dir, timeout_s)
+    return PeerRun("solo", {"batch": batch, "slowdown": slowdown}, ["cpu"], batch, reports[0]["ends"],
+                   reports[0]["start"], ranks=[{"compute_s": reports[0]["compute_s"]}])
+
+
+def describe_members(fit: Sequence[Device], left_out: Sequence[Device], need_bytes: int) -> Iterator[str]:
+    """Lines saying which GPUs DDP uses and why the others are left out."""
+    yield (f"DDP: a replica needs {format_bytes(need_bytes)} (hetpipe's memory model, whole model, one minibatch); "
+           f"{len(fit)} of {len(fit) + len(left_out)} GPUs hold it")
+    for d in left_out:
+        yield f"  left out {d.gpu} ({d.gpu_type}, {format_bytes(d.memory_bytes)})"
+
+
+def predicted_steps(seconds: float, step_s: float, warmup: int, least: int = 5) -> int:
+    """Steps for about `seconds` of measurement after `warmup` steps, at least `least` measured."""
+    return warmup + max(least, math.ceil(seconds / max(step_s, 1e-6)))
+
+
+def env_note() -> Mapping[str, Any]:
+    """What the measurement ran on: cores, load, versions (for JSON output)."""
+    import platform
+    import sys
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "machine": platform.machine(),
+            "cores": cpu_cores(), "loadavg_1_5_15": [round(v, 2) for v in load]}

@@ -1,0 +1,483 @@
+"""Throughput benchmark: hetpipe vs DDP vs one torch pipeline on the same emulated cluster, in one run.
+
+Per repeat, in this order and under the same emulation (peers.py): hetpipe (the planner's best plan, run
+by hetpipe.worker.launcher.train), DDP (each GPU set in --ddp-gpus, at --ddp-batch per GPU), and one
+torch.distributed.pipelining pipeline over all GPUs. Every rate is samples/s after warm-up: hetpipe's from
+its stage traces (backward ends on each VW's last stage), the peers' from their step end times.
+
+The capacity bound is the sum of the devices' speeds in the same unit: samples/s of the whole model on one
+process at slowdown 1 (measured first, same batch), divided by each GPU's slowdown, summed over all GPUs.
+Settings given as lists (--ddp-batch, --micro) are swept once first and the best one is repeated.
+
+    python launch/bench/throughput.py [--config launch/clusters/bench.toml] [--repeats 3] [--seconds 10]
+        [--ddp fit@256,fastest@512] [--micro 256x15] [--nm 4,8] [--staleness 0,4] [--out FILE.json]
+
+Sweep first (each listed setting measured once, the best kept), e.g. what chose the defaults:
+
+    python launch/bench/throughput.py --repeats 1 --ddp fit@256/512,fastest@256/512/1024 \
+        --micro 256x6,256x12,256x15,128x30 --nm 4,8 --staleness 0,4
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402  (launch/bench is not a package)
+
+from hetpipe.config import ClusterConfig, load_config  # noqa: E402
+from hetpipe.errors import HetpipeError  # noqa: E402
+from hetpipe.profile import ModelProfile  # noqa: E402
+from hetpipe.worker.stage import dataset_of  # noqa: E402
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "clusters" / "bench.toml"
+WARMUP_STEPS = 1  # peers: the rate starts when the first step ends (DDP builds buckets, pipelining infers shapes)
+WARMUP_WAVES = 1  # hetpipe: the rate starts when every VW finished its first wave (pipeline full)
+# The peers' best settings found on the default cluster (sweeps in the module docstring; rerun them for another
+# cluster): DDP at hetpipe's batch over every GPU that fits (the issue's baseline), and over the fastest type at
+# its best batch; the pipeline at the most microbatches of hetpipe's batch that MNIST-5k's 4000 samples allow.
+DEFAULT_DDP = "fit@256,fastest@512"
+DEFAULT_MICRO = "256x15"
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dump_toml(table: dict[str, Any], prefix: str = "") -> str:
+    """The subset of TOML hetpipe configs use: scalars, arrays, inline tables, tables, arrays of tables."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in table.items()
+             if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict))]
+    for key, value in table.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            lines += ["", f"[{path}]", dump_toml(value, f"{path}.")]
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for item in value:
+                lines += ["", f"[[{path}]]", dump_toml(item, f"{path}.")]
+    return "\n".join(line for line in lines if line is not None)
+
+
+def derived_config(config: ClusterConfig, changes: dict[str, Any], path: Path) -> ClusterConfig:
+    """config's file with `changes` ({"wsp": {"nm": 4}, "virtual_workers": [...]}) written to path, loaded.
+
+    Stage processes read their config from its file, so every variation a benchmark runs is a file.
+    """
+    raw = tomllib.loads(Path(config.path).read_text())
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_toml(raw) + "\n")
+    return load_config(path)
+
+
+def with_settings(config: ClusterConfig, settings: Sequence[str], path: Path) -> ClusterConfig:
+    """config with `--set SECTION.KEY=VALUE` overrides (VALUE in TOML, e.g. train.lr=0.01,
+    model.options={ hidden = [1024, 1024] }); the config itself when there are none."""
+    changes: dict[str, dict[str, Any]] = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        section, dot, field_name = key.strip().partition(".")
+        try:
+            parsed = tomllib.loads(f"v = {value.strip()}")["v"] if sep and dot else None
+        except tomllib.TOMLDecodeError:
+            parsed = None
+        if parsed is None:
+            raise click.BadParameter(f"--set {item!r}: write SECTION.KEY=VALUE with a TOML value, e.g. train.lr=0.01")
+        changes.setdefault(section, {})[field_name] = parsed
+    return derived_config(config, changes, path) if changes else config
+
+
+# ---------------------------------------------------------------------------------------------- hetpipe
+
+
+@dataclass(frozen=True)
+class HetpipeSetup:
+    """hetpipe's VWs, Nm and D for a run; `source` says where they came from, `predicted` its samples/s."""
+
+    vws: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]  # (gpus, layers per stage) per VW
+    nm: int
+    staleness: int
+    source: str
+    predicted: float | None
+
+    @property
+    def label(self) -> str:
+        return f"{len(self.vws)} VWs " + " | ".join(
+            "-".join(g) + " " + "/".join(map(str, s)) for g, s in self.vws) + f", Nm={self.nm}, D={self.staleness}"
+
+
+def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nm: int | None = None,
+                  staleness: int | None = None) -> HetpipeSetup:
+    """The planner's best plan (hetpipe.planner) when asked and installed, else the config's own VWs.
+
+    `nm` caps the planner's Nm (None: the planner's default cap); `staleness` fixes D (None: the plan's).
+    """
+    if use_planner and importlib.util.find_spec("hetpipe.planner") is not None:
+        from hetpipe import planner
+
+        profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
+        candidates = planner.plan_candidates(config, profiles, ps_gbps=planner.EMULATED_PS_GBPS,
+                                             link_gbps=lambda a, b: planner.EMULATED_P2P_GBPS, nm_max=nm,
+                                             d_values=planner.D_VALUES if staleness is None else (staleness,))
+        if staleness is not None:
+            candidates = [c for c in candidates if c.staleness in (None, staleness)]
+        top = planner.best(candidates)
+        vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
+        return HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness, f"planner: {top.label}", top.samples_per_s)
+    from hetpipe.worker.launcher import layouts
+    from hetpipe.worker.stage import model_of
+
+    vws = tuple((lay.gpus, lay.split) for lay in layouts(config, model_of(config)))
+    d = config.wsp.staleness if staleness is None else staleness
+    return HetpipeSetup(vws, nm or config.wsp.nm, d, "config", None)
+
+
+def hetpipe_config(config: ClusterConfig, setup: HetpipeSetup, waves: int, path: Path,
+                   extra: dict[str, Any] | None = None) -> ClusterConfig:
+    """A config file that runs `setup` for `waves` waves (no checkpoints unless `extra` asks)."""
+    changes: dict[str, Any] = {
+        "wsp": {"nm": setup.nm, "staleness": setup.staleness},
+        "train": {"waves": waves, "out_dir": str(path.parent)},
+        "checkpoint": {"dir": ""},
+        "allocation": {"policy": "explicit"},
+        "virtual_workers": [{"gpus": list(g), "layers": list(s)} for g, s in setup.vws],
+    }
+    for key, value in (extra or {}).items():
+        changes[key] = {**changes.get(key, {}), **value} if isinstance(value, dict) else value
+    return derived_config(config, changes, path)
+
+
+def trace_streams(run_dir: Path) -> dict[int, list[float]]:
+    """Per VW, the Unix end times (s) of the backward spans on its last stage, in order."""
+    last: dict[int, int] = {}
+    for path in (run_dir / "trace").glob("vw*-s*.json"):
+        vw, stage = (int(part) for part in path.stem[2:].split("-s"))
+        last[vw] = max(last.get(vw, -1), stage)
+    streams = {}
+    for vw, stage in last.items():
+        events = json.loads((run_dir / "trace" / f"vw{vw}-s{stage}.json").read_text())["traceEvents"]
+        streams[vw] = sorted((e["ts"] + e["dur"]) / 1e6 for e in events if e["ph"] == "X" and e["name"].startswith("B"))
+    return streams
+
+
+def trace_start(run_dir: Path) -> float:
+    """Unix time (s) of the first span of any stage: when training began, after every process was up."""
+    starts = []
+    for path in (run_dir / "trace").glob("vw*-s*.json"):
+        events = json.loads(path.read_text())["traceEvents"]
+        starts += [e["ts"] / 1e6 for e in events if e["ph"] == "X"]
+    return min(starts)
+
+
+def window_rate(streams: dict[int, list[float]], batch: int, warmup: int) -> float:
+    """Samples/s of all VWs together while all of them run: from the latest end of a VW's warm-up to the
+    earliest end of a VW's last minibatch, counting the minibatches every VW finished in between."""
+    if any(len(s) <= warmup + 1 for s in streams.values()):
+        raise HetpipeError(f"a VW finished {min(len(s) for s in streams.values())} minibatches, not more than the "
+                           f"{warmup} of warm-up: run more waves")
+    t0 = max(s[warmup - 1] for s in streams.values())
+    t1 = min(s[-1] for s in streams.values())
+    count = sum(sum(1 for t in s if t0 < t <= t1) for s in streams.values())
+    return count * batch / (t1 - t0)
+
+
+def run_hetpipe(config: ClusterConfig, run_dir: Path) -> tuple[dict[str, Any], float]:
+    """One hetpipe training run (progress off); (summary, steady samples/s after WARMUP_WAVES waves)."""
+    from hetpipe.worker.launcher import TrainOptions, train
+
+    summary = train(config, TrainOptions(run_dir=run_dir, progress=False))
+    rate = window_rate(trace_streams(run_dir), config.train.batch_size, WARMUP_WAVES * config.wsp.nm)
+    return summary, rate
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def parse_micro(text: str) -> list[tuple[int, int]]:
+    """"256x12,128x24" -> [(256, 12), (128, 24)]: microbatch x microbatches per minibatch."""
+    try:
+        pairs = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise click.BadParameter(f"{text!r}: write MICROBATCHxCOUNT[,...], e.g. 256x12,128x24")
+    return [(p[0], p[1]) for p in pairs]
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{text!r}: give {what} as positive integers separated by commas")
+    return values
+
+
+@dataclass
+class Peer:
+    """One row of the table: a system with one setting and how to run it for about `seconds`."""
+
+    name: str
+    setting: str
+    run: Callable[[float, Path], float]  # (seconds, log dir) -> samples/s
+
+
+def hetpipe_peers(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nms: Sequence[int | None],
+                  ds: Sequence[int | None], capacity: float, work: Path) -> tuple[list[Peer], list[HetpipeSetup]]:
+    """hetpipe with each (Nm cap, D) asked for; each run gets its own run directory under work."""
+    options, setups = [], []
+    runs = iter(range(10**6))
+    for nm in nms:
+        for d in ds:
+            setup = hetpipe_setup(config, profile, use_planner, nm, d)
+            setups.append(setup)
+
+            def run(seconds: float, logs: Path, setup: HetpipeSetup = setup) -> float:
+                per_wave = setup.nm * config.train.batch_size * len(setup.vws)
+                guess = min(setup.predicted or capacity, capacity) * 0.6  # emulated runs fall short of plans
+                waves = WARMUP_WAVES + max(5, math.ceil(seconds * guess / per_wave))
+                run_dir = work / f"hetpipe-{next(runs)}"
+                _, rate = run_hetpipe(hetpipe_config(config, setup, waves, run_dir / "config.toml"), run_dir)
+                return rate
+            options.append(Peer("hetpipe", f"{setup.label} [{setup.source}]", run))
+    return options, setups
+
+
+def parse_ddp(text: str, default_batch: int) -> list[tuple[str, list[int]]]:
+    """"fit@256,fastest@256/512" -> [("fit", [256]), ("fastest", [256, 512])]; a set without @ uses the default."""
+    out = []
+    for item in text.split(","):
+        name, _, batches = item.strip().partition("@")
+        if name not in ("fit", "fastest"):
+            raise click.BadParameter(f"--ddp {item!r}: the GPU set is fit (every GPU that holds the model) or fastest "
+                                     "(the fastest type that holds it), e.g. fit@256,fastest@256/512")
+        out.append((name, parse_ints(batches.replace("/", ","), "batches") if batches else [default_batch]))
+    return out
+
+
+def ddp_peers(config: ClusterConfig, subsets: dict[str, list[peers.Device]], wanted: Sequence[tuple[str, list[int]]],
+              solo_step_s: float) -> list[list[Peer]]:
+    """Per GPU set asked for: the DDP settings to try (one per batch)."""
+    groups = []
+    for name, batches in wanted:
+        key = "fit" if name == "fit" else next((k for k in subsets if k != "fit"), "fit")
+        members = subsets[key]
+        options = []
+        for batch in batches:
+            def run(seconds: float, logs: Path, members: list[peers.Device] = members, batch: int = batch) -> float:
+                step_s = solo_step_s * batch / config.train.batch_size * max(d.slowdown for d in members)
+                result = peers.run_ddp(config, members, batch, peers.predicted_steps(seconds, step_s, WARMUP_STEPS), logs)
+                return result.rate(WARMUP_STEPS)
+            what = "all that fit" if key == "fit" else "the fastest type, " + key
+            options.append(Peer(f"ddp-{name}", f"{len(members)} GPUs ({what}), batch {batch}/GPU", run))
+        groups.append(options)
+    return groups
+
+
+def pipeline_peers(config: ClusterConfig, devs: list[peers.Device], micro: Sequence[tuple[int, int]],
+                   schedule: str, cache: Path) -> list[Peer]:
+    """The pipeline settings to try: one per (microbatch, count), each split for its microbatch."""
+    options = []
+    n_train = len(dataset_of(config).train.y)
+    for microbatch, n_micro in micro:
+        if microbatch * n_micro > n_train:
+            raise click.BadParameter(f"--micro {microbatch}x{n_micro}: a minibatch of {microbatch * n_micro} is more "
+                                     f"than the {n_train} training samples; use fewer or smaller microbatches")
+        layout = peers.pipeline_layout(devs, peers.model_profile(config, microbatch, cache))
+
+        def run(seconds: float, logs: Path, layout: peers.PipelineLayout = layout, mb: int = microbatch,
+                n: int = n_micro) -> float:
+            step_s = layout.bottleneck_s * (n + len(layout.gpus) - 1)
+            result = peers.run_pipeline(config, layout, mb, n, peers.predicted_steps(seconds, step_s, WARMUP_STEPS),
+                                        logs, schedule=schedule)
+            return result.rate(WARMUP_STEPS)
+        label = f"{len(devs)} stages {'/'.join(map(str, layout.split))}, {n_micro} x {microbatch}, {schedule}"
+        options.append(Peer("pipeline", label, run))
+    return options
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def summarize(values: Sequence[float], digits: int = 1) -> dict[str, float]:
+    return {k: round(f(values), digits) for k, f in (("median", statistics.median), ("min", min), ("max", max))}
+
+
+def table(rows: list[dict[str, Any]], capacity: float) -> str:
+    lines = [f"{'system':<14} {'samples/s':>9} {'min-max':>13} {'eff.':>5} {'hetpipe x':>9}  setting"]
+    top = next(r for r in rows if r["system"] == "hetpipe")["samples_per_s"]["median"]
+    for row in rows:
+        s = row["samples_per_s"]
+        lines.append(f"{row['system']:<14} {s['median']:>9.0f} {s['min']:>6.0f}-{s['max']:<6.0f} "
+                     f"{s['median'] / capacity:>5.0%} {top / s['median']:>9.2f}  {row['setting']}")
+    lines.append(f"{'capacity':<14} {capacity:>9.0f} {'':>13} {1:>5.0%} {top / capacity:>9.2f}  "
+                 "sum over GPUs of (one process's samples/s at slowdown 1) / slowdown")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], capacity: float, path: Path, title: str) -> bool:
+    """A bar chart of the medians with min-max whiskers and the capacity line; False without matplotlib."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r["system"] for r in rows]
+    med = [r["samples_per_s"]["median"] for r in rows]
+    err = [[m - r["samples_per_s"]["min"] for m, r in zip(med, rows, strict=True)],
+           [r["samples_per_s"]["max"] - m for m, r in zip(med, rows, strict=True)]]
+    ax.bar(names, med, yerr=err, capsize=4, color=["tab:green"] + ["tab:gray"] * (len(rows) - 1))
+    ax.axhline(capacity, color="tab:red", linestyle="--", label="capacity bound")
+    ax.set_ylabel("samples/s")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str, Any]]) -> Peer:
+    """The option with the highest rate when several are given (each measured once), else the only one."""
+    if len(options) == 1:
+        return options[0]
+    scored = []
+    for option in options:
+        rate = option.run(seconds, logs)
+        sweep.append({"system": option.name, "setting": option.setting, "samples_per_s": round(rate, 1)})
+        print(f"  sweep {option.name:<12} {rate:>8.0f} samples/s  {option.setting}", flush=True)
+        scored.append((rate, option))
+    return max(scored, key=lambda item: item[0])[1]
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=DEFAULT_CONFIG, show_default=True, help="Cluster config (the emulated cluster and the model).")
+@click.option("--repeats", default=3, show_default=True, help="Runs of every system; the table shows median and spread.")
+@click.option("--seconds", default=10.0, show_default=True, help="Measured seconds per system per repeat, after warm-up.")
+@click.option("--ddp", "ddp_spec", default=DEFAULT_DDP, show_default=True,
+              help="DDP rows, SET@BATCH[/BATCH..] each: fit (every GPU that holds the model) or fastest (the fastest "
+                   "type that does); several batches are swept and the best kept. @ omitted: the config's batch.")
+@click.option("--micro", default=DEFAULT_MICRO, show_default=True,
+              help="Pipeline settings to try, MICROBATCHxCOUNT[,..] (a minibatch of COUNT microbatches per flush).")
+@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
+@click.option("--planner/--no-planner", default=True, show_default=True,
+              help="hetpipe: run the planner's best plan (else the config's virtual workers).")
+@click.option("--nm", default=None, help="hetpipe: Nm caps to try (comma list); default: the planner's.")
+@click.option("--staleness", default=None, help="hetpipe: D values to try (comma list); default: the plan's.")
+@click.option("--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable.")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/throughput"),
+              show_default=True, help="Run directories, logs and the profile cache.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
+def main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: str,
+         schedule: str, planner: bool, nm: str | None, staleness: str | None, settings: tuple[str, ...],
+         work_dir: Path, out: Path | None, plot_path: Path | None) -> None:
+    torch.set_num_threads(1)
+    work = work_dir / time.strftime("%Y%m%d-%H%M%S")
+    config = with_settings(load_config(config_path), settings, work / "config.toml")
+    load_before = peers.env_note()["loadavg_1_5_15"]
+    batch = config.train.batch_size
+    cache = work_dir / "profiles"
+    devs = peers.devices(config)
+    profile = peers.model_profile(config, batch, cache)
+    need = peers.whole_model_bytes(profile)
+    fit, left_out = peers.ddp_members(devs, need)
+    subsets = peers.ddp_subsets(fit)
+    wanted = parse_ddp(ddp_spec, batch)
+    print(f"{config.name}: {len(devs)} emulated GPUs, model {config.model.name}, batch {batch}; slowdowns "
+          + ", ".join(f"{d.gpu} {d.gpu_type} x{d.slowdown:.2f}" for d in devs), flush=True)
+    for line in peers.describe_members(fit, left_out, need):
+        print(line)
+
+    solo = peers.run_solo(config, batch, 12 + 3, work / "logs")
+    solo_rate = solo.rate(3)
+    capacity = solo_rate * sum(1.0 / d.slowdown for d in devs)
+    solo_step_s = batch / solo_rate
+    print(f"one process, slowdown 1: {solo_rate:.0f} samples/s -> capacity {capacity:.0f} samples/s", flush=True)
+
+    nms = parse_ints(nm, "Nm caps") if nm else [None]
+    ds = [int(v) for v in staleness.split(",")] if staleness else [None]
+    hetpipe_options, setups = hetpipe_peers(config, profile, planner, nms, ds, capacity, work)
+    for setup in setups:
+        print(f"hetpipe: {setup.label} ({setup.source})", flush=True)
+    groups = [hetpipe_options, *ddp_peers(config, subsets, wanted, solo_step_s),
+              pipeline_peers(config, devs, parse_micro(micro), schedule, cache)]
+    sweep: list[dict[str, Any]] = []
+    chosen = [_best(group, seconds, work / "logs", sweep) for group in groups]
+
+    rates: dict[str, list[float]] = {p.name: [] for p in chosen}
+    for r in range(repeats):
+        for peer in chosen:
+            rates[peer.name].append(peer.run(seconds, work / "logs"))
+        print(f"repeat {r + 1}/{repeats}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in rates.items()) + " samples/s",
+              flush=True)
+
+    settings = {p.name: p.setting for p in chosen}
+    rows = [{"system": name, "setting": settings[name], "samples_per_s": summarize(values), "runs": values}
+            for name, values in rates.items()]
+    ratios = {name: summarize([h / v for h, v in zip(rates["hetpipe"], values, strict=True)], 2)
+              for name, values in rates.items() if name != "hetpipe"}
+    print()
+    print(table(rows, capacity))
+    print("hetpipe / peer in the same repeat (median, min-max): "
+          + ", ".join(f"{n} {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for n, s in ratios.items()))
+    note = peers.env_note()
+    print(f"load average (1, 5, 15 min) before {load_before}, after {note['loadavg_1_5_15']}, {note['cores']} cores")
+    if out is not None:
+        document = {"config": str(config_path), "meta": {**note, "loadavg_before": load_before}, "batch": batch, "capacity_samples_per_s": round(capacity, 1),
+                    "solo_samples_per_s": round(solo_rate, 1), "ddp_memory_need_bytes": need,
+                    "ddp_left_out": [d.gpu for d in left_out], "rows": rows, "ratios_same_repeat": ratios,
+                    "sweep": sweep, "slowdowns": {d.gpu: round(d.slowdown, 3) for d in devs}, "repeats": repeats,
+                    "seconds": seconds}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(document, indent=1))
+        print(f"wrote {out}")
+    png = plot_path or (out.with_suffix(".png") if out else None)
+    if png is not None:
+        if plot(rows, capacity, png, f"{config.name}: samples/s, median of {repeats}"):
+            print(f"wrote {png}")
+        else:
+            print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
+
+
+if __name__ == "__main__":
+    main()
