@@ -23,7 +23,7 @@ import numpy as np
 
 from hetpipe.errors import HetpipeError
 
-__all__ = ["Checkpoint", "CheckpointError", "list_manifests", "load_newest", "write_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointError", "list_manifests", "load_newest", "read_checkpoint", "write_checkpoint"]
 
 MAGIC = b"HETPIPE-CKPT-1\n"
 FORMAT_VERSION = 1
@@ -103,7 +103,7 @@ def list_manifests(directory: Path) -> list[Path]:
     return sorted(directory.glob("ckpt-*.json"))
 
 
-def _read(manifest_path: Path) -> Checkpoint:
+def read_checkpoint(manifest_path: Path) -> Checkpoint:
     """Read and verify one checkpoint; raises CheckpointError saying what is wrong with it."""
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -144,7 +144,7 @@ def load_newest(directory: Path, log: Callable[[str], None]) -> Checkpoint | Non
     refused = []
     for manifest in reversed(manifests):
         try:
-            ckpt = _read(manifest)
+            ckpt = read_checkpoint(manifest)
         except CheckpointError as exc:
             refused.append(str(exc))
             log(f"refusing checkpoint {exc}; trying the previous one")

@@ -33,7 +33,7 @@ import throughput  # noqa: E402
 
 from hetpipe.config import ClusterConfig, load_config  # noqa: E402
 from hetpipe.evaluate import evaluate  # noqa: E402
-from hetpipe.server.checkpoint import _read as read_checkpoint  # noqa: E402  (no public reader of one manifest)
+from hetpipe.server.checkpoint import read_checkpoint  # noqa: E402
 from hetpipe.server.checkpoint import list_manifests  # noqa: E402
 from hetpipe.worker.stage import dataset_of, model_of  # noqa: E402
 
