@@ -33,8 +33,10 @@ import throughput  # noqa: E402
 
 from hetpipe.config import ClusterConfig, load_config  # noqa: E402
 from hetpipe.evaluate import evaluate  # noqa: E402
-from hetpipe.server.checkpoint import read_checkpoint  # noqa: E402
-from hetpipe.server.checkpoint import list_manifests  # noqa: E402
+from hetpipe.server.checkpoint import (
+    list_manifests,  # noqa: E402
+    read_checkpoint,  # noqa: E402
+)
 from hetpipe.worker.stage import dataset_of, model_of  # noqa: E402
 
 
