@@ -16,6 +16,7 @@ __all__ = [
     "CORE_SHARE",
     "DilatedBlock",
     "Dilator",
+    "device_dilator",
     "EmulationError",
     "LinkEmulator",
     "auto_time_scale",
@@ -183,6 +184,12 @@ class Dilator:
         slept_s = self._clock() - start
         self._debt = due - slept_s
         return slept_s
+
+
+def device_dilator(slowdown: float) -> Dilator:
+    """The emulation wrapper of one emulated device, the same for hetpipe's stages and for every benchmark
+    peer: dilation on the thread's CPU time (see Dilator), so a busy machine slows all of them alike."""
+    return Dilator(slowdown, cpu_clock=time.thread_time)
 
 
 # ---------------------------------------------------------------------------------------------- links

@@ -118,7 +118,9 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
             st.saved[a.index] = (inputs, out, weights)
         elif a.kind == "B":
             inputs, out, weights = st.saved.pop(a.index)
-            out.backward() if last else out.backward(grads.pop((v, j, a.index)))
+            grad = None if last else grads.pop((v, j, a.index))
+            if out.requires_grad:  # a first stage without weights has nothing to differentiate
+                out.backward(grad)
             for k, w in params.items():
                 w.grad = weights[k].grad
             if st.optimizer is not None:

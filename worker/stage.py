@@ -21,7 +21,7 @@ import torch
 from hetpipe import data as datalib
 from hetpipe.audit import AuditError, audit_key, ledger_violations
 from hetpipe.config import ClusterConfig, WspConfig, load_config
-from hetpipe.emulate import Dilator, LinkEmulator
+from hetpipe.emulate import LinkEmulator, device_dilator
 from hetpipe.metrics import TraceRecorder
 from hetpipe.models import build_stage, get_model, named_stage_tensors
 from hetpipe.partition import node_links
@@ -115,7 +115,7 @@ class StageRunner:
             weight_stashing=t.weight_stashing, extra=self.ledgers, on_step=self._tag_update,
         )
         self.schedule = get_schedule(t.schedule)(job.num_stages, config.wsp.nm, t.waves, config.wsp.staleness)
-        self.dilator = Dilator(job.slowdown, cpu_clock=time.thread_time)
+        self.dilator = device_dilator(job.slowdown)
         link = node_links(config.network)
         emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
         self.links = {

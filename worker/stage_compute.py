@@ -111,7 +111,7 @@ class StageCompute:
                 flight.loss = loss_fn(flight.output, target)
         if flight.loss is not None:
             flight.loss.backward()
-        else:
+        elif flight.output.requires_grad:  # else: no weights here and no input gradient wanted
             flight.output.backward(grad_output)
         if flight.weights is not None:
             for key, param in self.params.items():

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from hetpipe import data as datalib
 from hetpipe.config import ClusterConfig, load_config
-from hetpipe.emulate import Dilator, cpu_cores, gpu_speeds, slowdowns
+from hetpipe.emulate import Dilator, cpu_cores, device_dilator, gpu_speeds, slowdowns
 from hetpipe.errors import HetpipeError, UsageError
 from hetpipe.memory import format_bytes, stage_memory
 from hetpipe.models import build_stage
@@ -293,7 +293,7 @@ def _ddp_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     spec, data = model_of(config), dataset_of(config)
     _init_group(job)
     model = DistributedDataParallel(build_stage(spec, 0, spec.num_layers))  # same init as hetpipe's W_0
-    dilator = Dilator(job.slowdown)
+    dilator = device_dilator(job.slowdown)
     backward = _HeldBlock(dilator, "B")
     model.register_comm_hook(None, _ddp_comm_hook(backward))
     optimizer = _optimizer(config, list(model.parameters()), job.lr)
@@ -347,7 +347,7 @@ def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     start_layer = sum(job.split[: job.rank])
     module = build_stage(spec, start_layer, start_layer + job.split[job.rank])
     stage = PipelineStage(module, job.rank, job.world, torch.device("cpu"))
-    dilator = Dilator(job.slowdown)
+    dilator = device_dilator(job.slowdown)
     _dilate_stage(stage, dilator)
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -387,7 +387,7 @@ def _solo_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     spec, data = model_of(config), dataset_of(config)
     model = build_stage(spec, 0, spec.num_layers)
     optimizer = _optimizer(config, list(model.parameters()), job.lr)
-    dilator = Dilator(job.slowdown)
+    dilator = device_dilator(job.slowdown)
     indices = datalib.shard_indices(len(data.train.y), 1, 0, config.seed)
     ends = []
     start = time.time()
