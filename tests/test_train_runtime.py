@@ -79,3 +79,26 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
 
     state = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
     assert "1.0.weight" in state and all(t.dtype == torch.float32 for t in state.values())
+
+
+def test_server_and_workers_as_separate_commands(tmp_path: Path):
+    """The several-machines flow, on one: `hetpipe server` plus one `hetpipe worker` per VW."""
+    from hetpipe.worker.launcher import free_port
+
+    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=3)
+    port = free_port()
+    path.write_text(path.read_text() + f"\n[ps]\nport = {port}\n")
+    server = subprocess.Popen([sys.executable, "-m", "hetpipe", "server", "--config", str(path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = [subprocess.Popen([sys.executable, "-m", "hetpipe", "worker", "--config", str(path), "--vw", str(v),
+                                     "--run-dir", str(tmp_path / f"w{v}")], stderr=subprocess.PIPE, text=True)
+                   for v in range(2)]
+        outputs = [w.communicate(timeout=120)[1] for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], outputs
+        assert all("finished 3 waves" in out for out in outputs)
+    finally:
+        server.terminate()
+        _, log = server.communicate(timeout=30)
+    assert server.returncode == 0
+    assert "clock 3  c_local [3, 3]" in log

@@ -84,8 +84,6 @@ class Progress:
     """The launcher's view of every VW, fed by the stages' events."""
 
     layouts: tuple[VwLayout, ...]
-    total_waves: int
-    nm: int
     waves: dict[int, int] = field(default_factory=dict)
     loss: dict[int, float] = field(default_factory=dict)
     speed: dict[int, float] = field(default_factory=dict)
@@ -185,7 +183,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     speeds = {g: config.gpu(g).speed for lay in vws for g in lay.gpus}
     slow = slowdowns(speeds, cpu_cores(), config.emulation.time_scale) if config.emulation.enabled else {}
     time_scale = min(slow.values(), default=1.0)  # the fastest GPU's slowdown is the time scale
-    progress = Progress(vws, config.train.waves, config.wsp.nm)
+    progress = Progress(vws)
     view = ProgressView(options.progress)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
     say(f"hetpipe train: {config.name}: {len(vws)} virtual workers, model {spec.name}, "
@@ -346,10 +344,14 @@ def run_worker(config: ClusterConfig, vw: int, stage: int | None, run_dir: Path)
             raise UsageError(f"--stage {stage} is out of range: vw {vw} has {len(jobs)} stages (0..{len(jobs) - 1})")
         jobs = [jobs[stage]]
     group = ChildGroup(log_dir=run_dir / "logs")
+    names = ", ".join(f"vw{job.vw}-s{job.stage}" for job in jobs)
+    print(f"hetpipe worker: starting {names} against the PS at {', '.join(config.ps_endpoints())}; "
+          f"logs in {run_dir / 'logs'}", file=sys.stderr, flush=True)
     try:
         for job in jobs:
             group.start(f"vw{job.vw}-s{job.stage}", run_stage, job, None)
         group.wait()
+        print(f"hetpipe worker: {names} finished {config.train.waves} waves", file=sys.stderr, flush=True)
     except ChildFailed as exc:
         raise HetpipeError(str(exc)) from None
     except KeyboardInterrupt:
