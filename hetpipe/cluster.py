@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
 
 from hetpipe.config import ClusterConfig, GpuRef, GpuType, Node, VirtualWorkerSpec
-from hetpipe.errors import UsageError
+from hetpipe.errors import UsageError, did_you_mean
 from hetpipe.plan import VwPlan
 
 __all__ = [
@@ -81,8 +80,7 @@ def allocate(cluster: Cluster, policy: str, num_vws: int | None = None) -> list[
     """
     parts = _Parts(cluster)
     if policy not in _POLICY_FUNCTIONS:
-        hint = difflib.get_close_matches(policy, POLICIES, n=1, cutoff=0.5)
-        near = f' (did you mean "{hint[0]}"?)' if hint else ""
+        near = did_you_mean(policy, POLICIES, cutoff=0.5)
         raise UsageError(f"unknown allocation policy {policy!r}; use one of {', '.join(POLICIES)}{near}")
     if num_vws is not None and num_vws < 1:
         raise UsageError(f"num_vws must be >= 1, got {num_vws}; or leave it out to let the policy choose")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import re
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn, get_args
 
-from hetpipe.errors import ConfigError
+from hetpipe.errors import ConfigError, did_you_mean
 
 __all__ = [
     "AllocationConfig",
@@ -337,7 +336,7 @@ def _missing_file_hint(path: Path) -> str:
     known = sorted(p.name for p in folder.glob("*.toml")) if folder.is_dir() else []
     if not known:
         return f"check the path; the packaged default config is {default_config_path()}"
-    return f"configs in {folder}: {', '.join(known)}{_did_you_mean(path.name, known)}"
+    return f"configs in {folder}: {', '.join(known)}{did_you_mean(path.name, known)}"
 
 
 def _syntax_hint(message: str, text: str) -> str:
@@ -421,7 +420,7 @@ def _nodes(top: _Table, gpu_types: Mapping[str, GpuType]) -> tuple[Node, ...]:
             if gpu not in gpu_types:
                 known = list(gpu_types)
                 table.fail(f"gpus[{j}]", f'unknown GPU type "{gpu}"',
-                           f"known types: {', '.join(known)}{_did_you_mean(gpu, known)}")
+                           f"known types: {', '.join(known)}{did_you_mean(gpu, known)}")
         nodes.append(Node(name=name, host=host, gpus=gpus))
     return tuple(nodes)
 
@@ -504,7 +503,7 @@ def _emulation(t: _Table) -> EmulationConfig:
     if isinstance(raw, str):
         if raw != "auto":
             t.fail("time_scale", f"unknown value {_show(raw)}",
-                   f'write time_scale = "auto" or a number > 0{_did_you_mean(raw, ["auto"])}')
+                   f'write time_scale = "auto" or a number > 0{did_you_mean(raw, ["auto"])}')
         time_scale = None
     else:
         time_scale = t.number("time_scale", placeholder='"auto" or <float > 0>', kind='"auto" or a number', gt=0)
@@ -563,7 +562,7 @@ def _gpu_ref(table: _Table, key: str, text: str, nodes: Mapping[str, Node]) -> G
     if ref.node not in nodes:
         known = list(nodes)
         table.fail(key, f'unknown node "{ref.node}" in "{text}"',
-                   f"known nodes: {', '.join(known)}{_did_you_mean(ref.node, known)}")
+                   f"known nodes: {', '.join(known)}{did_you_mean(ref.node, known)}")
     count = len(nodes[ref.node].gpus)
     if ref.index >= count:
         table.fail(key, f'node "{ref.node}" has no GPU {ref.index}',
@@ -599,7 +598,7 @@ class _Table:
                 home = [s for s, keys in _SECTIONS.items() if key in keys and s != self.where]
                 moved = f" (`{key}` belongs under [{home[0]}])" if len(home) == 1 else ""
                 self.fail(_key(key), "unknown key",
-                          f"allowed keys {self.under}: {', '.join(allowed)}{_did_you_mean(key, allowed)}{moved}")
+                          f"allowed keys {self.under}: {', '.join(allowed)}{did_you_mean(key, allowed)}{moved}")
 
     def _get(self, key: str, default: Any, placeholder: str) -> Any:
         if key in self.data:
@@ -665,7 +664,7 @@ class _Table:
             self._type_error(key, value, "a string", placeholder)
         if value not in choices:
             self.fail(key, f"unknown value {_show(value)}",
-                      f"choose one of: {', '.join(choices)}{_did_you_mean(value, choices)}")
+                      f"choose one of: {', '.join(choices)}{did_you_mean(value, choices)}")
         return value
 
     def strings(self, key: str, *, placeholder: str, nonempty: bool = False) -> tuple[str, ...]:
@@ -733,12 +732,6 @@ class _Table:
 def _fail(file: Path, where: str, what: str, fix: str) -> NoReturn:
     head = f"{file}: {where}: {what}" if where else f"{file}: {what}"
     raise ConfigError(f"{head}\n  {fix}")
-
-
-def _did_you_mean(word: str, choices: Sequence[str]) -> str:
-    by_lower = {choice.lower(): choice for choice in choices}
-    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
-    return f' (did you mean "{by_lower[close[0]]}"?)' if close else ""
 
 
 def _key(key: str) -> str:

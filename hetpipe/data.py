@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import gzip
 import importlib
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.errors import HetpipeError, UsageError, did_you_mean
 
 __all__ = [
     "Split", "DatasetSplit", "DATASETS", "load_dataset", "synthetic", "encode", "decode", "windows", "shakespeare_text",
@@ -286,8 +285,7 @@ def load_dataset(name: str, *, test_fraction: float = 0.1, seed: int = 0, **opti
         accepted = [p for p in inspect.signature(loader).parameters if p not in ("test_fraction", "seed")]
         for key in options:
             if key not in accepted:
-                close = difflib.get_close_matches(key, accepted, n=1)
-                hint = f' (did you mean "{close[0]}"?)' if close else ""
+                hint = did_you_mean(key, accepted)
                 raise UsageError(f'dataset "{name}" has no option "{key}"{hint}; its options are: '
                                  f"{', '.join(accepted) or 'none'}")
         return loader(test_fraction=test_fraction, seed=seed, **options)
@@ -297,8 +295,7 @@ def load_dataset(name: str, *, test_fraction: float = 0.1, seed: int = 0, **opti
         return _from_directory(Path(name), test_fraction, seed)
     if ":" in name:
         return _from_function(name, test_fraction, seed, options)
-    close = difflib.get_close_matches(name, list(DATASETS), n=1)
-    hint = f' (did you mean "{close[0]}"?)' if close else ""
+    hint = did_you_mean(name, DATASETS)
     raise UsageError(f'unknown dataset "{name}"{hint}; known: {", ".join(DATASETS)}, a directory holding '
                      f'x.npy + y.npy or data.npz, or "package.module:function"')
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["HetpipeError", "ConfigError", "UsageError"]
+import difflib
+from collections.abc import Iterable
+
+__all__ = ["ConfigError", "HetpipeError", "UsageError", "did_you_mean"]
 
 
 class HetpipeError(Exception):
@@ -21,3 +24,10 @@ class UsageError(HetpipeError):
     """Arguments that do not fit together."""
 
     exit_code = 2
+
+
+def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
+    """' (did you mean "x"?)' for the closest of `choices` (case-insensitive), or "" when none is close."""
+    by_lower = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=cutoff)
+    return f' (did you mean "{by_lower[close[0]]}"?)' if close else ""

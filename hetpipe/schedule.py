@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 import heapq
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.errors import HetpipeError, UsageError, did_you_mean
 
 __all__ = [
     "FORWARD",
@@ -139,8 +138,7 @@ def get_schedule(name: str) -> Callable[..., Schedule]:
         return SCHEDULES[name]
     except KeyError:
         known = sorted(SCHEDULES)
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f' (did you mean "{close[0]}"?)' if close else ""
+        hint = did_you_mean(name, known)
         raise UsageError(
             f'unknown schedule "{name}"\n       known schedules: {", ".join(known)}{hint}'
         ) from None

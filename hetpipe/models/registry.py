@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import importlib
 import inspect
 from collections.abc import Callable, Sequence
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetpipe.errors import UsageError
+from hetpipe.errors import UsageError, did_you_mean
 from hetpipe.models.cnn import mnist_cnn
 from hetpipe.models.gpt import char_gpt
 from hetpipe.models.mlp import mlp
@@ -40,11 +39,6 @@ def model_names() -> list[str]:
     return list(MODELS)
 
 
-def _did_you_mean(word: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f' (did you mean "{close[0]}"?)' if close else ""
-
-
 def _accepted(fn: Callable[..., Any]) -> tuple[list[str], bool]:
     """Keyword names `fn` accepts, and whether it also takes **kwargs."""
     params = inspect.signature(fn).parameters.values()
@@ -59,13 +53,13 @@ def get_model(name: str, **options: Any) -> ModelSpec:
         accepted, _ = _accepted(builder)
         for key in options:
             if key not in accepted:
-                raise UsageError(f'model "{name}" has no option "{key}"{_did_you_mean(key, accepted)}; '
+                raise UsageError(f'model "{name}" has no option "{key}"{did_you_mean(key, accepted)}; '
                                  f"its options are: {', '.join(accepted)}")
         spec = builder(**options)
     elif ":" in name:
         spec = _user_model(name, dict(options))
     else:
-        raise UsageError(f'unknown model "{name}"{_did_you_mean(name, list(MODELS))}; known models: '
+        raise UsageError(f'unknown model "{name}"{did_you_mean(name, list(MODELS))}; known models: '
                          f'{", ".join(MODELS)}, or "package.module:function" for your own')
     return replace(spec, options=tuple(sorted(options.items())))
 
