@@ -20,6 +20,42 @@ from conftest import write_config
 pytestmark = pytest.mark.slow
 
 
+def start_long_training(tmp_path: Path) -> tuple[subprocess.Popen, dict[str, int]]:
+    """`hetpipe train` of a long run as a subprocess; returns once it is training, with its children's PIDs."""
+    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=3000,
+                        speeds=[2.0, 1.0, 2.0, 1.0], emulation=True, time_scale=1.0)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(run_dir), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not ((run_dir / "pids.json").exists() and metrics.exists() and '"push"' in metrics.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"training never started: {proc.communicate()}")
+        time.sleep(0.2)
+    return proc, json.loads((run_dir / "pids.json").read_text())
+
+
+def stop_within(proc: subprocess.Popen, seconds: float) -> tuple[str, float]:
+    """Wait for proc to exit after a signal; returns its stderr and how long it took."""
+    sent = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - sent
+    assert took < seconds, f"took {took:.1f} s to stop"
+    return err, took
+
+
+def assert_all_gone(pids: dict[str, int]) -> None:
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.parametrize(("pull", "staleness"), [("latest", 1), ("exact", 0)])
 def test_audit_holds_with_one_vw_four_times_slower(tmp_path: Path, pull: str, staleness: int):
     # VW 0 on two speed-4 GPUs, VW 1 on two speed-1 GPUs: VW 1 computes 4x slower (time dilation)
@@ -37,33 +73,12 @@ def test_audit_holds_with_one_vw_four_times_slower(tmp_path: Path, pull: str, st
 
 
 def test_sigkill_of_a_stage_stops_the_run_naming_it(tmp_path: Path):
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=3000,
-                        speeds=[2.0, 1.0, 2.0, 1.0], emulation=True, time_scale=1.0)
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(run_dir), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        pids_file = run_dir / "pids.json"
-        deadline = time.monotonic() + 60
-        while not (pids_file.exists() and (run_dir / "metrics.jsonl").exists()
-                   and '"push"' in (run_dir / "metrics.jsonl").read_text()):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.2)
-        pids = json.loads(pids_file.read_text())
-        os.kill(pids["vw1-s0"], signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, err = proc.communicate(timeout=30)
-        stopped_in = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, pids = start_long_training(tmp_path)
+    os.kill(pids["vw1-s0"], signal.SIGKILL)
+    err, _ = stop_within(proc, 15)
     assert proc.returncode == 1
     assert "vw1-s0" in err and "SIGKILL" in err and "Traceback" not in err
-    assert stopped_in < 15, f"took {stopped_in:.1f} s to stop"
-    for pid in pids.values():
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert_all_gone(pids)
 
 
 def test_train_cli_writes_summary_and_model(tmp_path: Path):
@@ -102,3 +117,11 @@ def test_server_and_workers_as_separate_commands(tmp_path: Path):
         _, log = server.communicate(timeout=30)
     assert server.returncode == 0
     assert "clock 3  c_local [3, 3]" in log
+
+
+def test_ctrl_c_stops_everything_within_seconds(tmp_path: Path):
+    proc, pids = start_long_training(tmp_path)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends (here to the launcher alone)
+    err, _ = stop_within(proc, 15)
+    assert proc.returncode == 1 and "interrupted" in err and "Traceback" not in err
+    assert_all_gone(pids)
