@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import zmq
 
@@ -58,16 +57,6 @@ class Traffic:
     bytes_in: int = 0
     bytes_out: int = 0
     pull_wait_s: float = 0.0
-
-
-def _request_id(frames: list[zmq.Frame]) -> int | None:
-    """Best effort: the id of a request that failed validation, so its error reply can be matched."""
-    try:
-        header = msgpack.unpackb(frames[0].bytes, max_buffer_size=wire.MAX_HEADER_BYTES)
-        rid = header.get("id") if isinstance(header, dict) else None
-    except Exception:
-        return None
-    return rid if type(rid) is int and 0 <= rid < 2**63 else None
 
 
 class ShardServer:
@@ -188,8 +177,8 @@ class ShardServer:
                 )
             getattr(self, f"_on_{msg.type}")(identity, msg)
         except (wire.WireError, WspError) as exc:
-            if request_id is None:
-                request_id = _request_id(body)
+            if request_id is None:  # decode could not finish; it kept the id if the header had one
+                request_id = getattr(exc, "request_id", None)
             self._send(identity, wire.error_frames(request_id, exc.code, str(exc)))
         except Exception as exc:  # a bug must not take the shard down; say so loudly and go on
             self.log(f"[shard {self.settings.shard}] internal error: {exc}\n{traceback.format_exc()}")
