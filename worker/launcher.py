@@ -50,6 +50,15 @@ class TrainOptions:
     wsp: WspConfig | None = None  # Nm, D and pull mode to run with (a plan's); default: the config's [wsp]
 
 
+def emulated_slowdowns(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> tuple[dict[str, float], float]:
+    """Each GPU's slowdown under emulation (empty when off) and the time scale (the fastest GPU's slowdown)."""
+    if not config.emulation.enabled:
+        return {}, 1.0
+    speeds = {g: config.gpu(g).speed for lay in vws for g in lay.gpus}
+    slow = slowdowns(speeds, cpu_cores(), config.emulation.time_scale)
+    return slow, min(slow.values())
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -180,9 +189,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     vws = options.layouts or layouts(config, spec)
     run_dir = options.run_dir or Path(config.train.out_dir) / time.strftime("run-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    speeds = {g: config.gpu(g).speed for lay in vws for g in lay.gpus}
-    slow = slowdowns(speeds, cpu_cores(), config.emulation.time_scale) if config.emulation.enabled else {}
-    time_scale = min(slow.values(), default=1.0)  # the fastest GPU's slowdown is the time scale
+    slow, time_scale = emulated_slowdowns(config, vws)
     progress = Progress(vws)
     view = ProgressView(options.progress)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
@@ -322,14 +329,13 @@ def worker_jobs(config: ClusterConfig, vw: int, run_dir: Path) -> list[StageJob]
     if not 0 <= vw < len(vws):
         raise UsageError(f"--vw {vw} is out of range: {config.path} has {len(vws)} virtual workers (0..{len(vws) - 1})")
     lay = vws[vw]
-    speeds = {g: config.gpu(g).speed for v in vws for g in v.gpus}
-    slow = slowdowns(speeds, cpu_cores(), config.emulation.time_scale) if config.emulation.enabled else {}
+    slow, time_scale = emulated_slowdowns(config, vws)
     return [
         StageJob(
             config_path=str(config.path), run_dir=str(run_dir), vw=vw, stage=s, num_vws=len(vws), gpus=lay.gpus,
             split=lay.split, ps_endpoints=tuple(config.ps_endpoints()), p2p_port=config.ps.port + 100 + vw,
             slowdown=slow.get(lay.gpus[s], 1.0), device=_device(config, lay.gpus[s]),
-            p2p_host=config.node(lay.gpus[0].split(":")[0]).host, time_scale=min(slow.values(), default=1.0),
+            p2p_host=config.node(lay.gpus[0].split(":")[0]).host, time_scale=time_scale,
             wsp=config.wsp,
         )
         for s in range(len(lay.split))
