@@ -79,9 +79,13 @@ def test_sigkill_restart_resumes_bit_for_bit(children, tmp_path: Path):
     a.close()
     b.close()
 
-    endpoint, server = start_shard(children, settings, name="ps-b")
-    with PSClient([endpoint], "ck", 0, 0, 2, 1, place, timeout_s=10, retry_s=0.5) as c:
-        weights, status = c.read(), c.status()[0]
+    def restart(name: str):
+        """Start the shard again on the same checkpoint directory; its weights, status and the child."""
+        endpoint, child = start_shard(children, settings, name=name)
+        with PSClient([endpoint], "ck", 0, 0, 2, 1, place, timeout_s=10, retry_s=0.5) as c:
+            return c.read(), c.status()[0], child
+
+    weights, status, server = restart("ps-b")
     want_weights, want_status = snapshots[4]
     for k in place:
         assert np.array_equal(weights[k], want_weights[k])
@@ -95,9 +99,7 @@ def test_sigkill_restart_resumes_bit_for_bit(children, tmp_path: Path):
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0x01
     newest.write_bytes(bytes(data))
-    endpoint, server = start_shard(children, settings, name="ps-c")
-    with PSClient([endpoint], "ck", 0, 0, 2, 1, place, timeout_s=10, retry_s=0.5) as c:
-        weights, status = c.read(), c.status()[0]
+    weights, status, server = restart("ps-c")
     want_weights, want_status = snapshots[3]
     for k in place:
         assert np.array_equal(weights[k], want_weights[k])
