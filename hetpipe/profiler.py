@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.heap import keep_freed_memory
 from hetpipe.models.spec import ModelSpec
 from hetpipe.profile import LayerProfile, ModelProfile
 
@@ -33,7 +34,7 @@ OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}  # copies of the trainabl
 
 
 WARMUP = 3  # untimed forward+backward runs per layer before the timed ones
-PROFILER_VERSION = 4  # part of the cache key: bump when what a profile measures changes
+PROFILER_VERSION = 5  # part of the cache key: bump when what a profile measures changes
 
 
 def profile_model(
@@ -67,6 +68,7 @@ def profile_model(
       parameter gradients (those the memory model counts on their own).
     """
     _check_options(spec, batch_size, optimizer, repeats)
+    keep_freed_memory()  # as every stage process does: freed tensors are reused, not faulted in again
     dev = torch.device(device)
     layers = [spec.build_layer(i, dev).train() for i in range(spec.num_layers)]
     x0 = spec.example_input(batch_size).to(dev)

@@ -22,6 +22,7 @@ from hetpipe import data as datalib
 from hetpipe.audit import AuditError, audit_key, ledger_violations
 from hetpipe.config import ClusterConfig, WspConfig, load_config
 from hetpipe.emulate import LinkEmulator, device_dilator
+from hetpipe.heap import keep_freed_memory
 from hetpipe.metrics import TraceRecorder
 from hetpipe.models import build_stage, get_model, named_stage_tensors
 from hetpipe.partition import node_links
@@ -240,6 +241,7 @@ class StageRunner:
 def run_stage(job: StageJob, events: Any = None) -> None:
     """Child-process entry point: one torch thread, run the stage, report failure with its traceback."""
     torch.set_num_threads(1)
+    keep_freed_memory()
     report = events.put if events is not None else (lambda _msg: None)
     try:
         StageRunner(job, report).run()

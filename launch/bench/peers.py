@@ -37,6 +37,7 @@ from hetpipe import data as datalib
 from hetpipe.config import ClusterConfig, load_config
 from hetpipe.emulate import Dilator, cpu_cores, device_dilator, gpu_speeds, slowdowns
 from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.heap import keep_freed_memory
 from hetpipe.memory import format_bytes, stage_memory
 from hetpipe.models import build_stage
 from hetpipe.partition import best_order_and_nm
@@ -407,8 +408,10 @@ _MAINS = {"ddp": _ddp_main, "pipeline": _pipeline_main, "solo": _solo_main}
 
 
 def _child(job: _Job, results: Any) -> None:
-    """Child-process entry point: one torch thread, run the job, report a failure with its traceback."""
+    """Child-process entry point: one torch thread, freed memory kept (as in hetpipe's stages), run the job,
+    report a failure with its traceback."""
     torch.set_num_threads(1)
+    keep_freed_memory()
     try:
         _MAINS[job.kind](job, results.put)
     except BaseException as exc:
