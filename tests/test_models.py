@@ -183,3 +183,17 @@ def test_gpt_is_causal() -> None:
     a, b = chain(layers, x), chain(layers, y)
     assert torch.equal(a[:, :-1], b[:, :-1]) and not torch.equal(a[:, -1], b[:, -1])
     assert math.isclose(spec.loss(a, x).item(), math.log(spec.num_classes), rel_tol=0.2)
+
+
+def test_deep_mlp_keeps_its_activation_scale() -> None:
+    # He initialisation: each Linear+ReLU block keeps E[x^2], so a deep MLP neither vanishes nor explodes
+    # at the start (PyTorch's default Linear init shrinks it ~6x per block: 1e-6 after 8 blocks).
+    spec = get_model("mlp", hidden=[512] * 8)
+    x = torch.randn(256, 1, 28, 28)
+    second_moments = []
+    with torch.no_grad():
+        for i in range(spec.num_layers - 1):
+            x = spec.build_layer(i, "cpu")(x)
+            second_moments.append(float(x.pow(2).mean()))
+    first, last = second_moments[1], second_moments[-1]
+    assert 0.3 < last / first < 3.0

@@ -14,7 +14,10 @@ __all__ = ["mlp"]
 
 
 def _block(fan_in: int, fan_out: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(fan_in, fan_out), nn.ReLU())
+    linear = nn.Linear(fan_in, fan_out)
+    nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")  # He init: deep ReLU stacks keep their scale
+    nn.init.zeros_(linear.bias)
+    return nn.Sequential(linear, nn.ReLU())
 
 
 def mlp(*, seed: int = 0, in_channels: int = 1, image_size: int = 28,
