@@ -3,11 +3,18 @@
 Sends are non-blocking (isend) so a stage never waits for its neighbour to post a receive; receives
 block. Each tensor goes as a small int64 header (ndim, shape) and then its data, so receivers need not
 know shapes in advance. Plain send/recv only: batch_isend_irecv has hung on gloo (pytorch #132644).
+
+A sent tensor must stay alive until its send completes, and gloo's Work.is_completed() stays False until
+wait() is called, so sends are kept per peer and the oldest are waited for once more than
+`max_in_flight` minibatches' worth are outstanding. With 1F1B and Nm minibatches in flight, by the time
+a stage sends for minibatch p + Nm its neighbour has already received everything it sent for minibatches
+<= p (it needed them to get this far), so those waits return at once: connect with max_in_flight = Nm + 1.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -26,12 +33,14 @@ class P2P:
     rank: int
     world_size: int
     device: torch.device
-    _pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    max_in_flight: int = 8  # minibatches' sends per peer that may be outstanding; older ones are waited for
+    _pending: dict[int, deque[tuple[dist.Work, torch.Tensor]]] = field(default_factory=dict)
     bytes_sent: int = 0
 
     @classmethod
     def connect(
-        cls, rank: int, world_size: int, host: str, port: int, device: torch.device, timeout_s: float = 300
+        cls, rank: int, world_size: int, host: str, port: int, device: torch.device, timeout_s: float = 300,
+        max_in_flight: int = 8,
     ) -> P2P:
         """Join the VW's process group; stage 0 hosts the rendezvous on host:port."""
         if world_size > 1:
@@ -43,7 +52,9 @@ class P2P:
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        return cls(rank, world_size, device)
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}: pass Nm + 1")
+        return cls(rank, world_size, device, max_in_flight)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.detach().contiguous()
@@ -54,10 +65,13 @@ class P2P:
             dtype=torch.int64,
             device=self.device,
         )
+        pending = self._pending.setdefault(dst, deque())
         for t in (header, tensor):
-            self._pending.append((dist.isend(t, dst), t))
+            pending.append((dist.isend(t, dst), t))
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        self._reap()
+        while len(pending) > 2 * self.max_in_flight:  # two sends (header, data) per tensor
+            work, _ = pending.popleft()
+            work.wait()
 
     def recv(self, src: int) -> torch.Tensor:
         header = torch.empty(MAX_NDIM + 2, dtype=torch.int64, device=self.device)
@@ -68,13 +82,16 @@ class P2P:
         dist.recv(out, src)
         return out
 
-    def _reap(self) -> None:
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+    @property
+    def outstanding(self) -> int:
+        """Sends not yet waited for, over all peers."""
+        return sum(len(pending) for pending in self._pending.values())
 
     def close(self) -> None:
         """Wait for every send to complete, then leave the group."""
-        for work, _ in self._pending:
-            work.wait()
+        for pending in self._pending.values():
+            for work, _ in pending:
+                work.wait()
         self._pending.clear()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -142,7 +142,8 @@ class StageRunner:
         job = self.job
         local = {k: t.detach().cpu().numpy() for k, t in self.compute.synced.items()}
         self.compute.load(self.ps.register(local, want_weights=True))  # every VW starts from the PS's W_0
-        self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device)
+        self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device,
+                               max_in_flight=self.config.wsp.nm + 1)
         self.started = time.monotonic()
         try:
             for action in self.schedule.stages[job.stage]:
