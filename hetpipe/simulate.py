@@ -204,20 +204,21 @@ class _Run:
 
     def start(self, i: int, j: int, action: Action, now: float) -> None:
         vw = self.vws[i]
-        if action.kind == PUSH:
+        if action.kind == PUSH:  # the runtime's push waits for the PS's answer, so it holds the stage
             end = self.link.transfer(now, vw.param_bytes[j])
             vw.push_landed[action.index].append(end)
-            vw.ready_at[j] = now
-        else:
-            if action.kind == WAIT:
+        elif action.kind == WAIT:
+            if len(self.vws) == 1:  # one VW skips the gate and the pull (its live weights are the global ones)
+                end = now
+            else:
                 vw.gate_wait_s += now - vw.ready_at[j]
                 completed = tuple(other.completed_at(now) for other in self.vws)
                 self.gates.append(GateRecord(now, i, j, action.index, completed))
                 end = self.link.transfer(now, vw.param_bytes[j])
                 vw.pull_s += end - now
-            else:
-                end = now + (vw.forward[j] if action.kind == FORWARD else vw.backward[j])
-            vw.free_at[j] = vw.ready_at[j] = end
+        else:
+            end = now + (vw.forward[j] if action.kind == FORWARD else vw.backward[j])
+        vw.free_at[j] = vw.ready_at[j] = end
         vw.done[j][action] = end
         vw.position[j] += 1
         self.events.append(SimEvent(i, j, action, now, end))
@@ -259,9 +260,10 @@ class _Run:
 def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1) -> SimResult:
     """Run every VW of `plan` for `waves` waves of the wsp schedule under WSP with D = plan.staleness.
 
-    Stages take stage_times(); PUSH c sends the stage's param bytes (stage_param_bytes) to the PS
-    without holding the stage; VW i has completed wave c once every stage's push of c has arrived.
-    WAIT c blocks until c_global >= c - D - 1, then pulls the stage's param bytes, holding the stage.
+    Stages take stage_times(); PUSH c sends the stage's param bytes (stage_param_bytes) to the PS and
+    holds the stage until they have arrived (the runtime's push waits for the PS's answer); VW i has
+    completed wave c once every stage's push of c has arrived. WAIT c blocks until c_global >= c - D - 1,
+    then pulls the stage's param bytes, holding the stage; a single VW skips WAIT, as the runtime does.
     Pushes and pulls share one FIFO PS link; with balanced placement every transfer is spread
     evenly over the shards, each with its own `ps_gbps` link, so the link runs at ps_shards x ps_gbps
     (math.inf: free). The run ends when the last push has arrived.

@@ -54,18 +54,32 @@ def test_one_stage_without_ps_cost_runs_at_batch_over_f_plus_b() -> None:
     assert result.ps_utilisation == 0.0 and result.vws[0].gate_wait_s == 0.0
 
 
-def test_push_and_pull_timed_on_the_ps_link_by_hand() -> None:
+def test_push_holds_the_stage_and_one_vw_skips_the_pull_by_hand() -> None:
     # One stage, nm=1, D=0, f=1, b=2, 1 GB of weights over 8 Gbit/s: each transfer takes 1 s.
-    # wave 0: F0 0-1, B0 1-3, PUSH0 3-4 (stage goes on)   wave 1 (no gate: c-D-1 = 0): F1 3-4, B1 4-6,
-    # PUSH1 6-7   wave 2: gate needs wave 0 (landed at 4): opens at 6, pull queues behind PUSH1: 7-8,
-    # F2 8-9, B2 9-11, PUSH2 11-12.
+    # F0 0-1, B0 1-3, PUSH0 3-4 (the stage waits for the PS's answer), F1 4-5, B1 5-7, PUSH1 7-8,
+    # WAIT2: one VW, no gate and no pull, F2 8-9, B2 9-11, PUSH2 11-12.
     result = simulate(plan(vw(stage(1.0, 2.0, params=int(GB)))), waves=3, ps_gbps=8.0)
     assert result.makespan_s == 12.0
     assert result.samples_per_s == 3 * BATCH / 12.0
-    assert result.ps_utilisation == pytest.approx(4 / 12)
+    assert result.ps_utilisation == pytest.approx(3 / 12)
     one = result.vws[0]
-    assert one.wave_done_s == (4.0, 7.0, 12.0) and one.gate_wait_s == 0.0 and one.pull_s == 2.0
-    assert [(g.time_s, g.wave, g.completed) for g in result.gates] == [(6.0, 2, (1,))]
+    assert one.wave_done_s == (4.0, 8.0, 12.0) and one.gate_wait_s == 0.0 and one.pull_s == 0.0
+    assert result.gates == ()
+
+
+def test_push_and_pull_timed_on_the_shared_ps_link_by_hand() -> None:
+    # Two such VWs on one PS link (1 s per transfer, first come first served, vw0 first at equal times):
+    # both F0 0-1, B0 1-3; PUSH0: vw0 3-4, vw1 queued 4-5. vw0 F1 4-5, B1 5-7, PUSH1 7-8; vw1 F1 5-6,
+    # B1 6-8. At 8 vw0's WAIT2 finds c_global 1 >= 2-0-1 and pulls 8-9, then vw1's PUSH1 9-10.
+    # vw0 F2 9-10, B2 10-12, PUSH2 12-13. vw1 WAIT2 at 10, pull 10-11, F2 11-12, B2 12-14, PUSH2 14-15.
+    one = vw(stage(1.0, 2.0, params=int(GB)))
+    result = simulate(plan(one, one), waves=3, ps_gbps=8.0)
+    assert result.makespan_s == 15.0
+    assert result.ps_utilisation == pytest.approx(8 / 15)
+    assert result.vws[0].wave_done_s == (4.0, 8.0, 13.0) and result.vws[1].wave_done_s == (5.0, 10.0, 15.0)
+    assert result.vws[0].pull_s == 1.0 and result.vws[1].pull_s == 1.0
+    assert result.vws[0].gate_wait_s == 0.0 and result.vws[1].gate_wait_s == 0.0
+    assert [(g.time_s, g.vw, g.wave, g.completed) for g in result.gates] == [(8.0, 0, 2, (2, 1)), (10.0, 1, 2, (2, 2))]
 
 
 def test_transfers_split_between_forward_and_backward() -> None:
