@@ -47,3 +47,14 @@ def test_schedule_grid_and_unknown_schedule():
     assert result.stdout.splitlines()[1:] == ["stage 0: F0 F1 B0 B1 PUSH0", "stage 1: F0 B0 F1 B1 PUSH0"]
     result = hetpipe("schedule", "--name", "gpipe")
     assert result.returncode == 2 and "known schedules: wsp" in result.stderr
+
+
+def test_train_refuses_a_run_dir_holding_earlier_checkpoints(tmp_path: Path):
+    # The PS would resume from them while the stages start at wave 0, and every pull would be refused.
+    shard = tmp_path / "run" / "ps" / "shard-0"
+    shard.mkdir(parents=True)
+    (shard / "ckpt-00000200.json").write_text("{}")
+    result = hetpipe("train", "--run-dir", str(tmp_path / "run"), "--quiet")
+    assert result.returncode == 2
+    assert "already holds PS checkpoints" in result.stderr and "give a new --run-dir" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run" / "logs").exists()

@@ -26,6 +26,7 @@ from hetpipe.evaluate import evaluate
 from hetpipe.metrics import MetricsWriter, VwProgress, format_progress, merge_traces
 from hetpipe.models import even_split, param_counts
 from hetpipe.procs import ChildFailed, ChildGroup
+from hetpipe.server.checkpoint import list_manifests
 from hetpipe.server.launch import serve_settings
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient
@@ -175,6 +176,20 @@ def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path) -> list[s
     return endpoints
 
 
+def _refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:
+    """A run dir that holds PS checkpoints would make the PS resume from them while the stages start at wave 0
+    (stages do not resume yet), and every pull would be refused: say so before starting anything."""
+    if not config.checkpoint.enabled:
+        return
+    found = [m for shard in range(config.ps.shards) for m in list_manifests(run_dir / "ps" / f"shard-{shard}")]
+    if found:
+        raise UsageError(
+            f"{run_dir} already holds PS checkpoints of an earlier run ({found[-1]}); a new run would resume the "
+            "PS from them while its stages start from wave 0: give a new --run-dir, or remove "
+            f"{run_dir / 'ps'} to train from scratch there"
+        )
+
+
 def _device(config: ClusterConfig, gpu: str) -> str:
     if not config.emulation.enabled and torch.cuda.is_available():
         return f"cuda:{int(gpu.split(':')[1]) % torch.cuda.device_count()}"
@@ -188,6 +203,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     spec = model_of(config)
     vws = options.layouts or layouts(config, spec)
     run_dir = options.run_dir or Path(config.train.out_dir) / time.strftime("run-%Y%m%d-%H%M%S")
+    _refuse_earlier_checkpoints(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     slow, time_scale = emulated_slowdowns(config, vws)
     progress = Progress(vws)
