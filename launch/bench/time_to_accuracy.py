@@ -122,7 +122,7 @@ def plot(rows: list[dict[str, Any]], target: float, path: Path) -> bool:
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=throughput.DEFAULT_CONFIG, show_default=True)
 @click.option("--target", default=0.9, show_default=True, help="Test accuracy every system must reach.")
-@click.option("--staleness", default="0,4", show_default=True, help="hetpipe D values, one run each.")
+@click.option("--staleness", default="0,4", show_default=True, help="hetpipe D values, one run each ('' for none).")
 @click.option("--ddp", "ddp_spec", default="fastest@256", show_default=True,
               help="DDP rows, SET@BATCH[/BATCH..] as in throughput.py; each batch is its own row here ('' for none).")
 @click.option("--ddp-lr", default=None, help="DDP learning rates, one row each (comma list); default: the config's.")
@@ -159,7 +159,7 @@ def main(config_path: Path, target: float, staleness: str, ddp_spec: str, ddp_lr
     rows = []
     per_wave = setup.nm * batch * len(setup.vws)
     waves = max(5, math.ceil(max_seconds * 0.6 * capacity / per_wave))
-    for d in (int(v) for v in staleness.split(",")):
+    for d in (int(v) for v in staleness.split(",") if v.strip()):
         start, scores = run_hetpipe_tta(config, setup, d, waves, checkpoint_every, work / f"hetpipe-D{d}")
         rows.append(row(f"hetpipe D={d}", f"{setup.label.rsplit(', D=', 1)[0]}, D={d}, lr {config.train.lr}",
                         start, scores, target, checkpoint_every * per_wave))
