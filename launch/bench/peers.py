@@ -370,9 +370,10 @@ def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
             schedule.step(*args, target=y, losses=step_losses)
         else:
             schedule.step(*args)
-        with dilator.compute("S"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:  # None: a stage of weightless layers only (e.g. just the flatten)
+            with dilator.compute("S"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         ends.append(time.time())
         if step_losses:
             losses.append(float(torch.stack(step_losses).detach().mean()))
