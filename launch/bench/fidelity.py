@@ -2,8 +2,11 @@
 
 For each cluster config: profile the model on this CPU (cached), let the planner plan the config's own
 policy with the config's Nm and D, simulate that plan for the config's waves, then train it with
-`hetpipe train --plan` and compare. The prediction compared is the simulated run over the same window
-the runtime measures (from the first finished minibatch to the last), so fill and drain count alike.
+`hetpipe train --plan` and compare. Both rates are taken over the same window by the same function
+(throughput.window_rate, as the throughput benchmark does): from the end of every VW's first wave to the
+end of the first VW's last minibatch, on the simulated events and on the run's traces alike. The first
+wave is left out because the runtime's first minibatches pay one-off costs (lazy initialisation, allocator
+growth: ~1 s of a 10 s run here, stretched by the slowdown) that a profile of warm layers does not hold.
 
     python launch/bench/fidelity.py CONFIG [CONFIG ...] [--out fidelity.json]
 """
@@ -19,13 +22,16 @@ from pathlib import Path
 import click
 import torch
 
-from hetpipe.config import load_config
-from hetpipe.emulate import cpu_cores
-from hetpipe.models import get_model
-from hetpipe.plan_inputs import default_profile_dir
-from hetpipe.planner import EMULATED_P2P_GBPS, EMULATED_PS_GBPS, emulated_profiles, plan_candidates
-from hetpipe.profiler import cached_profile
-from hetpipe.simulate import simulate
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # noqa: E402  (launch/bench is not a package)
+
+from hetpipe.config import load_config  # noqa: E402
+from hetpipe.emulate import cpu_cores  # noqa: E402
+from hetpipe.models import get_model  # noqa: E402
+from hetpipe.plan_inputs import default_profile_dir  # noqa: E402
+from hetpipe.planner import EMULATED_P2P_GBPS, EMULATED_PS_GBPS, emulated_profiles, plan_candidates  # noqa: E402
+from hetpipe.profiler import cached_profile  # noqa: E402
+from hetpipe.simulate import simulate  # noqa: E402
 
 
 def predict(config_path: Path, plan_out: Path) -> dict:
@@ -46,11 +52,13 @@ def predict(config_path: Path, plan_out: Path) -> dict:
     plan_out.write_text(plan.to_json())
     sim = simulate(plan, waves=config.train.waves, ps_gbps=EMULATED_PS_GBPS, ps_shards=config.ps.shards)
     last = {v: len(vw.stages) - 1 for v, vw in enumerate(plan.vws)}
-    ends = [e.end for e in sim.events if e.action.kind == "B" and e.stage == last[e.vw]]
+    streams = {v: sorted(e.end for e in sim.events if e.vw == v and e.action.kind == "B" and e.stage == last[v])
+               for v in last}
+    rate = throughput.window_rate(streams, config.train.batch_size, throughput.WARMUP_WAVES * chosen.nm)
     return {
-        "config": str(config_path), "policy": policy, "nm": chosen.nm, "staleness": chosen.staleness,
+        "config": str(config_path), "batch_size": config.train.batch_size, "policy": policy, "nm": chosen.nm, "staleness": chosen.staleness,
         "vws": [list(vw.gpus) for vw in plan.vws], "splits": [list(vw.split) for vw in plan.vws],
-        "predicted_samples_per_s": round((len(ends) - 1) * config.train.batch_size / (max(ends) - min(ends)), 2),
+        "predicted_samples_per_s": round(rate, 2),
         "predicted_steady_samples_per_s": round(chosen.samples_per_s, 2),
     }
 
@@ -72,8 +80,11 @@ def main(configs: tuple[Path, ...], out: Path | None) -> None:
         if result.returncode:
             raise SystemExit(f"{config_path}: hetpipe train failed:\n{result.stderr[-3000:]}")
         summary = json.loads(summary_path.read_text())
-        row["measured_samples_per_s"] = summary["samples_per_s"]
-        row["error"] = round(row["predicted_samples_per_s"] / summary["samples_per_s"] - 1, 4)
+        measured = throughput.window_rate(throughput.trace_streams(work / f"run-{config_path.stem}"),
+                                          row["batch_size"], throughput.WARMUP_WAVES * row["nm"])
+        row["measured_samples_per_s"] = round(measured, 2)
+        row["measured_whole_run_samples_per_s"] = summary["samples_per_s"]
+        row["error"] = round(row["predicted_samples_per_s"] / measured - 1, 4)
         rows.append(row)
         print(f"{config_path.name:<28} {row['policy']:>6} {row['nm']:>3} {row['staleness']:>2} "
               f"{row['predicted_samples_per_s']:>10.1f} {row['measured_samples_per_s']:>9.1f} {row['error']:>+7.1%}",
