@@ -43,6 +43,8 @@ class P2P:
         max_in_flight: int = 8,
     ) -> P2P:
         """Join the VW's process group; stage 0 hosts the rendezvous on host:port."""
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}: pass Nm + 1")
         if world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(
@@ -52,8 +54,6 @@ class P2P:
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}: pass Nm + 1")
         return cls(rank, world_size, device, max_in_flight)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:

@@ -56,7 +56,8 @@ def predict(config_path: Path, plan_out: Path) -> dict:
                for v in last}
     rate = throughput.window_rate(streams, config.train.batch_size, throughput.WARMUP_WAVES * chosen.nm)
     return {
-        "config": str(config_path), "batch_size": config.train.batch_size, "policy": policy, "nm": chosen.nm, "staleness": chosen.staleness,
+        "config": str(config_path), "batch_size": config.train.batch_size, "policy": policy, "nm": chosen.nm,
+        "staleness": chosen.staleness,
         "vws": [list(vw.gpus) for vw in plan.vws], "splits": [list(vw.split) for vw in plan.vws],
         "predicted_samples_per_s": round(rate, 2),
         "predicted_steady_samples_per_s": round(chosen.samples_per_s, 2),
