@@ -43,4 +43,6 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again() -> None:
     _, default = _faults("default")
     assert ok == "True"
     assert default >= 20 * 200  # the default gives freed blocks back: every step faults hundreds of pages in
-    assert kept < default / 20  # kept memory: (almost) none
+    # kept memory: (almost) none; 0 when the machine is quiet, a few hundred seen under load (the kernel may
+    # reclaim pages of an idle process), so the bound leaves room
+    assert kept < default / 4
