@@ -8,7 +8,7 @@ end of the first VW's last minibatch, on the simulated events and on the run's t
 wave is left out because the runtime's first minibatches pay one-off costs (lazy initialisation, allocator
 growth: ~1 s of a 10 s run here, stretched by the slowdown) that a profile of warm layers does not hold.
 
-    python launch/bench/fidelity.py CONFIG [CONFIG ...] [--out fidelity.json]
+    python launch/bench/fidelity.py CONFIG [CONFIG ...] [--out fidelity.json] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # noqa: E402  (launch/bench is not a package)
+import plots  # noqa: E402  (launch/bench is not a package)
+import throughput  # noqa: E402
 
 from hetpipe.config import load_config  # noqa: E402
 from hetpipe.emulate import cpu_cores  # noqa: E402
@@ -67,7 +68,9 @@ def predict(config_path: Path, plan_out: Path) -> dict:
 @click.command()
 @click.argument("configs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON rows here.")
-def main(configs: tuple[Path, ...], out: Path | None) -> None:
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
+def main(configs: tuple[Path, ...], out: Path | None, plot_path: Path | None) -> None:
     work = Path(tempfile.mkdtemp(prefix="hetpipe-fidelity-"))
     rows = []
     print(f"{'config':<28} {'policy':>6} {'nm':>3} {'D':>2} {'predicted':>10} {'measured':>9} {'error':>7}", flush=True)
@@ -93,6 +96,12 @@ def main(configs: tuple[Path, ...], out: Path | None) -> None:
     if out is not None:
         out.write_text(json.dumps(rows, indent=1))
         print(f"wrote {out}")
+    png = plot_path or (out.with_suffix(".png") if out else None)
+    if png is not None:
+        series = {"predicted": [r["predicted_samples_per_s"] for r in rows],
+                  "measured": [r["measured_samples_per_s"] for r in rows]}
+        print(plots.paired_bars([Path(r["config"]).stem for r in rows], series, "samples/s",
+                                "planner's simulator vs hetpipe train", png))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ For each model size and shard count, in the same run, round by round, alternatin
          the same number of bytes from a preallocated buffer: ZeroMQ loopback with no PS work at all.
 Throughput counts both directions: 2 x SIZE bytes per round trip.
 
-    python launch/bench/ps_throughput.py [--sizes 10,100,400] [--shards 1,4] [--rounds 5] [--out FILE]
+    python launch/bench/ps_throughput.py [--sizes 10,100,400] [--shards 1,4] [--rounds 5] [--out FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ import click
 import numpy as np
 import zmq
 
-from hetpipe import wire
-from hetpipe.placement import balanced_placement
-from hetpipe.procs import ChildGroup
-from hetpipe.server.launch import serve_settings
-from hetpipe.server.shard import ShardSettings
-from hetpipe.worker.ps_client import PSClient
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plots  # noqa: E402  (launch/bench is not a package)
+
+from hetpipe import wire  # noqa: E402
+from hetpipe.placement import balanced_placement  # noqa: E402
+from hetpipe.procs import ChildGroup  # noqa: E402
+from hetpipe.server.launch import serve_settings  # noqa: E402
+from hetpipe.server.shard import ShardSettings  # noqa: E402
+from hetpipe.worker.ps_client import PSClient  # noqa: E402
 
 TENSOR_BYTES = 4 << 20
 
@@ -159,7 +162,9 @@ def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, l
 @click.option("--rounds", default=9, show_default=True, help="Timed round trips per cell (after one warm-up).")
 @click.option("--mode", type=click.Choice(["exact", "latest"]), default="exact", show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON rows here.")
-def main(sizes: str, shard_counts: str, rounds: int, mode: str, out: Path | None) -> None:
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
+def main(sizes: str, shard_counts: str, rounds: int, mode: str, out: Path | None, plot_path: Path | None) -> None:
     rows = []
     header = f"{'size_mb':>7} {'shards':>6} {'ps_gbps':>8} {'raw_gbps':>8} {'ratio':>6}   (median of {rounds}; GB/s both ways)"
     print(header, flush=True)
@@ -185,6 +190,11 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, out: Path | None
         meta = {"python": sys.version.split()[0], "zmq": zmq.zmq_version(), "machine": platform.machine()}
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {out}")
+    png = plot_path or (out.with_suffix(".png") if out else None)
+    if png is not None:
+        labels = [f"{r['size_mb']} MB, {r['shards']} shard{'s' * (r['shards'] > 1)}" for r in rows]
+        series = {"hetpipe PS push+pull": [r["ps_gbps"] for r in rows], "raw ZeroMQ": [r["raw_gbps"] for r in rows]}
+        print(plots.paired_bars(labels, series, "GB/s (both ways)", f"PS round trips, median of {rounds}", png))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (launch/bench is not a package)
+import plots  # noqa: E402
 
 from hetpipe.config import ClusterConfig, load_config  # noqa: E402
 from hetpipe.errors import HetpipeError  # noqa: E402
@@ -350,31 +351,6 @@ def table(rows: list[dict[str, Any]], capacity: float) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], capacity: float, path: Path, title: str) -> bool:
-    """A bar chart of the medians with min-max whiskers and the capacity line; False without matplotlib."""
-    if importlib.util.find_spec("matplotlib") is None:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [r["system"] for r in rows]
-    med = [r["samples_per_s"]["median"] for r in rows]
-    err = [[m - r["samples_per_s"]["min"] for m, r in zip(med, rows, strict=True)],
-           [r["samples_per_s"]["max"] - m for m, r in zip(med, rows, strict=True)]]
-    ax.bar(names, med, yerr=err, capsize=4, color=["tab:green"] + ["tab:gray"] * (len(rows) - 1))
-    ax.axhline(capacity, color="tab:red", linestyle="--", label="capacity bound")
-    ax.set_ylabel("samples/s")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -478,10 +454,7 @@ def main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: 
         print(f"wrote {out}")
     png = plot_path or (out.with_suffix(".png") if out else None)
     if png is not None:
-        if plot(rows, capacity, png, f"{config.name}: samples/s, median of {repeats}"):
-            print(f"wrote {png}")
-        else:
-            print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
+        print(plots.throughput_bars(rows, capacity, png, f"{config.name}: samples/s, median of {repeats}"))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
 """Time-to-accuracy benchmark: wall time for hetpipe (D = 0 and a larger D) and for DDP to reach the same
-MNIST-5k test accuracy on the same emulated cluster (launch/clusters/bench.toml by default).
+test accuracy on MNIST-5k (launch/clusters/bench.toml, the default) or the same validation loss on
+Shakespeare (launch/clusters/bench-shakespeare.toml: the same emulated cluster, a small char-level GPT).
 
 Clocks start when training starts, after every process is up (hetpipe: its first stage span; DDP: the
 step loop), so process start-up, which the emulation makes slow, counts for neither. Weights are scored
 after the run, never during it: hetpipe's PS writes a checkpoint every --checkpoint-every clocks (its
 file time is when the PS held those weights), DDP's rank 0 copies its weights every --snapshot-every
-steps. The time to target is that of the first scored weights at or above --target.
+steps. The time to target is that of the first scored weights at or above the target accuracy (at or
+below the target loss, for a language model).
 
-    python launch/bench/time_to_accuracy.py [--target 0.9] [--staleness 0,4] [--ddp fastest@256]
-        [--ddp-lr 0.001,0.002] [--max-seconds 90] [--out FILE.json]
-
-Shakespeare with char-gpt (issue 5) is not covered yet: a run of char-gpt at a useful validation loss
-takes far longer than the 5 minutes this shared 2-core machine allows a benchmark.
+    python launch/bench/time_to_accuracy.py [--config CLUSTER.toml] [--target 0.9] [--staleness 0,4]
+        [--nm 4] [--lr 0.02] [--ddp fit,fastest@256] [--ddp-lr 0.02,0.05] [--max-seconds 90] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (launch/bench is not a package)
+import plots  # noqa: E402
 import throughput  # noqa: E402
 
 from hetpipe.config import ClusterConfig, load_config  # noqa: E402
@@ -59,9 +60,44 @@ def checkpoint_scores(config: ClusterConfig, run_dir: Path) -> list[dict[str, An
     return out
 
 
-def first_reaching(scores: list[dict[str, Any]], start: float, target: float) -> float | None:
-    """Seconds from start to the first score with test_accuracy >= target; None if none reached it."""
-    return next((s["t"] - start for s in scores if s["test_accuracy"] >= target), None)
+@dataclass(frozen=True)
+class Goal:
+    """What every system must reach: `metric` of the scored weights at or above (accuracy) or at or below
+    (loss) `target`."""
+
+    metric: str
+    target: float
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.metric.endswith("accuracy")
+
+    def met(self, score: dict[str, Any]) -> bool:
+        value = score[self.metric]
+        return value >= self.target if self.higher_is_better else value <= self.target
+
+    def best(self, scores: list[dict[str, Any]]) -> float:
+        values = [s[self.metric] for s in scores]
+        return (max if self.higher_is_better else min)(values, default=float("nan"))
+
+    @property
+    def label(self) -> str:
+        return f"{self.target:.0%}" if self.higher_is_better else f"loss {self.target:g}"
+
+
+def goal_for(task: str, target: float | None) -> Goal:
+    """Test accuracy for a classifier (0.9 unless given), validation loss in nats for a language model."""
+    if task == "classification":
+        return Goal("test_accuracy", 0.9 if target is None else target)
+    if target is None:
+        raise click.UsageError("this model is a language model: give --target, the validation loss to reach in nats "
+                               "per token (e.g. --target 2.0; a unigram guess scores ~3.3 on Shakespeare)")
+    return Goal("val_loss", target)
+
+
+def first_reaching(scores: list[dict[str, Any]], start: float, goal: Goal) -> float | None:
+    """Seconds from start to the first score that meets the goal; None if none did."""
+    return next((s["t"] - start for s in scores if goal.met(s)), None)
 
 
 def run_hetpipe_tta(config: ClusterConfig, setup: throughput.HetpipeSetup, staleness: int, waves: int,
@@ -76,54 +112,38 @@ def run_hetpipe_tta(config: ClusterConfig, setup: throughput.HetpipeSetup, stale
     return throughput.trace_start(run_dir), checkpoint_scores(cfg, run_dir)
 
 
-def row(system: str, setting: str, start: float, scores: list[dict[str, Any]], target: float,
+def row(system: str, setting: str, start: float, scores: list[dict[str, Any]], goal: Goal,
         samples_per_score: float) -> dict[str, Any]:
-    reached = first_reaching(scores, start, target)
-    best = max((s["test_accuracy"] for s in scores), default=float("nan"))
+    reached = first_reaching(scores, start, goal)
     trained_s = scores[-1]["t"] - start if scores else float("nan")
     return {"system": system, "setting": setting, "seconds_to_target": None if reached is None else round(reached, 1),
-            "best_accuracy": best, "trained_s": round(trained_s, 1),
-            "curve": [{"s": round(s["t"] - start, 2), "acc": s["test_accuracy"], "loss": s["test_loss"]} for s in scores],
+            "best": goal.best(scores), "trained_s": round(trained_s, 1),
+            "curve": [{"s": round(s["t"] - start, 2), goal.metric: s[goal.metric]} for s in scores],
             "samples_per_score": samples_per_score}
 
 
-def table(rows: list[dict[str, Any]], target: float) -> str:
-    lines = [f"{'system':<16} {'s to ' + format(target, '.0%'):>9} {'best acc':>8} {'trained s':>9}  setting"]
+def table(rows: list[dict[str, Any]], goal: Goal) -> str:
+    best = "best acc" if goal.higher_is_better else "best loss"
+    lines = [f"{'system':<16} {'s to ' + goal.label:>11} {best:>9} {'trained s':>9}  setting"]
     for r in rows:
         t = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
-        lines.append(f"{r['system']:<16} {t:>9} {r['best_accuracy']:>8.3f} {r['trained_s']:>9.1f}  {r['setting']}")
+        lines.append(f"{r['system']:<16} {t:>11} {r['best']:>9.3f} {r['trained_s']:>9.1f}  {r['setting']}")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], target: float, path: Path) -> bool:
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for r in rows:
-        ax.plot([p["s"] for p in r["curve"]], [p["acc"] for p in r["curve"]], marker=".", label=r["system"])
-    ax.axhline(target, color="gray", linestyle="--", label="target")
-    ax.set_xlabel("training wall time (s)")
-    ax.set_ylabel("test accuracy")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+def comma_floats(text: str | None, default: float) -> list[float]:
+    return [float(v) for v in text.split(",")] if text else [default]
 
 
 @click.command()
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=throughput.DEFAULT_CONFIG, show_default=True)
-@click.option("--target", default=0.9, show_default=True, help="Test accuracy every system must reach.")
+@click.option("--target", type=float, default=None,
+              help="Test accuracy to reach (default 0.9), or for a language model the validation loss (required).")
 @click.option("--staleness", default="0,4", show_default=True, help="hetpipe D values, one run each ('' for none).")
-@click.option("--ddp", "ddp_spec", default="fastest@256", show_default=True,
+@click.option("--nm", default="", help="hetpipe Nm caps, one run each with every D (comma list; default: the plan's).")
+@click.option("--lr", "hetpipe_lr", default=None, help="hetpipe learning rates, one run each (comma list); default: the config's.")
+@click.option("--ddp", "ddp_spec", default="fit,fastest", show_default=True,
               help="DDP rows, SET@BATCH[/BATCH..] as in throughput.py; each batch is its own row here ('' for none).")
 @click.option("--ddp-lr", default=None, help="DDP learning rates, one row each (comma list); default: the config's.")
 @click.option("--max-seconds", default=90.0, show_default=True, help="Training time each run is given at most.")
@@ -135,13 +155,15 @@ def plot(rows: list[dict[str, Any]], target: float, path: Path) -> bool:
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="PNG plot (needs matplotlib); default: --out with .png.")
-def main(config_path: Path, target: float, staleness: str, ddp_spec: str, ddp_lr: str | None, max_seconds: float,
-         checkpoint_every: int, snapshot_every: int, planner: bool, settings: tuple[str, ...], work_dir: Path,
-         out: Path | None, plot_path: Path | None) -> None:
+              help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
+def main(config_path: Path, target: float | None, staleness: str, nm: str, hetpipe_lr: str | None, ddp_spec: str,
+         ddp_lr: str | None, max_seconds: float, checkpoint_every: int, snapshot_every: int, planner: bool,
+         settings: tuple[str, ...], work_dir: Path, out: Path | None, plot_path: Path | None) -> None:
     torch.set_num_threads(1)
     work = work_dir / time.strftime("%Y%m%d-%H%M%S")
     config = throughput.with_settings(load_config(config_path), settings, work / "config.toml")
+    goal = goal_for(model_of(config).task, target)
+    ddp_sets = throughput.parse_ddp(ddp_spec, config.train.batch_size) if ddp_spec else []
     load_before = peers.env_note()["loadavg_1_5_15"]
     batch = config.train.batch_size
     devs = peers.devices(config)
@@ -151,46 +173,73 @@ def main(config_path: Path, target: float, staleness: str, ddp_spec: str, ddp_lr
     subsets = peers.ddp_subsets(fit)
     for line in peers.describe_members(fit, left_out, need):
         print(line)
-    setup = throughput.hetpipe_setup(config, profile, planner)
-    print(f"hetpipe: {setup.label} ({setup.source}); target test accuracy {target}", flush=True)
+    setups = [throughput.hetpipe_setup(config, profile, planner, nm=cap)
+              for cap in (throughput.parse_ints(nm, "Nm caps") if nm else [None])]
+    for setup in setups:
+        print(f"hetpipe: {setup.label} ({setup.source})", flush=True)
+    print(f"target: {goal.metric} {'>=' if goal.higher_is_better else '<='} {goal.target}", flush=True)
 
     solo = peers.run_solo(config, batch, 10, work / "logs")
     capacity = solo.rate(3) * sum(1.0 / d.slowdown for d in devs)
     rows = []
-    per_wave = setup.nm * batch * len(setup.vws)
-    waves = max(5, math.ceil(max_seconds * 0.6 * capacity / per_wave))
-    for d in (int(v) for v in staleness.split(",") if v.strip()):
-        start, scores = run_hetpipe_tta(config, setup, d, waves, checkpoint_every, work / f"hetpipe-D{d}")
-        rows.append(row(f"hetpipe D={d}", f"{setup.label.rsplit(', D=', 1)[0]}, D={d}, lr {config.train.lr}",
-                        start, scores, target, checkpoint_every * per_wave))
-        print(f"  hetpipe D={d}: {rows[-1]['seconds_to_target']} s to target, best {rows[-1]['best_accuracy']}", flush=True)
-    lrs = [float(v) for v in ddp_lr.split(",")] if ddp_lr else [config.train.lr]
-    for name, batches in throughput.parse_ddp(ddp_spec, batch) if ddp_spec else []:
+    for setup in setups:
+        per_wave = setup.nm * batch * len(setup.vws)
+        waves = max(5, math.ceil(max_seconds * 0.6 * capacity / per_wave))
+        for lr in comma_floats(hetpipe_lr, config.train.lr):
+            run_config = config if lr == config.train.lr else throughput.with_settings(
+                config, [f"train.lr={lr}"], work / f"config-lr{lr}.toml")
+            for d in (int(v) for v in staleness.split(",") if v.strip()):
+                run_dir = work / f"hetpipe-nm{setup.nm}-lr{lr}-D{d}"
+                start, scores = run_hetpipe_tta(run_config, setup, d, waves, checkpoint_every, run_dir)
+                setting = f"{setup.label.rsplit(', D=', 1)[0]}, D={d}, lr {lr}"
+                rows.append(row(f"hetpipe D={d}", setting, start, scores, goal, checkpoint_every * per_wave))
+                print(f"  hetpipe Nm={setup.nm} D={d} lr {lr}: {rows[-1]['seconds_to_target']} s to target, "
+                      f"best {rows[-1]['best']}", flush=True)
+    for name, batches in ddp_sets:
         members = subsets["fit"] if name == "fit" else subsets[next((k for k in subsets if k != "fit"), "fit")]
         for b in batches:
-            for lr in lrs:
+            for lr in comma_floats(ddp_lr, config.train.lr):
                 run = peers.run_ddp(config, members, b, 10**6, work / "logs", snapshot_every=snapshot_every, lr=lr,
                                     deadline_s=max_seconds)
                 rows.append(row(f"ddp-{name}", f"{len(members)} GPUs, batch {b}/GPU, lr {lr}", run.start, run.evals,
-                                target, snapshot_every * b * len(members)))
-                print(f"  ddp-{name} b{b} lr{lr}: {rows[-1]['seconds_to_target']} s to target, "
-                      f"best {rows[-1]['best_accuracy']}", flush=True)
+                                goal, snapshot_every * b * len(members)))
+                print(f"  ddp-{name} b{b} lr {lr}: {rows[-1]['seconds_to_target']} s to target, "
+                      f"best {rows[-1]['best']}", flush=True)
     print()
-    print(table(rows, target))
-    hp = [r["seconds_to_target"] for r in rows if r["system"].startswith("hetpipe") and r["seconds_to_target"]]
-    dd = [r["seconds_to_target"] for r in rows if r["system"].startswith("ddp") and r["seconds_to_target"]]
-    if hp and dd:
-        print(f"fastest hetpipe / fastest DDP wall time to {target:.0%}: {min(hp) / min(dd):.2f}")
+    print(table(rows, goal))
+    for line in verdicts(rows, goal):
+        print(line)
     note = peers.env_note()
     print(f"load average (1, 5, 15 min) before {load_before}, after {note['loadavg_1_5_15']}, {note['cores']} cores")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"config": str(config_path), "target": target, "meta": {**note, "loadavg_before": load_before},
-                                   "rows": rows}, indent=1))
+        out.write_text(json.dumps({"config": str(config_path), "metric": goal.metric, "target": goal.target,
+                                   "meta": {**note, "loadavg_before": load_before}, "rows": rows}, indent=1))
         print(f"wrote {out}")
     png = plot_path or (out.with_suffix(".png") if out else None)
     if png is not None:
-        print(f"wrote {png}" if plot(rows, target, png) else "no plot: matplotlib is not installed")
+        print(plots.metric_curves(rows, goal.metric, goal.target, png))
+
+
+def verdicts(rows: list[dict[str, Any]], goal: Goal) -> list[str]:
+    """hetpipe's fastest time to target over each DDP set's fastest, or who never got there."""
+    def fastest(prefix: str) -> float | None:
+        times = [r["seconds_to_target"] for r in rows if r["system"].startswith(prefix) and r["seconds_to_target"]]
+        return min(times) if times else None
+
+    hp = fastest("hetpipe")
+    lines = []
+    for system in dict.fromkeys(r["system"] for r in rows if r["system"].startswith("ddp")):
+        dd = fastest(system)
+        trained = max(r["trained_s"] for r in rows if r["system"] == system)
+        if hp is not None and dd is not None:
+            lines.append(f"hetpipe / {system} wall time to {goal.label}: {hp / dd:.2f}")
+        elif hp is not None:
+            lines.append(f"hetpipe / {system} wall time to {goal.label}: < {hp / trained:.2f} ({system} did not get "
+                         f"there in {trained:.0f} s)")
+        elif dd is not None:
+            lines.append(f"hetpipe did not reach {goal.label}; {system} did in {dd:.1f} s")
+    return lines
 
 
 if __name__ == "__main__":
