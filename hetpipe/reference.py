@@ -11,6 +11,7 @@ A single VW skips WAIT (its global weights hold only its own updates, already in
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,7 +46,10 @@ class ReferenceResult:
     ps_weights: dict[str, np.ndarray]  # W_{waves}
 
 
-def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_seed: int = 0) -> ReferenceResult:
+def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_seed: int = 0,
+                  on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None) -> ReferenceResult:
+    """Train every VW of `splits` (layers per stage) by the config; `on_version(t, W_t)` sees each global
+    version as the PS would fold it (e.g. to score the weights wave by wave)."""
     torch.set_num_threads(1)
     spec = model_of(config)
     dataset = dataset_of(config)
@@ -86,6 +90,8 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                     s += part
                 new[key] = old + s
             history.append(new)
+            if on_version is not None:
+                on_version(len(history) - 1, new)
 
     def ready(sid: tuple[int, int]) -> bool:
         v, j = sid

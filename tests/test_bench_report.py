@@ -57,7 +57,7 @@ def test_row_and_verdicts_compare_fastest_runs_and_say_who_never_got_there() -> 
 
 def test_every_figure_is_a_png_or_says_matplotlib_is_missing(tmp_path: Path) -> None:
     stats = {"median": 100.0, "min": 90.0, "max": 120.0}
-    curve_rows = [{"system": "hetpipe D=0", "setting": "x, lr 0.02", "curve": [{"s": 1.0, "val_loss": 3.0},
+    curve_rows = [{"label": "hetpipe Nm=4 D=0, lr 0.02", "curve": [{"s": 1.0, "val_loss": 3.0},
                                                                            {"s": 2.0, "val_loss": 2.5}]}]
     results = {
         "throughput": plots.throughput_bars([{"system": "hetpipe", "samples_per_s": stats},

@@ -51,15 +51,15 @@ def throughput_bars(rows: Sequence[dict[str, Any]], capacity: float, path: Path,
     return _save(draw, path)
 
 
-def metric_curves(rows: Sequence[dict[str, Any]], metric: str, target: float, path: Path) -> str:
-    """One line per run: the metric of its scored weights against training wall time, and the target."""
+def metric_curves(rows: Sequence[dict[str, Any]], metric: str, target: float, path: Path,
+                  x_label: str = "training wall time (s)") -> str:
+    """One line per run (its `label`): the metric of its scored weights against curve["s"], and the target."""
 
     def draw(ax: Any) -> None:
         for r in rows:
-            ax.plot([p["s"] for p in r["curve"]], [p[metric] for p in r["curve"]], marker=".",
-                    label=f"{r['system']} ({r['setting'].split(', ')[-1]})")
+            ax.plot([p["s"] for p in r["curve"]], [p[metric] for p in r["curve"]], marker=".", label=r["label"])
         ax.axhline(target, color="gray", linestyle="--", label="target")
-        ax.set_xlabel("training wall time (s)")
+        ax.set_xlabel(x_label)
         ax.set_ylabel(metric.replace("_", " "))
         ax.legend(fontsize="small")
 

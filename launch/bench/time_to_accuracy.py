@@ -114,9 +114,11 @@ def run_hetpipe_tta(config: ClusterConfig, setup: throughput.HetpipeSetup, stale
 
 def row(system: str, setting: str, start: float, scores: list[dict[str, Any]], goal: Goal,
         samples_per_score: float) -> dict[str, Any]:
+    """A system's result: seconds to the goal (None: not reached), best score, its curve, a label for plots."""
     reached = first_reaching(scores, start, goal)
     trained_s = scores[-1]["t"] - start if scores else float("nan")
-    return {"system": system, "setting": setting, "seconds_to_target": None if reached is None else round(reached, 1),
+    return {"system": system, "setting": setting, "label": f"{system}, {setting.split(', ')[-1]}",
+            "seconds_to_target": None if reached is None else round(reached, 1),
             "best": goal.best(scores), "trained_s": round(trained_s, 1),
             "curve": [{"s": round(s["t"] - start, 2), goal.metric: s[goal.metric]} for s in scores],
             "samples_per_score": samples_per_score}
@@ -192,7 +194,8 @@ def main(config_path: Path, target: float | None, staleness: str, nm: str, hetpi
                 run_dir = work / f"hetpipe-nm{setup.nm}-lr{lr}-D{d}"
                 start, scores = run_hetpipe_tta(run_config, setup, d, waves, checkpoint_every, run_dir)
                 setting = f"{setup.label.rsplit(', D=', 1)[0]}, D={d}, lr {lr}"
-                rows.append(row(f"hetpipe D={d}", setting, start, scores, goal, checkpoint_every * per_wave))
+                rows.append(row(f"hetpipe Nm={setup.nm} D={d}", setting, start, scores, goal,
+                                checkpoint_every * per_wave))
                 print(f"  hetpipe Nm={setup.nm} D={d} lr {lr}: {rows[-1]['seconds_to_target']} s to target, "
                       f"best {rows[-1]['best']}", flush=True)
     for name, batches in ddp_sets:
