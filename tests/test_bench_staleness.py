@@ -1,4 +1,4 @@
-"""launch/bench/staleness.py: settings, even splits, and scores along a reference run on a tiny model."""
+"""launch/bench/staleness.py: settings, refused splits, and scores along a reference run on a tiny model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import click
 import pytest
 
 from hetpipe.config import load_config
+from hetpipe.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
 import staleness  # noqa: E402  (launch/bench is not a package)
@@ -41,11 +42,11 @@ def test_settings_parse_and_reject_with_the_form_to_use() -> None:
             staleness.parse_settings(bad)
 
 
-def test_even_split_gives_the_remainder_to_the_first_stages() -> None:
-    assert staleness.even_split(10, 3) == (4, 3, 3)
-    assert staleness.even_split(4, 4) == (1, 1, 1, 1)
-    with pytest.raises(click.BadParameter, match="at most 4"):
-        staleness.even_split(4, 5)
+def test_a_setting_with_more_stages_than_layers_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text(_TINY)
+    with pytest.raises(UsageError, match="between 1 and 4 stages"):
+        staleness.run_setting(load_config(path), vws=1, nm=1, stages=5, staleness=0, samples=64, scores=1)
 
 
 def test_scores_follow_the_global_versions_with_their_sample_counts(tmp_path: Path) -> None:

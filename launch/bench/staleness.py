@@ -3,7 +3,7 @@
 Measured in the single-process reference (hetpipe.reference: the runtime's arithmetic bit for bit, with
 `exact` pulls), so the answer has no timing and no noise: it is the sample-efficiency half of time to
 accuracy, the throughput half being throughput.py's. A setting VxN/S trains V virtual workers of S stages
-each (layers split evenly) with N minibatches in flight, D from --staleness; the global weights are scored
+each (layers split as the runtime splits a VW without `layers`: evenly by parameters) with N minibatches in flight, D from --staleness; the global weights are scored
 --scores times along the way.
 
     python launch/bench/staleness.py [--config launch/clusters/bench.toml] [--settings 1x1/1,2x1/3,1x4/3,2x4/3]
@@ -33,6 +33,7 @@ import time_to_accuracy as tta  # noqa: E402
 
 from hetpipe.config import ClusterConfig, load_config  # noqa: E402
 from hetpipe.evaluate import evaluate  # noqa: E402
+from hetpipe.models import even_split, param_counts  # noqa: E402
 from hetpipe.reference import run_reference  # noqa: E402
 from hetpipe.worker.stage import dataset_of, model_of  # noqa: E402
 
@@ -48,14 +49,6 @@ def parse_settings(text: str) -> list[tuple[int, int, int]]:
             raise click.BadParameter(f"{item!r}: write VWSxNM/STAGES with positive integers, e.g. 2x4/3")
         out.append(tuple(int(g) for g in match.groups()))
     return out
-
-
-def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
-    """Layers per stage, as even as can be, the earlier stages taking the remainder."""
-    if stages > num_layers:
-        raise click.BadParameter(f"{stages} stages for a model of {num_layers} layers: use at most {num_layers}")
-    base, extra = divmod(num_layers, stages)
-    return tuple(base + (i < extra) for i in range(stages))
 
 
 def run_setting(config: ClusterConfig, vws: int, nm: int, stages: int, staleness: int, samples: int,
@@ -76,7 +69,8 @@ def run_setting(config: ClusterConfig, vws: int, nm: int, stages: int, staleness
             state = {k: torch.from_numpy(v) for k, v in weights.items()}
             out.append({"t": version * per_wave, **evaluate(spec, state, data)})
 
-    run_reference(cfg, [even_split(spec.num_layers, stages)] * vws, on_version=score)
+    split = tuple(even_split(param_counts(spec), stages))  # what the runtime does for a VW without `layers`
+    run_reference(cfg, [split] * vws, on_version=score)
     return out
 
 
