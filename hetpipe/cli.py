@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from hetpipe.errors import HetpipeError
+from hetpipe.core.errors import HetpipeError
 
 __all__ = ["main", "cli"]
 
@@ -32,27 +32,35 @@ def _config_option(f):
     )(f)
 
 
-def _load(config_path: Path | None):
-    from hetpipe.config import default_config_path, load_config
+def _set_option(f):
+    return click.option(
+        "--set", "settings", multiple=True, metavar="KEY.PATH=VALUE",
+        help="Override one config field, validated like the file (repeatable), e.g. --set wsp.nm=4 "
+             "--set train.schedule=gpipe --set model.options.hidden=[64,64].",
+    )(f)
 
-    return load_config(config_path or default_config_path())
+
+def _load(config_path: Path | None, settings: tuple[str, ...] = ()):
+    from hetpipe.core.config import apply_overrides, default_config_path, load_config
+
+    return apply_overrides(load_config(config_path or default_config_path()), settings)
 
 
 @cli.command()
 @_config_option
+@_set_option
 @click.option("--shard", type=int, default=None, help="Serve only this shard (default: all, as child processes).")
-def server(config_path: Path | None, shard: int | None) -> None:
+def server(config_path: Path | None, settings: tuple[str, ...], shard: int | None) -> None:
     """Run the parameter server of a cluster config (Ctrl-C or SIGTERM checkpoints, then stops)."""
-    from hetpipe.server.launch import run_shard, serve_all
+    from hetpipe.core.config import pack_config
+    from hetpipe.server.launch import run_shard, serve_all, shard_settings
 
-    config = _load(config_path)
+    config = _load(config_path, settings)
     if shard is None:
         serve_all(config)
     else:
-        from hetpipe.server.launch import shard_settings
-
         shard_settings(config, shard)  # validate the index before anything starts
-        run_shard(str(config.path), shard)
+        run_shard(pack_config(config), shard)
 
 
 @cli.command()
@@ -64,7 +72,7 @@ def server(config_path: Path | None, shard: int | None) -> None:
 @click.option("--lists", is_flag=True, help="Print one action list per stage instead of the step grid.")
 def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists: bool) -> None:
     """Print a pipeline schedule as a step x stage grid (or as per-stage action lists)."""
-    from hetpipe import schedule as sched
+    from hetpipe.core import schedule as sched
 
     plan = sched.get_schedule(name)(stages, nm, waves, staleness)
     sched.validate(plan)
@@ -82,16 +90,19 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 @click.option("--quiet", is_flag=True, help="No progress output; print only the summary.")
 @click.option("--audit", is_flag=True,
               help="Carry a tagged-update ledger and check at every forward what it saw (guarantees L and G).")
+@_set_option
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
-          quiet: bool, audit: bool) -> None:
+          quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
-    from hetpipe.metrics import format_summary
-    from hetpipe.worker.launcher import TrainOptions, plan_layouts
-    from hetpipe.worker.launcher import train as run_train
+    from hetpipe.app.train import TrainOptions, apply_plan
+    from hetpipe.app.train import train as run_train
+    from hetpipe.core.metrics import format_summary
 
-    config = _load(config_path)
-    planned = plan_layouts(config, plan_path) if plan_path else (None, None)
-    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=planned[0], wsp=planned[1], audit=audit)
+    config = _load(config_path, settings)
+    layouts = None
+    if plan_path:
+        config, layouts = apply_plan(config, plan_path)
+    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit)
     summary = run_train(config, options)
     click.echo(format_summary(summary))
     if summary_path:
@@ -107,11 +118,12 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 @click.option("--stage", type=int, default=None, help="Run only this stage of it (default: all its stages).")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/worker"),
               show_default=True, help="Where logs and traces go.")
-def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path) -> None:
+@_set_option
+def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path, settings: tuple[str, ...]) -> None:
     """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines."""
-    from hetpipe.worker.launcher import run_worker
+    from hetpipe.worker.run import run_worker
 
-    run_worker(_load(config_path), vw, stage, run_dir)
+    run_worker(_load(config_path, settings), vw, stage, run_dir)
 
 
 @cli.command()
@@ -131,9 +143,9 @@ def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path) 
 def profile(model: str, batch: int, gpu_type: str | None, device: str, optimizer: str, options: tuple[str, ...],
             repeats: int, out_path: Path | None, cache_dir: Path | None) -> None:
     """Measure MODEL per layer (forward/backward time, weights, optimizer state, activations) and cache it."""
-    from hetpipe.errors import UsageError
+    from hetpipe.app.plan_inputs import default_profile_dir, measure_profile, model_options, profile_table
+    from hetpipe.core.errors import UsageError
     from hetpipe.models import get_model
-    from hetpipe.plan_inputs import default_profile_dir, measure_profile, model_options, profile_table
 
     if device.startswith("cuda"):
         import torch
@@ -171,16 +183,16 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str, optimizer
               help="Memory per GPU kept free (CUDA context, allocator slack).")
 @click.option("--policy", "policies", type=click.Choice(["np", "ed", "hd", "explicit"]), multiple=True,
               help="Only these allocation policies (repeatable; default np, ed, hd and explicit when listed).")
+@_set_option
 def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool, profile_dir: Path | None,
          waves: int, d_values: tuple[int, ...], nm_max: int | None, reserve_gib: float,
-         policies: tuple[str, ...]) -> None:
+         policies: tuple[str, ...], settings: tuple[str, ...]) -> None:
     """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the best."""
     import json
     import time
 
-    from hetpipe.config import load_config
-    from hetpipe.plan_inputs import default_profile_dir, plan_profiles
-    from hetpipe.planner import (
+    from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
+    from hetpipe.core.planner import (
         D_VALUES,
         best,
         candidates_json,
@@ -190,7 +202,7 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
         plan_candidates,
     )
 
-    config = load_config(config_path)
+    config = _load(config_path, settings)
     profiles, ps_gbps, link, notes = plan_profiles(config, profile_dir or default_profile_dir())
     started = time.monotonic()
     candidates = plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,

@@ -17,11 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from hetpipe.config import ClusterConfig, ModelConfig, load_config
-from hetpipe.errors import HetpipeError
-from hetpipe.partition import node_links
-from hetpipe.planner import ALLREDUCE, SYNC_PIPELINE, Candidate, best, plan_candidates, supplied_profiles
-from hetpipe.profile import ModelProfile
+from hetpipe.core.config import ClusterConfig, ModelConfig, load_config
+from hetpipe.core.errors import HetpipeError
+from hetpipe.core.planner import ALLREDUCE, SYNC_PIPELINE, Candidate, best, plan_candidates, supplied_profiles
+from hetpipe.core.profile import ModelProfile
 
 CONFIG = Path(__file__).parent / "clusters" / "paper-16gpu.toml"
 REFERENCE = "titan-v"
@@ -40,8 +39,8 @@ def reference_profile(model: str, config: ClusterConfig, profile_batch: int, cpu
     """The model's TITAN V profile at the config's batch size, derived from a CPU profile as the module says."""
     import torch
 
+    from hetpipe.compute.profiler import cached_profile, profile_cache_path
     from hetpipe.models import get_model
-    from hetpipe.profiler import cached_profile, profile_cache_path
 
     torch.set_num_threads(1)
     spec = get_model(model)
@@ -61,7 +60,7 @@ def without_node(config: ClusterConfig, gpu_type: str) -> ClusterConfig:
 
 def hetpipe_best(config: ClusterConfig, profiles: dict[str, ModelProfile]) -> Candidate:
     found = plan_candidates(config, {t: p for t, p in profiles.items() if any(t in n.gpus for n in config.nodes)},
-                            ps_gbps=config.network.inter_node_gbps, link_gbps=node_links(config.network),
+                            ps_gbps=config.network.inter_node_gbps, link_gbps=config.network.link_gbps,
                             baselines=False)
     return best(found)
 
@@ -101,7 +100,7 @@ def main() -> None:
         profiles, _ = supplied_profiles(config, {REFERENCE: reference})
         started = time.monotonic()
         candidates = plan_candidates(config, profiles, ps_gbps=config.network.inter_node_gbps,
-                                     link_gbps=node_links(config.network))
+                                     link_gbps=config.network.link_gbps)
         planning_s = time.monotonic() - started
         by_policy = {}
         for policy in ("np", "ed", "hd"):

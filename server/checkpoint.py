@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from hetpipe.errors import HetpipeError
+from hetpipe.core.errors import HetpipeError
 
 __all__ = ["Checkpoint", "CheckpointError", "list_manifests", "load_newest", "read_checkpoint", "write_checkpoint"]
 

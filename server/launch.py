@@ -6,16 +6,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hetpipe.config import ClusterConfig, load_config
-from hetpipe.errors import UsageError
-from hetpipe.procs import ChildGroup
+from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
+from hetpipe.core.errors import UsageError
+from hetpipe.core.procs import ChildGroup
 from hetpipe.server.shard import ShardServer, ShardSettings
 
 __all__ = ["run_shard", "serve_all", "serve_settings", "shard_settings"]
 
 
-def shard_settings(config: ClusterConfig, shard: int, port: int | None = None) -> ShardSettings:
-    """The settings of shard `shard`; it listens on ps.port + shard unless `port` is given (0: any)."""
+def shard_settings(
+    config: ClusterConfig, shard: int, port: int | None = None, checkpoint_root: Path | None = None
+) -> ShardSettings:
+    """The settings of shard `shard`: it listens on ps.port + shard unless `port` is given (0: any) and
+    checkpoints under [checkpoint] dir (or `checkpoint_root`) in shard-<i>, unless checkpoints are off."""
     if not 0 <= shard < config.ps.shards:
         raise UsageError(f"--shard {shard} is out of range: {config.path} has ps.shards = {config.ps.shards}")
     ckpt = config.checkpoint
@@ -25,27 +28,26 @@ def shard_settings(config: ClusterConfig, shard: int, port: int | None = None) -
         endpoint=f"tcp://{config.ps.host}:{config.ps.port + shard if port is None else port}",
         staleness=config.wsp.staleness,
         pull_mode=config.wsp.pull,
-        checkpoint_dir=Path(ckpt.dir) / f"shard-{shard}" if ckpt.dir else None,
+        checkpoint_dir=Path(checkpoint_root or ckpt.dir) / f"shard-{shard}" if ckpt.enabled else None,
         checkpoint_every=ckpt.every,
         checkpoint_keep=ckpt.keep,
     )
 
 
-def run_shard(config_path: str, shard: int) -> None:
+def run_shard(packed_config: bytes, shard: int) -> None:
     """Serve one shard in this process until SIGTERM/SIGINT (child-process entry point too)."""
-    config = load_config(config_path)
-    ShardServer(shard_settings(config, shard)).serve()
+    ShardServer(shard_settings(unpack_config(packed_config), shard)).serve()
 
 
 def serve_all(config: ClusterConfig) -> None:
     """Serve every shard of the config as child processes; stop all when one fails or on Ctrl-C."""
     if config.ps.shards == 1:
-        run_shard(str(config.path), 0)
+        run_shard(pack_config(config), 0)
         return
     group = ChildGroup()
     try:
         for shard in range(config.ps.shards):
-            group.start(f"ps-shard-{shard}", run_shard, str(config.path), shard)
+            group.start(f"ps-shard-{shard}", run_shard, pack_config(config), shard)
         group.wait()
     except KeyboardInterrupt:
         print("stopping the shards (they checkpoint first)...", file=sys.stderr)

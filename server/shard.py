@@ -1,6 +1,6 @@
-"""One PS shard: a single-threaded ZeroMQ ROUTER loop around hetpipe.wsp.ShardState.
+"""One PS shard: a single-threaded ZeroMQ ROUTER loop around hetpipe.core.wsp.ShardState.
 
-Requests are decoded and validated by hetpipe.wire; every request gets a reply (or, for a pull whose
+Requests are decoded and validated by hetpipe.core.wire; every request gets a reply (or, for a pull whose
 gate is closed, is parked and answered the moment the gate opens). Weights leave by zero-copy sends;
 the state copies an array before changing it while such a send still reads it.
 """
@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from hetpipe import wire
+from hetpipe.core import wire
+from hetpipe.core.wsp import PullResult, ShardState, WspError
 from hetpipe.server.checkpoint import load_newest, write_checkpoint
-from hetpipe.wsp import PullResult, ShardState, WspError
 
 __all__ = ["ShardServer", "ShardSettings"]
 
@@ -138,7 +138,7 @@ class ShardServer:
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
-            from hetpipe.errors import HetpipeError
+            from hetpipe.core.errors import HetpipeError
 
             raise HetpipeError(
                 f"shard {self.settings.shard} cannot listen on {endpoint}: {exc}; "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.procs import ChildGroup
+from hetpipe.core.procs import ChildGroup
 from hetpipe.server.launch import serve_settings
 from hetpipe.server.shard import ShardSettings
 

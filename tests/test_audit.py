@@ -1,10 +1,10 @@
-"""Tests of hetpipe.audit: the ledger checks for guarantees L and G on literal tables."""
+"""Tests of hetpipe.core.audit: the ledger checks for guarantees L and G on literal tables."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from hetpipe.audit import ledger_violations
+from hetpipe.core.audit import ledger_violations
 
 
 def ledger(rows: list[str]) -> np.ndarray:

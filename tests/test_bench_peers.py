@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.config import load_config
-from hetpipe.errors import UsageError
+from hetpipe.core.config import load_config
+from hetpipe.core.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
 import peers  # noqa: E402  (launch/bench is not a package)

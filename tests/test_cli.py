@@ -58,3 +58,15 @@ def test_train_refuses_a_run_dir_holding_earlier_checkpoints(tmp_path: Path):
     assert result.returncode == 2
     assert "already holds PS checkpoints" in result.stderr and "give a new --run-dir" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run" / "logs").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "server", "worker"])
+def test_set_is_validated_like_the_file_on_every_command(tmp_path: Path, command: str):
+    path = tmp_path / "ok.toml"
+    path.write_text(GOOD_HEAD)
+    where = [str(path)] if command in ("train", "plan") else ["--config", str(path)]
+    extra = ["--vw", "0"] if command == "worker" else []
+    result = hetpipe(command, *where, *extra, "--set", "wsp.nm=0")
+    assert result.returncode == 2, result.stderr
+    assert "ok.toml with --set wsp.nm=0: wsp.nm: must be >= 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr

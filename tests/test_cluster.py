@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.cluster import allocate, key_nodes, local_placement, node_shards, vw_capacity
-from hetpipe.config import GpuRef, GpuType, Node, default_config_path, load_config, parse_config
-from hetpipe.errors import UsageError
-from hetpipe.plan import StagePlan, VwPlan
+from hetpipe.core.cluster import allocate, key_nodes, local_placement, node_shards, vw_capacity
+from hetpipe.core.config import GpuRef, GpuType, Node, default_config_path, load_config, parse_config
+from hetpipe.core.errors import UsageError
+from hetpipe.core.plan import StagePlan, VwPlan
 
 TYPES = {
     "fast": GpuType("fast", 2.0, 8.0),

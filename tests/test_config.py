@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.config import (
+from hetpipe.core.config import (
     AllocationConfig,
     CheckpointConfig,
     ClusterConfig,
@@ -27,7 +27,7 @@ from hetpipe.config import (
     load_config,
     parse_config,
 )
-from hetpipe.errors import ConfigError
+from hetpipe.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -387,3 +387,49 @@ def test_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(Path, "read_bytes", deny)
     with pytest.raises(ConfigError, match="cannot read: Permission denied\n  check that the file is readable"):
         load_config(path)
+
+
+# ---------------------------------------------------------------------------------------------- dict form, --set
+
+SHIPPED = sorted((REPO / "launch" / "clusters").glob("*.toml")) + [default_config_path()]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_dict_form_round_trips_every_shipped_config(path: Path) -> None:
+    from hetpipe.core.config import pack_config, unpack_config
+
+    config = load_config(path)
+    assert parse_config(config.to_dict(), path) == config
+    assert unpack_config(pack_config(config)) == config  # what a child process receives
+
+
+def test_set_overrides_are_typed_and_validated(tmp_path: Path) -> None:
+    from hetpipe.core.config import apply_overrides
+
+    base = load_config(write(tmp_path, MINIMAL + '[model]\nname = "mlp"\noptions = { hidden = [8] }\n'))
+    config = apply_overrides(base, ["wsp.nm=4", "wsp.pull=latest", "train.lr=1e-3", "model.options.hidden=[64, 64]",
+                                    "emulation.enabled=false", 'train.out_dir="runs/x y"'])
+    assert (config.wsp.nm, config.wsp.pull, config.train.lr) == (4, "latest", 0.001)
+    assert config.model.options["hidden"] == (64, 64) and config.emulation.enabled is False
+    assert config.train.out_dir == "runs/x y" and config.wsp.staleness == base.wsp.staleness
+    assert apply_overrides(base, []) is base
+
+
+@pytest.mark.parametrize(("setting", "fragments"), [
+    ("wsp.nm=0", ["lab.toml with --set wsp.nm=0", "wsp.nm: must be >= 1, got 0"]),
+    ("wsp.nmm=2", ["wsp.nmm: unknown key", 'did you mean "nm"']),
+    ("wsp.nm=four", ['wsp.nm: expected an integer, got "four" (a string)']),
+    ("wsp.pull=lates", ['wsp.pull: unknown value "lates"', 'did you mean "latest"']),
+    ("trian.lr=0.1", ["trian: unknown key", 'did you mean "train"']),
+    ("nodes.5.host=x", ["--set 'nodes.5.host=x': nodes has 2 entries; index them 0..1"]),
+    ("wsp.nm", ["--set 'wsp.nm': write KEY.PATH=VALUE"]),
+    ("name.x=1", ["--set 'name.x=1': name is a value, not a table"]),
+])
+def test_set_errors_name_the_key_and_the_fix(tmp_path: Path, setting: str, fragments: list[str]) -> None:
+    from hetpipe.core.config import apply_overrides
+
+    base = load_config(write(tmp_path, MINIMAL))
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(base, [setting])
+    for fragment in fragments:
+        assert fragment in str(info.value)

@@ -1,4 +1,4 @@
-"""Tests for hetpipe.data: real datasets from installed packages, shards, seeded minibatches, baselines."""
+"""Tests for hetpipe.compute.data: real datasets from installed packages, shards, seeded minibatches, baselines."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hetpipe import data
-from hetpipe.data import (
+from hetpipe.compute import data
+from hetpipe.compute.data import (
     check_model_fits,
     decode,
     encode,
@@ -23,7 +23,7 @@ from hetpipe.data import (
     unigram_loss,
     windows,
 )
-from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.models import get_model
 
 torch.set_num_threads(1)

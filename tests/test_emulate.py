@@ -1,4 +1,4 @@
-"""Tests of hetpipe.emulate: slowdowns worked out by hand, the dilator on a fake clock, a real-time check."""
+"""Tests of hetpipe.core.emulate: slowdowns worked out by hand, the dilator on a fake clock, a real-time check."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetpipe.config import default_config_path, load_config
-from hetpipe.emulate import (
+from hetpipe.core.config import default_config_path, load_config
+from hetpipe.core.emulate import (
     CORE_SHARE,
     DilatedBlock,
     Dilator,

@@ -12,9 +12,9 @@ import pytest
 # go back to the kernel and every step faults them in again (~1,500 faults a step on this VM).
 _PROBE = """
 import resource, sys, torch
-from hetpipe.heap import keep_freed_memory
+from hetpipe.compute.heap import keep_freed_memory
 from hetpipe.models import build_stage, get_model
-from hetpipe.worker.stage_compute import StageCompute
+from hetpipe.compute.stage_compute import StageCompute
 torch.set_num_threads(1)
 ok = keep_freed_memory() if sys.argv[1] == "keep" else None
 compute = StageCompute(build_stage(get_model("mnist-cnn"), 0, 3), "momentum", 0.01, 0.9, 0.0, nm=2)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from hetpipe.errors import UsageError
-from hetpipe.memory import format_bytes, in_flight, stage_memory, stage_memory_terms
-from hetpipe.profile import LayerProfile
-from hetpipe.schedule import BACKWARD, FORWARD, simulate, wsp_schedule
+from hetpipe.core.errors import UsageError
+from hetpipe.core.memory import format_bytes, in_flight, stage_memory, stage_memory_terms
+from hetpipe.core.profile import LayerProfile
+from hetpipe.core.schedule import BACKWARD, FORWARD, simulate, wsp_schedule
 
 
 def layer(params: int = 0, optimizer: int = 0, output: int = 0, saved: int = 0, working: int = 0) -> LayerProfile:

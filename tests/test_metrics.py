@@ -1,4 +1,4 @@
-"""Tests of hetpipe.metrics: JSONL parses, merged traces hold the expected events, text equals literals."""
+"""Tests of hetpipe.core.metrics: JSONL parses, merged traces hold the expected events, text equals literals."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetpipe.metrics import (
+from hetpipe.core.metrics import (
     MetricsWriter,
     TraceRecorder,
     VwProgress,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetpipe.errors import UsageError
+from hetpipe.core.errors import UsageError
 from hetpipe.models import (
     MODELS,
     build_stage,

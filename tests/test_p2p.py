@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hetpipe.worker.launcher import free_port
+from hetpipe.core.procs import free_port
 from hetpipe.worker.p2p import P2P
 
 MESSAGES = 40

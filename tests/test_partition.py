@@ -11,13 +11,13 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from hetpipe.config import NetworkConfig
-from hetpipe.errors import HetpipeError, UsageError
-from hetpipe.memory import stage_memory
+from hetpipe.core.config import NetworkConfig
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.memory import stage_memory
+from hetpipe.core.partition import best_order_and_nm, minibatch_time_s, partition
+from hetpipe.core.plan import StagePlan, VwPlan
+from hetpipe.core.profile import LayerProfile, ModelProfile
 from hetpipe.models import get_model, param_counts
-from hetpipe.partition import best_order_and_nm, minibatch_time_s, node_links, partition
-from hetpipe.plan import StagePlan, VwPlan
-from hetpipe.profile import LayerProfile, ModelProfile
 
 FAST = 8.0e9  # Gbit/s: transfers of a few bytes take ~nothing
 
@@ -359,8 +359,8 @@ def test_minibatch_time_below_k_follows_the_schedule() -> None:
     assert minibatch_time_s(VwPlan(stages, 6, 0)) == pytest.approx(3.0)
 
 
-def test_node_links() -> None:
-    link = node_links(NetworkConfig(intra_node_gbps=100.0, inter_node_gbps=56.0))
+def test_network_link_gbps() -> None:
+    link = NetworkConfig(intra_node_gbps=100.0, inter_node_gbps=56.0).link_gbps
     assert link("n0:0", "n0:3") == 100.0
     assert link("n0:0", "n1:0") == 56.0
 
@@ -393,7 +393,7 @@ def test_resnet152_partitions_quickly() -> None:
     assert base.num_layers == 52
     profiles = {name: base.scaled(name, 16.3 / speed) for name, (speed, _) in PAPER_TYPES.items()}
     ed = [(f"n{j}:0", name, gib * 2**30) for j, (name, (_, gib)) in enumerate(PAPER_TYPES.items())]
-    links = node_links(NetworkConfig(intra_node_gbps=100.0, inter_node_gbps=56.0))
+    links = NetworkConfig(intra_node_gbps=100.0, inter_node_gbps=56.0).link_gbps
 
     start = time.perf_counter()
     vw = partition([profiles[t] for _, t, _ in ed], ed, [56.0] * 3, 4)

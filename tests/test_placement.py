@@ -1,11 +1,11 @@
-"""Tests of hetpipe.placement: balanced by bytes, deterministic, independent of how a model is split."""
+"""Tests of hetpipe.core.placement: balanced by bytes, deterministic, independent of how a model is split."""
 
 from __future__ import annotations
 
 import pytest
 
-from hetpipe.errors import UsageError
-from hetpipe.placement import balanced_placement, get_placement, keys_by_shard
+from hetpipe.core.errors import UsageError
+from hetpipe.core.placement import balanced_placement, get_placement, keys_by_shard
 
 
 def test_balanced_literal():

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.config import ClusterConfig, parse_config
-from hetpipe.emulate import slowdowns
-from hetpipe.errors import UsageError
-from hetpipe.models import get_model, param_counts
-from hetpipe.plan import Plan
-from hetpipe.planner import (
+from hetpipe.core.config import ClusterConfig, parse_config
+from hetpipe.core.emulate import slowdowns
+from hetpipe.core.errors import UsageError
+from hetpipe.core.plan import Plan
+from hetpipe.core.planner import (
     ALLREDUCE,
     D_TOLERANCE,
     SYNC_PIPELINE,
@@ -29,7 +28,8 @@ from hetpipe.planner import (
     plan_candidates,
     supplied_profiles,
 )
-from hetpipe.profile import LayerProfile, ModelProfile
+from hetpipe.core.profile import LayerProfile, ModelProfile
+from hetpipe.models import get_model, param_counts
 
 GIB = 2**30
 PAPER = Path(__file__).parent.parent / "launch" / "clusters" / "paper-16gpu.toml"
@@ -237,7 +237,7 @@ def resnet152(counts: list[int], gpu_type: str, tflops: float, batch: int = 32) 
 
 
 def paper_plan(counts: list[int], *, drop: str | None = None, baselines: bool = True) -> list[Candidate]:
-    from hetpipe.config import load_config
+    from hetpipe.core.config import load_config
 
     config = load_config(PAPER)
     if drop:
@@ -303,8 +303,8 @@ waves = 2
 
 
 def test_cli_plan_prints_a_table_and_writes_a_loadable_plan(tmp_path: Path) -> None:
-    from hetpipe.config import load_config
-    from hetpipe.worker.launcher import plan_layouts
+    from hetpipe.app.train import apply_plan
+    from hetpipe.core.config import load_config
 
     config = tmp_path / "small.toml"
     config.write_text(SMALL_TOML)
@@ -315,9 +315,9 @@ def test_cli_plan_prints_a_table_and_writes_a_loadable_plan(tmp_path: Path) -> N
     assert "best: " in result.stdout and "allreduce" in result.stdout and "sync-pipeline" in result.stdout
     assert "profiling mlp" in result.stderr and f"wrote {out}" in result.stderr
     plan = Plan.from_json(out.read_text())
-    layouts, wsp = plan_layouts(load_config(config), out)
+    planned, layouts = apply_plan(load_config(config), out)
     assert [lay.gpus for lay in layouts] == [vw.gpus for vw in plan.vws]
-    assert (wsp.nm, wsp.staleness) == (plan.vws[0].nm, plan.staleness)  # --plan runs the plan's Nm and D
+    assert (planned.wsp.nm, planned.wsp.staleness) == (plan.vws[0].nm, plan.staleness)  # --plan runs the plan's Nm and D
     # the second run reads the cached profile; --json is machine-readable
     result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--json", "-D", "0")
     assert result.returncode == 0, result.stderr

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetpipe.errors import HetpipeError, UsageError
+from hetpipe.compute.profiler import cached_profile, profile_cache_path, profile_model
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.profile import ModelProfile, derive_profile
 from hetpipe.models import get_model
-from hetpipe.profile import ModelProfile
-from hetpipe.profiler import cached_profile, derive_profile, profile_cache_path, profile_model
 
 BATCH = 8
 
@@ -112,7 +112,7 @@ def test_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     def no_measuring(*args: object, **kwargs: object) -> ModelProfile:
         raise AssertionError("measured although the cache holds the profile")
 
-    monkeypatch.setattr("hetpipe.profiler.profile_model", no_measuring)
+    monkeypatch.setattr("hetpipe.compute.profiler.profile_model", no_measuring)
     assert cached_profile(spec, 2, "titan-v", tmp_path, repeats=1) == first
     assert cached_profile(spec, 2, "titan-v", tmp_path, measure=False) == first
 
@@ -131,7 +131,7 @@ def test_cache_key_sensitivity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     others.append(profile_cache_path(spec, 2, "titan-v", tmp_path))
     monkeypatch.undo()
     assert base == profile_cache_path(get_model("mlp", image_size=4, hidden=(8,)), 2, "titan-v", tmp_path)
-    monkeypatch.setattr("hetpipe.profiler._model_dtype", lambda spec: "bfloat16")
+    monkeypatch.setattr("hetpipe.compute.profiler._model_dtype", lambda spec: "bfloat16")
     others.append(profile_cache_path(spec, 2, "titan-v", tmp_path))
     assert len({base, *others}) == len(others) + 1
     assert base.parent == tmp_path and base.name.startswith("mlp-") and "-b2-titan-v-float32-momentum-" in base.name

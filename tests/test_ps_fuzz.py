@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from hetpipe import wire
+from hetpipe.core import wire
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient
 

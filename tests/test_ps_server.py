@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ledger_client import LedgerSpec, ledger_keys, ledger_stage
 
-from hetpipe.placement import balanced_placement
+from hetpipe.core.placement import balanced_placement
 from hetpipe.server.shard import ShardSettings
-from hetpipe.worker.ledger_client import LedgerSpec, ledger_keys, ledger_stage
 from hetpipe.worker.ps_client import PSClient, PSError, PSTimeout
 
 from conftest import start_shard

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.errors import HetpipeError, UsageError
-from hetpipe.schedule import (
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.schedule import (
     KINDS,
     SCHEDULES,
     Action,

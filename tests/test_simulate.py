@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.errors import UsageError
-from hetpipe.plan import Plan, StagePlan, VwPlan
-from hetpipe.schedule import BACKWARD, FORWARD, wsp_schedule
-from hetpipe.schedule import simulate as simulate_schedule
-from hetpipe.simulate import (
+from hetpipe.core.errors import UsageError
+from hetpipe.core.plan import Plan, StagePlan, VwPlan
+from hetpipe.core.schedule import BACKWARD, FORWARD, wsp_schedule
+from hetpipe.core.schedule import simulate as simulate_schedule
+from hetpipe.core.simulate import (
     simulate,
     simulate_allreduce,
     simulate_sync_pipeline,

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from hetpipe import data as datalib
-from hetpipe.config import load_config
+from hetpipe.app.train import TrainOptions, VwLayout, train
+from hetpipe.compute import data as datalib
+from hetpipe.compute.build import dataset_of, model_of
+from hetpipe.compute.reference import run_reference
+from hetpipe.core.config import load_config
 from hetpipe.models import build_stage
-from hetpipe.reference import run_reference
-from hetpipe.worker.launcher import TrainOptions, VwLayout, train
-from hetpipe.worker.stage import dataset_of, model_of
 
 from conftest import write_config
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.config import load_config
-from hetpipe.worker.launcher import TrainOptions, train
+from hetpipe.app.train import TrainOptions, train
+from hetpipe.core.config import load_config
 
 from conftest import write_config
 
@@ -82,14 +82,19 @@ def test_sigkill_of_a_stage_stops_the_run_naming_it(tmp_path: Path):
 
 
 def test_train_cli_writes_summary_and_model(tmp_path: Path):
+    # --set reaches the stage processes: they receive the parsed config, never the file to re-read
     path = write_config(tmp_path, vws=[["n0:0", "n0:1"]], nm=2, staleness=0, waves=4)
     out = tmp_path / "summary.json"
     result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
-                             "--summary", str(out)], capture_output=True, text=True, timeout=120)
+                             "--summary", str(out), "--set", "train.waves=3", "--set", "wsp.nm=3"],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     summary = json.loads(out.read_text())
     assert {"test_accuracy", "samples_per_s", "wall_s"} <= set(summary)
-    assert "test_accuracy" in result.stdout and "wave 4/4" in result.stderr
+    assert (summary["waves"], summary["nm"]) == (3, 3)
+    assert "test_accuracy" in result.stdout and "wave 3/3" in result.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["p"] for m in metrics if m["event"] == "minibatch") == 3 * 3 - 1
     import torch
 
     state = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
@@ -98,7 +103,7 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
 
 def test_server_and_workers_as_separate_commands(tmp_path: Path):
     """The several-machines flow, on one: `hetpipe server` plus one `hetpipe worker` per VW."""
-    from hetpipe.worker.launcher import free_port
+    from hetpipe.core.procs import free_port
 
     path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=3)
     port = free_port()

@@ -9,8 +9,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetpipe import wire
-from hetpipe.wire import CHUNK_BYTES, DTYPES, Message, WireError, decode, encode
+from hetpipe.core import wire
+from hetpipe.core.wire import CHUNK_BYTES, DTYPES, Message, WireError, decode, encode
 
 BIG = int(2.5 * CHUNK_BYTES) // 4 + 3          # float32 elements: 3 frames, the last one partial
 

@@ -1,4 +1,4 @@
-"""Tests of hetpipe.wsp: the WSP rules of hetpipe.md §3 on a ledger where each (vw, stage, wave) adds 1.0."""
+"""Tests of hetpipe.core.wsp: the WSP rules of hetpipe.md §3 on a ledger where each (vw, stage, wave) adds 1.0."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.wsp import ShardState, WspError, first_pulled_wave, gate_version
+from hetpipe.core.wsp import ShardState, WspError, first_pulled_wave, gate_version
 
 
 def ledger_key(stage: int) -> str:

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from hetpipe import wire
-from hetpipe.errors import HetpipeError
-from hetpipe.placement import keys_by_shard
+from hetpipe.core import wire
+from hetpipe.core.errors import HetpipeError
+from hetpipe.core.placement import keys_by_shard
 
 __all__ = ["PSClient", "PSError", "PSTimeout", "Pulled"]
 

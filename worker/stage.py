@@ -12,82 +12,25 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hetpipe import data as datalib
-from hetpipe.audit import AuditError, audit_key, ledger_violations
-from hetpipe.config import ClusterConfig, WspConfig, load_config
-from hetpipe.emulate import LinkEmulator, device_dilator
-from hetpipe.heap import keep_freed_memory
-from hetpipe.metrics import TraceRecorder
-from hetpipe.models import build_stage, get_model, named_stage_tensors
-from hetpipe.partition import node_links
-from hetpipe.placement import get_placement
-from hetpipe.schedule import get_schedule
+from hetpipe.compute import data as datalib
+from hetpipe.compute.build import audit_shape, dataset_of, model_of, ps_placement
+from hetpipe.compute.heap import keep_freed_memory
+from hetpipe.compute.stage_compute import StageCompute
+from hetpipe.core.audit import AuditError, audit_key, ledger_violations
+from hetpipe.core.emulate import LinkEmulator, device_dilator
+from hetpipe.core.metrics import TraceRecorder
+from hetpipe.core.schedule import get_schedule
+from hetpipe.models import build_stage
+from hetpipe.worker.jobs import StageJob
 from hetpipe.worker.p2p import P2P
 from hetpipe.worker.ps_client import PSClient
-from hetpipe.worker.stage_compute import StageCompute
 
-__all__ = ["StageJob", "StageRunner", "run_stage"]
-
-
-@dataclass(frozen=True)
-class StageJob:
-    """Everything a stage process needs (picklable, passed to a spawned child)."""
-
-    config_path: str
-    run_dir: str
-    vw: int
-    stage: int
-    num_vws: int
-    gpus: tuple[str, ...]  # this VW's GPUs in stage order
-    split: tuple[int, ...]  # layers per stage of this VW
-    ps_endpoints: tuple[str, ...]
-    p2p_port: int  # rendezvous port of this VW's process group
-    slowdown: float = 1.0  # emulation: compute runs this many times slower
-    device: str = "cpu"
-    dump_weights: bool = False  # write the stage's final live weights (for equivalence tests)
-    p2p_host: str = "127.0.0.1"  # where stage 0 of this VW hosts the process-group rendezvous
-    audit: bool = False  # carry a tagged-update ledger and check guarantees L and G at every forward
-    time_scale: float = 1.0  # emulation: the global slowdown, also applied to emulated link delays
-    wsp: WspConfig | None = None  # Nm, D, pull mode as the launcher runs them (default: the config's)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.split)
-
-    @property
-    def layers(self) -> tuple[int, int]:
-        start = sum(self.split[: self.stage])
-        return start, start + self.split[self.stage]
-
-
-def model_of(config: ClusterConfig):
-    return get_model(config.model.name, seed=config.seed, **config.model.options.to_dict())
-
-
-def dataset_of(config: ClusterConfig) -> datalib.DatasetSplit:
-    return datalib.load_dataset(
-        config.data.name, test_fraction=config.data.test_fraction, seed=config.seed, **config.data.options.to_dict()
-    )
-
-
-def audit_shape(config: ClusterConfig, num_vws: int) -> tuple[int, int]:
-    return num_vws, config.train.waves * config.wsp.nm
-
-
-def ps_placement(config: ClusterConfig, spec, audit_vws: int = 0) -> dict[str, int]:
-    """Shard of every synced key of the whole model (computed on the meta device, split-independent)."""
-    whole = build_stage(spec, 0, spec.num_layers, "meta")
-    sizes = {k: t.numel() * t.element_size() for k, t in named_stage_tensors(whole).items() if t.is_floating_point()}
-    if audit_vws:
-        rows, cols = audit_shape(config, audit_vws)
-        sizes.update({audit_key(layer): rows * cols * 4 for layer in range(spec.num_layers)})
-    return get_placement(config.ps.placement)(sizes, config.ps.shards)
+__all__ = ["StageRunner", "run_stage"]
 
 
 class StageRunner:
@@ -95,8 +38,7 @@ class StageRunner:
 
     def __init__(self, job: StageJob, report: Callable[[dict[str, Any]], None]) -> None:
         self.job, self.report = job, report
-        config = load_config(job.config_path)
-        self.config = config = replace(config, wsp=job.wsp) if job.wsp is not None else config
+        self.config = config = job.config
         self.device = torch.device(job.device)
         self.spec = model_of(config)
         self.first, self.last = job.stage == 0, job.stage == job.num_stages - 1
@@ -117,7 +59,7 @@ class StageRunner:
         )
         self.schedule = get_schedule(t.schedule)(job.num_stages, config.wsp.nm, t.waves, config.wsp.staleness)
         self.dilator = device_dilator(job.slowdown)
-        link = node_links(config.network)
+        link = config.network.link_gbps
         emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
         self.links = {
             peer: LinkEmulator.for_link(emulate_links, link(job.gpus[job.stage], job.gpus[peer]), job.time_scale)

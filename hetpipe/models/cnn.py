@@ -7,7 +7,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from hetpipe.errors import UsageError
+from hetpipe.core.errors import UsageError
 from hetpipe.models.spec import ModelSpec
 
 __all__ = ["mnist_cnn"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hetpipe.errors import UsageError
+from hetpipe.core.errors import UsageError
 from hetpipe.models.spec import ModelSpec
 
 __all__ = ["char_gpt", "Embedding", "Block", "Head"]

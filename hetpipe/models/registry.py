@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetpipe.errors import UsageError, did_you_mean
+from hetpipe.core.errors import UsageError, did_you_mean
 from hetpipe.models.cnn import mnist_cnn
 from hetpipe.models.gpt import char_gpt
 from hetpipe.models.mlp import mlp

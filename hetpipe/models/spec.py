@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from hetpipe.errors import UsageError
+from hetpipe.core.errors import UsageError
 
 __all__ = ["ModelSpec", "Task", "layer_seed"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from hetpipe.errors import UsageError
+from hetpipe.core.errors import UsageError
 from hetpipe.models.spec import ModelSpec
 
 __all__ = ["build_stage", "named_stage_tensors", "stage_state_keys", "param_counts", "even_split"]

@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plots  # noqa: E402  (launch/bench is not a package)
 import throughput  # noqa: E402
 
-from hetpipe.config import load_config  # noqa: E402
-from hetpipe.emulate import cpu_cores  # noqa: E402
+from hetpipe.app.plan_inputs import default_profile_dir  # noqa: E402
+from hetpipe.compute.profiler import cached_profile  # noqa: E402
+from hetpipe.core.config import load_config  # noqa: E402
+from hetpipe.core.emulate import cpu_cores  # noqa: E402
+from hetpipe.core.planner import EMULATED_P2P_GBPS, EMULATED_PS_GBPS, emulated_profiles, plan_candidates  # noqa: E402
+from hetpipe.core.simulate import simulate  # noqa: E402
 from hetpipe.models import get_model  # noqa: E402
-from hetpipe.plan_inputs import default_profile_dir  # noqa: E402
-from hetpipe.planner import EMULATED_P2P_GBPS, EMULATED_PS_GBPS, emulated_profiles, plan_candidates  # noqa: E402
-from hetpipe.profiler import cached_profile  # noqa: E402
-from hetpipe.simulate import simulate  # noqa: E402
 
 
 def predict(config_path: Path, plan_out: Path) -> dict:

@@ -1,9 +1,9 @@
 """What users would run instead of hetpipe, on the same emulated GPUs: torch DDP and one torch pipeline.
 
-Each peer is a group of spawned processes (hetpipe.procs.ChildGroup), one per emulated GPU, under the
+Each peer is a group of spawned processes (hetpipe.core.procs.ChildGroup), one per emulated GPU, under the
 emulation hetpipe's own stages get (design.md, "Emulating..."): one torch thread per process, and every
-block of compute - forward with the loss, backward, optimizer step - stretched by hetpipe.emulate.Dilator
-to the GPU's slowdown, the same slowdowns hetpipe.emulate.slowdowns gives hetpipe's stages. Communication
+block of compute - forward with the loss, backward, optimizer step - stretched by hetpipe.core.emulate.Dilator
+to the GPU's slowdown, the same slowdowns hetpipe.core.emulate.slowdowns gives hetpipe's stages. Communication
 (gloo all-reduce, send/recv) is not stretched, as in hetpipe (link emulation is off).
 
 - DDP: torch DistributedDataParallel (gloo), synchronous, one replica per GPU that can hold the whole
@@ -33,20 +33,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetpipe import data as datalib
-from hetpipe.config import ClusterConfig, load_config
-from hetpipe.emulate import Dilator, cpu_cores, device_dilator, gpu_speeds, slowdowns
-from hetpipe.errors import HetpipeError, UsageError
-from hetpipe.heap import keep_freed_memory
-from hetpipe.memory import format_bytes, stage_memory
+from hetpipe.compute import data as datalib
+from hetpipe.compute.build import dataset_of, model_of
+from hetpipe.compute.heap import keep_freed_memory
+from hetpipe.compute.profiler import cached_profile
+from hetpipe.compute.stage_compute import make_optimizer
+from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
+from hetpipe.core.emulate import Dilator, cpu_cores, device_dilator, gpu_speeds, slowdowns
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.memory import format_bytes, stage_memory
+from hetpipe.core.partition import best_order_and_nm
+from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
+from hetpipe.core.profile import ModelProfile
 from hetpipe.models import build_stage
-from hetpipe.partition import best_order_and_nm
-from hetpipe.procs import ChildFailed, ChildGroup
-from hetpipe.profile import ModelProfile
-from hetpipe.profiler import cached_profile
-from hetpipe.worker.launcher import free_port
-from hetpipe.worker.stage import dataset_of, model_of
-from hetpipe.worker.stage_compute import make_optimizer
 
 __all__ = [
     "Device",
@@ -85,7 +84,7 @@ class Device:
 def devices(config: ClusterConfig) -> list[Device]:
     """Every GPU of the cluster, in config order, with the slowdown hetpipe's stages get.
 
-    Slowdowns come from hetpipe.emulate.slowdowns over all the cluster's GPUs, as the launcher computes
+    Slowdowns come from hetpipe.core.emulate.slowdowns over all the cluster's GPUs, as the launcher computes
     them over its virtual workers' GPUs (the same set when the VWs use every GPU); 1.0 without emulation.
     """
     speeds = gpu_speeds(config)
@@ -108,7 +107,7 @@ def model_profile(config: ClusterConfig, batch: int, cache_dir: str | Path) -> M
 
 
 def whole_model_bytes(profile: ModelProfile) -> int:
-    """Memory one data-parallel replica needs, by hetpipe's memory model (hetpipe.memory, hetpipe.md §4).
+    """Memory one data-parallel replica needs, by hetpipe's memory model (hetpipe.core.memory, hetpipe.md §4).
 
     The whole model as a single stage with one minibatch in flight and no stashed weights: weights +
     gradients + optimizer state + saved activations + input buffer + the largest layer's working memory.
@@ -262,7 +261,7 @@ class _Job:
     """One process of a peer (picklable, passed to a spawned child)."""
 
     kind: str  # "ddp" | "pipeline" | "solo"
-    config_path: str
+    packed_config: bytes  # hetpipe.core.config.pack_config
     rank: int
     world: int
     port: int
@@ -290,7 +289,7 @@ def _optimizer(config: ClusterConfig, params: list[torch.nn.Parameter], lr: floa
 def _ddp_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    config = load_config(job.config_path)
+    config = unpack_config(job.packed_config)
     spec, data = model_of(config), dataset_of(config)
     _init_group(job)
     model = DistributedDataParallel(build_stage(spec, 0, spec.num_layers))  # same init as hetpipe's W_0
@@ -333,7 +332,7 @@ def _stop_all(stop: bool) -> bool:
 
 def _score(spec: Any, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]], data: Any) -> list[dict[str, Any]]:
     """Test metrics of each kept weight version, after training (not timed)."""
-    from hetpipe.evaluate import evaluate
+    from hetpipe.compute.evaluate import evaluate
 
     return [{"t": t, "step": step, **evaluate(spec, state, data)} for t, step, state in snapshots]
 
@@ -341,7 +340,7 @@ def _score(spec: Any, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]
 def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    config = load_config(job.config_path)
+    config = unpack_config(job.packed_config)
     spec, data = model_of(config), dataset_of(config)
     _init_group(job)
     first, last = job.rank == 0, job.rank == job.world - 1
@@ -385,7 +384,7 @@ def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
 
 def _solo_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     """The whole model on one emulated GPU: plain training steps (forward, loss, backward, step)."""
-    config = load_config(job.config_path)
+    config = unpack_config(job.packed_config)
     spec, data = model_of(config), dataset_of(config)
     model = build_stage(spec, 0, spec.num_layers)
     optimizer = _optimizer(config, list(model.parameters()), job.lr)
@@ -467,7 +466,7 @@ def run_ddp(config: ClusterConfig, members: Sequence[Device], batch: int, steps:
         raise UsageError("DDP needs at least one GPU that holds the whole model: give the cluster a GPU type "
                          "with more memory_gib, or lower batch_size")
     port = free_port()
-    jobs = [_Job("ddp", str(config.path), r, len(members), port, d.slowdown, batch, steps,
+    jobs = [_Job("ddp", pack_config(config), r, len(members), port, d.slowdown, batch, steps,
                  snapshot_every=snapshot_every, lr=lr, deadline_s=deadline_s) for r, d in enumerate(members)]
     reports = _run(jobs, log_dir, timeout_s)
     setting = {"batch": batch, "gpus": len(members), "lr": lr if lr is not None else config.train.lr}
@@ -482,7 +481,7 @@ def run_pipeline(config: ClusterConfig, layout: PipelineLayout, microbatch: int,
         raise UsageError(f"Schedule1F1B needs at least as many microbatches as stages: n_micro={n_micro} < {k}; "
                          f"use n_micro >= {k} or schedule gpipe")
     port = free_port()
-    jobs = [_Job("pipeline", str(config.path), r, k, port, d.slowdown, microbatch, steps, n_micro=n_micro,
+    jobs = [_Job("pipeline", pack_config(config), r, k, port, d.slowdown, microbatch, steps, n_micro=n_micro,
                  split=layout.split, schedule=schedule) for r, d in enumerate(layout.gpus)]
     reports = _run(jobs, log_dir, timeout_s)
     setting = {"schedule": schedule, "microbatch": microbatch, "n_micro": n_micro, "split": list(layout.split)}
@@ -492,7 +491,7 @@ def run_pipeline(config: ClusterConfig, layout: PipelineLayout, microbatch: int,
 def run_solo(config: ClusterConfig, batch: int, steps: int, log_dir: Path, *, slowdown: float = 1.0,
              timeout_s: float = 600.0) -> PeerRun:
     """The whole model on one process (one thread) at `slowdown`: the unit of the capacity bound."""
-    job = _Job("solo", str(config.path), 0, 1, 0, slowdown, batch, steps)
+    job = _Job("solo", pack_config(config), 0, 1, 0, slowdown, batch, steps)
     reports = _run([job], log_dir, timeout_s)
     return PeerRun("solo", {"batch": batch, "slowdown": slowdown}, ["cpu"], batch, reports[0]["ends"],
                    reports[0]["start"], ranks=[{"compute_s": reports[0]["compute_s"]}])

@@ -1,6 +1,6 @@
 """Staleness study: how many more samples hetpipe's stale weights cost to reach a target, by VWs, Nm and stages.
 
-Measured in the single-process reference (hetpipe.reference: the runtime's arithmetic bit for bit, with
+Measured in the single-process reference (hetpipe.compute.reference: the runtime's arithmetic bit for bit, with
 `exact` pulls), so the answer has no timing and no noise: it is the sample-efficiency half of time to
 accuracy, the throughput half being throughput.py's. A setting VxN/S trains V virtual workers of S stages
 each (layers split as the runtime splits a VW without `layers`: evenly by parameters) with N minibatches in flight, D from --staleness; the global weights are scored
@@ -12,12 +12,10 @@ each (layers split as the runtime splits a VW without `layers`: evenly by parame
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,11 +29,11 @@ import plots  # noqa: E402  (launch/bench is not a package)
 import throughput  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402
 
-from hetpipe.config import ClusterConfig, load_config  # noqa: E402
-from hetpipe.evaluate import evaluate  # noqa: E402
+from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
+from hetpipe.compute.evaluate import evaluate  # noqa: E402
+from hetpipe.compute.reference import run_reference  # noqa: E402
+from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.models import even_split, param_counts  # noqa: E402
-from hetpipe.reference import run_reference  # noqa: E402
-from hetpipe.worker.stage import dataset_of, model_of  # noqa: E402
 
 _SETTING = re.compile(r"^(\d+)x(\d+)/(\d+)$")
 
@@ -58,8 +56,7 @@ def run_setting(config: ClusterConfig, vws: int, nm: int, stages: int, staleness
     batch = config.train.batch_size
     per_wave = vws * nm * batch
     waves = max(1, math.ceil(samples / per_wave))
-    cfg = dataclasses.replace(config, wsp=dataclasses.replace(config.wsp, nm=nm, staleness=staleness),
-                              train=dataclasses.replace(config.train, waves=waves))
+    cfg = apply_overrides(config, [f"wsp.nm={nm}", f"wsp.staleness={staleness}", f"train.waves={waves}"])
     spec, data = model_of(cfg), dataset_of(cfg)
     every = max(1, waves // scores)
     out: list[dict[str, Any]] = []
@@ -91,8 +88,7 @@ def run_setting(config: ClusterConfig, vws: int, nm: int, stages: int, staleness
 def main(config_path: Path, settings_text: str, staleness: int, samples: int, scores: int, target: float | None,
          overrides: tuple[str, ...], out: Path | None, plot_path: Path | None) -> None:
     torch.set_num_threads(1)
-    derived = Path(tempfile.mkdtemp(prefix="hetpipe-staleness-")) / "config.toml"  # the config with --set applied
-    config = throughput.with_settings(load_config(config_path), overrides, derived)
+    config = apply_overrides(load_config(config_path), overrides)
     goal = tta.goal_for(model_of(config).task, target)
     t = config.train
     print(f"{config.name}: model {config.model.name}, batch {t.batch_size}, {t.optimizer} lr {t.lr}, D {staleness}; "

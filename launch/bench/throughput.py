@@ -1,7 +1,7 @@
 """Throughput benchmark: hetpipe vs DDP vs one torch pipeline on the same emulated cluster, in one run.
 
 Per repeat, in this order and under the same emulation (peers.py): hetpipe (the planner's best plan, run
-by hetpipe.worker.launcher.train), DDP (each GPU set in --ddp-gpus, at --ddp-batch per GPU), and one
+by hetpipe.app.train.train), DDP (each GPU set in --ddp-gpus, at --ddp-batch per GPU), and one
 torch.distributed.pipelining pipeline over all GPUs. Every rate is samples/s after warm-up: hetpipe's from
 its stage traces (backward ends on each VW's last stage), the peers' from their step end times.
 
@@ -26,7 +26,6 @@ import math
 import statistics
 import sys
 import time
-import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (launch/bench is not a package)
 import plots  # noqa: E402
 
-from hetpipe.config import ClusterConfig, load_config  # noqa: E402
-from hetpipe.errors import HetpipeError  # noqa: E402
-from hetpipe.profile import ModelProfile  # noqa: E402
-from hetpipe.worker.stage import dataset_of  # noqa: E402
+from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
+from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
+from hetpipe.core.errors import HetpipeError  # noqa: E402
+from hetpipe.core.profile import ModelProfile  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "clusters" / "bench.toml"
 WARMUP_STEPS = 1  # peers: the rate starts when the first step ends (DDP builds buckets, pipelining infers shapes)
@@ -61,67 +60,6 @@ DEFAULT_NM = "4,8"
 # ---------------------------------------------------------------------------------------------- configs
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
-def dump_toml(table: dict[str, Any], prefix: str = "") -> str:
-    """The subset of TOML hetpipe configs use: scalars, arrays, inline tables, tables, arrays of tables."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in table.items()
-             if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict))]
-    for key, value in table.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            lines += ["", f"[{path}]", dump_toml(value, f"{path}.")]
-        elif isinstance(value, list) and value and isinstance(value[0], dict):
-            for item in value:
-                lines += ["", f"[[{path}]]", dump_toml(item, f"{path}.")]
-    return "\n".join(line for line in lines if line is not None)
-
-
-def derived_config(config: ClusterConfig, changes: dict[str, Any], path: Path) -> ClusterConfig:
-    """config's file with `changes` ({"wsp": {"nm": 4}, "virtual_workers": [...]}) written to path, loaded.
-
-    Stage processes read their config from its file, so every variation a benchmark runs is a file.
-    """
-    raw = tomllib.loads(Path(config.path).read_text())
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(raw.get(key), dict):
-            raw[key] = {**raw[key], **value}
-        else:
-            raw[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_toml(raw) + "\n")
-    return load_config(path)
-
-
-def with_settings(config: ClusterConfig, settings: Sequence[str], path: Path) -> ClusterConfig:
-    """config with `--set SECTION.KEY=VALUE` overrides (VALUE in TOML, e.g. train.lr=0.01,
-    model.options={ hidden = [1024, 1024] }); the config itself when there are none."""
-    changes: dict[str, dict[str, Any]] = {}
-    for item in settings:
-        key, sep, value = item.partition("=")
-        section, dot, field_name = key.strip().partition(".")
-        try:
-            parsed = tomllib.loads(f"v = {value.strip()}")["v"] if sep and dot else None
-        except tomllib.TOMLDecodeError:
-            parsed = None
-        if parsed is None:
-            raise click.BadParameter(f"--set {item!r}: write SECTION.KEY=VALUE with a TOML value, e.g. train.lr=0.01")
-        changes.setdefault(section, {})[field_name] = parsed
-    return derived_config(config, changes, path) if changes else config
-
-
 # ---------------------------------------------------------------------------------------------- hetpipe
 
 
@@ -136,6 +74,10 @@ class HetpipeSetup:
     predicted: float | None
 
     @property
+    def layouts(self) -> tuple[VwLayout, ...]:
+        return tuple(VwLayout(gpus, split) for gpus, split in self.vws)
+
+    @property
     def label(self) -> str:
         return f"{len(self.vws)} VWs " + " | ".join(
             "-".join(g) + " " + "/".join(map(str, s)) for g, s in self.vws) + f", Nm={self.nm}, D={self.staleness}"
@@ -143,12 +85,12 @@ class HetpipeSetup:
 
 def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nm: int | None = None,
                   staleness: int | None = None) -> HetpipeSetup:
-    """The planner's best plan (hetpipe.planner) when asked and installed, else the config's own VWs.
+    """The planner's best plan (hetpipe.core.planner) when asked and installed, else the config's own VWs.
 
     `nm` caps the planner's Nm (None: the planner's default cap); `staleness` fixes D (None: the plan's).
     """
-    if use_planner and importlib.util.find_spec("hetpipe.planner") is not None:
-        from hetpipe import planner
+    if use_planner and importlib.util.find_spec("hetpipe.core.planner") is not None:
+        from hetpipe.core import planner
 
         profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
         candidates = planner.plan_candidates(config, profiles, ps_gbps=planner.EMULATED_PS_GBPS,
@@ -159,27 +101,19 @@ def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: boo
         top = planner.best(candidates)
         vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
         return HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness, f"planner: {top.label}", top.samples_per_s)
-    from hetpipe.worker.launcher import layouts
-    from hetpipe.worker.stage import model_of
+    from hetpipe.compute.build import model_of, vw_layouts
 
-    vws = tuple((lay.gpus, lay.split) for lay in layouts(config, model_of(config)))
+    vws = tuple((lay.gpus, lay.split) for lay in vw_layouts(config, model_of(config)))
     d = config.wsp.staleness if staleness is None else staleness
     return HetpipeSetup(vws, nm or config.wsp.nm, d, "config", None)
 
 
-def hetpipe_config(config: ClusterConfig, setup: HetpipeSetup, waves: int, path: Path,
-                   extra: dict[str, Any] | None = None) -> ClusterConfig:
-    """A config file that runs `setup` for `waves` waves (no checkpoints unless `extra` asks)."""
-    changes: dict[str, Any] = {
-        "wsp": {"nm": setup.nm, "staleness": setup.staleness},
-        "train": {"waves": waves, "out_dir": str(path.parent)},
-        "checkpoint": {"dir": ""},
-        "allocation": {"policy": "explicit"},
-        "virtual_workers": [{"gpus": list(g), "layers": list(s)} for g, s in setup.vws],
-    }
-    for key, value in (extra or {}).items():
-        changes[key] = {**changes.get(key, {}), **value} if isinstance(value, dict) else value
-    return derived_config(config, changes, path)
+def hetpipe_config(config: ClusterConfig, setup: HetpipeSetup, waves: int, run_dir: Path,
+                   extra: Sequence[str] = ()) -> ClusterConfig:
+    """The config that runs `setup`'s Nm and D for `waves` waves, through --set overrides alone (no
+    checkpoints unless `extra` asks); its VWs and splits go to the launcher as layouts (setup.layouts)."""
+    return apply_overrides(config, [f"wsp.nm={setup.nm}", f"wsp.staleness={setup.staleness}", f"train.waves={waves}",
+                                    f"train.out_dir={json.dumps(str(run_dir))}", 'checkpoint.dir=""', *extra])
 
 
 def trace_streams(run_dir: Path) -> dict[int, list[float]]:
@@ -216,11 +150,11 @@ def window_rate(streams: dict[int, list[float]], batch: int, warmup: int) -> flo
     return count * batch / (t1 - t0)
 
 
-def run_hetpipe(config: ClusterConfig, run_dir: Path) -> tuple[dict[str, Any], float]:
-    """One hetpipe training run (progress off); (summary, steady samples/s after WARMUP_WAVES waves)."""
-    from hetpipe.worker.launcher import TrainOptions, train
+def run_hetpipe(config: ClusterConfig, setup: HetpipeSetup, run_dir: Path) -> tuple[dict[str, Any], float]:
+    """One hetpipe training run of `setup` (progress off); (summary, steady samples/s after WARMUP_WAVES waves)."""
+    from hetpipe.app.train import TrainOptions, train
 
-    summary = train(config, TrainOptions(run_dir=run_dir, progress=False))
+    summary = train(config, TrainOptions(run_dir=run_dir, progress=False, layouts=setup.layouts))
     rate = window_rate(trace_streams(run_dir), config.train.batch_size, WARMUP_WAVES * config.wsp.nm)
     return summary, rate
 
@@ -273,7 +207,7 @@ def hetpipe_peers(config: ClusterConfig, profile: ModelProfile, use_planner: boo
                 guess = min(setup.predicted or capacity, capacity) * 0.6  # emulated runs fall short of plans
                 waves = WARMUP_WAVES + max(5, math.ceil(seconds * guess / per_wave))
                 run_dir = work / f"hetpipe-{next(runs)}"
-                _, rate = run_hetpipe(hetpipe_config(config, setup, waves, run_dir / "config.toml"), run_dir)
+                _, rate = run_hetpipe(hetpipe_config(config, setup, waves, run_dir), setup, run_dir)
                 return rate
             options.append(Peer("hetpipe", f"{setup.label} [{setup.source}]", run))
     return options, setups
@@ -394,7 +328,7 @@ def main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: 
          work_dir: Path, out: Path | None, plot_path: Path | None) -> None:
     torch.set_num_threads(1)
     work = work_dir / time.strftime("%Y%m%d-%H%M%S")
-    config = with_settings(load_config(config_path), settings, work / "config.toml")
+    config = apply_overrides(load_config(config_path), settings)
     load_before = peers.env_note()["loadavg_1_5_15"]
     batch = config.train.batch_size
     cache = work_dir / "profiles"

@@ -32,13 +32,13 @@ import peers  # noqa: E402  (launch/bench is not a package)
 import plots  # noqa: E402
 import throughput  # noqa: E402
 
-from hetpipe.config import ClusterConfig, load_config  # noqa: E402
-from hetpipe.evaluate import evaluate  # noqa: E402
+from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
+from hetpipe.compute.evaluate import evaluate  # noqa: E402
+from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.server.checkpoint import (
     list_manifests,  # noqa: E402
     read_checkpoint,  # noqa: E402
 )
-from hetpipe.worker.stage import dataset_of, model_of  # noqa: E402
 
 
 def checkpoint_scores(config: ClusterConfig, run_dir: Path, until: float = math.inf) -> list[dict[str, Any]]:
@@ -105,12 +105,12 @@ def run_hetpipe_tta(config: ClusterConfig, setup: throughput.HetpipeSetup, stale
                     every: int, run_dir: Path, seconds: float) -> tuple[float, list[dict[str, Any]]]:
     """One hetpipe run with checkpoints every `every` clocks; (training start, the checkpoints of its first
     `seconds` of training, scored)."""
-    from hetpipe.worker.launcher import TrainOptions, train
+    from hetpipe.app.train import TrainOptions, train
 
     setup = throughput.HetpipeSetup(setup.vws, setup.nm, staleness, setup.source, setup.predicted)
-    extra = {"checkpoint": {"dir": str(run_dir / "ps"), "every": every, "keep": 100000}}
-    cfg = throughput.hetpipe_config(config, setup, waves, run_dir / "config.toml", extra)
-    train(cfg, TrainOptions(run_dir=run_dir, progress=False))
+    extra = [f"checkpoint.dir={json.dumps(str(run_dir / 'ps'))}", f"checkpoint.every={every}", "checkpoint.keep=100000"]
+    cfg = throughput.hetpipe_config(config, setup, waves, run_dir, extra)
+    train(cfg, TrainOptions(run_dir=run_dir, progress=False, layouts=setup.layouts))
     start = throughput.trace_start(run_dir)
     return start, checkpoint_scores(cfg, run_dir, until=start + seconds)
 
@@ -166,7 +166,7 @@ def main(config_path: Path, target: float | None, staleness: str, nm: str, hetpi
          settings: tuple[str, ...], work_dir: Path, out: Path | None, plot_path: Path | None) -> None:
     torch.set_num_threads(1)
     work = work_dir / time.strftime("%Y%m%d-%H%M%S")
-    config = throughput.with_settings(load_config(config_path), settings, work / "config.toml")
+    config = apply_overrides(load_config(config_path), settings)
     goal = goal_for(model_of(config).task, target)
     ddp_sets = throughput.parse_ddp(ddp_spec, config.train.batch_size) if ddp_spec else []
     load_before = peers.env_note()["loadavg_1_5_15"]
@@ -195,8 +195,7 @@ def main(config_path: Path, target: float | None, staleness: str, nm: str, hetpi
         rate = capacity if setup.predicted is None else min(capacity, 1.3 * setup.predicted)
         waves = max(5, math.ceil(max_seconds * rate / per_wave))
         for lr in comma_floats(hetpipe_lr, config.train.lr):
-            run_config = config if lr == config.train.lr else throughput.with_settings(
-                config, [f"train.lr={lr}"], work / f"config-lr{lr}.toml")
+            run_config = apply_overrides(config, [f"train.lr={lr}"])
             for d in (int(v) for v in staleness.split(",") if v.strip()):
                 run_dir = work / f"hetpipe-nm{setup.nm}-lr{lr}-D{d}"
                 start, scores = run_hetpipe_tta(run_config, setup, d, waves, checkpoint_every, run_dir, max_seconds)

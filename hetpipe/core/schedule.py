@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hetpipe.errors import HetpipeError, UsageError, did_you_mean
+from hetpipe.core.errors import HetpipeError, UsageError, did_you_mean
 
 __all__ = [
     "FORWARD",

@@ -1,14 +1,13 @@
 """Measuring a model's per-layer profile (times, weights, activations) on one device, with a JSON cache.
 
 Not pure: it builds and runs the model. The caller sets torch.set_num_threads(1) first, as every stage
-process does (design.md), so that the times match what a stage will see. Data types: hetpipe.profile.
+process does (design.md), so that the times match what a stage will see. Data types: hetpipe.core.profile.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import statistics
@@ -20,12 +19,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from hetpipe.errors import HetpipeError, UsageError
-from hetpipe.heap import keep_freed_memory
+from hetpipe.compute.heap import keep_freed_memory
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.profile import LayerProfile, ModelProfile
 from hetpipe.models.spec import ModelSpec
-from hetpipe.profile import LayerProfile, ModelProfile
 
-__all__ = ["OPTIMIZER_STATE", "cached_profile", "derive_profile", "profile_cache_path", "profile_model"]
+__all__ = ["OPTIMIZER_STATE", "cached_profile", "profile_cache_path", "profile_model"]
 
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}  # copies of the trainable weights each optimizer keeps
 
@@ -169,7 +168,7 @@ class _Step:
     def __init__(self, index: int, layer: nn.Module, x: Tensor, grad_out: Tensor | None,
                  loss: Callable[[Tensor, Tensor], Tensor] | None, target: Tensor | None, device: torch.device,
                  optimizer: str) -> None:
-        from hetpipe.worker.stage_compute import StageCompute
+        from hetpipe.compute.stage_compute import StageCompute
 
         module = nn.Sequential()
         module.add_module(str(index), layer)
@@ -306,27 +305,3 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------------- emulation
-
-
-def derive_profile(
-    cpu_profile: ModelProfile,
-    gpu_type_speed: float,
-    reference_speed: float,
-    time_scale: float,
-    *,
-    gpu_type: str | None = None,
-) -> ModelProfile:
-    """The profile of an emulated GPU: times x reference_speed / gpu_type_speed x time_scale, sizes unchanged.
-
-    `reference_speed` is the speed the measured CPU stands for (the fastest type, design.md), so a type half
-    as fast runs 2 x time_scale times slower than the measurement. Labelled `gpu_type` (default: unchanged).
-    """
-    for what, value in (("gpu_type_speed", gpu_type_speed), ("reference_speed", reference_speed),
-                        ("time_scale", time_scale)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not (value > 0 and math.isfinite(value)):
-            raise UsageError(f"derive_profile: {what} must be a finite number > 0, got {value!r}")
-    factor = reference_speed / gpu_type_speed * time_scale
-    return cpu_profile.scaled(gpu_type or cpu_profile.gpu_type, factor)

@@ -10,6 +10,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +19,14 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Child", "ChildFailed", "ChildGroup", "describe_exit", "tail"]
+__all__ = ["Child", "ChildFailed", "ChildGroup", "describe_exit", "free_port", "tail"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS picks it), e.g. for a process-group rendezvous."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -3,7 +3,7 @@
 Stage j runs layers [start, stop) on GPU j. Its time per minibatch is its layers' forward + backward on
 that GPU's type plus its boundary transfers (bytes / link bandwidth): receiving the input activation and
 the output gradient, sending the output activation and the input gradient; the model input (stage 0) and
-the last stage's output cross no link. Its memory is hetpipe.memory's model; it must fit the GPU's memory
+the last stage's output cross no link. Its memory is hetpipe.core.memory's model; it must fit the GPU's memory
 minus `reserve_bytes`. The split minimises the slowest stage time, then the peak memory use (the largest
 stage memory as a fraction of its GPU's usable memory), exactly, by dynamic programming over
 (stage, first layer) on numpy tables: O(k n^2) per (order, Nm).
@@ -20,14 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetpipe.config import NetworkConfig
-from hetpipe.errors import HetpipeError, UsageError
-from hetpipe.memory import format_bytes, in_flight, stage_memory_terms
-from hetpipe.plan import StagePlan, VwPlan
-from hetpipe.profile import ModelProfile
-from hetpipe.schedule import simulate, wsp_schedule
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.memory import format_bytes, in_flight, stage_memory_terms
+from hetpipe.core.plan import StagePlan, VwPlan
+from hetpipe.core.profile import ModelProfile
+from hetpipe.core.schedule import simulate, wsp_schedule
 
-__all__ = ["Gpu", "best_order_and_nm", "minibatch_time_s", "node_links", "partition"]
+__all__ = ["Gpu", "best_order_and_nm", "minibatch_time_s", "partition"]
 
 Gpu = tuple[str, str, int]  # (GPU reference "node:index", GPU type, memory in bytes)
 _TIE = 1e-9  # relative: stage times this close count as equal for the memory tie-break
@@ -99,7 +98,7 @@ def best_order_and_nm(
     missing = sorted({t for _, t, _ in gpus} - set(profiles))
     if missing:
         raise UsageError(f"no profile for GPU type(s) {', '.join(missing)}: profile the model on them "
-                         f"(hetpipe.profiler.cached_profile) or derive one (derive_profile)")
+                         f"(hetpipe.compute.profiler.cached_profile) or derive one (derive_profile)")
     k = len(gpus)
     tables: dict[int, _Tables] = {}
     best: tuple[tuple[float, float, int, int], _Problem, _Solution] | None = None
@@ -147,16 +146,6 @@ def minibatch_time_s(vw: VwPlan) -> float:
     forward = [s.forward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]
     backward = [s.backward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]
     return _simulated_time(forward, backward, vw.nm)
-
-
-def node_links(network: NetworkConfig) -> Callable[[str, str], float]:
-    """link_gbps for best_order_and_nm from a config: intra-node between GPUs "n:i" of one node, else inter."""
-
-    def link(a: str, b: str) -> float:
-        same = a.rsplit(":", 1)[0] == b.rsplit(":", 1)[0]
-        return network.intra_node_gbps if same else network.inter_node_gbps
-
-    return link
 
 
 # ---------------------------------------------------------------------------------------------- tables

@@ -21,7 +21,7 @@ def model_options(pairs: tuple[str, ...]) -> dict:
     """KEY=VALUE pairs, each value read as a TOML value (32, 1e-3, true, [3, 32, 32]) or else as a string."""
     import tomllib
 
-    from hetpipe.errors import UsageError
+    from hetpipe.core.errors import UsageError
 
     options = {}
     for pair in pairs:
@@ -46,7 +46,7 @@ def measure_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, optimiz
 
     import torch
 
-    from hetpipe.profiler import cached_profile, profile_cache_path
+    from hetpipe.compute.profiler import cached_profile, profile_cache_path
 
     path = profile_cache_path(spec, batch, gpu_type, cache_dir, optimizer=optimizer)
     cached = path.exists()
@@ -62,7 +62,7 @@ def measure_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, optimiz
 
 
 def profile_table(profile) -> str:
-    from hetpipe.memory import format_bytes
+    from hetpipe.core.memory import format_bytes
 
     header = ("#", "layer", "forward ms", "backward ms", "weights", "optimizer", "output", "saved", "working")
     rows = [(str(i), layer.name, f"{layer.forward_s * 1e3:.3f}", f"{layer.backward_s * 1e3:.3f}",
@@ -81,8 +81,8 @@ def profile_table(profile) -> str:
 
 
 def _load_profile(path: Path, model: str, batch: int, num_layers: int | None):
-    from hetpipe.errors import UsageError
-    from hetpipe.profile import ModelProfile
+    from hetpipe.core.errors import UsageError
+    from hetpipe.core.profile import ModelProfile
 
     try:
         p = ModelProfile.load(path)
@@ -98,9 +98,8 @@ def _load_profile(path: Path, model: str, batch: int, num_layers: int | None):
 
 def plan_profiles(config, profile_dir: Path) -> tuple[dict, float, object, list[str]]:
     """Profiles per GPU type, PS Gbit/s, the link function and notes, for emulated or real GPUs."""
-    from hetpipe.emulate import cpu_cores
-    from hetpipe.partition import node_links
-    from hetpipe.planner import EMULATED_P2P_GBPS, EMULATED_PS_GBPS, emulated_profiles, supplied_profiles
+    from hetpipe.core.emulate import cpu_cores
+    from hetpipe.core.planner import EMULATED_P2P_GBPS, EMULATED_PS_GBPS, emulated_profiles, supplied_profiles
 
     batch, optimizer = config.train.batch_size, config.train.optimizer
     if config.emulation.enabled:
@@ -120,8 +119,8 @@ def plan_profiles(config, profile_dir: Path) -> tuple[dict, float, object, list[
         if (profile_dir / f"{name}.json").exists():
             found[name] = _load_profile(profile_dir / f"{name}.json", config.model.name, batch, None)
     if not found:
+        from hetpipe.compute.profiler import profile_cache_path
         from hetpipe.models import get_model
-        from hetpipe.profiler import profile_cache_path
 
         spec = get_model(config.model.name, **config.model.options.to_dict())
         for name in config.gpu_types:
@@ -131,4 +130,4 @@ def plan_profiles(config, profile_dir: Path) -> tuple[dict, float, object, list[
     profiles, notes = supplied_profiles(config, found)
     notes.insert(0, f"real GPUs: profiles from {profile_dir}; links from [network], each PS shard at "
                     f"{config.network.inter_node_gbps:g} Gbit/s")
-    return profiles, config.network.inter_node_gbps, node_links(config.network), notes
+    return profiles, config.network.inter_node_gbps, config.network.link_gbps, notes

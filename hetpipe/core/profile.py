@@ -1,15 +1,18 @@
 """Per-layer profiles of a model on a GPU type: the numbers the partitioner, planner and simulator use.
 
-Data only here (plus JSON round trip); measuring lives in hetpipe.profiler.
+Data only here (plus JSON round trip); measuring lives in hetpipe.compute.profiler.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-__all__ = ["LayerProfile", "ModelProfile"]
+from hetpipe.core.errors import UsageError
+
+__all__ = ["LayerProfile", "ModelProfile", "derive_profile"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,24 @@ class ModelProfile:
     @classmethod
     def load(cls, path: Path) -> ModelProfile:
         return cls.from_json(path.read_text())
+
+
+def derive_profile(
+    cpu_profile: ModelProfile,
+    gpu_type_speed: float,
+    reference_speed: float,
+    time_scale: float,
+    *,
+    gpu_type: str | None = None,
+) -> ModelProfile:
+    """The profile of an emulated GPU: times x reference_speed / gpu_type_speed x time_scale, sizes unchanged.
+
+    `reference_speed` is the speed the measured CPU stands for (the fastest type, design.md), so a type half
+    as fast runs 2 x time_scale times slower than the measurement. Labelled `gpu_type` (default: unchanged).
+    """
+    for what, value in (("gpu_type_speed", gpu_type_speed), ("reference_speed", reference_speed),
+                        ("time_scale", time_scale)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"derive_profile: {what} must be a finite number > 0, got {value!r}")
+    factor = reference_speed / gpu_type_speed * time_scale
+    return cpu_profile.scaled(gpu_type or cpu_profile.gpu_type, factor)

@@ -19,12 +19,12 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from hetpipe import data as datalib
-from hetpipe.config import ClusterConfig
+from hetpipe.compute import data as datalib
+from hetpipe.compute.build import dataset_of, model_of
+from hetpipe.compute.stage_compute import make_optimizer, synced_tensors
+from hetpipe.core.config import ClusterConfig
+from hetpipe.core.schedule import get_schedule
 from hetpipe.models import build_stage
-from hetpipe.schedule import get_schedule
-from hetpipe.worker.stage import dataset_of, model_of
-from hetpipe.worker.stage_compute import make_optimizer, synced_tensors
 
 __all__ = ["ReferenceResult", "run_reference"]
 

@@ -32,7 +32,7 @@ StageId = tuple[int, int]  # (vw, stage)
 
 
 class TensorSource(Protocol):
-    """What a push or registration may carry besides a plain array (hetpipe.wire.TensorView fits)."""
+    """What a push or registration may carry besides a plain array (hetpipe.core.wire.TensorView fits)."""
 
     dtype: np.dtype
     shape: tuple[int, ...]

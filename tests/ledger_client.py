@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetpipe.placement import balanced_placement
+from hetpipe.core.placement import balanced_placement
+from hetpipe.core.wsp import first_pulled_wave, gate_version
 from hetpipe.worker.ps_client import PSClient
-from hetpipe.wsp import first_pulled_wave, gate_version
 
 __all__ = ["LedgerSpec", "ledger_keys", "ledger_stage", "check_pull"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hetpipe.data import DatasetSplit, unigram_loss
+from hetpipe.compute.data import DatasetSplit, unigram_loss
 from hetpipe.models import ModelSpec, build_stage
 
 __all__ = ["evaluate"]

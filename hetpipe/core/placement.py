@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from hetpipe.errors import UsageError
+from hetpipe.core.errors import UsageError
 
 __all__ = ["PLACEMENTS", "balanced_placement", "get_placement", "keys_by_shard"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from hetpipe.config import ClusterConfig, GpuRef, GpuType, Node, VirtualWorkerSpec
-from hetpipe.errors import UsageError, did_you_mean
-from hetpipe.plan import VwPlan
+from hetpipe.core.config import ClusterConfig, GpuRef, GpuType, Node, VirtualWorkerSpec
+from hetpipe.core.errors import UsageError, did_you_mean
+from hetpipe.core.plan import VwPlan
 
 __all__ = [
     "POLICIES",

@@ -7,10 +7,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetpipe.errors import HetpipeError, UsageError
-from hetpipe.plan import Plan, VwPlan
-from hetpipe.schedule import BACKWARD, FORWARD, PUSH, WAIT, Action, wsp_schedule
-from hetpipe.schedule import simulate as simulate_schedule
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.plan import Plan, VwPlan
+from hetpipe.core.schedule import BACKWARD, FORWARD, PUSH, WAIT, Action, wsp_schedule
+from hetpipe.core.schedule import simulate as simulate_schedule
 
 __all__ = [
     "BaselineResult",
@@ -332,7 +332,7 @@ def simulate_sync_pipeline(vw: VwPlan, microbatches: int, batch_size: int) -> Ba
 
     The minibatch is cut into `microbatches` pieces; each stage's times (stage_times) are assumed
     to scale linearly, so a microbatch takes 1/m of them. The step is the simulated makespan of
-    one wave of m in flight (hetpipe.schedule.simulate), about (m + k - 1) x the bottleneck / m.
+    one wave of m in flight (hetpipe.core.schedule.simulate), about (m + k - 1) x the bottleneck / m.
     One replica: no parameter synchronisation.
     """
     if microbatches < 1:

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from hetpipe.config import ClusterConfig
-from hetpipe.errors import HetpipeError
+from hetpipe.core.config import ClusterConfig
+from hetpipe.core.errors import HetpipeError
 
 __all__ = [
     "CORE_SHARE",

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hetpipe.errors import HetpipeError, UsageError, did_you_mean
+from hetpipe.core.errors import HetpipeError, UsageError, did_you_mean
 
 __all__ = [
     "Split", "DatasetSplit", "DATASETS", "load_dataset", "synthetic", "encode", "decode", "windows", "shakespeare_text",

@@ -1,7 +1,7 @@
 """The arithmetic of one stage (hetpipe.md §2-3), without transport: forward with weight stashing,
 backward with the local optimizer step, per-wave update sums, and the rebase after a pull.
 
-Order of floating-point operations is fixed here (and mirrored by hetpipe.reference), so runs are
+Order of floating-point operations is fixed here (and mirrored by hetpipe.compute.reference), so runs are
 reproducible bit for bit:
   after each optimizer step:   Δ = t - baseline;  sums[wave] += Δ;  baseline = t
   rebase after a pull:         t = pulled;  t += sums[w] for own waves w > own_through, in order

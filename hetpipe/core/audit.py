@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hetpipe.errors import HetpipeError
+from hetpipe.core.errors import HetpipeError
 
 __all__ = ["AuditError", "audit_key", "ledger_violations"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetpipe.errors import UsageError
-from hetpipe.profile import LayerProfile
+from hetpipe.core.errors import UsageError
+from hetpipe.core.profile import LayerProfile
 
 __all__ = ["StageMemory", "format_bytes", "in_flight", "stage_memory", "stage_memory_terms"]
 

@@ -7,11 +7,13 @@ import math
 import re
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, NoReturn, get_args
 
-from hetpipe.errors import ConfigError, did_you_mean
+import msgpack
+
+from hetpipe.core.errors import ConfigError, did_you_mean
 
 __all__ = [
     "AllocationConfig",
@@ -29,9 +31,12 @@ __all__ = [
     "TrainConfig",
     "VirtualWorkerSpec",
     "WspConfig",
+    "apply_overrides",
     "default_config_path",
     "load_config",
+    "pack_config",
     "parse_config",
+    "unpack_config",
 ]
 
 Placement = Literal["balanced", "local"]
@@ -136,6 +141,11 @@ class NetworkConfig:
 
     intra_node_gbps: float = 100.0
     inter_node_gbps: float = 10.0
+
+    def link_gbps(self, a: str, b: str) -> float:
+        """Bandwidth between GPUs "node:i" a and b: intra-node on one node, else inter-node."""
+        same = a.rsplit(":", 1)[0] == b.rsplit(":", 1)[0]
+        return self.intra_node_gbps if same else self.inter_node_gbps
 
 
 @dataclass(frozen=True)
@@ -275,6 +285,35 @@ class ClusterConfig:
         """ZeroMQ endpoints of the PS shards, shard i at port + i."""
         return [f"tcp://{self.ps.host}:{self.ps.port + i}" for i in range(self.ps.shards)]
 
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a TOML-shaped document: parse_config(config.to_dict(), config.path) == config."""
+        doc: dict[str, Any] = {
+            "name": self.name,
+            "seed": self.seed,
+            "gpu_types": {n: {"speed": t.speed, "memory_gib": t.memory_gib} for n, t in self.gpu_types.items()},
+            "nodes": [{"name": n.name, "host": n.host, "gpus": list(n.gpus)} for n in self.nodes],
+        }
+        for section in _SECTIONS:
+            doc[section] = {f.name: _plain(getattr(getattr(self, section), f.name))
+                            for f in fields(getattr(self, section))}
+        if self.emulation.time_scale is None:
+            doc["emulation"]["time_scale"] = "auto"
+        if self.virtual_workers:
+            doc["virtual_workers"] = [
+                {"gpus": [str(g) for g in vw.gpus], **({"layers": list(vw.layers)} if vw.layers else {})}
+                for vw in self.virtual_workers
+            ]
+        return doc
+
+
+def _plain(value: Any) -> Any:
+    """A field value as TOML holds it: tables as dicts, tuples as lists."""
+    if isinstance(value, FrozenMap):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    return value
+
 
 # ---------------------------------------------------------------------------------------------- schema
 
@@ -303,13 +342,76 @@ _VW_KEYS = ("gpus", "layers")
 
 def default_config_path() -> Path:
     """The packaged default config (2 virtual workers x 2 emulated GPUs on 127.0.0.1)."""
-    return Path(__file__).parent / "clusters" / "local.toml"
+    return Path(__file__).resolve().parents[1] / "clusters" / "local.toml"
 
 
 def load_config(path: str | Path) -> ClusterConfig:
     """Read and validate one cluster config; any problem raises ConfigError naming the fix."""
     path = Path(path)
     return parse_config(_read_toml(path), path)
+
+
+def apply_overrides(config: ClusterConfig, settings: Sequence[str]) -> ClusterConfig:
+    """The config with `--set KEY.PATH=VALUE` overrides applied and validated like the file.
+
+    VALUE is read as a TOML value (4, 0.01, true, [2, 3], { hidden = [64] }) and otherwise taken as a
+    string (gpipe, latest); KEY.PATH walks tables by name and arrays by index (virtual_workers.0.layers).
+    Errors name the file, the key and the fix, as for the file itself.
+    """
+    if not settings:
+        return config
+    doc = config.to_dict()
+    for item in settings:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"--set {item!r}: write KEY.PATH=VALUE, e.g. --set wsp.nm=4 or --set train.lr=0.01")
+        _set_path(doc, parts, _override_value(text.strip()), item)
+    shown = " ".join(f"--set {item}" for item in settings)
+    return parse_config(doc, config.path, source=f"{config.path} with {shown}")
+
+
+def _override_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(doc: dict[str, Any], parts: list[str], value: Any, item: str) -> None:
+    node: Any = doc
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = node[_index(node, part, parts[:depth], item)]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"--set {item!r}: {'.'.join(parts[: depth + 1])} is a value, not a table")
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_index(node, last, parts[:-1], item)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"--set {item!r}: {'.'.join(parts[:-1])} is a value, not a table")
+
+
+def _index(items: list[Any], part: str, where: list[str], item: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(f"--set {item!r}: {'.'.join(where)} has {len(items)} entries; "
+                          f"index them 0..{len(items) - 1}, e.g. {'.'.join(where)}.0")
+    return int(part)
+
+
+def pack_config(config: ClusterConfig) -> bytes:
+    """The parsed config for a child process (msgpack of its dict form); unpack_config reverses it."""
+    return msgpack.packb({"path": str(config.path), "config": config.to_dict()})
+
+
+def unpack_config(packed: bytes) -> ClusterConfig:
+    """The config a parent packed with pack_config, validated again (cheap) on this side."""
+    doc = msgpack.unpackb(packed)
+    return parse_config(doc["config"], Path(doc["path"]))
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -351,9 +453,9 @@ def _syntax_hint(message: str, text: str) -> str:
 # ---------------------------------------------------------------------------------------------- parsing
 
 
-def parse_config(data: Mapping[str, Any], path: Path) -> ClusterConfig:
-    """Validate a decoded TOML document; `path` is only used to name the file in errors."""
-    top = _Table(path, "", "at the top of the file", data)
+def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = None) -> ClusterConfig:
+    """Validate a decoded TOML document; `path` names the file in errors (or `source`, e.g. "x.toml with --set")."""
+    top = _Table(source or str(path), "", "at the top of the file", data)
     top.only(_TOP_KEYS)
     name = top.name("name")
     seed = top.integer("seed", 0, ge=0, le=_MAX_SEED)
@@ -580,7 +682,7 @@ _NAME_FIX = "use only letters, digits, '-' and '_'"
 class _Table:
     """One TOML table being read: where it is (field path) and how a fix line names it."""
 
-    file: Path
+    file: str  # how errors name the document: its path, or "path with --set ..."
     where: str  # field path of the table: "", "wsp", "nodes[2]", "gpu_types.titan-v"
     under: str  # how a fix line names the table: "under [wsp]", "in the 3rd [[nodes]] table"
     data: Mapping[str, Any]
@@ -729,7 +831,7 @@ class _Table:
 # ---------------------------------------------------------------------------------------------- messages
 
 
-def _fail(file: Path, where: str, what: str, fix: str) -> NoReturn:
+def _fail(file: Path | str, where: str, what: str, fix: str) -> NoReturn:
     head = f"{file}: {where}: {what}" if where else f"{file}: {what}"
     raise ConfigError(f"{head}\n  {fix}")
 

@@ -8,14 +8,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hetpipe.config import ClusterConfig, GpuRef
-from hetpipe.emulate import auto_time_scale, gpu_speeds
-from hetpipe.errors import HetpipeError, UsageError
-from hetpipe.memory import format_bytes, stage_memory_terms
-from hetpipe.partition import Gpu, best_order_and_nm, minibatch_time_s, node_links, partition
-from hetpipe.plan import Plan, VwPlan
-from hetpipe.profile import ModelProfile
-from hetpipe.simulate import simulate, simulate_allreduce, simulate_sync_pipeline
+from hetpipe.core.config import ClusterConfig, GpuRef
+from hetpipe.core.emulate import auto_time_scale, gpu_speeds
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.memory import format_bytes, stage_memory_terms
+from hetpipe.core.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
+from hetpipe.core.plan import Plan, VwPlan
+from hetpipe.core.profile import ModelProfile, derive_profile
+from hetpipe.core.simulate import simulate, simulate_allreduce, simulate_sync_pipeline
 
 __all__ = [
     "ALLREDUCE",
@@ -113,13 +113,12 @@ class Candidate:
 
 
 def emulated_profiles(config: ClusterConfig, cpu_profile: ModelProfile, cores: int) -> dict[str, ModelProfile]:
-    """Every GPU type's profile under emulation: the CPU's times x the type's slowdown (hetpipe.emulate.slowdowns).
+    """Every GPU type's profile under emulation: the CPU's times x the type's slowdown (hetpipe.core.emulate.slowdowns).
 
     The slowdown is (fastest speed / the type's speed) x time_scale, time_scale from [emulation] or, for
     "auto", auto_time_scale over all the cluster's GPUs (the runtime uses the GPUs of the run's VWs: the same
     set when a plan uses every GPU). So predictions are in wall seconds of `hetpipe train` on this machine.
     """
-    from hetpipe.profiler import derive_profile
 
     speeds = gpu_speeds(config)
     time_scale = config.emulation.time_scale or auto_time_scale(speeds, cores)
@@ -182,12 +181,12 @@ def plan_candidates(
     such grouping is simulated for every D in `d_values` (and the config's D) for `waves` waves.
 
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
-    GPUs (default: hetpipe.partition.node_links of [network]). The baselines: ALLREDUCE over the GPUs whose
+    GPUs (default: NetworkConfig.link_gbps of [network]). The baselines: ALLREDUCE over the GPUs whose
     memory holds the whole model, SYNC_PIPELINE over all GPUs (at most one per layer, fastest first).
     """
     batch = config.train.batch_size
     _check_profiles(config, profiles_by_type)
-    link = link_gbps or node_links(config.network)
+    link = link_gbps or config.network.link_gbps
     names = list(policies) if policies is not None else ["np", "ed", "hd"] + (["explicit"] if config.virtual_workers else [])
     ds = sorted({*d_values, config.wsp.staleness})
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in ds):
@@ -267,7 +266,7 @@ class _Search:
 
     def grouping(self, policy: str, nm_max: int | None) -> tuple[tuple[VwPlan, ...], tuple[str, ...]] | str:
         """The VWs of `policy` at one common Nm, with notes; or why the policy cannot run."""
-        from hetpipe.cluster import allocate
+        from hetpipe.core.cluster import allocate
 
         try:
             groups = allocate(self.config, policy)

@@ -1,0 +1,83 @@
+"""What `hetpipe train` shows while it runs: its view of every VW, fed by the stages' events, and the
+progress block redrawn in place on a terminal (or printed every few seconds to a log)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetpipe.compute.build import VwLayout
+from hetpipe.core.metrics import VwProgress
+
+__all__ = ["Progress", "ProgressView"]
+
+
+@dataclass
+class Progress:
+    """The launcher's view of every VW, fed by the stages' events."""
+
+    layouts: tuple[VwLayout, ...]
+    waves: dict[int, int] = field(default_factory=dict)
+    loss: dict[int, float] = field(default_factory=dict)
+    speed: dict[int, float] = field(default_factory=dict)
+    gate_wait: dict[tuple[int, int], float] = field(default_factory=dict)
+    pushed: dict[tuple[int, int], int] = field(default_factory=dict)
+    audit_checks: int = 0
+    max_lead: int = 0
+    steps: int = 0  # minibatches finished, over all VWs
+    first_step: float | None = None  # when the first and the last of them finished (the stages' clock)
+    last_step: float | None = None
+
+    def update(self, event: dict[str, Any]) -> None:
+        vw = event.get("vw")
+        if event["event"] == "minibatch":
+            self.steps += 1
+            self.first_step = event["time"] if self.first_step is None else min(self.first_step, event["time"])
+            self.last_step = event["time"] if self.last_step is None else max(self.last_step, event["time"])
+        if event["event"] == "stage_done":
+            self.audit_checks += event.get("audit_checks", 0)
+        if event["event"] == "minibatch":
+            self.loss[vw] = event["loss"]
+            self.speed[vw] = event["samples_per_s"]
+        elif event["event"] == "push":
+            self.pushed[(vw, event["stage"])] = event["wave"] + 1
+            self.gate_wait[(vw, event["stage"])] = event["gate_wait_s"]
+            done = [self.completed(v) for v in range(len(self.layouts))]
+            self.max_lead = max(self.max_lead, max(done) - min(done))
+
+    def completed(self, vw: int) -> int:
+        return min(self.pushed.get((vw, s), 0) for s in range(len(self.layouts[vw].split)))
+
+    def rows(self) -> list[VwProgress]:
+        c_global = min(self.completed(v) for v in range(len(self.layouts)))
+        return [
+            VwProgress(
+                vw=v, gpus=",".join(lay.gpus), wave=self.completed(v), loss=self.loss.get(v),
+                samples_per_s=self.speed.get(v, 0.0), lead=self.completed(v) - c_global,
+                gate_wait_s=max((w for (vv, _), w in self.gate_wait.items() if vv == v), default=0.0),
+            )
+            for v, lay in enumerate(self.layouts)
+        ]
+
+
+class ProgressView:
+    """Redraws the progress block in place on a terminal; prints it every few seconds otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.lines = 0
+        self.last = 0.0
+
+    def show(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self.last < (0.5 if self.tty else 10.0)):
+            return
+        self.last = now
+        if self.tty and self.lines:
+            sys.stderr.write(f"\x1b[{self.lines}F\x1b[J")
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+        self.lines = text.count("\n") + 1

@@ -1,0 +1,204 @@
+"""`hetpipe train`: start the PS and every stage of every virtual worker locally, watch them, and finish
+the run (final model from the PS, evaluation, summary, merged trace).
+
+The launcher owns every child: on Ctrl-C or when any child fails it stops them all within seconds and
+names the one that failed, with why and its last log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue as queue_mod
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetpipe.app.progress import Progress, ProgressView
+from hetpipe.compute.build import VwLayout, dataset_of, model_of, vw_layouts
+from hetpipe.compute.evaluate import evaluate
+from hetpipe.core.config import ClusterConfig
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.metrics import MetricsWriter, format_progress, merge_traces
+from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
+from hetpipe.server.checkpoint import list_manifests
+from hetpipe.server.launch import serve_settings, shard_settings
+from hetpipe.worker.jobs import emulated_slowdowns, stage_jobs
+from hetpipe.worker.ps_client import PSClient
+from hetpipe.worker.stage import run_stage
+
+__all__ = ["TrainOptions", "apply_plan", "train"]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    run_dir: Path | None = None  # default: <train.out_dir>/run-<timestamp>
+    progress: bool = True
+    dump_weights: bool = False
+    layouts: tuple[VwLayout, ...] | None = None  # from a plan; default: the config's VWs
+    audit: bool = False  # check guarantees L and G at every forward with a tagged-update ledger
+
+
+def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path) -> list[str]:
+    endpoints = []
+    for shard in range(config.ps.shards):
+        settings = shard_settings(config, shard, port=0, checkpoint_root=run_dir / "ps")
+        port_queue = group.ctx.Queue()
+        child = group.start(f"ps-shard-{shard}", serve_settings, settings, port_queue)
+        try:
+            port = port_queue.get(timeout=60)
+        except queue_mod.Empty:
+            raise ChildFailed(child) from None
+        endpoints.append(f"tcp://{config.ps.host}:{port}")
+    return endpoints
+
+
+def _refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:
+    """A run dir that holds PS checkpoints would make the PS resume from them while the stages start at wave 0
+    (stages do not resume yet), and every pull would be refused: say so before starting anything."""
+    if not config.checkpoint.enabled:
+        return
+    found = [m for shard in range(config.ps.shards) for m in list_manifests(run_dir / "ps" / f"shard-{shard}")]
+    if found:
+        raise UsageError(
+            f"{run_dir} already holds PS checkpoints of an earlier run ({found[-1]}); a new run would resume the "
+            "PS from them while its stages start from wave 0: give a new --run-dir, or remove "
+            f"{run_dir / 'ps'} to train from scratch there"
+        )
+
+
+def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict[str, Any]:
+    """Run a whole training job locally; returns the summary."""
+    spec = model_of(config)
+    vws = options.layouts or vw_layouts(config, spec)
+    run_dir = options.run_dir or Path(config.train.out_dir) / time.strftime("run-%Y%m%d-%H%M%S")
+    _refuse_earlier_checkpoints(config, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    slow, time_scale = emulated_slowdowns(config, vws)
+    progress = Progress(vws)
+    view = ProgressView(options.progress)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
+    say(f"hetpipe train: {config.name}: {len(vws)} virtual workers, model {spec.name}, "
+        f"{config.train.waves} waves x nm={config.wsp.nm}, D={config.wsp.staleness}, pull={config.wsp.pull}; run dir {run_dir}")
+    for i, lay in enumerate(vws):
+        parts = [f"{g} ({config.gpu(g).name}, x{slow.get(g, 1.0):.2f} slower)" if slow else g for g in lay.gpus]
+        say(f"  vw{i}: {' -> '.join(parts)}  layers per stage {list(lay.split)}")
+    started = time.monotonic()
+    group = ChildGroup(log_dir=run_dir / "logs")
+    events = group.ctx.Queue()
+    failures: dict[str, dict[str, Any]] = {}
+    try:
+        with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+            endpoints = _start_ps(group, config, run_dir)
+            stages = []
+            for v in range(len(vws)):
+                jobs = stage_jobs(config, vws, v, run_dir=run_dir, ps_endpoints=tuple(endpoints),
+                                  p2p_host="127.0.0.1", p2p_port=free_port(), audit=options.audit,
+                                  dump_weights=options.dump_weights)
+                stages += [group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs]
+            (run_dir / "pids.json").write_text(json.dumps({c.name: c.process.pid for c in group.children}, indent=1))
+
+            def pump() -> None:
+                while True:
+                    try:
+                        event = events.get_nowait()
+                    except queue_mod.Empty:
+                        break
+                    metrics.write(event["event"], **{k: v for k, v in event.items() if k != "event"})
+                    if event["event"] == "stage_failed":
+                        failures[f"vw{event['vw']}-s{event['stage']}"] = event
+                    progress.update(event)
+                view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started))
+
+            while any(c.process.exitcode is None for c in stages):
+                pump()
+                bad = group.failed()
+                if bad is not None:
+                    raise ChildFailed(bad)
+                time.sleep(0.2)
+            pump()
+            bad = group.failed()
+            if bad is not None:
+                raise ChildFailed(bad)
+            view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started), force=True)
+            finished = time.monotonic()
+            wall = finished - started
+            training = (progress.last_step or 0.0) - (progress.first_step or 0.0)
+            with PSClient(endpoints, config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=5) as admin:
+                final = admin.read()
+    except ChildFailed as exc:
+        group.stop()
+        name = exc.child.name
+        why = failures.get(name, {}).get("error")
+        raise HetpipeError(f"{exc}" + (f"\n{name} failed with {why}" if why else "")) from None
+    except KeyboardInterrupt:
+        group.stop()
+        raise HetpipeError("interrupted: stopped the PS and every stage") from None
+    finally:
+        group.stop(grace_s=30.0)
+    return _finish(config, spec, run_dir, final, wall, training, progress, vws)
+
+
+def _finish(config, spec, run_dir: Path, final, wall: float, training: float, progress: Progress, vws) -> dict[str, Any]:
+    ledgers = {k: v for k, v in final.items() if k.startswith("audit/")}
+    state = {k: torch.from_numpy(v.copy()) for k, v in final.items() if not k.startswith("audit/")}
+    torch.save(state, run_dir / "model.pt")
+    traces = sorted((run_dir / "trace").glob("vw*-s*.json"))
+    if traces:
+        merge_traces(traces, run_dir / "trace.json")
+    dataset = dataset_of(config)
+    samples = config.train.waves * config.wsp.nm * config.train.batch_size * len(vws)
+    summary: dict[str, Any] = {
+        "config": str(config.path), "run_dir": str(run_dir), "model": spec.name, "virtual_workers": len(vws),
+        "waves": config.train.waves, "nm": config.wsp.nm, "staleness": config.wsp.staleness,
+        "pull": config.wsp.pull, "samples": samples, "wall_s": round(wall, 2),
+        # speed over the training itself: the minibatches finished after the first one, over the time from
+        # the first to the last (process start-up, data loading, registration and shutdown excluded)
+        "train_s": round(training, 2),
+        "samples_per_s": round((progress.steps - 1) * config.train.batch_size / max(training, 1e-9), 2),
+        "max_lead_waves": progress.max_lead,
+        "gate_wait_s": {str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
+                        for v in range(len(vws))},
+        "final_train_loss": {str(v): progress.loss.get(v) for v in range(len(vws))},
+    }
+    if ledgers:  # every (vw, minibatch) update must sit in the final weights exactly once
+        summary["audit_checks"] = progress.audit_checks
+        summary["audit_final_ledgers_exact"] = all(bool((v == 1.0).all()) for v in ledgers.values())
+    summary.update(evaluate(spec, state, dataset, batch_size=256))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    latest = Path(config.train.out_dir) / "latest"
+    try:
+        if latest.is_symlink() or latest.exists():
+            latest.unlink()
+        os.symlink(run_dir.resolve(), latest)
+    except OSError:
+        pass
+    return summary
+
+
+def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, tuple[VwLayout, ...]]:
+    """The config with a plan's Nm and D, and the plan's VWs and splits (a file from `hetpipe plan --out`)."""
+    from hetpipe.core.plan import Plan
+
+    try:
+        plan = Plan.from_json(plan_path.read_text())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"{plan_path}: not a readable plan file ({exc}); write one with `hetpipe plan --out`") from None
+    known = {str(g) for g in config.all_gpus()}
+    layers = model_of(config).num_layers
+    for vw in plan.vws:
+        unknown = [g for g in vw.gpus if g not in known]
+        if unknown:
+            raise UsageError(f"{plan_path}: GPU {unknown[0]} is not in {config.path}; plan again for this cluster")
+        if sum(vw.split) != layers:
+            raise UsageError(f"{plan_path}: a split of {sum(vw.split)} layers, but {config.model.name} has {layers}: "
+                             "plan again for this config")
+    nms = {vw.nm for vw in plan.vws}
+    if len(nms) != 1:
+        raise UsageError(f"{plan_path}: VWs with different Nm {sorted(nms)}; the runtime runs one Nm for all VWs")
+    config = replace(config, wsp=replace(config.wsp, nm=nms.pop(), staleness=plan.staleness))
+    return config, tuple(VwLayout(vw.gpus, vw.split) for vw in plan.vws)

@@ -1,0 +1,1 @@
+"""Compute: the torch arithmetic of models, data, stages and the single-process reference. No sockets."""

@@ -1,0 +1,85 @@
+"""What each stage process of a virtual worker is given: its StageJob (the packed config, its place in the
+VW, where the PS and its neighbours are, its emulated slowdown and device)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from hetpipe.compute.build import VwLayout
+from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
+from hetpipe.core.emulate import cpu_cores, slowdowns
+
+__all__ = ["StageJob", "emulated_slowdowns", "stage_device", "stage_jobs"]
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """Everything a stage process needs, passed to a spawned child; the config travels parsed (packed)."""
+
+    packed_config: bytes  # hetpipe.core.config.pack_config of the effective config
+    run_dir: str
+    vw: int
+    stage: int
+    num_vws: int
+    gpus: tuple[str, ...]  # this VW's GPUs in stage order
+    split: tuple[int, ...]  # layers per stage of this VW
+    ps_endpoints: tuple[str, ...]
+    p2p_port: int  # rendezvous port of this VW's process group
+    p2p_host: str = "127.0.0.1"  # where stage 0 of this VW hosts the process-group rendezvous
+    slowdown: float = 1.0  # emulation: compute runs this many times slower
+    time_scale: float = 1.0  # emulation: the global slowdown, also applied to emulated link delays
+    device: str = "cpu"
+    dump_weights: bool = False  # write the stage's final live weights (for equivalence tests)
+    audit: bool = False  # carry a tagged-update ledger and check guarantees L and G at every forward
+
+    @cached_property
+    def config(self) -> ClusterConfig:
+        return unpack_config(self.packed_config)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.split)
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        start = sum(self.split[: self.stage])
+        return start, start + self.split[self.stage]
+
+
+def emulated_slowdowns(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> tuple[dict[str, float], float]:
+    """Each GPU's slowdown under emulation (empty when off) and the time scale (the fastest GPU's slowdown)."""
+    if not config.emulation.enabled:
+        return {}, 1.0
+    speeds = {g: config.gpu(g).speed for lay in vws for g in lay.gpus}
+    slow = slowdowns(speeds, cpu_cores(), config.emulation.time_scale)
+    return slow, min(slow.values())
+
+
+def stage_device(config: ClusterConfig, gpu: str) -> str:
+    """Where a stage computes: emulated GPUs on the CPU; real ones on cuda:<index> when CUDA is here."""
+    import torch
+
+    if not config.emulation.enabled and torch.cuda.is_available():
+        return f"cuda:{int(gpu.split(':')[1]) % torch.cuda.device_count()}"
+    return "cpu"
+
+
+def stage_jobs(
+    config: ClusterConfig, vws: tuple[VwLayout, ...], vw: int, *, run_dir: Path, ps_endpoints: tuple[str, ...],
+    p2p_host: str, p2p_port: int, audit: bool = False, dump_weights: bool = False,
+) -> list[StageJob]:
+    """The jobs of every stage of virtual worker `vw` (of `vws`, all the run's VWs)."""
+    lay = vws[vw]
+    slow, time_scale = emulated_slowdowns(config, vws)
+    packed = pack_config(config)
+    return [
+        StageJob(
+            packed_config=packed, run_dir=str(run_dir), vw=vw, stage=s, num_vws=len(vws), gpus=lay.gpus,
+            split=lay.split, ps_endpoints=ps_endpoints, p2p_port=p2p_port, p2p_host=p2p_host,
+            slowdown=slow.get(lay.gpus[s], 1.0), time_scale=time_scale, device=stage_device(config, lay.gpus[s]),
+            dump_weights=dump_weights, audit=audit,
+        )
+        for s in range(len(lay.split))
+    ]
