@@ -31,6 +31,11 @@ def shard_settings(
         checkpoint_dir=Path(checkpoint_root or ckpt.dir) / f"shard-{shard}" if ckpt.enabled else None,
         checkpoint_every=ckpt.every,
         checkpoint_keep=ckpt.keep,
+        aggregation=config.ps.aggregation,
+        optimizer=config.train.optimizer,
+        lr=config.train.lr,
+        momentum=config.train.momentum,
+        weight_decay=config.train.weight_decay,
     )
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import zmq
 
 from hetpipe.core import wire
+from hetpipe.core.aggregation import Aggregation, make_aggregation
 from hetpipe.core.wsp import PullResult, ShardState, WspError
 from hetpipe.server.checkpoint import load_newest, write_checkpoint
 
@@ -38,6 +39,14 @@ class ShardSettings:
     checkpoint_dir: Path | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # clocks between checkpoints; 0: only on SIGTERM
     checkpoint_keep: int = 3
+    aggregation: str = "sum"  # sum | mean | server (hetpipe.core.aggregation)
+    optimizer: str = "sgd"  # the PS-side optimizer of aggregation "server", with its settings
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+    def make_aggregation(self) -> Aggregation:
+        return make_aggregation(self.aggregation, self.optimizer, self.lr, self.momentum, self.weight_decay)
 
 
 @dataclass
@@ -65,7 +74,7 @@ class ShardServer:
     def __init__(self, settings: ShardSettings, log: Callable[[str], None] | None = None) -> None:
         self.settings = settings
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.state = ShardState(settings.staleness, settings.pull_mode)
+        self.state = ShardState(settings.staleness, settings.pull_mode, settings.make_aggregation())
         self.identities: dict[tuple[int, int], bytes] = {}
         self.parked: dict[tuple[bytes, int], Parked] = {}
         self.traffic = Traffic()
@@ -88,7 +97,7 @@ class ShardServer:
                 f"[shard {self.settings.shard}] note: checkpoint {ckpt.path.name} is of run {meta.get('run')!r} "
                 f"with D={meta['wsp']['staleness']}; resuming it as it was written"
             )
-        self.state = ShardState.from_state(meta["wsp"], ckpt.arrays)
+        self.state = ShardState.from_state(meta["wsp"], ckpt.arrays, self.settings.make_aggregation())
         self._last_checkpoint = ckpt.clock
         self.log(
             f"[shard {self.settings.shard}] resumed from {ckpt.path} at clock {ckpt.clock} "
@@ -197,7 +206,9 @@ class ShardServer:
         owner = self.identities.get(sid)
         if owner is not None and owner != identity:
             raise WspError("conflict", f"vw {sid[0]} stage {sid[1]} is already registered from another connection")
-        values = self.state.register(f["vw"], f["stage"], f["num_vws"], f["num_stages"], msg.tensors)
+        kinds = {**dict.fromkeys(f["buffers"], "buffer"), **dict.fromkeys(f["ledgers"], "ledger")}
+        values = self.state.register(f["vw"], f["stage"], f["num_vws"], f["num_stages"], msg.tensors, kinds,
+                                     f["num_waves"] or None)
         self.identities[sid] = identity
         tensors = values if f["want_weights"] else {}
         frames = wire.encode("registered", {"id": f["id"], "c_global": self.state.c_global}, tensors)
@@ -227,7 +238,9 @@ class ShardServer:
         except WspError as exc:
             self._send(p.identity, wire.error_frames(p.request_id, exc.code, str(exc)))
             return
-        fields = {"id": p.request_id, "wave": p.wave, "version": result.version, "own_through": result.own_through}
+        parked_ms = int(1000 * (time.monotonic() - p.since))
+        fields = {"id": p.request_id, "wave": p.wave, "version": result.version, "own_through": result.own_through,
+                  "parked_ms": parked_ms}
         self._send(p.identity, wire.encode("weights", fields, result.tensors), lent=result.tensors)
 
     def _on_status(self, identity: bytes, msg: wire.Message) -> None:

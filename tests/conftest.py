@@ -41,10 +41,12 @@ def start_shard(group: ChildGroup, settings: ShardSettings, name: str = "ps") ->
 def write_config(
     tmp_path: Path, *, vws: list[list[str]], nm: int, staleness: int, waves: int, optimizer: str = "momentum",
     pull: str = "exact", speeds: list[float] | None = None, emulation: bool = False, time_scale: float = 1.0,
-    hidden: tuple[int, ...] = (24, 16), model: str = "mlp", batch_size: int = 16,
+    hidden: tuple[int, ...] = (24, 16), model: str = "mlp", batch_size: int = 16, device: str = "cpu",
+    extra: str = "",
 ) -> Path:
     """A cluster config for runtime tests: one node, one GPU type per entry of `speeds` (GPU i has type i
-    when speeds are given), the given VWs, a small MLP on MNIST."""
+    when speeds are given), the given VWs, a small MLP on MNIST. Every GPU computes on `device` (the CPU by
+    default, so the tests take the CPU path on a machine with a GPU too); `extra` is appended TOML."""
     num = sum(len(v) for v in vws)
     speeds = speeds or [1.0] * num
     types = "".join(f"[gpu_types.g{i}]\nspeed = {s}\nmemory_gib = 4.0\n" for i, s in enumerate(speeds))
@@ -55,6 +57,7 @@ seed = 3
 {types}[[nodes]]
 name = "n0"
 gpus = [{gpus}]
+devices = [{", ".join(f'"{device}"' for _ in range(num))}]
 [wsp]
 staleness = {staleness}
 nm = {nm}
@@ -76,6 +79,7 @@ out_dir = "{tmp_path / 'runs'}"
 [emulation]
 enabled = {str(emulation).lower()}
 time_scale = {time_scale}
+{extra}
 {vw_tables}"""
     path = tmp_path / "cluster.toml"
     path.write_text(text)

@@ -44,9 +44,12 @@ def test_missing_config_and_bad_shard(tmp_path: Path):
 def test_schedule_grid_and_unknown_schedule():
     result = hetpipe("schedule", "--stages", "2", "--nm", "2", "--waves", "1", "--lists")
     assert result.returncode == 0
-    assert result.stdout.splitlines()[1:] == ["stage 0: F0 F1 B0 B1 PUSH0", "stage 1: F0 B0 F1 B1 PUSH0"]
-    result = hetpipe("schedule", "--name", "gpipe")
-    assert result.returncode == 2 and "known schedules: wsp" in result.stderr
+    assert result.stdout.splitlines()[1:] == ["stage 0: F0 F1 B0 U0 B1 U1 PUSH0", "stage 1: F0 B0 U0 F1 B1 U1 PUSH0"]
+    result = hetpipe("schedule", "--stages", "2", "--nm", "2", "--waves", "1", "--lists", "--name", "gpipe")
+    assert result.stdout.splitlines()[1:] == ["stage 0: F0 F1 B0 B1 U1 PUSH0", "stage 1: F0 F1 B0 B1 U1 PUSH0"]
+    result = hetpipe("schedule", "--name", "gpip")
+    assert result.returncode == 2 and "known schedules: 1f1b-flush, gpipe, pipedream-2bw, wsp" in result.stderr
+    assert 'did you mean "gpipe"' in result.stderr
 
 
 def test_train_refuses_a_run_dir_holding_earlier_checkpoints(tmp_path: Path):

@@ -85,7 +85,7 @@ def test_default_config_values() -> None:
     assert cfg.checkpoint == CheckpointConfig("runs/local/ps", every=0, keep=3)
     assert cfg.model == ModelConfig("mnist-cnn", FrozenMap())
     assert cfg.data == DataConfig("mnist", FrozenMap(), 0.2)
-    assert cfg.train == TrainConfig(32, 200, "momentum", 0.01, 0.9, 0.0, True, "wsp", "runs/local")
+    assert cfg.train == TrainConfig(32, 200, "momentum", 0.01, 0.9, 0.0, True, "wsp", out_dir="runs/local")
     assert cfg.emulation == EmulationConfig(enabled=True, time_scale=None, link_bandwidth=False)
     assert cfg.allocation == AllocationConfig("explicit")
     assert cfg.virtual_workers == (
@@ -149,12 +149,15 @@ ROUND_TRIPS = [
     ),
     (
         '[train]\nbatch_size = 8\nwaves = 3\noptimizer = "adam"\nlr = 1e-3\nmomentum = 0\n'
-        'weight_decay = 1e-4\nweight_stashing = false\nschedule = "gpipe"\nout_dir = "/tmp/x"',
+        'weight_decay = 1e-4\nweight_stashing = false\nschedule = "gpipe"\nrecompute = true\nprecision = "bf16"\n'
+        'eval_every = 5\neval_samples = 0\nout_dir = "/tmp/x"',
         "train",
-        TrainConfig(8, 3, "adam", 1e-3, 0.0, 1e-4, False, "gpipe", "/tmp/x"),
+        TrainConfig(8, 3, "adam", 1e-3, 0.0, 1e-4, False, "gpipe", True, "bf16", 5, 0, "/tmp/x"),
     ),
-    ("[emulation]\nenabled = false\ntime_scale = 2\nlink_bandwidth = true", "emulation",
-     EmulationConfig(False, 2.0, True)),
+    ('[emulation]\nenabled = false\ntime_scale = 2\nlink_bandwidth = true\ndevice = "cuda"', "emulation",
+     EmulationConfig(False, 2.0, True, "cuda")),
+    ('[ps]\naggregation = "server"\nbuffers = "local"', "ps",
+     PsConfig(aggregation="server", buffers="local")),
     ('[emulation]\ntime_scale = "auto"', "emulation", EmulationConfig(True, None, False)),
     ('[allocation]\npolicy = "hd"', "allocation", AllocationConfig("hd")),
     (
@@ -433,3 +436,29 @@ def test_set_errors_name_the_key_and_the_fix(tmp_path: Path, setting: str, fragm
         apply_overrides(base, [setting])
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "fragments"), [
+    ('[train]\nschedule = "gpipee"', ['train.schedule: unknown value "gpipee"', "1f1b-flush", 'did you mean "gpipe"']),
+    ('[train]\nschedule = "pipedream-2bw"\nweight_stashing = false',
+     ["train.weight_stashing: is false", "two weight versions", 'choose schedule = "wsp"']),
+    ('[train]\nrecompute = true', ['train.recompute: is true, but schedule "wsp"', "1f1b-flush, gpipe"]),
+    ('[ps]\naggregation = "avg"', ['ps.aggregation: unknown value "avg"', "sum, mean, server"]),
+    ('[ps]\nbuffers = "sum"', ['ps.buffers: unknown value "sum"', "average, local"]),
+    ('[train]\nprecision = "fp16"', ['train.precision: unknown value "fp16"', "fp32, bf16"]),
+])
+def test_schedule_and_semantics_errors_at_load(tmp_path: Path, text: str, fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, MINIMAL + text))
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_node_devices_override_and_errors(tmp_path: Path) -> None:
+    nodes = NODES.replace('gpus = ["titan-v", "titan-v"]', 'gpus = ["titan-v", "titan-v"]\ndevices = ["cuda:0", "cpu"]')
+    cfg = load_config(write(tmp_path, HEAD + TYPES + nodes))
+    assert cfg.nodes[0].devices == ("cuda:0", "cpu") and cfg.nodes[1].devices is None
+    for devices, fragment in (('["cuda:0"]', "has 1 entries but gpus has 2"), ('["gpu0", "cpu"]', 'unknown device "gpu0"')):
+        bad = NODES.replace('gpus = ["titan-v", "titan-v"]', f'gpus = ["titan-v", "titan-v"]\ndevices = {devices}')
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(write(tmp_path, HEAD + TYPES + bad))

@@ -14,15 +14,16 @@ _PROBE = """
 import resource, sys, torch
 from hetpipe.compute.heap import keep_freed_memory
 from hetpipe.models import build_stage, get_model
-from hetpipe.compute.stage_compute import StageCompute
+from hetpipe.compute.stage_compute import StageCompute, StageRules
 torch.set_num_threads(1)
 ok = keep_freed_memory() if sys.argv[1] == "keep" else None
-compute = StageCompute(build_stage(get_model("mnist-cnn"), 0, 3), "momentum", 0.01, 0.9, 0.0, nm=2)
+compute = StageCompute(build_stage(get_model("mnist-cnn"), 0, 3), "momentum", 0.01, 0.9, 0.0, StageRules(nm=2))
 x = torch.randn(32, 1, 28, 28)
 def steps(n):
     for p in range(n):
-        flight = compute.forward(p, x, input_grad=False)
-        compute.backward(p, torch.ones_like(flight.output))
+        output = compute.forward(p, x, input_grad=False)
+        compute.backward(p, torch.ones_like(output))
+        compute.update(p)
         compute.sums.clear()
 steps(10)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

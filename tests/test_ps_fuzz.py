@@ -25,10 +25,11 @@ def corpus() -> list[list[bytes]]:
     small = {"k": np.arange(6, dtype=np.float32).reshape(2, 3)}
     big = {"k": np.zeros(300_000, np.float32)}  # 1.2 MB: two data frames
     base = {"run": RUN, "vw": 0, "stage": 0}
+    plain = {"num_waves": 0, "buffers": [], "ledgers": []}
     msgs = [
-        wire.encode("register", {"id": 1, **base, "num_vws": 1, "num_stages": 1, "want_weights": True}, small),
+        wire.encode("register", {"id": 1, **base, "num_vws": 1, "num_stages": 1, "want_weights": True, **plain}, small),
         wire.encode("register", {"id": 2, "run": RUN, "vw": 0, "stage": 1, "num_vws": 1, "num_stages": 2,
-                                 "want_weights": False}, big),
+                                 "want_weights": False, **plain}, big),
         wire.encode("push", {"id": 3, **base, "wave": 0}, small),
         wire.encode("push", {"id": 4, **base, "wave": 3}, small),
         wire.encode("pull", {"id": 5, **base, "wave": 4}),

@@ -54,32 +54,33 @@ def test_one_stage_without_ps_cost_runs_at_batch_over_f_plus_b() -> None:
     assert result.ps_utilisation == 0.0 and result.vws[0].gate_wait_s == 0.0
 
 
-def test_push_holds_the_stage_and_one_vw_skips_the_pull_by_hand() -> None:
+def test_push_goes_out_in_the_background_and_one_vw_skips_the_pull_by_hand() -> None:
     # One stage, nm=1, D=0, f=1, b=2, 1 GB of weights over 8 Gbit/s: each transfer takes 1 s.
-    # F0 0-1, B0 1-3, PUSH0 3-4 (the stage waits for the PS's answer), F1 4-5, B1 5-7, PUSH1 7-8,
-    # WAIT2: one VW, no gate and no pull, F2 8-9, B2 9-11, PUSH2 11-12.
+    # F0 0-1, B0 1-3, U0, PUSH0 handed over at 3 (lands 4; the stage goes on), F1 3-4, B1 4-6, PUSH1 6-7,
+    # WAIT2: one VW, no gate and no pull, F2 6-7, B2 7-9, PUSH2 9-10.
     result = simulate(plan(vw(stage(1.0, 2.0, params=int(GB)))), waves=3, ps_gbps=8.0)
-    assert result.makespan_s == 12.0
-    assert result.samples_per_s == 3 * BATCH / 12.0
-    assert result.ps_utilisation == pytest.approx(3 / 12)
+    assert result.makespan_s == 10.0
+    assert result.samples_per_s == 3 * BATCH / 10.0
+    assert result.ps_utilisation == pytest.approx(3 / 10)
     one = result.vws[0]
-    assert one.wave_done_s == (4.0, 8.0, 12.0) and one.gate_wait_s == 0.0 and one.pull_s == 0.0
+    assert one.wave_done_s == (4.0, 7.0, 10.0) and one.gate_wait_s == 0.0 and one.pull_s == 0.0
     assert result.gates == ()
 
 
 def test_push_and_pull_timed_on_the_shared_ps_link_by_hand() -> None:
-    # Two such VWs on one PS link (1 s per transfer, first come first served, vw0 first at equal times):
-    # both F0 0-1, B0 1-3; PUSH0: vw0 3-4, vw1 queued 4-5. vw0 F1 4-5, B1 5-7, PUSH1 7-8; vw1 F1 5-6,
-    # B1 6-8. At 8 vw0's WAIT2 finds c_global 1 >= 2-0-1 and pulls 8-9, then vw1's PUSH1 9-10.
-    # vw0 F2 9-10, B2 10-12, PUSH2 12-13. vw1 WAIT2 at 10, pull 10-11, F2 11-12, B2 12-14, PUSH2 14-15.
+    # Two such VWs on one PS link (1 s per transfer, first come first served, vw0 first at equal times).
+    # Both F0 0-1, B0 1-3; PUSH0 at 3: vw0's 3-4, vw1's queued 4-5. Each hands over WAIT2's pull at 3 (its
+    # own push of wave 0 is out); the gate (c_global >= 1) opens at 5, so the PS sends vw0's pull 5-6 and
+    # vw1's 6-7. F1 3-4, B1 4-6; PUSH1 at 6: vw0's 7-8, vw1's 8-9. WAIT2: vw0's pull is there at 6, F2 6-7,
+    # B2 7-9, PUSH2 9-10; vw1 waits for its pull until 7, F2 7-8, B2 8-10, PUSH2 10-11.
     one = vw(stage(1.0, 2.0, params=int(GB)))
     result = simulate(plan(one, one), waves=3, ps_gbps=8.0)
-    assert result.makespan_s == 15.0
-    assert result.ps_utilisation == pytest.approx(8 / 15)
-    assert result.vws[0].wave_done_s == (4.0, 8.0, 13.0) and result.vws[1].wave_done_s == (5.0, 10.0, 15.0)
-    assert result.vws[0].pull_s == 1.0 and result.vws[1].pull_s == 1.0
-    assert result.vws[0].gate_wait_s == 0.0 and result.vws[1].gate_wait_s == 0.0
-    assert [(g.time_s, g.vw, g.wave, g.completed) for g in result.gates] == [(8.0, 0, 2, (2, 1)), (10.0, 1, 2, (2, 2))]
+    assert result.makespan_s == 11.0
+    assert result.ps_utilisation == pytest.approx(8 / 11)
+    assert result.vws[0].wave_done_s == (4.0, 8.0, 10.0) and result.vws[1].wave_done_s == (5.0, 9.0, 11.0)
+    assert result.vws[0].pull_s == 1.0 and result.vws[1].pull_s == 2.0  # vw1's queued behind vw0's
+    assert result.vws[0].gate_wait_s == 0.0 and result.vws[1].gate_wait_s == 1.0
+    assert [(g.time_s, g.vw, g.wave, g.completed) for g in result.gates] == [(6.0, 0, 2, (1, 1)), (7.0, 1, 2, (1, 1))]
 
 
 def test_transfers_split_between_forward_and_backward() -> None:
@@ -151,7 +152,8 @@ def test_larger_d_lets_the_fast_worker_run_ahead_and_raises_throughput() -> None
     assert len({r.samples_per_s for r in free.values()}) == 1
     # With a shared PS link the slow VW's own pushes queue behind the fast one's; a larger D waits for
     # older waves, so it blocks less and the whole run goes faster.
-    loaded = [simulate(two_speeds(d, params=10**8), waves=12, ps_gbps=1.0).samples_per_s for d in (0, 1, 3, 20)]
+    # (At 1 Gbit/s the pushes hide behind compute entirely; at 0.1 they queue.)
+    loaded = [simulate(two_speeds(d, params=10**8), waves=12, ps_gbps=0.1).samples_per_s for d in (0, 1, 3, 20)]
     assert loaded[0] < loaded[1] < loaded[2] < loaded[3]
 
 
@@ -173,7 +175,8 @@ def test_ps_bandwidth_towards_zero_drops_throughput() -> None:
     bandwidths = [math.inf, 10.0, 1.0, 0.1, 0.01]
     runs = [simulate(two_speeds(1, params=10**8), waves=8, ps_gbps=gbps) for gbps in bandwidths]
     rates = [r.samples_per_s for r in runs]
-    assert all(a > b for a, b in zip(rates, rates[1:], strict=False))
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # pushes overlap compute while they can
+    assert rates[2] > 2 * rates[3] > 4 * rates[4]
     assert runs[0].ps_utilisation == 0.0 and runs[-1].ps_utilisation > 0.95
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from hetpipe.app.train import TrainOptions, VwLayout, train
+from hetpipe.app.train import TrainOptions, train
 from hetpipe.compute import data as datalib
-from hetpipe.compute.build import dataset_of, model_of
+from hetpipe.compute.build import VwLayout, dataset_of, model_of
 from hetpipe.compute.reference import run_reference
 from hetpipe.core.config import load_config
 from hetpipe.models import build_stage

@@ -27,14 +27,15 @@ def _tensors() -> dict[str, np.ndarray]:
 
 
 FIELDS: dict[str, dict] = {
-    "register": {"id": 1, "run": "r", "vw": 0, "stage": 2, "num_vws": 3, "num_stages": 4, "want_weights": True},
+    "register": {"id": 1, "run": "r", "vw": 0, "stage": 2, "num_vws": 3, "num_stages": 4, "want_weights": True,
+                 "num_waves": 10, "buffers": ["2.bn.running_mean"], "ledgers": []},
     "push": {"id": 2**63 - 1, "run": "r" * 128, "vw": 1, "stage": 0, "wave": 2**31 - 1},
     "pull": {"id": 3, "run": "run-7", "vw": 1, "stage": 0, "wave": 5},
     "status": {"id": 4, "run": "r"},
     "read": {"id": 5, "run": "r"},
     "registered": {"id": 6, "c_global": 0},
     "ack": {"id": 7, "wave": 3, "applied": False, "c_global": 2},
-    "weights": {"id": 8, "wave": 3, "version": 9, "own_through": -1},
+    "weights": {"id": 8, "wave": 3, "version": 9, "own_through": -1, "parked_ms": 12},
     "status_reply": {"id": 9, "info": {"vws": [1, 2.5, None, "x", b"b"], "nested": {"a": {"b": [True]}}}},
     "snapshot": {"id": 10, "version": 0, "info": {}},
     "error": {"id": None, "code": "stale", "message": "wave 3 is older than c_global - D"},
@@ -173,6 +174,8 @@ REJECTIONS = [
     ("float as int", _msg(_header(id=1.0)), "bad_message", "pull.id must be an int in [0, 2**63)"),
     ("zero num_vws", _msg(_header("register", [], num_vws=0)), "bad_message", "register.num_vws"),
     ("own_through -2", _msg(_header("weights", [], own_through=-2)), "bad_message", "own_through"),
+    ("buffers not names", _msg(_header("register", [], buffers=[1])), "bad_message", "register.buffers"),
+    ("ledgers not a list", _msg(_header("register", [], ledgers="audit/0")), "bad_message", "register.ledgers"),
     ("empty run", _msg(_header(run="")), "bad_message", "pull.run must be a str of 1..128"),
     ("long run", _msg(_header(run="r" * 129)), "bad_message", "pull.run must be a str"),
     ("bad error code", _msg(_header("error", code="oops")), "bad_message", "error.code must be one of"),
@@ -257,7 +260,9 @@ FIELD_STRATEGIES = {
     "wave": _u31, "num_vws": st.integers(1, 2**31 - 1), "num_stages": st.integers(1, 2**31 - 1),
     "want_weights": st.booleans(), "applied": st.booleans(), "c_global": _u31, "version": _u31,
     "own_through": st.integers(-1, 2**31 - 1), "info": _info, "code": st.sampled_from(sorted(wire.ERROR_CODES)),
-    "message": st.text(max_size=50),
+    "message": st.text(max_size=50), "num_waves": _u31, "parked_ms": _u31,
+    "buffers": st.lists(st.text(min_size=1, max_size=8), max_size=3),
+    "ledgers": st.lists(st.text(min_size=1, max_size=8), max_size=3),
 }
 
 

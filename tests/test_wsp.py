@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.core.wsp import ShardState, WspError, first_pulled_wave, gate_version
+from hetpipe.core.aggregation import make_aggregation
+from hetpipe.core.wsp import ShardState, WspError, first_pulled_wave, gate_version, pending_bound
 
 
 def ledger_key(stage: int) -> str:
@@ -34,7 +35,7 @@ def make_shard(num_vws: int, num_stages: int, num_waves: int, staleness: int, mo
     for vw in range(num_vws):
         for stage in range(num_stages):
             init = {ledger_key(stage): np.zeros((num_vws, num_waves), dtype=np.float32)}
-            shard.register(vw, stage, num_vws, num_stages, init)
+            shard.register(vw, stage, num_vws, num_stages, init, num_waves=num_waves)
     return shard
 
 
@@ -216,6 +217,10 @@ def test_wsp_invariants_over_random_orders(num_vws, num_stages, num_waves, stale
         return min(pushed[(vw, j)] for j in range(num_stages))
 
     while any(pos[s] < len(programs[s]) for s in programs):
+        if mode == "exact":  # memory stays within the spec's bound at every step
+            versions, sums = shard.held_waves()
+            most_versions, most_sums = pending_bound(staleness)
+            assert versions <= most_versions and sums <= most_sums, (versions, sums, staleness)
         runnable = []
         for sid, program in programs.items():
             if pos[sid] == len(program):
@@ -248,4 +253,83 @@ def test_wsp_invariants_over_random_orders(num_vws, num_stages, num_waves, stale
         pos[sid] += 1
     assert shard.c_global == num_waves
     np.testing.assert_array_equal(shard.read().tensors[ledger_key(0)], np.ones((num_vws, num_waves)))
-    assert len(shard.wave_sums) <= staleness + 2 + 1
+
+
+# ---- bounded memory, aggregation rules, buffers -------------------------------------------------------
+
+
+@pytest.mark.parametrize("staleness", [0, 3])
+def test_one_vw_that_never_pulls_keeps_memory_flat(staleness: int):
+    """A single VW skips every gate, yet its waves are built into versions and the old ones dropped."""
+    shard = make_shard(num_vws=1, num_stages=2, num_waves=2000, staleness=staleness, mode="exact")
+    most_versions, most_sums = pending_bound(staleness)
+    for wave in range(2000):
+        for stage in (1, 0):
+            push(shard, 0, stage, wave, 1, 2000)
+        versions, sums = shard.held_waves()
+        assert versions <= most_versions and sums <= most_sums
+    assert shard.version == 2000 and shard.read().tensors["s0"].sum() == 2000.0
+
+
+def test_stages_that_never_reach_a_gate_keep_memory_flat():
+    """D >= waves - 2: no wave has a gate, so nobody pulls; pushes alone let old versions go."""
+    shard = make_shard(num_vws=2, num_stages=1, num_waves=50, staleness=60, mode="exact")
+    for wave in range(50):
+        for vw in (1, 0):
+            push(shard, vw, 0, wave, 2, 50)
+    assert shard.held_waves() == (1, 0)
+
+
+def two_vw_shard(aggregation: str, mode: str = "exact", optimizer: str = "sgd") -> ShardState:
+    shard = ShardState(0, mode, make_aggregation(aggregation, optimizer=optimizer, lr=0.5))
+    for vw in range(2):
+        shard.register(vw, 0, 2, 1, {"w": np.array([1.0, 2.0], np.float32), "bn": np.zeros(2, np.float32)},
+                       kinds={"bn": "buffer"})
+    return shard
+
+
+@pytest.mark.parametrize("mode", ["exact", "latest"])
+def test_mean_aggregation_divides_by_the_vws_and_buffers_average(mode: str):
+    shard = two_vw_shard("mean", mode)
+    shard.push(0, 0, 0, {"w": np.array([2.0, 4.0], np.float32), "bn": np.array([1.0, 3.0], np.float32)})
+    shard.push(1, 0, 0, {"w": np.array([4.0, 0.0], np.float32), "bn": np.array([3.0, 5.0], np.float32)})
+    got = shard.read().tensors
+    np.testing.assert_array_equal(got["w"], np.array([1.0 + 3.0, 2.0 + 2.0], np.float32))
+    np.testing.assert_array_equal(got["bn"], np.array([2.0, 4.0], np.float32))  # averaged, not summed
+
+
+def test_server_aggregation_runs_the_optimizer_on_the_mean_gradient():
+    shard = two_vw_shard("server", optimizer="momentum")
+    w = np.array([1.0, 2.0], np.float32)
+    buf = None
+    for wave, grads in enumerate([([2.0, 0.0], [0.0, 2.0]), ([1.0, 1.0], [3.0, 3.0])]):
+        for vw in (1, 0):
+            shard.push(vw, 0, wave, {"w": np.array(grads[vw], np.float32), "bn": np.zeros(2, np.float32)})
+        g = (np.array(grads[0], np.float32) + np.array(grads[1], np.float32)) / np.float32(2)
+        buf = g if buf is None else np.float32(0.9) * buf + g  # torch.optim.SGD(momentum=0.9)
+        w = w - np.float32(0.5) * buf
+        np.testing.assert_array_equal(shard.read().tensors["w"], w)
+
+
+def test_buffer_kind_must_agree_and_be_known():
+    shard = ShardState(0, "exact")
+    shard.register(0, 0, 2, 1, {"bn": np.zeros(1, np.float32)}, kinds={"bn": "buffer"})
+    with pytest.raises(WspError, match="is a buffer, a registration says param"):
+        shard.register(1, 0, 2, 1, {"bn": np.zeros(1, np.float32)})
+    with pytest.raises(WspError, match="kind 'stats'"):
+        shard.register(1, 0, 2, 1, {"bn": np.zeros(1, np.float32)}, kinds={"bn": "stats"})
+
+
+@pytest.mark.parametrize("mode", ["exact", "latest"])
+def test_snapshot_round_trip_with_server_optimizer_and_buffers(mode: str):
+    shard = two_vw_shard("server", mode, optimizer="adam")
+    shard.push(0, 0, 0, {"w": np.array([1.0, -1.0], np.float32), "bn": np.ones(2, np.float32)})
+    shard.push(1, 0, 0, {"w": np.array([0.5, 0.5], np.float32), "bn": np.ones(2, np.float32)})
+    shard.push(0, 0, 1, {"w": np.array([0.25, 0.0], np.float32), "bn": np.full(2, 3.0, np.float32)})
+    meta, arrays = shard.to_state()
+    copy = ShardState.from_state(meta, arrays, make_aggregation("server", optimizer="adam", lr=0.5))
+    assert copy.status() == shard.status()
+    for s in (shard, copy):
+        s.push(1, 0, 1, {"w": np.array([-2.0, 1.0], np.float32), "bn": np.full(2, 5.0, np.float32)})
+    for key in ("w", "bn"):
+        np.testing.assert_array_equal(copy.read().tensors[key], shard.read().tensors[key])

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from hetpipe.compute.build import VwLayout
 from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
+from hetpipe.core.devices import stage_device
 from hetpipe.core.emulate import cpu_cores, slowdowns
 
-__all__ = ["StageJob", "emulated_slowdowns", "stage_device", "stage_jobs"]
+__all__ = ["StageJob", "cuda_devices", "emulated_slowdowns", "stage_jobs"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class StageJob:
     slowdown: float = 1.0  # emulation: compute runs this many times slower
     time_scale: float = 1.0  # emulation: the global slowdown, also applied to emulated link delays
     device: str = "cpu"
+    devices: tuple[str, ...] = ()  # every stage's device in this VW (the transport between them depends on it)
     dump_weights: bool = False  # write the stage's final live weights (for equivalence tests)
     audit: bool = False  # carry a tagged-update ledger and check guarantees L and G at every forward
 
@@ -57,13 +59,11 @@ def emulated_slowdowns(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> tupl
     return slow, min(slow.values())
 
 
-def stage_device(config: ClusterConfig, gpu: str) -> str:
-    """Where a stage computes: emulated GPUs on the CPU; real ones on cuda:<index> when CUDA is here."""
+def cuda_devices() -> int:
+    """CUDA devices this machine has (0 without CUDA)."""
     import torch
 
-    if not config.emulation.enabled and torch.cuda.is_available():
-        return f"cuda:{int(gpu.split(':')[1]) % torch.cuda.device_count()}"
-    return "cpu"
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def stage_jobs(
@@ -74,11 +74,13 @@ def stage_jobs(
     lay = vws[vw]
     slow, time_scale = emulated_slowdowns(config, vws)
     packed = pack_config(config)
+    cuda = cuda_devices()
+    devices = tuple(stage_device(config, g, cuda) for g in lay.gpus)
     return [
         StageJob(
             packed_config=packed, run_dir=str(run_dir), vw=vw, stage=s, num_vws=len(vws), gpus=lay.gpus,
-            split=lay.split, ps_endpoints=ps_endpoints, p2p_port=p2p_port, p2p_host=p2p_host,
-            slowdown=slow.get(lay.gpus[s], 1.0), time_scale=time_scale, device=stage_device(config, lay.gpus[s]),
+            split=lay.split, ps_endpoints=ps_endpoints, p2p_port=p2p_port, p2p_host=p2p_host, devices=devices,
+            slowdown=slow.get(lay.gpus[s], 1.0), time_scale=time_scale, device=devices[s],
             dump_weights=dump_weights, audit=audit,
         )
         for s in range(len(lay.split))

@@ -1,5 +1,9 @@
 """Point-to-point tensors between the stages of one virtual worker (torch.distributed: gloo or NCCL).
 
+NCCL when every stage has a CUDA device of its own; gloo otherwise (hetpipe.core.devices.p2p_backend), and
+then a CUDA tensor travels through host memory: copied to a pinned host buffer, sent, and copied to the
+receiver's device. That is what lets several stages share one GPU, which NCCL refuses.
+
 Sends are non-blocking (isend) so a stage never waits for its neighbour to post a receive; receives
 block. Each tensor goes as a small int64 header (ndim, shape) and then its data, so receivers need not
 know shapes in advance. Plain send/recv only: batch_isend_irecv has hung on gloo (pytorch #132644).
@@ -33,6 +37,7 @@ class P2P:
     rank: int
     world_size: int
     device: torch.device
+    backend: str = "gloo"
     max_in_flight: int = 8  # minibatches' sends per peer that may be outstanding; older ones are waited for
     _pending: dict[int, deque[tuple[dist.Work, torch.Tensor]]] = field(default_factory=dict)
     bytes_sent: int = 0
@@ -40,13 +45,16 @@ class P2P:
     @classmethod
     def connect(
         cls, rank: int, world_size: int, host: str, port: int, device: torch.device, timeout_s: float = 300,
-        max_in_flight: int = 8,
+        max_in_flight: int = 8, backend: str = "gloo",
     ) -> P2P:
         """Join the VW's process group; stage 0 hosts the rendezvous on host:port."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}: pass Nm + 1")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
         if world_size > 1:
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(device)
             dist.init_process_group(
                 backend,
                 init_method=f"tcp://{host}:{port}",
@@ -54,16 +62,24 @@ class P2P:
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        return cls(rank, world_size, device, max_in_flight)
+        return cls(rank, world_size, device, backend, max_in_flight)
+
+    @property
+    def _wire_device(self) -> torch.device:
+        """Where tensors travel from: the stage's device for NCCL, host memory for gloo."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.detach().contiguous()
         if tensor.dim() > MAX_NDIM or tensor.dtype not in DTYPES:
             raise ValueError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between stages")
+        if tensor.device != self._wire_device:  # gloo from a GPU: through a pinned host buffer
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            tensor = staged.copy_(tensor)
         header = torch.tensor(
             [tensor.dim(), DTYPES.index(tensor.dtype), *tensor.shape, *([0] * (MAX_NDIM - tensor.dim()))],
             dtype=torch.int64,
-            device=self.device,
+            device=self._wire_device,
         )
         pending = self._pending.setdefault(dst, deque())
         for t in (header, tensor):
@@ -74,13 +90,14 @@ class P2P:
             work.wait()
 
     def recv(self, src: int) -> torch.Tensor:
-        header = torch.empty(MAX_NDIM + 2, dtype=torch.int64, device=self.device)
+        header = torch.empty(MAX_NDIM + 2, dtype=torch.int64, device=self._wire_device)
         dist.recv(header, src)
         ndim, dtype_index = int(header[0]), int(header[1])
         shape = [int(d) for d in header[2 : 2 + ndim]]
-        out = torch.empty(shape, dtype=DTYPES[dtype_index], device=self.device)
+        pinned = self._wire_device != self.device
+        out = torch.empty(shape, dtype=DTYPES[dtype_index], device=self._wire_device, pin_memory=pinned)
         dist.recv(out, src)
-        return out
+        return out.to(self.device, non_blocking=True) if pinned else out
 
     @property
     def outstanding(self) -> int:

@@ -3,14 +3,18 @@
 One DEALER socket per shard. Every request carries an id and is answered by the server; a request
 without an answer within `retry_s` is sent again with the same id (safe: pushes are idempotent, pulls
 and reads change nothing), and fails after `timeout_s` with an error that says whom it waited for.
+
+Requests are Calls (one request per shard) that complete as replies arrive, so several may be in flight
+at once (hetpipe.worker.ps_agent overlaps pushes and pulls with compute); register/push/pull/status/read
+are the blocking forms.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,7 +24,9 @@ from hetpipe.core import wire
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.placement import keys_by_shard
 
-__all__ = ["PSClient", "PSError", "PSTimeout", "Pulled"]
+__all__ = ["Call", "PSClient", "PSError", "PSTimeout", "Pulled"]
+
+Request = tuple[str, dict[str, Any], Mapping[str, np.ndarray] | None]
 
 
 class PSError(HetpipeError):
@@ -40,6 +46,30 @@ class Pulled:
     version: int  # t of W_t (exact) or c_global when served (latest)
     own_through: int  # own waves <= this are contained (max over shards is not needed: all agree)
     tensors: dict[str, np.ndarray]
+    parked_s: float = 0.0  # how long the request waited at the PS for its gate (the longest shard)
+
+
+@dataclass
+class Call:
+    """One request per shard, sent and waiting for every reply."""
+
+    what: str
+    frames: list[list[Any]]
+    ids: list[int]
+    gate: int = -1  # the wave whose gate a pull waits for (for the timeout message)
+    replies: list[wire.Message | None] = field(default_factory=list)
+    sent_at: list[float] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    error: HetpipeError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(r is not None for r in self.replies)
+
+    def result(self) -> list[wire.Message]:
+        if self.error is not None:
+            raise self.error
+        return [r for r in self.replies if r is not None]
 
 
 class PSClient:
@@ -65,18 +95,23 @@ class PSClient:
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self._ids = iter(range(1, 2**62))
         self._ctx = zmq.Context()
-        self._socks: list[zmq.Socket] = []
+        self.sockets: list[zmq.Socket] = []
         identity = f"{run}/vw{vw}/s{stage}/{os.getpid()}/{os.urandom(4).hex()}".encode()
         for endpoint in endpoints:
             sock = self._ctx.socket(zmq.DEALER)
             wire.configure_socket(sock, router=False)
             sock.setsockopt(zmq.ROUTING_ID, identity)
             sock.connect(endpoint)
-            self._socks.append(sock)
+            self.sockets.append(sock)
+        self._open: dict[tuple[int, int], Call] = {}  # (shard, request id) -> the call waiting for it
         self.keys: list[str] = []
 
+    @property
+    def context(self) -> zmq.Context:
+        return self._ctx
+
     def close(self) -> None:
-        for sock in self._socks:
+        for sock in self.sockets:
             sock.close(linger=0)
         self._ctx.term()
 
@@ -92,33 +127,46 @@ class PSClient:
 
     def _split(self, tensors: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         try:
-            parts = keys_by_shard(self.placement, list(tensors), len(self._socks))
+            parts = keys_by_shard(self.placement, list(tensors), len(self.sockets))
         except KeyError as exc:
             raise HetpipeError(f"key {exc} has no shard in the placement: place the whole model's keys") from None
         return [{k: tensors[k] for k in part} for part in parts]
 
-    def register(self, tensors: Mapping[str, np.ndarray], want_weights: bool = True) -> dict[str, np.ndarray]:
-        """Declare this stage's keys with their initial values; returns the PS's W_0 for them."""
+    def register(self, tensors: Mapping[str, np.ndarray], want_weights: bool = True,
+                 kinds: Mapping[str, str] | None = None, num_waves: int = 0) -> dict[str, np.ndarray]:
+        """Declare this stage's keys with their initial values and kinds ("param", "buffer", "ledger"; default
+        param) and the run's length (0: unknown); returns the PS's W_0 for them."""
         self.keys = list(tensors)
-        fields = {**self._stage_fields(), "num_vws": self.num_vws, "num_stages": self.num_stages}
-        fields["want_weights"] = want_weights
-        requests = [("register", fields, part) for part in self._split(tensors)]
-        replies = self._call(requests, what="register")
+        kinds = kinds or {}
+        requests: list[Request] = []
+        for part in self._split(tensors):
+            fields = {**self._stage_fields(), "num_vws": self.num_vws, "num_stages": self.num_stages,
+                      "want_weights": want_weights, "num_waves": num_waves,
+                      "buffers": [k for k in part if kinds.get(k) == "buffer"],
+                      "ledgers": [k for k in part if kinds.get(k) == "ledger"]}
+            requests.append(("register", fields, part))
+        replies = self.wait(self.send(requests, what="register"))
         out: dict[str, np.ndarray] = {}
         for reply in replies:
             out.update({k: v.to_array() for k, v in reply.tensors.items()})
         return out
 
-    def push(self, wave: int, deltas: Mapping[str, np.ndarray]) -> int:
-        """Push this stage's summed update of `wave` to every shard; returns the smallest c_global seen."""
+    def send_push(self, wave: int, tensors: Mapping[str, np.ndarray]) -> Call:
+        """Send this stage's push of `wave` to every shard (complete it with wait or poll)."""
         fields = {**self._stage_fields(), "wave": wave}
-        replies = self._call([("push", fields, part) for part in self._split(deltas)], what=f"push of wave {wave}")
-        return min(r.fields["c_global"] for r in replies)
+        return self.send([("push", fields, part) for part in self._split(tensors)], what=f"push of wave {wave}")
 
-    def pull(self, wave: int, out: Mapping[str, np.ndarray] | None = None) -> Pulled:
-        """Wait for the gate of `wave` and return the global weights (copied into `out` when given)."""
+    def push(self, wave: int, tensors: Mapping[str, np.ndarray]) -> int:
+        """Push this stage's update of `wave`; returns the smallest c_global seen."""
+        return min(r.fields["c_global"] for r in self.wait(self.send_push(wave, tensors)))
+
+    def send_pull(self, wave: int) -> Call:
         fields = {**self._stage_fields(), "wave": wave}
-        replies = self._call([("pull", fields, None)] * len(self._socks), what=f"pull of wave {wave}", gate=wave)
+        return self.send([("pull", fields, None)] * len(self.sockets), what=f"pull of wave {wave}", gate=wave)
+
+    @staticmethod
+    def pulled(replies: Sequence[wire.Message], out: Mapping[str, np.ndarray] | None = None) -> Pulled:
+        """The weights of a pull's replies, copied into `out` where it has the key (else views of the frames)."""
         tensors: dict[str, np.ndarray] = {}
         for reply in replies:
             for key, view in reply.tensors.items():
@@ -126,60 +174,96 @@ class PSClient:
                     view.copy_into(out[key])
                     tensors[key] = out[key]
                 else:
-                    tensors[key] = np.array(view.to_array())
-        versions = {r.fields["version"] for r in replies}
-        own = {r.fields["own_through"] for r in replies}
-        return Pulled(version=min(versions), own_through=min(own), tensors=tensors)
+                    tensors[key] = view.to_array()
+        return Pulled(version=min(r.fields["version"] for r in replies),
+                      own_through=min(r.fields["own_through"] for r in replies), tensors=tensors,
+                      parked_s=max(r.fields["parked_ms"] for r in replies) / 1000)
+
+    def pull(self, wave: int, out: Mapping[str, np.ndarray] | None = None) -> Pulled:
+        """Wait for the gate of `wave` and return the global weights (copied into `out` when given)."""
+        return self.pulled(self.wait(self.send_pull(wave)), out)
 
     def status(self) -> list[dict[str, Any]]:
-        replies = self._call([("status", {"run": self.run}, None)] * len(self._socks), what="status")
-        return [r.fields["info"] for r in replies]
+        call = self.send([("status", {"run": self.run}, None)] * len(self.sockets), what="status")
+        return [r.fields["info"] for r in self.wait(call)]
 
     def read(self) -> dict[str, np.ndarray]:
         """Admin read: every key of every shard, at the newest complete version."""
-        replies = self._call([("read", {"run": self.run}, None)] * len(self._socks), what="read")
-        return {k: np.array(v.to_array()) for r in replies for k, v in r.tensors.items()}
+        call = self.send([("read", {"run": self.run}, None)] * len(self.sockets), what="read")
+        return {k: np.array(v.to_array()) for r in self.wait(call) for k, v in r.tensors.items()}
 
-    # ---- the request loop -----------------------------------------------------------------------------
-    def _call(
-        self, requests: list[tuple[str, dict[str, Any], Mapping[str, np.ndarray] | None]], what: str, gate: int = -1
-    ) -> list[wire.Message]:
-        """Send one request per shard, wait for every reply; resend unanswered ones every retry_s."""
+    # ---- calls --------------------------------------------------------------------------------------
+    def send(self, requests: list[Request], what: str, gate: int = -1) -> Call:
+        """Send one request per shard; the returned Call completes as `poll` reads the replies."""
         frames, ids = [], []
         for msg_type, fields, tensors in requests:
             rid = next(self._ids)
             ids.append(rid)
             frames.append(wire.encode(msg_type, {"id": rid, **fields}, tensors))
-        replies: list[wire.Message | None] = [None] * len(requests)
-        poller = zmq.Poller()
-        for sock in self._socks:
-            poller.register(sock, zmq.POLLIN)
-        start = time.monotonic()
-        sent_at = [-1e9] * len(requests)
-        while any(r is None for r in replies):
-            now = time.monotonic()
-            if now - start > self.timeout_s:
-                raise PSTimeout(self._timeout_message(what, now - start, gate))
-            for i, reply in enumerate(replies):
-                if reply is None and now - sent_at[i] >= self.retry_s:
-                    self._socks[i].send_multipart(frames[i], copy=False)
-                    sent_at[i] = now
-            for sock, _ in poller.poll(timeout=int(self.retry_s * 1000 / 4) + 1):
-                shard = self._socks.index(sock)
-                while True:
-                    try:
-                        raw = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    msg = self._decode(raw, shard)
-                    if msg is None or msg.fields.get("id") != ids[shard] or replies[shard] is not None:
-                        continue  # an answer to an earlier try of an earlier request
-                    if msg.type == "error":
-                        raise PSError(msg.fields["code"], f"{what} refused by shard {shard}: {msg.fields['message']}")
-                    replies[shard] = msg
-        return [r for r in replies if r is not None]
+        call = Call(what, frames, ids, gate, [None] * len(requests), [-1e9] * len(requests))
+        for shard, rid in enumerate(ids):
+            self._open[(shard, rid)] = call
+        self._resend(time.monotonic())
+        return call
 
-    def _decode(self, raw: list[zmq.Frame], shard: int) -> wire.Message | None:
+    def _resend(self, now: float) -> None:
+        """Send what is due: new requests, and unanswered ones every retry_s; time out the old ones."""
+        expired: list[Call] = []
+        for (shard, _), call in list(self._open.items()):
+            if call.done or call in expired:
+                continue
+            if now - call.started > self.timeout_s:
+                expired.append(call)
+            elif now - call.sent_at[shard] >= self.retry_s:
+                self.sockets[shard].send_multipart(call.frames[shard], copy=False)
+                call.sent_at[shard] = now
+        for call in expired:  # closed first: the message below asks the PS for its status with a call of its own
+            call.error = PSTimeout(f"{call.what} timed out")
+            self._forget(call)
+        for call in expired:
+            call.error = PSTimeout(self._timeout_message(call.what, now - call.started, call.gate))
+
+    def _forget(self, call: Call) -> None:
+        for shard, rid in enumerate(call.ids):
+            self._open.pop((shard, rid), None)
+
+    def poll(self, timeout_ms: int, extra: Sequence[zmq.Socket] = ()) -> list[zmq.Socket]:
+        """Read every reply that arrives within timeout_ms into its Call; resend what is due. Returns which
+        of `extra` (sockets the caller also waits on) became readable."""
+        poller = zmq.Poller()
+        for sock in (*self.sockets, *extra):
+            poller.register(sock, zmq.POLLIN)
+        ready = dict(poller.poll(timeout=timeout_ms))
+        for shard, sock in enumerate(self.sockets):
+            if sock in ready:
+                self._read(shard, sock)
+        self._resend(time.monotonic())
+        return [sock for sock in extra if sock in ready]
+
+    def _read(self, shard: int, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                raw = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decode(raw, shard)
+            call = self._open.get((shard, msg.fields.get("id")))
+            if call is None or call.replies[shard] is not None:
+                continue  # an answer to an earlier try of an earlier request
+            if msg.type == "error":
+                call.error = PSError(msg.fields["code"], f"{call.what} refused by shard {shard}: {msg.fields['message']}")
+                self._forget(call)
+                continue
+            call.replies[shard] = msg
+            self._open.pop((shard, msg.fields["id"]), None)
+
+    def wait(self, call: Call) -> list[wire.Message]:
+        """Block until `call` completes; its replies, one per shard (or its error)."""
+        while not call.done:
+            self.poll(int(self.retry_s * 1000 / 4) + 1)
+        return call.result()
+
+    def _decode(self, raw: list[zmq.Frame], shard: int) -> wire.Message:
         try:
             return wire.decode(raw)
         except wire.WireError as exc:

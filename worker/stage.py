@@ -1,9 +1,12 @@
 """One stage process of a virtual worker: runs its schedule's action list through a dispatch table.
 
 F p: receive the input (stage 0: read minibatch p), forward, send the output on.
-B p: receive the output gradient (last stage: from the loss), backward + local step, send the input grad.
-PUSH c: push the wave's update sum to the PS.   WAIT c: gate, pull W_{c-D-1}, rebase.
-Compute is stretched to the emulated GPU's speed; every action is traced and reported to the launcher.
+B p: receive the output gradient (last stage: from the loss), backward, send the input gradient.
+U p: the optimizer step (or, with aggregation "server", the gradient into the wave's sum).
+PUSH c: hand the wave's push to the PS agent thread (it goes out while compute goes on).
+WAIT c: take the pull of W_{c-D-1} (handed to the agent as early as WSP allows), rebase.
+Compute is stretched to the emulated GPU's speed; every action is traced, and the stage reports where
+its time went (compute, device-to-host, push, gate wait, pull, host-to-device) to the launcher.
 """
 
 from __future__ import annotations
@@ -11,35 +14,51 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import audit_shape, dataset_of, model_of, ps_placement
 from hetpipe.compute.heap import keep_freed_memory
-from hetpipe.compute.stage_compute import StageCompute
+from hetpipe.compute.stage_compute import StageCompute, StageRules
 from hetpipe.core.audit import AuditError, audit_key, ledger_violations
+from hetpipe.core.devices import p2p_backend
 from hetpipe.core.emulate import LinkEmulator, device_dilator
+from hetpipe.core.errors import HetpipeError
 from hetpipe.core.metrics import TraceRecorder
-from hetpipe.core.schedule import get_schedule
+from hetpipe.core.schedule import WAIT, get_schedule, own_through_required
+from hetpipe.core.wsp import gate_version
 from hetpipe.models import build_stage
 from hetpipe.worker.jobs import StageJob
 from hetpipe.worker.p2p import P2P
+from hetpipe.worker.ps_agent import PSAgent
 from hetpipe.worker.ps_client import PSClient
+from hetpipe.worker.transfer import FlatLayout, PullStaging, PushStaging
 
-__all__ = ["StageRunner", "run_stage"]
+__all__ = ["NonFiniteLoss", "StageRunner", "run_stage"]
+
+PS_ROW = 1000  # trace row of a stage's PS traffic: PS_ROW + stage
+
+
+class NonFiniteLoss(HetpipeError):
+    """A minibatch's loss came out NaN or infinite; the message names the stage, minibatch and wave."""
 
 
 class StageRunner:
-    """Owns one stage's compute, transport and PS client; `run()` executes the action list."""
+    """Owns one stage's compute, transport and PS agent; `run()` executes the action list."""
 
     def __init__(self, job: StageJob, report: Callable[[dict[str, Any]], None]) -> None:
         self.job, self.report = job, report
         self.config = config = job.config
         self.device = torch.device(job.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.spec = model_of(config)
         self.first, self.last = job.stage == 0, job.stage == job.num_stages - 1
         dataset = dataset_of(config)
@@ -47,18 +66,25 @@ class StageRunner:
         self.indices = datalib.shard_indices(len(self.y), job.num_vws, job.vw, config.seed)
         start, stop = job.layers
         module = build_stage(self.spec, start, stop, self.device)
-        t = config.train
+        t, wsp = config.train, config.wsp
+        kind = get_schedule(t.schedule)
+        self.schedule = kind(job.num_stages, wsp.nm, t.waves, wsp.staleness)
+        rules = StageRules(
+            nm=wsp.nm, stashing=kind.stashing != "none" and t.weight_stashing,
+            recompute=t.recompute or (kind.stashing == "optional" and not t.weight_stashing),
+            aggregation=config.ps.aggregation, buffers=config.ps.buffers, precision=t.precision,
+        )
         self.ledgers: dict[str, torch.Tensor] = {}
         if job.audit:
             shape = audit_shape(config, job.num_vws)
             self.ledgers = {audit_key(layer): torch.zeros(shape, device=self.device) for layer in range(start, stop)}
         self.audit_checks = 0
-        self.compute = StageCompute(
-            module, t.optimizer, t.lr, t.momentum, t.weight_decay, nm=config.wsp.nm,
-            weight_stashing=t.weight_stashing, extra=self.ledgers, on_step=self._tag_update,
-        )
-        self.schedule = get_schedule(t.schedule)(job.num_stages, config.wsp.nm, t.waves, config.wsp.staleness)
-        self.dilator = device_dilator(job.slowdown)
+        self.compute = StageCompute(module, t.optimizer, t.lr, t.momentum, t.weight_decay, rules,
+                                    ledgers=self.ledgers, on_update=self._tag_updates)
+        # One VW that applies its own updates needs no pull: its global weights hold only what it holds.
+        self.pulls = not (job.num_vws == 1 and config.ps.aggregation != "server")
+        self.waits = [a.index for a in self.schedule.stages[job.stage] if a.kind == WAIT] if self.pulls else []
+        self.dilator = device_dilator(job.slowdown, wall_clock=self.device.type == "cuda")
         link = config.network.link_gbps
         emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
         self.links = {
@@ -67,39 +93,60 @@ class StageRunner:
             if 0 <= peer < job.num_stages
         }
         self.trace = TraceRecorder(f"vw{job.vw}", job.stage)
-        self.ps = PSClient(
+        self.trace.other_threads[PS_ROW + job.stage] = f"stage {job.stage} PS traffic"
+        self.client = PSClient(
             list(job.ps_endpoints), config.name, job.vw, job.stage, job.num_vws, job.num_stages,
-            ps_placement(config, self.spec, job.num_vws if job.audit else 0), timeout_s=config.ps.timeout_s, retry_s=min(5.0, config.ps.timeout_s / 4),
+            ps_placement(config, self.spec, job.num_vws if job.audit else 0), timeout_s=config.ps.timeout_s,
+            retry_s=min(5.0, config.ps.timeout_s / 4),
         )
         self.p2p: P2P | None = None
-        self.gate_wait_s = 0.0
+        self.agent: PSAgent | None = None
         self.samples = 0
         self._targets: dict[int, torch.Tensor] = {}
+        self._pushes: deque[tuple[int, Future]] = deque()  # (pinned slot, its push) in hand-over order
+        self._pull: tuple[int, Future] | None = None  # the pull handed over, for WAIT of that wave
+        self._next_wait = 0  # index into self.waits of the next WAIT to run
+        self._pushed = 0  # waves handed over to the agent
+        self.c_global = 0
+        self.times = dict.fromkeys(("compute", "d2h", "slot_wait", "gate_wait", "h2d"), 0.0)
         self.dispatch: dict[str, Callable[[int], None]] = {
-            "F": self.forward, "B": self.backward, "PUSH": self.push, "WAIT": self.wait,
+            "F": self.forward, "B": self.backward, "U": self.update, "PUSH": self.push, "WAIT": self.wait,
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def run(self) -> None:
         job = self.job
-        local = {k: t.detach().cpu().numpy() for k, t in self.compute.synced.items()}
-        self.compute.load(self.ps.register(local, want_weights=True))  # every VW starts from the PS's W_0
+        mine = {k: t.detach().float().cpu().numpy() for k, t in self.compute.values().items()}
+        w0 = self.client.register(mine, kinds=self.compute.kinds(), num_waves=self.config.train.waves)
+        self.compute.load({k: torch.from_numpy(np.array(v)).to(self.device) for k, v in w0.items()})
+        layout = FlatLayout.of(self.compute.values())
+        self.push_staging = PushStaging(layout, self.device)
+        self.pull_staging = PullStaging(layout, self.device) if self.pulls else None
+        self.agent = PSAgent(self.client, self.pull_staging.out if self.pull_staging else None, self.trace,
+                             PS_ROW + job.stage)
         self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device,
-                               max_in_flight=self.config.wsp.nm + 1)
+                               max_in_flight=self.config.wsp.nm + 1, backend=p2p_backend(job.devices or (job.device,)))
         self.started = time.monotonic()
         try:
             for action in self.schedule.stages[job.stage]:
                 self.dispatch[action.kind](action.index)
+            for _, future in self._pushes:  # every push acknowledged before the stage reports done
+                self._note_push(future.result())
         finally:
+            self.agent.close(timeout_s=30)
             self.p2p.close()
-            self.ps.close()
+            self.client.close()
         run_dir = Path(job.run_dir)
         self.trace.dump(run_dir / "trace" / f"vw{job.vw}-s{job.stage}.json")
         if job.dump_weights:
-            state = {k: t.detach().cpu().clone() for k, t in self.compute.synced.items()}
+            state = {k: t.detach().cpu().clone() for k, t in self.compute.values().items() if k not in self.ledgers}
             torch.save(state, run_dir / f"final-vw{job.vw}-s{job.stage}.pt")
-        self.report({"event": "stage_done", "vw": job.vw, "stage": job.stage, "audit_checks": self.audit_checks,
-                     "compute_s": round(self.dilator.compute_s, 3), "slept_s": round(self.dilator.slept_s, 3)})
+        self.report({
+            "event": "stage_done", "vw": job.vw, "stage": job.stage, "audit_checks": self.audit_checks,
+            "compute_s": round(self.dilator.compute_s, 3), "slept_s": round(self.dilator.slept_s, 3),
+            "times_s": {**{k: round(v, 4) for k, v in self.times.items()}, "push": round(self.agent.push_s, 4),
+                        "pull": round(self.agent.pull_s, 4), "parked": round(self.agent.parked_s, 4)},
+        })
 
     def _batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = datalib.minibatch(self.x, self.y, self.indices, self.config.train.batch_size, self.config.seed, p)
@@ -113,15 +160,21 @@ class StageRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _timed(self, what: str, started: float) -> None:
+        self.times[what] += time.perf_counter() - started
+
     # ---- audit ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _tag_update(self, p: int) -> None:
+    def _tag_updates(self, minibatches: list[int]) -> None:
         for ledger in self.ledgers.values():
-            ledger[self.job.vw, p] += 1.0
+            for p in minibatches:
+                ledger[self.job.vw, p] += 1.0
 
     def _check_ledgers(self, p: int) -> None:
+        wsp = self.config.wsp
+        own = own_through_required(self.schedule.guarantee, p, wsp.nm)
         for key, ledger in self.ledgers.items():
-            problems = ledger_violations(ledger.cpu().numpy(), self.job.vw, p, self.config.wsp.nm, self.config.wsp.staleness)
+            problems = ledger_violations(ledger.cpu().numpy(), self.job.vw, p, wsp.nm, wsp.staleness, own)
             if problems:
                 raise AuditError(f"vw {self.job.vw} stage {self.job.stage}, forward of minibatch {p}, {key}: "
                                  + "; ".join(problems))
@@ -138,13 +191,15 @@ class StageRunner:
             else:
                 inputs = self.p2p.recv(job.stage - 1)
                 target = self._batch(p)[1] if self.last else None
+            started = time.perf_counter()
             with self.dilator.compute(f"F{p}"):
-                flight = self.compute.forward(p, inputs, target if self.last else None, self.spec.loss,
+                output = self.compute.forward(p, inputs, target if self.last else None, self.spec.loss,
                                               input_grad=not self.first)
                 self._sync()
+            self._timed("compute", started)
             if not self.last:
-                self._send(flight.output, job.stage + 1)
-            if self.last:
+                self._send(output, job.stage + 1)
+            else:
                 self._targets[p] = target
 
     def backward(self, p: int) -> None:
@@ -152,33 +207,83 @@ class StageRunner:
         with self.trace.span(f"B{p}"):
             grad = None if self.last else self.p2p.recv(job.stage + 1)
             target = self._targets.pop(p) if self.last else None
+            started = time.perf_counter()
             with self.dilator.compute(f"B{p}"):
                 grad_in, loss = self.compute.backward(p, grad, target, self.spec.loss)
                 self._sync()
+            self._timed("compute", started)
             if not self.first:
                 self._send(grad_in, job.stage - 1)
         self.samples += self.config.train.batch_size
         if self.last:
+            value = float(loss)
+            if not np.isfinite(value):
+                raise NonFiniteLoss(f"vw {job.vw} stage {job.stage}: the loss of minibatch {p} (wave "
+                                    f"{p // self.config.wsp.nm}) is {value}; lower the learning rate, or check the data")
             elapsed = time.monotonic() - self.started
-            self.report({"event": "minibatch", "vw": job.vw, "p": p, "loss": float(loss), "time": time.time(),
+            self.report({"event": "minibatch", "vw": job.vw, "p": p, "loss": value, "time": time.time(),
                          "samples_per_s": self.samples / max(elapsed, 1e-9)})
+
+    def update(self, p: int) -> None:
+        with self.trace.span(f"U{p}"):
+            started = time.perf_counter()
+            with self.dilator.compute(f"U{p}"):
+                self.compute.update(p)
+                self._sync()
+            self._timed("compute", started)
 
     def push(self, wave: int) -> None:
         with self.trace.span(f"PUSH{wave}"):
-            c_global = self.ps.push(wave, self.compute.wave_update(wave))
+            started = time.perf_counter()
+            arrays, ready = self.push_staging.stage(self.compute.wave_push(wave), self._wait_for_slot)
+            self._timed("d2h", started)
+            self._pushes.append((self.push_staging.slot, self.agent.push(wave, arrays, ready)))
+            self._pushed = wave + 1
+        if self.compute.optimizer is not None or self.ledgers:
+            # own sums the next pull will contain (or all, when no pull comes) are not needed any more
+            ahead = self.waits[self._next_wait] if self._next_wait < len(self.waits) else None
+            self.compute.forget(wave if ahead is None else min(wave, gate_version(ahead, self.config.wsp.staleness) - 1))
+        while self._pushes and self._pushes[0][1].done():
+            self._note_push(self._pushes.popleft()[1].result())
+        self._hand_over_pull()
         self.report({"event": "push", "vw": self.job.vw, "stage": self.job.stage, "wave": wave,
-                     "c_global": c_global, "gate_wait_s": round(self.gate_wait_s, 3)})
+                     "c_global": self.c_global, "gate_wait_s": round(self.times["gate_wait"], 3)})
+
+    def _note_push(self, done: Any) -> None:
+        self.c_global = max(self.c_global, done.c_global)
+
+    def _wait_for_slot(self, slot: int) -> None:
+        """Block until the push that last used pinned buffer `slot` has left (CUDA only)."""
+        started = time.perf_counter()
+        for used, future in self._pushes:
+            if used == slot:
+                self._note_push(future.result())
+        self._timed("slot_wait", started)
+
+    def _hand_over_pull(self) -> None:
+        """Hand the next WAIT's pull to the agent as soon as our own pushes it needs are handed over."""
+        if self._pull is not None or self._next_wait >= len(self.waits):
+            return
+        wave = self.waits[self._next_wait]
+        if self._pushed >= gate_version(wave, self.config.wsp.staleness):  # own waves <= c - D - 2 are out
+            self._pull = (wave, self.agent.pull(wave))
 
     def wait(self, wave: int) -> None:
-        if self.job.num_vws == 1:
-            # One VW: the global weights hold nothing but this stage's own updates, which its live
-            # weights already hold; pulling and rebasing would only re-round them. Skip the gate.
+        if not self.pulls:
             return
         with self.trace.span(f"WAIT{wave}"):
-            t0 = time.monotonic()
-            pulled = self.ps.pull(wave)
-            self.gate_wait_s += time.monotonic() - t0
-            self.compute.rebase(pulled.tensors, pulled.own_through)
+            self._hand_over_pull()
+            assert self._pull is not None and self._pull[0] == wave, (self._pull, wave)
+            started = time.perf_counter()
+            pulled = self._pull[1].result()
+            self._timed("gate_wait", started)
+            started = time.perf_counter()
+            self.compute.rebase(self.pull_staging.to_device(), pulled.own_through)
+            self._sync()
+            self._timed("h2d", started)
+        self._pull = None
+        self._next_wait += 1
+        self._hand_over_pull()
 
 
 def run_stage(job: StageJob, events: Any = None) -> None:

@@ -25,6 +25,8 @@ class Progress:
     gate_wait: dict[tuple[int, int], float] = field(default_factory=dict)
     pushed: dict[tuple[int, int], int] = field(default_factory=dict)
     audit_checks: int = 0
+    times: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)  # (vw, stage) -> seconds by part
+    evals: list[dict[str, Any]] = field(default_factory=list)
     max_lead: int = 0
     steps: int = 0  # minibatches finished, over all VWs
     first_step: float | None = None  # when the first and the last of them finished (the stages' clock)
@@ -38,6 +40,9 @@ class Progress:
             self.last_step = event["time"] if self.last_step is None else max(self.last_step, event["time"])
         if event["event"] == "stage_done":
             self.audit_checks += event.get("audit_checks", 0)
+            self.times[(vw, event["stage"])] = event.get("times_s", {})
+        if event["event"] == "eval":
+            self.evals.append({k: v for k, v in event.items() if k != "event"})
         if event["event"] == "minibatch":
             self.loss[vw] = event["loss"]
             self.speed[vw] = event["samples_per_s"]
@@ -46,6 +51,21 @@ class Progress:
             self.gate_wait[(vw, event["stage"])] = event["gate_wait_s"]
             done = [self.completed(v) for v in range(len(self.layouts))]
             self.max_lead = max(self.max_lead, max(done) - min(done))
+
+    def c_global(self) -> int:
+        return min(self.completed(v) for v in range(len(self.layouts)))
+
+    def breakdown_ms(self, waves: int) -> dict[str, dict[str, float]]:
+        """Per VW, ms per wave spent in each part (compute, d2h, push, gate_wait, pull, h2d, ...): the most
+        any of its stages spent there."""
+        out: dict[str, dict[str, float]] = {}
+        for v, lay in enumerate(self.layouts):
+            parts: dict[str, float] = {}
+            for s in range(len(lay.split)):
+                for part, seconds in self.times.get((v, s), {}).items():
+                    parts[part] = max(parts.get(part, 0.0), round(1000 * seconds / max(waves, 1), 3))
+            out[str(v)] = parts
+        return out
 
     def completed(self, vw: int) -> int:
         return min(self.pushed.get((vw, s), 0) for s in range(len(self.layouts[vw].split)))

@@ -18,16 +18,18 @@ from typing import Any
 
 import torch
 
+from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
 from hetpipe.compute.build import VwLayout, dataset_of, model_of, vw_layouts
 from hetpipe.compute.evaluate import evaluate
 from hetpipe.core.config import ClusterConfig
+from hetpipe.core.devices import stage_device
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.metrics import MetricsWriter, format_progress, merge_traces
 from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
 from hetpipe.server.checkpoint import list_manifests
 from hetpipe.server.launch import serve_settings, shard_settings
-from hetpipe.worker.jobs import emulated_slowdowns, stage_jobs
+from hetpipe.worker.jobs import cuda_devices, emulated_slowdowns, stage_jobs
 from hetpipe.worker.ps_client import PSClient
 from hetpipe.worker.stage import run_stage
 
@@ -77,8 +79,12 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     vws = options.layouts or vw_layouts(config, spec)
     run_dir = options.run_dir or Path(config.train.out_dir) / time.strftime("run-%Y%m%d-%H%M%S")
     _refuse_earlier_checkpoints(config, run_dir)
+    if options.audit and config.ps.aggregation == "server":
+        raise UsageError('--audit proves the additive rules: ps.aggregation "server" applies no local updates '
+                         'to tag; audit with aggregation "sum" or "mean"')
     run_dir.mkdir(parents=True, exist_ok=True)
     slow, time_scale = emulated_slowdowns(config, vws)
+    eval_device = stage_device(config, vws[0].gpus[0], cuda_devices())
     progress = Progress(vws)
     view = ProgressView(options.progress)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
@@ -101,17 +107,20 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                                   dump_weights=options.dump_weights)
                 stages += [group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs]
             (run_dir / "pids.json").write_text(json.dumps({c.name: c.process.pid for c in group.children}, indent=1))
+            live = LiveEvaluator(config, endpoints, len(vws), eval_device)
 
             def pump() -> None:
-                while True:
-                    try:
-                        event = events.get_nowait()
-                    except queue_mod.Empty:
-                        break
-                    metrics.write(event["event"], **{k: v for k, v in event.items() if k != "event"})
-                    if event["event"] == "stage_failed":
-                        failures[f"vw{event['vw']}-s{event['stage']}"] = event
-                    progress.update(event)
+                for source in (events, live.results):
+                    while True:
+                        try:
+                            event = source.get_nowait()
+                        except queue_mod.Empty:
+                            break
+                        metrics.write(event["event"], **{k: v for k, v in event.items() if k != "event"})
+                        if event["event"] == "stage_failed":
+                            failures[f"vw{event['vw']}-s{event['stage']}"] = event
+                        progress.update(event)
+                live.wave_done(progress.c_global())
                 view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started))
 
             while any(c.process.exitcode is None for c in stages):
@@ -130,6 +139,8 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
             training = (progress.last_step or 0.0) - (progress.first_step or 0.0)
             with PSClient(endpoints, config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=5) as admin:
                 final = admin.read()
+            live.join()
+            pump()
     except ChildFailed as exc:
         group.stop()
         name = exc.child.name
@@ -140,10 +151,11 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
         raise HetpipeError("interrupted: stopped the PS and every stage") from None
     finally:
         group.stop(grace_s=30.0)
-    return _finish(config, spec, run_dir, final, wall, training, progress, vws)
+    return _finish(config, spec, run_dir, final, wall, training, progress, vws, eval_device)
 
 
-def _finish(config, spec, run_dir: Path, final, wall: float, training: float, progress: Progress, vws) -> dict[str, Any]:
+def _finish(config, spec, run_dir: Path, final, wall: float, training: float, progress: Progress, vws,
+            eval_device: str) -> dict[str, Any]:
     ledgers = {k: v for k, v in final.items() if k.startswith("audit/")}
     state = {k: torch.from_numpy(v.copy()) for k, v in final.items() if not k.startswith("audit/")}
     torch.save(state, run_dir / "model.pt")
@@ -164,11 +176,15 @@ def _finish(config, spec, run_dir: Path, final, wall: float, training: float, pr
         "gate_wait_s": {str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
                         for v in range(len(vws))},
         "final_train_loss": {str(v): progress.loss.get(v) for v in range(len(vws))},
+        # where each VW's waves went, ms per wave (its slowest stage in each part; see docs/architecture.md)
+        "wave_breakdown_ms": progress.breakdown_ms(config.train.waves),
+        "evals": progress.evals,
     }
     if ledgers:  # every (vw, minibatch) update must sit in the final weights exactly once
         summary["audit_checks"] = progress.audit_checks
         summary["audit_final_ledgers_exact"] = all(bool((v == 1.0).all()) for v in ledgers.values())
-    summary.update(evaluate(spec, state, dataset, batch_size=256))
+    summary.update(evaluate(spec, state, dataset, batch_size=256, device=eval_device,
+                            max_samples=config.train.eval_samples))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     latest = Path(config.train.out_dir) / "latest"
     try:

@@ -1,4 +1,5 @@
-"""Evaluate a trained model on held-out data: accuracy for classifiers, loss and perplexity for text."""
+"""Evaluate a trained model on held-out data, batched on a training device: accuracy for classifiers,
+loss and perplexity for text."""
 
 from __future__ import annotations
 
@@ -15,26 +16,35 @@ __all__ = ["evaluate"]
 
 
 @torch.no_grad()
-def evaluate(spec: ModelSpec, state: Mapping[str, torch.Tensor], data: DatasetSplit, batch_size: int = 256) -> dict[str, Any]:
-    """Load `state` (the PS's float tensors) into the whole model and score it on data.test."""
-    model = build_stage(spec, 0, spec.num_layers)
-    missing, unexpected = model.load_state_dict(dict(state), strict=False)
-    float_missing = [k for k in missing if model.state_dict()[k].is_floating_point()]
-    if float_missing or unexpected:
-        raise ValueError(f"state does not fit model {spec.name}: missing {float_missing[:3]}, unexpected {unexpected[:3]}")
+def evaluate(spec: ModelSpec, state: Mapping[str, torch.Tensor], data: DatasetSplit, batch_size: int = 256,
+             device: str | torch.device = "cpu", max_samples: int = 0) -> dict[str, Any]:
+    """Load `state` (the PS's tensors) into the whole model on `device` and score it on the first
+    `max_samples` held-out samples (0: all of them)."""
+    model = build_stage(spec, 0, spec.num_layers, device)
+    wanted = model.state_dict()
+    missing = [k for k in wanted if k not in state and wanted[k].is_floating_point()]
+    unexpected = [k for k in state if k not in wanted]
+    if missing or unexpected:
+        raise ValueError(f"state does not fit model {spec.name}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.load_state_dict({k: (v.round() if not wanted[k].is_floating_point() else v).to(wanted[k].dtype)
+                           for k, v in state.items()}, strict=False)
     model.eval()
     x, y = data.test.x, data.test.y
+    count_all = len(y) if not max_samples else min(len(y), max_samples)
     total_loss, correct, count = 0.0, 0, 0
-    for i in range(0, len(y), batch_size):
-        out = model(x[i : i + batch_size])
-        target = y[i : i + batch_size]
+    for i in range(0, count_all, batch_size):
+        stop = min(i + batch_size, count_all)
+        out = model(x[i:stop].to(device))
+        target = y[i:stop].to(device)
         total_loss += float(spec.loss(out, target)) * target.numel()
         count += target.numel()
         if spec.task == "classification":
             correct += int((out.argmax(-1) == target).sum())
     mean = total_loss / max(count, 1)
+    scored = {"eval_samples": count_all}
     if spec.task == "classification":
-        return {"test_accuracy": round(correct / max(count, 1), 4), "test_loss": round(mean, 4)}
+        return {"test_accuracy": round(correct / max(count, 1), 4), "test_loss": round(mean, 4), **scored}
     train_ids = data.train.tokens if data.train.tokens is not None else data.train.y.reshape(-1)
     baseline = unigram_loss(train_ids, y.reshape(-1), data.vocab_size or spec.num_classes)
-    return {"val_loss": round(mean, 4), "val_perplexity": round(math.exp(mean), 3), "unigram_loss": round(baseline, 4)}
+    return {"val_loss": round(mean, 4), "val_perplexity": round(math.exp(mean), 3), "unigram_loss": round(baseline, 4),
+            **scored}

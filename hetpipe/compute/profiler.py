@@ -168,11 +168,11 @@ class _Step:
     def __init__(self, index: int, layer: nn.Module, x: Tensor, grad_out: Tensor | None,
                  loss: Callable[[Tensor, Tensor], Tensor] | None, target: Tensor | None, device: torch.device,
                  optimizer: str) -> None:
-        from hetpipe.compute.stage_compute import StageCompute
+        from hetpipe.compute.stage_compute import StageCompute, StageRules
 
         module = nn.Sequential()
         module.add_module(str(index), layer)
-        self.compute = StageCompute(module, optimizer, lr=0.0, momentum=0.9, weight_decay=0.0, nm=1)
+        self.compute = StageCompute(module, optimizer, 0.0, 0.9, 0.0, StageRules(nm=1))
         self.x, self.grad_out, self.loss, self.target, self.device = x, grad_out, loss, target, device
         self.input_grad = index > 0
 
@@ -183,13 +183,15 @@ class _Step:
     def __call__(self) -> tuple[float, float]:
         self._sync()
         start = time.perf_counter()
-        flight = self.compute.forward(0, self.x, self.target, self.loss, input_grad=self.input_grad)
+        self.compute.forward(0, self.x, self.target, self.loss, input_grad=self.input_grad)
         self._sync()
         middle = time.perf_counter()
+        flight = self.compute.in_flight[0]
         if not (flight.output.requires_grad or (flight.loss is not None and flight.loss.requires_grad)):
             self.compute.in_flight.clear()  # no weights, and the input needs no gradient: no backward to run
             return middle - start, 0.0
         self.compute.backward(0, self.grad_out, self.target, self.loss)
+        self.compute.update(0)
         self.compute.sums.clear()
         self._sync()
         return middle - start, time.perf_counter() - middle

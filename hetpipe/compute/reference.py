@@ -1,15 +1,21 @@
-"""A single-process reference of hetpipe.md §2-3: every stage of every VW, run in one valid global order.
+"""A single-process reference of docs/schedules.md and docs/wsp.md: every stage of every VW, run in one
+valid global order by the schedule's dependency rules, with `exact` pulls.
 
-Small and plain on purpose: it is the oracle the multi-process runtime is tested against bit for bit
-(with `exact` pulls). Its arithmetic follows the same fixed order the runtime documents:
-  stage, after each optimizer step:  Δ = t - baseline; sums[wave] += Δ; baseline = t
-  PS:                                W_{t+1} = W_t + ((Δ_vw0 + Δ_vw1) + ...)
-  stage, at WAIT c:                  t = W_{c-D-1} + own sums of waves > c-D-2 (in wave order)
-A single VW skips WAIT (its global weights hold only its own updates, already in its live weights).
+Plain and separate on purpose: it is the oracle the multi-process runtime is tested against bit for bit,
+so its stage arithmetic is written here again, the textbook way (`loss.backward()` into `.grad`, a copy of
+the weights per stashed forward), not shared with hetpipe.compute.stage_compute. What it shares is the
+schedule (hetpipe.core.schedule) and the PS's fold (hetpipe.core.aggregation). Its order of operations:
+  backward of p:   .grad accumulates (stashed forwards: live .grad = first stashed grad, then +=)
+  U p:             .grad /= n (n > 1 backwards); optimizer step; Δ = t - baseline; sums[wave] += Δ; baseline = t
+                   (aggregation server: gsum[wave] += .grad, no step)
+  PS:              W_{t+1} = fold(W_t, ((P_vw0 + P_vw1) + ...)), buffers averaged
+  WAIT c:          t = W_{c-D-1} + own sums of waves > c-D-2 (in wave order); buffers replaced
+A single VW skips WAIT when its own updates are applied locally (aggregation sum or mean).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,9 +27,10 @@ from torch.func import functional_call
 
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
-from hetpipe.compute.stage_compute import make_optimizer, synced_tensors
+from hetpipe.compute.stage_compute import make_optimizer, set_buffer, stage_buffers
+from hetpipe.core.aggregation import make_aggregation
 from hetpipe.core.config import ClusterConfig
-from hetpipe.core.schedule import get_schedule
+from hetpipe.core.schedule import BACKWARD, FORWARD, PUSH, UPDATE, WAIT, gate_of, get_schedule, needs
 from hetpipe.models import build_stage
 
 __all__ = ["ReferenceResult", "run_reference"]
@@ -36,24 +43,36 @@ class RefStage:
     actions: list
     baseline: dict[str, Tensor]
     sums: dict[int, dict[str, Tensor]] = field(default_factory=dict)
-    saved: dict[int, tuple] = field(default_factory=dict)  # p -> (inputs, output or loss, stashed weights)
+    gsums: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    saved: dict[int, tuple] = field(default_factory=dict)  # p -> (inputs, output/loss or None, stashed weights)
+    covered: int = 0  # backwards since the last update
     pos: int = 0
 
 
 @dataclass
 class ReferenceResult:
-    stage_weights: dict[tuple[int, int], dict[str, Tensor]]  # live weights of every stage at the end
-    ps_weights: dict[str, np.ndarray]  # W_{waves}
+    stage_weights: dict[tuple[int, int], dict[str, Tensor]]  # live parameters and buffers of every stage at the end
+    ps_weights: dict[str, np.ndarray]  # W_{waves}, buffers averaged
+
+
+def _tracked(st: RefStage, local: bool) -> dict[str, Tensor]:
+    return dict(st.module.named_parameters()) if local else {}
 
 
 def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_seed: int = 0,
                   on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None) -> ReferenceResult:
     """Train every VW of `splits` (layers per stage) by the config; `on_version(t, W_t)` sees each global
-    version as the PS would fold it (e.g. to score the weights wave by wave)."""
+    version as the PS builds it (e.g. to score the weights wave by wave)."""
     torch.set_num_threads(1)
     spec = model_of(config)
     dataset = dataset_of(config)
     t, nm, D = config.train, config.wsp.nm, config.wsp.staleness
+    kind = get_schedule(t.schedule)
+    stashing = kind.stashing != "none" and t.weight_stashing
+    recompute = t.recompute or (kind.stashing == "optional" and not t.weight_stashing)
+    local = config.ps.aggregation != "server"
+    rule = make_aggregation(config.ps.aggregation, t.optimizer, t.lr, t.momentum, t.weight_decay)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if t.precision == "bf16" else contextlib.nullcontext
     num_vws = len(splits)
     x, y = dataset.train.x, dataset.train.y
     shards = [datalib.shard_indices(len(y), num_vws, v, config.seed) for v in range(num_vws)]
@@ -63,32 +82,38 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
 
     stages: dict[tuple[int, int], RefStage] = {}
     for v, split in enumerate(splits):
-        schedule = get_schedule(t.schedule)(len(split), nm, t.waves, D)
+        schedule = kind(len(split), nm, t.waves, D)
         for j in range(len(split)):
             start = sum(split[:j])
             module = build_stage(spec, start, start + split[j])
-            opt = make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
-            base = {k: w.detach().clone() for k, w in synced_tensors(module).items()}
-            stages[(v, j)] = RefStage(module, opt, list(schedule.stages[j]), base)
-    history = [{k: w.detach().numpy().copy() for s in stages.values() for k, w in s.baseline.items()}]  # W_0
-    pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> Δ
-    pushed = {sid: 0 for sid in stages}
+            opt = make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay) if local else None
+            stages[(v, j)] = RefStage(module, opt, list(schedule.stages[j]), {})
+            stages[(v, j)].baseline = {k: w.detach().clone() for k, w in _tracked(stages[(v, j)], local).items()}
+
+    def state_of(st: RefStage) -> dict[str, Tensor]:
+        return {**dict(st.module.named_parameters()), **{k: b.float() for k, b in stage_buffers(st.module).items()}}
+
+    kinds = {k: ("param" if k in dict(st.module.named_parameters()) else "buffer")
+             for st in stages.values() for k in state_of(st)}
+    history = [{k: w.detach().numpy().copy() for st in stages.values() for k, w in state_of(st).items()}]  # W_0
+    pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> what was pushed
+    pushed = dict.fromkeys(stages, 0)
     acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
     grads: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> output gradient waiting there
 
     def c_global() -> int:
         return min(min(pushed[(v, j)] for j in range(len(splits[v]))) for v in range(num_vws))
 
-    def fold() -> None:  # W_{t+1} = W_t + S_t once wave t is complete
+    def build_versions() -> None:
         while len(history) - 1 < c_global():
             w = len(history) - 1
             new = {}
             for key, old in history[-1].items():
-                parts = [pushes[w][v][key] for v in range(num_vws) if key in pushes[w][v]]
+                parts = [pushes[w][v][key] for v in range(num_vws)]
                 s = parts[0].copy()
                 for part in parts[1:]:
                     s += part
-                new[key] = old + s
+                new[key] = rule.fold(key, kinds[key], old, s, num_vws).astype(np.float32, copy=False)
             history.append(new)
             if on_version is not None:
                 on_version(len(history) - 1, new)
@@ -96,13 +121,17 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
     def ready(sid: tuple[int, int]) -> bool:
         v, j = sid
         a = stages[sid].actions[stages[sid].pos]
-        if a.kind == "F":
-            return j == 0 or (v, j, a.index) in acts
-        if a.kind == "B":
-            return j == len(splits[v]) - 1 or (v, j, a.index) in grads
-        if a.kind == "WAIT":
-            return num_vws == 1 or c_global() >= a.index - D - 1
-        return True
+        for _, other in needs(a, j, len(splits[v])):
+            if other.kind == FORWARD and (v, j, a.index) not in acts:
+                return False
+            if other.kind == BACKWARD and (v, j, a.index) not in grads:
+                return False
+        gate = gate_of(a, D)
+        return gate is None or (num_vws == 1 and local) or c_global() >= gate
+
+    def forward(st: RefStage, inputs: Tensor, weights: dict[str, Tensor] | None) -> Tensor:
+        with autocast():
+            return st.module(inputs) if weights is None else functional_call(st.module, weights, (inputs,), strict=False)
 
     def step(sid: tuple[int, int]) -> None:
         v, j = sid
@@ -111,51 +140,93 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
         st.pos += 1
         last = j == len(splits[v]) - 1
         params = dict(st.module.named_parameters())
-        if a.kind == "F":
+        if a.kind == FORWARD:
             inputs = batch(v, a.index)[0] if j == 0 else acts.pop((v, j, a.index))
-            if j > 0:
+            if j > 0 and inputs.is_floating_point():
                 inputs = inputs.detach().requires_grad_(True)
-            weights = {k: w.detach().clone().requires_grad_(True) for k, w in params.items()}
-            out = functional_call(st.module, weights, (inputs,), strict=False)
-            if last:
-                out = spec.loss(out, batch(v, a.index)[1])
+            weights = {k: w.detach().clone().requires_grad_(True) for k, w in params.items()} if stashing else None
+            if recompute:
+                with torch.no_grad():
+                    out = forward(st, inputs, weights)
+                st.saved[a.index] = (inputs, None, weights)
             else:
+                out = forward(st, inputs, weights)
+                st.saved[a.index] = (inputs, spec.loss(out, batch(v, a.index)[1]) if last else out, weights)
+            if not last:
                 acts[(v, j + 1, a.index)] = out.detach()
-            st.saved[a.index] = (inputs, out, weights)
-        elif a.kind == "B":
-            inputs, out, weights = st.saved.pop(a.index)
-            grad = None if last else grads.pop((v, j, a.index))
-            if out.requires_grad:  # a first stage without weights has nothing to differentiate
-                out.backward(grad)
-            for k, w in params.items():
-                w.grad = weights[k].grad
-            if st.optimizer is not None:
-                st.optimizer.step()
-                st.optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                sums = st.sums.setdefault(a.index // nm, {})
-                for k, w in synced_tensors(st.module).items():
-                    delta = w - st.baseline[k]
-                    sums[k] = sums[k] + delta if k in sums else delta
-                    st.baseline[k].copy_(w)
+        elif a.kind == BACKWARD:
+            inputs, root, weights = st.saved.pop(a.index)
+            if root is None:  # recompute, leaving the running statistics as the first forward left them
+                kept = {k: b.detach().clone() for k, b in stage_buffers(st.module).items()}
+                out = forward(st, inputs, weights)
+                for key, value in kept.items():
+                    set_buffer(st.module, key, value)
+                root = spec.loss(out, batch(v, a.index)[1]) if last else out
+            if root.requires_grad:  # a first stage without weights has nothing to differentiate
+                root.backward(None if last else grads.pop((v, j, a.index)))
+            else:
+                grads.pop((v, j, a.index), None)
+            if weights is not None:
+                with torch.no_grad():
+                    for k, w in params.items():
+                        g = weights[k].grad
+                        if g is not None:
+                            w.grad = g if w.grad is None else w.grad + g
+            st.covered += 1
             if j > 0:
                 grads[(v, j - 1, a.index)] = inputs.grad
-        elif a.kind == "PUSH":
-            sums = st.sums.get(a.index) or {k: torch.zeros_like(w) for k, w in st.baseline.items()}
-            st.sums[a.index] = sums
-            pushes.setdefault(a.index, {}).setdefault(v, {}).update({k: d.numpy().copy() for k, d in sums.items()})
+        elif a.kind == UPDATE:
+            wave = a.index // nm
+            with torch.no_grad():
+                if local:
+                    if st.covered > 1:
+                        for w in params.values():
+                            if w.grad is not None:
+                                w.grad = w.grad / st.covered
+                    if st.optimizer is not None:
+                        st.optimizer.step()
+                        st.optimizer.zero_grad(set_to_none=True)
+                    sums = st.sums.setdefault(wave, {})
+                    for k, w in params.items():
+                        delta = w - st.baseline[k]
+                        sums[k] = sums[k] + delta if k in sums else delta
+                        st.baseline[k].copy_(w)
+                else:
+                    gsum = st.gsums.setdefault(wave, {})
+                    for k, w in params.items():
+                        if w.grad is not None:
+                            gsum[k] = gsum[k] + w.grad if k in gsum else w.grad.clone()
+                        w.grad = None
+            st.covered = 0
+        elif a.kind == PUSH:
+            out: dict[str, np.ndarray] = {}
+            if local:
+                sums = st.sums.setdefault(a.index, {k: torch.zeros_like(w) for k, w in params.items()})
+                out.update({k: d.detach().numpy().copy() for k, d in sums.items()})
+            else:
+                gsum = st.gsums.pop(a.index, {})
+                out.update({k: (gsum[k] / nm if k in gsum else torch.zeros_like(w)).detach().numpy().copy()
+                            for k, w in params.items()})
+            out.update({k: b.detach().float().numpy().copy() for k, b in stage_buffers(st.module).items()})
+            pushes.setdefault(a.index, {}).setdefault(v, {}).update(out)
             pushed[sid] += 1
-            fold()
-        elif a.kind == "WAIT" and num_vws > 1:
-            version = a.index - D - 1
+            build_versions()
+        elif a.kind == WAIT and not (num_vws == 1 and local):
+            version = gate_of(a, D)
+            pulled = history[version]
             with torch.no_grad():
                 for w in [w for w in st.sums if w <= version - 1]:
                     del st.sums[w]
-                for k, w in synced_tensors(st.module).items():
-                    w.copy_(torch.from_numpy(history[version][k]))
-                    for wave in sorted(st.sums):
-                        w += st.sums[wave][k]
-                    st.baseline[k].copy_(w)
+                for k, w in params.items():
+                    w.copy_(torch.from_numpy(pulled[k]))
+                    if local:
+                        for wave in sorted(st.sums):
+                            w += st.sums[wave][k]
+                        st.baseline[k].copy_(w)
+                if config.ps.buffers == "average":
+                    for k, b in stage_buffers(st.module).items():
+                        value = torch.from_numpy(pulled[k].copy())
+                        set_buffer(st.module, k, value.round().to(b.dtype) if not b.is_floating_point() else value)
 
     rng = random.Random(order_seed)
     while any(s.pos < len(s.actions) for s in stages.values()):
@@ -164,6 +235,6 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
             raise RuntimeError("reference deadlocked: the schedules are invalid")
         step(rng.choice(runnable))
     return ReferenceResult(
-        stage_weights={sid: {k: w.detach().clone() for k, w in synced_tensors(s.module).items()} for sid, s in stages.items()},
+        stage_weights={sid: {k: w.detach().clone() for k, w in state_of(s).items()} for sid, s in stages.items()},
         ps_weights=history[-1],
     )

@@ -1,23 +1,29 @@
-"""The arithmetic of one stage (hetpipe.md §2-3), without transport: forward with weight stashing,
-backward with the local optimizer step, per-wave update sums, and the rebase after a pull.
+"""The arithmetic of one stage (docs/schedules.md, docs/wsp.md, docs/buffers.md), without transport:
+forward with weight stashing or recomputation, backward, the update (U) on the mean gradient, per-wave
+push sums, and the rebase after a pull.
 
-Order of floating-point operations is fixed here (and mirrored by hetpipe.compute.reference), so runs are
-reproducible bit for bit:
-  after each optimizer step:   Δ = t - baseline;  sums[wave] += Δ;  baseline = t
-  rebase after a pull:         t = pulled;  t += sums[w] for own waves w > own_through, in order
+Order of floating-point operations is fixed here (and written independently in hetpipe.compute.reference),
+so runs are reproducible bit for bit:
+  backward of p:           acc += grad(p)                        (per parameter; the first grad is taken as is)
+  U (n backwards applied): grad = acc / n (n > 1); optimizer step; for aggregation sum/mean:
+                           Δ = t - baseline; sums[wave] += Δ; baseline = t
+                           for aggregation server: gsum[wave] += acc (the PS runs the optimizer)
+  PUSH c:                  params: sums[c] (or gsum[c] / Nm); ledgers: sums[c]; buffers: their values
+  WAIT (rebase):           t = pulled; t += sums[w] for own waves w > own_through, in wave order
+                           (aggregation server: t = pulled); buffers are replaced out of place
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["InFlight", "StageCompute", "make_optimizer", "synced_tensors"]
+__all__ = ["InFlight", "StageCompute", "StageRules", "make_optimizer", "set_buffer", "stage_buffers"]
 
 
 def make_optimizer(params: list[nn.Parameter], name: str, lr: float, momentum: float, weight_decay: float):
@@ -33,9 +39,30 @@ def make_optimizer(params: list[nn.Parameter], name: str, lr: float, momentum: f
     raise ValueError(f"unknown optimizer {name!r}: use sgd, momentum or adam")
 
 
-def synced_tensors(module: nn.Module) -> dict[str, Tensor]:
-    """What the PS holds for a stage: every floating-point parameter and buffer, by global name."""
-    return {k: t for k, t in module.state_dict(keep_vars=True).items() if t.is_floating_point()}
+def stage_buffers(module: nn.Module) -> dict[str, Tensor]:
+    """The persistent buffers of a stage (BatchNorm running statistics and counters), by global name."""
+    params = dict(module.named_parameters())
+    return {k: t for k, t in module.state_dict(keep_vars=True).items() if k not in params}
+
+
+def set_buffer(module: nn.Module, name: str, value: Tensor) -> None:
+    """Replace a buffer by another tensor (out of place: graphs that saved the old one keep it)."""
+    owner, _, leaf = name.rpartition(".")
+    (module.get_submodule(owner) if owner else module)._buffers[leaf] = value
+
+
+@dataclass(frozen=True)
+class StageRules:
+    """How a stage computes, from the config and its schedule (validated at load, docs/schedules.md)."""
+
+    nm: int
+    stashing: bool = True  # forwards run on a stashed copy of their weight version (else on the live weights)
+    recompute: bool = False  # forwards keep only their input; the backward recomputes them (on the weights
+    #                          then live: without stashing, an update in between changes them, as PipeDream
+    #                          without weight stashing does)
+    aggregation: str = "sum"  # sum | mean: local optimizer steps pushed as updates; server: mean gradients
+    buffers: str = "average"  # average: pulls replace the buffers; local: each VW keeps its own
+    precision: str = "fp32"  # fp32 | bf16 (autocast; weights, gradients and updates stay fp32)
 
 
 @dataclass
@@ -43,8 +70,8 @@ class InFlight:
     """What a forward leaves for its backward."""
 
     inputs: Tensor
-    output: Tensor
-    weights: dict[str, Tensor] | None  # the stashed weight version (None: no stashing)
+    output: Tensor | None  # None when the backward recomputes the forward
+    weights: dict[str, Tensor] | None  # the stashed weight version (None: the live weights)
     loss: Tensor | None = None
 
 
@@ -53,82 +80,161 @@ class StageCompute:
 
     def __init__(
         self, module: nn.Module, optimizer_name: str, lr: float, momentum: float, weight_decay: float,
-        *, nm: int, weight_stashing: bool = True, extra: Mapping[str, Tensor] | None = None,
-        on_step: Callable[[int], None] | None = None,
+        rules: StageRules, *, ledgers: Mapping[str, Tensor] | None = None,
+        on_update: Callable[[list[int]], None] | None = None,
     ) -> None:
-        """`extra`: more synced tensors (e.g. the audit ledger) that `on_step(p)` may change after the
-        optimizer step of minibatch p, before the step's update is recorded."""
+        """`ledgers`: audit counters that `on_update(minibatches)` may change at each update, before its
+        change is recorded (they travel as updates and are always summed)."""
         self.module = module
+        self.rules = rules
         self.params = dict(module.named_parameters())
-        self.synced = {**synced_tensors(module), **(extra or {})}
-        self.on_step = on_step
-        self.optimizer = make_optimizer(list(self.params.values()), optimizer_name, lr, momentum, weight_decay)
-        self.nm = nm
-        self.weight_stashing = weight_stashing
-        self.in_flight: dict[int, InFlight] = {}
-        self.baseline = {k: t.detach().clone() for k, t in self.synced.items()}
+        self.ledgers = dict(ledgers or {})
+        self.on_update = on_update
+        local = rules.aggregation != "server"
+        self.optimizer = make_optimizer(list(self.params.values()), optimizer_name, lr, momentum, weight_decay) \
+            if local else None
+        self.tracked = {**(self.params if local else {}), **self.ledgers}  # what updates are recorded for
+        self.baseline = {k: t.detach().clone() for k, t in self.tracked.items()}
         self.sums: dict[int, dict[str, Tensor]] = {}  # own update sums per wave, until a pull contains them
+        self.gsums: dict[int, dict[str, Tensor]] = {}  # aggregation server: gradient sums per wave
+        self.in_flight: dict[int, InFlight] = {}
+        self.acc: dict[str, Tensor] = {}  # gradients of the backwards since the last update
+        self.pending: list[int] = []  # those backwards' minibatches
+        self._stash: dict[str, Tensor] | None = None  # the current weight version's stashed copy
+        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        self._autocast = torch.autocast(device.type, dtype=torch.bfloat16) if rules.precision == "bf16" else None
 
-    # ---- weights ------------------------------------------------------------------------------------
+    # ---- keys -------------------------------------------------------------------------------------
+    def kinds(self) -> dict[str, str]:
+        """Every key this stage syncs with the PS and its kind (hetpipe.core.aggregation)."""
+        return {**dict.fromkeys(self.params, "param"), **dict.fromkeys(self.ledgers, "ledger"),
+                **dict.fromkeys(stage_buffers(self.module), "buffer")}
+
+    def values(self) -> dict[str, Tensor]:
+        """The current value of every synced key, buffers as float32 (what registration sends)."""
+        return {**self.params, **self.ledgers, **{k: b.float() for k, b in stage_buffers(self.module).items()}}
+
     @torch.no_grad()
-    def load(self, values: Mapping[str, np.ndarray | Tensor]) -> None:
-        """Set the synced tensors (e.g. to the PS's W_0); resets the update baseline."""
-        for key, t in self.synced.items():
-            t.copy_(torch.as_tensor(values[key]))
-        self.baseline = {k: t.detach().clone() for k, t in self.synced.items()}
+    def load(self, values: Mapping[str, Tensor]) -> None:
+        """Set every synced tensor (e.g. to the PS's W_0); resets the update baseline."""
+        for key, t in {**self.params, **self.ledgers}.items():
+            t.copy_(values[key])
+        self._replace_buffers(values)
+        self.baseline = {k: t.detach().clone() for k, t in self.tracked.items()}
+        self._stash = None
+
+    def _replace_buffers(self, values: Mapping[str, Tensor]) -> None:
+        for key, old in stage_buffers(self.module).items():
+            new = values[key].to(old.device)
+            new = new.round().to(old.dtype) if not old.is_floating_point() else new.to(old.dtype, copy=True)
+            set_buffer(self.module, key, new)
 
     def wave_of(self, minibatch: int) -> int:
-        return minibatch // self.nm
+        return minibatch // self.rules.nm
 
-    # ---- forward / backward -------------------------------------------------------------------------
-    def forward(
-        self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None, input_grad: bool = True
-    ) -> InFlight:
-        """Forward of minibatch p; with stashing, on a private copy of the current weights. `input_grad`:
-        the backward must produce the gradient w.r.t. the input (every stage but the first)."""
+    # ---- forward / backward -----------------------------------------------------------------------
+    def _compute(self) -> contextlib.AbstractContextManager:
+        return self._autocast if self._autocast is not None else contextlib.nullcontext()
+
+    def _weights(self) -> dict[str, Tensor] | None:
+        """The stashed copy of the current weight version (made at its first forward), or None (live)."""
+        if not self.rules.stashing:
+            return None
+        if self._stash is None:
+            self._stash = {k: w.detach().clone().requires_grad_(w.requires_grad) for k, w in self.params.items()}
+        return self._stash
+
+    def _run(self, weights: dict[str, Tensor] | None, inputs: Tensor) -> Tensor:
+        with self._compute():
+            if weights is None:
+                return self.module(inputs)
+            return functional_call(self.module, weights, (inputs,), strict=False)
+
+    def forward(self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None,
+                input_grad: bool = True) -> Tensor:
+        """Forward of minibatch p; returns its output (what goes to the next stage). `input_grad`: the
+        backward must produce the gradient w.r.t. the input (every stage but the first)."""
         if input_grad and inputs.is_floating_point():
             inputs = inputs.detach().requires_grad_(True)
-        if self.weight_stashing:
-            weights = {k: w.detach().clone().requires_grad_(w.requires_grad) for k, w in self.params.items()}
-            output = functional_call(self.module, weights, (inputs,), strict=False)
-        else:
-            weights = None
+        weights = self._weights()
+        if self.rules.recompute:
             with torch.no_grad():
-                output = self.module(inputs)
-        flight = InFlight(inputs, output, weights)
-        if target is not None:
-            flight.loss = loss_fn(output, target) if self.weight_stashing else None
-        self.in_flight[p] = flight
-        return flight
+                output = self._run(weights, inputs)
+            self.in_flight[p] = InFlight(inputs, None, weights)
+            return output
+        output = self._run(weights, inputs)
+        loss = loss_fn(output, target) if target is not None else None
+        self.in_flight[p] = InFlight(inputs, output, weights, loss)
+        return output
+
+    @contextlib.contextmanager
+    def _buffers_kept(self) -> Iterator[None]:
+        """Run a recomputed forward without letting it move the running statistics a second time."""
+        kept = {k: b.detach().clone() for k, b in stage_buffers(self.module).items()}
+        try:
+            yield
+        finally:
+            for key, value in kept.items():
+                set_buffer(self.module, key, value)
 
     def backward(self, p: int, grad_output: Tensor | None = None, target: Tensor | None = None, loss_fn=None):
-        """Backward of minibatch p (from its loss on the last stage, else from grad_output), then the local
-        optimizer step; returns (gradient w.r.t. the stage input or None, the loss or None)."""
+        """Backward of minibatch p (from its loss on the last stage, else from grad_output); its parameter
+        gradients wait in `acc` for the next update. Returns (gradient w.r.t. the stage input or None,
+        the loss or None)."""
         flight = self.in_flight.pop(p)
-        if flight.weights is None:  # no stashing: recompute the forward with today's weights
-            flight = InFlight(flight.inputs, self.module(flight.inputs), None)
+        if flight.output is None:  # recompute the forward, on the weights it ran on (or today's, unstashed)
+            with self._buffers_kept():
+                flight.output = self._run(flight.weights, flight.inputs)
             if target is not None:
                 flight.loss = loss_fn(flight.output, target)
-        if flight.loss is not None:
-            flight.loss.backward()
-        elif flight.output.requires_grad:  # else: no weights here and no input gradient wanted
-            flight.output.backward(grad_output)
-        if flight.weights is not None:
-            for key, param in self.params.items():
-                param.grad = flight.weights[key].grad
+        weights = flight.weights if flight.weights is not None else self.params
+        names = [k for k, w in weights.items() if w.requires_grad]
+        wrt = [weights[k] for k in names] + ([flight.inputs] if flight.inputs.requires_grad else [])
+        root, seed = (flight.loss, None) if flight.loss is not None else (flight.output, grad_output)
+        if wrt and root.requires_grad:
+            grads = torch.autograd.grad(root, wrt, seed, allow_unused=True)
+        else:  # no weights here and no input gradient wanted
+            grads = (None,) * len(wrt)
+        with torch.no_grad():
+            for key, g in zip(names, grads, strict=False):
+                if g is not None:
+                    if key in self.acc:
+                        self.acc[key] += g
+                    else:
+                        self.acc[key] = g
+        self.pending.append(p)
+        grad_in = grads[-1] if flight.inputs.requires_grad else None
+        return grad_in, (None if flight.loss is None else flight.loss.detach())
+
+    # ---- the update -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update(self, p: int) -> None:
+        """U p: apply the mean gradient of the pending backwards (p the last of them, all one wave)."""
+        covered, count = self.pending, len(self.pending)
+        wave = self.wave_of(p)
         if self.optimizer is not None:
+            for key, param in self.params.items():
+                g = self.acc.get(key)
+                param.grad = None if g is None else (g / count if count > 1 else g)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        if self.on_step is not None:
-            self.on_step(p)
-        self._record_update(self.wave_of(p))
-        grad_in = flight.inputs.grad if flight.inputs.requires_grad else None
-        return grad_in, (None if flight.loss is None else flight.loss.detach())
+        elif self.params:  # aggregation server: the PS steps on the wave's mean gradient
+            gsum = self.gsums.setdefault(wave, {})
+            for key, g in self.acc.items():
+                if key in gsum:
+                    gsum[key] += g
+                else:
+                    gsum[key] = g.clone()
+        self.acc, self.pending = {}, []
+        if self.on_update is not None:
+            self.on_update(covered)
+        self._record_update(wave)
+        self._stash = None
 
     @torch.no_grad()
     def _record_update(self, wave: int) -> None:
         sums = self.sums.setdefault(wave, {})
-        for key, t in self.synced.items():
+        for key, t in self.tracked.items():
             delta = t - self.baseline[key]
             if key in sums:
                 sums[key] += delta
@@ -136,21 +242,39 @@ class StageCompute:
                 sums[key] = delta
             self.baseline[key].copy_(t)
 
-    # ---- WSP ------------------------------------------------------------------------------------------
-    def wave_update(self, wave: int) -> dict[str, np.ndarray]:
-        """Σ Δ of `wave` as float32 numpy arrays for the push (kept until a pull contains it)."""
-        sums = self.sums.get(wave)
-        if sums is None:
-            sums = self.sums[wave] = {k: torch.zeros_like(t) for k, t in self.synced.items()}
-        return {k: v.detach().cpu().numpy() for k, v in sums.items()}
+    # ---- WSP --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def wave_push(self, wave: int) -> dict[str, Tensor]:
+        """What PUSH `wave` sends, as tensors on this stage's device: parameter updates (or mean gradients),
+        ledger updates and the buffers' current values (float32)."""
+        sums = self.sums.setdefault(wave, {k: torch.zeros_like(t) for k, t in self.tracked.items()})
+        out = {k: sums[k] for k in self.tracked}
+        if self.optimizer is None:
+            gsum = self.gsums.pop(wave, {})
+            for key, param in self.params.items():
+                g = gsum.get(key)
+                out[key] = torch.zeros_like(param) if g is None else g / self.rules.nm
+        out.update({k: b.detach().float().clone() for k, b in stage_buffers(self.module).items()})
+        return out
+
+    def forget(self, through: int) -> None:
+        """Drop own update sums of waves <= through (a pull contains them, or no pull will ever come)."""
+        for wave in [w for w in self.sums if w <= through]:
+            del self.sums[wave]
 
     @torch.no_grad()
-    def rebase(self, pulled: Mapping[str, np.ndarray | Tensor], own_through: int) -> None:
-        """weights = pulled global + own updates the snapshot does not contain yet (hetpipe.md §3)."""
-        for wave in [w for w in self.sums if w <= own_through]:
-            del self.sums[wave]
-        for key, t in self.synced.items():
-            t.copy_(torch.as_tensor(pulled[key]))
+    def rebase(self, pulled: Mapping[str, Tensor], own_through: int) -> None:
+        """weights = pulled global + own updates the snapshot does not contain yet (docs/wsp.md); buffers
+        replaced out of place (buffers = "average"); aggregation server: weights = pulled."""
+        self.forget(own_through)
+        for key, t in self.tracked.items():
+            t.copy_(pulled[key])
             for wave in sorted(self.sums):
                 t += self.sums[wave][key]
             self.baseline[key].copy_(t)
+        if self.optimizer is None:
+            for key, t in self.params.items():
+                t.copy_(pulled[key])
+        if self.rules.buffers == "average":
+            self._replace_buffers(pulled)
+        self._stash = None

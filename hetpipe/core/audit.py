@@ -22,10 +22,12 @@ def audit_key(layer: int) -> str:
     return f"audit/{layer}"
 
 
-def ledger_violations(ledger: np.ndarray, vw: int, p: int, nm: int, staleness: int) -> list[str]:
+def ledger_violations(ledger: np.ndarray, vw: int, p: int, nm: int, staleness: int, own_through: int | None = None
+                      ) -> list[str]:
     """What is wrong with the ledger the forward of minibatch p of VW `vw` sees (empty: nothing).
 
-    L: the VW's own updates of every minibatch <= p - Nm are in; none of minibatch >= p is.
+    L: the VW's own updates of every minibatch <= own_through are in (the schedule's guarantee; default
+    p - Nm, the wsp schedule's); none of minibatch >= p is.
     G: every VW's updates of every wave <= c - D - 2 are in (c = the wave of p).
     Every slot is 0 or 1: no update counted twice or partly.
     """
@@ -34,10 +36,10 @@ def ledger_violations(ledger: np.ndarray, vw: int, p: int, nm: int, staleness: i
     if bad.any():
         v, q = np.argwhere(bad)[0]
         problems.append(f"slot [vw {v}, minibatch {q}] holds {ledger[v, q]}, not 0 or 1 (counted twice?)")
-    own_needed = p - nm + 1
-    if own_needed > 0 and not (ledger[vw, :own_needed] == 1.0).all():
-        q = int(np.argmin(ledger[vw, :own_needed] == 1.0))
-        problems.append(f"L: own update of minibatch {q} <= p - Nm = {p - nm} is missing")
+    through = p - nm if own_through is None else own_through
+    if through >= 0 and not (ledger[vw, : through + 1] == 1.0).all():
+        q = int(np.argmin(ledger[vw, : through + 1] == 1.0))
+        problems.append(f"L: own update of minibatch {q} <= {through} is missing")
     if (ledger[vw, p:] != 0.0).any():
         q = p + int(np.argmax(ledger[vw, p:] != 0.0))
         problems.append(f"own update of minibatch {q} >= p is already in")

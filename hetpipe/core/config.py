@@ -14,6 +14,7 @@ from typing import Any, Literal, NoReturn, get_args
 import msgpack
 
 from hetpipe.core.errors import ConfigError, did_you_mean
+from hetpipe.core.schedule import SCHEDULES
 
 __all__ = [
     "AllocationConfig",
@@ -40,6 +41,10 @@ __all__ = [
 ]
 
 Placement = Literal["balanced", "local"]
+Aggregation = Literal["sum", "mean", "server"]
+BufferPolicy = Literal["average", "local"]
+Precision = Literal["fp32", "bf16"]
+EmulatedDevice = Literal["cpu", "cuda"]
 PullMode = Literal["exact", "latest"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 AllocationPolicy = Literal["explicit", "np", "ed", "hd"]
@@ -47,6 +52,7 @@ AllocationPolicy = Literal["explicit", "np", "ed", "hd"]
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 _GPU_REF = re.compile(r"(?P<node>[A-Za-z0-9_-]+):(?P<index>[0-9]+)")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_DEVICE = re.compile(r"cpu|cuda:[0-9]+")
 _MAX_PORT = 65535
 _MAX_SEED = 2**32 - 1  # numpy's legacy seeding rejects larger seeds
 
@@ -114,6 +120,7 @@ class Node:
     name: str
     host: str
     gpus: tuple[str, ...]
+    devices: tuple[str, ...] | None = None  # where each GPU computes ("cuda:1", "cpu"); None: GPU i is cuda:i
 
 
 @dataclass(frozen=True, order=True)
@@ -157,6 +164,8 @@ class PsConfig:
     shards: int = 1
     placement: Placement = "balanced"
     timeout_s: float = 60.0
+    aggregation: Aggregation = "sum"  # how a wave's pushes fold into the weights (docs/wsp.md)
+    buffers: BufferPolicy = "average"  # BatchNorm statistics: averaged at the PS, or kept per VW (docs/buffers.md)
 
 
 @dataclass(frozen=True)
@@ -211,6 +220,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     weight_stashing: bool = True
     schedule: str = "wsp"
+    recompute: bool = False  # activation recomputation (flush schedules only)
+    precision: Precision = "fp32"
+    eval_every: int = 0  # waves between evaluations of the global weights during training (0: only at the end)
+    eval_samples: int = 4096  # held-out samples an evaluation scores (0: all of them)
     out_dir: str = "runs/local"
 
 
@@ -221,6 +234,7 @@ class EmulationConfig:
     enabled: bool = True
     time_scale: float | None = None
     link_bandwidth: bool = False
+    device: EmulatedDevice = "cpu"  # where emulated GPUs compute: the CPU, or the node's CUDA devices
 
 
 @dataclass(frozen=True)
@@ -291,7 +305,8 @@ class ClusterConfig:
             "name": self.name,
             "seed": self.seed,
             "gpu_types": {n: {"speed": t.speed, "memory_gib": t.memory_gib} for n, t in self.gpu_types.items()},
-            "nodes": [{"name": n.name, "host": n.host, "gpus": list(n.gpus)} for n in self.nodes],
+            "nodes": [{"name": n.name, "host": n.host, "gpus": list(n.gpus),
+                       **({"devices": list(n.devices)} if n.devices else {})} for n in self.nodes],
         }
         for section in _SECTIONS:
             doc[section] = {f.name: _plain(getattr(getattr(self, section), f.name))
@@ -319,21 +334,21 @@ def _plain(value: Any) -> Any:
 
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "network": ("intra_node_gbps", "inter_node_gbps"),
-    "ps": ("host", "port", "shards", "placement", "timeout_s"),
+    "ps": ("host", "port", "shards", "placement", "timeout_s", "aggregation", "buffers"),
     "wsp": ("staleness", "nm", "pull"),
     "checkpoint": ("dir", "every", "keep"),
     "model": ("name", "options"),
     "data": ("name", "options", "test_fraction"),
     "train": (
         "batch_size", "waves", "optimizer", "lr", "momentum", "weight_decay",
-        "weight_stashing", "schedule", "out_dir",
+        "weight_stashing", "schedule", "recompute", "precision", "eval_every", "eval_samples", "out_dir",
     ),
-    "emulation": ("enabled", "time_scale", "link_bandwidth"),
+    "emulation": ("enabled", "time_scale", "link_bandwidth", "device"),
     "allocation": ("policy",),
 }
 _TOP_KEYS = ("name", "seed", "gpu_types", "nodes", *_SECTIONS, "virtual_workers")
 _GPU_TYPE_KEYS = ("speed", "memory_gib")
-_NODE_KEYS = ("name", "host", "gpus")
+_NODE_KEYS = ("name", "host", "gpus", "devices")
 _VW_KEYS = ("gpus", "layers")
 
 
@@ -523,7 +538,17 @@ def _nodes(top: _Table, gpu_types: Mapping[str, GpuType]) -> tuple[Node, ...]:
                 known = list(gpu_types)
                 table.fail(f"gpus[{j}]", f'unknown GPU type "{gpu}"',
                            f"known types: {', '.join(known)}{did_you_mean(gpu, known)}")
-        nodes.append(Node(name=name, host=host, gpus=gpus))
+        devices = None
+        if "devices" in table.data:
+            devices = table.strings("devices", placeholder='["cuda:0", "cuda:0", ...]')
+            if len(devices) != len(gpus):
+                table.fail("devices", f"has {len(devices)} entries but gpus has {len(gpus)}",
+                           "give one device per GPU, in the same order (drop devices for GPU i = cuda:i)")
+            for j, device in enumerate(devices):
+                if not _DEVICE.fullmatch(device):
+                    table.fail(f"devices[{j}]", f"unknown device {_show(device)}",
+                               'write "cuda:<index>" (a CUDA device of this node) or "cpu"')
+        nodes.append(Node(name=name, host=host, gpus=gpus, devices=devices))
     return tuple(nodes)
 
 
@@ -548,6 +573,8 @@ def _ps(t: _Table) -> PsConfig:
         host=host, port=port, shards=shards,
         placement=t.choice("placement", d.placement, get_args(Placement)),
         timeout_s=t.number("timeout_s", d.timeout_s, gt=0),
+        aggregation=t.choice("aggregation", d.aggregation, get_args(Aggregation)),
+        buffers=t.choice("buffers", d.buffers, get_args(BufferPolicy)),
     )
 
 
@@ -585,7 +612,7 @@ def _data(t: _Table) -> DataConfig:
 
 def _train(t: _Table, run_name: str) -> TrainConfig:
     d = TrainConfig()
-    return TrainConfig(
+    train = TrainConfig(
         batch_size=t.integer("batch_size", d.batch_size, ge=1),
         waves=t.integer("waves", d.waves, ge=1),
         optimizer=t.choice("optimizer", d.optimizer, get_args(OptimizerName)),
@@ -593,9 +620,23 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         momentum=t.number("momentum", d.momentum, ge=0, lt=1),
         weight_decay=t.number("weight_decay", d.weight_decay, ge=0),
         weight_stashing=t.boolean("weight_stashing", d.weight_stashing),
-        schedule=t.string("schedule", d.schedule, nonempty=True),
+        schedule=t.choice("schedule", d.schedule, tuple(SCHEDULES)),
+        recompute=t.boolean("recompute", d.recompute),
+        precision=t.choice("precision", d.precision, get_args(Precision)),
+        eval_every=t.integer("eval_every", d.eval_every, ge=0),
+        eval_samples=t.integer("eval_samples", d.eval_samples, ge=0),
         out_dir=t.string("out_dir", f"runs/{run_name}", nonempty=True),
     )
+    kind = SCHEDULES[train.schedule]
+    if kind.stashing == "required" and not train.weight_stashing:
+        t.fail("weight_stashing", f'is false, but schedule "{train.schedule}" keeps two weight versions by design',
+               f'set weight_stashing = true {t.under}, or choose schedule = "wsp" (stashing optional)')
+    if train.recompute and not kind.recompute:
+        able = ", ".join(n for n, k in SCHEDULES.items() if k.recompute)
+        t.fail("recompute", f'is true, but schedule "{train.schedule}" updates weights between a forward and its '
+               "backward, so a recomputed forward would not match the first",
+               f"set recompute = false {t.under}, or choose a schedule that flushes: {able}")
+    return train
 
 
 def _emulation(t: _Table) -> EmulationConfig:
@@ -610,7 +651,8 @@ def _emulation(t: _Table) -> EmulationConfig:
     else:
         time_scale = t.number("time_scale", placeholder='"auto" or <float > 0>', kind='"auto" or a number', gt=0)
     return EmulationConfig(
-        enabled=enabled, time_scale=time_scale, link_bandwidth=t.boolean("link_bandwidth", d.link_bandwidth)
+        enabled=enabled, time_scale=time_scale, link_bandwidth=t.boolean("link_bandwidth", d.link_bandwidth),
+        device=t.choice("device", d.device, get_args(EmulatedDevice)),
     )
 
 

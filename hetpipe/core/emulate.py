@@ -186,10 +186,12 @@ class Dilator:
         return slept_s
 
 
-def device_dilator(slowdown: float) -> Dilator:
+def device_dilator(slowdown: float, wall_clock: bool = False) -> Dilator:
     """The emulation wrapper of one emulated device, the same for hetpipe's stages and for every benchmark
-    peer: dilation on the thread's CPU time (see Dilator), so a busy machine slows all of them alike."""
-    return Dilator(slowdown, cpu_clock=time.thread_time)
+    peer: dilation on the thread's CPU time (see Dilator), so a busy machine slows all of them alike. On a
+    GPU (`wall_clock`) the block is timed on the wall clock, ending when the device is done (the caller
+    synchronizes), since the work is not the thread's CPU time."""
+    return Dilator(slowdown) if wall_clock else Dilator(slowdown, cpu_clock=time.thread_time)
 
 
 # ---------------------------------------------------------------------------------------------- links

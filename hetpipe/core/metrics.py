@@ -113,12 +113,14 @@ class TraceRecorder:
         self._wall = wall
         self._clock = clock
         self.events: list[dict[str, Any]] = []
+        self.other_threads: dict[int, str] = {}  # more rows this recorder writes (tid -> label)
 
-    def add(self, name: str, ts_us: float, dur_us: float, **args: Any) -> None:
-        """Record an event measured elsewhere: start in Unix microseconds, duration in microseconds."""
+    def add(self, name: str, ts_us: float, dur_us: float, tid: int | None = None, **args: Any) -> None:
+        """Record an event measured elsewhere: start in Unix microseconds, duration in microseconds; `tid`
+        puts it on another row (e.g. the stage's PS traffic thread), default this recorder's."""
         event: dict[str, Any] = {
             "name": name, "cat": _category(name), "ph": "X", "ts": ts_us, "dur": dur_us,
-            "pid": 0, "tid": self.tid,
+            "pid": 0, "tid": self.tid if tid is None else tid,
         }
         if args:
             event["args"] = args
@@ -138,10 +140,8 @@ class TraceRecorder:
         """Write a trace file of this thread alone (viewable as is; merge_traces combines several)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = [
-            _meta("process_name", 0, 0, self.pid_label),
-            _meta("thread_name", 0, self.tid, self.thread_label),
-        ]
+        meta = [_meta("process_name", 0, 0, self.pid_label), _meta("thread_name", 0, self.tid, self.thread_label)]
+        meta += [_meta("thread_name", 0, tid, label) for tid, label in self.other_threads.items()]
         path.write_text(json.dumps({"traceEvents": meta + self.events}, default=_jsonable), encoding="utf-8")
 
 

@@ -61,6 +61,8 @@ class Plan:
     staleness: int  # D
     vws: tuple[VwPlan, ...]
     placement: str = "balanced"
+    schedule: str = "wsp"  # the pipeline schedule every VW runs (hetpipe.core.schedule)
+    recompute: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -1,4 +1,11 @@
-"""Per-stage action lists of one virtual worker: generators by name, a validator, unit-step grids. Pure, no I/O."""
+"""Pipeline schedules as data: per-stage action lists of one virtual worker, the four generators (wsp,
+pipedream-2bw, 1f1b-flush, gpipe), the dependency rules every engine runs by, a validator, a timing model
+and text forms (docs/schedules.md). Pure, no I/O.
+
+The dependency rules (`needs`, `gate_of`) are the one engine: the validator and timing model below, the
+WSP simulator (hetpipe.core.simulate), the single-process reference (hetpipe.compute.reference) and the
+runtime's stage executor all run action lists by them.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +14,38 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from hetpipe.core.errors import HetpipeError, UsageError, did_you_mean
+from hetpipe.core.wsp import first_pulled_wave, gate_version
 
 __all__ = [
-    "FORWARD",
     "BACKWARD",
-    "PUSH",
-    "WAIT",
+    "FORWARD",
     "KINDS",
+    "PUSH",
+    "SCHEDULES",
+    "UPDATE",
+    "WAIT",
     "Action",
     "Event",
+    "Guarantee",
     "Schedule",
     "ScheduleError",
-    "SCHEDULES",
+    "StageProfile",
+    "ScheduleKind",
     "Timeline",
     "format_grid",
     "format_lists",
+    "gate_of",
     "get_schedule",
+    "needs",
+    "own_through_required",
     "parse_action",
     "parse_actions",
     "register_schedule",
     "simulate",
+    "stage_profile",
     "steps",
     "validate",
     "validate_lists",
@@ -37,12 +54,20 @@ __all__ = [
 
 FORWARD = "F"
 BACKWARD = "B"
+UPDATE = "U"
 PUSH = "PUSH"
 WAIT = "WAIT"
-KINDS = (FORWARD, BACKWARD, PUSH, WAIT)
-_ZERO_TIME = (PUSH, WAIT)
+KINDS = (FORWARD, BACKWARD, UPDATE, PUSH, WAIT)
+_ZERO_TIME = (UPDATE, PUSH, WAIT)  # the optimizer step's time is part of the profiled backward
 
-_ACTION_RE = re.compile(r"(F|B|PUSH|WAIT)(\d+)")
+_ACTION_RE = re.compile(r"(F|B|U|PUSH|WAIT)(\d+)")
+
+# What the forward of minibatch p is guaranteed to see of its own VW's updates (guarantee L), per schedule:
+#   "minibatch":      every minibatch <= p - Nm                 (wsp: PipeDream 1F1B, an update per minibatch)
+#   "wave":           every minibatch of the waves before p's    (1f1b-flush, gpipe: no local staleness)
+#   "previous-wave":  every minibatch of the waves before the last (pipedream-2bw: one update of delay)
+Guarantee = Literal["minibatch", "wave", "previous-wave"]
+Stashing = Literal["optional", "required", "none"]
 
 
 class ScheduleError(HetpipeError):
@@ -51,16 +76,18 @@ class ScheduleError(HetpipeError):
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage's static list (hetpipe.md §2, §3); `str()` gives `F3`, `B3`, `PUSH1`, `WAIT2`.
+    """One step of a stage's static list; `str()` gives `F3`, `B3`, `U3`, `PUSH1`, `WAIT2`.
 
-    F p   forward of minibatch p. Stage j > 0 first receives p's activation from stage j - 1.
-    B p   backward of minibatch p, then at once the local optimizer step. Stage j < k - 1 first
-          receives p's gradient from stage j + 1.
-    PUSH c  push this stage's summed update of wave c to the parameter server.
+    F p     forward of minibatch p. Stage j > 0 first receives p's activation from stage j - 1.
+    B p     backward of minibatch p; its gradient is kept for the next U. Stage j < k - 1 first receives
+            p's output gradient from stage j + 1.
+    U p     the optimizer step on the mean gradient of the backwards since the previous U (p is the last of
+            them, all of one wave); the step's update is added to the wave's update sum.
+    PUSH c  push this stage's update sum of wave c to the parameter server.
     WAIT c  gate of wave c: wait until c_global >= c - D - 1, pull W_{c-D-1}, rebase.
 
-    Activation and gradient sends are non-blocking and the receives are implied by F and B, so
-    they are not separate actions: the executor derives them from the stage index.
+    Activation and gradient sends are non-blocking and the receives are implied by F and B, so they are
+    not separate actions: the executor derives them from the stage index.
     """
 
     kind: str
@@ -70,9 +97,7 @@ class Action:
         if self.kind not in KINDS:
             raise ScheduleError(f"unknown action kind {self.kind!r}: use one of {', '.join(KINDS)}")
         if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
-            raise ScheduleError(
-                f"action {self.kind} needs a minibatch or wave index >= 0, got {self.index!r}"
-            )
+            raise ScheduleError(f"action {self.kind} needs a minibatch or wave index >= 0, got {self.index!r}")
 
     def __str__(self) -> str:
         return f"{self.kind}{self.index}"
@@ -83,7 +108,7 @@ def parse_action(text: str) -> Action:
     match = _ACTION_RE.fullmatch(text.strip())
     if match is None:
         raise ScheduleError(
-            f"cannot parse action {text!r}: write F<p>, B<p>, PUSH<c> or WAIT<c>, e.g. F3, B3, PUSH1, WAIT2"
+            f"cannot parse action {text!r}: write F<p>, B<p>, U<p>, PUSH<c> or WAIT<c>, e.g. F3, B3, U3, PUSH1, WAIT2"
         )
     return Action(match.group(1), int(match.group(2)))
 
@@ -103,6 +128,8 @@ class Schedule:
     staleness: int  # D, in waves
     name: str
     stages: tuple[tuple[Action, ...], ...]
+    guarantee: Guarantee = "minibatch"
+    stashing: Stashing = "optional"  # may an update or a rebase fall between a minibatch's F and its B?
 
     @property
     def num_minibatches(self) -> int:
@@ -112,35 +139,87 @@ class Schedule:
     def header(self) -> str:
         return f"{self.name}: stages={self.num_stages} nm={self.nm} waves={self.num_waves} D={self.staleness}"
 
+    def own_through(self, stage: int, p: int) -> int:
+        """The last own minibatch whose update the forward of p at `stage` sees (all before it too): the
+        updates (U) that run before F p in this stage's list; -1 for none."""
+        through = -1
+        for action in self.stages[stage]:
+            if action == Action(FORWARD, p):
+                return through
+            if action.kind == UPDATE:
+                through = action.index
+        raise ScheduleError(f"stage {stage} has no F{p}")
+
+
+def own_through_required(guarantee: Guarantee, p: int, nm: int) -> int:
+    """The last own minibatch the forward of p must see under `guarantee` (see Guarantee)."""
+    wave_start = (p // nm) * nm
+    return {"minibatch": p - nm, "wave": wave_start - 1, "previous-wave": wave_start - nm - 1}[guarantee]
+
+
+# ---------------------------------------------------------------------------------------------
+# the dependency rules: what an action waits for outside its own stage's list order
+
+
+def needs(action: Action, stage: int, num_stages: int) -> tuple[tuple[int, Action], ...]:
+    """Actions of other stages of the same VW that must be done before `action` starts: F p waits for
+    F p of the stage before (the activation), B p for B p of the stage after (the gradient)."""
+    if action.kind == FORWARD and stage > 0:
+        return ((stage - 1, action),)
+    if action.kind == BACKWARD and stage < num_stages - 1:
+        return ((stage + 1, action),)
+    return ()
+
+
+def gate_of(action: Action, staleness: int) -> int | None:
+    """For WAIT c: the c_global it waits for (c - D - 1, hetpipe.core.wsp.gate_version); None otherwise."""
+    return gate_version(action.index, staleness) if action.kind == WAIT else None
+
 
 # ---------------------------------------------------------------------------------------------
 # registry
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {}
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A named schedule: its generator and what it promises (docs/schedules.md)."""
+
+    name: str
+    order: Callable[[int, int, int, int], list[tuple[str, int]]]  # (stage, stages, nm, waves) -> F/B order
+    update_every: Literal["minibatch", "wave"]
+    guarantee: Guarantee
+    stashing: Stashing
+    recompute: bool  # train.recompute allowed (no update or rebase ever falls between F and B)
+    summary: str
+
+    def __call__(self, num_stages: int, nm: int, num_waves: int, staleness: int = 0) -> Schedule:
+        _check_parameters(num_stages, nm, num_waves, staleness)
+        lists = tuple(
+            _decorate(self.order(j, num_stages, nm, num_waves), nm, staleness, self.update_every)
+            for j in range(num_stages)
+        )
+        return Schedule(num_stages, nm, num_waves, staleness, self.name, lists, self.guarantee, self.stashing)
 
 
-def register_schedule(name: str) -> Callable[[Callable[..., Schedule]], Callable[..., Schedule]]:
-    """Decorator: make a generator `(num_stages, nm, num_waves, staleness) -> Schedule` known by name."""
-
-    def decorate(generator: Callable[..., Schedule]) -> Callable[..., Schedule]:
-        if name in SCHEDULES:
-            raise ValueError(f"schedule {name!r} is registered twice; pick another name")
-        SCHEDULES[name] = generator
-        return generator
-
-    return decorate
+SCHEDULES: dict[str, ScheduleKind] = {}
 
 
-def get_schedule(name: str) -> Callable[..., Schedule]:
-    """The generator registered under `name`; UsageError listing the known names otherwise."""
+def register_schedule(kind: ScheduleKind) -> ScheduleKind:
+    """Make a schedule known by its name (a new schedule is one ScheduleKind and its tests)."""
+    if kind.name in SCHEDULES:
+        raise ValueError(f"schedule {kind.name!r} is registered twice; pick another name")
+    SCHEDULES[kind.name] = kind
+    return kind
+
+
+def get_schedule(name: str) -> ScheduleKind:
+    """The schedule registered under `name`; UsageError listing the known names otherwise."""
     try:
         return SCHEDULES[name]
     except KeyError:
         known = sorted(SCHEDULES)
-        hint = did_you_mean(name, known)
         raise UsageError(
-            f'unknown schedule "{name}"\n       known schedules: {", ".join(known)}{hint}'
+            f'unknown schedule "{name}"\n       known schedules: {", ".join(known)}{did_you_mean(name, known)}'
         ) from None
 
 
@@ -155,60 +234,74 @@ def _check_parameters(num_stages: int, nm: int, num_waves: int, staleness: int) 
             raise UsageError(f"{what} must be an integer >= {least}, got {value!r}")
 
 
-def _wave_of(minibatch: int, nm: int) -> int:
-    return minibatch // nm
-
-
 def _needs_wait(wave: int, staleness: int) -> bool:
-    """Wave c gates on W_{c-D-1}; for c - D - 1 <= 0 the stage already holds W_0 (hetpipe.md §3)."""
-    return wave - staleness - 1 >= 1
+    """Wave c gates on W_{c-D-1}; for c - D - 1 <= 0 the stage already holds W_0 (docs/wsp.md)."""
+    return wave >= first_pulled_wave(staleness)
 
 
-# ---------------------------------------------------------------------------------------------
-# the "wsp" generator
+def _one_f_one_b(first: int, count: int, warmup: int) -> list[tuple[str, int]]:
+    """Minibatches first .. first+count-1: `warmup` forwards, then alternate B and F, then the last Bs."""
+    order = [(FORWARD, first + i) for i in range(warmup)]
+    for i in range(warmup, count):
+        order += [(BACKWARD, first + i - warmup), (FORWARD, first + i)]
+    order += [(BACKWARD, first + i) for i in range(count - warmup, count)]
+    return order
 
 
-@register_schedule("wsp")
-def wsp_schedule(num_stages: int, nm: int, num_waves: int, staleness: int = 0) -> Schedule:
-    """PipeDream-style one-forward-one-backward with up to nm in flight, plus WSP push and gate (hetpipe.md §2).
-
-    Stage j does max(1, min(nm - j, M)) forwards, then alternates B and F, then drains the Bs.
-    PUSH c follows the backward of wave c's last minibatch at once; WAIT c (for c - D - 1 >= 1)
-    comes right before the forward of wave c's first minibatch.
-    """
-    _check_parameters(num_stages, nm, num_waves, staleness)
-    stages = tuple(_wsp_stage(j, nm, num_waves, staleness) for j in range(num_stages))
-    return Schedule(num_stages, nm, num_waves, staleness, "wsp", stages)
-
-
-def _wsp_stage(stage: int, nm: int, num_waves: int, staleness: int) -> tuple[Action, ...]:
+def _async_order(stage: int, num_stages: int, nm: int, num_waves: int) -> list[tuple[str, int]]:
+    # With nm <= stage the stage still needs one forward before its first backward; plain 1F1B (one in
+    # flight) then follows the minibatch down and back.
     total = num_waves * nm
-    # With nm <= stage, nm - stage <= 0: the stage still needs one forward before its first
-    # backward, and plain 1F1B (one in flight) then follows the minibatch down and back.
-    warmup = max(1, min(nm - stage, total))
+    return _one_f_one_b(0, total, max(1, min(nm - stage, total)))
+
+
+def _flush_order(stage: int, num_stages: int, nm: int, num_waves: int) -> list[tuple[str, int]]:
+    warmup = max(1, min(num_stages - stage, nm))
+    return [step for c in range(num_waves) for step in _one_f_one_b(c * nm, nm, warmup)]
+
+
+def _fill_drain_order(stage: int, num_stages: int, nm: int, num_waves: int) -> list[tuple[str, int]]:
+    return [step for c in range(num_waves) for step in _one_f_one_b(c * nm, nm, nm)]
+
+
+def _decorate(order: list[tuple[str, int]], nm: int, staleness: int, update_every: str) -> tuple[Action, ...]:
+    """F/B order -> actions: U after each B (or after the last B of each wave), PUSH c right after the update
+    that completes wave c, WAIT c right before the first F of wave c (when c needs a gate)."""
     actions: list[Action] = []
-
-    def forward(p: int) -> None:
-        wave = _wave_of(p, nm)
-        if p % nm == 0 and _needs_wait(wave, staleness):
-            actions.append(Action(WAIT, wave))
-        actions.append(Action(FORWARD, p))
-
-    def backward(p: int) -> None:
-        actions.append(Action(BACKWARD, p))
-        if p % nm == nm - 1:
-            actions.append(Action(PUSH, _wave_of(p, nm)))
-
-    for p in range(warmup):
-        forward(p)
-    next_backward = 0
-    for p in range(warmup, total):
-        backward(next_backward)
-        next_backward += 1
-        forward(p)
-    for p in range(next_backward, total):
-        backward(p)
+    for kind, p in order:
+        wave = p // nm
+        last_of_wave = p % nm == nm - 1
+        if kind == FORWARD:
+            if p % nm == 0 and _needs_wait(wave, staleness):
+                actions.append(Action(WAIT, wave))
+            actions.append(Action(FORWARD, p))
+        else:
+            actions.append(Action(BACKWARD, p))
+            if update_every == "minibatch" or last_of_wave:
+                actions.append(Action(UPDATE, p))
+            if last_of_wave:
+                actions.append(Action(PUSH, wave))
     return tuple(actions)
+
+
+wsp_schedule = register_schedule(ScheduleKind(
+    "wsp", _async_order, "minibatch", "minibatch", "optional", False,
+    "PipeDream 1F1B with Nm in flight and an update after every backward (weight stashing by default); "
+    "the paper's HetPipe schedule",
+))
+register_schedule(ScheduleKind(
+    "pipedream-2bw", _async_order, "wave", "previous-wave", "required", False,
+    "PipeDream-2BW: 1F1B without flushes, gradients accumulated over a wave and one update per wave; "
+    "two weight versions live (forwards straddling an update keep the older one)",
+))
+register_schedule(ScheduleKind(
+    "1f1b-flush", _flush_order, "wave", "wave", "none", True,
+    "PipeDream-Flush / DAPPLE: 1F1B inside a wave, then a flush and one update per wave; no local staleness",
+))
+register_schedule(ScheduleKind(
+    "gpipe", _fill_drain_order, "wave", "wave", "none", True,
+    "GPipe: every forward of a wave, then every backward, then one update; optional activation recomputation",
+))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,111 +315,159 @@ def validate(schedule: Schedule) -> None:
             f"{schedule.name}: num_stages={schedule.num_stages} but {len(schedule.stages)} stage lists; "
             "give one list per stage"
         )
-    validate_lists(schedule.stages, schedule.nm, schedule.num_waves, schedule.staleness)
+    validate_lists(schedule.stages, schedule.nm, schedule.num_waves, schedule.staleness,
+                   guarantee=schedule.guarantee, stashing=schedule.stashing)
 
 
-def validate_lists(stages: Sequence[Sequence[Action]], nm: int, num_waves: int, staleness: int = 0) -> None:
+def validate_lists(
+    stages: Sequence[Sequence[Action]], nm: int, num_waves: int, staleness: int = 0, *,
+    guarantee: Guarantee = "minibatch", stashing: Stashing = "optional",
+) -> None:
     """Check hand-written stage lists: each list on its own, then all of them run together."""
     _check_parameters(len(stages), nm, num_waves, staleness)
     for j, actions in enumerate(stages):
-        _check_stage(j, actions, nm, num_waves, staleness)
-    _execute(stages, nm, staleness, [1.0] * len(stages), [1.0] * len(stages))
+        _StageCheck(j, nm, num_waves, staleness, guarantee, stashing).run(actions)
+    _execute(stages, staleness, [1.0] * len(stages), [1.0] * len(stages))
 
 
 def _at(stage: int, position: int, action: Action) -> str:
     return f"stage {stage}, position {position} ({action})"
 
 
-def _check_stage(stage: int, actions: Sequence[Action], nm: int, num_waves: int, staleness: int) -> None:
+@dataclass
+class _StageCheck:
     """The rules one list must keep whatever the other stages do."""
-    total = num_waves * nm
-    seen: dict[Action, int] = {}
-    in_flight = 0
-    for i, action in enumerate(actions):
-        if not isinstance(action, Action):
-            raise ScheduleError(
-                f"stage {stage}, position {i}: {action!r} is not an Action; use parse_action()"
-            )
-        where = _at(stage, i, action)
-        if action in seen:
-            raise ScheduleError(
-                f"{where}: {action} already at position {seen[action]}; each action runs once"
-            )
-        kind, n = action.kind, action.index
-        if kind in (FORWARD, BACKWARD) and n >= total:
-            raise ScheduleError(
-                f"{where}: no minibatch {n}; with nm={nm} and {num_waves} waves minibatches are 0..{total - 1}"
-            )
-        if kind in _ZERO_TIME and n >= num_waves:
-            raise ScheduleError(f"{where}: no wave {n}; waves are 0..{num_waves - 1}")
-        wave = n if kind in _ZERO_TIME else _wave_of(n, nm)
-        gate = Action(WAIT, wave)
 
-        if kind == FORWARD:
-            in_flight += 1
-            if in_flight > nm:
+    stage: int
+    nm: int
+    num_waves: int
+    staleness: int
+    guarantee: Guarantee
+    stashing: Stashing
+
+    def run(self, actions: Sequence[Action]) -> None:
+        total = self.num_waves * self.nm
+        seen: dict[Action, int] = {}
+        in_flight: set[int] = set()
+        pending: list[int] = []  # backwards not yet covered by an update
+        updated: set[int] = set()
+        for i, action in enumerate(actions):
+            if not isinstance(action, Action):
+                raise ScheduleError(f"stage {self.stage}, position {i}: {action!r} is not an Action; use parse_action()")
+            where = _at(self.stage, i, action)
+            if action in seen:
+                raise ScheduleError(f"{where}: {action} already at position {seen[action]}; each action runs once")
+            kind, n = action.kind, action.index
+            if kind in (FORWARD, BACKWARD, UPDATE) and n >= total:
                 raise ScheduleError(
-                    f"{where}: {in_flight} minibatches in flight at this stage, more than nm={nm}; "
-                    f"run a backward before {action}"
+                    f"{where}: no minibatch {n}; with nm={self.nm} and {self.num_waves} waves minibatches are "
+                    f"0..{total - 1}"
                 )
-            if n >= nm and Action(BACKWARD, n - nm) not in seen:
+            if kind in (PUSH, WAIT) and n >= self.num_waves:
+                raise ScheduleError(f"{where}: no wave {n}; waves are 0..{self.num_waves - 1}")
+            wave = n if kind in (PUSH, WAIT) else n // self.nm
+            if kind == FORWARD:
+                self._forward(where, action, in_flight, updated)
+                in_flight.add(n)
+            elif kind == BACKWARD:
+                if Action(FORWARD, n) not in seen:
+                    raise ScheduleError(f"{where}: backward before its forward at this stage; put F{n} before {action}")
+                in_flight.discard(n)
+                pending.append(n)
+            elif kind == UPDATE:
+                self._update(where, action, pending, in_flight)
+                updated.update(pending)
+                pending.clear()
+            elif kind == PUSH:
+                missing = [p for p in range(n * self.nm, n * self.nm + self.nm) if p not in updated]
+                if missing:
+                    what = f"B{missing[0]} has not run" if Action(BACKWARD, missing[0]) not in seen else \
+                        f"B{missing[0]}'s update (U) has not run"
+                    raise ScheduleError(
+                        f"{where}: wave {n}'s update is not complete, {what}; "
+                        f"put {action} right after the update of the last backward of wave {n}"
+                    )
+            elif kind == WAIT:
+                if not _needs_wait(n, self.staleness):
+                    raise ScheduleError(
+                        f"{where}: wave {n} needs no gate with D={self.staleness} (W_0 is the initial model); "
+                        f"only waves c >= D + 2 = {self.staleness + 2} wait, so remove {action}"
+                    )
+                if self.stashing == "none" and in_flight:
+                    raise ScheduleError(
+                        f"{where}: F{min(in_flight)} is in flight and this schedule keeps no stashed weights, "
+                        "so a rebase here would change the weights of its backward; flush the wave first"
+                    )
+            # A gate must precede every action of its wave; B p needs F p first, so checking at the
+            # wave's first F or B also catches a WAIT placed after any action of its wave.
+            gate = Action(WAIT, wave)
+            if kind in (FORWARD, BACKWARD) and _needs_wait(wave, self.staleness) and gate not in seen:
+                later = [k for k in range(i + 1, len(actions)) if actions[k] == gate]
+                state = f"{gate} comes later (position {later[0]})" if later else f"{gate} is missing"
                 raise ScheduleError(
-                    f"{where}: comes before B{n - nm}; guarantee L needs minibatch p - nm's update "
-                    f"before p's forward, so put B{n - nm} before {action}"
+                    f"{where}: first action of wave {wave}, but {state}; with D={self.staleness} wave {wave} "
+                    f"must wait for W_{wave - self.staleness - 1}, so put {gate} right before {action}"
                 )
-        elif kind == BACKWARD:
-            if Action(FORWARD, n) not in seen:
-                raise ScheduleError(
-                    f"{where}: backward before its forward at this stage; put F{n} before {action}"
-                )
-            in_flight -= 1
-        elif kind == PUSH:
-            missing = [p for p in range(n * nm, n * nm + nm) if Action(BACKWARD, p) not in seen]
-            if missing:
-                raise ScheduleError(
-                    f"{where}: wave {n}'s update is not complete, B{missing[0]} has not run; "
-                    f"put {action} right after the last backward of wave {n}"
-                )
-        elif kind == WAIT and not _needs_wait(n, staleness):
+            seen[action] = i
+        self._complete(seen, updated, total)
+
+    def _forward(self, where: str, action: Action, in_flight: set[int], updated: set[int]) -> None:
+        if len(in_flight) + 1 > self.nm:
             raise ScheduleError(
-                f"{where}: wave {n} needs no gate with D={staleness} (W_0 is the initial model); "
-                f"only waves c >= D + 2 = {staleness + 2} wait, so remove {action}"
+                f"{where}: {len(in_flight) + 1} minibatches in flight at this stage, more than nm={self.nm}; "
+                f"run a backward before {action}"
+            )
+        need = own_through_required(self.guarantee, action.index, self.nm)
+        missing = [q for q in range(need + 1) if q not in updated]
+        if missing:
+            raise ScheduleError(
+                f"{where}: comes before B{missing[0]} and its update; guarantee L ({self.guarantee}) needs every own "
+                f"minibatch <= {need} applied before {action}, so put B{missing[0]} and its U before {action}"
             )
 
-        # A gate must precede every action of its wave; B p needs F p first, so checking at the
-        # wave's first F or B also catches a WAIT placed after any action of its wave.
-        if kind in (FORWARD, BACKWARD) and _needs_wait(wave, staleness) and gate not in seen:
-            later = [k for k in range(i + 1, len(actions)) if actions[k] == gate]
-            state = f"{gate} comes later (position {later[0]})" if later else f"{gate} is missing"
+    def _update(self, where: str, action: Action, pending: list[int], in_flight: set[int]) -> None:
+        if not pending or pending[-1] != action.index:
+            last = f"the last backward before it is B{pending[-1]}" if pending else "no backward runs before it"
+            raise ScheduleError(f"{where}: an update names the last backward it applies, but {last}")
+        waves = {p // self.nm for p in pending}
+        if len(waves) > 1:
             raise ScheduleError(
-                f"{where}: first action of wave {wave}, but {state}; with D={staleness} wave {wave} "
-                f"must wait for W_{wave - staleness - 1}, so put {gate} right before {action}"
+                f"{where}: applies backwards of waves {sorted(waves)}; an update belongs to one wave's sum, so "
+                f"put a U after B{max(p for p in pending if p // self.nm == min(waves))}"
             )
-        seen[action] = i
+        if self.stashing == "none" and in_flight:
+            raise ScheduleError(
+                f"{where}: F{min(in_flight)} is in flight and this schedule keeps no stashed weights, so its "
+                "backward would see the updated weights; update after the wave's last backward"
+            )
 
-    for p in range(total):
-        for kind in (FORWARD, BACKWARD):
-            if Action(kind, p) not in seen:
+    def _complete(self, seen: dict[Action, int], updated: set[int], total: int) -> None:
+        for p in range(total):
+            for kind in (FORWARD, BACKWARD):
+                if Action(kind, p) not in seen:
+                    raise ScheduleError(
+                        f"stage {self.stage}: {kind}{p} is missing; every stage runs F and B of every minibatch"
+                    )
+            if p not in updated:
+                raise ScheduleError(f"stage {self.stage}: B{p} is never applied; put a U after it")
+        for c in range(self.num_waves):
+            push = Action(PUSH, c)
+            if push not in seen:
+                last = [a for a in seen if a.kind == UPDATE and a.index // self.nm == c]
+                after = max(last, key=lambda a: seen[a]) if last else Action(BACKWARD, c * self.nm + self.nm - 1)
                 raise ScheduleError(
-                    f"stage {stage}: {kind}{p} is missing; every stage runs F and B of every minibatch"
+                    f"stage {self.stage}: {push} is missing; put it right after {after} (position {seen[after]}), "
+                    f"the update that completes wave {c}"
                 )
-    for c in range(num_waves):
-        push = Action(PUSH, c)
-        if push not in seen:
-            last = Action(BACKWARD, c * nm + nm - 1)
-            raise ScheduleError(
-                f"stage {stage}: {push} is missing; put it right after {last} (position {seen[last]}), "
-                f"the last backward of wave {c}"
-            )
 
 
 # ---------------------------------------------------------------------------------------------
-# execution: the dependency rules, used by the validator and the timing model alike
+# execution: the dependency rules with per-stage times, used by the validator and the timing model
 
 
 @dataclass(frozen=True)
 class Event:
-    """One action of one stage in a simulated run; PUSH and WAIT have end == start."""
+    """One action of one stage in a simulated run; U, PUSH and WAIT have end == start."""
 
     stage: int
     action: Action
@@ -351,51 +492,28 @@ class Timeline:
         return self.schedule.num_minibatches / self.makespan if self.makespan else math.inf
 
 
-class _Run:
-    """Completion times of the actions that have run so far, and the rules that read them."""
-
-    def __init__(self, num_stages: int, nm: int, staleness: int) -> None:
-        self.num_stages = num_stages
-        self.nm = nm
-        self.staleness = staleness
-        self.done: list[dict[Action, float]] = [{} for _ in range(num_stages)]
-
-    def finished(self, stage: int, action: Action, now: float) -> bool:
-        return self.done[stage].get(action, math.inf) <= now
-
-    def blocker(self, stage: int, action: Action, now: float) -> str | None:
-        """What `action` at `stage` still waits for at time `now`; None when it may start."""
-        kind, n = action.kind, action.index
-        if kind == FORWARD:
-            if stage > 0 and not self.finished(stage - 1, action, now):
-                return f"{action} at stage {stage - 1} (the activation)"
-        elif kind == BACKWARD:
-            if not self.finished(stage, Action(FORWARD, n), now):
-                return f"F{n} at stage {stage}"
-            if stage < self.num_stages - 1 and not self.finished(stage + 1, action, now):
-                return f"{action} at stage {stage + 1} (the gradient)"
-        elif kind == PUSH:
-            for p in range(n * self.nm, n * self.nm + self.nm):
-                if not self.finished(stage, Action(BACKWARD, p), now):
-                    return f"B{p} at stage {stage}"
-        else:  # WAIT: c_global >= c - D - 1, i.e. every stage pushed every wave <= c - D - 2
-            for c in range(n - self.staleness - 1):
-                for j in range(self.num_stages):
-                    if not self.finished(j, Action(PUSH, c), now):
-                        return f"PUSH{c} at stage {j}"
-        return None
+def _blocker(stages: Sequence[Sequence[Action]], done: list[dict[Action, float]], j: int, action: Action,
+             staleness: int, now: float) -> str | None:
+    """What `action` at stage j still waits for at time `now` (one VW: c_global is its own clock)."""
+    for peer, other in needs(action, j, len(stages)):
+        if done[peer].get(other, math.inf) > now:
+            what = "the activation" if action.kind == FORWARD else "the gradient"
+            return f"{other} at stage {peer} ({what})"
+    gate = gate_of(action, staleness)
+    if gate is not None:
+        for c in range(gate):
+            for i in range(len(stages)):
+                if done[i].get(Action(PUSH, c), math.inf) > now:
+                    return f"PUSH{c} at stage {i}"
+    return None
 
 
 def _execute(
-    stages: Sequence[Sequence[Action]],
-    nm: int,
-    staleness: int,
-    forward_time: Sequence[float],
-    backward_time: Sequence[float],
+    stages: Sequence[Sequence[Action]], staleness: int, forward_time: Sequence[float], backward_time: Sequence[float]
 ) -> list[Event]:
     """Run all lists together: each stage takes its next action as soon as its dependencies are done."""
     k = len(stages)
-    run = _Run(k, nm, staleness)
+    done: list[dict[Action, float]] = [{} for _ in range(k)]
     position = [0] * k
     free_at = [0.0] * k
     events: list[Event] = []
@@ -408,10 +526,10 @@ def _execute(
             for j in range(k):
                 while free_at[j] <= now and position[j] < len(stages[j]):
                     action = stages[j][position[j]]
-                    if run.blocker(j, action, now) is not None:
+                    if _blocker(stages, done, j, action, staleness, now) is not None:
                         break
                     duration = {FORWARD: forward_time[j], BACKWARD: backward_time[j]}.get(action.kind, 0.0)
-                    run.done[j][action] = now + duration
+                    done[j][action] = now + duration
                     events.append(Event(j, action, now, now + duration))
                     position[j] += 1
                     progressed = True
@@ -425,7 +543,7 @@ def _execute(
         if not upcoming:
             stuck = [
                 f"  {_at(j, position[j], stages[j][position[j]])} waits for "
-                f"{run.blocker(j, stages[j][position[j]], now)}"
+                f"{_blocker(stages, done, j, stages[j][position[j]], staleness, now)}"
                 for j in range(k)
                 if position[j] < len(stages[j])
             ]
@@ -440,9 +558,7 @@ def _execute(
 def _per_stage(value: Sequence[float] | float, num_stages: int, what: str) -> list[float]:
     values = [float(value)] * num_stages if isinstance(value, int | float) else [float(v) for v in value]
     if len(values) != num_stages:
-        raise UsageError(
-            f"{what} has {len(values)} entries for {num_stages} stages; give one per stage or one number"
-        )
+        raise UsageError(f"{what} has {len(values)} entries for {num_stages} stages; give one per stage or one number")
     if any(not v > 0 or math.isinf(v) for v in values):
         raise UsageError(f"{what} must be finite and > 0, got {values}")
     return values
@@ -455,25 +571,20 @@ def simulate(
 ) -> Timeline:
     """Run `schedule` with per-stage forward and backward times (one number or one per stage).
 
-    Communication and PUSH/WAIT take no time; WAIT blocks only as the gate rule says.
+    Communication, U, PUSH and WAIT take no time; WAIT blocks only as the gate rule says.
     """
     validate(schedule)
     k = schedule.num_stages
-    events = _execute(
-        schedule.stages,
-        schedule.nm,
-        schedule.staleness,
-        _per_stage(forward_time, k, "forward_time"),
-        _per_stage(backward_time, k, "backward_time"),
-    )
+    events = _execute(schedule.stages, schedule.staleness, _per_stage(forward_time, k, "forward_time"),
+                      _per_stage(backward_time, k, "backward_time"))
     return Timeline(schedule, tuple(events))
 
 
 def steps(schedule: Schedule) -> list[tuple[tuple[Action, ...], ...]]:
     """Unit-time run: per step, per stage, the actions started in that step (empty when idle).
 
-    F and B take one step; a PUSH or WAIT appears in the step where it runs, before the F or B
-    that follows it there (e.g. `(PUSH0, F7)`), or alone when the stage then idles.
+    F and B take one step; a U, PUSH or WAIT appears in the step where it runs, before the F or B that
+    follows it there (e.g. `(U3, PUSH0, F7)`), or alone when the stage then idles.
     """
     timeline = simulate(schedule, 1.0, 1.0)
     count = 1 + int(max((e.start for e in timeline.events), default=-1.0))
@@ -481,6 +592,37 @@ def steps(schedule: Schedule) -> list[tuple[tuple[Action, ...], ...]]:
     for event in timeline.events:
         cells[int(event.start)][event.stage].append(event.action)
     return [tuple(tuple(cell) for cell in row) for row in cells]
+
+
+# ---------------------------------------------------------------------------------------------
+# what a stage holds at its peak (the memory model reads these)
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """The most a stage holds at once under a schedule: minibatches in flight (activations kept) and weight
+    versions those minibatches ran on (each a stashed copy while weight stashing is on)."""
+
+    in_flight: int
+    versions: int
+
+
+def stage_profile(schedule: Schedule, stage: int) -> StageProfile:
+    """Scan one stage's list: a version begins at every U and WAIT; a forward keeps the version it ran on
+    until its backward, shared with the other forwards of that version."""
+    version = 0
+    alive: dict[int, int] = {}  # minibatch in flight -> the version its forward used
+    peak_flight = peak_versions = 0
+    for action in schedule.stages[stage]:
+        if action.kind == FORWARD:
+            alive[action.index] = version
+        elif action.kind == BACKWARD:
+            del alive[action.index]
+        elif action.kind in (UPDATE, WAIT):
+            version += 1
+        peak_flight = max(peak_flight, len(alive))
+        peak_versions = max(peak_versions, len(set(alive.values())))
+    return StageProfile(peak_flight, peak_versions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,10 +645,6 @@ def format_grid(schedule: Schedule) -> str:
     step_width = max(len("step"), len(str(len(rows) - 1)))
 
     def line(first: str, values: list[str]) -> str:
-        return "  ".join(
-            [first.rjust(step_width)] + [v.ljust(w) for v, w in zip(values, widths, strict=True)]
-        ).rstrip()
+        return "  ".join([first.rjust(step_width)] + [v.ljust(w) for v, w in zip(values, widths, strict=True)]).rstrip()
 
-    return "\n".join(
-        [schedule.header, line("step", titles)] + [line(str(t), row) for t, row in enumerate(cells)]
-    )
+    return "\n".join([schedule.header, line("step", titles)] + [line(str(t), row) for t, row in enumerate(cells)])

@@ -9,8 +9,18 @@ from dataclasses import dataclass
 
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.plan import Plan, VwPlan
-from hetpipe.core.schedule import BACKWARD, FORWARD, PUSH, WAIT, Action, wsp_schedule
+from hetpipe.core.schedule import (
+    BACKWARD,
+    FORWARD,
+    PUSH,
+    WAIT,
+    Action,
+    gate_of,
+    get_schedule,
+    needs,
+)
 from hetpipe.core.schedule import simulate as simulate_schedule
+from hetpipe.core.wsp import gate_version
 
 __all__ = [
     "BaselineResult",
@@ -62,8 +72,8 @@ class VwResult:
     wave_s: float  # steady-state time per wave: mean gap between wave completions, fill and drain excluded
     samples_per_s: float  # its own samples / its own finish time
     finish_s: float
-    gate_wait_s: float  # stage-seconds blocked at gates waiting for c_global (all stages summed)
-    pull_s: float  # stage-seconds spent pulling after the gate opened (queueing on the PS link included)
+    gate_wait_s: float  # stage-seconds blocked at WAIT: the gate, then the pull's arrival (all stages summed)
+    pull_s: float  # seconds from a gate opening to its pull's arrival (queueing on the PS link included)
 
 
 @dataclass(frozen=True)
@@ -147,16 +157,23 @@ class _Link:
 class _Vw:
     """Run state of one virtual worker: its lists, times, and what has finished when."""
 
-    def __init__(self, vw: VwPlan, waves: int, staleness: int) -> None:
-        self.schedule = wsp_schedule(len(vw.stages), vw.nm, waves, staleness)
+    def __init__(self, vw: VwPlan, waves: int, staleness: int, schedule: str, recompute: bool) -> None:
+        self.schedule = get_schedule(schedule)(len(vw.stages), vw.nm, waves, staleness)
         self.k = len(vw.stages)
         self.forward, self.backward = stage_times(vw)
+        if recompute:  # the backward runs the forward again first
+            self.backward = [b + f for f, b in zip(self.forward, self.backward, strict=True)]
         self.param_bytes = stage_param_bytes(vw)
         self.position = [0] * self.k
         self.free_at = [0.0] * self.k
         self.ready_at = [0.0] * self.k  # when the stage reached its current position
         self.done: list[dict[Action, float]] = [{} for _ in range(self.k)]
         self.push_landed: list[list[float]] = [[] for _ in range(waves)]
+        self.pushed = [0] * self.k  # waves each stage has handed to its PS agent
+        self.waits = [[a.index for a in actions if a.kind == WAIT] for actions in self.schedule.stages]
+        self.next_wait = [0] * self.k  # index into waits[j] of the stage's next WAIT
+        self.pull_handed: list[dict[int, float]] = [{} for _ in range(self.k)]  # wave -> when handed over
+        self.pull_arrived: list[dict[int, float]] = [{} for _ in range(self.k)]  # wave -> when it arrived
         self.completed = 0  # waves completed by the current time (advanced by `completed_at`)
         self.gate_wait_s = 0.0
         self.pull_s = 0.0
@@ -181,47 +198,68 @@ class _Vw:
 class _Run:
     """All virtual workers on one clock and one PS link, so the D bound couples them."""
 
-    def __init__(self, plan: Plan, waves: int, link: _Link) -> None:
+    def __init__(self, plan: Plan, waves: int, link: _Link, pulls: bool) -> None:
         self.staleness = plan.staleness
-        self.vws = [_Vw(vw, waves, plan.staleness) for vw in plan.vws]
+        self.vws = [_Vw(vw, waves, plan.staleness, plan.schedule, plan.recompute) for vw in plan.vws]
         self.link = link
+        self.pulls = pulls
         self.events: list[SimEvent] = []
         self.gates: list[GateRecord] = []
         self.upcoming: list[float] = []
 
     def ready(self, i: int, j: int, action: Action, now: float) -> bool:
-        vw, n = self.vws[i], action.index
-        if action.kind == FORWARD:
-            return j == 0 or vw.finished(j - 1, action, now)
-        if action.kind == BACKWARD:
-            return vw.finished(j, Action(FORWARD, n), now) and (j == vw.k - 1 or vw.finished(j + 1, action, now))
-        if action.kind == PUSH:
-            return vw.finished(j, Action(BACKWARD, n * vw.schedule.nm + vw.schedule.nm - 1), now)
-        return self.c_global(now) >= n - self.staleness - 1  # WAIT: hetpipe.md §3 gate
+        vw = self.vws[i]
+        if not all(vw.finished(peer, other, now) for peer, other in needs(action, j, vw.k)):
+            return False
+        if gate_of(action, self.staleness) is None or not self.pulls:
+            return True
+        return vw.pull_arrived[j].get(action.index, math.inf) <= now
 
     def c_global(self, now: float) -> int:
         return min(vw.completed_at(now) for vw in self.vws)
 
+    def hand_over_pull(self, vw: _Vw, j: int, now: float) -> None:
+        """As the runtime does: the next WAIT's pull goes to the PS once the stage's previous WAIT is done and
+        its own pushes of waves <= c - D - 2 are handed over; the PS answers when the gate opens."""
+        if not self.pulls or vw.next_wait[j] >= len(vw.waits[j]):
+            return
+        wave = vw.waits[j][vw.next_wait[j]]
+        if wave not in vw.pull_handed[j] and vw.pushed[j] >= gate_version(wave, self.staleness):
+            vw.pull_handed[j][wave] = now
+
+    def serve_pulls(self, now: float) -> None:
+        """The PS sends every handed-over pull whose gate is open at `now`, first come first served."""
+        c_global = self.c_global(now)
+        for vw in self.vws:
+            for j in range(vw.k):
+                for wave, handed in vw.pull_handed[j].items():
+                    if wave not in vw.pull_arrived[j] and handed <= now and c_global >= gate_version(wave, self.staleness):
+                        arrived = self.link.transfer(now, vw.param_bytes[j])
+                        vw.pull_arrived[j][wave] = arrived
+                        vw.pull_s += arrived - now
+                        if arrived > now:
+                            heapq.heappush(self.upcoming, arrived)
+
     def start(self, i: int, j: int, action: Action, now: float) -> None:
         vw = self.vws[i]
-        if action.kind == PUSH:  # the runtime's push waits for the PS's answer, so it holds the stage
-            end = self.link.transfer(now, vw.param_bytes[j])
+        end = free = now
+        if action.kind == PUSH:  # handed to the PS agent thread: the stage goes on at once
+            end = self.link.transfer(now, vw.param_bytes[j])  # the event spans the transfer
             vw.push_landed[action.index].append(end)
-        elif action.kind == WAIT:
-            if len(self.vws) == 1:  # one VW skips the gate and the pull (its live weights are the global ones)
-                end = now
-            else:
-                vw.gate_wait_s += now - vw.ready_at[j]
-                completed = tuple(other.completed_at(now) for other in self.vws)
-                self.gates.append(GateRecord(now, i, j, action.index, completed))
-                end = self.link.transfer(now, vw.param_bytes[j])
-                vw.pull_s += end - now
-        else:
-            end = now + (vw.forward[j] if action.kind == FORWARD else vw.backward[j])
-        vw.free_at[j] = vw.ready_at[j] = end
-        vw.done[j][action] = end
+            vw.pushed[j] = action.index + 1
+        elif action.kind == WAIT and self.pulls:  # the pull has arrived (ready() checked)
+            vw.gate_wait_s += now - vw.ready_at[j]
+            completed = tuple(other.completed_at(now) for other in self.vws)
+            self.gates.append(GateRecord(now, i, j, action.index, completed))
+            vw.next_wait[j] += 1
+        elif action.kind in (FORWARD, BACKWARD):
+            end = free = now + (vw.forward[j] if action.kind == FORWARD else vw.backward[j])
+        vw.free_at[j] = vw.ready_at[j] = free
+        vw.done[j][action] = free
         vw.position[j] += 1
         self.events.append(SimEvent(i, j, action, now, end))
+        if action.kind in (PUSH, WAIT):
+            self.hand_over_pull(vw, j, now)
         if end > now:
             heapq.heappush(self.upcoming, end)
 
@@ -230,6 +268,7 @@ class _Run:
         progressed = True
         while progressed:
             progressed = False
+            self.serve_pulls(now)
             for i, vw in enumerate(self.vws):
                 for j, actions in enumerate(vw.schedule.stages):
                     while vw.free_at[j] <= now and vw.position[j] < len(actions):
@@ -252,18 +291,21 @@ class _Run:
                 return
             while self.upcoming and self.upcoming[0] <= now:
                 heapq.heappop(self.upcoming)
-            if not self.upcoming:  # cannot happen with wsp lists; a guard against an endless loop
+            if not self.upcoming:  # cannot happen with validated lists; a guard against an endless loop
                 raise HetpipeError(f"simulation stuck at t={now}: no stage can proceed; this is a bug, report it")
             now = heapq.heappop(self.upcoming)
 
 
-def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1) -> SimResult:
-    """Run every VW of `plan` for `waves` waves of the wsp schedule under WSP with D = plan.staleness.
+def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1, server_aggregation: bool = False
+             ) -> SimResult:
+    """Run every VW of `plan` for `waves` waves of its schedule under WSP with D = plan.staleness.
 
-    Stages take stage_times(); PUSH c sends the stage's param bytes (stage_param_bytes) to the PS and
-    holds the stage until they have arrived (the runtime's push waits for the PS's answer); VW i has
-    completed wave c once every stage's push of c has arrived. WAIT c blocks until c_global >= c - D - 1,
-    then pulls the stage's param bytes, holding the stage; a single VW skips WAIT, as the runtime does.
+    Stages take stage_times() (a recomputing backward adds the forward); PUSH c sends the stage's param
+    bytes (stage_param_bytes) to the PS in the background, as the runtime's PS agent does, and VW i has
+    completed wave c once every stage's push of c has arrived. WAIT c waits for the pull of W_{c-D-1}: the
+    runtime hands it over early (after the stage's previous WAIT and its push of wave c - D - 2) and the PS
+    sends it once c_global >= c - D - 1. A single VW skips WAIT, as the runtime does, unless the PS runs
+    the optimizer (`server_aggregation`).
     Pushes and pulls share one FIFO PS link; with balanced placement every transfer is spread
     evenly over the shards, each with its own `ps_gbps` link, so the link runs at ps_shards x ps_gbps
     (math.inf: free). The run ends when the last push has arrived.
@@ -277,7 +319,7 @@ def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1) -> S
     if not plan.vws:
         raise UsageError("the plan has no virtual workers; allocate GPUs to at least one")
     link = _Link(ps_gbps * ps_shards * 1e9 / 8)
-    run = _Run(plan, waves, link)
+    run = _Run(plan, waves, link, pulls=len(plan.vws) > 1 or server_aggregation)
     run.run()
     makespan = max(e.end for e in run.events)
     results = []
@@ -338,7 +380,7 @@ def simulate_sync_pipeline(vw: VwPlan, microbatches: int, batch_size: int) -> Ba
     if microbatches < 1:
         raise UsageError(f"microbatches must be >= 1, got {microbatches}")
     forward, backward = stage_times(vw)
-    schedule = wsp_schedule(len(vw.stages), microbatches, 1, 0)
+    schedule = get_schedule("1f1b-flush")(len(vw.stages), microbatches, 1, 0)
     timeline = simulate_schedule(
         schedule, [t / microbatches for t in forward], [t / microbatches for t in backward]
     )

@@ -107,6 +107,13 @@ def _is_error_code(value: object) -> str | None:
     return None if type(value) is str and value in ERROR_CODES else f"one of {sorted(ERROR_CODES)}"
 
 
+def _is_key_list(value: object) -> str | None:
+    """A list of tensor names (which keys of a registration are buffers, which are ledgers)."""
+    ok = type(value) is list and len(value) <= MAX_TENSORS and all(
+        type(k) is str and 0 < len(k) <= MAX_KEY_CHARS for k in value)
+    return None if ok else f"a list of at most {MAX_TENSORS} tensor names"
+
+
 _SCALARS = (type(None), bool, int, float, str, bytes)
 
 
@@ -163,6 +170,7 @@ FIELDS: dict[str, dict[str, Check]] = {
     "register": {
         "id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX,
         "num_vws": _COUNT, "num_stages": _COUNT, "want_weights": _is_bool,
+        "num_waves": _INDEX, "buffers": _is_key_list, "ledgers": _is_key_list,
     },
     "push": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
     "pull": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
@@ -172,6 +180,7 @@ FIELDS: dict[str, dict[str, Check]] = {
     "ack": {"id": _ID, "wave": _INDEX, "applied": _is_bool, "c_global": _INDEX},
     "weights": {
         "id": _ID, "wave": _INDEX, "version": _INDEX, "own_through": _int_in(-1, _I31, "2**31"),
+        "parked_ms": _INDEX,
     },
     "status_reply": {"id": _ID, "info": _is_info},
     "snapshot": {"id": _ID, "version": _INDEX, "info": _is_info},

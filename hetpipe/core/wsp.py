@@ -1,10 +1,14 @@
 """Wave Synchronous Parallel state of one PS shard: registrations, idempotent pushes, clocks, the gate,
-exact and latest pulls, snapshots. Pure: numpy arrays in, numpy arrays out, no sockets (hetpipe.md §3).
+exact and latest pulls, buffers, bounded memory, snapshots. Pure: numpy arrays in, numpy arrays out, no
+sockets (docs/wsp.md).
 
 Arithmetic, fixed so runs are reproducible bit for bit:
-    W_{t+1} = W_t + S_t,   S_t = ((Δ_0(t) + Δ_1(t)) + Δ_2(t)) + ...   (VW order, whatever the arrival order)
-where Δ_i(t) is VW i's summed update of wave t for a key. `exact` pulls return exactly W_{c-D-1}; `latest`
-pulls return the running weights, to which every update is added the moment it arrives.
+    S_t = ((P_0(t) + P_1(t)) + P_2(t)) + ...      (VW order, whatever the arrival order)
+    W_{t+1} = fold(W_t, S_t)                       (hetpipe.core.aggregation: sum, mean or server optimizer)
+where P_i(t) is VW i's push of wave t for a key: its summed update (or mean gradient, with aggregation
+"server") for a parameter, its current values for a buffer. `exact` pulls return exactly W_{c-D-1}, built
+once wave c-D-2 is complete and kept while a pull may still ask for it; `latest` pulls return the running
+weights, into which every push is folded the moment it arrives.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
+from hetpipe.core.aggregation import KEY_KINDS, Aggregation, KeyKind, make_aggregation
 
 __all__ = [
     "PULL_MODES",
@@ -25,6 +31,7 @@ __all__ = [
     "WspError",
     "first_pulled_wave",
     "gate_version",
+    "pending_bound",
 ]
 
 PULL_MODES = ("exact", "latest")
@@ -73,8 +80,16 @@ def gate_version(wave: int, staleness: int) -> int:
 
 
 def first_pulled_wave(staleness: int) -> int:
-    """The first wave whose gate needs a pull; earlier waves start from W_0 (hetpipe.md §3)."""
+    """The first wave whose gate needs a pull; earlier waves start from W_0 (docs/wsp.md)."""
     return staleness + 2
+
+
+def pending_bound(staleness: int) -> tuple[int, int]:
+    """The most an exact shard holds, in waves' worth of its keys (docs/wsp.md, "Bounded memory"):
+    (weight versions, wave sums) = (D + 2, D + 2). Versions W_t are kept from the oldest a pull may still
+    ask for (c_global - D - 1 at the slowest stage) to the newest (c_global); sums of waves c_global ..
+    c_global + D + 1, the furthest any VW may run ahead of the slowest."""
+    return staleness + 2, staleness + 2
 
 
 def _add(dst: np.ndarray, src: Source) -> None:
@@ -142,29 +157,45 @@ class WaveSums:
 class ShardState:
     """The WSP state machine of one shard: who is registered, what was pushed and pulled, the weights."""
 
-    def __init__(self, staleness: int, pull_mode: str = "exact") -> None:
+    def __init__(self, staleness: int, pull_mode: str = "exact", aggregation: Aggregation | None = None) -> None:
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         if pull_mode not in PULL_MODES:
             raise ValueError(f"pull_mode must be one of {PULL_MODES}, got {pull_mode!r}")
         self.staleness = staleness
         self.pull_mode = pull_mode
+        self.aggregation = aggregation or make_aggregation("sum")
         self.num_vws: int | None = None
+        self.num_waves: int | None = None  # the run's length, when the stages said (no pull asks past it)
         self.num_stages: dict[int, int] = {}
         self.stage_keys: dict[StageId, tuple[str, ...]] = {}
         self.key_owner: dict[tuple[int, str], int] = {}  # (vw, key) -> stage
+        self.kinds: dict[str, KeyKind] = {}
         self.pushed: dict[StageId, int] = {}  # waves pushed, contiguous from 0
-        self.pulled: dict[StageId, int] = {}  # highest wave pulled
-        self.weights: dict[str, np.ndarray] = {}  # exact: W_version; latest: running weights
-        self.version = 0
-        self.wave_sums: dict[int, WaveSums] = {}
+        self.pulled: dict[StageId, int] = {}  # highest wave pulled (first_pulled_wave - 1 before any)
+        self.initial: dict[str, np.ndarray] = {}  # W_0
+        self.versions: dict[int, dict[str, np.ndarray]] = {0: self.initial}  # exact: W_t, never changed once built
+        self.wave_sums: dict[int, WaveSums] = {}  # exact: sums of waves not complete yet
+        self.weights: dict[str, np.ndarray] = {}  # latest only: running weights (params and ledgers)
+        self.latest_buffers: dict[int, dict[str, np.ndarray]] = {}  # latest: each VW's newest buffer values
         self._lent: dict[str, list[Callable[[], bool]]] = {}
+
+    @property
+    def version(self) -> int:
+        """Exact: the newest W_t built (t = c_global once every VW's waves arrived)."""
+        return max(self.versions)
 
     # ---- registration -------------------------------------------------------------------------------
     def register(
-        self, vw: int, stage: int, num_vws: int, num_stages: int, tensors: Mapping[str, Source]
+        self, vw: int, stage: int, num_vws: int, num_stages: int, tensors: Mapping[str, Source],
+        kinds: Mapping[str, str] | None = None, num_waves: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """Declare a stage's keys (first registration of a key sets its W_0); returns the PS's values."""
+        """Declare a stage's keys (first registration of a key sets its W_0) and their kinds (default
+        "param"), and how many waves the run has (None: unknown); returns the PS's values."""
+        if num_waves is not None:
+            if self.num_waves not in (None, num_waves):
+                raise WspError("conflict", f"vw {vw} stage {stage} says the run has {num_waves} waves, not {self.num_waves}")
+            self.num_waves = num_waves
         if self.num_vws is None:
             self.num_vws = num_vws
         elif num_vws != self.num_vws:
@@ -172,33 +203,39 @@ class ShardState:
         if not 0 <= vw < num_vws:
             raise WspError("bad_message", f"vw {vw} is out of range for {num_vws} VWs")
         if self.num_stages.setdefault(vw, num_stages) != num_stages:
-            raise WspError(
-                "conflict", f"vw {vw} has {self.num_stages[vw]} stages, a registration says {num_stages}"
-            )
+            raise WspError("conflict", f"vw {vw} has {self.num_stages[vw]} stages, a registration says {num_stages}")
         if not 0 <= stage < num_stages:
             raise WspError("bad_message", f"stage {stage} is out of range for {num_stages} stages")
         sid = (vw, stage)
         keys = tuple(tensors)
         if sid in self.stage_keys and set(self.stage_keys[sid]) != set(keys):
             raise WspError("conflict", f"vw {vw} stage {stage} registered again with other keys")
+        kinds = dict(kinds or {})
+        for key, kind in kinds.items():
+            if key not in tensors or kind not in KEY_KINDS:
+                raise WspError("bad_message", f"kind {kind!r} of key {key!r}: give one of {KEY_KINDS} for a key sent")
         for key, src in tensors.items():
             owner = self.key_owner.get((vw, key))
             if owner is not None and owner != stage:
                 raise WspError("conflict", f"key {key!r} of vw {vw} is already owned by its stage {owner}")
             self._check_float32(key, src)
-            held = self.weights.get(key)
+            held = self.initial.get(key)
             if held is not None and held.shape != tuple(src.shape):
-                raise WspError(
-                    "conflict", f"key {key!r} has shape {tuple(src.shape)}, registered before as {held.shape}"
-                )
+                raise WspError("conflict", f"key {key!r} has shape {tuple(src.shape)}, registered before as {held.shape}")
+            kind = kinds.get(key, "param")
+            if self.kinds.get(key, kind) != kind:
+                raise WspError("conflict", f"key {key!r} is a {self.kinds[key]}, a registration says {kind}")
         for key, src in tensors.items():
-            if key not in self.weights:
-                self.weights[key] = _copy(src)
+            if key not in self.initial:
+                self.initial[key] = _copy(src)
+                if self.pull_mode == "latest":
+                    self.weights[key] = self.initial[key].copy()
+                self.kinds[key] = kinds.get(key, "param")
             self.key_owner[(vw, key)] = stage
         self.stage_keys[sid] = keys
         self.pushed.setdefault(sid, 0)
         self.pulled.setdefault(sid, first_pulled_wave(self.staleness) - 1)
-        return {key: self.weights[key] for key in keys}
+        return {key: self.initial[key] for key in keys}
 
     @staticmethod
     def _check_float32(key: str, src: Source) -> None:
@@ -236,10 +273,10 @@ class ShardState:
         return min(range(self.num_vws), key=self.c_local)
 
     # ---- push ---------------------------------------------------------------------------------------
-    def push(self, vw: int, stage: int, wave: int, deltas: Mapping[str, Source]) -> PushResult:
-        """Add a stage's summed update of `wave`; the same (vw, stage, wave) counts once.
+    def push(self, vw: int, stage: int, wave: int, tensors: Mapping[str, Source]) -> PushResult:
+        """Add a stage's push of `wave`; the same (vw, stage, wave) counts once.
 
-        The deltas are kept by reference until folded: the caller must not change them afterwards.
+        The arrays are kept by reference until folded: the caller must not change them afterwards.
         """
         keys = self._stage_keys(vw, stage)
         done = self.pushed[(vw, stage)]
@@ -247,105 +284,138 @@ class ShardState:
         if wave < done:
             return PushResult(applied=False, c_global=before, clock_advanced=False)
         if wave > done:
-            raise WspError(
-                "out_of_order", f"vw {vw} stage {stage} pushed wave {wave} before wave {done}: push in order"
-            )
-        if set(deltas) != set(keys):
-            missing = sorted(set(keys) - set(deltas))[:3]
-            extra = sorted(set(deltas) - set(keys))[:3]
+            raise WspError("out_of_order", f"vw {vw} stage {stage} pushed wave {wave} before wave {done}: push in order")
+        if set(tensors) != set(keys):
+            missing = sorted(set(keys) - set(tensors))[:3]
+            extra = sorted(set(tensors) - set(keys))[:3]
             raise WspError(
                 "bad_message",
                 f"push of vw {vw} stage {stage} must carry exactly its registered keys "
                 f"(missing {missing}, unexpected {extra})",
             )
-        for key, src in deltas.items():
+        for key, src in tensors.items():
             self._check_float32(key, src)
-            if tuple(src.shape) != self.weights[key].shape:
-                raise WspError(
-                    "bad_message", f"update of {key!r} has shape {tuple(src.shape)}, not {self.weights[key].shape}"
-                )
+            if tuple(src.shape) != self.initial[key].shape:
+                raise WspError("bad_message", f"update of {key!r} has shape {tuple(src.shape)}, not {self.initial[key].shape}")
         if self.pull_mode == "exact":
             sums = self.wave_sums.setdefault(wave, WaveSums())
-            for key, src in deltas.items():
+            for key, src in tensors.items():
                 sums.add(key, vw, src)
         else:
-            for key, src in deltas.items():
-                _add(self._writable(key), src)
+            self._fold_now(vw, tensors)
         self.pushed[(vw, stage)] = done + 1
         after = self.c_global
-        self._fold()
+        self._build_versions()
+        self._forget()
         return PushResult(applied=True, c_global=after, clock_advanced=after > before)
+
+    def _fold_now(self, vw: int, tensors: Mapping[str, Source]) -> None:
+        """Latest: fold one VW's push into the running weights (buffers: keep its newest values)."""
+        assert self.num_vws is not None
+        for key, src in tensors.items():
+            kind = self.kinds[key]
+            if kind == "buffer":
+                self.latest_buffers.setdefault(vw, {})[key] = _copy(src)
+                continue
+            new = self.aggregation.add_now(key, kind, self._writable(key), _as_array(src), self.num_vws)
+            if new is not None:
+                self.weights[key] = new.astype(np.float32, copy=False)
 
     # ---- pull ---------------------------------------------------------------------------------------
     def pull(self, vw: int, stage: int, wave: int) -> PullResult:
         """The global weights for the gate of `wave` (call only once gate_open(wave)).
 
-        The tensors may be the shard's own arrays (no copy): they stay as returned until the next push,
-        which folds; a caller that keeps them longer (a zero-copy send) must `lend` them.
+        Exact versions are never changed once built, so the arrays can be sent without a copy; the latest
+        running weights may be the shard's own arrays: a caller that keeps them past the next push (a
+        zero-copy send) must `lend` them.
         """
         keys = self._stage_keys(vw, stage)
         if not self.gate_open(wave):
             raise WspError("internal", f"pull of wave {wave} before its gate opened (c_global {self.c_global})")
         sid = (vw, stage)
         if self.pull_mode == "latest":
-            result = PullResult(
-                version=self.c_global,
-                own_through=self.pushed[sid] - 1,
-                tensors={k: self.weights[k] for k in keys},
-            )
+            result = PullResult(version=self.c_global, own_through=self.pushed[sid] - 1,
+                                tensors={k: self._latest(k) for k in keys})
         else:
             target = gate_version(wave, self.staleness)
             result = PullResult(version=target, own_through=target - 1, tensors=self.weights_at(keys, target))
-        self.pulled[sid] = max(self.pulled[sid], wave)  # the next push may fold W_{target}
+        self.pulled[sid] = max(self.pulled[sid], wave)
+        self._forget()
         return result
+
+    def _latest(self, key: str) -> np.ndarray:
+        if self.kinds[key] != "buffer":
+            return self.weights[key]
+        values = [self.latest_buffers[v][key] for v in sorted(self.latest_buffers) if key in self.latest_buffers[v]]
+        if not values:
+            return self.initial[key]
+        total = values[0].copy()
+        for part in values[1:]:
+            total += part
+        return total / np.float32(len(values))
 
     def read(self) -> PullResult:
         """Every key's newest complete weights: W_{c_global} (exact) or the running weights (latest)."""
         if self.pull_mode == "latest":
-            return PullResult(self.c_global, -1, dict(self.weights))
-        target = max(self.c_global, self.version)
-        return PullResult(target, -1, self.weights_at(tuple(self.weights), target))
+            return PullResult(self.c_global, -1, {k: self._latest(k) for k in self.initial})
+        return PullResult(self.version, -1, self.weights_at(tuple(self.initial), self.version))
 
     def weights_at(self, keys: tuple[str, ...], target: int) -> dict[str, np.ndarray]:
-        """W_target for `keys`: the held weights when target is the folded version, else a fresh sum."""
-        if target < self.version:
-            raise WspError(
-                "stale", f"W_{target} was folded away (the shard holds W_{self.version}); a retried old pull?"
-            )
-        if target == self.version:
-            return {k: self.weights[k] for k in keys}
-        out = {}
-        for key in keys:
-            w = self.weights[key].copy()
-            for t in range(self.version, target):
-                part = self.wave_sums.get(t, WaveSums()).sums.get(key)
-                if part is not None:
-                    _add(w, part)
-            out[key] = w
-        return out
+        """W_target for `keys` (exact): a version built and not yet forgotten."""
+        found = self.versions.get(target)
+        if found is None:
+            oldest = min(self.versions)
+            raise WspError("stale", f"W_{target} is not held (the shard holds W_{oldest}..W_{self.version}); "
+                                    "a retried old pull, or a pull before its gate?")
+        return {k: found[k] for k in keys}
 
-    # ---- folding and copy-on-write -------------------------------------------------------------------
-    def _fold(self) -> None:
-        """Fold S_t into W_t while wave t is complete and no future pull can ask for W_t any more."""
+    # ---- building and forgetting versions ------------------------------------------------------------
+    def _build_versions(self) -> None:
+        """Exact: build W_{t+1} from W_t and S_t for every wave t that every VW has completed."""
         if self.pull_mode != "exact" or self.num_vws is None:
             return
-        needed = min(self.pulled.values(), default=0) - self.staleness
-        while self.version < min(self.c_global, needed):
-            sums = self.wave_sums.pop(self.version, WaveSums())
+        while self.version < self.c_global:
+            t = self.version
+            sums = self.wave_sums.pop(t, WaveSums())
             incomplete = sums.incomplete(self.num_vws)
             if incomplete:
-                self.wave_sums[self.version] = sums
+                self.wave_sums[t] = sums
                 raise WspError(
                     "conflict",
-                    f"wave {self.version} completed but keys {incomplete[:3]} lack some VW's update: "
+                    f"wave {t} completed but keys {incomplete[:3]} lack some VW's update: "
                     "every VW must place the same keys on the same shard",
                 )
-            for key, part in sums.sums.items():
-                _add(self._writable(key), part)
-            self.version += 1
+            old = self.versions[t]
+            new = {}
+            for key, w in old.items():
+                part = sums.sums.get(key)
+                new[key] = w if part is None else self.aggregation.fold(
+                    key, self.kinds[key], w, _as_array(part), self.num_vws).astype(np.float32, copy=False)
+            self.versions[t + 1] = new
+
+    def oldest_needed(self) -> int:
+        """The oldest W_t a pull may still ask for: a stage that pulled wave c or pushed wave c has passed the
+        gates of every wave <= c, so it will ask for W_{c'-D-1} with c' > c only."""
+        if not self.pulled:
+            return 0
+        passed = min(max(self.pulled[sid], self.pushed[sid] - 1) for sid in self.pulled)
+        return max(0, passed + 1 - self.staleness - 1)
+
+    def last_pullable(self) -> int | None:
+        """The newest W_t any pull of the run will ask for (the last wave's gate), when the length is known."""
+        return None if self.num_waves is None else gate_version(self.num_waves - 1, self.staleness)
+
+    def _forget(self) -> None:
+        """Exact: drop versions no pull can ask for any more (the newest always stays, for reads)."""
+        if self.pull_mode != "exact":
+            return
+        oldest, last = self.oldest_needed(), self.last_pullable()
+        for t in [t for t in self.versions if t < self.version]:
+            if t < oldest or (last is not None and t > last):
+                del self.versions[t]
 
     def lend(self, key: str, is_done: Callable[[], bool]) -> None:
-        """Mark weights[key] as read by an in-flight zero-copy send until is_done() turns true."""
+        """Latest: mark weights[key] as read by an in-flight zero-copy send until is_done() turns true."""
         self._lent.setdefault(key, []).append(is_done)
 
     def _writable(self, key: str) -> np.ndarray:
@@ -356,6 +426,10 @@ class ShardState:
         return self.weights[key]
 
     # ---- inspection and snapshots --------------------------------------------------------------------
+    def held_waves(self) -> tuple[int, int]:
+        """(weight versions, wave sums) held now; exact shards keep both within pending_bound(D)."""
+        return len(self.versions), len(self.wave_sums)
+
     def status(self) -> dict[str, Any]:
         return {
             "c_global": self.c_global,
@@ -363,14 +437,23 @@ class ShardState:
             "version": self.version,
             "num_vws": self.num_vws,
             "registered": len(self.stage_keys),
+            "versions": sorted(self.versions) if self.pull_mode == "exact" else [],
             "pending_waves": sorted(self.wave_sums),
             "pull_mode": self.pull_mode,
             "staleness": self.staleness,
+            "aggregation": self.aggregation.name,
         }
 
     def to_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """Everything needed to resume: msgpack-able metadata and the named float32 arrays."""
-        arrays: dict[str, np.ndarray] = {f"w/{k}": v for k, v in self.weights.items()}
+        arrays: dict[str, np.ndarray] = {f"i/{k}": v for k, v in self.initial.items()}
+        if self.pull_mode == "latest":
+            arrays.update({f"w/{k}": v for k, v in self.weights.items()})
+            for vw, values in self.latest_buffers.items():
+                arrays.update({f"b/{vw}/{k}": v for k, v in values.items()})
+        for t, weights in self.versions.items():
+            if t:
+                arrays.update({f"v/{t}/{k}": v for k, v in weights.items()})
         sums_meta = {}
         for wave, ws in self.wave_sums.items():
             for key, arr in ws.sums.items():
@@ -379,26 +462,43 @@ class ShardState:
                 for v, arr in held.items():
                     arrays[f"h/{wave}/{v}/{key}"] = _as_array(arr)
             sums_meta[str(wave)] = {"next_vw": ws.next_vw, "held": {k: sorted(h) for k, h in ws.held.items()}}
+        optimizer_meta = None
+        if self.aggregation.optimizer is not None:
+            optimizer_meta, opt_arrays = self.aggregation.optimizer.to_state()
+            arrays.update({f"o/{k}": v for k, v in opt_arrays.items()})
         meta = {
             "staleness": self.staleness,
             "pull_mode": self.pull_mode,
+            "aggregation": self.aggregation.name,
+            "optimizer": optimizer_meta,
             "num_vws": self.num_vws,
+            "num_waves": self.num_waves,
             "num_stages": {str(v): n for v, n in self.num_stages.items()},
             "stages": [
                 {"vw": v, "stage": s, "keys": list(keys), "pushed": self.pushed[(v, s)], "pulled": self.pulled[(v, s)]}
                 for (v, s), keys in sorted(self.stage_keys.items())
             ],
-            "version": self.version,
-            "weights": list(self.weights),
+            "kinds": self.kinds,
+            "versions": sorted(self.versions),
+            "latest_buffers": {str(v): list(values) for v, values in self.latest_buffers.items()},
             "wave_sums": sums_meta,
         }
         return meta, arrays
 
     @classmethod
-    def from_state(cls, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> ShardState:
-        state = cls(meta["staleness"], meta["pull_mode"])
+    def from_state(cls, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
+                   aggregation: Aggregation | None = None) -> ShardState:
+        """The state `to_state` wrote; `aggregation` supplies the rule (and its optimizer settings) to resume."""
+        aggregation = aggregation or make_aggregation(meta.get("aggregation", "sum"))
+        if aggregation.optimizer is not None and meta.get("optimizer"):
+            prefix = "o/"
+            aggregation.optimizer.load_state(
+                meta["optimizer"], {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+        state = cls(meta["staleness"], meta["pull_mode"], aggregation)
         state.num_vws = meta["num_vws"]
+        state.num_waves = meta.get("num_waves")
         state.num_stages = {int(v): n for v, n in meta["num_stages"].items()}
+        state.kinds = dict(meta["kinds"])
         for entry in meta["stages"]:
             sid = (entry["vw"], entry["stage"])
             state.stage_keys[sid] = tuple(entry["keys"])
@@ -406,13 +506,22 @@ class ShardState:
             state.pulled[sid] = entry["pulled"]
             for key in entry["keys"]:
                 state.key_owner[(entry["vw"], key)] = entry["stage"]
-        state.weights = {k: np.array(arrays[f"w/{k}"], dtype=np.float32) for k in meta["weights"]}
-        state.version = meta["version"]
+
+        def load(name: str) -> np.ndarray:
+            return np.array(arrays[name], dtype=np.float32)
+
+        state.initial = {k: load(f"i/{k}") for k in state.kinds}
+        state.versions = {t: (state.initial if t == 0 else {k: load(f"v/{t}/{k}") for k in state.kinds})
+                          for t in meta["versions"]}
+        if state.pull_mode == "latest":
+            state.weights = {k: load(f"w/{k}") for k in state.kinds}
+            state.latest_buffers = {int(v): {k: load(f"b/{v}/{k}") for k in keys}
+                                    for v, keys in meta["latest_buffers"].items()}
         for wave_s, wm in meta["wave_sums"].items():
             wave = int(wave_s)
             ws = WaveSums(next_vw=dict(wm["next_vw"]))
-            ws.sums = {k: np.array(arrays[f"s/{wave}/{k}"]) for k in wm["next_vw"]}
+            ws.sums = {k: load(f"s/{wave}/{k}") for k in wm["next_vw"]}
             ws.owned = set(ws.sums)
-            ws.held = {k: {v: np.array(arrays[f"h/{wave}/{v}/{k}"]) for v in vs} for k, vs in wm["held"].items()}
+            ws.held = {k: {v: load(f"h/{wave}/{v}/{k}") for v in vs} for k, vs in wm["held"].items()}
             state.wave_sums[wave] = ws
         return state

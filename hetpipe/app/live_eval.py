@@ -1,0 +1,57 @@
+"""Evaluation of the global weights while a run trains (`train.eval_every` waves): a thread of the launcher
+reads the PS's newest weights, scores them on held-out data on a training device, and hands the result to
+the launcher, which writes it into metrics.jsonl."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from hetpipe.compute.build import dataset_of, model_of
+from hetpipe.compute.evaluate import evaluate
+from hetpipe.core.config import ClusterConfig
+from hetpipe.worker.ps_client import PSClient
+
+__all__ = ["LiveEvaluator"]
+
+
+class LiveEvaluator:
+    """Scores W_{c_global} each time c_global passes a multiple of eval_every; one evaluation at a time."""
+
+    def __init__(self, config: ClusterConfig, endpoints: list[str], num_vws: int, device: str) -> None:
+        self.config, self.endpoints, self.num_vws, self.device = config, endpoints, num_vws, device
+        self.every = config.train.eval_every
+        self.results: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._next = self.every
+        self._busy: threading.Thread | None = None
+        self._spec = model_of(config)
+        self._data = dataset_of(config)
+
+    def wave_done(self, c_global: int) -> None:
+        """Called with every VW's completed waves; starts an evaluation when one is due and none runs."""
+        if not self.every or c_global < self._next or c_global >= self.config.train.waves:
+            return
+        if self._busy is not None and self._busy.is_alive():
+            return
+        self._next = (c_global // self.every + 1) * self.every
+        self._busy = threading.Thread(target=self._score, args=(c_global,), name="live-eval", daemon=True)
+        self._busy.start()
+
+    def _score(self, c_global: int) -> None:
+        try:
+            with PSClient(self.endpoints, self.config.name, 0, 0, self.num_vws, 1, {}, timeout_s=60, retry_s=5) as ps:
+                weights = ps.read()
+            state = {k: torch.from_numpy(v) for k, v in weights.items() if not k.startswith("audit/")}
+            scores = evaluate(self._spec, state, self._data, device=self.device,
+                              max_samples=self.config.train.eval_samples)
+            self.results.put({"event": "eval", "wave": c_global, "time": time.time(), **scores})
+        except Exception as exc:  # a failed evaluation must not stop training; say so in the metrics
+            self.results.put({"event": "eval_failed", "wave": c_global, "error": f"{type(exc).__name__}: {exc}"})
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        if self._busy is not None:
+            self._busy.join(timeout_s)

@@ -1,0 +1,97 @@
+"""Moving a stage's PS tensors between its device and the wire (docs/architecture.md, "The PS path").
+
+Push: on CUDA the wave's tensors are packed into one flat device buffer and copied to host memory in one
+device-to-host copy into a pinned buffer (two, used in turn, so the next wave's copy need not wait for the
+last push to leave); on the CPU the tensors go out as they are, zero-copy. Pull: the agent thread copies
+the received frames into one flat host buffer; on CUDA one host-to-device copy then brings it over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["FlatLayout", "PullStaging", "PushStaging"]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Keys in a fixed order, each a slice of one flat float32 buffer."""
+
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, Tensor]) -> FlatLayout:
+        return cls(tuple(tensors), tuple(tuple(t.shape) for t in tensors.values()))
+
+    @property
+    def numel(self) -> int:
+        return sum(int(np.prod(shape)) for shape in self.shapes)
+
+    def views(self, flat: Tensor) -> dict[str, Tensor]:
+        out, start = {}, 0
+        for key, shape in zip(self.keys, self.shapes, strict=True):
+            size = int(np.prod(shape))
+            out[key] = flat[start : start + size].view(shape)
+            start += size
+        return out
+
+
+def _host_buffer(numel: int, pinned: bool) -> Tensor:
+    return torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+
+
+class PushStaging:
+    """Host copies of what a stage pushes; `ready()` of a staged push blocks until its copy has landed."""
+
+    def __init__(self, layout: FlatLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._slots = [_host_buffer(layout.numel, True) for _ in range(2)] if self.cuda else []
+        self._turn = 0
+
+    def stage(self, tensors: Mapping[str, Tensor], wait_for_slot: Callable[[int], None]) -> tuple[
+            dict[str, np.ndarray], Callable[[], None]]:
+        """Host arrays of `tensors` (float32, by key) and a function that returns once they hold the values.
+        `wait_for_slot(slot)` blocks until the push that used that pinned buffer before is done."""
+        if not self.cuda:
+            arrays = {k: t.detach().float().numpy() for k, t in tensors.items()}
+            return arrays, lambda: None
+        slot = self._turn
+        self._turn = 1 - self._turn
+        wait_for_slot(slot)
+        flat = torch.cat([tensors[k].detach().float().reshape(-1) for k in self.layout.keys])
+        host = self._slots[slot]
+        host.copy_(flat, non_blocking=True)  # the one device-to-host copy of this wave
+        copied = torch.cuda.Event()
+        copied.record()
+        views = self.layout.views(host)
+        return {k: v.numpy() for k, v in views.items()}, copied.synchronize
+
+    @property
+    def slot(self) -> int:
+        """The pinned buffer the last stage() used (for the caller's bookkeeping of which push holds it)."""
+        return 1 - self._turn
+
+
+class PullStaging:
+    """The host buffer a pull is copied into (by the agent thread) and its trip to the device."""
+
+    def __init__(self, layout: FlatLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.host = _host_buffer(layout.numel, device.type == "cuda")
+        self.out = {k: v.numpy() for k, v in layout.views(self.host).items()}  # where the agent copies to
+
+    def to_device(self) -> dict[str, Tensor]:
+        """The pulled tensors on the stage's device: views of the host buffer (CPU) or of one device copy."""
+        if self.device.type != "cuda":
+            return self.layout.views(self.host)
+        flat = self.host.to(self.device, non_blocking=True)  # the one host-to-device copy of this pull
+        return self.layout.views(flat)
