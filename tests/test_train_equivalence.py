@@ -1,5 +1,5 @@
-"""Bit-for-bit equivalence of the multi-process runtime (`exact` pulls, fixed seed) with
-(a) plain single-process training and (b, c) the single-process reference of the WSP rules."""
+"""Bit-for-bit equivalence of the multi-process runtime (`exact` pulls, fixed seed) with plain single-process
+training and with the single-process reference, for every schedule, aggregation rule and buffer policy."""
 
 from __future__ import annotations
 
@@ -13,16 +13,22 @@ from hetpipe.app.train import TrainOptions, train
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import VwLayout, dataset_of, model_of
 from hetpipe.compute.reference import run_reference
-from hetpipe.core.config import load_config
+from hetpipe.core.config import ClusterConfig, apply_overrides, load_config
+from hetpipe.core.schedule import SCHEDULES
 from hetpipe.models import build_stage
 
 from conftest import write_config
 
 pytestmark = pytest.mark.slow
 
+SPLITS = {1: [(4,), (4,)], 3: [(1, 2, 1), (2, 1, 1)]}  # the MLP's 4 layers; two VWs split them differently
 
-def run(tmp_path: Path, config_path: Path, splits: list[tuple[int, ...]]):
-    config = load_config(config_path)
+
+def layout(vws: int, stages: int) -> list[list[str]]:
+    return [[f"n0:{v * stages + j}" for j in range(stages)] for v in range(vws)]
+
+
+def run(tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]]):
     lays = tuple(VwLayout(tuple(str(g) for g in vw.gpus), s) for vw, s in zip(config.virtual_workers, splits, strict=True))
     run_dir = tmp_path / "run"
     summary = train(config, TrainOptions(run_dir=run_dir, progress=False, dump_weights=True, layouts=lays))
@@ -31,7 +37,7 @@ def run(tmp_path: Path, config_path: Path, splits: list[tuple[int, ...]]):
         for j in range(len(split)):
             stage_weights[(v, j)] = torch.load(run_dir / f"final-vw{v}-s{j}.pt", weights_only=True)
     ps_weights = torch.load(run_dir / "model.pt", weights_only=True)
-    return config, summary, stage_weights, ps_weights
+    return summary, stage_weights, ps_weights
 
 
 def assert_bitwise(a: dict, b: dict, what: str) -> None:
@@ -41,46 +47,83 @@ def assert_bitwise(a: dict, b: dict, what: str) -> None:
         assert torch.equal(x, y), f"{what}: {key} differs by up to {float((x - y).abs().max())}"
 
 
-def test_a_one_vw_three_stages_nm1_equals_plain_training(tmp_path: Path):
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1", "n0:2"]], nm=1, staleness=0, waves=12)
-    config, summary, stage_weights, _ = run(tmp_path, path, [(2, 1, 1)])
+def assert_equals_reference(tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]], order: int = 0):
+    summary, stage_weights, ps_weights = run(tmp_path, config, splits)
+    ref = run_reference(config, splits, order_seed=order)
+    for sid, weights in stage_weights.items():
+        assert_bitwise(weights, ref.stage_weights[sid], f"stage {sid}")
+    assert_bitwise(ps_weights, ref.ps_weights, "PS weights")
+    return summary, stage_weights
+
+
+def plain_training(config: ClusterConfig, steps: int, accumulate: int) -> dict[str, torch.Tensor]:
+    """One model, one process: `accumulate` minibatches' gradients summed, divided, one optimizer step."""
     torch.set_num_threads(1)
     spec, dataset = model_of(config), dataset_of(config)
     model = build_stage(spec, 0, spec.num_layers)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=config.train.momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=config.train.lr, momentum=config.train.momentum)
     indices = datalib.shard_indices(len(dataset.train.y), 1, 0, config.seed)
-    for p in range(config.train.waves):
-        x, y = datalib.minibatch(dataset.train.x, dataset.train.y, indices, 16, config.seed, p)
+    for p in range(steps):
+        x, y = datalib.minibatch(dataset.train.x, dataset.train.y, indices, config.train.batch_size, config.seed, p)
         spec.loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if p % accumulate == accumulate - 1:
+            if accumulate > 1:
+                for w in model.parameters():
+                    w.grad = w.grad / accumulate
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return dict(model.named_parameters())
+
+
+def test_wsp_one_vw_three_stages_nm1_equals_plain_training(tmp_path: Path):
+    config = load_config(write_config(tmp_path, vws=layout(1, 3), nm=1, staleness=0, waves=12))
+    summary, stage_weights, _ = run(tmp_path, config, [(2, 1, 1)])
     merged = {k: v for w in stage_weights.values() for k, v in w.items()}
-    assert_bitwise(merged, dict(model.named_parameters()), "pipelined vs plain")
+    assert_bitwise(merged, plain_training(config, 12, 1), "pipelined vs plain")
     assert summary["test_accuracy"] > 0.2  # it learned something in 12 steps
 
 
-def test_b_one_vw_three_stages_nm3_equals_reference(tmp_path: Path):
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1", "n0:2"]], nm=3, staleness=0, waves=4)
-    config, _, stage_weights, ps_weights = run(tmp_path, path, [(1, 2, 1)])
-    ref = run_reference(config, [(1, 2, 1)], order_seed=1)
-    for sid, weights in stage_weights.items():
-        assert_bitwise(weights, ref.stage_weights[sid], f"stage {sid}")
-    assert_bitwise(ps_weights, ref.ps_weights, "PS weights")
+@pytest.mark.parametrize(("schedule", "recompute"), [("1f1b-flush", False), ("gpipe", False), ("gpipe", True)])
+def test_flush_schedules_equal_plain_training_with_gradient_accumulation(tmp_path: Path, schedule: str,
+                                                                          recompute: bool):
+    config = apply_overrides(load_config(write_config(tmp_path, vws=layout(1, 3), nm=3, staleness=0, waves=3)),
+                             [f"train.schedule={schedule}", f"train.recompute={str(recompute).lower()}"])
+    _, stage_weights, _ = run(tmp_path, config, [(1, 2, 1)])
+    merged = {k: v for w in stage_weights.values() for k, v in w.items()}
+    assert_bitwise(merged, plain_training(config, 9, 3), f"{schedule} vs plain with accumulation over 3")
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_c_two_vws_two_stages_nm2_equals_reference(tmp_path: Path, staleness: int):
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=staleness, waves=5)
-    splits = [(2, 2), (3, 1)]  # the two VWs split the model differently
-    config, _, stage_weights, ps_weights = run(tmp_path, path, splits)
-    ref = run_reference(config, splits, order_seed=staleness)
-    for sid, weights in stage_weights.items():
-        assert_bitwise(weights, ref.stage_weights[sid], f"stage {sid}")
-    assert_bitwise(ps_weights, ref.ps_weights, "PS weights")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize(("vws", "stages"), [(1, 1), (1, 3), (2, 1), (2, 3)])
+def test_every_schedule_equals_its_reference(tmp_path: Path, schedule: str, vws: int, stages: int):
+    config = apply_overrides(load_config(write_config(tmp_path, vws=layout(vws, stages), nm=2, staleness=0, waves=3)),
+                             [f"train.schedule={schedule}"])
+    assert_equals_reference(tmp_path, config, SPLITS[stages][:vws], order=vws + stages)
+
+
+@pytest.mark.parametrize(("setting", "staleness"), [
+    ("ps.aggregation=mean", 1), ("ps.aggregation=server", 0), ("train.weight_stashing=false", 0),
+])
+def test_aggregation_rules_and_unstashed_wsp_equal_the_reference(tmp_path: Path, setting: str, staleness: int):
+    path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=staleness, waves=4)
+    config = apply_overrides(load_config(path), [setting])
+    assert_equals_reference(tmp_path, config, [(2, 2), (3, 1)], order=staleness)
+
+
+@pytest.mark.parametrize(("staleness", "buffers"), [(0, "average"), (1, "average"), (0, "local")])
+def test_batchnorm_model_equals_the_reference(tmp_path: Path, staleness: int, buffers: str):
+    """The rebase after a pull replaced BatchNorm statistics in place (a crash in the next backward);
+    now buffers are averaged at the PS and replaced out of place, or kept per VW."""
+    path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=staleness, waves=4, model="mnist-cnn")
+    config = apply_overrides(load_config(path), ["model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }",
+                                                 f"ps.buffers={buffers}"])
+    summary, stage_weights = assert_equals_reference(tmp_path, config, [(3, 3), (2, 4)], order=staleness)
+    first = {k: v for k, v in stage_weights[(0, 0)].items() if "running_mean" in k}
+    assert first and all(v.abs().sum() > 0 for v in first.values())  # the statistics did move
 
 
 def test_reference_is_independent_of_the_global_order(tmp_path: Path):
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=1, waves=4)
+    path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=1, waves=4)
     config = load_config(path)
     one = run_reference(config, [(2, 2), (1, 3)], order_seed=0)
     two = run_reference(config, [(2, 2), (1, 3)], order_seed=99)

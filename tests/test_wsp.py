@@ -333,3 +333,15 @@ def test_snapshot_round_trip_with_server_optimizer_and_buffers(mode: str):
         s.push(1, 0, 1, {"w": np.array([-2.0, 1.0], np.float32), "bn": np.full(2, 5.0, np.float32)})
     for key in ("w", "bn"):
         np.testing.assert_array_equal(copy.read().tensors[key], shard.read().tensors[key])
+
+
+def test_a_zero_dimensional_buffer_stays_an_array():
+    """BatchNorm's num_batches_tracked has no dimensions; its average must still go out as an array."""
+    for mode in ("exact", "latest"):
+        shard = ShardState(0, mode, make_aggregation("mean"))
+        for vw in range(2):
+            shard.register(vw, 0, 2, 1, {"n": np.zeros((), np.float32)}, kinds={"n": "buffer"})
+        for vw in range(2):
+            shard.push(vw, 0, 0, {"n": np.array(3.0 + vw, np.float32)})
+        got = shard.read().tensors["n"]
+        assert isinstance(got, np.ndarray) and got.shape == () and got == 3.5

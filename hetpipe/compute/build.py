@@ -62,7 +62,7 @@ def audit_shape(config: ClusterConfig, num_vws: int) -> tuple[int, int]:
 def ps_placement(config: ClusterConfig, spec: ModelSpec, audit_vws: int = 0) -> dict[str, int]:
     """Shard of every synced key of the whole model (computed on the meta device, split-independent)."""
     whole = build_stage(spec, 0, spec.num_layers, "meta")
-    sizes = {k: t.numel() * t.element_size() for k, t in named_stage_tensors(whole).items() if t.is_floating_point()}
+    sizes = {k: t.numel() * 4 for k, t in named_stage_tensors(whole).items()}  # the PS holds float32
     if audit_vws:
         rows, cols = audit_shape(config, audit_vws)
         sizes.update({audit_key(layer): rows * cols * 4 for layer in range(spec.num_layers)})

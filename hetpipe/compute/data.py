@@ -147,15 +147,20 @@ def _stratified(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np
     return np.sort(perm[chosen[k:]]), np.sort(perm[chosen[:k]])
 
 
-def _mnist(*, test_fraction: float, seed: int) -> DatasetSplit:
-    """MNIST-5k as float32 (N, 1, 28, 28), normalised with the train pixels' mean and std."""
+def _mnist(*, test_fraction: float, seed: int, pad: int = 0) -> DatasetSplit:
+    """MNIST-5k as float32 (N, 1, 28 + 2 pad, 28 + 2 pad), normalised with the train pixels' mean and std
+    (pad = 2 gives the 32x32 images CIFAR-sized models expect)."""
+    if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad <= 64:
+        raise UsageError(f'mnist option pad must be an integer in [0, 64], got {pad!r}: e.g. options = {{ pad = 2 }}')
     pixels, labels = _mnist_raw()
     train, test = _stratified(labels, test_fraction, seed)
     mean, std = pixels[train].mean(dtype=np.float64), pixels[train].std(dtype=np.float64)
 
     def side(idx: np.ndarray) -> Split:
-        x = ((pixels[idx].astype(np.float64) - mean) / std).astype(np.float32)
-        return Split(torch.from_numpy(x.reshape(-1, 1, _MNIST_SIDE, _MNIST_SIDE)), torch.from_numpy(labels[idx]))
+        x = ((pixels[idx].astype(np.float64) - mean) / std).astype(np.float32).reshape(-1, 1, _MNIST_SIDE, _MNIST_SIDE)
+        if pad:
+            x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=float(-mean / std))
+        return Split(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(labels[idx]))
 
     return DatasetSplit("mnist", "classification", side(train), side(test), 10)
 

@@ -27,7 +27,8 @@ from torch.func import functional_call
 
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
-from hetpipe.compute.stage_compute import make_optimizer, set_buffer, stage_buffers
+from hetpipe.compute.optim import make_optimizer
+from hetpipe.compute.stage_compute import set_buffer, stage_buffers
 from hetpipe.core.aggregation import make_aggregation
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.schedule import BACKWARD, FORWARD, PUSH, UPDATE, WAIT, gate_of, get_schedule, needs

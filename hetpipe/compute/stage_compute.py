@@ -23,20 +23,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["InFlight", "StageCompute", "StageRules", "make_optimizer", "set_buffer", "stage_buffers"]
+from hetpipe.compute.optim import make_optimizer
 
-
-def make_optimizer(params: list[nn.Parameter], name: str, lr: float, momentum: float, weight_decay: float):
-    """The local optimizer of a stage: sgd, momentum (SGD with momentum) or adam; None without parameters."""
-    if not params:
-        return None
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}: use sgd, momentum or adam")
+__all__ = ["InFlight", "StageCompute", "StageRules", "set_buffer", "stage_buffers"]
 
 
 def stage_buffers(module: nn.Module) -> dict[str, Tensor]:

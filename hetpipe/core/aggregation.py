@@ -90,6 +90,9 @@ class Aggregation:
 
     def fold(self, key: str, kind: KeyKind, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
         """W_{t+1}[key] from W_t[key] and S_t[key] (exact pulls: once per complete wave)."""
+        return np.asarray(self._fold(key, kind, w, s, num_vws), dtype=_F32)  # 0-d stays an array
+
+    def _fold(self, key: str, kind: KeyKind, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
         if kind == "buffer":
             return s / _F32(num_vws)
         if kind == "ledger" or self.name == "sum":
@@ -109,7 +112,7 @@ class Aggregation:
             np.add(w, src / _F32(num_vws), out=w)
             return None
         assert self.optimizer is not None
-        return self.optimizer.step(key, w, src / _F32(num_vws))
+        return np.asarray(self.optimizer.step(key, w, src / _F32(num_vws)), dtype=_F32)
 
 
 def make_aggregation(name: str, optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9,

@@ -352,7 +352,7 @@ class ShardState:
         total = values[0].copy()
         for part in values[1:]:
             total += part
-        return total / np.float32(len(values))
+        return np.asarray(total / np.float32(len(values)), dtype=np.float32)
 
     def read(self) -> PullResult:
         """Every key's newest complete weights: W_{c_global} (exact) or the running weights (latest)."""
@@ -389,8 +389,8 @@ class ShardState:
             new = {}
             for key, w in old.items():
                 part = sums.sums.get(key)
-                new[key] = w if part is None else self.aggregation.fold(
-                    key, self.kinds[key], w, _as_array(part), self.num_vws).astype(np.float32, copy=False)
+                new[key] = w if part is None else self.aggregation.fold(key, self.kinds[key], w, _as_array(part),
+                                                                        self.num_vws)
             self.versions[t + 1] = new
 
     def oldest_needed(self) -> int:

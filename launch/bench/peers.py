@@ -36,8 +36,8 @@ import torch.distributed as dist
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
 from hetpipe.compute.heap import keep_freed_memory
+from hetpipe.compute.optim import make_optimizer
 from hetpipe.compute.profiler import cached_profile
-from hetpipe.compute.stage_compute import make_optimizer
 from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
 from hetpipe.core.emulate import Dilator, cpu_cores, device_dilator, gpu_speeds, slowdowns
 from hetpipe.core.errors import HetpipeError, UsageError
