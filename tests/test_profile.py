@@ -94,6 +94,8 @@ def test_origin_warnings_stale_foreign_flagged() -> None:
     assert origin_warnings(fresh) == []  # no clock, no host: nothing to compare with
     (flagged,) = origin_warnings(profile(flags=("busy: load average 2.50 per core",)))
     assert flagged == "flagged when measured: busy: load average 2.50 per core"
+    (derived,) = origin_warnings(profile(derived_from="cpu", speed_ratio=150.0))
+    assert derived == "derived, not measured: the cpu profile's times / 150"
 
 
 def test_at_batch_scales_per_minibatch_quantities_only() -> None:

@@ -177,8 +177,8 @@ def _flags(profile: ModelProfile) -> tuple[str, ...]:
 
 def device_tflops(device: torch.device, dtype: torch.dtype, *, runs: int = 5) -> float:
     """The device's dense matmul rate in `dtype` (TFLOP/s): the fastest of `runs` n x n products after one
-    warm-up (n = 1024 on CPU, 8192 on CUDA), on the threads the caller allows."""
-    n = 8192 if device.type == "cuda" else 1024
+    warm-up (n = 512 on CPU, 8192 on CUDA), on the threads the caller allows."""
+    n = 8192 if device.type == "cuda" else 512
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
     fastest = math.inf

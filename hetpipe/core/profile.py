@@ -202,13 +202,15 @@ def noise_flags(profile: ModelProfile, load_per_core: float | None) -> tuple[str
 
 
 def origin_warnings(profile: ModelProfile, *, now: datetime | None = None, host: str | None = None) -> list[str]:
-    """What a user should know before trusting `profile`: flagged when measured; older than STALE_DAYS at `now`
-    (when given); measured on a host other than `host` (when given: the profile must describe that machine,
-    as under emulation); or of unknown origin."""
+    """What a user should know before trusting `profile`: flagged when measured; derived from another device's;
+    older than STALE_DAYS at `now` (when given); measured on a host other than `host` (when given: the profile
+    must describe that machine, as under emulation); or of unknown origin."""
     origin = profile.origin
     if origin is None:
         return ["no record of when, where or how noisily it was measured (made by hand or by an older hetpipe)"]
     warnings = [f"flagged when measured: {flag}" for flag in origin.flags]
+    if origin.derived_from:
+        warnings.append(f"derived, not measured: the {origin.derived_from} profile's times / {origin.speed_ratio:.4g}")
     age = origin.age_days(now) if now is not None else 0.0
     if age > STALE_DAYS:
         warnings.append(f"stale: measured {age:.0f} days ago ({origin.measured_at[:10]}; older than {STALE_DAYS} days)")
