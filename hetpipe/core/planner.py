@@ -135,7 +135,7 @@ def supplied_profiles(config: ClusterConfig, found: Mapping[str, ModelProfile]) 
     A missing type's times are those of the fastest type that has a profile x (its speed / missing speed),
     memory sizes unchanged; the notes say which were scaled. UsageError when no type has a profile.
     """
-    used = [name for name in config.gpu_types if any(name in node.gpus for node in config.nodes)]
+    used = _used_types(config)
     have = [name for name in used if name in found]
     if not have:
         raise UsageError(
@@ -167,7 +167,7 @@ def derived_profiles(config: ClusterConfig, measured: ModelProfile) -> tuple[dic
     if origin is None or not origin.device_tflops > 0:
         raise UsageError(f"the {measured.gpu_type} profile of {measured.model} does not record its device's FLOP rate "
                          "(origin.device_tflops): measure it again with `hetpipe profile`")
-    used = [name for name in config.gpu_types if any(name in node.gpus for node in config.nodes)]
+    used = _used_types(config)
     profiles = {name: derive_profile(measured, config.gpu_types[name].speed, origin.device_tflops, 1.0, gpu_type=name)
                 for name in used}
     speeds = ", ".join(f"{name} {config.gpu_types[name].speed:g}" for name in used)
@@ -175,6 +175,11 @@ def derived_profiles(config: ClusterConfig, measured: ModelProfile) -> tuple[dic
             f"{origin.device_tflops:.3g} TFLOPS by its matmul) by FLOP rate, times x {origin.device_tflops:.3g} / speed "
             f"read as TFLOPS ({speeds}), memory unchanged: the predictions' ratios mean more than their values")
     return profiles, [note]
+
+
+def _used_types(config: ClusterConfig) -> list[str]:
+    """The GPU types some node has, in [gpu_types] order."""
+    return [name for name in config.gpu_types if any(name in node.gpus for node in config.nodes)]
 
 
 # ---------------------------------------------------------------------------------------------- search
