@@ -130,34 +130,64 @@ def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path, 
 @click.argument("model")
 @click.option("--batch", type=click.IntRange(min=1), required=True, help="Minibatch size to profile at.")
 @click.option("--gpu-type", default=None, help="Label the profile with this GPU type (default: the device, e.g. cpu).")
-@click.option("--device", default="cpu", show_default=True, help="Where to measure: cpu, cuda or cuda:N.")
+@click.option("--device", default=None, help="Where to measure: cpu, cuda or cuda:N.  [default: cpu]")
+@click.option("--like", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Measure nothing: derive --gpu-type's profile from a measured profile of this device kind (this "
+                   "machine's cached one, else the shipped one; for cpu, else measured now), by --speed.")
+@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --like: the GPU type's FLOP rate over the measured device's; its times are theirs / RATIO, "
+                   "memory unchanged.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
+              help="Profile the model in this dtype (default: the model's own, float32 for the built-in ones).")
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="momentum", show_default=True,
               help="Optimizer whose state the profile counts.")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="A model option, e.g. --option image_size=32 (repeatable).")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True, help="Timed repeats per layer.")
+@click.option("--refresh", is_flag=True, help="Measure again even when the cache holds the profile, and replace it.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the profile JSON here (e.g. DIR/<gpu-type>.json for `hetpipe plan --profile-dir DIR`).")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Profile cache directory (default: ~/.cache/hetpipe/profiles).")
-def profile(model: str, batch: int, gpu_type: str | None, device: str, optimizer: str, options: tuple[str, ...],
-            repeats: int, out_path: Path | None, cache_dir: Path | None) -> None:
-    """Measure MODEL per layer (forward/backward time, weights, optimizer state, activations) and cache it."""
-    from hetpipe.app.plan_inputs import default_profile_dir, measure_profile, model_options, profile_table
+def profile(model: str, batch: int, gpu_type: str | None, device: str | None, like: str | None, speed: float | None,
+            dtype: str | None, optimizer: str, options: tuple[str, ...], repeats: int, refresh: bool,
+            out_path: Path | None, cache_dir: Path | None) -> None:
+    """Measure MODEL per layer (forward/backward time, weights, optimizer state, activations) and cache it; or,
+    with --like, derive a profile for a GPU type this machine does not have."""
+    from hetpipe.app.plan_inputs import (
+        default_profile_dir,
+        like_profile,
+        measure_profile,
+        model_options,
+        profile_table,
+    )
     from hetpipe.core.errors import UsageError
     from hetpipe.models import get_model
 
+    if (like is None) != (speed is None) or (like is not None and gpu_type is None):
+        raise UsageError("--like, --speed and --gpu-type go together: e.g. --gpu-type titan-v --like cpu --speed 150 "
+                         "derives a titan-v profile with times / 150 from a measured cpu profile")
+    if like is not None and (device is not None or refresh):
+        raise UsageError("--like measures nothing on this machine: leave out --device and --refresh (to re-measure "
+                         f"the {like} profile it starts from, run `hetpipe profile {model} --batch {batch} --device "
+                         f"{like} --refresh` first)")
+    device = device or "cpu"
     if device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: no CUDA device here; profile on the machine with the GPU, or use "
-                             "--device cpu (and --gpu-type to label it)")
+            raise UsageError(f"--device {device}: no CUDA device here; profile on the machine with the GPU, use "
+                             "--device cpu (and --gpu-type to label it), or derive one: --like cuda --speed RATIO")
     elif device != "cpu":
         raise UsageError(f"--device {device!r}: use cpu, cuda or cuda:N")
     spec = get_model(model, **model_options(options))
-    found = measure_profile(spec, batch, gpu_type or device, cache_dir or default_profile_dir(),
-                             optimizer=optimizer, device=device, repeats=repeats)
+    cache = cache_dir or default_profile_dir()
+    if like is not None:
+        assert gpu_type is not None and speed is not None
+        found = like_profile(spec, batch, gpu_type, cache, like=like, speed=speed, optimizer=optimizer, dtype=dtype)
+    else:
+        found = measure_profile(spec, batch, gpu_type or device, cache, optimizer=optimizer, device=device,
+                                repeats=repeats, dtype=dtype, refresh=refresh)
     click.echo(profile_table(found))
     if out_path is not None:
         found.save(out_path)
@@ -172,7 +202,8 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str, optimizer
 @click.option("--json", "as_json", is_flag=True, help="Print the candidates as JSON instead of tables.")
 @click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Profiles: the CPU profile cache under emulation; per-type files <type>.json (or `hetpipe profile` "
-                   "cache names) for real GPUs. Default: ~/.cache/hetpipe/profiles.")
+                   "cache names) for real GPUs, else the model's shipped profile derived by FLOP rate. Default: "
+                   "~/.cache/hetpipe/profiles.")
 @click.option("--waves", type=click.IntRange(min=3), default=10, show_default=True,
               help="Waves to simulate per candidate (the prediction leaves out fill and drain).")
 @click.option("-D", "--staleness", "d_values", type=click.IntRange(min=0), multiple=True,
@@ -183,10 +214,11 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str, optimizer
               help="Memory per GPU kept free (CUDA context, allocator slack).")
 @click.option("--policy", "policies", type=click.Choice(["np", "ed", "hd", "explicit"]), multiple=True,
               help="Only these allocation policies (repeatable; default np, ed, hd and explicit when listed).")
+@click.option("--refresh", is_flag=True, help="Emulated configs: measure this machine's CPU profile again first.")
 @_set_option
 def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool, profile_dir: Path | None,
          waves: int, d_values: tuple[int, ...], nm_max: int | None, reserve_gib: float,
-         policies: tuple[str, ...], settings: tuple[str, ...]) -> None:
+         policies: tuple[str, ...], refresh: bool, settings: tuple[str, ...]) -> None:
     """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the best."""
     import json
     import time
@@ -203,7 +235,7 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     )
 
     config = _load(config_path, settings)
-    profiles, ps_gbps, link, notes = plan_profiles(config, profile_dir or default_profile_dir())
+    profiles, ps_gbps, link, notes = plan_profiles(config, profile_dir or default_profile_dir(), refresh=refresh)
     started = time.monotonic()
     candidates = plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
                                  nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),

@@ -20,19 +20,10 @@ from pathlib import Path
 from hetpipe.core.config import ClusterConfig, ModelConfig, load_config
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.planner import ALLREDUCE, SYNC_PIPELINE, Candidate, best, plan_candidates, supplied_profiles
-from hetpipe.core.profile import ModelProfile
+from hetpipe.core.profile import ModelProfile, derive_profile
 
 CONFIG = Path(__file__).parent / "clusters" / "paper-16gpu.toml"
 REFERENCE = "titan-v"
-
-
-def rescale_batch(profile: ModelProfile, batch_size: int) -> ModelProfile:
-    """The profile at another batch size, everything per minibatch scaled linearly (weights and optimizer state not)."""
-    f = batch_size / profile.batch_size
-    layers = tuple(dataclasses.replace(
-        layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * f, output_bytes=round(layer.output_bytes * f),
-        saved_bytes=round(layer.saved_bytes * f), working_bytes=round(layer.working_bytes * f)) for layer in profile.layers)
-    return dataclasses.replace(profile, batch_size=batch_size, input_bytes=round(profile.input_bytes * f), layers=layers)
 
 
 def reference_profile(model: str, config: ClusterConfig, profile_batch: int, cpu_tflops: float, cache: Path) -> ModelProfile:
@@ -50,8 +41,8 @@ def reference_profile(model: str, config: ClusterConfig, profile_batch: int, cpu
     started = time.monotonic()
     cpu = cached_profile(spec, profile_batch, "cpu", cache, optimizer=config.train.optimizer)
     print(f"{model}: CPU profile at batch {profile_batch} ready in {time.monotonic() - started:.1f} s", file=sys.stderr)
-    scaled = rescale_batch(cpu, config.train.batch_size)
-    return scaled.scaled(REFERENCE, cpu_tflops / config.gpu_types[REFERENCE].speed)
+    scaled = cpu.at_batch(config.train.batch_size)  # by proportion (ModelProfile.at_batch)
+    return derive_profile(scaled, config.gpu_types[REFERENCE].speed, cpu_tflops, 1.0, gpu_type=REFERENCE)
 
 
 def without_node(config: ClusterConfig, gpu_type: str) -> ClusterConfig:

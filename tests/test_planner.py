@@ -355,3 +355,151 @@ def test_cli_profile_prints_layers_and_writes_json(tmp_path: Path) -> None:
     assert lines[0].startswith("mlp at batch 4 on cpu") and "forward ms" in lines[1]
     assert [line.split()[1] for line in lines[2:5]] == ["flatten", "fc1", "head"] and "total" in lines[5]
     assert ModelProfile.load(out).num_layers == 3
+
+
+# ---------------------------------------------------------------------------------------------- profile inputs
+
+
+def small_profile(batch: int, **origin_changes: object) -> ModelProfile:
+    """SMALL_TOML's model and optimizer (the default, sgd) measured here (one repeat), its origin changed as given."""
+    import dataclasses
+
+    from hetpipe.compute.profiler import profile_model
+
+    p = profile_model(get_model("mlp", hidden=[32, 32]), batch, repeats=1, optimizer="sgd")
+    return dataclasses.replace(p, origin=dataclasses.replace(p.origin, **origin_changes))
+
+
+def test_plan_warns_about_a_flagged_stale_foreign_cpu_profile_until_refreshed(tmp_path: Path) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from hetpipe.compute.profiler import profile_cache_path, write_profile
+
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL_TOML)
+    cache = tmp_path / "profiles"
+    long_ago = (datetime.now(UTC) - timedelta(days=60)).isoformat(timespec="seconds")
+    write_profile(profile_cache_path(get_model("mlp", hidden=[32, 32]), 8, "cpu", cache, optimizer="sgd"),
+                  small_profile(8, measured_at=long_ago, host="0" * 16, flags=("busy: load average 3.00 per core",)))
+    result = hetpipe("plan", str(config), "--profile-dir", str(cache), "-D", "0")
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note: cpu profile: ")]
+    assert len(notes) == 3, result.stdout
+    assert notes[0].startswith("note: cpu profile: flagged when measured: busy: load average 3.00 per core")
+    assert notes[1].startswith("note: cpu profile: stale: measured 60 days ago")
+    assert notes[2].startswith("note: cpu profile: foreign: measured on another machine")
+    assert all(note.endswith(f"hetpipe plan {config} --refresh") for note in notes)
+    refreshed = hetpipe("plan", str(config), "--profile-dir", str(cache), "-D", "0", "--refresh")
+    assert refreshed.returncode == 0, refreshed.stderr
+    assert "profiling mlp" in refreshed.stderr
+    assert "stale" not in refreshed.stdout and "foreign" not in refreshed.stdout  # flagged only if busy again
+
+
+REAL_TOML = SMALL_TOML.replace("[train]", "[emulation]\nenabled = false\n[train]")
+
+
+def test_real_gpus_without_profiles_are_derived_from_the_shipped_one(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from hetpipe.app.plan_inputs import plan_profiles, shipped_name
+    from hetpipe.core.config import load_config
+
+    (tmp_path / "real.toml").write_text(REAL_TOML)
+    config = load_config(tmp_path / "real.toml")  # fast: speed 2 (read as TFLOPS), slow: 1; batch 8
+    shipped = tmp_path / "shipped"
+    cpu = small_profile(4, device_tflops=0.5)  # measured at batch 4 on a 0.5 TFLOPS device
+    cpu.save(shipped / "cpu" / shipped_name(cpu))
+    monkeypatch.setattr("hetpipe.app.plan_inputs.SHIPPED_DIR", shipped)
+    profiles, _, _, notes = plan_profiles(config, tmp_path / "empty")
+    at8 = cpu.at_batch(8)
+    assert profiles["fast"].layers[1].forward_s == pytest.approx(at8.layers[1].forward_s * 0.5 / 2.0)
+    assert profiles["slow"].layers[1].backward_s == pytest.approx(at8.layers[1].backward_s * 0.5 / 1.0)
+    assert profiles["slow"].layers[1].saved_bytes == at8.layers[1].saved_bytes
+    assert "shipped cpu/mlp-" in notes[0] and "measured at batch 4 and scaled to 8" in notes[0]
+    assert "times x 0.5 / speed read as TFLOPS (fast 2, slow 1)" in notes[1]
+    # a profile measured on a GPU is preferred, at the planned batch
+    gpu = dataclasses.replace(small_profile(8, device="cuda", device_name="Some GPU", device_tflops=50.0),
+                              gpu_type="cuda")
+    gpu.save(shipped / "h100" / shipped_name(gpu))
+    profiles, _, _, notes = plan_profiles(config, tmp_path / "empty")
+    assert profiles["fast"].layers[1].forward_s == pytest.approx(gpu.layers[1].forward_s * 50.0 / 2.0)
+    assert "shipped h100/mlp-" in notes[0] and "Some GPU" in notes[0] and "scaled" not in notes[0]
+    # a measured profile in --profile-dir wins over anything shipped; a stale one is named
+    old = small_profile(8, measured_at="2000-01-01T00:00:00+00:00")
+    old.save(tmp_path / "mine" / "fast.json")
+    profiles, _, _, notes = plan_profiles(config, tmp_path / "mine")
+    assert profiles["fast"] == old
+    assert any(note.startswith("fast profile: stale: measured") for note in notes)
+    # nothing shipped for this model: the error says how to make a profile
+    monkeypatch.setattr("hetpipe.app.plan_inputs.SHIPPED_DIR", tmp_path / "nothing")
+    with pytest.raises(UsageError, match="hetpipe profile mlp --batch 8"):
+        plan_profiles(config, tmp_path / "empty")
+
+
+def test_cli_profile_like_derives_a_gpu_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from hetpipe.cli import cli
+    from hetpipe.compute.profiler import profile_cache_path
+
+    monkeypatch.setattr("hetpipe.app.plan_inputs.SHIPPED_DIR", tmp_path / "nothing")
+    spec = get_model("mlp", hidden=[32, 32])
+    cpu = small_profile(8)
+    cpu.save(profile_cache_path(spec, 8, "cpu", tmp_path, optimizer="sgd"))  # this machine's measured cpu profile
+    args = ["profile", "mlp", "--batch", "8", "--option", "hidden=[32, 32]", "--optimizer", "sgd", "--cache",
+            str(tmp_path)]
+    result = CliRunner().invoke(cli, [*args, "--gpu-type", "big", "--like", "cpu", "--speed", "4"])
+    assert result.exit_code == 0, result.output
+    big = ModelProfile.load(profile_cache_path(spec, 8, "big", tmp_path, optimizer="sgd"))
+    assert big.gpu_type == "big" and big.layers[2].forward_s == pytest.approx(cpu.layers[2].forward_s / 4)
+    assert big.layers[2].saved_bytes == cpu.layers[2].saved_bytes
+    assert (big.origin.derived_from, big.origin.speed_ratio) == ("cpu", pytest.approx(4.0))
+    assert "derived from the cpu profile: times / 4" in result.output
+    for extra, message in ((["--gpu-type", "big", "--like", "cpu"], "go together"),
+                           (["--gpu-type", "big", "--like", "cuda", "--speed", "40"], "--device cuda"),
+                           (["--gpu-type", "big", "--like", "cpu", "--speed", "4", "--refresh"], "measures nothing")):
+        failed = CliRunner().invoke(cli, [*args, *extra])
+        assert isinstance(failed.exception, UsageError) and message in str(failed.exception), failed.output
+
+
+CLUSTERS = sorted((Path(__file__).parent.parent / "launch" / "clusters").glob("*.toml"))
+
+
+def test_shipped_profiles_are_measured_named_and_small() -> None:
+    from hetpipe.app.plan_inputs import SHIPPED_DIR, shipped_name
+
+    files = sorted(SHIPPED_DIR.glob("*/*.json"))
+    assert files
+    for path in files:
+        p = ModelProfile.load(path)
+        o = p.origin
+        assert o is not None and o.derived_from == "" and o.device_tflops > 0 and len(o.host) == 16, path
+        assert o.device == ("cpu" if path.parent.name == "cpu" else "cuda"), path  # a CPU never passes for a GPU
+        assert path.name == shipped_name(p) and p.batch_size == o.measured_batch, path
+        assert path.stat().st_size < 64 * 1024, path
+
+
+@pytest.mark.parametrize("config", CLUSTERS, ids=[p.stem for p in CLUSTERS])
+def test_every_config_has_a_shipped_profile(config: Path) -> None:
+    from hetpipe.app.plan_inputs import shipped_profile
+    from hetpipe.core.config import load_config
+
+    c = load_config(config)
+    spec = get_model(c.model.name, **c.model.options.to_dict())
+    found = shipped_profile(spec, c.train.batch_size, optimizer=c.train.optimizer)
+    assert found is not None, f"no shipped profile for {config.name}: run launch/ship_profiles.py"
+    assert found[1].batch_size == c.train.batch_size and found[1].num_layers == spec.num_layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CLUSTERS, ids=[p.stem for p in CLUSTERS])
+def test_every_shipped_config_plans_on_a_fresh_cache(config: Path, tmp_path: Path) -> None:
+    """A fresh machine: no cache; emulated configs measure this CPU once, real ones derive from shipped profiles."""
+    import os
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-m", "hetpipe", "plan", str(config)], capture_output=True, text=True,
+                            timeout=30, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "\nbest: " in result.stdout

@@ -1,16 +1,29 @@
-"""Measuring profiles (hetpipe/profiler.py): fields of real measurements, the JSON cache, emulated types."""
+"""Measuring profiles (hetpipe/compute/profiler.py): fields of real measurements, where and how noisily they were
+taken, the JSON cache and --refresh, emulated types."""
 
 from __future__ import annotations
 
+import itertools
+import socket
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from hetpipe.compute.profiler import cached_profile, profile_cache_path, profile_model
+from hetpipe.compute.machine import cpu_model, host_fingerprint
+from hetpipe.compute.profiler import (
+    PROFILER_VERSION,
+    cached_profile,
+    options_digest,
+    profile_cache_path,
+    profile_checked,
+    profile_model,
+)
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.profile import ModelProfile, derive_profile
+from hetpipe.core.profile import BUSY_LOAD, NOISY_SPREAD, ModelProfile, derive_profile
 from hetpipe.models import get_model
 
 BATCH = 8
@@ -166,8 +179,131 @@ def test_derive_profile_scales_times_only(mlp_profile: ModelProfile) -> None:
         assert (b.param_bytes, b.saved_bytes, b.output_bytes, b.working_bytes) == (
             a.param_bytes, a.saved_bytes, a.output_bytes, a.working_bytes)
     same = derive_profile(mlp_profile, 10.0, 10.0, 1.0)
-    assert same == mlp_profile
+    assert same.layers == mlp_profile.layers and same.gpu_type == mlp_profile.gpu_type
+    assert same.origin == replace(mlp_profile.origin, derived_from="cpu")
     with pytest.raises(UsageError, match="gpu_type_speed must be a finite number > 0"):
         derive_profile(mlp_profile, 0.0, 10.0, 1.0)
     with pytest.raises(UsageError, match="time_scale"):
         derive_profile(mlp_profile, 1.0, 10.0, float("inf"))
+
+
+# ---------------------------------------------------------------------------------------------- origin and noise
+
+
+def test_origin_says_when_where_and_how(mlp_profile: ModelProfile) -> None:
+    o = mlp_profile.origin
+    assert o is not None
+    age = datetime.now(UTC) - datetime.fromisoformat(o.measured_at)
+    assert timedelta(0) <= age < timedelta(hours=1)
+    assert (o.device, o.device_name, o.host) == ("cpu", cpu_model(), host_fingerprint())
+    assert len(o.host) == 16 and int(o.host, 16) >= 0
+    assert (o.profiler_version, o.optimizer, o.repeats, o.measured_batch) == (PROFILER_VERSION, "momentum", 2, BATCH)
+    assert o.options_digest == options_digest(get_model("mlp", image_size=8, hidden=(16,)))
+    assert o.device_tflops > 0 and (o.load_per_core is None or o.load_per_core >= 0)
+    assert (o.derived_from, o.speed_ratio) == ("", 1.0)
+    assert all(layer.spread == 0.0 for layer in mlp_profile.layers)  # 2 repeats: too few to judge
+    hostname = socket.gethostname()
+    if len(hostname) >= 6:  # a very short name could appear by chance
+        assert hostname not in mlp_profile.to_json()
+    assert ModelProfile.from_json(mlp_profile.to_json()) == mlp_profile
+
+
+def test_bfloat16_profile_halves_the_weights() -> None:
+    spec = get_model("mlp", image_size=4, hidden=(8,))
+    fp32 = profile_model(spec, 2, repeats=1)
+    bf16 = profile_model(spec, 2, repeats=1, dtype="bfloat16")
+    assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
+    assert [2 * layer.param_bytes for layer in bf16.layers] == [layer.param_bytes for layer in fp32.layers]
+    assert profile_cache_path(spec, 2, "cpu", "c", dtype="bfloat16") != profile_cache_path(spec, 2, "cpu", "c")
+    with pytest.raises(UsageError, match="choose one of: float32, bfloat16"):
+        profile_model(spec, 2, dtype="float16")
+
+
+def steady_steps(monkeypatch: pytest.MonkeyPatch, times: Iterator[tuple[float, float]] | None = None) -> None:
+    """Every timed forward+backward takes what `times` says (default 1 ms + 2 ms): the repeats are injected."""
+    from hetpipe.compute import profiler
+
+    real = profiler._Step.__call__
+    source = times if times is not None else itertools.repeat((0.001, 0.002))
+
+    def call(self: object) -> tuple[float, float]:
+        real(self)  # run it for real (the warm-up and the CUDA peak need that), report the injected time
+        return next(source)
+
+    monkeypatch.setattr(profiler._Step, "__call__", call)
+
+
+def loads(monkeypatch: pytest.MonkeyPatch, *values: float) -> None:
+    """load_per_core returns `values` in turn (two per measurement: before and after), then the last forever."""
+    sequence = itertools.chain(values, itertools.repeat(values[-1]))
+    monkeypatch.setattr("hetpipe.compute.profiler.load_per_core", lambda: next(sequence))
+
+
+def test_noisy_repeats_are_flagged(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every layer alternates 3 ms and 9 ms per repeat: p90 - p10 over the median far above NOISY_SPREAD
+    steady_steps(monkeypatch, itertools.cycle([(0.001, 0.002), (0.003, 0.006)]))
+    loads(monkeypatch, 0.0)
+    p = profile_model(get_model("mlp", image_size=4, hidden=(8,)), 2, repeats=10)
+    assert p.spread > NOISY_SPREAD
+    assert p.origin.flagged and p.origin.flags[0].startswith("noisy: repeats spread")
+
+
+def test_busy_machine_is_measured_again_then_flagged(monkeypatch: pytest.MonkeyPatch) -> None:
+    steady_steps(monkeypatch)
+    spec = get_model("mlp", image_size=4, hidden=(8,))
+    measured: list[ModelProfile] = []
+    real = profile_model
+
+    def counting(*args: object, **kwargs: object) -> ModelProfile:
+        measured.append(real(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr("hetpipe.compute.profiler.profile_model", counting)
+    heard: list[ModelProfile] = []
+    loads(monkeypatch, 3 * BUSY_LOAD)  # busy throughout: measured twice, kept flagged
+    busy = profile_checked(spec, 2, repeats=3, on_flagged=heard.append)
+    assert len(measured) == 2 and heard == [measured[0]]
+    assert busy.origin.flags == (f"busy: load average {3 * BUSY_LOAD:.2f} per core while measuring (limit {BUSY_LOAD:g})",)
+    measured.clear()
+    loads(monkeypatch, 3 * BUSY_LOAD, 3 * BUSY_LOAD, 0.1)  # quiet again for the second measurement: that one is kept
+    quiet = profile_checked(spec, 2, repeats=3)
+    assert len(measured) == 2 and quiet is measured[1] and not quiet.origin.flagged
+    measured.clear()
+    loads(monkeypatch, 0.1)  # quiet from the start: measured once
+    assert not profile_checked(spec, 2, repeats=3).origin.flagged and len(measured) == 1
+
+
+def test_refresh_replaces_a_flagged_cache_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    steady_steps(monkeypatch)
+    spec = get_model("mlp", image_size=4, hidden=(8,))
+    path = profile_cache_path(spec, 2, "cpu", tmp_path)
+    loads(monkeypatch, 3 * BUSY_LOAD)
+    flagged = cached_profile(spec, 2, "cpu", tmp_path, repeats=3)
+    assert flagged.origin.flagged and ModelProfile.load(path) == flagged
+    loads(monkeypatch, 0.1)
+    assert cached_profile(spec, 2, "cpu", tmp_path, repeats=3) == flagged  # the cache is read as it is ...
+    fresh = cached_profile(spec, 2, "cpu", tmp_path, repeats=3, refresh=True)  # ... until refreshed
+    assert not fresh.origin.flagged and ModelProfile.load(path) == fresh
+
+
+def test_cli_profile_refresh_replaces_the_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from hetpipe.cli import cli
+
+    steady_steps(monkeypatch)
+    args = ["profile", "mlp", "--batch", "2", "--option", "image_size=4", "--option", "hidden=[8]", "--repeats", "3",
+            "--cache", str(tmp_path)]
+    loads(monkeypatch, 3 * BUSY_LOAD)
+    first = CliRunner().invoke(cli, args)
+    assert first.exit_code == 0, first.output
+    assert "flagged: busy: load average 3.00 per core" in first.output
+    assert "not trusted (busy: load average 3.00" in first.output  # said while measuring once more
+    loads(monkeypatch, 0.1)
+    cached = CliRunner().invoke(cli, args)
+    assert "profile from the cache" in cached.output and "flagged: busy" in cached.output
+    refreshed = CliRunner().invoke(cli, [*args, "--refresh"])
+    assert refreshed.exit_code == 0, refreshed.output
+    assert "profiled in" in refreshed.output and "flagged" not in refreshed.output
+    path = profile_cache_path(get_model("mlp", image_size=4, hidden=[8]), 2, "cpu", tmp_path)  # a list, as parsed
+    assert not ModelProfile.load(path).origin.flagged

@@ -1,5 +1,6 @@
-"""Inputs of `hetpipe profile` and `hetpipe plan`: cached measurements with progress, profile files for
-real GPUs, the table a user reads. The CLI calls these; the planner itself stays pure."""
+"""Inputs of `hetpipe profile` and `hetpipe plan`: cached measurements with progress, the profiles shipped in the
+package, profiles derived for GPUs this machine lacks, warnings about profiles not to trust, the table a user
+reads. The CLI calls these; the planner itself stays pure."""
 
 from __future__ import annotations
 
@@ -7,7 +8,21 @@ from pathlib import Path
 
 import click
 
-__all__ = ["default_profile_dir", "measure_profile", "model_options", "plan_profiles", "profile_table"]
+__all__ = [
+    "SHIPPED_DIR",
+    "default_profile_dir",
+    "like_profile",
+    "measure_profile",
+    "model_options",
+    "plan_profiles",
+    "profile_table",
+    "shipped_name",
+    "shipped_profile",
+]
+
+# Measured profiles shipped in the package, one folder per device measured on (hetpipe/profiles/README.md):
+# `hetpipe plan` derives the GPU types of a real cluster from them when nothing was measured on those GPUs.
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "profiles"
 
 
 def default_profile_dir() -> Path:
@@ -40,25 +55,101 @@ def _say(message: str) -> None:
 
 
 def measure_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, optimizer: str, device: str = "cpu",
-                     repeats: int = 10):
-    """cached_profile with progress lines on stderr (measuring a large model takes minutes)."""
+                    repeats: int = 10, dtype: str | None = None, refresh: bool = False):
+    """cached_profile with progress lines on stderr (measuring a large model takes minutes); refresh=True
+    measures again and replaces the cache entry."""
     import time
 
     import torch
 
     from hetpipe.compute.profiler import cached_profile, profile_cache_path
 
-    path = profile_cache_path(spec, batch, gpu_type, cache_dir, optimizer=optimizer)
-    cached = path.exists()
+    path = profile_cache_path(spec, batch, gpu_type, cache_dir, optimizer=optimizer, dtype=dtype)
+    cached = path.exists() and not refresh
     if not cached:
         torch.set_num_threads(1)  # as every stage process does (design.md), so times match what stages see
         _say(f"profiling {spec.name} ({spec.num_layers} layers) at batch {batch} on {device}, one thread, "
              f"{repeats} timed repeats per layer ...")
+
+    def again(first) -> None:
+        _say(f"  not trusted ({'; '.join(first.origin.flags)}): measuring once more ...")
+
     started = time.monotonic()
-    profile = cached_profile(spec, batch, gpu_type, cache_dir, optimizer=optimizer, repeats=repeats, device=device)
+    profile = cached_profile(spec, batch, gpu_type, cache_dir, optimizer=optimizer, repeats=repeats, device=device,
+                             dtype=dtype, refresh=refresh, on_flagged=again)
     _say(f"profile from the cache: {path}" if cached and path.exists()
          else f"profiled in {time.monotonic() - started:.1f} s; cached at {path}")
     return profile
+
+
+def shipped_name(profile) -> str:
+    """The file name a shipped profile has under its device folder: model, options digest, batch, dtype, optimizer."""
+    return (f"{profile.model}-{profile.origin.options_digest}-b{profile.batch_size}-{profile.dtype}-"
+            f"{profile.origin.optimizer}.json")
+
+
+def shipped_profile(spec, batch: int, *, optimizer: str, dtype: str | None = None, device: str | None = None,
+                    root: Path | None = None):
+    """(file, profile) of the measured profile shipped for this model variant, optimizer and dtype (default: the
+    model's), or None. Among several: measured on CUDA before CPU, at `batch` before others, then the nearest
+    batch; one measured at another batch comes rescaled to `batch` by ModelProfile.at_batch. `device`: only
+    profiles measured on that kind ("cpu" or "cuda"). `root`: default SHIPPED_DIR."""
+    import math
+
+    from hetpipe.compute.profiler import options_digest, profile_dtype
+    from hetpipe.core.profile import ModelProfile
+
+    want = (spec.name, options_digest(spec), profile_dtype(spec, dtype), optimizer)
+    found = []
+    for path in sorted((root or SHIPPED_DIR).glob("*/*.json")):
+        try:
+            p = ModelProfile.load(path)
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # the shipping test names broken files; a user's plan goes on with the others
+        o = p.origin
+        if o is None or (p.model, o.options_digest, p.dtype, o.optimizer) != want or p.num_layers != spec.num_layers:
+            continue
+        if device is None or o.device == device:
+            found.append((o.device != "cuda", p.batch_size != batch, abs(math.log(p.batch_size / batch)), str(path), p))
+    if not found:
+        return None
+    *_, path, p = min(found)
+    return Path(path), p if p.batch_size == batch else p.at_batch(batch)
+
+
+def _shipped_label(path: Path) -> str:
+    return f"{path.parent.name}/{path.name}"
+
+
+def like_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, like: str, speed: float, optimizer: str,
+                 dtype: str | None = None):
+    """A profile for a GPU type this machine does not have: a measured profile of device kind `like` (this
+    machine's cached one, else the shipped one, else for "cpu" one measured now) with times / `speed` (the
+    type's FLOP rate over the measured device's), memory unchanged; stored in the cache under `gpu_type`."""
+    from hetpipe.compute.profiler import cached_profile, profile_cache_path, write_profile
+    from hetpipe.core.errors import HetpipeError, UsageError
+    from hetpipe.core.profile import derive_profile
+
+    try:
+        source = cached_profile(spec, batch, like, cache_dir, optimizer=optimizer, dtype=dtype, measure=False)
+        where = f"this machine's cached {like} profile"
+    except HetpipeError:
+        shipped = shipped_profile(spec, batch, optimizer=optimizer, dtype=dtype, device=like)
+        if shipped is not None:
+            source, where = shipped[1], f"the shipped {like} profile {_shipped_label(shipped[0])}"
+        elif like == "cpu":
+            source = measure_profile(spec, batch, "cpu", cache_dir, optimizer=optimizer, dtype=dtype)
+            where = "this machine's cpu profile"
+        else:
+            raise UsageError(f"no measured {like} profile of {spec.name} at batch {batch} ({optimizer}) here or "
+                             f"shipped: measure one on a machine with a GPU (`hetpipe profile {spec.name} --batch "
+                             f"{batch} --device cuda`) and copy its cache file to {cache_dir}, or use --like cpu"
+                             ) from None
+    derived = derive_profile(source, speed, 1.0, 1.0, gpu_type=gpu_type)
+    path = profile_cache_path(spec, batch, gpu_type, cache_dir, optimizer=optimizer, dtype=dtype)
+    write_profile(path, derived)
+    _say(f"derived {gpu_type} from {where}: times / {speed:g}, memory unchanged; cached at {path}")
+    return derived
 
 
 def profile_table(profile) -> str:
@@ -77,7 +168,21 @@ def profile_table(profile) -> str:
              for r in [header, *rows]]
     title = (f"{profile.model} at batch {profile.batch_size} on {profile.gpu_type} ({profile.dtype}, torch "
              f"{profile.torch_version}); input {format_bytes(profile.input_bytes)} per minibatch")
-    return "\n".join([title, *lines])
+    return "\n".join([title, *lines, *origin_lines(profile)])
+
+
+def origin_lines(profile) -> list[str]:
+    """Where, when and how noisily `profile` was measured, what it was derived from, and its flags."""
+    o = profile.origin
+    if o is None:
+        return ["origin: unknown (made by hand or by an older hetpipe)"]
+    lines = [f"measured {o.measured_at} on {o.device} ({o.device_name}, host {o.host}, {o.device_tflops:.3g} TFLOPS "
+             f"matmul) at batch {o.measured_batch}, {o.repeats} repeats per layer, spread {profile.spread:.1%}, load "
+             + ("unknown" if o.load_per_core is None else f"{o.load_per_core:.2f} per core")]
+    if o.derived_from:
+        lines.append(f"derived from the {o.derived_from} profile: times / {o.speed_ratio:.4g}, memory unchanged")
+    lines += [f"flagged: {flag}" for flag in o.flags]
+    return lines
 
 
 def _load_profile(path: Path, model: str, batch: int, num_layers: int | None):
@@ -96,22 +201,46 @@ def _load_profile(path: Path, model: str, batch: int, num_layers: int | None):
     return p
 
 
-def plan_profiles(config, profile_dir: Path) -> tuple[dict, float, object, list[str]]:
-    """Profiles per GPU type, PS Gbit/s, the link function and notes, for emulated or real GPUs."""
+def plan_profiles(config, profile_dir: Path, *, refresh: bool = False) -> tuple[dict, float, object, list[str]]:
+    """Profiles per GPU type, PS Gbit/s, the link function and notes, for emulated or real GPUs.
+
+    Emulated: this machine's CPU profile (measured once, cached; refresh=True measures again). Real GPUs: files
+    <type>.json or `hetpipe profile` cache names in profile_dir, types without one scaled by speed from one
+    with it; with none at all, every type derived from the model's shipped profile by FLOP rate. The notes
+    warn about profiles not to trust: flagged when measured, stale, from another machine where it matters.
+    """
+    from datetime import UTC, datetime
+
+    from hetpipe.compute.machine import host_fingerprint
     from hetpipe.core.emulate import cpu_cores
-    from hetpipe.core.planner import EMULATED_P2P_GBPS, EMULATED_PS_GBPS, emulated_profiles, supplied_profiles
+    from hetpipe.core.errors import UsageError
+    from hetpipe.core.planner import (
+        EMULATED_P2P_GBPS,
+        EMULATED_PS_GBPS,
+        derived_profiles,
+        emulated_profiles,
+        supplied_profiles,
+    )
+    from hetpipe.core.profile import origin_warnings
 
     batch, optimizer = config.train.batch_size, config.train.optimizer
+    now = datetime.now(UTC)
     if config.emulation.enabled:
         from hetpipe.models import get_model
 
         spec = get_model(config.model.name, **config.model.options.to_dict())
-        cpu = measure_profile(spec, batch, "cpu", profile_dir, optimizer=optimizer)
+        cpu = measure_profile(spec, batch, "cpu", profile_dir, optimizer=optimizer, refresh=refresh)
         profiles = emulated_profiles(config, cpu, cpu_cores())
         notes = [f"emulated on this CPU ({cpu_cores()} cores): times are the CPU profile x each type's slowdown, links "
                  f"this machine's loopback ({EMULATED_P2P_GBPS:g} Gbit/s between stages, {EMULATED_PS_GBPS:g} to each "
                  "PS shard); samples/s are wall-clock of `hetpipe train` here"]
+        notes += [f"cpu profile: {w}; measure it again (when the machine is quiet): hetpipe plan {config.path} --refresh"
+                  for w in origin_warnings(cpu, now=now, host=host_fingerprint())]
         return profiles, EMULATED_PS_GBPS, (lambda a, b: EMULATED_P2P_GBPS), notes
+    if refresh:
+        raise UsageError(f"--refresh re-measures this machine's CPU profile, but {config.path} has emulation off: "
+                         f"measure its GPUs on their machines (`hetpipe profile {config.model.name} --batch {batch} "
+                         "--device cuda --refresh`) and pass --profile-dir")
     # Files named <type>.json are read first and checked against the config's model name and batch; the model
     # itself (and torch, ~2 s to import) is loaded only to look for `hetpipe profile` cache names.
     found = {}
@@ -127,7 +256,22 @@ def plan_profiles(config, profile_dir: Path) -> tuple[dict, float, object, list[
             path = profile_cache_path(spec, batch, name, profile_dir, optimizer=optimizer)
             if path.exists():
                 found[name] = _load_profile(path, spec.name, batch, spec.num_layers)
+        shipped = None if found else shipped_profile(spec, batch, optimizer=optimizer)
+        if shipped is not None:
+            path, measured = shipped
+            profiles, notes = derived_profiles(config, measured)
+            o = measured.origin
+            rescaled = (f", measured at batch {o.measured_batch} and scaled to {batch} by proportion"
+                        if o.measured_batch != batch else "")
+            notes.insert(0, f"real GPUs, none measured: profiles from the shipped {_shipped_label(path)} "
+                            f"(measured {o.measured_at[:10]} on {o.device_name}{rescaled}); measure yours with "
+                            f"`hetpipe profile {spec.name} --batch {batch} --device cuda --gpu-type TYPE` on each GPU "
+                            f"type, or derive one with `--gpu-type TYPE --like cpu --speed RATIO`; links from "
+                            f"[network], each PS shard at {config.network.inter_node_gbps:g} Gbit/s")
+            notes += [f"shipped profile: {w}" for w in origin_warnings(measured)]
+            return profiles, config.network.inter_node_gbps, config.network.link_gbps, notes
     profiles, notes = supplied_profiles(config, found)
     notes.insert(0, f"real GPUs: profiles from {profile_dir}; links from [network], each PS shard at "
                     f"{config.network.inter_node_gbps:g} Gbit/s")
+    notes += [f"{name} profile: {w}" for name in sorted(found) for w in origin_warnings(found[name], now=now)]
     return profiles, config.network.inter_node_gbps, config.network.link_gbps, notes

@@ -1,39 +1,56 @@
 """Measuring a model's per-layer profile (times, weights, activations) on one device, with a JSON cache.
 
 Not pure: it builds and runs the model. The caller sets torch.set_num_threads(1) first, as every stage
-process does (design.md), so that the times match what a stage will see. Data types: hetpipe.core.profile.
+process does (design.md), so that the times match what a stage will see. Each profile records where, when
+and how noisily it was measured (hetpipe.core.profile.ProfileOrigin); a noisy one is measured once more.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from hetpipe.compute.heap import keep_freed_memory
+from hetpipe.compute.machine import cpu_model, host_fingerprint, load_per_core
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.profile import LayerProfile, ModelProfile
+from hetpipe.core.profile import LayerProfile, ModelProfile, ProfileOrigin, noise_flags, repeat_spread
 from hetpipe.models.spec import ModelSpec
 
-__all__ = ["OPTIMIZER_STATE", "cached_profile", "profile_cache_path", "profile_model"]
+__all__ = [
+    "DTYPES",
+    "OPTIMIZER_STATE",
+    "PROFILER_VERSION",
+    "cached_profile",
+    "device_tflops",
+    "options_digest",
+    "profile_cache_path",
+    "profile_checked",
+    "profile_dtype",
+    "profile_model",
+    "write_profile",
+]
 
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}  # copies of the trainable weights each optimizer keeps
+DTYPES = ("float32", "bfloat16")  # what a model may be profiled in besides its own dtype
 
 
 # ---------------------------------------------------------------------------------------------- measuring
 
 
 WARMUP = 3  # untimed forward+backward runs per layer before the timed ones
-PROFILER_VERSION = 5  # part of the cache key: bump when what a profile measures changes
+PROFILER_VERSION = 6  # part of the cache key: bump when what a profile measures changes (6: origin, spreads)
 
 
 def profile_model(
@@ -44,12 +61,16 @@ def profile_model(
     repeats: int = 10,
     device: str = "cpu",
     gpu_type: str | None = None,
+    dtype: str | None = None,
 ) -> ModelProfile:
     """Measure every layer of `spec` at `batch_size` on `device`; label the result `gpu_type` (default: device).
 
-    Times: each layer alone on the previous layer's real output, one warm-up forward+backward, then the
-    median of `repeats` timed forwards and backwards (backward without the optimizer step); the last
-    layer's forward and backward include the loss. On CUDA the device is synchronised around each timing.
+    dtype: one of DTYPES to convert the weights and floating-point inputs to (default: the model's own).
+
+    Times: each layer alone on the previous layer's real output, WARMUP untimed forward+backward runs, then
+    the median of `repeats` timed forwards and backwards (backward with the optimizer step, as a stage runs
+    it); the last layer's forward and backward include the loss. On CUDA the device is synchronised around
+    each timing. Each layer's `spread` is repeat_spread of its forward+backward times.
 
     Sizes (bytes, one minibatch):
     - param_bytes: parameters and buffers; optimizer_bytes: OPTIMIZER_STATE[optimizer] x trainable ones.
@@ -65,12 +86,22 @@ def profile_model(
       backward) - an estimate. On CUDA it is the larger of that and the measured peak of a forward+backward
       (torch.cuda.max_memory_allocated) beyond what was allocated before, the saved tensors and the
       parameter gradients (those the memory model counts on their own).
+
+    The origin records when (UTC), where (device kind and name, host fingerprint), the device's matmul rate
+    (device_tflops), the load per core before and after, and noise_flags: the caller decides what to do with
+    a flagged profile (profile_checked measures once more).
     """
     _check_options(spec, batch_size, optimizer, repeats)
     keep_freed_memory()  # as every stage process does: freed tensors are reused, not faulted in again
     dev = torch.device(device)
+    dtype_name = profile_dtype(spec, dtype)
+    cast = getattr(torch, dtype_name)
+    load_before = load_per_core()
     layers = [spec.build_layer(i, dev).train() for i in range(spec.num_layers)]
     x0 = spec.example_input(batch_size).to(dev)
+    if dtype is not None:
+        layers = [layer.to(cast) for layer in layers]
+        x0 = x0.to(cast) if x0.is_floating_point() else x0
     target = _example_target(spec, batch_size).to(dev)
     traced = _trace(spec, layers, x0, target)
 
@@ -97,11 +128,69 @@ def profile_model(
             output_bytes=_nbytes(traced.outputs[i]),
             saved_bytes=traced.saved[i],
             working_bytes=working,
+            spread=round(repeat_spread([f + b for f, b in times]), 4),
         ))
-    return ModelProfile(
-        model=spec.name, batch_size=batch_size, gpu_type=gpu_type or str(dev), dtype=_model_dtype(spec),
+    profile = ModelProfile(
+        model=spec.name, batch_size=batch_size, gpu_type=gpu_type or str(dev), dtype=dtype_name,
         torch_version=torch.__version__, input_bytes=_nbytes(x0), layers=tuple(profiles),
     )
+    loads = [load for load in (load_before, load_per_core()) if load is not None]
+    load = round(max(loads), 3) if loads else None
+    origin = ProfileOrigin(
+        measured_at=datetime.now(UTC).isoformat(timespec="seconds"), device=dev.type,
+        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
+        host=host_fingerprint(), profiler_version=PROFILER_VERSION, optimizer=optimizer,
+        options_digest=options_digest(spec), repeats=repeats, measured_batch=batch_size,
+        device_tflops=round(device_tflops(dev, cast), 4), load_per_core=load, flags=noise_flags(profile, load))
+    return replace(profile, origin=origin)
+
+
+def profile_checked(
+    spec: ModelSpec,
+    batch_size: int,
+    *,
+    optimizer: str = "momentum",
+    repeats: int = 10,
+    device: str = "cpu",
+    gpu_type: str | None = None,
+    dtype: str | None = None,
+    on_flagged: Callable[[ModelProfile], None] | None = None,
+) -> ModelProfile:
+    """profile_model; when its origin is flagged (noisy or busy), measured once more and the quieter of the two
+    kept (the second on a tie), still flagged if it is. `on_flagged(first)` is called before measuring again."""
+    def measure() -> ModelProfile:
+        return profile_model(spec, batch_size, optimizer=optimizer, repeats=repeats, device=device,
+                             gpu_type=gpu_type, dtype=dtype)
+
+    first = measure()
+    if not _flags(first):
+        return first
+    if on_flagged is not None:
+        on_flagged(first)
+    second = measure()
+    return min((second, first), key=lambda p: (len(_flags(p)), p.spread))
+
+
+def _flags(profile: ModelProfile) -> tuple[str, ...]:
+    return profile.origin.flags if profile.origin is not None else ()
+
+
+def device_tflops(device: torch.device, dtype: torch.dtype, *, runs: int = 5) -> float:
+    """The device's dense matmul rate in `dtype` (TFLOP/s): the fastest of `runs` n x n products after one
+    warm-up (n = 512 on CPU, 8192 on CUDA), on the threads the caller allows."""
+    n = 8192 if device.type == "cuda" else 512
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(device, dtype) for _ in range(2))
+    fastest = math.inf
+    for _ in range(runs + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        fastest = min(fastest, time.perf_counter() - start)
+    return 2 * n**3 / max(fastest, 1e-9) / 1e12
 
 
 def _check_options(spec: ModelSpec, batch_size: int, optimizer: str, repeats: int) -> None:
@@ -112,6 +201,15 @@ def _check_options(spec: ModelSpec, batch_size: int, optimizer: str, repeats: in
                          f"choose one of: {', '.join(OPTIMIZER_STATE)}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"profiling {spec.name}: repeats must be an integer >= 1, got {repeats!r}")
+
+
+def profile_dtype(spec: ModelSpec, dtype: str | None) -> str:
+    """The dtype a profile is measured in: `dtype` (one of DTYPES) or the model's own."""
+    if dtype is None:
+        return _model_dtype(spec)
+    if dtype not in DTYPES:
+        raise UsageError(f'profiling {spec.name}: dtype "{dtype}" is not supported; choose one of: {", ".join(DTYPES)}')
+    return dtype
 
 
 def _example_target(spec: ModelSpec, batch_size: int) -> Tensor:
@@ -199,7 +297,7 @@ class _Step:
 
 def _measured_working(step: _Step, device: torch.device, accounted: int) -> int:
     """Peak allocated during one forward+backward beyond the start, minus what is counted elsewhere."""
-    step.layer.zero_grad(set_to_none=True)
+    step.compute.module.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -246,16 +344,21 @@ def _model_dtype(spec: ModelSpec) -> str:
 # ---------------------------------------------------------------------------------------------- cache
 
 
-def profile_cache_path(spec: ModelSpec, batch_size: int, gpu_type: str, cache_dir: str | Path, *,
-                       optimizer: str = "momentum") -> Path:
-    """Where cached_profile keeps (or looks for) this profile: one JSON file per model, options, batch,
-    GPU type, dtype, optimizer and torch version. Copy a profile measured elsewhere to this path to use it."""
+def options_digest(spec: ModelSpec) -> str:
+    """12 hex digits naming the model's variant: its options, input shape and input dtype."""
     options = json.dumps({"options": [[k, repr(v)] for k, v in spec.options],
                           "input_shape": list(spec.input_shape), "input_dtype": str(spec.input_dtype)},
                          sort_keys=True)
-    digest = hashlib.sha256(options.encode()).hexdigest()[:12]
-    parts = (spec.name, digest, f"b{batch_size}", gpu_type, _model_dtype(spec), optimizer, f"torch{torch.__version__}",
-             f"p{PROFILER_VERSION}")
+    return hashlib.sha256(options.encode()).hexdigest()[:12]
+
+
+def profile_cache_path(spec: ModelSpec, batch_size: int, gpu_type: str, cache_dir: str | Path, *,
+                       optimizer: str = "momentum", dtype: str | None = None) -> Path:
+    """Where cached_profile keeps (or looks for) this profile: one JSON file per model, options, batch,
+    GPU type, dtype, optimizer, torch version and PROFILER_VERSION. Copy a profile measured elsewhere to this
+    path to use it."""
+    parts = (spec.name, options_digest(spec), f"b{batch_size}", gpu_type, dtype or _model_dtype(spec), optimizer,
+             f"torch{torch.__version__}", f"p{PROFILER_VERSION}")
     return Path(cache_dir) / ("-".join(_safe(p) for p in parts) + ".json")
 
 
@@ -268,23 +371,29 @@ def cached_profile(
     optimizer: str = "momentum",
     repeats: int = 10,
     device: str = "cpu",
+    dtype: str | None = None,
     measure: bool = True,
+    refresh: bool = False,
+    on_flagged: Callable[[ModelProfile], None] | None = None,
 ) -> ModelProfile:
     """The profile from the cache when there, else measured on `device` (labelled `gpu_type`) and stored.
 
-    measure=False only reads: a GPU type this machine does not have needs a profile file measured there
-    (or one made with ModelProfile.scaled / derive_profile); HetpipeError names the path it looked for.
+    Measuring is profile_checked's: a flagged measurement is taken once more (`on_flagged` hears of it) and the
+    quieter one stored, its flags kept. refresh=True measures even when the cache holds the profile and
+    replaces the entry. measure=False only reads: a GPU type this machine does not have needs a profile file
+    measured there (or one made with derive_profile); HetpipeError names the path it looked for.
     """
     _check_options(spec, batch_size, optimizer, repeats)
-    path = profile_cache_path(spec, batch_size, gpu_type, cache_dir, optimizer=optimizer)
+    dtype = profile_dtype(spec, dtype)
+    path = profile_cache_path(spec, batch_size, gpu_type, cache_dir, optimizer=optimizer, dtype=dtype)
     problem = "no such file"
-    if path.exists():
+    if path.exists() and not refresh:
         try:
             found = ModelProfile.load(path)
         except (OSError, ValueError, TypeError, KeyError) as exc:
             problem = f"unreadable ({type(exc).__name__}: {exc})"
         else:
-            expected = (spec.name, batch_size, gpu_type, _model_dtype(spec), torch.__version__, spec.num_layers)
+            expected = (spec.name, batch_size, gpu_type, dtype, torch.__version__, spec.num_layers)
             actual = (found.model, found.batch_size, found.gpu_type, found.dtype, found.torch_version, found.num_layers)
             if actual == expected:
                 return found
@@ -292,10 +401,17 @@ def cached_profile(
     if not measure:
         raise HetpipeError(f"no usable profile of {spec.name} at batch {batch_size} for GPU type {gpu_type}: "
                            f"{path}: {problem}\n  profile on a machine with that GPU and copy the file there, "
-                           "or derive one with derive_profile / ModelProfile.scaled")
-    profile = profile_model(spec, batch_size, optimizer=optimizer, repeats=repeats, device=device, gpu_type=gpu_type)
-    _write_atomic(path, profile.to_json())
+                           f"or derive one: hetpipe profile {spec.name} --batch {batch_size} --gpu-type {gpu_type} "
+                           "--like cuda --speed RATIO")
+    profile = profile_checked(spec, batch_size, optimizer=optimizer, repeats=repeats, device=device, gpu_type=gpu_type,
+                              dtype=dtype, on_flagged=on_flagged)
+    write_profile(path, profile)
     return profile
+
+
+def write_profile(path: Path, profile: ModelProfile) -> None:
+    """Store `profile` at `path` atomically (a reader never sees half a file)."""
+    _write_atomic(path, profile.to_json())
 
 
 def _safe(text: str) -> str:

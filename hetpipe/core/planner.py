@@ -28,6 +28,7 @@ __all__ = [
     "GpuUse",
     "best",
     "candidates_json",
+    "derived_profiles",
     "emulated_profiles",
     "explain",
     "format_plan",
@@ -134,25 +135,51 @@ def supplied_profiles(config: ClusterConfig, found: Mapping[str, ModelProfile]) 
     A missing type's times are those of the fastest type that has a profile x (its speed / missing speed),
     memory sizes unchanged; the notes say which were scaled. UsageError when no type has a profile.
     """
-    used = [name for name in config.gpu_types if any(name in node.gpus for node in config.nodes)]
+    used = _used_types(config)
     have = [name for name in used if name in found]
     if not have:
         raise UsageError(
             f"no profile of {config.model.name} at batch {config.train.batch_size} for any GPU type of {config.path} "
             f"({', '.join(used)}): on a machine with one of them run `hetpipe profile {config.model.name} --batch "
             f"{config.train.batch_size} --gpu-type {used[0]} --device cuda --out DIR/{used[0]}.json` and pass "
-            "--profile-dir DIR; types without a profile are scaled from one that has it by speed")
+            "--profile-dir DIR, or derive one here from a CPU profile: `hetpipe profile ... --gpu-type "
+            f"{used[0]} --like cpu --speed RATIO` (RATIO: its FLOP rate over this CPU's); types without a profile "
+            "are scaled from one that has it by speed")
     source = max(have, key=lambda name: (config.gpu_types[name].speed, name))
     profiles, notes = {}, []
     for name in used:
         if name in found:
             profiles[name] = found[name]
         else:
-            ratio = config.gpu_types[source].speed / config.gpu_types[name].speed
-            profiles[name] = found[source].scaled(name, ratio)
+            profiles[name] = derive_profile(found[source], config.gpu_types[name].speed,
+                                            config.gpu_types[source].speed, 1.0, gpu_type=name)
             notes.append(f"{name}: no profile given, times scaled from {source} by speed "
                          f"{config.gpu_types[source].speed:g}/{config.gpu_types[name].speed:g}")
     return profiles, notes
+
+
+def derived_profiles(config: ClusterConfig, measured: ModelProfile) -> tuple[dict[str, ModelProfile], list[str]]:
+    """Profiles for real GPUs none of which was measured: each type's derived from `measured` (another device)
+    by FLOP rate, reading the type's `speed` as its TFLOPS: times x measured.origin.device_tflops / speed,
+    memory sizes unchanged (derive_profile). UsageError when `measured` does not record its device's rate.
+    """
+    origin = measured.origin
+    if origin is None or not origin.device_tflops > 0:
+        raise UsageError(f"the {measured.gpu_type} profile of {measured.model} does not record its device's FLOP rate "
+                         "(origin.device_tflops): measure it again with `hetpipe profile`")
+    used = _used_types(config)
+    profiles = {name: derive_profile(measured, config.gpu_types[name].speed, origin.device_tflops, 1.0, gpu_type=name)
+                for name in used}
+    speeds = ", ".join(f"{name} {config.gpu_types[name].speed:g}" for name in used)
+    note = (f"{', '.join(used)}: no profile measured on them; derived from a {origin.device} profile ({origin.device_name}, "
+            f"{origin.device_tflops:.3g} TFLOPS by its matmul) by FLOP rate, times x {origin.device_tflops:.3g} / speed "
+            f"read as TFLOPS ({speeds}), memory unchanged: the predictions' ratios mean more than their values")
+    return profiles, [note]
+
+
+def _used_types(config: ClusterConfig) -> list[str]:
+    """The GPU types some node has, in [gpu_types] order."""
+    return [name for name in config.gpu_types if any(name in node.gpus for node in config.nodes)]
 
 
 # ---------------------------------------------------------------------------------------------- search
