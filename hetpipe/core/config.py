@@ -42,6 +42,8 @@ __all__ = [
 Placement = Literal["balanced", "local"]
 PullMode = Literal["exact", "latest"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
+PsAuth = Literal["none", "curve"]
+OnNan = Literal["stop", "skip"]
 AllocationPolicy = Literal["explicit", "np", "ed", "hd"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -150,13 +152,20 @@ class NetworkConfig:
 
 @dataclass(frozen=True)
 class PsConfig:
-    """Parameter server: shard i listens on port + i; a client waits timeout_s for a reply."""
+    """Parameter server: shard i listens on port + i; a client waits timeout_s for a reply.
+
+    auth = "curve": every PS socket is a CurveZMQ server that admits only the run's key pairs, each VW's
+    key acting only as that VW (hetpipe.core.access); keys_dir holds them ("": `hetpipe train` makes a
+    fresh set in <run dir>/keys; `hetpipe server` and `hetpipe worker` need one, see `hetpipe keys`).
+    """
 
     host: str = "127.0.0.1"
     port: int = 7400
     shards: int = 1
     placement: Placement = "balanced"
     timeout_s: float = 60.0
+    auth: PsAuth = "none"
+    keys_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -212,6 +221,7 @@ class TrainConfig:
     weight_stashing: bool = True
     schedule: str = "wsp"
     out_dir: str = "runs/local"
+    on_nan: OnNan = "stop"  # a NaN or inf loss: "stop" the run naming stage and wave, or "skip" the minibatch
 
 
 @dataclass(frozen=True)
@@ -319,14 +329,14 @@ def _plain(value: Any) -> Any:
 
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "network": ("intra_node_gbps", "inter_node_gbps"),
-    "ps": ("host", "port", "shards", "placement", "timeout_s"),
+    "ps": ("host", "port", "shards", "placement", "timeout_s", "auth", "keys_dir"),
     "wsp": ("staleness", "nm", "pull"),
     "checkpoint": ("dir", "every", "keep"),
     "model": ("name", "options"),
     "data": ("name", "options", "test_fraction"),
     "train": (
         "batch_size", "waves", "optimizer", "lr", "momentum", "weight_decay",
-        "weight_stashing", "schedule", "out_dir",
+        "weight_stashing", "schedule", "out_dir", "on_nan",
     ),
     "emulation": ("enabled", "time_scale", "link_bandwidth"),
     "allocation": ("policy",),
@@ -548,6 +558,8 @@ def _ps(t: _Table) -> PsConfig:
         host=host, port=port, shards=shards,
         placement=t.choice("placement", d.placement, get_args(Placement)),
         timeout_s=t.number("timeout_s", d.timeout_s, gt=0),
+        auth=t.choice("auth", d.auth, get_args(PsAuth)),
+        keys_dir=t.string("keys_dir", d.keys_dir),
     )
 
 
@@ -595,6 +607,7 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         weight_stashing=t.boolean("weight_stashing", d.weight_stashing),
         schedule=t.string("schedule", d.schedule, nonempty=True),
         out_dir=t.string("out_dir", f"runs/{run_name}", nonempty=True),
+        on_nan=t.choice("on_nan", d.on_nan, get_args(OnNan)),
     )
 
 
