@@ -76,12 +76,15 @@ def test_zap_refuses_anything_but_a_curve_key(request_frames: list[bytes], code:
     assert len(decision.reply) == 6
 
 
-def test_refusal_log_keeps_a_budget_per_window_and_counts_the_rest() -> None:
+def test_refusal_log_logs_each_line_once_per_window_and_counts_repeats() -> None:
     log = RefusalLog(budget=2, window_s=60.0)
     assert log.note("a", now=0.0) == ["a"]
+    assert log.note("a", now=0.1) == []  # a client retrying: counted, not logged
+    assert log.note("a", now=0.2) == []
     assert log.note("b", now=1.0) == ["b"]
-    assert log.note("c", now=2.0) == []
+    assert log.note("c", now=2.0) == []  # over the budget of distinct lines
     assert log.note("d", now=59.0) == []
-    assert log.note("e", now=61.0) == ["2 more refusals were not logged in the last 61 s", "e"]
-    assert log.note("f", now=62.0) == ["f"]
-    assert log.note("g", now=200.0) == ["g"]  # nothing was suppressed: no count line
+    assert log.note("b", now=61.0) == [
+        "a (and 2 more times in the last 61 s)", "2 more refusals were not logged in the last 61 s", "b"]
+    assert log.note("e", now=62.0) == ["e"]
+    assert log.note("f", now=200.0) == ["f"]  # nothing repeated or dropped: no count lines

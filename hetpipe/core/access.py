@@ -9,7 +9,7 @@ the reply admits (200, with a User-Id that every message of that connection then
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq.utils.z85
 
@@ -86,25 +86,35 @@ def zap_decide(request: Sequence[bytes], clients: Mapping[bytes, str]) -> ZapDec
 
 @dataclass
 class RefusalLog:
-    """Refusals to log, at most `budget` lines per `window_s` (a client retrying a bad handshake every 100 ms,
-    or a flood, must not fill the log); the rest are counted and the count logged when a window ends."""
+    """Refusals to log: each distinct line once per `window_s`, at most `budget` distinct lines per window; repeats
+    (a client retrying a bad handshake every 100 ms) and lines over the budget (a flood) are counted, and the
+    counts logged when a refusal arrives after the window ended. Bounded memory: at most `budget` lines kept."""
 
     budget: int = 20
     window_s: float = 60.0
     _start: float | None = None
-    _lines: int = 0
-    _suppressed: int = 0
+    _repeats: dict[str, int] = field(default_factory=dict)  # line logged in this window -> repeats since
+    _over_budget: int = 0
 
     def note(self, line: str, now: float) -> list[str]:
         """The lines to log for one refusal described by `line`, seen at time `now` (seconds)."""
         out = []
         if self._start is None or now - self._start >= self.window_s:
-            if self._suppressed:
-                out.append(f"{self._suppressed} more refusals were not logged in the last {now - self._start:.0f} s")
-            self._start, self._lines, self._suppressed = now, 0, 0
-        if self._lines < self.budget:
-            self._lines += 1
+            if self._start is not None:
+                out += self._summary(now - self._start)
+            self._start, self._repeats, self._over_budget = now, {}, 0
+        if line in self._repeats:
+            self._repeats[line] += 1
+        elif len(self._repeats) < self.budget:
+            self._repeats[line] = 0
             out.append(line)
         else:
-            self._suppressed += 1
+            self._over_budget += 1
+        return out
+
+    def _summary(self, elapsed: float) -> list[str]:
+        out = [f"{line} (and {n} more time{'s' * (n > 1)} in the last {elapsed:.0f} s)"
+               for line, n in self._repeats.items() if n]
+        if self._over_budget:
+            out.append(f"{self._over_budget} more refusals were not logged in the last {elapsed:.0f} s")
         return out
