@@ -130,3 +130,29 @@ def test_ctrl_c_stops_everything_within_seconds(tmp_path: Path):
     err, _ = stop_within(proc, 15)
     assert proc.returncode == 1 and "interrupted" in err and "Traceback" not in err
     assert_all_gone(pids)
+
+
+def test_a_diverging_run_stops_naming_the_stage_and_wave(tmp_path: Path):
+    # lr = 1e30: the first steps overflow, the loss and the updates turn NaN; the run must end with the cause
+    # (the stage's own NaN check, or the PS refusing the non-finite push), exit 1 and no traceback
+    path = write_config(tmp_path, vws=[["n0:0"]], nm=2, staleness=0, waves=6)
+    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
+                             "--quiet", "--set", "train.lr=1e30"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "stage 0 of virtual worker 0 (vw0-s0) stopped the run" in result.stderr
+    assert "wave" in result.stderr and 'train.on_nan = "skip"' in result.stderr
+    assert "Traceback" not in result.stderr and str(tmp_path / "r" / "logs" / "vw0-s0.log") in result.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="worker/stage.py must hand its job's ps_keys to PSClient (curve=job.ps_keys); "
+                                       "the stage runtime is being rewritten: drop this mark once it does")
+def test_train_with_curve_auth(tmp_path: Path):
+    path = write_config(tmp_path, vws=[["n0:0"], ["n0:1"]], nm=2, staleness=0, waves=3)
+    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
+                             "--quiet", "--set", "ps.auth=curve", "--set", "ps.timeout_s=5"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    keys = tmp_path / "r" / "keys"
+    assert sorted(p.name for p in keys.glob("*.key")) == ["admin.key", "server.key", "vw0.key", "vw1.key"]
+    log = (tmp_path / "r" / "logs" / "ps-shard-0.log").read_text()
+    assert "auth=curve, 3 client keys" in log and "refused" not in log
