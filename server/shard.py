@@ -210,13 +210,13 @@ class ShardServer:
 
     def _access_check(self, header: zmq.Frame, msg: wire.Message) -> None:
         """The key this connection was admitted with (its ZAP User-Id) must be allowed to act as the request's VW."""
-        user = header.get("User-Id")
+        user = frame_property(header, "User-Id")  # "" (no rights) if it was not admitted through the ZAP handler
         vw = msg.fields.get("vw")
         why = refusal(user, msg.type, vw)
         if why is None:
             return
         claim = f" claiming vw {vw} stage {msg.fields.get('stage')}" if vw is not None else ""
-        line = f"refused {msg.type}{claim} from key {user!r} at {header.get('Peer-Address')}: {why}"
+        line = f"refused {msg.type}{claim} from key {user!r} at {frame_property(header, 'Peer-Address')}: {why}"
         for text in self.refusals.note(line, time.monotonic()):
             self.log(f"[shard {self.settings.shard}] {text}")
         raise wire.WireError("forbidden", f"{msg.type}{claim} refused: {why}; each VW's stages must use that VW's key")
@@ -346,6 +346,14 @@ class ShardServer:
         for key, arr in (lent or {}).items():
             if self.state.weights.get(key) is arr:
                 self.state.lend(key, lambda tracker=tracker: tracker.done)
+
+
+def frame_property(frame: zmq.Frame, name: str) -> str:
+    """A ZeroMQ message property ("User-Id", "Peer-Address"), "" when the connection has none."""
+    try:
+        return frame.get(name)
+    except zmq.ZMQError:
+        return ""
 
 
 def meta_clocks(state: ShardState) -> list[int]:

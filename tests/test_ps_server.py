@@ -140,3 +140,32 @@ def test_a_stage_parks_one_pull_at_a_time(children):
         answer = wire.decode(sock.recv_multipart())
         assert answer.type == "weights" and answer.fields["id"] == 103
         assert not sock.poll(200)  # and nothing else
+
+
+def test_a_client_facing_no_server_times_out_and_says_so(children):
+    """Nothing listens: the request and its status probe time out (once each), the message says the PS is silent."""
+    from hetpipe.core.procs import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with PSClient([endpoint], "none", 0, 0, 1, 1, {"k": 0}, timeout_s=1, retry_s=0.25) as ps, \
+            pytest.raises(PSTimeout) as err:
+        ps.register({"k": np.zeros(2, np.float32)})
+    assert "register by vw 0 stage 0 got no answer" in str(err.value)
+    assert "does not answer either: is it running?" in str(err.value)
+
+
+def test_a_curve_client_facing_a_plain_shard_times_out_naming_its_key(children, tmp_path):
+    """The handshake fails, so the DEALER has no connection to queue on: sends must not block."""
+    import zmq
+
+    from hetpipe.core.keys import client_keys, key_users, write_keys
+
+    if not zmq.has("curve"):
+        pytest.skip("this libzmq has no CURVE support")
+    write_keys(tmp_path / "keys", key_users(1))
+    endpoint, _ = start_shard(children, ShardSettings("plain", 0, "tcp://127.0.0.1:0", 0))
+    curve = client_keys(tmp_path / "keys", "vw0")
+    with PSClient([endpoint], "plain", 0, 0, 1, 1, {"k": 0}, timeout_s=1, retry_s=0.25, curve=curve) as ps, \
+            pytest.raises(PSTimeout) as err:
+        ps.register({"k": np.zeros(2, np.float32)})
+    assert "Or it refuses this client's CURVE key (vw0)" in str(err.value)

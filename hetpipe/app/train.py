@@ -40,6 +40,7 @@ from hetpipe.core.keys import (
 )
 from hetpipe.core.metrics import MetricsWriter, format_progress, merge_traces
 from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
+from hetpipe.models import ModelSpec
 from hetpipe.server.checkpoint import list_manifests
 from hetpipe.server.launch import serve_settings, shard_settings
 from hetpipe.worker.jobs import emulated_slowdowns, stage_jobs
@@ -95,7 +96,7 @@ def check_writable_dir(directory: Path, label: str) -> None:
         raise UsageError(f"{label} {directory}: cannot write there ({why}); choose a writable directory") from None
 
 
-def check_memory(config: ClusterConfig, spec, vws: tuple[VwLayout, ...]) -> None:
+def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ...]) -> None:
     """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs too)."""
     sizes = model_sizes(spec, config.train.batch_size, config.train.optimizer)
     memory = {g: (config.gpu(g).name, int(config.gpu(g).memory_gib * 2**30)) for lay in vws for g in lay.gpus}
