@@ -94,7 +94,7 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
           quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
-    from hetpipe.app.train import TrainOptions, apply_plan
+    from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
     from hetpipe.app.train import train as run_train
     from hetpipe.core.metrics import format_summary
 
@@ -102,6 +102,8 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
     layouts = None
     if plan_path:
         config, layouts = apply_plan(config, plan_path)
+    if summary_path:
+        check_writable_dir(summary_path.parent, "--summary")  # now, not after the run
     options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit)
     summary = run_train(config, options)
     click.echo(format_summary(summary))
@@ -124,6 +126,37 @@ def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path, 
     from hetpipe.worker.run import run_worker
 
     run_worker(_load(config_path, settings), vw, stage, run_dir)
+
+
+@cli.command()
+@click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where to write the keys (default: the config's [ps] keys_dir, else <config>-keys beside it).")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Make one key pair per VW of this plan (default: per VW of the config).")
+@click.option("--force", is_flag=True, help="Replace keys already there (processes using them are locked out).")
+@_set_option
+def keys(config_path: Path, out_dir: Path | None, plan_path: Path | None, force: bool,
+         settings: tuple[str, ...]) -> None:
+    """Write the CurveZMQ keys of a cluster: the PS's pair, one pair per virtual worker, and an admin pair."""
+    from hetpipe.core.keys import key_users, write_keys
+
+    config = _load(config_path, settings)
+    if plan_path:
+        from hetpipe.app.train import apply_plan
+
+        num_vws = len(apply_plan(config, plan_path)[1])
+    else:
+        from hetpipe.compute.build import model_of, vw_layouts
+
+        num_vws = len(vw_layouts(config, model_of(config)))
+    directory = out_dir or Path(config.ps.keys_dir or config_path.with_name(f"{config_path.stem}-keys"))
+    write_keys(directory, key_users(num_vws), force=force)
+    click.echo(f"wrote the PS's key pair, {num_vws} VW key pair{'s' * (num_vws != 1)} and an admin pair to "
+               f"{directory} (secret keys *.key_secret, mode 600)")
+    if config.ps.auth != "curve" or Path(config.ps.keys_dir or "") != directory:
+        click.echo(f'use them: set [ps] auth = "curve" and keys_dir = "{directory}" in {config_path}; the PS needs '
+                   "server.key_secret and the *.key files, a worker server.key and its own vw<I>.key_secret", err=True)
 
 
 @cli.command()

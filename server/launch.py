@@ -8,19 +8,36 @@ from typing import Any
 
 from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
 from hetpipe.core.errors import UsageError
+from hetpipe.core.keys import ServerKeys, server_keys
 from hetpipe.core.procs import ChildGroup
 from hetpipe.server.shard import ShardServer, ShardSettings
 
-__all__ = ["run_shard", "serve_all", "serve_settings", "shard_settings"]
+__all__ = ["run_shard", "serve_all", "serve_settings", "shard_keys", "shard_settings"]
+
+
+def shard_keys(config: ClusterConfig) -> ServerKeys | None:
+    """The shards' CURVE keys from [ps] keys_dir when auth = "curve" (None for "none")."""
+    if config.ps.auth == "none":
+        return None
+    if not config.ps.keys_dir:
+        raise UsageError(
+            f'{config.path}: [ps] auth = "curve" but keys_dir is empty: a PS started on its own needs the keys its '
+            "workers share; run `hetpipe keys CONFIG --out DIR` and set [ps] keys_dir = DIR"
+        )
+    return server_keys(Path(config.ps.keys_dir))
 
 
 def shard_settings(
-    config: ClusterConfig, shard: int, port: int | None = None, checkpoint_root: Path | None = None
+    config: ClusterConfig, shard: int, port: int | None = None, checkpoint_root: Path | None = None,
+    keys: ServerKeys | None = None,
 ) -> ShardSettings:
     """The settings of shard `shard`: it listens on ps.port + shard unless `port` is given (0: any) and
-    checkpoints under [checkpoint] dir (or `checkpoint_root`) in shard-<i>, unless checkpoints are off."""
+    checkpoints under [checkpoint] dir (or `checkpoint_root`) in shard-<i>, unless checkpoints are off.
+    With auth = "curve" it admits `keys` (default: those of [ps] keys_dir)."""
     if not 0 <= shard < config.ps.shards:
         raise UsageError(f"--shard {shard} is out of range: {config.path} has ps.shards = {config.ps.shards}")
+    if config.ps.auth == "curve" and keys is None:
+        keys = shard_keys(config)
     ckpt = config.checkpoint
     return ShardSettings(
         run=config.name,
@@ -36,6 +53,7 @@ def shard_settings(
         lr=config.train.lr,
         momentum=config.train.momentum,
         weight_decay=config.train.weight_decay,
+        keys=keys if config.ps.auth == "curve" else None,
     )
 
 
@@ -46,6 +64,7 @@ def run_shard(packed_config: bytes, shard: int) -> None:
 
 def serve_all(config: ClusterConfig) -> None:
     """Serve every shard of the config as child processes; stop all when one fails or on Ctrl-C."""
+    shard_keys(config)  # a missing or bad key file: say so before any shard starts
     if config.ps.shards == 1:
         run_shard(pack_config(config), 0)
         return

@@ -1,8 +1,10 @@
 """One PS shard: a single-threaded ZeroMQ ROUTER loop around hetpipe.core.wsp.ShardState.
 
 Requests are decoded and validated by hetpipe.core.wire; every request gets a reply (or, for a pull whose
-gate is closed, is parked and answered the moment the gate opens). Weights leave by zero-copy sends;
-the state copies an array before changing it while such a send still reads it.
+gate is closed, is parked and answered the moment the gate opens; one parked pull per stage). Weights leave
+by zero-copy sends; the state copies an array before changing it while such a send still reads it.
+Tensors with NaN or inf are refused before the state sees them. With keys (auth = "curve") the ROUTER is a
+CURVE server behind hetpipe.server.guard, and each request must come from a key allowed to act as its VW.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import numpy as np
 import zmq
 
 from hetpipe.core import wire
+from hetpipe.core.access import RefusalLog, refusal
 from hetpipe.core.aggregation import Aggregation, make_aggregation
+from hetpipe.core.keys import ServerKeys
 from hetpipe.core.wsp import PullResult, ShardState, WspError
 from hetpipe.server.checkpoint import load_newest, write_checkpoint
+from hetpipe.server.guard import CurveGate
 
 __all__ = ["ShardServer", "ShardSettings"]
 
@@ -44,6 +49,8 @@ class ShardSettings:
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 0.0
+
+    keys: ServerKeys | None = None  # None: no authentication (auth = "none")
 
     def make_aggregation(self) -> Aggregation:
         return make_aggregation(self.aggregation, self.optimizer, self.lr, self.momentum, self.weight_decay)
@@ -76,7 +83,9 @@ class ShardServer:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.state = ShardState(settings.staleness, settings.pull_mode, settings.make_aggregation())
         self.identities: dict[tuple[int, int], bytes] = {}
-        self.parked: dict[tuple[bytes, int], Parked] = {}
+        self.parked: dict[tuple[int, int], Parked] = {}  # (vw, stage) -> its one pull waiting for the gate
+        self.refusals = RefusalLog()
+        self.gate: CurveGate | None = None
         self.traffic = Traffic()
         self._stopping = False
         self._last_checkpoint = -1
@@ -110,24 +119,36 @@ class ShardServer:
     def serve(self, ready: Callable[[int], None] | None = None) -> None:
         """Bind, then handle requests until stop() or SIGTERM (which checkpoints first)."""
         ctx = zmq.Context()
+        if self.settings.keys is not None:
+            self.gate = CurveGate(ctx, self.settings.keys, self.log, self.refusals, f"[shard {self.settings.shard}]")
         sock = self._sock = ctx.socket(zmq.ROUTER)
         wire.configure_socket(sock, router=True)
+        if self.gate is not None:
+            self.gate.secure(sock)
         port = self._bind(sock)
         if threading_main():
             signal.signal(signal.SIGTERM, lambda *_: self.stop())
             signal.signal(signal.SIGINT, lambda *_: self.stop())
+        auth = "none" if self.gate is None else f"curve, {len(self.settings.keys.clients)} client keys"
         self.log(
             f"[shard {self.settings.shard}] run {self.settings.run!r} listening on port {port} "
-            f"(D={self.settings.staleness}, pull={self.settings.pull_mode})"
+            f"(D={self.settings.staleness}, pull={self.settings.pull_mode}, auth={auth})"
         )
         if ready:
             ready(port)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        for gate_sock in self.gate.sockets if self.gate else []:
+            poller.register(gate_sock, zmq.POLLIN)
         try:
             while not self._stopping:
-                if not poller.poll(100):
+                events = dict(poller.poll(100))
+                if not events:
                     continue
+                if self.gate is not None:
+                    for gate_sock in self.gate.sockets:
+                        if gate_sock in events:
+                            self.gate.handle(gate_sock)
                 for _ in range(64):  # drain a burst, then look at the stop flag again
                     try:
                         frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
@@ -137,6 +158,8 @@ class ShardServer:
         finally:
             if self.settings.checkpoint_dir is not None and self.state.stage_keys:
                 self.checkpoint(reason="stop")
+            if self.gate is not None:
+                self.gate.close()
             sock.close(linger=0)
             ctx.term()
 
@@ -184,6 +207,8 @@ class ShardServer:
                     "run_mismatch",
                     f"this shard serves run {self.settings.run!r}, not {msg.fields['run']!r}: check the config",
                 )
+            if self.gate is not None:
+                self._access_check(body[0], msg)
             getattr(self, f"_on_{msg.type}")(identity, msg)
         except (wire.WireError, WspError) as exc:
             if request_id is None:  # decode could not finish; it kept the id if the header had one
@@ -192,6 +217,30 @@ class ShardServer:
         except Exception as exc:  # a bug must not take the shard down; say so loudly and go on
             self.log(f"[shard {self.settings.shard}] internal error: {exc}\n{traceback.format_exc()}")
             self._send(identity, wire.error_frames(request_id, "internal", f"internal error: {exc}"))
+
+    def _access_check(self, header: zmq.Frame, msg: wire.Message) -> None:
+        """The key this connection was admitted with (its ZAP User-Id) must be allowed to act as the request's VW."""
+        user = frame_property(header, "User-Id")  # "" (no rights) if it was not admitted through the ZAP handler
+        vw = msg.fields.get("vw")
+        why = refusal(user, msg.type, vw)
+        if why is None:
+            return
+        claim = f" claiming vw {vw} stage {msg.fields.get('stage')}" if vw is not None else ""
+        line = f"refused {msg.type}{claim} from key {user!r} at {frame_property(header, 'Peer-Address')}: {why}"
+        for text in self.refusals.note(line, time.monotonic()):
+            self.log(f"[shard {self.settings.shard}] {text}")
+        raise wire.WireError("forbidden", f"{msg.type}{claim} refused: {why}; each VW's stages must use that VW's key")
+
+    def _finite_check(self, msg: wire.Message, what: str) -> None:
+        """Refuse NaN and inf before the state sees them: one poisoned update would spread to every VW."""
+        for key, view in msg.tensors.items():
+            if not view.all_finite():
+                nans, infs = view.non_finite_counts()
+                raise wire.WireError(
+                    "non_finite",
+                    f"{what}: tensor {key!r} holds {nans} NaN and {infs} inf values; the PS refuses non-finite "
+                    "tensors (a diverged loss? lower train.lr, or set train.on_nan = \"skip\")",
+                )
 
     def _owner_check(self, identity: bytes, vw: int, stage: int) -> None:
         owner = self.identities.get((vw, stage))
@@ -206,6 +255,7 @@ class ShardServer:
         owner = self.identities.get(sid)
         if owner is not None and owner != identity:
             raise WspError("conflict", f"vw {sid[0]} stage {sid[1]} is already registered from another connection")
+        self._finite_check(msg, f"register of vw {sid[0]} stage {sid[1]}")
         kinds = {**dict.fromkeys(f["buffers"], "buffer"), **dict.fromkeys(f["ledgers"], "ledger")}
         values = self.state.register(f["vw"], f["stage"], f["num_vws"], f["num_stages"], msg.tensors, kinds,
                                      f["num_waves"] or None)
@@ -217,6 +267,7 @@ class ShardServer:
     def _on_push(self, identity: bytes, msg: wire.Message) -> None:
         f = msg.fields
         self._owner_check(identity, f["vw"], f["stage"])
+        self._finite_check(msg, f"push of vw {f['vw']} stage {f['stage']} wave {f['wave']}")
         result = self.state.push(f["vw"], f["stage"], f["wave"], msg.tensors)
         ack = {"id": f["id"], "wave": f["wave"], "applied": result.applied, "c_global": result.c_global}
         self._send(identity, wire.encode("ack", ack))
@@ -229,8 +280,17 @@ class ShardServer:
         parked = Parked(identity, f["id"], f["vw"], f["stage"], f["wave"])
         if self.state.gate_open(f["wave"]):
             self._answer_pull(parked)
-        else:
-            self.parked[(identity, f["id"])] = parked  # a retried pull replaces its twin
+            return
+        sid = (f["vw"], f["stage"])
+        before = self.parked.get(sid)
+        if before is not None and (before.identity, before.request_id) == (identity, f["id"]):
+            return  # a retry: it keeps its place and its waiting time
+        if before is not None:
+            # a stage waits for one pull at a time, so an older one was abandoned (and parking every one would
+            # grow memory without bound): answer it, so that nothing waits for it forever
+            message = f"pull of wave {before.wave} replaced by pull {f['id']} of wave {f['wave']}"
+            self._send(before.identity, wire.error_frames(before.request_id, "conflict", message))
+        self.parked[sid] = parked
 
     def _answer_pull(self, p: Parked) -> None:
         try:
@@ -272,7 +332,7 @@ class ShardServer:
         opened = [p for p in self.parked.values() if self.state.gate_open(p.wave)]
         now = time.monotonic()
         for p in sorted(opened, key=lambda p: (p.wave, p.vw, p.stage)):
-            del self.parked[(p.identity, p.request_id)]
+            del self.parked[(p.vw, p.stage)]
             self.traffic.pull_wait_s += now - p.since
             self._answer_pull(p)
         self._status_line()
@@ -300,6 +360,14 @@ class ShardServer:
         for key, arr in (lent or {}).items():
             if self.state.weights.get(key) is arr:
                 self.state.lend(key, lambda tracker=tracker: tracker.done)
+
+
+def frame_property(frame: zmq.Frame, name: str) -> str:
+    """A ZeroMQ message property ("User-Id", "Peer-Address"), "" when the connection has none."""
+    try:
+        return frame.get(name)
+    except zmq.ZMQError:
+        return ""
 
 
 def meta_clocks(state: ShardState) -> list[int]:

@@ -73,3 +73,68 @@ def test_set_is_validated_like_the_file_on_every_command(tmp_path: Path, command
     assert result.returncode == 2, result.stderr
     assert "ok.toml with --set wsp.nm=0: wsp.nm: must be >= 1, got 0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_train_refuses_a_cluster_whose_memory_cannot_hold_the_model(tmp_path: Path):
+    # the issue's case: memory_gib = 0.001 cannot hold the default config's CNN; nothing may start
+    result = hetpipe("train", "--run-dir", str(tmp_path / "run"), "--quiet",
+                     "--set", "gpu_types.fast.memory_gib=0.001", "--set", "gpu_types.slow.memory_gib=0.001")
+    assert result.returncode == 2, result.stderr
+    err = result.stderr
+    assert "stage 0 of virtual worker" in err and "on GPU n" in err and "(fast)" in err  # the fullest GPU
+    assert "but the GPU has 1,073,741 bytes (1.02 MiB)" in err and "needs " in err and "bytes (" in err
+    assert "lower train.batch_size or wsp.nm" in err and "hetpipe plan" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["proc", "file-parent", "read-only"])
+def test_train_refuses_an_unwritable_run_dir_naming_it(tmp_path: Path, where: str):
+    if where == "proc":
+        run_dir, why = Path("/proc/x"), "No such file or directory"
+    elif where == "file-parent":
+        (tmp_path / "file").write_text("")
+        run_dir, why = tmp_path / "file" / "run", f"{tmp_path / 'file'} is a file, not a directory"
+    else:
+        import os
+
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories; the /proc case covers a refusal as root")
+        (tmp_path / "ro").mkdir(mode=0o555)
+        run_dir, why = tmp_path / "ro" / "run", "Permission denied"
+    result = hetpipe("train", "--run-dir", str(run_dir), "--quiet")
+    assert result.returncode == 2, result.stderr
+    assert f"--run-dir {run_dir}: cannot write there ({why}); choose a writable directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_train_refuses_an_unwritable_summary_before_training(tmp_path: Path):
+    (tmp_path / "file").write_text("")
+    result = hetpipe("train", "--run-dir", str(tmp_path / "run"), "--quiet", "--summary",
+                     str(tmp_path / "file" / "s.json"))
+    assert result.returncode == 2 and f"--summary {tmp_path / 'file'}: cannot write there" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_keys_writes_a_set_and_keeps_it(tmp_path: Path):
+    config = tmp_path / "lab.toml"
+    config.write_text(GOOD_HEAD.replace('gpus = ["a"]', 'gpus = ["a", "a", "a"]') + '[allocation]\npolicy = "ed"\n')
+    result = hetpipe("keys", str(config))
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "lab-keys"
+    assert sorted(p.name for p in out.glob("*.key")) == ["admin.key", "server.key", "vw0.key", "vw1.key", "vw2.key"]
+    assert f'set [ps] auth = "curve" and keys_dir = "{out}"' in result.stderr
+    again = hetpipe("keys", str(config))
+    assert again.returncode == 2 and "already holds keys" in again.stderr and "Traceback" not in again.stderr
+    assert hetpipe("keys", str(config), "--force", "--out", str(tmp_path / "k2")).returncode == 0
+
+
+def test_server_and_worker_with_curve_need_a_keys_dir(tmp_path: Path):
+    config = tmp_path / "lab.toml"
+    config.write_text(GOOD_HEAD + '[ps]\nauth = "curve"\n')
+    for command, extra in (("server", []), ("worker", ["--vw", "0"])):
+        result = hetpipe(command, "--config", str(config), *extra)
+        assert result.returncode == 2, result.stderr
+        assert '[ps] auth = "curve" but keys_dir is empty' in result.stderr and "hetpipe keys" in result.stderr
+    config.write_text(GOOD_HEAD + f'[ps]\nauth = "curve"\nkeys_dir = "{tmp_path / "none"}"\n')
+    result = hetpipe("server", "--config", str(config))
+    assert result.returncode == 2 and f"{tmp_path / 'none' / 'server.key_secret'}: no such key file" in result.stderr

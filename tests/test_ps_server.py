@@ -93,3 +93,79 @@ def test_placement_spreads_keys_and_every_shard_gets_its_part(children):
         pulled = ps.pull(2)  # D = 0: W_1 = W_0 + wave 0
     for k, v in tensors.items():
         np.testing.assert_array_equal(pulled.tensors[k], v + 1.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_pushes_and_registrations_are_refused(children, bad: float):
+    endpoint, _ = start_shard(children, ShardSettings("nan", 0, "tcp://127.0.0.1:0", 0))
+    with PSClient([endpoint], "nan", 0, 0, 1, 1, {"k": 0, "j": 0}, timeout_s=5, retry_s=1) as ps:
+        with pytest.raises(PSError) as err:
+            ps.register({"k": np.array([0.0, bad], np.float32), "j": np.zeros(2, np.float32)})
+        assert err.value.code == "non_finite" and "register of vw 0 stage 0: tensor 'k'" in str(err.value)
+        ps.register({"k": np.zeros(2, np.float32), "j": np.zeros(2, np.float32)})
+        ps.push(0, {"k": np.ones(2, np.float32), "j": np.ones(2, np.float32)})
+        poisoned = np.ones(4, np.float32)
+        poisoned[2] = bad
+        with pytest.raises(PSError) as err:
+            ps.push(1, {"k": np.ones(2, np.float32), "j": poisoned[2:]})
+        nans, infs = (1, 0) if np.isnan(bad) else (0, 1)
+        assert err.value.code == "non_finite"
+        assert f"push of vw 0 stage 0 wave 1: tensor 'j' holds {nans} NaN and {infs} inf values" in str(err.value)
+        assert ps.status()[0]["c_global"] == 1  # the refused wave did not count
+        ps.push(1, {"k": np.ones(2, np.float32), "j": np.ones(2, np.float32)})  # a clean retry does
+        assert ps.read()["j"].tolist() == [2.0, 2.0]
+
+
+def test_a_stage_parks_one_pull_at_a_time(children):
+    """A pull whose gate is closed waits; a second one from the same stage replaces it (the first is answered
+    with an error), so parked pulls cannot pile up."""
+    from hetpipe.core import wire
+
+    endpoint, _ = start_shard(children, ShardSettings("park", 0, "tcp://127.0.0.1:0", 0))
+    place = {"k": 0}
+    with PSClient([endpoint], "park", 0, 0, 2, 1, place, timeout_s=5, retry_s=1) as fast, \
+            PSClient([endpoint], "park", 1, 0, 2, 1, place, timeout_s=5, retry_s=1) as slow:
+        fast.register({"k": np.zeros(2, np.float32)})
+        slow.register({"k": np.zeros(2, np.float32)})
+        sock = fast._socks[0]  # the registered connection, driven by hand
+        for request_id in (101, 102, 102, 103):  # 102 twice: a retry keeps its place
+            sock.send_multipart(wire.encode("pull", {"id": request_id, "run": "park", "vw": 0, "stage": 0, "wave": 2}))
+        replies = [wire.decode(sock.recv_multipart()) for _ in range(2)]
+        assert [(r.fields["id"], r.fields["code"]) for r in replies] == [(101, "conflict"), (102, "conflict")]
+        assert "replaced by pull 102 of wave 2" in replies[0].fields["message"]
+        info = slow.status()[0]
+        assert [(p["vw"], p["wave"]) for p in info["parked"]] == [(0, 2)]
+        fast.push(0, {"k": np.ones(2, np.float32)})
+        slow.push(0, {"k": np.ones(2, np.float32)})  # the gate opens: the one parked pull (103) is answered
+        answer = wire.decode(sock.recv_multipart())
+        assert answer.type == "weights" and answer.fields["id"] == 103
+        assert not sock.poll(200)  # and nothing else
+
+
+def test_a_client_facing_no_server_times_out_and_says_so(children):
+    """Nothing listens: the request and its status probe time out (once each), the message says the PS is silent."""
+    from hetpipe.core.procs import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with PSClient([endpoint], "none", 0, 0, 1, 1, {"k": 0}, timeout_s=1, retry_s=0.25) as ps, \
+            pytest.raises(PSTimeout) as err:
+        ps.register({"k": np.zeros(2, np.float32)})
+    assert "register by vw 0 stage 0 got no answer" in str(err.value)
+    assert "does not answer either: is it running?" in str(err.value)
+
+
+def test_a_curve_client_facing_a_plain_shard_times_out_naming_its_key(children, tmp_path):
+    """The handshake fails, so the DEALER has no connection to queue on: sends must not block."""
+    import zmq
+
+    from hetpipe.core.keys import client_keys, key_users, write_keys
+
+    if not zmq.has("curve"):
+        pytest.skip("this libzmq has no CURVE support")
+    write_keys(tmp_path / "keys", key_users(1))
+    endpoint, _ = start_shard(children, ShardSettings("plain", 0, "tcp://127.0.0.1:0", 0))
+    curve = client_keys(tmp_path / "keys", "vw0")
+    with PSClient([endpoint], "plain", 0, 0, 1, 1, {"k": 0}, timeout_s=1, retry_s=0.25, curve=curve) as ps, \
+            pytest.raises(PSTimeout) as err:
+        ps.register({"k": np.zeros(2, np.float32)})
+    assert "Or it refuses this client's CURVE key (vw0)" in str(err.value)

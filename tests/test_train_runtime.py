@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hetpipe.app.train import TrainOptions, train
@@ -130,3 +132,52 @@ def test_ctrl_c_stops_everything_within_seconds(tmp_path: Path):
     err, _ = stop_within(proc, 15)
     assert proc.returncode == 1 and "interrupted" in err and "Traceback" not in err
     assert_all_gone(pids)
+
+
+def test_a_diverging_run_stops_naming_the_stage_and_wave(tmp_path: Path):
+    # lr = 1e30: the first steps overflow, the loss and the updates turn NaN; the run must end with the cause
+    # (the stage's own NaN check, or the PS refusing the non-finite push), exit 1 and no traceback
+    path = write_config(tmp_path, vws=[["n0:0"]], nm=2, staleness=0, waves=6)
+    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
+                             "--quiet", "--set", "train.lr=1e30"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "stage 0 of virtual worker 0 (vw0-s0) stopped the run" in result.stderr
+    assert "wave" in result.stderr and 'train.on_nan = "skip"' in result.stderr
+    assert "Traceback" not in result.stderr and str(tmp_path / "r" / "logs" / "vw0-s0.log") in result.stderr
+
+
+def test_train_with_curve_auth(tmp_path: Path):
+    path = write_config(tmp_path, vws=[["n0:0"], ["n0:1"]], nm=2, staleness=0, waves=3)
+    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
+                             "--quiet", "--set", "ps.auth=curve", "--set", "ps.timeout_s=5"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    keys = tmp_path / "r" / "keys"
+    assert sorted(p.name for p in keys.glob("*.key")) == ["admin.key", "server.key", "vw0.key", "vw1.key"]
+    log = (tmp_path / "r" / "logs" / "ps-shard-0.log").read_text()
+    assert "auth=curve, 3 client keys" in log and "refused" not in log
+
+
+def test_on_nan_skip_drops_the_bad_minibatches_and_trains_on(tmp_path: Path):
+    """One sample in forty is NaN: with on_nan = "skip" the minibatches holding one add nothing at any stage
+    (the last stage tells the others), the rest train, and the final model is finite."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((400, 1, 28, 28)).astype(np.float32)
+    x[::40, 0, 0, 0] = np.nan
+    np.save(data / "x.npy", x)
+    np.save(data / "y.npy", rng.integers(0, 10, 400))
+    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=6)
+    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
+                             "--quiet", "--set", "train.on_nan=skip", "--set", f"data.name={json.dumps(str(data))}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["event"] == "minibatch"]
+    assert any(m["skipped"] for m in steps) and not all(m["skipped"] for m in steps)
+    assert all(math.isfinite(m["loss"]) for m in steps if not m["skipped"])
+    import torch
+
+    state = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
+    assert all(bool(torch.isfinite(t).all()) for t in state.values())

@@ -368,3 +368,25 @@ def test_scalar_and_empty_tensors_copy_and_add() -> None:
     msg.tensors["e"].add_into(e)
     assert s == 3.5 and e.shape == (0, 3)
     assert msg.tensors["s"].to_array().shape == ()
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_finite_check_finds_nan_and_inf_in_any_chunk(dtype: str) -> None:
+    n = 2 * CHUNK_BYTES // np.dtype(dtype).itemsize + 5        # the bad values go into the third chunk
+    clean = np.ones(n, dtype)
+    view = decode(encode("push", FIELDS["push"], {"w": clean})).tensors["w"]
+    assert view.all_finite() and view.non_finite_counts() == (0, 0)
+    if np.dtype(dtype).kind != "f":
+        return  # integers are always finite
+    dirty = clean.copy()
+    dirty[[n - 1, n - 2]] = np.nan
+    dirty[n - 3] = -np.inf
+    view = decode(encode("push", FIELDS["push"], {"w": dirty})).tensors["w"]
+    assert len(view.chunks) == 3 and not view.all_finite()
+    assert view.non_finite_counts() == (2, 1)
+
+
+def test_new_error_codes_are_on_the_wire() -> None:
+    for code in ("forbidden", "non_finite"):
+        msg = decode(wire.error_frames(3, code, "why"))
+        assert msg.fields == {"id": 3, "code": code, "message": "why"}

@@ -11,6 +11,7 @@ from hetpipe.compute.build import VwLayout
 from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
 from hetpipe.core.devices import stage_device
 from hetpipe.core.emulate import cpu_cores, slowdowns
+from hetpipe.core.keys import ClientKeys
 
 __all__ = ["StageJob", "cuda_devices", "emulated_slowdowns", "stage_jobs"]
 
@@ -35,6 +36,7 @@ class StageJob:
     devices: tuple[str, ...] = ()  # every stage's device in this VW (the transport between them depends on it)
     dump_weights: bool = False  # write the stage's final live weights (for equivalence tests)
     audit: bool = False  # carry a tagged-update ledger and check guarantees L and G at every forward
+    ps_keys: ClientKeys | None = None  # auth = "curve": this VW's key pair (only this VW's) and the PS's key
 
     @cached_property
     def config(self) -> ClusterConfig:
@@ -68,9 +70,9 @@ def cuda_devices() -> int:
 
 def stage_jobs(
     config: ClusterConfig, vws: tuple[VwLayout, ...], vw: int, *, run_dir: Path, ps_endpoints: tuple[str, ...],
-    p2p_host: str, p2p_port: int, audit: bool = False, dump_weights: bool = False,
+    p2p_host: str, p2p_port: int, audit: bool = False, dump_weights: bool = False, ps_keys: ClientKeys | None = None,
 ) -> list[StageJob]:
-    """The jobs of every stage of virtual worker `vw` (of `vws`, all the run's VWs)."""
+    """The jobs of every stage of virtual worker `vw` (of `vws`, all the run's VWs); `ps_keys` must be vw's."""
     lay = vws[vw]
     slow, time_scale = emulated_slowdowns(config, vws)
     packed = pack_config(config)
@@ -81,7 +83,7 @@ def stage_jobs(
             packed_config=packed, run_dir=str(run_dir), vw=vw, stage=s, num_vws=len(vws), gpus=lay.gpus,
             split=lay.split, ps_endpoints=ps_endpoints, p2p_port=p2p_port, p2p_host=p2p_host, devices=devices,
             slowdown=slow.get(lay.gpus[s], 1.0), time_scale=time_scale, device=devices[s],
-            dump_weights=dump_weights, audit=audit,
+            dump_weights=dump_weights, audit=audit, ps_keys=ps_keys,
         )
         for s in range(len(lay.split))
     ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ import torch.distributed as dist
 __all__ = ["P2P"]
 
 MAX_NDIM = 8
+SKIP_NDIM = MAX_NDIM + 1  # a header with this ndim carries no tensor: the minibatch was skipped
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -64,6 +66,14 @@ class P2P:
             )
         return cls(rank, world_size, device, backend, max_in_flight)
 
+    SKIPPED: ClassVar[object] = object()  # what recv returns for a minibatch the sender skipped (train.on_nan)
+
+    def send_skip(self, dst: int) -> None:
+        """Tell `dst` that this minibatch is skipped: a header alone, with ndim = SKIP_NDIM."""
+        header = torch.zeros(MAX_NDIM + 2, dtype=torch.int64, device=self._wire_device)
+        header[0] = SKIP_NDIM
+        self._pending.setdefault(dst, deque()).append((dist.isend(header, dst), header))
+
     @property
     def _wire_device(self) -> torch.device:
         """Where tensors travel from: the stage's device for NCCL, host memory for gloo."""
@@ -89,10 +99,12 @@ class P2P:
             work, _ = pending.popleft()
             work.wait()
 
-    def recv(self, src: int) -> torch.Tensor:
+    def recv(self, src: int) -> Any:
         header = torch.empty(MAX_NDIM + 2, dtype=torch.int64, device=self._wire_device)
         dist.recv(header, src)
         ndim, dtype_index = int(header[0]), int(header[1])
+        if ndim == SKIP_NDIM:
+            return P2P.SKIPPED
         shape = [int(d) for d in header[2 : 2 + ndim]]
         pinned = self._wire_device != self.device
         out = torch.empty(shape, dtype=DTYPES[dtype_index], device=self._wire_device, pin_memory=pinned)

@@ -4,6 +4,8 @@ One DEALER socket per shard. Every request carries an id and is answered by the 
 without an answer within `retry_s` is sent again with the same id (safe: pushes are idempotent, pulls
 and reads change nothing), and fails after `timeout_s` with an error that says whom it waited for.
 
+With `curve` keys every socket is a CurveZMQ client: encrypted, and the PS knows which key it holds.
+
 Requests are Calls (one request per shard) that complete as replies arrive, so several may be in flight
 at once (hetpipe.worker.ps_agent overlaps pushes and pulls with compute); register/push/pull/status/read
 are the blocking forms.
@@ -11,6 +13,7 @@ are the blocking forms.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -22,6 +25,7 @@ import zmq
 
 from hetpipe.core import wire
 from hetpipe.core.errors import HetpipeError
+from hetpipe.core.keys import ClientKeys
 from hetpipe.core.placement import keys_by_shard
 
 __all__ = ["Call", "PSClient", "PSError", "PSTimeout", "Pulled"]
@@ -87,12 +91,15 @@ class PSClient:
         *,
         timeout_s: float = 60.0,
         retry_s: float = 2.0,
+        curve: ClientKeys | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.run, self.vw, self.stage = run, vw, stage
         self.num_vws, self.num_stages = num_vws, num_stages
         self.placement = dict(placement)
         self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.curve = curve
+        self._probing = False
         self._ids = iter(range(1, 2**62))
         self._ctx = zmq.Context()
         self.sockets: list[zmq.Socket] = []
@@ -101,6 +108,10 @@ class PSClient:
             sock = self._ctx.socket(zmq.DEALER)
             wire.configure_socket(sock, router=False)
             sock.setsockopt(zmq.ROUTING_ID, identity)
+            if curve is not None:
+                sock.curve_serverkey = curve.server_public
+                sock.curve_publickey = curve.public
+                sock.curve_secretkey = curve.secret
             sock.connect(endpoint)
             self.sockets.append(sock)
         self._open: dict[tuple[int, int], Call] = {}  # (shard, request id) -> the call waiting for it
@@ -215,7 +226,10 @@ class PSClient:
             if now - call.started > self.timeout_s:
                 expired.append(call)
             elif now - call.sent_at[shard] >= self.retry_s:
-                self.sockets[shard].send_multipart(call.frames[shard], copy=False)
+                # never block: a DEALER whose connection failed its handshake has nowhere to queue; an
+                # unsent request is tried again after retry_s, and the timeout still counts
+                with contextlib.suppress(zmq.Again):
+                    self.sockets[shard].send_multipart(call.frames[shard], copy=False, flags=zmq.NOBLOCK)
                 call.sent_at[shard] = now
         for call in expired:  # closed first: the message below asks the PS for its status with a call of its own
             call.error = PSTimeout(f"{call.what} timed out")
@@ -272,13 +286,17 @@ class PSClient:
     def _timeout_message(self, what: str, waited: float, gate: int) -> str:
         who = f"vw {self.vw} stage {self.stage}"
         text = f"{what} by {who} got no answer in {waited:.0f} s"
+        if self._probing:  # the status probe below timed out itself: no probe of the probe
+            return text
         try:
-            saved, self.timeout_s = self.timeout_s, min(5.0, self.retry_s * 2)
+            saved, self.timeout_s, self._probing = self.timeout_s, min(5.0, self.retry_s * 2), True
             infos = self.status()
         except HetpipeError:
-            return f"{text}; the PS at {', '.join(self.endpoints)} does not answer either: is it running?"
+            refused = (f" Or it refuses this client's CURVE key ({self.curve.user}): both sides need the same "
+                       "[ps] keys_dir, and the shard logs every client it refuses." if self.curve else "")
+            return f"{text}; the PS at {', '.join(self.endpoints)} does not answer either: is it running?{refused}"
         finally:
-            self.timeout_s = saved
+            self.timeout_s, self._probing = saved, False
         info = min(infos, key=lambda i: i["c_global"])
         slow = info.get("slowest_vw")
         if gate >= 0 and slow is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from hetpipe.compute.build import model_of, vw_layouts
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.keys import client_keys, vw_user
 from hetpipe.core.procs import ChildFailed, ChildGroup
 from hetpipe.worker.jobs import StageJob, stage_jobs
 from hetpipe.worker.stage import run_stage
@@ -22,8 +23,15 @@ def worker_jobs(config: ClusterConfig, vw: int, run_dir: Path) -> list[StageJob]
     if not 0 <= vw < len(vws):
         raise UsageError(f"--vw {vw} is out of range: {config.path} has {len(vws)} virtual workers (0..{len(vws) - 1})")
     first_node = vws[vw].gpus[0].split(":")[0]
+    keys = None
+    if config.ps.auth == "curve":
+        if not config.ps.keys_dir:
+            raise UsageError(f'{config.path}: [ps] auth = "curve" but keys_dir is empty: a worker needs its VW\'s '
+                             "key pair; run `hetpipe keys CONFIG --out DIR`, give each machine what it needs from DIR "
+                             "(a worker: server.key and its vw<I>.key_secret) and set [ps] keys_dir = DIR")
+        keys = client_keys(Path(config.ps.keys_dir), vw_user(vw))
     return stage_jobs(config, vws, vw, run_dir=run_dir, ps_endpoints=tuple(config.ps_endpoints()),
-                      p2p_host=config.node(first_node).host, p2p_port=config.ps.port + 100 + vw)
+                      p2p_host=config.node(first_node).host, p2p_port=config.ps.port + 100 + vw, ps_keys=keys)
 
 
 def run_worker(config: ClusterConfig, vw: int, stage: int | None, run_dir: Path) -> None:

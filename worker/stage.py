@@ -49,6 +49,10 @@ PS_ROW = 1000  # trace row of a stage's PS traffic: PS_ROW + stage
 class NonFiniteLoss(HetpipeError):
     """A minibatch's loss came out NaN or infinite; the message names the stage, minibatch and wave."""
 
+    def __init__(self, message: str, wave: int) -> None:
+        super().__init__(message)
+        self.wave = wave
+
 
 class StageRunner:
     """Owns one stage's compute, transport and PS agent; `run()` executes the action list."""
@@ -97,7 +101,7 @@ class StageRunner:
         self.client = PSClient(
             list(job.ps_endpoints), config.name, job.vw, job.stage, job.num_vws, job.num_stages,
             ps_placement(config, self.spec, job.num_vws if job.audit else 0), timeout_s=config.ps.timeout_s,
-            retry_s=min(5.0, config.ps.timeout_s / 4),
+            retry_s=min(5.0, config.ps.timeout_s / 4), curve=job.ps_keys,
         )
         self.p2p: P2P | None = None
         self.agent: PSAgent | None = None
@@ -152,7 +156,10 @@ class StageRunner:
         x, y = datalib.minibatch(self.x, self.y, self.indices, self.config.train.batch_size, self.config.seed, p)
         return x.to(self.device), y.to(self.device)
 
-    def _send(self, tensor: torch.Tensor, peer: int) -> None:
+    def _send(self, tensor: Any, peer: int) -> None:
+        if tensor is P2P.SKIPPED:
+            self.p2p.send_skip(peer)
+            return
         self.links[peer].delay(tensor.numel() * tensor.element_size())  # emulated link (off by default)
         self.p2p.send(tensor, peer)
 
@@ -204,25 +211,34 @@ class StageRunner:
 
     def backward(self, p: int) -> None:
         job = self.job
+        value = None
         with self.trace.span(f"B{p}"):
             grad = None if self.last else self.p2p.recv(job.stage + 1)
+            skip = grad is P2P.SKIPPED
             target = self._targets.pop(p) if self.last else None
+            if self.last:
+                value = self.compute.loss_of(p, target, self.spec.loss)
+                skip = not np.isfinite(value)
+                if skip and self.config.train.on_nan == "stop":
+                    wave = p // self.config.wsp.nm
+                    raise NonFiniteLoss(f"vw {job.vw} stage {job.stage}: the loss of minibatch {p} (wave {wave}) is "
+                                        f"{value}; lower the learning rate, or check the data", wave)
             started = time.perf_counter()
             with self.dilator.compute(f"B{p}"):
-                grad_in, loss = self.compute.backward(p, grad, target, self.spec.loss)
+                if skip:  # train.on_nan = "skip": the minibatch adds nothing, at every stage
+                    self.compute.skip(p)
+                    grad_in = P2P.SKIPPED
+                else:
+                    grad_in, _ = self.compute.backward(p, grad, target, self.spec.loss)
                 self._sync()
             self._timed("compute", started)
             if not self.first:
                 self._send(grad_in, job.stage - 1)
         self.samples += self.config.train.batch_size
         if self.last:
-            value = float(loss)
-            if not np.isfinite(value):
-                raise NonFiniteLoss(f"vw {job.vw} stage {job.stage}: the loss of minibatch {p} (wave "
-                                    f"{p // self.config.wsp.nm}) is {value}; lower the learning rate, or check the data")
             elapsed = time.monotonic() - self.started
             self.report({"event": "minibatch", "vw": job.vw, "p": p, "loss": value, "time": time.time(),
-                         "samples_per_s": self.samples / max(elapsed, 1e-9)})
+                         "samples_per_s": self.samples / max(elapsed, 1e-9), "skipped": skip})
 
     def update(self, p: int) -> None:
         with self.trace.span(f"U{p}"):
@@ -295,5 +311,6 @@ def run_stage(job: StageJob, events: Any = None) -> None:
         StageRunner(job, report).run()
     except BaseException as exc:
         report({"event": "stage_failed", "vw": job.vw, "stage": job.stage, "pid": os.getpid(),
-                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                **({"wave": exc.wave} if isinstance(exc, NonFiniteLoss) else {})})
         raise

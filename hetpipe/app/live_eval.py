@@ -14,6 +14,7 @@ import torch
 from hetpipe.compute.build import dataset_of, model_of
 from hetpipe.compute.evaluate import evaluate
 from hetpipe.core.config import ClusterConfig
+from hetpipe.core.keys import ClientKeys
 from hetpipe.worker.ps_client import PSClient
 
 __all__ = ["LiveEvaluator"]
@@ -22,8 +23,10 @@ __all__ = ["LiveEvaluator"]
 class LiveEvaluator:
     """Scores W_{c_global} each time c_global passes a multiple of eval_every; one evaluation at a time."""
 
-    def __init__(self, config: ClusterConfig, endpoints: list[str], num_vws: int, device: str) -> None:
+    def __init__(self, config: ClusterConfig, endpoints: list[str], num_vws: int, device: str,
+                 admin_keys: ClientKeys | None = None) -> None:
         self.config, self.endpoints, self.num_vws, self.device = config, endpoints, num_vws, device
+        self.admin_keys = admin_keys
         self.every = config.train.eval_every
         self.results: queue.Queue[dict[str, Any]] = queue.Queue()
         self._next = self.every
@@ -43,7 +46,8 @@ class LiveEvaluator:
 
     def _score(self, c_global: int) -> None:
         try:
-            with PSClient(self.endpoints, self.config.name, 0, 0, self.num_vws, 1, {}, timeout_s=60, retry_s=5) as ps:
+            with PSClient(self.endpoints, self.config.name, 0, 0, self.num_vws, 1, {}, timeout_s=60, retry_s=5,
+                          curve=self.admin_keys) as ps:
                 weights = ps.read()
             state = {k: torch.from_numpy(v) for k, v in weights.items() if not k.startswith("audit/")}
             scores = evaluate(self._spec, state, self._data, device=self.device,

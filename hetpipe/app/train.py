@@ -2,7 +2,9 @@
 the run (final model from the PS, evaluation, summary, merged trace).
 
 The launcher owns every child: on Ctrl-C or when any child fails it stops them all within seconds and
-names the one that failed, with why and its last log lines.
+names the one that failed, with why and its last log lines. Before starting anything it checks that every
+stage fits its GPU's memory (hetpipe.core.fit) and that the run dir is writable; with [ps] auth = "curve" it
+makes (or reads) the run's keys and gives each stage its own VW's key pair only.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import queue as queue_mod
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,18 +25,31 @@ from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
 from hetpipe.compute.build import VwLayout, dataset_of, model_of, vw_layouts
 from hetpipe.compute.evaluate import evaluate
+from hetpipe.compute.sizes import model_sizes
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.devices import stage_device
-from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.errors import ConfigError, HetpipeError, UsageError
+from hetpipe.core.fit import memory_error, stage_needs
+from hetpipe.core.keys import (
+    ADMIN,
+    ClientKeys,
+    ServerKeys,
+    client_keys,
+    key_users,
+    server_keys,
+    vw_user,
+    write_keys,
+)
 from hetpipe.core.metrics import MetricsWriter, format_progress, merge_traces
 from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
+from hetpipe.models import ModelSpec
 from hetpipe.server.checkpoint import list_manifests
 from hetpipe.server.launch import serve_settings, shard_settings
 from hetpipe.worker.jobs import cuda_devices, emulated_slowdowns, stage_jobs
 from hetpipe.worker.ps_client import PSClient
 from hetpipe.worker.stage import run_stage
 
-__all__ = ["TrainOptions", "apply_plan", "train"]
+__all__ = ["RunKeys", "TrainOptions", "apply_plan", "check_memory", "check_writable_dir", "run_keys", "train"]
 
 
 @dataclass(frozen=True)
@@ -45,10 +61,85 @@ class TrainOptions:
     audit: bool = False  # check guarantees L and G at every forward with a tagged-update ledger
 
 
-def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path) -> list[str]:
+@dataclass(frozen=True)
+class RunKeys:
+    """The CURVE keys of one run: the shards', each VW's (index = VW) and the launcher's admin pair."""
+
+    server: ServerKeys
+    vws: tuple[ClientKeys, ...]
+    admin: ClientKeys
+
+
+def run_keys(config: ClusterConfig, run_dir: Path, num_vws: int) -> RunKeys | None:
+    """None for auth = "none"; else the keys of [ps] keys_dir, or a fresh set in <run dir>/keys when it is ""."""
+    if config.ps.auth == "none":
+        return None
+    if config.ps.keys_dir:
+        directory = Path(config.ps.keys_dir)
+    else:
+        directory = run_dir / "keys"
+        write_keys(directory, key_users(num_vws), force=True)  # this run's own set; an earlier run's is spent
+    return RunKeys(
+        server=server_keys(directory, num_vws),
+        vws=tuple(client_keys(directory, vw_user(v)) for v in range(num_vws)),
+        admin=client_keys(directory, ADMIN),
+    )
+
+
+def check_writable_dir(directory: Path, label: str) -> None:
+    """Create `directory` if needed and write a probe file in it; UsageError names the path and why not."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker else (exc.strerror or str(exc))
+        raise UsageError(f"{label} {directory}: cannot write there ({why}); choose a writable directory") from None
+
+
+def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ...]) -> None:
+    """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs too)."""
+    sizes = model_sizes(spec, config.train.batch_size, config.train.optimizer)
+    memory = {g: (config.gpu(g).name, int(config.gpu(g).memory_gib * 2**30)) for lay in vws for g in lay.gpus}
+    needs = stage_needs(sizes, [(lay.gpus, lay.split) for lay in vws], memory, config.wsp.nm,
+                        config.train.weight_stashing)
+    problem = memory_error(needs, model=spec.name, batch_size=config.train.batch_size, nm=config.wsp.nm,
+                           weight_stashing=config.train.weight_stashing)
+    if problem:
+        raise ConfigError(f"{config.path}: {problem}")
+
+
+def _non_finite_stop(failures: dict[str, dict[str, Any]], log_dir: Path) -> HetpipeError | None:
+    """The error that ends a run whose stage stopped on a NaN or inf loss, or whose update the PS refused as
+    non-finite (no traceback: the cause is known)."""
+    for name, event in failures.items():
+        error = str(event.get("error", ""))
+        if error.startswith("NonFiniteLoss") or "non_finite:" in error:
+            wave = f" in wave {event['wave']}" if "wave" in event else ""
+            fix = "" if "on_nan" in error else ('; lower train.lr or check the data, or set train.on_nan = "skip" '
+                                                "to skip such minibatches")
+            return HetpipeError(f"stage {event['stage']} of virtual worker {event['vw']} ({name}) stopped the run"
+                                f"{wave}: {error}\n  its log: {log_dir / (name + '.log')}{fix}")
+    return None
+
+
+def _collect_failures(events: Any, failures: dict[str, dict[str, Any]]) -> None:
+    """Stage failures still queued when a child's exit was seen first."""
+    while True:
+        try:
+            event = events.get(timeout=0.5)
+        except (queue_mod.Empty, OSError, ValueError):
+            return
+        if event.get("event") == "stage_failed":
+            failures[f"vw{event['vw']}-s{event['stage']}"] = event
+
+
+def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path, keys: RunKeys | None) -> list[str]:
     endpoints = []
     for shard in range(config.ps.shards):
-        settings = shard_settings(config, shard, port=0, checkpoint_root=run_dir / "ps")
+        settings = shard_settings(config, shard, port=0, checkpoint_root=run_dir / "ps",
+                                  keys=keys.server if keys else None)
         port_queue = group.ctx.Queue()
         child = group.start(f"ps-shard-{shard}", serve_settings, settings, port_queue)
         try:
@@ -78,11 +169,13 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     spec = model_of(config)
     vws = options.layouts or vw_layouts(config, spec)
     run_dir = options.run_dir or Path(config.train.out_dir) / time.strftime("run-%Y%m%d-%H%M%S")
+    check_memory(config, spec, vws)
     _refuse_earlier_checkpoints(config, run_dir)
     if options.audit and config.ps.aggregation == "server":
         raise UsageError('--audit proves the additive rules: ps.aggregation "server" applies no local updates '
                          'to tag; audit with aggregation "sum" or "mean"')
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_writable_dir(run_dir, "--run-dir" if options.run_dir else f"the run dir (train.out_dir of {config.path})")
+    keys = run_keys(config, run_dir, len(vws))
     slow, time_scale = emulated_slowdowns(config, vws)
     eval_device = stage_device(config, vws[0].gpus[0], cuda_devices())
     progress = Progress(vws)
@@ -99,15 +192,15 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     failures: dict[str, dict[str, Any]] = {}
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
-            endpoints = _start_ps(group, config, run_dir)
+            endpoints = _start_ps(group, config, run_dir, keys)
             stages = []
             for v in range(len(vws)):
                 jobs = stage_jobs(config, vws, v, run_dir=run_dir, ps_endpoints=tuple(endpoints),
                                   p2p_host="127.0.0.1", p2p_port=free_port(), audit=options.audit,
-                                  dump_weights=options.dump_weights)
+                                  dump_weights=options.dump_weights, ps_keys=keys.vws[v] if keys else None)
                 stages += [group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs]
             (run_dir / "pids.json").write_text(json.dumps({c.name: c.process.pid for c in group.children}, indent=1))
-            live = LiveEvaluator(config, endpoints, len(vws), eval_device)
+            live = LiveEvaluator(config, endpoints, len(vws), eval_device, keys.admin if keys else None)
 
             def pump() -> None:
                 for source in (events, live.results):
@@ -137,12 +230,17 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
             finished = time.monotonic()
             wall = finished - started
             training = (progress.last_step or 0.0) - (progress.first_step or 0.0)
-            with PSClient(endpoints, config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=5) as admin:
+            with PSClient(endpoints, config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=5,
+                          curve=keys.admin if keys else None) as admin:
                 final = admin.read()
             live.join()
             pump()
     except ChildFailed as exc:
         group.stop()
+        _collect_failures(events, failures)
+        stopped = _non_finite_stop(failures, run_dir / "logs")
+        if stopped is not None:
+            raise stopped from None
         name = exc.child.name
         why = failures.get(name, {}).get("error")
         raise HetpipeError(f"{exc}" + (f"\n{name} failed with {why}" if why else "")) from None

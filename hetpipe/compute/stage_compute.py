@@ -195,6 +195,21 @@ class StageCompute:
         grad_in = grads[-1] if flight.inputs.requires_grad else None
         return grad_in, (None if flight.loss is None else flight.loss.detach())
 
+    def loss_of(self, p: int, target: Tensor, loss_fn) -> float:
+        """The loss of minibatch p's forward on the last stage (recomputing the forward if it was not kept;
+        the backward then reuses it)."""
+        flight = self.in_flight[p]
+        if flight.output is None:
+            with self._buffers_kept():
+                flight.output = self._run(flight.weights, flight.inputs)
+        if flight.loss is None:
+            flight.loss = loss_fn(flight.output, target)
+        return float(flight.loss)
+
+    def skip(self, p: int) -> None:
+        """Drop minibatch p (train.on_nan = "skip"): no gradient, not counted in the next update's mean."""
+        del self.in_flight[p]
+
     # ---- the update -------------------------------------------------------------------------------
     @torch.no_grad()
     def update(self, p: int) -> None:

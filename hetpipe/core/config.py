@@ -47,6 +47,8 @@ Precision = Literal["fp32", "bf16"]
 EmulatedDevice = Literal["cpu", "cuda"]
 PullMode = Literal["exact", "latest"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
+PsAuth = Literal["none", "curve"]
+OnNan = Literal["stop", "skip"]
 AllocationPolicy = Literal["explicit", "np", "ed", "hd"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -157,7 +159,12 @@ class NetworkConfig:
 
 @dataclass(frozen=True)
 class PsConfig:
-    """Parameter server: shard i listens on port + i; a client waits timeout_s for a reply."""
+    """Parameter server: shard i listens on port + i; a client waits timeout_s for a reply.
+
+    auth = "curve": every PS socket is a CurveZMQ server that admits only the run's key pairs, each VW's
+    key acting only as that VW (hetpipe.core.access); keys_dir holds them ("": `hetpipe train` makes a
+    fresh set in <run dir>/keys; `hetpipe server` and `hetpipe worker` need one, see `hetpipe keys`).
+    """
 
     host: str = "127.0.0.1"
     port: int = 7400
@@ -166,6 +173,8 @@ class PsConfig:
     timeout_s: float = 60.0
     aggregation: Aggregation = "sum"  # how a wave's pushes fold into the weights (docs/wsp.md)
     buffers: BufferPolicy = "average"  # BatchNorm statistics: averaged at the PS, or kept per VW (docs/buffers.md)
+    auth: PsAuth = "none"
+    keys_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -225,6 +234,7 @@ class TrainConfig:
     eval_every: int = 0  # waves between evaluations of the global weights during training (0: only at the end)
     eval_samples: int = 4096  # held-out samples an evaluation scores (0: all of them)
     out_dir: str = "runs/local"
+    on_nan: OnNan = "stop"  # a NaN or inf loss: "stop" the run naming stage and wave, or "skip" the minibatch
 
 
 @dataclass(frozen=True)
@@ -334,14 +344,14 @@ def _plain(value: Any) -> Any:
 
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "network": ("intra_node_gbps", "inter_node_gbps"),
-    "ps": ("host", "port", "shards", "placement", "timeout_s", "aggregation", "buffers"),
+    "ps": ("host", "port", "shards", "placement", "timeout_s", "aggregation", "buffers", "auth", "keys_dir"),
     "wsp": ("staleness", "nm", "pull"),
     "checkpoint": ("dir", "every", "keep"),
     "model": ("name", "options"),
     "data": ("name", "options", "test_fraction"),
     "train": (
         "batch_size", "waves", "optimizer", "lr", "momentum", "weight_decay",
-        "weight_stashing", "schedule", "recompute", "precision", "eval_every", "eval_samples", "out_dir",
+        "weight_stashing", "schedule", "recompute", "precision", "eval_every", "eval_samples", "out_dir", "on_nan",
     ),
     "emulation": ("enabled", "time_scale", "link_bandwidth", "device"),
     "allocation": ("policy",),
@@ -575,6 +585,8 @@ def _ps(t: _Table) -> PsConfig:
         timeout_s=t.number("timeout_s", d.timeout_s, gt=0),
         aggregation=t.choice("aggregation", d.aggregation, get_args(Aggregation)),
         buffers=t.choice("buffers", d.buffers, get_args(BufferPolicy)),
+        auth=t.choice("auth", d.auth, get_args(PsAuth)),
+        keys_dir=t.string("keys_dir", d.keys_dir),
     )
 
 
@@ -626,6 +638,7 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         eval_every=t.integer("eval_every", d.eval_every, ge=0),
         eval_samples=t.integer("eval_samples", d.eval_samples, ge=0),
         out_dir=t.string("out_dir", f"runs/{run_name}", nonempty=True),
+        on_nan=t.choice("on_nan", d.on_nan, get_args(OnNan)),
     )
     kind = SCHEDULES[train.schedule]
     if kind.stashing == "required" and not train.weight_stashing:

@@ -45,7 +45,8 @@ MAX_INFO_DEPTH = 4
 MAX_INFO_ENTRIES = 4096
 MAX_INFO_STR_BYTES = 64 << 10
 ERROR_CODES = frozenset(
-    {"bad_message", "version", "run_mismatch", "not_registered", "conflict", "out_of_order", "stale", "internal"}
+    {"bad_message", "version", "run_mismatch", "not_registered", "conflict", "out_of_order", "stale", "internal",
+     "forbidden", "non_finite"}
 )
 # Bytes on the wire are little-endian whatever the host; on the usual little-endian hosts this is native.
 DTYPES: dict[str, np.dtype] = {
@@ -406,6 +407,20 @@ class TensorView:
         for start, chunk in self._spans():
             part = flat[start : start + chunk.size]
             np.add(part, chunk, out=part)
+
+    def all_finite(self) -> bool:
+        """No NaN and no inf (integer tensors always pass); reads each chunk once, no copies kept."""
+        if self.dtype.kind != "f":
+            return True
+        return all(bool(np.isfinite(chunk).all()) for chunk in self.chunks)
+
+    def non_finite_counts(self) -> tuple[int, int]:
+        """(number of NaNs, number of infs): for the message that refuses a tensor."""
+        if self.dtype.kind != "f":
+            return 0, 0
+        nans = sum(int(np.isnan(chunk).sum()) for chunk in self.chunks)
+        infs = sum(int(np.isinf(chunk).sum()) for chunk in self.chunks)
+        return nans, infs
 
     def _spans(self) -> list[tuple[int, np.ndarray]]:
         per_chunk = CHUNK_BYTES // self.dtype.itemsize

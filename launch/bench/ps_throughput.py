@@ -4,10 +4,13 @@ For each model size and shard count, in the same run, round by round, alternatin
   ps   - a stage registers a model of SIZE MB (4 MB tensors), then repeats push(wave c) + pull(wave c+2)
          (D = 0, exact pulls; the pull copies the weights into the stage's arrays as a worker does);
   raw  - the same bytes in the same 1 MiB zero-copy frames to S echo servers (ROUTER) that answer with
-         the same number of bytes from a preallocated buffer: ZeroMQ loopback with no PS work at all.
+         the same number of bytes from a preallocated buffer: ZeroMQ loopback with no PS work at all;
+  ps_curve (with --auth curve) - the PS as a stage of auth = "curve" talks to it: CurveZMQ encryption, the
+         ZAP-admitted key checked on every request; same rounds, same model, interleaved with the other two.
 Throughput counts both directions: 2 x SIZE bytes per round trip.
 
-    python launch/bench/ps_throughput.py [--sizes 10,100,400] [--shards 1,4] [--rounds 5] [--out FILE] [--plot FILE.png]
+    python launch/bench/ps_throughput.py [--sizes 10,100,400] [--shards 1,4] [--rounds 5] [--auth curve]
+        [--out FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plots  # noqa: E402  (launch/bench is not a package)
 
 from hetpipe.core import wire  # noqa: E402
+from hetpipe.core.keys import ClientKeys, ServerKeys, client_keys, key_users, server_keys, write_keys  # noqa: E402
 from hetpipe.core.placement import balanced_placement  # noqa: E402
 from hetpipe.core.procs import ChildGroup  # noqa: E402
 from hetpipe.server.launch import serve_settings  # noqa: E402
@@ -109,16 +113,19 @@ class RawPeer:
 class PsPeer:
     """The PS: one stage pushes a wave's update, then pulls the weights that contain it."""
 
-    def __init__(self, group: ChildGroup, model: dict[str, np.ndarray], shards: int, mode: str) -> None:
+    def __init__(self, group: ChildGroup, model: dict[str, np.ndarray], shards: int, mode: str,
+                 keys: tuple[ServerKeys, ClientKeys] | None = None) -> None:
         endpoints = []
+        name = "ps-curve" if keys else "ps"
         for s in range(shards):
-            settings = ShardSettings("bench", s, "tcp://127.0.0.1:0", 0, mode)
-            endpoints.append(f"tcp://127.0.0.1:{start(group, f'ps{s}', serve_settings, settings)}")
+            settings = ShardSettings("bench", s, "tcp://127.0.0.1:0", 0, mode, keys=keys[0] if keys else None)
+            endpoints.append(f"tcp://127.0.0.1:{start(group, f'{name}{s}', serve_settings, settings)}")
         placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
         self.model = model
         self.delta = {k: np.full_like(v, 1e-3) for k, v in model.items()}
         self.weights = {k: v.copy() for k, v in model.items()}
-        self.ps = PSClient(endpoints, "bench", 0, 0, 1, 1, placement, timeout_s=120, retry_s=60)
+        self.ps = PSClient(endpoints, "bench", 0, 0, 1, 1, placement, timeout_s=120, retry_s=60,
+                           curve=keys[1] if keys else None)
         self.ps.register(model, want_weights=False)
         self.wave = 0
 
@@ -138,22 +145,32 @@ class PsPeer:
             raise SystemExit(f"PS returned wrong weights: {got} != {expected}")
 
 
-def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, logs: Path) -> tuple[list, list]:
-    """Rounds of both peers, interleaved (and alternating who goes first), after one warm-up round each."""
-    raw_times, ps_times = [], []
+def bench_keys(directory: Path) -> tuple[ServerKeys, ClientKeys]:
+    """A throwaway key set for the curve peer: the shards' keys and vw 0's pair."""
+    write_keys(directory, key_users(1))
+    return server_keys(directory), client_keys(directory, "vw0")
+
+
+def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, logs: Path,
+            keys: tuple[ServerKeys, ClientKeys] | None) -> dict[str, list[float]]:
+    """Rounds of every peer, interleaved (the first of a round rotating), after one warm-up round each."""
+    times: dict[str, list[float]] = {}
     with ChildGroup(logs) as group:
-        raw, ps = RawPeer(group, model, shards), PsPeer(group, model, shards, mode)
+        peers = {"raw": RawPeer(group, model, shards), "ps": PsPeer(group, model, shards, mode)}
+        if keys is not None:
+            peers["ps_curve"] = PsPeer(group, model, shards, mode, keys)
+        names = list(peers)
         try:
             for r in range(rounds + 1):
-                order = (raw, ps) if r % 2 == 0 else (ps, raw)
-                times = {id(peer): peer.round() for peer in order}
+                order = names[r % len(names):] + names[: r % len(names)]
+                took = {name: peers[name].round() for name in order}
                 if r:
-                    raw_times.append(times[id(raw)])
-                    ps_times.append(times[id(ps)])
+                    for name in names:
+                        times.setdefault(name, []).append(took[name])
         finally:
-            raw.close()
-            ps.close()
-    return raw_times, ps_times
+            for peer in peers.values():
+                peer.close()
+    return times
 
 
 @click.command()
@@ -161,31 +178,37 @@ def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, l
 @click.option("--shards", "shard_counts", default="1,4", show_default=True, help="Shard counts.")
 @click.option("--rounds", default=9, show_default=True, help="Timed round trips per cell (after one warm-up).")
 @click.option("--mode", type=click.Choice(["exact", "latest"]), default="exact", show_default=True)
+@click.option("--auth", type=click.Choice(["none", "curve"]), default="none", show_default=True,
+              help="curve: also measure the PS with auth = \"curve\" (CurveZMQ), interleaved with the others.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON rows here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
-def main(sizes: str, shard_counts: str, rounds: int, mode: str, out: Path | None, plot_path: Path | None) -> None:
+def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, out: Path | None,
+         plot_path: Path | None) -> None:
     rows = []
-    header = f"{'size_mb':>7} {'shards':>6} {'ps_gbps':>8} {'raw_gbps':>8} {'ratio':>6}   (median of {rounds}; GB/s both ways)"
-    print(header, flush=True)
+    curve = auth == "curve"
+    header = f"{'size_mb':>7} {'shards':>6} {'ps_gbps':>8} {'raw_gbps':>8} {'ratio':>6}"
+    if curve:
+        header += f" {'curve_gbps':>10} {'curve/ps':>8}"
+    print(header + f"   (median of {rounds}; GB/s both ways)", flush=True)
     logs = Path(tempfile.mkdtemp(prefix="hetpipe-bench-"))  # the shards' status lines go here
+    keys = bench_keys(logs / "keys") if curve else None
     for size in (int(s) for s in sizes.split(",")):
         model = make_model(size)
         nbytes = 2 * sum(v.nbytes for v in model.values())
         for shards in (int(s) for s in shard_counts.split(",")):
-            raw, ps = measure(model, shards, rounds, mode, logs)
-            row = {
-                "size_mb": size,
-                "shards": shards,
-                "mode": mode,
-                "ps_gbps": round(nbytes / statistics.median(ps) / 1e9, 3),
-                "raw_gbps": round(nbytes / statistics.median(raw) / 1e9, 3),
-                "ps_spread_gbps": [round(nbytes / max(ps) / 1e9, 3), round(nbytes / min(ps) / 1e9, 3)],
-                "raw_spread_gbps": [round(nbytes / max(raw) / 1e9, 3), round(nbytes / min(raw) / 1e9, 3)],
-            }
+            times = measure(model, shards, rounds, mode, logs, keys)
+            row = {"size_mb": size, "shards": shards, "mode": mode}
+            for name, took in times.items():
+                row[f"{name}_gbps"] = round(nbytes / statistics.median(took) / 1e9, 3)
+                row[f"{name}_spread_gbps"] = [round(nbytes / max(took) / 1e9, 3), round(nbytes / min(took) / 1e9, 3)]
             row["ratio"] = round(row["ps_gbps"] / row["raw_gbps"], 3)
+            line = f"{size:>7} {shards:>6} {row['ps_gbps']:>8.2f} {row['raw_gbps']:>8.2f} {row['ratio']:>6.2f}"
+            if curve:
+                row["curve_ratio"] = round(row["ps_curve_gbps"] / row["ps_gbps"], 3)
+                line += f" {row['ps_curve_gbps']:>10.2f} {row['curve_ratio']:>8.2f}"
             rows.append(row)
-            print(f"{size:>7} {shards:>6} {row['ps_gbps']:>8.2f} {row['raw_gbps']:>8.2f} {row['ratio']:>6.2f}", flush=True)
+            print(line, flush=True)
     if out is not None:
         meta = {"python": sys.version.split()[0], "zmq": zmq.zmq_version(), "machine": platform.machine()}
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -194,6 +217,8 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, out: Path | None
     if png is not None:
         labels = [f"{r['size_mb']} MB, {r['shards']} shard{'s' * (r['shards'] > 1)}" for r in rows]
         series = {"hetpipe PS push+pull": [r["ps_gbps"] for r in rows], "raw ZeroMQ": [r["raw_gbps"] for r in rows]}
+        if curve:
+            series["hetpipe PS, auth = curve"] = [r["ps_curve_gbps"] for r in rows]
         print(plots.paired_bars(labels, series, "GB/s (both ways)", f"PS round trips, median of {rounds}", png))
 
 
