@@ -184,6 +184,15 @@ class Topology:
         return self.node(self.ps_node)
 
     @property
+    def shaped_gbps(self) -> float:
+        """Every node's egress rate: inter_node_gbps x scale."""
+        return self.inter_node_gbps * self.scale
+
+    def link_gbps(self, a: str, b: str, intra_gbps: float) -> float:
+        """Gbit/s between GPUs a and b ("n0:1"): `intra_gbps` on one node (its namespace), else a shaped link."""
+        return intra_gbps if a.rsplit(":", 1)[0] == b.rsplit(":", 1)[0] else self.shaped_gbps
+
+    @property
     def netns_prefix(self) -> str:
         return f"{PREFIX}{self.run}-"
 
