@@ -4,6 +4,7 @@ netns` and `tc`; skipped (naming what is missing) elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -149,6 +150,61 @@ def test_every_node_egress_is_shaped_to_its_rate(tmp_path: Path) -> None:
     assert set(measured) == {"n0", "n1"}
     for node, gbps in measured.items():
         assert within(gbps, 0.002, 0.15), f"{node}: {gbps * 1e3:.3f} Mbit/s, configured 2"
+    assert leftovers(topology.run) == []
+
+
+@pytest.mark.slow
+@needs_testbed
+def test_a_node_receiving_from_two_nodes_gets_its_rate_not_twice(tmp_path: Path) -> None:
+    """Ingress is shaped too: n1 and n2 both stream to n0; n0 takes in its link's rate, not the sum of theirs."""
+    import socket
+    import threading
+
+    config = load_config(Path(__file__).resolve().parents[1] / "launch" / "clusters" / "bench.toml")
+    topology = plan_topology(config, run_id("i"), 0.0002)  # 10 Gbit/s x 0.0002: 2 Mbit/s
+    n0, n1, n2 = topology.nodes
+    with tb.testbed(topology):
+        with tb.in_netns(n0.netns):
+            server = socket.create_server((n0.address, 0), backlog=2)
+        drains = []
+
+        def drain(conn: socket.socket) -> None:
+            with conn:
+                while conn.recv(1 << 16):
+                    pass
+
+        def accept() -> None:
+            for _ in range(2):
+                conn, _ = server.accept()
+                drains.append(threading.Thread(target=drain, args=(conn,), daemon=True))
+                drains[-1].start()
+
+        acceptor = threading.Thread(target=accept, daemon=True)
+        acceptor.start()
+        senders = []
+        for net in (n1, n2):
+            with tb.in_netns(net.netns):
+                senders.append(socket.create_connection((n0.address, server.getsockname()[1]), timeout=10))
+
+        def send(sock: socket.socket, until: float) -> None:
+            sock.settimeout(0.2)
+            while time.monotonic() < until:
+                with contextlib.suppress(TimeoutError):
+                    sock.send(bytes(1 << 16))
+            sock.close()
+
+        until = time.monotonic() + 3.0
+        threads = [threading.Thread(target=send, args=(s, until)) for s in senders]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # past slow start and the buckets' bursts
+        before, start = tb.ingress_bytes(topology)["n0"], time.monotonic()
+        time.sleep(1.5)
+        received = (tb.ingress_bytes(topology)["n0"] - before) * 8 / (time.monotonic() - start) / 1e9
+        for t in [*threads, acceptor, *drains]:
+            t.join(10)
+        server.close()
+    assert within(received, 0.002, 0.15), f"n0 received {received * 1e3:.3f} Mbit/s from two senders, link 2"
     assert leftovers(topology.run) == []
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "egress_bytes",
     "enter_netns",
     "in_netns",
+    "ingress_bytes",
     "netns_argv",
     "probe_egress",
     "remove",
@@ -251,7 +252,8 @@ def _create_node(topology: Topology, net: NodeNet) -> None:
                  ["ip", "link", "set", net.host_veth, "up"],
                  ["ip", "-n", ns, "addr", "add", f"{net.address}/{PREFIX_LEN}", "dev", NS_IFNAME],
                  ["ip", "-n", ns, "link", "set", NS_IFNAME, "up"],
-                 ["tc", "-n", ns, "qdisc", "replace", "dev", NS_IFNAME, "root", *net.tbf.tc_args()]):
+                 ["tc", "-n", ns, "qdisc", "replace", "dev", NS_IFNAME, "root", *net.tbf.tc_args()],  # egress
+                 ["tc", "qdisc", "replace", "dev", net.host_veth, "root", *net.tbf.tc_args()]):  # ingress
         _cmd(step)
 
 
@@ -308,6 +310,11 @@ def testbed(topology: Topology, config: ClusterConfig | None = None) -> Iterator
 
 
 # ---------------------------------------------------------------------------------------------- measuring
+
+
+def ingress_bytes(topology: Topology) -> dict[str, int]:
+    """Bytes each node has received so far, link-level: its veth's bridge end's tx_bytes."""
+    return {net.node: int((SYS_NET / net.host_veth / "statistics" / "tx_bytes").read_text()) for net in topology.nodes}
 
 
 def egress_bytes(topology: Topology) -> dict[str, int]:

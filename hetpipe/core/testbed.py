@@ -3,8 +3,10 @@ effective config's overrides, where each `hetpipe worker` runs, and the link sca
 runs the `ip`/`tc` commands this plans (docs/testbed.md).
 
 One network namespace per config node, all on one bridge in the root namespace, each with its own address in
-10.77.0.0/16 (private to the machine). A node's egress (its end of its veth) is shaped by a tbf qdisc at
-inter_node_gbps x scale; traffic between processes of one node stays inside its namespace.
+10.77.0.0/16 (private to the machine). A node's link is shaped both ways by a tbf qdisc at inter_node_gbps x
+scale, like a full-duplex NIC: its egress on its end of its veth, its ingress on the bridge's end (so several
+nodes sending to one, e.g. pushes to the PS, share its rate). Traffic between processes of one node stays inside
+its namespace (loopback speed: intra_node_gbps is not emulated).
 """
 
 from __future__ import annotations
