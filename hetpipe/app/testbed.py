@@ -344,8 +344,15 @@ def _probe_one(src: NodeNet, dst: NodeNet, seconds: float, warmup_s: float) -> f
     port = server.getsockname()[1]
     receiver = threading.Thread(target=_drain, args=(server, time.monotonic() + seconds + 10), daemon=True)
     receiver.start()
-    with in_netns(src.netns):
-        client = socket.create_connection((dst.address, port), timeout=10)
+    try:
+        with in_netns(src.netns):
+            client = socket.create_connection((dst.address, port), timeout=10)
+    except OSError as exc:
+        server.close()
+        raise HetpipeError(f"testbed: {src.node} ({src.address}) cannot reach {dst.node} ({dst.address}) across "
+                           f"the bridge ({exc}); if br_netfilter is loaded (/proc/sys/net/bridge/bridge-nf-call-"
+                           "iptables is 1) and the firewall drops forwarded traffic (e.g. Docker's FORWARD policy), "
+                           "allow traffic on the hp-* bridges") from None
     limit = max(1 << 20, int(2 * src.tbf.rate_bit / 8 * seconds))
     payload, sent, mark = bytes(_PROBE_CHUNK), 0, None
     client.settimeout(0.2)
