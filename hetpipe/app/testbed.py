@@ -41,6 +41,7 @@ from hetpipe.core.testbed import (
 
 __all__ = [
     "STATE_DIR",
+    "clean_stale",
     "derive_link_scale",
     "egress_bytes",
     "enter_netns",

@@ -194,10 +194,6 @@ class Topology:
         """Gbit/s between GPUs a and b ("n0:1"): `intra_gbps` on one node (its namespace), else a shaped link."""
         return intra_gbps if a.rsplit(":", 1)[0] == b.rsplit(":", 1)[0] else self.shaped_gbps
 
-    @property
-    def netns_prefix(self) -> str:
-        return f"{PREFIX}{self.run}-"
-
     def overrides(self) -> tuple[str, ...]:
         """`--set` overrides that make a config run in this testbed: node hosts, the PS host, no sleep-based links."""
         hosts = tuple(f"nodes.{i}.host={net.address}" for i, net in enumerate(self.nodes))
