@@ -299,6 +299,113 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
                    f"(its VWs, splits, nm={chosen.nm} and D={chosen.staleness})", err=True)
 
 
+@cli.group()
+def testbed() -> None:
+    """A shaped-network testbed: each node its own network namespace and address, its egress shaped with tbf at
+    inter_node_gbps x the link scale (needs root and iproute2; docs/testbed.md)."""
+
+
+def _testbed_options(f):
+    f = click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Link scale: links run at inter_node_gbps x this. Default: derived from the model's CPU "
+                          "profile and FLOPs and the fastest GPU type's speed read as FP32 TFLOPS.")(f)
+    f = click.option("--run", "run_id", default=None, help="Run id in the names hp-<run>-... (default: from this PID).")(f)
+    f = click.option("--ps-node", default=None, help="Node whose namespace runs the PS (default: the node whose host "
+                     "is ps.host, else the first).")(f)
+    return _set_option(f)
+
+
+def _testbed_plan(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
+                  ps_node: str | None):
+    import os
+
+    from hetpipe.core.testbed import plan_topology
+
+    config = _load(config_path, settings)
+    if scale is None:
+        from hetpipe.app.plan_inputs import default_profile_dir
+        from hetpipe.app.testbed import derive_link_scale
+
+        derived = derive_link_scale(config, default_profile_dir())
+        click.echo(derived.describe(), err=True)
+        scale = derived.scale
+    return config, plan_topology(config, run_id or f"{os.getpid():x}", scale, ps_node)
+
+
+@testbed.command("up")
+@click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
+@_testbed_options
+@click.option("--probe/--no-probe", default=True, show_default=True, help="Measure every node's egress once up.")
+def testbed_up(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
+               ps_node: str | None, probe: bool) -> None:
+    """Build the testbed of CONFIG_PATH and leave it up (until `hetpipe testbed down`)."""
+    from hetpipe.app.testbed import probe_egress, up
+    from hetpipe.core.testbed import format_nodes
+
+    config, topology = _testbed_plan(config_path, settings, scale, run_id, ps_node)
+    folder = up(topology, config, owner=False)
+    click.echo(format_nodes(topology, probe_egress(topology) if probe else None))
+    click.echo(f"testbed {topology.run} is up; effective config {folder / 'cluster.toml'}; run a command on a node "
+               f"with `ip netns exec {topology.nodes[0].netns} ...`; remove it with `hetpipe testbed down --run "
+               f"{topology.run}`")
+
+
+@testbed.command("down")
+@click.option("--run", "run_id", default=None, help="Only this run's testbed (default: every testbed, leftovers too).")
+def testbed_down(run_id: str | None) -> None:
+    """Remove testbed namespaces, bridges and state (idempotent)."""
+    from hetpipe.app.testbed import remove
+
+    gone = remove(run_id)
+    click.echo(f"removed {', '.join(gone)}" if gone else "nothing to remove")
+
+
+@testbed.command("run", context_settings={"ignore_unknown_options": True})
+@click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
+@_testbed_options
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def testbed_run(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
+                ps_node: str | None, command: tuple[str, ...]) -> None:
+    """Build the testbed, run COMMAND (after --) with HETPIPE_TESTBED_CONFIG set, always tear it down.
+
+    COMMAND runs in the root namespace; it starts processes on a node with `ip netns exec hp-<run>-<node> ...`.
+    Exits with COMMAND's exit code."""
+    from hetpipe.app.testbed import run_command
+    from hetpipe.core.testbed import format_nodes
+
+    config, topology = _testbed_plan(config_path, settings, scale, run_id, ps_node)
+    click.echo(format_nodes(topology), err=True)
+    code, sent = run_command(topology, config, command)
+    click.echo("bytes sent per node: " + ", ".join(f"{n} {b}" for n, b in sent.items()), err=True)
+    sys.exit(code)
+
+
+@testbed.command("train")
+@click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
+@_testbed_options
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where traces, logs and the effective config go (default: <train.out_dir>/testbed-<time>).")
+@click.option("--probe/--no-probe", default=True, show_default=True, help="Measure every node's egress first.")
+def testbed_train(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
+                  ps_node: str | None, run_dir: Path | None, probe: bool) -> None:
+    """Train in the testbed as on several machines: `hetpipe server` and `hetpipe worker`s in their nodes'
+    namespaces; the testbed is torn down after."""
+    import time
+
+    from hetpipe.app.testbed import probe_egress
+    from hetpipe.app.testbed import testbed as shaped
+    from hetpipe.app.testbed_train import train_in_testbed
+    from hetpipe.core.testbed import format_nodes
+
+    config, topology = _testbed_plan(config_path, settings, scale, run_id, ps_node)
+    run_dir = run_dir or Path(config.train.out_dir) / time.strftime("testbed-%Y%m%d-%H%M%S")
+    with shaped(topology, config):
+        click.echo(format_nodes(topology, probe_egress(topology) if probe else None))
+        run = train_in_testbed(config, topology, run_dir, say=click.echo)
+    click.echo(f"{config.train.waves} waves in {run.wall_s:.1f} s; bytes sent per node: "
+               + ", ".join(f"{n} {b}" for n, b in run.egress_bytes.items()) + f"; run dir {run.run_dir}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the group, turning HetpipeError into a one-paragraph message and its exit code."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)

@@ -420,6 +420,19 @@ def test_dict_form_round_trips_every_shipped_config(path: Path) -> None:
     assert unpack_config(pack_config(config)) == config  # what a child process receives
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_toml_form_loads_back_to_the_same_config(path: Path, tmp_path: Path) -> None:
+    """config_toml is what the testbed's `hetpipe server`/`worker` read: it must load to the same config."""
+    from dataclasses import replace
+
+    from hetpipe.core.config import apply_overrides, config_toml
+
+    config = apply_overrides(load_config(path), ['data.options={ block_size = 8, note = "a \\"quoted\\" text" }'])
+    written = tmp_path / "effective.toml"
+    written.write_text(config_toml(config))
+    assert load_config(written) == replace(config, path=written)
+
+
 def test_set_overrides_are_typed_and_validated(tmp_path: Path) -> None:
     from hetpipe.core.config import apply_overrides
 

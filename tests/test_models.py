@@ -34,6 +34,7 @@ CASES = {
     "resnet152": (SMALL, 1),
     "vgg11": (SMALL, 2),
     "vgg19": (SMALL, 1),
+    "vgg-fc": ({"channels": ((4,), (8, 8)), "fc": (16,), "num_classes": 4}, 3),
 }
 
 
@@ -109,6 +110,32 @@ def test_param_counts_match_real_layers_and_known_totals() -> None:
     # ResNet-152 at ImageNet size: 60,192,808 parameters (He et al.; torchvision agrees), counted on meta
     assert sum(param_counts(get_model("resnet152"))) == 60_192_808
     assert sum(param_counts(get_model("resnet50"))) == 25_557_032
+
+
+def test_vgg_fc_defaults_hold_most_parameters_in_fc_layers_far_above_their_activations() -> None:
+    """vgg-fc on MNIST: 1x28x28 -> conv groups 32 | 64 64 | 128, each ending in a 2x2 max-pool (28 -> 14 -> 7 -> 3),
+    then fc 1152 -> 512 -> 512 -> 10. Parameter counts from those shapes (3x3 convs with bias, linears with bias)."""
+    spec = get_model("vgg-fc")
+    assert spec.layer_names == ("conv1", "conv2", "conv3", "fc1", "fc2", "head")
+    conv = [9 * 1 * 32 + 32, (9 * 32 * 64 + 64) + (9 * 64 * 64 + 64), 9 * 64 * 128 + 128]
+    fc = [1152 * 512 + 512, 512 * 512 + 512, 512 * 10 + 10]
+    assert param_counts(spec) == conv + fc
+    batch = 64
+    x = spec.example_input(batch)
+    shapes = []
+    for i in range(spec.num_layers):
+        x = spec.build_layer(i)(x)
+        shapes.append(tuple(x.shape[1:]))
+    assert shapes == [(32, 14, 14), (64, 7, 7), (128, 3, 3), (512,), (512,), (10,)]
+    assert sum(fc) / sum(conv + fc) > 0.85  # VGG-19: 86% of its parameters in the classifier
+    # every fc layer holds far more parameters than the activation it hands on for a minibatch of 64
+    for params, out_shape in zip(fc[:2], shapes[3:5], strict=True):
+        assert params / (batch * math.prod(out_shape)) >= 8
+
+
+def test_vgg_fc_refuses_more_pools_than_the_image_allows() -> None:
+    with pytest.raises(UsageError, match="image_size >= 32"):
+        get_model("vgg-fc", channels=((4,),) * 5)
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ __all__ = [
     "VirtualWorkerSpec",
     "WspConfig",
     "apply_overrides",
+    "config_toml",
     "default_config_path",
     "load_config",
     "pack_config",
@@ -431,6 +432,31 @@ def _index(items: list[Any], part: str, where: list[str], item: str) -> int:
 def pack_config(config: ClusterConfig) -> bytes:
     """The parsed config for a child process (msgpack of its dict form); unpack_config reverses it."""
     return msgpack.packb({"path": str(config.path), "config": config.to_dict()})
+
+
+def config_toml(config: ClusterConfig) -> str:
+    """The config as TOML text (every field, inline tables): load_config of it equals `config` but for `path`.
+
+    For a run directory's record of the effective config that processes on other hosts or namespaces read
+    (the testbed's `hetpipe server`/`hetpipe worker`); not for making variants of a config (use --set).
+    """
+    return "".join(f"{_key(key)} = {_toml_value(value)}\n" for key, value in config.to_dict().items())
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, Mapping):
+        if not value:
+            return "{}"
+        return "{ " + ", ".join(f"{_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
 
 
 def unpack_config(packed: bytes) -> ClusterConfig:

@@ -19,7 +19,7 @@ from hetpipe.models.gpt import char_gpt
 from hetpipe.models.mlp import mlp
 from hetpipe.models.resnet import resnet
 from hetpipe.models.spec import ModelSpec, Task
-from hetpipe.models.vgg import vgg
+from hetpipe.models.vgg import vgg, vgg_fc
 
 __all__ = ["MODELS", "get_model", "model_names", "from_layers"]
 
@@ -32,6 +32,7 @@ MODELS: dict[str, Callable[..., ModelSpec]] = {
     "resnet152": partial(resnet, 152),
     "vgg11": partial(vgg, 11),
     "vgg19": partial(vgg, 19),
+    "vgg-fc": vgg_fc,
 }
 
 

@@ -4,7 +4,10 @@ Each peer is a group of spawned processes (hetpipe.core.procs.ChildGroup), one p
 emulation hetpipe's own stages get (design.md, "Emulating..."): one torch thread per process, and every
 block of compute - forward with the loss, backward, optimizer step - stretched by hetpipe.core.emulate.Dilator
 to the GPU's slowdown, the same slowdowns hetpipe.core.emulate.slowdowns gives hetpipe's stages. Communication
-(gloo all-reduce, send/recv) is not stretched, as in hetpipe (link emulation is off).
+(gloo all-reduce, send/recv) is not stretched, as in hetpipe (link emulation is off). Given a testbed topology
+(hetpipe.core.testbed; docs/testbed.md), each rank enters its GPU's node's network namespace first thing
+(setns in the spawned child, before any socket or thread) and gloo binds to the node's shaped veth, so the
+peers' traffic crosses the same shaped links as hetpipe's.
 
 - DDP: torch DistributedDataParallel (gloo), synchronous, one replica per GPU that can hold the whole
   model (memory rule: `whole_model_bytes`), each GPU one minibatch per step, same data shards and seeded
@@ -26,7 +29,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,7 @@ from hetpipe.core.memory import format_bytes, stage_memory
 from hetpipe.core.partition import best_order_and_nm
 from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
 from hetpipe.core.profile import ModelProfile
+from hetpipe.core.testbed import NS_IFNAME, Topology
 from hetpipe.models import build_stage
 
 __all__ = [
@@ -150,20 +154,23 @@ class PipelineLayout:
     bottleneck_s: float
 
 
-def pipeline_layout(devs: Sequence[Device], profile: ModelProfile, link_gbps: float = 27.0) -> PipelineLayout:
+def pipeline_layout(devs: Sequence[Device], profile: ModelProfile,
+                    link_gbps: float | Callable[[str, str], float] = 27.0) -> PipelineLayout:
     """Order and time-balanced split of one synchronous pipeline over all `devs`, by hetpipe's partitioner.
 
     `profile` is the model at the pipeline's microbatch size; each GPU's times are the profile's times its
     slowdown (what the Dilator makes of them). The 1F1B schedule keeps at most k - j microbatches on stage
     j, which is the memory model's nm = k, without weight stashing (one weight version: the pipeline
-    flushes before its optimizer step). link_gbps: gloo loopback (~3.4 GB/s measured, design.md).
+    flushes before its optimizer step). link_gbps: gloo loopback (~3.4 GB/s measured, design.md), or the Gbit/s
+    between two GPUs (e.g. a testbed's shaped links between nodes).
     """
     by_type: dict[str, ModelProfile] = {}
     for d in devs:
         key = f"{d.gpu_type}@{d.slowdown:.6g}"
         by_type.setdefault(key, profile.scaled(key, d.slowdown))
     gpus = [(d.gpu, f"{d.gpu_type}@{d.slowdown:.6g}", d.memory_bytes) for d in devs]
-    plan = best_order_and_nm(by_type, gpus, lambda a, b: link_gbps, len(devs), weight_stashing=False)
+    link = link_gbps if callable(link_gbps) else (lambda a, b: link_gbps)
+    plan = best_order_and_nm(by_type, gpus, link, len(devs), weight_stashing=False)
     ordered = {d.gpu: d for d in devs}
     return PipelineLayout(tuple(ordered[s.gpu] for s in plan.stages), plan.split, plan.bottleneck_s)
 
@@ -274,10 +281,12 @@ class _Job:
     snapshot_every: int = 0  # DDP: rank 0 keeps the weights every this many steps (0: never), scored after
     lr: float | None = None  # None: the config's
     deadline_s: float = 0.0  # DDP: stop after the step that ends this long after the start (0: run all steps)
+    netns: str = ""  # testbed: the network namespace of this rank's node ("": stay where the parent is)
+    master: str = "127.0.0.1"  # rendezvous host: rank 0's address
 
 
 def _init_group(job: _Job) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=job.rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{job.master}:{job.port}", rank=job.rank,
                             world_size=job.world, timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S))
 
 
@@ -408,8 +417,13 @@ _MAINS = {"ddp": _ddp_main, "pipeline": _pipeline_main, "solo": _solo_main}
 
 
 def _child(job: _Job, results: Any) -> None:
-    """Child-process entry point: one torch thread, freed memory kept (as in hetpipe's stages), run the job,
-    report a failure with its traceback."""
+    """Child-process entry point: into its node's namespace (testbed), one torch thread, freed memory kept
+    (as in hetpipe's stages), run the job, report a failure with its traceback."""
+    if job.netns:
+        from hetpipe.app.testbed import enter_netns
+
+        enter_netns(job.netns)  # before any socket or thread: gloo's and the result queue's are made after
+        os.environ["GLOO_SOCKET_IFNAME"] = NS_IFNAME
     torch.set_num_threads(1)
     keep_freed_memory()
     try:
@@ -448,6 +462,14 @@ def _run(jobs: Sequence[_Job], log_dir: Path, timeout_s: float) -> list[dict[str
     return [reports[r] for r in sorted(reports)]
 
 
+def _placed(jobs: list[_Job], devs: Sequence[Device], testbed: Topology | None) -> list[_Job]:
+    """Each rank's job in its GPU's node's namespace, the rendezvous at rank 0's node (no testbed: unchanged)."""
+    if testbed is None:
+        return jobs
+    master = testbed.of_gpu(devs[0].gpu).address
+    return [replace(job, netns=testbed.of_gpu(d.gpu).netns, master=master) for job, d in zip(jobs, devs, strict=True)]
+
+
 def _peer_run(system: str, setting: dict[str, Any], devs: Sequence[Device], samples_per_step: int,
               reports: list[dict[str, Any]], reporter: int) -> PeerRun:
     main = reports[reporter]
@@ -459,23 +481,26 @@ def _peer_run(system: str, setting: dict[str, Any], devs: Sequence[Device], samp
 
 def run_ddp(config: ClusterConfig, members: Sequence[Device], batch: int, steps: int, log_dir: Path, *,
             snapshot_every: int = 0, lr: float | None = None, deadline_s: float = 0.0,
-            timeout_s: float = 900.0) -> PeerRun:
+            timeout_s: float = 900.0, testbed: Topology | None = None) -> PeerRun:
     """Synchronous DDP over `members` (one replica each), `steps` steps of `batch` per replica (fewer when
-    deadline_s > 0 runs out first); with snapshot_every, rank 0 scores its weights every that many steps."""
+    deadline_s > 0 runs out first); with snapshot_every, rank 0 scores its weights every that many steps.
+    With a testbed, each rank runs in its GPU's node's namespace."""
     if not members:
         raise UsageError("DDP needs at least one GPU that holds the whole model: give the cluster a GPU type "
                          "with more memory_gib, or lower batch_size")
     port = free_port()
     jobs = [_Job("ddp", pack_config(config), r, len(members), port, d.slowdown, batch, steps,
                  snapshot_every=snapshot_every, lr=lr, deadline_s=deadline_s) for r, d in enumerate(members)]
-    reports = _run(jobs, log_dir, timeout_s)
+    reports = _run(_placed(jobs, members, testbed), log_dir, timeout_s)
     setting = {"batch": batch, "gpus": len(members), "lr": lr if lr is not None else config.train.lr}
     return _peer_run("ddp", setting, members, batch * len(members), reports, 0)
 
 
 def run_pipeline(config: ClusterConfig, layout: PipelineLayout, microbatch: int, n_micro: int, steps: int,
-                 log_dir: Path, *, schedule: str = "1f1b", timeout_s: float = 900.0) -> PeerRun:
-    """One torch.distributed.pipelining pipeline: `steps` minibatches of n_micro x microbatch, flushed each."""
+                 log_dir: Path, *, schedule: str = "1f1b", timeout_s: float = 900.0,
+                 testbed: Topology | None = None) -> PeerRun:
+    """One torch.distributed.pipelining pipeline: `steps` minibatches of n_micro x microbatch, flushed each.
+    With a testbed, each stage runs in its GPU's node's namespace."""
     k = len(layout.gpus)
     if schedule == "1f1b" and n_micro < k:
         raise UsageError(f"Schedule1F1B needs at least as many microbatches as stages: n_micro={n_micro} < {k}; "
@@ -483,7 +508,7 @@ def run_pipeline(config: ClusterConfig, layout: PipelineLayout, microbatch: int,
     port = free_port()
     jobs = [_Job("pipeline", pack_config(config), r, k, port, d.slowdown, microbatch, steps, n_micro=n_micro,
                  split=layout.split, schedule=schedule) for r, d in enumerate(layout.gpus)]
-    reports = _run(jobs, log_dir, timeout_s)
+    reports = _run(_placed(jobs, layout.gpus, testbed), log_dir, timeout_s)
     setting = {"schedule": schedule, "microbatch": microbatch, "n_micro": n_micro, "split": list(layout.split)}
     return _peer_run("pipeline", setting, list(layout.gpus), microbatch * n_micro, reports, k - 1)
 

@@ -9,6 +9,13 @@ The capacity bound is the sum of the devices' speeds in the same unit: samples/s
 process at slowdown 1 (measured first, same batch), divided by each GPU's slowdown, summed over all GPUs.
 Settings given as lists (--ddp-batch, --micro) are swept once first and the best one is repeated.
 
+Network: free by default (every process on this machine's loopback, no link costs anything: say so with the
+figures). With --testbed every system runs in the shaped-network testbed (root; docs/testbed.md): each node of
+the config its own network namespace and address, its egress shaped with tbf at inter_node_gbps x the link
+scale (derived, or --testbed-scale); hetpipe as `hetpipe server` + `hetpipe worker`s in the nodes' namespaces,
+DDP and the pipeline with each rank in its GPU's node's namespace. The bench first measures every node's egress
+(printed against the configured rate) and records it, the scale, and the bytes each node sent in every run.
+
     python launch/bench/throughput.py [--config launch/clusters/bench.toml] [--repeats 3] [--seconds 10]
         [--ddp fit@256,fastest@512] [--micro 256x15] [--nm 4,8] [--staleness 0,4] [--out FILE.json]
 
@@ -16,13 +23,20 @@ Sweep first (each listed setting measured once, the best kept), e.g. what chose 
 
     python launch/bench/throughput.py --repeats 1 --ddp fit@256/512,fastest@256/512/1024 \
         --micro 256x6,256x12,256x15,128x30 --nm 4,8 --staleness 0,4
+
+In the testbed, on the communication-heavy model (the peers' defaults were swept on bench.toml; sweep again):
+
+    python launch/bench/throughput.py --config launch/clusters/bench-vgg.toml --testbed --ddp fit,fastest \
+        --micro 64x6 --seconds 60
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -42,6 +56,7 @@ from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
 from hetpipe.core.profile import ModelProfile  # noqa: E402
+from hetpipe.core.testbed import Topology, format_nodes, plan_topology, within  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "clusters" / "bench.toml"
 WARMUP_STEPS = 1  # peers: the rate starts when the first step ends (DDP builds buckets, pipelining infers shapes)
@@ -55,6 +70,7 @@ DEFAULT_MICRO = "256x15"
 # gain beyond Nm 4 (it has no timing noise); measured, Nm 8 buys slack against the jitter of sleeping emulated
 # devices (1387 vs 1197 samples/s in one sweep).
 DEFAULT_NM = "4,8"
+EGRESS_TOLERANCE = 0.15  # the testbed's acceptance: every node's measured egress within 15% of its configured rate
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -83,18 +99,29 @@ class HetpipeSetup:
             "-".join(g) + " " + "/".join(map(str, s)) for g, s in self.vws) + f", Nm={self.nm}, D={self.staleness}"
 
 
+def planner_links(testbed: Topology | None) -> tuple[float, Callable[[str, str], float]]:
+    """(the PS's link, the link between two GPUs) in Gbit/s as the planner should see them: loopback figures on
+    the free network; in the testbed, a node's shaped egress between nodes and for the PS, loopback inside a node."""
+    from hetpipe.core import planner
+
+    if testbed is None:
+        return planner.EMULATED_PS_GBPS, lambda a, b: planner.EMULATED_P2P_GBPS
+    return testbed.shaped_gbps, lambda a, b: testbed.link_gbps(a, b, planner.EMULATED_P2P_GBPS)
+
+
 def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nm: int | None = None,
-                  staleness: int | None = None) -> HetpipeSetup:
+                  staleness: int | None = None, testbed: Topology | None = None) -> HetpipeSetup:
     """The planner's best plan (hetpipe.core.planner) when asked and installed, else the config's own VWs.
 
-    `nm` caps the planner's Nm (None: the planner's default cap); `staleness` fixes D (None: the plan's).
+    `nm` caps the planner's Nm (None: the planner's default cap); `staleness` fixes D (None: the plan's); with a
+    testbed the planner sees its shaped links.
     """
     if use_planner and importlib.util.find_spec("hetpipe.core.planner") is not None:
         from hetpipe.core import planner
 
         profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
-        candidates = planner.plan_candidates(config, profiles, ps_gbps=planner.EMULATED_PS_GBPS,
-                                             link_gbps=lambda a, b: planner.EMULATED_P2P_GBPS, nm_max=nm,
+        ps_gbps, link = planner_links(testbed)
+        candidates = planner.plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, nm_max=nm,
                                              d_values=planner.D_VALUES if staleness is None else (staleness,))
         if staleness is not None:
             candidates = [c for c in candidates if c.staleness in (None, staleness)]
@@ -150,11 +177,20 @@ def window_rate(streams: dict[int, list[float]], batch: int, warmup: int) -> flo
     return count * batch / (t1 - t0)
 
 
-def run_hetpipe(config: ClusterConfig, setup: HetpipeSetup, run_dir: Path) -> tuple[dict[str, Any], float]:
-    """One hetpipe training run of `setup` (progress off); (summary, steady samples/s after WARMUP_WAVES waves)."""
-    from hetpipe.app.train import TrainOptions, train
+def run_hetpipe(config: ClusterConfig, setup: HetpipeSetup, run_dir: Path,
+                testbed: Topology | None = None) -> tuple[dict[str, Any], float]:
+    """One hetpipe training run of `setup` (progress off); (summary, steady samples/s after WARMUP_WAVES waves).
+    In a testbed: `hetpipe server` and `hetpipe worker`s in the nodes' namespaces; the summary is then the
+    run's wall time and the bytes each node sent (the rate comes from the traces either way)."""
+    if testbed is None:
+        from hetpipe.app.train import TrainOptions, train
 
-    summary = train(config, TrainOptions(run_dir=run_dir, progress=False, layouts=setup.layouts))
+        summary = train(config, TrainOptions(run_dir=run_dir, progress=False, layouts=setup.layouts))
+    else:
+        from hetpipe.app.testbed_train import train_in_testbed
+
+        run = train_in_testbed(config, testbed, run_dir, layouts=setup.layouts)
+        summary = {"wall_s": run.wall_s, "egress_bytes": run.egress_bytes}
     rate = window_rate(trace_streams(run_dir), config.train.batch_size, WARMUP_WAVES * config.wsp.nm)
     return summary, rate
 
@@ -193,13 +229,14 @@ class Peer:
 
 
 def hetpipe_peers(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nms: Sequence[int | None],
-                  ds: Sequence[int | None], capacity: float, work: Path) -> tuple[list[Peer], list[HetpipeSetup]]:
+                  ds: Sequence[int | None], capacity: float, work: Path,
+                  testbed: Topology | None = None) -> tuple[list[Peer], list[HetpipeSetup]]:
     """hetpipe with each (Nm cap, D) asked for; each run gets its own run directory under work."""
     options, setups = [], []
     runs = iter(range(10**6))
     for nm in nms:
         for d in ds:
-            setup = hetpipe_setup(config, profile, use_planner, nm, d)
+            setup = hetpipe_setup(config, profile, use_planner, nm, d, testbed)
             setups.append(setup)
 
             def run(seconds: float, logs: Path, setup: HetpipeSetup = setup) -> float:
@@ -207,7 +244,7 @@ def hetpipe_peers(config: ClusterConfig, profile: ModelProfile, use_planner: boo
                 guess = min(setup.predicted or capacity, capacity) * 0.6  # emulated runs fall short of plans
                 waves = WARMUP_WAVES + max(5, math.ceil(seconds * guess / per_wave))
                 run_dir = work / f"hetpipe-{next(runs)}"
-                _, rate = run_hetpipe(hetpipe_config(config, setup, waves, run_dir), setup, run_dir)
+                _, rate = run_hetpipe(hetpipe_config(config, setup, waves, run_dir), setup, run_dir, testbed)
                 return rate
             options.append(Peer("hetpipe", f"{setup.label} [{setup.source}]", run))
     return options, setups
@@ -225,9 +262,19 @@ def parse_ddp(text: str, default_batch: int) -> list[tuple[str, list[int]]]:
     return out
 
 
+def allreduce_s(param_bytes: int, members: Sequence[peers.Device], testbed: Topology | None) -> float:
+    """A ring all-reduce's time over the testbed's shaped links: each rank sends 2 (n - 1) / n of the parameters
+    and a node's egress carries one rank's share across (0 without a testbed, or when the ranks share a node)."""
+    if testbed is None or len({testbed.of_gpu(d.gpu).node for d in members}) < 2:
+        return 0.0
+    n = len(members)
+    return 2 * (n - 1) / n * param_bytes * 8 / (testbed.shaped_gbps * 1e9)
+
+
 def ddp_peers(config: ClusterConfig, subsets: dict[str, list[peers.Device]], wanted: Sequence[tuple[str, list[int]]],
-              solo_step_s: float) -> list[list[Peer]]:
-    """Per GPU set asked for: the DDP settings to try (one per batch)."""
+              solo_step_s: float, testbed: Topology | None = None, param_bytes: int = 0) -> list[list[Peer]]:
+    """Per GPU set asked for: the DDP settings to try (one per batch); with a testbed, each rank in its node's
+    namespace, and its steps' all-reduce counted in how many steps fill the seconds asked for."""
     groups = []
     for name, batches in wanted:
         key = "fit" if name == "fit" else next((k for k in subsets if k != "fit"), "fit")
@@ -235,8 +282,10 @@ def ddp_peers(config: ClusterConfig, subsets: dict[str, list[peers.Device]], wan
         options = []
         for batch in batches:
             def run(seconds: float, logs: Path, members: list[peers.Device] = members, batch: int = batch) -> float:
-                step_s = solo_step_s * batch / config.train.batch_size * max(d.slowdown for d in members)
-                result = peers.run_ddp(config, members, batch, peers.predicted_steps(seconds, step_s, WARMUP_STEPS), logs)
+                step_s = (solo_step_s * batch / config.train.batch_size * max(d.slowdown for d in members)
+                          + allreduce_s(param_bytes, members, testbed))
+                result = peers.run_ddp(config, members, batch, peers.predicted_steps(seconds, step_s, WARMUP_STEPS), logs,
+                                       testbed=testbed)
                 return result.rate(WARMUP_STEPS)
             what = "all that fit" if key == "fit" else "the fastest type, " + key
             options.append(Peer(f"ddp-{name}", f"{len(members)} GPUs ({what}), batch {batch}/GPU", run))
@@ -245,21 +294,23 @@ def ddp_peers(config: ClusterConfig, subsets: dict[str, list[peers.Device]], wan
 
 
 def pipeline_peers(config: ClusterConfig, devs: list[peers.Device], micro: Sequence[tuple[int, int]],
-                   schedule: str, cache: Path) -> list[Peer]:
-    """The pipeline settings to try: one per (microbatch, count), each split for its microbatch."""
+                   schedule: str, cache: Path, testbed: Topology | None = None) -> list[Peer]:
+    """The pipeline settings to try: one per (microbatch, count), each split for its microbatch (with a testbed,
+    for its shaped links, each stage in its node's namespace)."""
     options = []
     n_train = len(dataset_of(config).train.y)
     for microbatch, n_micro in micro:
         if microbatch * n_micro > n_train:
             raise click.BadParameter(f"--micro {microbatch}x{n_micro}: a minibatch of {microbatch * n_micro} is more "
                                      f"than the {n_train} training samples; use fewer or smaller microbatches")
-        layout = peers.pipeline_layout(devs, peers.model_profile(config, microbatch, cache))
+        link = 27.0 if testbed is None else (lambda a, b: testbed.link_gbps(a, b, 27.0))
+        layout = peers.pipeline_layout(devs, peers.model_profile(config, microbatch, cache), link)
 
         def run(seconds: float, logs: Path, layout: peers.PipelineLayout = layout, mb: int = microbatch,
                 n: int = n_micro) -> float:
             step_s = layout.bottleneck_s * (n + len(layout.gpus) - 1)
             result = peers.run_pipeline(config, layout, mb, n, peers.predicted_steps(seconds, step_s, WARMUP_STEPS),
-                                        logs, schedule=schedule)
+                                        logs, schedule=schedule, testbed=testbed)
             return result.rate(WARMUP_STEPS)
         label = f"{len(devs)} stages {'/'.join(map(str, layout.split))}, {n_micro} x {microbatch}, {schedule}"
         options.append(Peer("pipeline", label, run))
@@ -288,13 +339,59 @@ def table(rows: list[dict[str, Any]], capacity: float) -> str:
 # ---------------------------------------------------------------------------------------------- main
 
 
-def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str, Any]]) -> Peer:
+@dataclass
+class Network:
+    """Where the systems run: the free network (testbed None) or the testbed, whose nodes' sent bytes it
+    records for every run (system -> one {node: bytes} per run)."""
+
+    testbed: Topology | None = None
+    egress: dict[str, list[dict[str, int]]] | None = None
+
+    def run(self, peer: Peer, seconds: float, logs: Path) -> float:
+        if self.testbed is None:
+            return peer.run(seconds, logs)
+        from hetpipe.app.testbed import egress_bytes
+
+        before = egress_bytes(self.testbed)
+        rate = peer.run(seconds, logs)
+        after = egress_bytes(self.testbed)
+        self.egress = self.egress or {}
+        self.egress.setdefault(peer.name, []).append({n: after[n] - before[n] for n in after})
+        return rate
+
+
+def open_testbed(config: ClusterConfig, cache: Path, scale: float | None, probe_s: float,
+                 stack: contextlib.ExitStack) -> tuple[Topology, dict[str, Any]]:
+    """Build the testbed for the rest of the run (torn down when `stack` closes), measure every node's egress,
+    print it against the configured rate; (topology, its record for the JSON)."""
+    from hetpipe.app import testbed as tb
+
+    derived = tb.derive_link_scale(config, cache)
+    print(derived.describe() + (f"; --testbed-scale {scale:g} used instead" if scale else ""), flush=True)
+    topology = plan_topology(config, f"{os.getpid():x}", scale or derived.scale)
+    stack.enter_context(tb.testbed(topology, config))
+    measured = tb.probe_egress(topology, probe_s)
+    print(f"testbed {topology.run}: egress measured for {probe_s:g} s per node (link-level bytes)")
+    print(format_nodes(topology, measured, EGRESS_TOLERANCE))
+    ok = all(m is None or within(m, topology.shaped_gbps, EGRESS_TOLERANCE) for m in measured.values())
+    print(f"every node's egress within {EGRESS_TOLERANCE:.0%} of its configured rate: {'yes' if ok else 'NO'}", flush=True)
+    record = {"scale": topology.scale, "scale_derived": derived.to_dict(), "scale_given": scale,
+              "inter_node_gbps": topology.inter_node_gbps, "ps_node": topology.ps_node,
+              "egress_within_tolerance": ok, "tolerance": EGRESS_TOLERANCE,
+              "nodes": [{"node": n.node, "address": n.address, "configured_gbps": n.egress_gbps,
+                         "measured_gbps": measured[n.node]} for n in topology.nodes]}
+    return topology, record
+
+
+def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str, Any]],
+          network: Network | None = None) -> Peer:
     """The option with the highest rate when several are given (each measured once), else the only one."""
     if len(options) == 1:
         return options[0]
+    network = network or Network()
     scored = []
     for option in options:
-        rate = option.run(seconds, logs)
+        rate = network.run(option, seconds, logs)
         sweep.append({"system": option.name, "setting": option.setting, "samples_per_s": round(rate, 1)})
         print(f"  sweep {option.name:<12} {rate:>8.0f} samples/s  {option.setting}", flush=True)
         scored.append((rate, option))
@@ -318,6 +415,12 @@ def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str,
               help="hetpipe: Nm caps to try (comma list; '' for the planner's own cap).")
 @click.option("--staleness", default=None, help="hetpipe: D values to try (comma list); default: the plan's.")
 @click.option("--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable.")
+@click.option("--testbed", "use_testbed", is_flag=True,
+              help="Run every system in the shaped-network testbed (root; docs/testbed.md) instead of on a free network.")
+@click.option("--testbed-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Link scale in the testbed: links at inter_node_gbps x this (default: derived, docs/testbed.md).")
+@click.option("--probe-seconds", type=click.FloatRange(min=0.5), default=1.5, show_default=True,
+              help="Testbed: seconds each node's egress is measured for, before the systems run.")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/throughput"),
               show_default=True, help="Run directories, logs and the profile cache.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
@@ -325,7 +428,17 @@ def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str,
               help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
 def main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: str,
          schedule: str, planner: bool, nm: str | None, staleness: str | None, settings: tuple[str, ...],
+         use_testbed: bool, testbed_scale: float | None, probe_seconds: float,
          work_dir: Path, out: Path | None, plot_path: Path | None) -> None:
+    with contextlib.ExitStack() as stack:
+        _main(config_path, repeats, seconds, ddp_spec, micro, schedule, planner, nm, staleness, settings,
+              use_testbed, testbed_scale, probe_seconds, work_dir, out, plot_path, stack)
+
+
+def _main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: str,
+          schedule: str, planner: bool, nm: str | None, staleness: str | None, settings: tuple[str, ...],
+          use_testbed: bool, testbed_scale: float | None, probe_seconds: float,
+          work_dir: Path, out: Path | None, plot_path: Path | None, stack: contextlib.ExitStack) -> None:
     torch.set_num_threads(1)
     work = work_dir / time.strftime("%Y%m%d-%H%M%S")
     config = apply_overrides(load_config(config_path), settings)
@@ -342,8 +455,12 @@ def main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: 
           + ", ".join(f"{d.gpu} {d.gpu_type} x{d.slowdown:.2f}" for d in devs), flush=True)
     for line in peers.describe_members(fit, left_out, need):
         print(line)
+    topology, testbed_record = (open_testbed(config, cache, testbed_scale, probe_seconds, stack) if use_testbed
+                                else (None, None))
+    network = Network(topology)
+    print("network: " + ("the testbed's shaped links" if topology else "free (loopback; no link costs anything)"))
 
-    solo = peers.run_solo(config, batch, 12 + 3, work / "logs")
+    solo = peers.run_solo(config, batch, 12 + 3, work / "logs")  # one process: no network
     solo_rate = solo.rate(3)
     capacity = solo_rate * sum(1.0 / d.slowdown for d in devs)
     solo_step_s = batch / solo_rate
@@ -351,18 +468,19 @@ def main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: 
 
     nms = parse_ints(nm, "Nm caps") if nm else [None]
     ds = [int(v) for v in staleness.split(",")] if staleness else [None]
-    hetpipe_options, setups = hetpipe_peers(config, profile, planner, nms, ds, capacity, work)
+    hetpipe_options, setups = hetpipe_peers(config, profile, planner, nms, ds, capacity, work, topology)
     for setup in setups:
         print(f"hetpipe: {setup.label} ({setup.source})", flush=True)
-    groups = [hetpipe_options, *ddp_peers(config, subsets, wanted, solo_step_s),
-              pipeline_peers(config, devs, parse_micro(micro), schedule, cache)]
+    param_bytes = sum(layer.param_bytes for layer in profile.layers)
+    groups = [hetpipe_options, *ddp_peers(config, subsets, wanted, solo_step_s, topology, param_bytes),
+              pipeline_peers(config, devs, parse_micro(micro), schedule, cache, topology)]
     sweep: list[dict[str, Any]] = []
-    chosen = [_best(group, seconds, work / "logs", sweep) for group in groups]
+    chosen = [_best(group, seconds, work / "logs", sweep, network) for group in groups]
 
     rates: dict[str, list[float]] = {p.name: [] for p in chosen}
     for r in range(repeats):
         for peer in chosen:
-            rates[peer.name].append(peer.run(seconds, work / "logs"))
+            rates[peer.name].append(network.run(peer, seconds, work / "logs"))
         print(f"repeat {r + 1}/{repeats}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in rates.items()) + " samples/s",
               flush=True)
 
@@ -377,12 +495,18 @@ def main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: 
           + ", ".join(f"{n} {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for n, s in ratios.items()))
     note = peers.env_note()
     print(f"load average (1, 5, 15 min) before {load_before}, after {note['loadavg_1_5_15']}, {note['cores']} cores")
+    if network.egress:
+        print("MB each node sent per run (median over the runs): " + "; ".join(
+            f"{name} " + ", ".join(f"{node} {statistics.median(r[node] for r in runs) / 1e6:.3g}" for node in runs[0])
+            for name, runs in network.egress.items()))
     if out is not None:
         document = {"config": str(config_path), "meta": {**note, "loadavg_before": load_before}, "batch": batch, "capacity_samples_per_s": round(capacity, 1),
                     "solo_samples_per_s": round(solo_rate, 1), "ddp_memory_need_bytes": need,
                     "ddp_left_out": [d.gpu for d in left_out], "rows": rows, "ratios_same_repeat": ratios,
                     "sweep": sweep, "slowdowns": {d.gpu: round(d.slowdown, 3) for d in devs}, "repeats": repeats,
-                    "seconds": seconds}
+                    "seconds": seconds, "network": "testbed" if topology else "free"}
+        if testbed_record is not None:
+            document["testbed"] = {**testbed_record, "egress_bytes_per_run": network.egress}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(document, indent=1))
         print(f"wrote {out}")

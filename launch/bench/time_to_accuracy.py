@@ -11,10 +11,15 @@ below the target loss, for a language model).
 
     python launch/bench/time_to_accuracy.py [--config CLUSTER.toml] [--target 0.9] [--staleness 0,4]
         [--nm 4] [--lr 0.02] [--ddp fit,fastest@256] [--ddp-lr 0.02,0.05] [--max-seconds 90] [--out FILE.json]
+        [--testbed [--testbed-scale S]]
+
+Network: free by default (loopback; no link costs anything). With --testbed every run is in the shaped-network
+testbed, as in throughput.py (docs/testbed.md): each node's egress is measured first and recorded with the scale.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -35,6 +40,7 @@ import throughput  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.evaluate import evaluate  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
+from hetpipe.core.testbed import Topology  # noqa: E402
 from hetpipe.server.checkpoint import (
     list_manifests,  # noqa: E402
     read_checkpoint,  # noqa: E402
@@ -102,15 +108,15 @@ def first_reaching(scores: list[dict[str, Any]], start: float, goal: Goal) -> fl
 
 
 def run_hetpipe_tta(config: ClusterConfig, setup: throughput.HetpipeSetup, staleness: int, waves: int,
-                    every: int, run_dir: Path, seconds: float) -> tuple[float, list[dict[str, Any]]]:
+                    every: int, run_dir: Path, seconds: float,
+                    testbed: Topology | None = None) -> tuple[float, list[dict[str, Any]]]:
     """One hetpipe run with checkpoints every `every` clocks; (training start, the checkpoints of its first
-    `seconds` of training, scored)."""
-    from hetpipe.app.train import TrainOptions, train
-
+    `seconds` of training, scored). In a testbed: `hetpipe server` + `hetpipe worker`s in the nodes' namespaces."""
     setup = throughput.HetpipeSetup(setup.vws, setup.nm, staleness, setup.source, setup.predicted)
+    run_dir = run_dir.resolve()  # the testbed's processes read the config from elsewhere: absolute paths
     extra = [f"checkpoint.dir={json.dumps(str(run_dir / 'ps'))}", f"checkpoint.every={every}", "checkpoint.keep=100000"]
     cfg = throughput.hetpipe_config(config, setup, waves, run_dir, extra)
-    train(cfg, TrainOptions(run_dir=run_dir, progress=False, layouts=setup.layouts))
+    throughput.run_hetpipe(cfg, setup, run_dir, testbed)
     start = throughput.trace_start(run_dir)
     return start, checkpoint_scores(cfg, run_dir, until=start + seconds)
 
@@ -156,6 +162,12 @@ def comma_floats(text: str | None, default: float) -> list[float]:
 @click.option("--snapshot-every", default=4, show_default=True, help="DDP: keep the weights every this many steps.")
 @click.option("--planner/--no-planner", default=True, show_default=True)
 @click.option("--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable.")
+@click.option("--testbed", "use_testbed", is_flag=True,
+              help="Run every system in the shaped-network testbed (root; docs/testbed.md) instead of on a free network.")
+@click.option("--testbed-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Link scale in the testbed: links at inter_node_gbps x this (default: derived, docs/testbed.md).")
+@click.option("--probe-seconds", type=click.FloatRange(min=0.5), default=1.5, show_default=True,
+              help="Testbed: seconds each node's egress is measured for, before the systems run.")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/tta"),
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
@@ -163,7 +175,18 @@ def comma_floats(text: str | None, default: float) -> list[float]:
               help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
 def main(config_path: Path, target: float | None, staleness: str, nm: str, hetpipe_lr: str | None, ddp_spec: str,
          ddp_lr: str | None, max_seconds: float, checkpoint_every: int, snapshot_every: int, planner: bool,
-         settings: tuple[str, ...], work_dir: Path, out: Path | None, plot_path: Path | None) -> None:
+         settings: tuple[str, ...], use_testbed: bool, testbed_scale: float | None, probe_seconds: float,
+         work_dir: Path, out: Path | None, plot_path: Path | None) -> None:
+    with contextlib.ExitStack() as stack:
+        _main(config_path, target, staleness, nm, hetpipe_lr, ddp_spec, ddp_lr, max_seconds, checkpoint_every,
+              snapshot_every, planner, settings, use_testbed, testbed_scale, probe_seconds, work_dir, out, plot_path,
+              stack)
+
+
+def _main(config_path: Path, target: float | None, staleness: str, nm: str, hetpipe_lr: str | None, ddp_spec: str,
+          ddp_lr: str | None, max_seconds: float, checkpoint_every: int, snapshot_every: int, planner: bool,
+          settings: tuple[str, ...], use_testbed: bool, testbed_scale: float | None, probe_seconds: float,
+          work_dir: Path, out: Path | None, plot_path: Path | None, stack: contextlib.ExitStack) -> None:
     torch.set_num_threads(1)
     work = work_dir / time.strftime("%Y%m%d-%H%M%S")
     config = apply_overrides(load_config(config_path), settings)
@@ -172,13 +195,17 @@ def main(config_path: Path, target: float | None, staleness: str, nm: str, hetpi
     load_before = peers.env_note()["loadavg_1_5_15"]
     batch = config.train.batch_size
     devs = peers.devices(config)
-    profile = peers.model_profile(config, batch, work_dir.parent / "throughput" / "profiles")
+    cache = work_dir.parent / "throughput" / "profiles"
+    profile = peers.model_profile(config, batch, cache)
     need = peers.whole_model_bytes(profile)
     fit, left_out = peers.ddp_members(devs, need)
     subsets = peers.ddp_subsets(fit)
     for line in peers.describe_members(fit, left_out, need):
         print(line)
-    setups = [throughput.hetpipe_setup(config, profile, planner, nm=cap)
+    topology, testbed_record = (throughput.open_testbed(config, cache, testbed_scale, probe_seconds, stack)
+                                if use_testbed else (None, None))
+    print("network: " + ("the testbed's shaped links" if topology else "free (loopback; no link costs anything)"))
+    setups = [throughput.hetpipe_setup(config, profile, planner, nm=cap, testbed=topology)
               for cap in (throughput.parse_ints(nm, "Nm caps") if nm else [None])]
     for setup in setups:
         print(f"hetpipe: {setup.label} ({setup.source})", flush=True)
@@ -198,7 +225,8 @@ def main(config_path: Path, target: float | None, staleness: str, nm: str, hetpi
             run_config = apply_overrides(config, [f"train.lr={lr}"])
             for d in (int(v) for v in staleness.split(",") if v.strip()):
                 run_dir = work / f"hetpipe-nm{setup.nm}-lr{lr}-D{d}"
-                start, scores = run_hetpipe_tta(run_config, setup, d, waves, checkpoint_every, run_dir, max_seconds)
+                start, scores = run_hetpipe_tta(run_config, setup, d, waves, checkpoint_every, run_dir, max_seconds,
+                                                topology)
                 setting = f"{setup.label.rsplit(', D=', 1)[0]}, D={d}, lr {lr}"
                 rows.append(row(f"hetpipe Nm={setup.nm} D={d}", setting, start, scores, goal,
                                 checkpoint_every * per_wave))
@@ -209,7 +237,7 @@ def main(config_path: Path, target: float | None, staleness: str, nm: str, hetpi
         for b in batches:
             for lr in comma_floats(ddp_lr, config.train.lr):
                 run = peers.run_ddp(config, members, b, 10**6, work / "logs", snapshot_every=snapshot_every, lr=lr,
-                                    deadline_s=max_seconds)
+                                    deadline_s=max_seconds, testbed=topology)
                 rows.append(row(f"ddp-{name}", f"{len(members)} GPUs, batch {b}/GPU, lr {lr}", run.start, run.evals,
                                 goal, snapshot_every * b * len(members)))
                 print(f"  ddp-{name} b{b} lr {lr}: {rows[-1]['seconds_to_target']} s to target, "
@@ -222,8 +250,12 @@ def main(config_path: Path, target: float | None, staleness: str, nm: str, hetpi
     print(f"load average (1, 5, 15 min) before {load_before}, after {note['loadavg_1_5_15']}, {note['cores']} cores")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"config": str(config_path), "metric": goal.metric, "target": goal.target,
-                                   "meta": {**note, "loadavg_before": load_before}, "rows": rows}, indent=1))
+        document = {"config": str(config_path), "metric": goal.metric, "target": goal.target,
+                    "meta": {**note, "loadavg_before": load_before}, "rows": rows,
+                    "network": "testbed" if topology else "free"}
+        if testbed_record is not None:
+            document["testbed"] = testbed_record
+        out.write_text(json.dumps(document, indent=1))
         print(f"wrote {out}")
     png = plot_path or (out.with_suffix(".png") if out else None)
     if png is not None:
