@@ -96,7 +96,8 @@ def test_five_unauthorised_clients_are_refused_and_logged(children, keys: Path, 
                 sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
             monitor = sock.get_monitor_socket()
             sock.connect(endpoint)
-            register = {"id": 1, "run": RUN, "vw": 0, "stage": 0, "num_vws": 2, "num_stages": 1, "want_weights": True}
+            register = {"id": 1, "run": RUN, "vw": 0, "stage": 0, "num_vws": 2, "num_stages": 1, "want_weights": True,
+                        "num_waves": 0, "buffers": [], "ledgers": []}
             sock.send_multipart(wire.encode("register", register, {"k": np.zeros(3, np.float32)}), flags=zmq.NOBLOCK)
             socks[name] = (sock, monitor)
         time.sleep(2.0)
@@ -109,9 +110,9 @@ def test_five_unauthorised_clients_are_refused_and_logged(children, keys: Path, 
     finally:
         for sock, monitor in socks.values():
             sock.disable_monitor()
-            monitor.close()
-            sock.close()
-        ctx.term()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+        ctx.destroy(linger=0)  # term() can wait forever on libzmq's internal monitor pair
     with client(endpoint, keys, "admin", 0) as admin:
         assert admin.status()[0]["registered"] == 0  # none of them got in
     log = wait_for_log(shard, f"with key {stranger_public.decode()}")

@@ -127,7 +127,7 @@ def test_a_stage_parks_one_pull_at_a_time(children):
             PSClient([endpoint], "park", 1, 0, 2, 1, place, timeout_s=5, retry_s=1) as slow:
         fast.register({"k": np.zeros(2, np.float32)})
         slow.register({"k": np.zeros(2, np.float32)})
-        sock = fast._socks[0]  # the registered connection, driven by hand
+        sock = fast.sockets[0]  # the registered connection, driven by hand
         for request_id in (101, 102, 102, 103):  # 102 twice: a retry keeps its place
             sock.send_multipart(wire.encode("pull", {"id": request_id, "run": "park", "vw": 0, "stage": 0, "wave": 2}))
         replies = [wire.decode(sock.recv_multipart()) for _ in range(2)]

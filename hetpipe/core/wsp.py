@@ -415,8 +415,9 @@ class ShardState:
                 del self.versions[t]
 
     def lend(self, key: str, is_done: Callable[[], bool]) -> None:
-        """Latest: mark weights[key] as read by an in-flight zero-copy send until is_done() turns true."""
-        self._lent.setdefault(key, []).append(is_done)
+        """Latest: mark weights[key] as read by an in-flight zero-copy send until is_done() turns true (the
+        sends already done are dropped here, so many reads between two pushes keep this list short)."""
+        self._lent[key] = [done for done in self._lent.get(key, []) if not done()] + [is_done]
 
     def _writable(self, key: str) -> np.ndarray:
         """weights[key], copied first if a send still reads it (copy-on-write, never a wait)."""
