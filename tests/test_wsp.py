@@ -353,4 +353,4 @@ def test_finished_sends_are_forgotten_between_pushes():
     for _ in range(5000):
         shard.lend("s0", lambda: True)
     shard.lend("s0", lambda: False)
-    assert len(shard._lent["s0"]) == 2  # the last finished one and the pending one
+    assert len(shard._lent["s0"]) == 1  # only the send still in flight
