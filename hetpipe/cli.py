@@ -247,11 +247,13 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
               help="Memory per GPU kept free (CUDA context, allocator slack).")
 @click.option("--policy", "policies", type=click.Choice(["np", "ed", "hd", "explicit"]), multiple=True,
               help="Only these allocation policies (repeatable; default np, ed, hd and explicit when listed).")
+@click.option("--schedule", "schedules", type=click.Choice(["wsp", "pipedream-2bw", "1f1b-flush", "gpipe"]),
+              multiple=True, help="Only these schedules (repeatable; default all, the config's train.schedule first).")
 @click.option("--refresh", is_flag=True, help="Emulated configs: measure this machine's CPU profile again first.")
 @_set_option
 def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool, profile_dir: Path | None,
          waves: int, d_values: tuple[int, ...], nm_max: int | None, reserve_gib: float,
-         policies: tuple[str, ...], refresh: bool, settings: tuple[str, ...]) -> None:
+         policies: tuple[str, ...], schedules: tuple[str, ...], refresh: bool, settings: tuple[str, ...]) -> None:
     """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the best."""
     import json
     import time
@@ -272,7 +274,7 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     started = time.monotonic()
     candidates = plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
                                  nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),
-                                 policies=policies or None)
+                                 policies=policies or None, schedules=schedules or None)
     elapsed = time.monotonic() - started
     chosen = best(candidates)
     if as_json:

@@ -81,7 +81,8 @@ def test_train_refuses_a_cluster_whose_memory_cannot_hold_the_model(tmp_path: Pa
                      "--set", "gpu_types.fast.memory_gib=0.001", "--set", "gpu_types.slow.memory_gib=0.001")
     assert result.returncode == 2, result.stderr
     err = result.stderr
-    assert "stage 0 of virtual worker" in err and "on GPU n" in err and "(fast)" in err  # the fullest GPU
+    # the fullest GPU: stage 1 holds the fc layers' weights, their stashes, update sums and Adam state
+    assert "stage 1 of virtual worker" in err and "on GPU n" in err and "(slow)" in err
     assert "but the GPU has 1,073,741 bytes (1.02 MiB)" in err and "needs " in err and "bytes (" in err
     assert "lower train.batch_size or wsp.nm" in err and "hetpipe plan" in err
     assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hetpipe.core.fit import memory_error, stage_needs
+from hetpipe.core.memory import MemoryRule
 from hetpipe.core.profile import LayerProfile, ModelProfile
 
 MIB = 2**20
@@ -22,42 +23,50 @@ MEMORY = {"n0:0": ("big", 10 * MIB), "n0:1": ("small", 10 * MIB), "n1:0": ("tiny
 
 
 def test_stage_needs_follow_the_memory_model() -> None:
-    needs = stage_needs(SIZES, [(("n0:0", "n0:1"), (2, 1))], MEMORY, nm=3, weight_stashing=True)
+    rule = MemoryRule(nm=3, pulls=False)  # one VW of wsp with weight stashing, aggregation sum
+    needs = stage_needs(SIZES, [(("n0:0", "n0:1"), (2, 1))], MEMORY, rule)
     first, second = needs
-    # stage 0: layers a, b; 3 minibatches in flight
+    # stage 0: layers a, b; 3 minibatches in flight on 3 stashed versions; a baseline and 2 update sums
     assert (first.vw, first.stage, first.gpu, first.gpu_type, first.first_layer, first.last_layer) == (
         0, 0, "n0:0", "big", 0, 1)
-    assert first.need.total == 3000 + 3000 + 6000 + 2 * 3000 + 3 * (20 + 50) + 3 * 100 + 60
+    # ... and its 3 outputs (backward roots) plus the output gradient it receives
+    assert first.need.total == (3000 + 3000 + 6000 + 3 * 3000 + 3000 + 2 * 3000 + 3 * (20 + 50) + 3 * 100
+                                + 3 * 40 + 40 + 60)
     # stage 1: layer c; 2 in flight; its input is layer b's output
-    assert second.need.total == 4000 + 4000 + 8000 + 1 * 4000 + 2 * 80 + 2 * 40 + 90
+    # (the last stage keeps no output; it holds nm + 1 = 4 input gradients sent back in the P2P window)
+    assert second.need.total == 4000 + 4000 + 8000 + 2 * 4000 + 4000 + 2 * 4000 + 2 * 80 + 2 * 40 + 4 * 40 + 90
     assert second.available == 10 * MIB and all(n.fits for n in needs)
-    assert memory_error(needs, model="toy", batch_size=8, nm=3, weight_stashing=True) is None
+    assert memory_error(needs, model="toy", batch_size=8, rule=rule) is None
 
 
 def test_without_stashing_no_stashed_copies() -> None:
-    (need,) = stage_needs(SIZES, [(("n0:0",), (3,))], MEMORY, nm=2, weight_stashing=False)
+    (need,) = stage_needs(SIZES, [(("n0:0",), (3,))], MEMORY, MemoryRule(nm=2, weight_stashing=False, pulls=False))
     assert need.need.stashed == 0
-    assert need.need.total == 7000 + 7000 + 14000 + 2 * (20 + 50 + 80) + 2 * 100 + 90
+    # the backward recomputes the forward: one minibatch's saved activations, every input kept
+    assert need.need.total == 7000 + 7000 + 14000 + 7000 + 2 * 7000 + (20 + 50 + 80) + 2 * 100 + 90
 
 
 def test_error_names_the_fullest_gpu_the_bytes_and_the_fix() -> None:
     layouts = [(("n0:0",), (3,)), (("n1:0", "n0:1"), (1, 2))]
-    needs = stage_needs(SIZES, layouts, MEMORY, nm=2, weight_stashing=True)
+    rule = MemoryRule(nm=2)
+    needs = stage_needs(SIZES, layouts, MEMORY, rule)
     assert [n.fits for n in needs] == [True, False, True]
-    message = memory_error(needs, model="toy", batch_size=8, nm=2, weight_stashing=True)
+    message = memory_error(needs, model="toy", batch_size=8, rule=rule)
     need = needs[1].need.total
     assert message.startswith(
         f"stage 0 of virtual worker 1 on GPU n1:0 (tiny) needs {need:,} bytes ({need / 1024:.2f} KiB) for layer 0 "
         "of toy at batch 8 with nm=2, but the GPU has 1,000 bytes (1000 B): weights")
     fix = message.splitlines()[1]
-    assert fix.startswith("  lower train.batch_size or wsp.nm (or set train.weight_stashing = false)")
+    assert fix.startswith('  lower train.batch_size or wsp.nm (or set train.weight_stashing = false, or '
+                          'train.schedule = "1f1b-flush")')
     assert "hetpipe plan CONFIG --out PLAN" in fix and "--plan PLAN" in fix
 
 
 def test_error_counts_the_other_stages_that_do_not_fit() -> None:
     memory = {"n0:0": ("g", 10), "n0:1": ("g", 20), "n1:0": ("g", 5)}
-    needs = stage_needs(SIZES, [(("n0:0", "n0:1", "n1:0"), (1, 1, 1))], memory, nm=1, weight_stashing=False)
-    message = memory_error(needs, model="toy", batch_size=8, nm=1, weight_stashing=False)
+    rule = MemoryRule(nm=1, weight_stashing=False)
+    needs = stage_needs(SIZES, [(("n0:0", "n0:1", "n1:0"), (1, 1, 1))], memory, rule)
+    message = memory_error(needs, model="toy", batch_size=8, rule=rule)
     assert "stage 2 of virtual worker 0 on GPU n1:0" in message  # the largest overcommit first
     assert "(2 more stages do not fit either)" in message
     assert "wsp.nm" not in message and "weight_stashing" not in message  # nm = 1: nothing to lower there

@@ -1,31 +1,40 @@
-"""The stage memory model (hetpipe/memory.py): in-flight counts against the wsp schedule, literal sums."""
+"""The memory model (hetpipe/core/memory.py): what each schedule keeps, against its action lists and a timed
+run, and literal sums of the terms."""
 
 from __future__ import annotations
 
 import pytest
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.memory import format_bytes, in_flight, stage_memory, stage_memory_terms
+from hetpipe.core.memory import (
+    PLAIN,
+    MemoryRule,
+    format_bytes,
+    ps_shard_bytes,
+    stage_memory,
+    stage_memory_terms,
+)
 from hetpipe.core.profile import LayerProfile
-from hetpipe.core.schedule import BACKWARD, FORWARD, simulate, wsp_schedule
+from hetpipe.core.schedule import BACKWARD, FORWARD, SCHEDULES, simulate, wsp_schedule
 
 
 def layer(params: int = 0, optimizer: int = 0, output: int = 0, saved: int = 0, working: int = 0) -> LayerProfile:
     return LayerProfile("l", 1.0, 2.0, params, optimizer, output, saved, working)
 
 
-@pytest.mark.parametrize(("stage", "nm", "expected"), [
-    (0, 1, 1), (0, 4, 4), (1, 4, 3), (3, 4, 1), (4, 4, 1), (7, 2, 1), (2, 8, 6),
+@pytest.mark.parametrize(("stage", "k", "nm", "expected"), [
+    (0, 1, 1, 1), (0, 4, 4, 4), (1, 4, 4, 3), (3, 4, 4, 1), (4, 8, 4, 1), (7, 8, 2, 1), (2, 8, 8, 6),
 ])
-def test_in_flight_table(stage: int, nm: int, expected: int) -> None:
-    assert in_flight(stage, nm) == expected
+def test_wsp_in_flight_is_nm_minus_stage(stage: int, k: int, nm: int, expected: int) -> None:
+    keep = MemoryRule(nm=nm).keeping(stage, k)
+    assert keep.in_flight == keep.saved == keep.stashed == expected  # one stashed version per minibatch in flight
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("nm", [1, 2, 3, 4, 6])
-def test_in_flight_and_weight_versions_match_the_wsp_schedule(k: int, nm: int) -> None:
-    """Walk each stage's action list: most minibatches between F and B, and most distinct weight
-    versions alive (those in-flight minibatches used, plus the live one) both equal in_flight."""
+def test_in_flight_and_weight_versions_match_the_wsp_lists(k: int, nm: int) -> None:
+    """Walk each stage's action list by hand: most minibatches between F and B, and most distinct weight
+    versions those minibatches ran on (a version ends at each update)."""
     schedule = wsp_schedule(k, nm, 4, 0)
     for j, actions in enumerate(schedule.stages):
         version, used, most_flight, most_versions = 0, {}, 0, 0
@@ -34,11 +43,12 @@ def test_in_flight_and_weight_versions_match_the_wsp_schedule(k: int, nm: int) -
                 used[action.index] = version
             elif action.kind == BACKWARD:
                 del used[action.index]
-                version += 1  # the local optimizer step right after the backward
+            elif action.kind == "U":
+                version += 1
             most_flight = max(most_flight, len(used))
-            most_versions = max(most_versions, len(set(used.values()) | {version}))
-        assert most_flight == in_flight(j, nm)
-        assert most_versions == in_flight(j, nm)  # so in_flight - 1 stashed copies besides the live weights
+            most_versions = max(most_versions, len(set(used.values())))
+        keep = MemoryRule(nm=nm).keeping(j, k)
+        assert (most_flight, most_versions) == (keep.in_flight, keep.stashed)
 
 
 @pytest.mark.parametrize(("k", "nm"), [(4, 4), (4, 2), (3, 5), (2, 1)])
@@ -52,41 +62,67 @@ def test_in_flight_matches_a_timed_simulation(k: int, nm: int) -> None:
         for _, delta in changes:  # at equal times -1 sorts first: a B ending frees its slot for an F starting
             count += delta
             most = max(most, count)
-        assert most == in_flight(j, nm)
+        assert most == MemoryRule(nm=nm).keeping(j, k).in_flight
+
+
+def test_what_each_schedule_keeps() -> None:
+    """Stage 0 of 4 at Nm 4, D 1: wsp stashes a version per minibatch; 2BW two (and one more when a rebase
+    falls between); the flushing schedules keep no stash, gpipe all Nm minibatches' activations, or one with
+    recompute."""
+    def keep(schedule: str, **kw):
+        return MemoryRule(nm=4, schedule=schedule, staleness=1, **kw).keeping(0, 4)
+
+    assert keep("wsp") == keep("wsp")
+    assert (keep("wsp").stashed, keep("pipedream-2bw").stashed, keep("1f1b-flush").stashed, keep("gpipe").stashed) \
+        == (4, 3, 0, 0)
+    assert keep("pipedream-2bw", pulls=False).stashed == 3  # the lists still carry the gates
+    assert (keep("gpipe").in_flight, keep("gpipe").saved, keep("gpipe", recompute=True).saved) == (4, 4, 1)
+    assert keep("wsp", weight_stashing=False).stashed == 0 and keep("wsp", weight_stashing=False).saved == 1
+    assert keep("wsp").update_sums == 3 and keep("wsp", pulls=False).update_sums == 2  # D + 2 with pulls
+    server = keep("wsp", local_updates=False)
+    assert not server.optimizer and not server.baseline
+    assert set(SCHEDULES) == {"wsp", "pipedream-2bw", "1f1b-flush", "gpipe"}
 
 
 def test_stage_memory_literal_sum() -> None:
     layers = [layer(params=100, optimizer=100, output=10, saved=30, working=7),
               layer(params=50, optimizer=50, output=20, saved=5, working=40)]
-    # stage 1 with nm=4: 3 in flight, 2 stashed copies
-    terms = stage_memory_terms(layers, 1, 4, True, input_bytes=8)
-    assert terms.weights == 150
-    assert terms.gradients == 150
-    assert terms.optimizer == 150
-    assert terms.stashed == 2 * 150
+    # stage 1 of 4 with wsp, nm=4, D=0: 3 in flight, 3 stashed copies, a baseline, 2 update sums
+    terms = stage_memory_terms(layers, 1, 4, MemoryRule(nm=4), input_bytes=8)
+    assert terms.weights == terms.gradients == terms.optimizer == terms.baseline == 150
+    assert terms.stashed == 3 * 150
+    assert terms.update_sums == 2 * 150
     assert terms.activations == 3 * 35
     assert terms.inputs == 3 * 8
+    assert terms.outputs == 3 * 20  # kept as the roots of their backwards
+    assert terms.in_transit == 20 + 5 * 8  # the output gradient received, the input gradients in the P2P window
     assert terms.working == 40
-    assert stage_memory(layers, 1, 4, True, input_bytes=8) == 150 * 5 + 105 + 24 + 40 == terms.total
-    # without stashing the extra copies go; the last stage of a deep VW holds one minibatch
-    assert stage_memory(layers, 1, 4, False, input_bytes=8) == 150 * 3 + 105 + 24 + 40
-    assert stage_memory(layers, 5, 4, True, input_bytes=8) == 150 * 3 + 35 + 8 + 40
+    total = 150 * 9 + 105 + 24 + 60 + 60 + 40
+    assert stage_memory(layers, 1, 4, MemoryRule(nm=4), input_bytes=8) == total == terms.total
+    # a plain replica: weights, gradients, optimizer state, one minibatch
+    assert stage_memory(layers, 0, 1, PLAIN, input_bytes=8) == 150 * 3 + 35 + 8 + 40
 
 
 def test_stage_memory_describe_names_the_terms() -> None:
-    text = stage_memory_terms([layer(params=2**30, saved=2**20)], 0, 2, True, input_bytes=0).describe()
-    assert text.startswith("weights 1.00 GiB + gradients 1.00 GiB + stashed weights 1.00 GiB")
-    assert "saved activations 2.00 MiB" in text
-    assert text.endswith("= 3.00 GiB")
+    text = stage_memory_terms([layer(params=2**30, saved=2**20)], 0, 2, MemoryRule(nm=2, pulls=False),
+                              input_bytes=0).describe()
+    assert text.startswith("weights 1.00 GiB + gradients 1.00 GiB + stashed weights 2.00 GiB + update baseline")
+    assert "saved activations 2.00 MiB" in text and text.endswith("= 7.00 GiB")
 
 
 def test_stage_memory_rejects_bad_input() -> None:
     with pytest.raises(UsageError, match="at least one layer"):
-        stage_memory([], 0, 1, True, input_bytes=0)
+        stage_memory([], 0, 1, MemoryRule(), input_bytes=0)
     with pytest.raises(UsageError, match="nm >= 1"):
-        stage_memory([layer()], 0, 0, True, input_bytes=0)
+        stage_memory([layer()], 0, 1, MemoryRule(nm=0), input_bytes=0)
     with pytest.raises(UsageError, match="input_bytes"):
-        stage_memory([layer()], 0, 1, True, input_bytes=-1)
+        stage_memory([layer()], 0, 1, MemoryRule(), input_bytes=-1)
+
+
+def test_ps_shard_holds_w0_and_the_bounded_versions_and_sums() -> None:
+    assert ps_shard_bytes(1000, 2, 0, "exact") == 500 * (1 + 2 + 2)
+    assert ps_shard_bytes(1000, 1, 3, "exact") == 1000 * (1 + 5 + 5)
+    assert ps_shard_bytes(1000, 1, 3, "latest") == 2000
 
 
 def test_format_bytes() -> None:

@@ -13,13 +13,19 @@ import torch
 
 from hetpipe.core.config import NetworkConfig
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.memory import stage_memory
+from hetpipe.core.memory import MemoryRule, stage_memory
 from hetpipe.core.partition import best_order_and_nm, minibatch_time_s, partition
 from hetpipe.core.plan import StagePlan, VwPlan
 from hetpipe.core.profile import LayerProfile, ModelProfile
 from hetpipe.models import get_model, param_counts
 
 FAST = 8.0e9  # Gbit/s: transfers of a few bytes take ~nothing
+
+
+
+def rule_of(stashing: bool, nm: int = 1) -> MemoryRule:
+    """wsp without a PS (no baseline, no update sums), so the literal sums below are about the pipeline alone."""
+    return MemoryRule(nm=nm, weight_stashing=stashing, ps=False)
 
 
 def make_profile(times: Sequence[float], *, params: Sequence[int] | None = None, outputs: Sequence[int] | None = None,
@@ -65,14 +71,14 @@ def test_faster_gpu_takes_more_layers() -> None:
 def test_memory_binds_the_split() -> None:
     fast = make_profile([1] * 6, params=[100] * 6)
     slow = fast.scaled("slow", 3.0)
-    # nm = 1: stage memory = weights + gradients = 200 per layer; the fast GPU holds at most 3 layers
-    vw = partition([fast, slow], gpus(600, 10**9), [FAST], 1)
+    # nm = 1 without stashing: stage memory = weights + gradients = 200 per layer; the fast GPU holds 3 layers
+    vw = partition([fast, slow], gpus(600, 10**9), [FAST], 1, rule=rule_of(False))
     assert vw.split == (3, 3)
     assert vw.bottleneck_s == pytest.approx(9.0)
     assert [s.memory_bytes for s in vw.stages] == [600, 600]
     assert [s.memory_limit_bytes for s in vw.stages] == [600, 10**9]
     # a reserve of 1 byte leaves room for 2 layers only: 2 + 12 s
-    assert partition([fast, slow], gpus(600, 10**9), [FAST], 1, reserve_bytes=1).split == (2, 4)
+    assert partition([fast, slow], gpus(600, 10**9), [FAST], 1, rule=rule_of(False), reserve_bytes=1).split == (2, 4)
 
 
 def test_transfers_count_on_both_sides_of_a_cut() -> None:
@@ -89,27 +95,28 @@ def test_transfers_count_on_both_sides_of_a_cut() -> None:
 
 
 def test_tie_break_on_lower_peak_memory() -> None:
-    # splits (1, 2) and (2, 1) both take 2 s; the heavy layer 1 costs stage 0 (2 in flight, 1 stashed
-    # copy) 3 x 1000 B but stage 1 only 2 x 1000 B, so it goes to stage 1
+    # splits (1, 2) and (2, 1) both take 2 s; the heavy layer 1 costs stage 0 (2 in flight, 2 stashed
+    # versions) 4 x 1000 B but stage 1 only 3 x 1000 B, so it goes to stage 1
     profile = make_profile([2, 0, 2], params=[0, 1000, 0])
-    vw = partition([profile, profile], gpus(10**6, 10**6), [FAST], 2)
+    vw = partition([profile, profile], gpus(10**6, 10**6), [FAST], 2, rule=rule_of(True))
     assert vw.split == (1, 2)
-    assert [s.memory_bytes for s in vw.stages] == [0, 2000]
+    assert [s.memory_bytes for s in vw.stages] == [0, 3000]
     # with the heavy layer's GPU too small for it at stage 1 but not at stage 0, the other tie wins
-    vw = partition([profile, profile], gpus(3000, 1999), [FAST], 2)
+    vw = partition([profile, profile], gpus(4000, 2999), [FAST], 2, rule=rule_of(True))
     assert vw.split == (2, 1)
 
 
 def test_stashing_and_nm_raise_memory() -> None:
     profile = make_profile([1, 1], params=[100, 100], saved=[10, 10], input_bytes=5, outputs=[7, 7])
-    plain = partition([profile, profile], gpus(10**6, 10**6), [FAST], 3, weight_stashing=False)
-    stashed = partition([profile, profile], gpus(10**6, 10**6), [FAST], 3)
-    # stage 0, 3 in flight: 100 + 100 grads + 3 x (10 saved + 5 input) [+ 2 x 100 stashed]
-    assert plain.stages[0].memory_bytes == 245
-    assert stashed.stages[0].memory_bytes == 445
-    # stage 1, 2 in flight: 200 + 2 x (10 + 7) [+ 100]
-    assert plain.stages[1].memory_bytes == 234
-    assert stashed.stages[1].memory_bytes == 334
+    plain = partition([profile, profile], gpus(10**6, 10**6), [FAST], 3, rule=rule_of(False))
+    stashed = partition([profile, profile], gpus(10**6, 10**6), [FAST], 3, rule=rule_of(True))
+    # stage 0, 3 in flight: 100 + 100 grads + 3 x (5 input + 7 output) + 7 output gradient received, and
+    # 3 x (10 saved + 100 stashed) with stashing; without, the backward recomputes the forward: 1 x 10 saved
+    assert plain.stages[0].memory_bytes == 253
+    assert stashed.stages[0].memory_bytes == 573
+    # stage 1, 2 in flight: 200 + 2 x 7 + (3 + 1) x 7 input gradients sent back [+ 1 x 10 | + 2 x (10 + 100)]
+    assert plain.stages[1].memory_bytes == 252
+    assert stashed.stages[1].memory_bytes == 462
     assert stashed.param_bytes == 200
 
 
@@ -125,32 +132,32 @@ def test_single_gpu() -> None:
 def test_nothing_fits_names_the_gpu_its_need_and_the_fix() -> None:
     profile = make_profile([1, 1], params=[100, 100])
     with pytest.raises(HetpipeError) as info:
-        partition([profile, profile], [("n0:0", "small", 150), ("n1:0", "big", 180)], [FAST], 2)
+        partition([profile, profile], [("n0:0", "small", 150), ("n1:0", "big", 180)], [FAST], 2, rule=rule_of(True))
     text = str(info.value)
-    # best case: one layer each; stage 0 (2 in flight): 100 + 100 + 100 stashed = 300 B, stage 1 200 B
+    # best case: one layer each; stage 0 (2 in flight): 100 + 100 + 2 x 100 stashed = 400 B, stage 1 300 B
     assert "GPU n0:0 (small, 150 B)" in text
-    assert "needs 300 B for layer 0 but has 150 B usable" in text
+    assert "needs 400 B for layer 0 but has 150 B usable" in text
     assert "split [1, 1]" in text
     assert "lower batch_size, lower nm, or add GPUs to the VW" in text
-    assert "weights 100 B + gradients 100 B + stashed weights 100 B" in text
+    assert "weights 100 B + gradients 100 B + stashed weights 200 B" in text
 
 
 def test_nothing_fits_with_a_reserve_says_so() -> None:
     profile = make_profile([1], params=[2**30])
     with pytest.raises(HetpipeError, match=r"GPU n0:0 \(t, 3.00 GiB minus a reserve of 1.50 GiB\) needs 2.00 GiB "
                                            r"for layer 0 but has 1.50 GiB usable"):
-        partition([profile], gpus(3 * 2**30), [], 1, reserve_bytes=3 * 2**29)
+        partition([profile], gpus(3 * 2**30), [], 1, rule=rule_of(False), reserve_bytes=3 * 2**29)
 
 
 def test_fixed_split_overrides_and_reports_memory() -> None:
     profile = make_profile([1, 1, 1, 1], params=[10, 20, 30, 40])
-    vw = partition([profile, profile], gpus(10**6, 10**6), [FAST], 1, fixed_split=[1, 3])
+    vw = partition([profile, profile], gpus(10**6, 10**6), [FAST], 1, rule=rule_of(False), fixed_split=[1, 3])
     assert vw.split == (1, 3)
     assert [s.memory_bytes for s in vw.stages] == [20, 180]
     assert vw.bottleneck_s == pytest.approx(3.0)
     with pytest.raises(HetpipeError, match=r"with the fixed split \[1, 3\], stage 1 on GPU n1:0 .* needs 180 B "
                                            r"for layers 1-3 but has 100 B usable.*move layers off that stage"):
-        partition([profile, profile], gpus(10**6, 100), [FAST], 1, fixed_split=[1, 3])
+        partition([profile, profile], gpus(10**6, 100), [FAST], 1, rule=rule_of(False), fixed_split=[1, 3])
 
 
 @pytest.mark.parametrize("split", [[4], [1, 2], [0, 4], [1, 1, 2], [2.0, 2]])
@@ -197,7 +204,8 @@ def brute_force(profiles: Sequence[ModelProfile], caps: Sequence[int], links: Se
             if j < k - 1:
                 t += 2 * layers[-1].output_bytes / (links[j] * 1e9 / 8)
             times.append(t)
-            uses.append(stage_memory(layers, j, nm, stash, input_bytes=entering) / caps[j] if caps[j] > 0 else math.inf)
+            need = stage_memory(layers, j, k, rule_of(stash, nm), input_bytes=entering)
+            uses.append(need / caps[j] if caps[j] > 0 else math.inf)
         if max(uses) <= 1:
             results.append((max(times), max(uses)))
     if not results:
@@ -222,11 +230,11 @@ def random_instance(rng: random.Random) -> tuple[list[ModelProfile], list[tuple[
     )
     nm = rng.randint(1, 5)
     stash = rng.random() < 0.7
-    whole_model = stage_memory(base.layers, 0, nm, stash, input_bytes=base.input_bytes)
+    whole_model = stage_memory(base.layers, 0, 1, rule_of(stash, nm), input_bytes=base.input_bytes)
     profiles, devices = [], []
     for j in range(k):
         profiles.append(base.scaled(f"type{j}", rng.choice([1.0, 1.0, 0.5, 2.0, rng.uniform(0.3, 3.0)])))
-        devices.append((f"n{j}:0", f"type{j}", int(whole_model * rng.uniform(0.1, 1.0))))
+        devices.append((f"n{j}:0", f"type{j}", int(whole_model * rng.uniform(0.1, 1.5))))
     links = [rng.choice([FAST, rng.uniform(2e-6, 2e-5)]) for _ in range(k - 1)]  # 2e-6 Gbit/s: 1000 B in 4 s
     return profiles, devices, links, nm, stash
 
@@ -240,7 +248,7 @@ def test_matches_brute_force_on_500_random_instances() -> None:
         caps = [m - reserve for _, _, m in devices]
         expected = brute_force(profiles, caps, links, nm, stash)
         try:
-            vw = partition(profiles, devices, links, nm, weight_stashing=stash, reserve_bytes=reserve)
+            vw = partition(profiles, devices, links, nm, rule=rule_of(stash), reserve_bytes=reserve)
         except HetpipeError as exc:
             assert expected is None, f"case {case}: partition found nothing, brute force {expected}: {exc}"
             assert "add GPUs to the VW" in str(exc)
@@ -261,29 +269,32 @@ def test_matches_brute_force_on_500_random_instances() -> None:
 
 def test_large_memory_gpu_goes_first() -> None:
     profile = make_profile([1, 1, 1, 1], params=[100] * 4)
-    # balanced (2, 2) with nm = 2: stage 0 needs 3 x 200 = 600 B, stage 1 2 x 200 = 400 B
-    gpus_small_first = [("n0:0", "small", 450), ("n0:1", "big", 700)]
-    vw = best_order_and_nm({"small": profile, "big": profile}, gpus_small_first, lambda a, b: FAST, 2)
+    # balanced (2, 2) with nm = 2: stage 0 needs 4 x 200 = 800 B (weights, gradients, 2 stashed versions),
+    # stage 1 3 x 200 = 600 B
+    gpus_small_first = [("n0:0", "small", 700), ("n0:1", "big", 900)]
+    vw = best_order_and_nm({"small": profile, "big": profile}, gpus_small_first, lambda a, b: FAST, 2,
+                           rule=rule_of(True))
     assert vw.gpus == ("n0:1", "n0:0")
     assert vw.split == (2, 2) and vw.nm == 2
-    # given in that order, the small GPU first can only take one layer
-    assert partition([profile, profile], gpus_small_first, [FAST], 2).split == (1, 3)
+    # given in that order, the small GPU first can only take one layer (400 B); 3 layers after it need 900 B
+    assert partition([profile, profile], gpus_small_first, [FAST], 2, rule=rule_of(True)).split == (1, 3)
 
 
 def test_nm_is_the_largest_that_fits_without_slowing_the_split() -> None:
     profile = make_profile([1, 1, 1, 1], params=[100] * 4)
-    # stage 0 of (2, 2) with nm in flight and nm - 1 stashed copies: (nm + 1) x 200 B
+    # stage 0 of (2, 2) with nm in flight and nm stashed versions: (nm + 2) x 200 B
     two = [("n0:0", "t", 1000), ("n0:1", "t", 10**6)]
-    vw = best_order_and_nm({"t": profile}, two, lambda a, b: FAST, 8)
-    assert (vw.nm, vw.split) == (4, (2, 2))
-    # nm = 5 fits only as (1, 3): 6 x 100 = 600 B on stage 0, but at 3 s instead of 2 s, so nm stays 4
-    assert partition([profile, profile], two, [FAST], 5).split == (1, 3)
+    vw = best_order_and_nm({"t": profile}, two, lambda a, b: FAST, 8, rule=rule_of(True))
+    assert (vw.nm, vw.split) == (3, (2, 2))
+    # nm = 5 fits only as (1, 3): 7 x 100 = 700 B on stage 0, but at 3 s instead of 2 s, so nm stays 3
+    assert partition([profile, profile], two, [FAST], 5, rule=rule_of(True)).split == (1, 3)
 
 
 def test_nm_below_k_only_when_nothing_else_fits() -> None:
     profile = make_profile([1, 1], params=[100, 100])
-    # nm = 2 puts 3 x 100 B on stage 0 even with one layer; 250 B fits only nm = 1
-    vw = best_order_and_nm({"t": profile}, [("n0:0", "t", 250), ("n0:1", "t", 250)], lambda a, b: FAST, 4)
+    # nm = 2 puts 4 x 100 B on stage 0 even with one layer (2 stashed versions); 350 B fits only nm = 1
+    vw = best_order_and_nm({"t": profile}, [("n0:0", "t", 350), ("n0:1", "t", 350)], lambda a, b: FAST, 4,
+                           rule=rule_of(True))
     assert (vw.nm, vw.split) == (1, (1, 1))
     assert minibatch_time_s(vw) == pytest.approx(2.0)  # nothing overlaps: both stages in turn
 
@@ -292,7 +303,8 @@ def test_best_order_error_when_no_order_fits() -> None:
     profile = make_profile([1, 1], params=[100, 100])
     with pytest.raises(HetpipeError, match=r"needs 200 B for layer .* but has 150 B usable.*\n  lower batch_size "
                                            r"or add GPUs to the VW"):
-        best_order_and_nm({"t": profile}, [("n0:0", "t", 150), ("n1:0", "t", 150)], lambda a, b: FAST, 4)
+        best_order_and_nm({"t": profile}, [("n0:0", "t", 150), ("n1:0", "t", 150)], lambda a, b: FAST, 4,
+                          rule=rule_of(False))
     with pytest.raises(UsageError, match="no profile for GPU type"):
         best_order_and_nm({"t": profile}, [("n0:0", "u", 150)], lambda a, b: FAST, 4)
 
@@ -304,7 +316,7 @@ def best_over_orders(by_type: dict[str, ModelProfile], devices: list[tuple[str, 
     for order in itertools.permutations(devices):
         links = [link(a[0], b[0]) for a, b in itertools.pairwise(order)]
         try:
-            vw = partition([by_type[t] for _, t, _ in order], order, links, nm, weight_stashing=stash)
+            vw = partition([by_type[t] for _, t, _ in order], order, links, nm, rule=rule_of(stash))
         except HetpipeError:
             continue
         best = min(best, minibatch_time_s(vw))
@@ -327,7 +339,7 @@ def test_best_order_matches_every_order_tried_by_hand() -> None:
             return rate.get(frozenset((a, b)), 1e-5)
 
         try:
-            vw = best_order_and_nm(by_type, devices, link, k + 1, weight_stashing=stash)
+            vw = best_order_and_nm(by_type, devices, link, k + 1, rule=rule_of(stash))
         except HetpipeError:
             assert best_over_orders(by_type, devices, link, 1, stash) == math.inf
             continue

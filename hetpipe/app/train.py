@@ -40,6 +40,7 @@ from hetpipe.core.keys import (
     vw_user,
     write_keys,
 )
+from hetpipe.core.memory import MemoryRule
 from hetpipe.core.metrics import MetricsWriter, format_progress, merge_traces
 from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
 from hetpipe.models import ModelSpec
@@ -102,10 +103,9 @@ def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ..
     """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs too)."""
     sizes = model_sizes(spec, config.train.batch_size, config.train.optimizer)
     memory = {g: (config.gpu(g).name, int(config.gpu(g).memory_gib * 2**30)) for lay in vws for g in lay.gpus}
-    needs = stage_needs(sizes, [(lay.gpus, lay.split) for lay in vws], memory, config.wsp.nm,
-                        config.train.weight_stashing)
-    problem = memory_error(needs, model=spec.name, batch_size=config.train.batch_size, nm=config.wsp.nm,
-                           weight_stashing=config.train.weight_stashing)
+    rule = MemoryRule.of(config, len(vws))
+    needs = stage_needs(sizes, [(lay.gpus, lay.split) for lay in vws], memory, rule)
+    problem = memory_error(needs, model=spec.name, batch_size=config.train.batch_size, rule=rule)
     if problem:
         raise ConfigError(f"{config.path}: {problem}")
 
@@ -314,5 +314,6 @@ def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, t
     nms = {vw.nm for vw in plan.vws}
     if len(nms) != 1:
         raise UsageError(f"{plan_path}: VWs with different Nm {sorted(nms)}; the runtime runs one Nm for all VWs")
-    config = replace(config, wsp=replace(config.wsp, nm=nms.pop(), staleness=plan.staleness))
+    config = replace(config, wsp=replace(config.wsp, nm=nms.pop(), staleness=plan.staleness),
+                     train=replace(config.train, schedule=plan.schedule, recompute=plan.recompute))
     return config, tuple(VwLayout(vw.gpus, vw.split) for vw in plan.vws)

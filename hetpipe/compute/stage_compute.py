@@ -5,7 +5,7 @@ push sums, and the rebase after a pull.
 Order of floating-point operations is fixed here (and written independently in hetpipe.compute.reference),
 so runs are reproducible bit for bit:
   backward of p:           acc += grad(p)                        (per parameter; the first grad is taken as is)
-  U (n backwards applied): grad = acc / n (n > 1); optimizer step; for aggregation sum/mean:
+  U (n backwards applied): grad = acc / n (n > 1, in place); optimizer step; for aggregation sum/mean:
                            Δ = t - baseline; sums[wave] += Δ; baseline = t
                            for aggregation server: gsum[wave] += acc (the PS runs the optimizer)
   PUSH c:                  params: sums[c] (or gsum[c] / Nm); ledgers: sums[c]; buffers: their values
@@ -219,7 +219,7 @@ class StageCompute:
         if self.optimizer is not None:
             for key, param in self.params.items():
                 g = self.acc.get(key)
-                param.grad = None if g is None else (g / count if count > 1 else g)
+                param.grad = None if g is None else (g.div_(count) if count > 1 else g)  # acc is ours: in place
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         elif self.params:  # aggregation server: the PS steps on the wave's mean gradient

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hetpipe.core.memory import StageMemory, format_bytes, stage_memory_terms
+from hetpipe.core.memory import MemoryRule, StageMemory, format_bytes, stage_memory_terms
 from hetpipe.core.profile import ModelProfile
 
 __all__ = ["StageNeed", "memory_error", "stage_needs"]
@@ -39,8 +39,7 @@ def stage_needs(
     sizes: ModelProfile,
     layouts: Sequence[tuple[Sequence[str], Sequence[int]]],
     memory: Mapping[str, tuple[str, int]],
-    nm: int,
-    weight_stashing: bool,
+    rule: MemoryRule,
 ) -> list[StageNeed]:
     """Every stage of every VW; `layouts` are (GPUs in stage order, layers per stage), `memory` maps each GPU
     to (type name, bytes). Stage j holds max(1, nm - j) minibatches in flight (the wsp schedule)."""
@@ -50,14 +49,14 @@ def stage_needs(
         for j, (gpu, count) in enumerate(zip(gpus, split, strict=True)):
             layers = sizes.layers[start : start + count]
             input_bytes = sizes.input_bytes if start == 0 else sizes.layers[start - 1].output_bytes
-            terms = stage_memory_terms(layers, j, nm, weight_stashing, input_bytes=input_bytes)
+            terms = stage_memory_terms(layers, j, len(split), rule, input_bytes=input_bytes)
             gpu_type, available = memory[gpu]
             needs.append(StageNeed(v, j, gpu, gpu_type, start, start + count - 1, terms, available))
             start += count
     return needs
 
 
-def memory_error(needs: Sequence[StageNeed], *, model: str, batch_size: int, nm: int, weight_stashing: bool) -> str | None:
+def memory_error(needs: Sequence[StageNeed], *, model: str, batch_size: int, rule: MemoryRule) -> str | None:
     """What to tell the user when a stage does not fit (the fullest GPU first), or None when all fit."""
     over = sorted((n for n in needs if not n.fits), key=lambda n: -n.overcommit)
     if not over:
@@ -65,8 +64,10 @@ def memory_error(needs: Sequence[StageNeed], *, model: str, batch_size: int, nm:
     n = over[0]
     layers = f"layer {n.first_layer}" if n.first_layer == n.last_layer else f"layers {n.first_layer}-{n.last_layer}"
     more = f" ({len(over) - 1} more stage{'s' * (len(over) > 2)} do not fit either)" if len(over) > 1 else ""
+    nm = rule.nm
     fixes = ["lower train.batch_size"] + (["wsp.nm"] if nm > 1 else [])
-    stash = " (or set train.weight_stashing = false)" if weight_stashing and nm > 1 and n.need.stashed else ""
+    stash = (' (or set train.weight_stashing = false, or train.schedule = "1f1b-flush")'
+             if rule.weight_stashing and nm > 1 and n.need.stashed else "")
     return (
         f"stage {n.stage} of virtual worker {n.vw} on GPU {n.gpu} ({n.gpu_type}) needs {n.need.total:,} bytes "
         f"({format_bytes(n.need.total)}) for {layers} of {model} at batch {batch_size} with nm={nm}, but the GPU "

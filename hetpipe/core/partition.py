@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.memory import format_bytes, in_flight, stage_memory_terms
+from hetpipe.core.memory import WSP, MemoryRule, format_bytes, stage_memory_terms
 from hetpipe.core.plan import StagePlan, VwPlan
 from hetpipe.core.profile import ModelProfile
-from hetpipe.core.schedule import simulate, wsp_schedule
+from hetpipe.core.schedule import get_schedule, simulate
 
 __all__ = ["Gpu", "best_order_and_nm", "minibatch_time_s", "partition"]
 
@@ -41,31 +41,33 @@ def partition(
     link_gbps: Sequence[float],
     nm: int,
     *,
-    weight_stashing: bool = True,
+    rule: MemoryRule = WSP,
     reserve_bytes: int = 0,
     fixed_split: Sequence[int] | None = None,
 ) -> VwPlan:
     """The best contiguous split of the model over `gpus` in this order (profiles[j]: the model on gpus[j]'s
-    type; link_gbps[j]: Gbit/s between gpus[j] and gpus[j+1]).
+    type; link_gbps[j]: Gbit/s between gpus[j] and gpus[j+1]); `rule` says what each stage keeps (its nm is
+    replaced by `nm`).
 
     `fixed_split` (layers per stage) replaces the search, still checked against memory. HetpipeError when
     no split fits (naming the GPU, what it needs in the best case and what it has) or the fixed one does not.
     """
     problem = _Problem.build(profiles, gpus, link_gbps, reserve_bytes)
     _check_nm(nm, "nm")
+    rule = rule.with_nm(nm)
     if fixed_split is not None:
         split = problem.check_split(fixed_split)
-        vw = problem.plan(split, nm, weight_stashing)
+        vw = problem.plan(split, rule)
         over = [s for s in vw.stages if s.memory_bytes > s.memory_limit_bytes]
         if over:
             j = vw.stages.index(over[0])
-            raise HetpipeError(problem.overflow_message(j, split, nm, weight_stashing, f"the fixed split {list(split)}")
+            raise HetpipeError(problem.overflow_message(j, split, rule, f"the fixed split {list(split)}")
                                + ": move layers off that stage, lower batch_size, lower nm, or add GPUs to the VW")
         return vw
-    found = problem.solve(nm, weight_stashing)
+    found = problem.solve(rule)
     if found is None:
-        raise HetpipeError(problem.infeasible_message(nm, weight_stashing))
-    return problem.plan(found.split, nm, weight_stashing)
+        raise HetpipeError(problem.infeasible_message(rule))
+    return problem.plan(found.split, rule)
 
 
 def best_order_and_nm(
@@ -74,7 +76,7 @@ def best_order_and_nm(
     link_gbps: Callable[[str, str], float],
     nm_max: int,
     *,
-    weight_stashing: bool = True,
+    rule: MemoryRule = WSP,
     reserve_bytes: int = 0,
     max_orders: int = 720,
 ) -> VwPlan:
@@ -109,21 +111,21 @@ def best_order_and_nm(
         chosen: tuple[tuple[float, int, float], _Solution] | None = None
         filled_best = math.inf
         for nm in range(nm_max, 0, -1):  # largest first; the bottleneck can only improve as nm falls
-            found = problem.solve(nm, weight_stashing)
+            found = problem.solve(rule.with_nm(nm))
             if found is None:
                 continue
-            if nm >= k:
+            if nm >= k and rule.schedule in ("wsp", "pipedream-2bw"):  # the pipe fills and never drains
                 time_s = found.bottleneck
                 filled_best = min(filled_best, time_s)
             elif found.bottleneck < min(filled_best, chosen[0][0] if chosen else math.inf):
-                time_s = problem.steady_time(found.split, nm)
+                time_s = problem.steady_time(found.split, rule.with_nm(nm))
             else:
                 continue  # cannot beat what a larger Nm already gives
             key = (time_s, -nm, found.peak)
             if chosen is None or key < chosen[0]:
                 chosen = (key, found)
         if chosen is None:
-            worst = problem.least_overcommit(1, weight_stashing)[0]
+            worst = problem.least_overcommit(rule.with_nm(1))[0]
             if closest is None or worst < closest[0]:
                 closest = (worst, problem)
             continue
@@ -133,19 +135,22 @@ def best_order_and_nm(
             best = (rank, problem, found)
     if best is None:
         assert closest is not None
-        raise HetpipeError(closest[1].infeasible_message(1, weight_stashing, orders_tried=True))
+        raise HetpipeError(closest[1].infeasible_message(rule.with_nm(1), orders_tried=True))
     (_, _, nm, _), problem, found = best
-    return problem.plan(found.split, nm, weight_stashing)
+    return problem.plan(found.split, rule.with_nm(nm))
 
 
-def minibatch_time_s(vw: VwPlan) -> float:
-    """Steady-state time per minibatch of one VW: the bottleneck stage when Nm >= k (batch / this is its
-    throughput), else the wsp schedule simulated with the stages' times (the pipe cannot fill)."""
-    if vw.nm >= len(vw.stages):
+def minibatch_time_s(vw: VwPlan, schedule: str = "wsp", recompute: bool = False) -> float:
+    """Steady-state time per minibatch of one VW: the bottleneck stage when the schedule never drains and
+    Nm >= k (batch / this is its throughput), else the schedule simulated with the stages' times (a pipe that
+    cannot fill, or one that flushes every wave; a recomputing backward runs the forward again)."""
+    if vw.nm >= len(vw.stages) and schedule in ("wsp", "pipedream-2bw") and not recompute:
         return vw.bottleneck_s
     forward = [s.forward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]
     backward = [s.backward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]
-    return _simulated_time(forward, backward, vw.nm)
+    if recompute:
+        backward = [b + f for f, b in zip(forward, backward, strict=True)]
+    return _steady(tuple(forward), tuple(backward), vw.nm, schedule)
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -158,8 +163,11 @@ class _Tables:
     compute: np.ndarray  # forward + backward seconds of layers [s, e)
     act_in: np.ndarray  # (n,) bytes entering layer s: model input for s = 0, else output of layer s - 1
     weights: np.ndarray  # (n+1, n+1) param bytes of [s, e)
-    static: np.ndarray  # weights + gradients + optimizer + max working, independent of the stage's position
-    held: np.ndarray  # saved activations of [s, e) + input buffer, per minibatch in flight
+    optimizer: np.ndarray  # optimizer state of [s, e)
+    working: np.ndarray  # the largest working memory of a layer of [s, e)
+    saved: np.ndarray  # saved activations of [s, e), per minibatch
+    inputs: np.ndarray  # the input buffer of a stage starting at s, per minibatch
+    outputs: np.ndarray  # the output of a stage ending at e, per minibatch
 
     @classmethod
     def of(cls, profile: ModelProfile) -> _Tables:
@@ -178,8 +186,10 @@ class _Tables:
         for s in range(n):
             working[s, s + 1:] = np.maximum.accumulate([layer.working_bytes for layer in layers[s:]])
         act_in = np.asarray([profile.input_bytes] + [layer.output_bytes for layer in layers[:-1]], dtype=np.int64)
-        held = saved + np.append(act_in, 0)[:, None]
-        return cls(compute, act_in, weights, 2 * weights + optimizer + working, held)
+        inputs = np.broadcast_to(np.append(act_in, 0)[:, None], (n + 1, n + 1))
+        act_out = np.asarray([0] + [layer.output_bytes for layer in layers], dtype=np.int64)
+        outputs = np.broadcast_to(act_out[None, :], (n + 1, n + 1))
+        return cls(compute, act_in, weights, optimizer, working, saved, inputs, outputs)
 
 
 @dataclass(frozen=True)
@@ -256,11 +266,18 @@ class _Problem:
             time += (boundary / self._rate(j))[None, :]
         return time
 
-    def stage_memory(self, j: int, nm: int, weight_stashing: bool) -> np.ndarray:
-        t = self.tables[j]
-        flight = in_flight(j, nm)
-        stash = (flight - 1) if weight_stashing else 0
-        return t.static + flight * t.held + stash * t.weights
+    def stage_memory(self, j: int, rule: MemoryRule) -> np.ndarray:
+        """stage_memory_terms(...).total of every [s, e) at position j, as a table."""
+        t, k = self.tables[j], len(self.gpus)
+        keep = rule.keeping(j, k)
+        copies = 2 + keep.stashed + keep.update_sums + int(keep.baseline)  # weights, gradients and the rest
+        boundary = keep.in_flight * t.inputs
+        if j < k - 1:  # outputs kept as backward roots, and the output gradient received
+            boundary = boundary + (keep.in_flight + 1) * t.outputs
+        if j > 0:  # input gradients sent back, in the P2P window
+            boundary = boundary + (rule.nm + 1) * t.inputs
+        return (copies * t.weights + (t.optimizer if keep.optimizer else 0) + t.working + keep.saved * t.saved
+                + boundary)
 
     # -- the dynamic programme
 
@@ -287,11 +304,11 @@ class _Problem:
             s = e
         return tuple(split)
 
-    def solve(self, nm: int, weight_stashing: bool) -> _Solution | None:
+    def solve(self, rule: MemoryRule) -> _Solution | None:
         """The split with the least bottleneck, then the least peak memory use; None when nothing fits."""
         k = len(self.gpus)
         times = self.times
-        mems = [self.stage_memory(j, nm, weight_stashing) for j in range(k)]
+        mems = [self.stage_memory(j, rule) for j in range(k)]
         fits = [mems[j] <= self.caps[j] for j in range(k)]
         bottleneck, _ = self._min_max(times, fits)
         if math.isinf(bottleneck):
@@ -301,12 +318,12 @@ class _Problem:
         peak, choices = self._min_max(use, [fits[j] & (times[j] <= limit) for j in range(k)])
         return _Solution(self._walk(choices), bottleneck, peak)
 
-    def least_overcommit(self, nm: int, weight_stashing: bool) -> tuple[float, tuple[int, ...]]:
+    def least_overcommit(self, rule: MemoryRule) -> tuple[float, tuple[int, ...]]:
         """The split whose fullest GPU is least full (memory / usable memory, may exceed 1), ignoring time."""
         k = len(self.gpus)
         use = []
         for j in range(k):
-            use.append(self.stage_memory(j, nm, weight_stashing) / max(self.caps[j], 1))
+            use.append(self.stage_memory(j, rule) / max(self.caps[j], 1))
         everything = [np.ones_like(u, dtype=bool) for u in use]
         worst, choices = self._min_max(use, everything)
         return worst, self._walk(choices)
@@ -321,7 +338,7 @@ class _Problem:
                              f"counts (one per GPU), each >= 1, summing to its {n} layers")
         return tuple(split)
 
-    def stage_plan(self, j: int, start: int, stop: int, nm: int, weight_stashing: bool) -> StagePlan:
+    def stage_plan(self, j: int, start: int, stop: int, rule: MemoryRule) -> StagePlan:
         profile = self.profiles[j]
         layers = profile.layers[start:stop]
         act_in = profile.input_bytes if start == 0 else profile.layers[start - 1].output_bytes
@@ -333,7 +350,7 @@ class _Problem:
             out = layers[-1].output_bytes
             send += out / self._rate(j)
             recv += out / self._rate(j)
-        memory = stage_memory_terms(layers, j, nm, weight_stashing, input_bytes=act_in).total
+        memory = stage_memory_terms(layers, j, len(self.gpus), rule, input_bytes=act_in).total
         ref, gpu_type, _ = self.gpus[j]
         return StagePlan(
             gpu=ref, gpu_type=gpu_type, start=start, stop=stop,
@@ -341,14 +358,14 @@ class _Problem:
             recv_s=recv, send_s=send, memory_bytes=memory, memory_limit_bytes=self.caps[j],
         )
 
-    def plan(self, split: Sequence[int], nm: int, weight_stashing: bool) -> VwPlan:
+    def plan(self, split: Sequence[int], rule: MemoryRule) -> VwPlan:
         bounds = [0, *itertools.accumulate(split)]
-        stages = tuple(self.stage_plan(j, s, e, nm, weight_stashing)
-                       for j, (s, e) in enumerate(itertools.pairwise(bounds)))
-        return VwPlan(stages=stages, nm=nm, param_bytes=sum(layer.param_bytes for layer in self.profiles[0].layers))
+        stages = tuple(self.stage_plan(j, s, e, rule) for j, (s, e) in enumerate(itertools.pairwise(bounds)))
+        return VwPlan(stages=stages, nm=rule.nm,
+                      param_bytes=sum(layer.param_bytes for layer in self.profiles[0].layers))
 
-    def steady_time(self, split: Sequence[int], nm: int) -> float:
-        return minibatch_time_s(self.plan(split, nm, True))
+    def steady_time(self, split: Sequence[int], rule: MemoryRule) -> float:
+        return minibatch_time_s(self.plan(split, rule), rule.schedule, rule.recompute)
 
     # -- messages
 
@@ -357,30 +374,31 @@ class _Problem:
         reserve = f" minus a reserve of {format_bytes(self.reserve)}" if self.reserve else ""
         return f"stage {j} on GPU {ref} ({gpu_type}, {format_bytes(mem)}{reserve})"
 
-    def overflow_message(self, j: int, split: Sequence[int], nm: int, weight_stashing: bool, which: str) -> str:
+    def overflow_message(self, j: int, split: Sequence[int], rule: MemoryRule, which: str) -> str:
         start = sum(split[:j])
         stop = start + split[j]
         profile = self.profiles[j]
         act_in = profile.input_bytes if start == 0 else profile.layers[start - 1].output_bytes
-        terms = stage_memory_terms(profile.layers[start:stop], j, nm, weight_stashing, input_bytes=act_in)
+        terms = stage_memory_terms(profile.layers[start:stop], j, len(self.gpus), rule, input_bytes=act_in)
         layers = f"layer {start}" if stop - start == 1 else f"layers {start}-{stop - 1}"
-        return (f"{profile.model} at batch {profile.batch_size}, nm={nm}: with {which}, {self._where(j)} needs "
+        return (f"{profile.model} at batch {profile.batch_size}, nm={rule.nm}: with {which}, {self._where(j)} needs "
                 f"{format_bytes(terms.total)} for {layers} but has {format_bytes(max(self.caps[j], 0))} usable "
                 f"({terms.describe()})")
 
-    def infeasible_message(self, nm: int, weight_stashing: bool, *, orders_tried: bool = False) -> str:
-        _, split = self.least_overcommit(nm, weight_stashing)
+    def infeasible_message(self, rule: MemoryRule, *, orders_tried: bool = False) -> str:
+        _, split = self.least_overcommit(rule)
         k = len(self.gpus)
-        usage = [self.stage_memory(j, nm, weight_stashing)[sum(split[:j]), sum(split[:j + 1])] for j in range(k)]
+        usage = [self.stage_memory(j, rule)[sum(split[:j]), sum(split[:j + 1])] for j in range(k)]
         j = max(range(k), key=lambda i: usage[i] / max(self.caps[i], 1))
         which = (f"the best case (the split {list(split)}, which needs the least memory, "
                  f"in the best order of the GPUs, with nm=1)" if orders_tried
                  else f"the best case (the split {list(split)}, which needs the least memory)")
-        fix = "lower batch_size, lower nm, or add GPUs to the VW" if nm > 1 else "lower batch_size or add GPUs to the VW"
-        if weight_stashing and nm > 1:
-            fix += " (or turn weight_stashing off)"
+        fix = ("lower batch_size, lower nm, or add GPUs to the VW" if rule.nm > 1
+               else "lower batch_size or add GPUs to the VW")
+        if rule.weight_stashing and rule.nm > 1 and rule.schedule == "wsp":
+            fix += ' (or turn weight_stashing off, or use a flushing schedule such as "1f1b-flush")'
         return (f"no split of {self.profiles[0].model} over virtual worker {', '.join(g[0] for g in self.gpus)} "
-                f"fits: {self.overflow_message(j, split, nm, weight_stashing, which)}\n  {fix}")
+                f"fits: {self.overflow_message(j, split, rule, which)}\n  {fix}")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -443,20 +461,17 @@ def _multiset_permutations(kinds: list, counts: Counter, length: int) -> Iterato
             counts[kind] += 1
 
 
-def _simulated_time(forward: Sequence[float], backward: Sequence[float], nm: int) -> float:
-    return _steady(tuple(forward), tuple(backward), nm)
-
-
 @functools.lru_cache(maxsize=4096)
-def _steady(forward: tuple[float, ...], backward: tuple[float, ...], nm: int) -> float:
-    """Steady-state time per minibatch of the wsp schedule: the makespan growth from w to 2w waves, with
+def _steady(forward: tuple[float, ...], backward: tuple[float, ...], nm: int, schedule: str = "wsp") -> float:
+    """Steady-state time per minibatch of a schedule: the makespan growth from w to 2w waves, with
     w * nm >= 2k + 2nm minibatches, past the fill (checked against much longer runs when written)."""
     k = len(forward)
     fwd = [max(f, 1e-12) for f in forward]  # simulate wants times > 0
     bwd = [max(b, 1e-12) for b in backward]
     waves = -(-2 * k // nm) + 2
+    kind = get_schedule(schedule)
 
     def makespan(w: int) -> float:
-        return simulate(wsp_schedule(k, nm, w, w), fwd, bwd).makespan  # D = w: a lone VW never waits
+        return simulate(kind(k, nm, w, w), fwd, bwd).makespan  # D = w: a lone VW never waits
 
     return (makespan(2 * waves) - makespan(waves)) / (waves * nm)

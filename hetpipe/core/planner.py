@@ -11,7 +11,7 @@ from typing import Any
 from hetpipe.core.config import ClusterConfig, GpuRef
 from hetpipe.core.emulate import auto_time_scale, gpu_speeds
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.memory import format_bytes, stage_memory_terms
+from hetpipe.core.memory import PLAIN, MemoryRule, format_bytes, stage_memory_terms
 from hetpipe.core.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
 from hetpipe.core.plan import Plan, VwPlan
 from hetpipe.core.profile import ModelProfile, derive_profile
@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 D_VALUES = (0, 1, 2, 4)
+SCHEDULES = ("wsp", "pipedream-2bw", "1f1b-flush", "gpipe")  # every schedule the runtime has (hetpipe.core.schedule)
 D_TOLERANCE = 0.02  # a larger D must predict more than 2% more samples/s to be chosen over a smaller one
 ALLREDUCE = "allreduce"  # baseline: Horovod/DDP-style data parallelism over the GPUs that hold the whole model
 SYNC_PIPELINE = "sync-pipeline"  # baseline: one GPipe-like pipeline over all GPUs, flushed every minibatch
@@ -86,6 +87,7 @@ class Candidate:
     ps_utilisation: float = 0.0  # WSP: busy share of the PS link
     comm_share: float = 0.0  # baselines: share of the step spent synchronising
     run_samples_per_s: float = 0.0  # WSP: all samples / makespan of the simulated run (fill and drain included)
+    schedule: str | None = None  # the pipeline schedule of a hetpipe candidate
 
     @property
     def feasible(self) -> bool:
@@ -98,7 +100,9 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return self.policy if self.staleness is None else f"{self.policy} D={self.staleness}"
+        if self.staleness is None:
+            return self.policy
+        return f"{self.policy} {self.schedule} D={self.staleness}" if self.schedule else f"{self.policy} D={self.staleness}"
 
     @property
     def gpus_used(self) -> int:
@@ -197,6 +201,7 @@ def plan_candidates(
     waves: int = 10,
     reserve_bytes: int = 0,
     baselines: bool = True,
+    schedules: Sequence[str] | None = None,
 ) -> list[Candidate]:
     """Every candidate plan for `config` with its prediction, then the baselines (hetpipe.md §4-§6).
 
@@ -205,7 +210,9 @@ def plan_candidates(
     runtime runs one Nm for all VWs, so the planner then picks one common Nm among those the VWs chose (the
     one with the highest n_vws x slowest-VW rate, larger on ties) and re-splits the others at it. A VW whose
     GPUs cannot hold the model is left out, with a note; a policy none of whose VWs fit is infeasible. Each
-    such grouping is simulated for every D in `d_values` (and the config's D) for `waves` waves.
+    such grouping is simulated for every D in `d_values` (and the config's D) for `waves` waves. All of this
+    for each schedule of `schedules` (default: the config's train.schedule first, then the others of
+    SCHEDULES); a schedule changes both the partition (what a stage keeps: hetpipe.core.memory) and the time.
 
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
     GPUs (default: NetworkConfig.link_gbps of [network]). The baselines: ALLREDUCE over the GPUs whose
@@ -220,17 +227,35 @@ def plan_candidates(
         raise UsageError(f"staleness values must be integers >= 0, got {ds}")
     if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
         raise UsageError(f"waves must be an integer >= 1, got {waves!r}")
-    search = _Search(config, profiles_by_type, link, reserve_bytes, config.train.weight_stashing)
+    wanted = list(schedules) if schedules is not None else [
+        config.train.schedule, *(n for n in SCHEDULES if n != config.train.schedule)]
+    search = _Search(config, profiles_by_type, link, reserve_bytes)
+    server = config.ps.aggregation == "server"
     out: list[Candidate] = []
-    for policy in names:
-        grouping = search.grouping(policy, nm_max)
-        if isinstance(grouping, str):
-            out.append(Candidate(policy, None, None, 0.0, reason=grouping))
-            continue
-        vws, notes = grouping
-        for d in ds:
-            plan = Plan(policy, search.any_profile.model, batch, d, vws, placement=config.ps.placement)
-            out.append(_predict(plan, notes, waves, ps_gbps, config.ps.shards))
+    for schedule in wanted:
+        for policy in names:
+            grouping = search.grouping(policy, nm_max, schedule)
+            if isinstance(grouping, str):
+                out.append(Candidate(policy, None, None, 0.0, reason=grouping, schedule=schedule))
+                continue
+            vws, notes = grouping
+            recompute = config.train.recompute and schedule in ("1f1b-flush", "gpipe")
+            for d in ds:
+                rule = search.rule(schedule, d, len(vws))
+                sized = tuple(search.with_memory(vw, rule) for vw in vws)
+                over = [(v, j, st) for v, vw in enumerate(sized) for j, st in enumerate(vw.stages)
+                        if st.memory_bytes > st.memory_limit_bytes]
+                if over:
+                    v, j, st = over[0]
+                    out.append(Candidate(policy, d, None, 0.0, reason=(
+                        f"{schedule} with D={d} (a stage keeps {d + 2 if rule.pulls else 2} update sums): vw{v} stage {j} "
+                        f"on {st.gpu} ({st.gpu_type}) "
+                        f"needs {format_bytes(st.memory_bytes)} of {format_bytes(st.memory_limit_bytes)}"),
+                        schedule=schedule))
+                    continue
+                plan = Plan(policy, search.any_profile.model, batch, d, sized, placement=config.ps.placement,
+                            schedule=schedule, recompute=recompute)
+                out.append(_predict(plan, notes, waves, ps_gbps, config.ps.shards, server))
     if baselines:
         out.append(search.allreduce())
         out.append(search.sync_pipeline())
@@ -276,8 +301,8 @@ class _Search:
     """The cluster's GPUs as the partitioner sees them, and the per-policy and baseline searches."""
 
     def __init__(self, config: ClusterConfig, profiles: Mapping[str, ModelProfile],
-                 link: Callable[[str, str], float], reserve: int, stashing: bool) -> None:
-        self.config, self.profiles, self.link, self.reserve, self.stashing = config, profiles, link, reserve, stashing
+                 link: Callable[[str, str], float], reserve: int) -> None:
+        self.config, self.profiles, self.link, self.reserve = config, profiles, link, reserve
         self.batch = config.train.batch_size
         self.any_profile = profiles[config.nodes[0].gpus[0]]  # the model's layers and sizes (same on every type)
         self.solved: dict[tuple, VwPlan | HetpipeError] = {}
@@ -289,16 +314,37 @@ class _Search:
     def links_of(self, gpus: Sequence[Gpu]) -> list[float]:
         return [self.link(a[0], b[0]) for a, b in zip(gpus, gpus[1:], strict=False)]
 
+    def rule(self, schedule: str, staleness: int, num_vws: int) -> MemoryRule:
+        """What the stages keep under `schedule` (memory), from the config's training and PS settings."""
+        t, server = self.config.train, self.config.ps.aggregation == "server"
+        return MemoryRule(schedule=schedule, weight_stashing=t.weight_stashing,
+                          recompute=t.recompute and schedule in ("1f1b-flush", "gpipe"), staleness=staleness,
+                          pulls=num_vws > 1 or server, local_updates=not server)
+
+    def with_memory(self, vw: VwPlan, rule: MemoryRule) -> VwPlan:
+        """The VW's stages with their memory recomputed under `rule` (its D sets how many update sums a stage
+        keeps), so every candidate shows the peak memory of its own D."""
+        k = len(vw.stages)
+        stages = []
+        for j, s in enumerate(vw.stages):
+            profile = self.profiles[s.gpu_type]
+            act_in = profile.input_bytes if s.start == 0 else profile.layers[s.start - 1].output_bytes
+            memory = stage_memory_terms(profile.layers[s.start:s.stop], j, k, rule.with_nm(vw.nm), input_bytes=act_in)
+            stages.append(dataclasses.replace(s, memory_bytes=memory.total))
+        return dataclasses.replace(vw, stages=tuple(stages))
+
     # -- HetPipe groupings
 
-    def grouping(self, policy: str, nm_max: int | None) -> tuple[tuple[VwPlan, ...], tuple[str, ...]] | str:
-        """The VWs of `policy` at one common Nm, with notes; or why the policy cannot run."""
+    def grouping(self, policy: str, nm_max: int | None, schedule: str = "wsp"
+                 ) -> tuple[tuple[VwPlan, ...], tuple[str, ...]] | str:
+        """The VWs of `policy` at one common Nm under `schedule`, with notes; or why the policy cannot run."""
         from hetpipe.core.cluster import allocate
 
         try:
             groups = allocate(self.config, policy)
         except UsageError as exc:
             return str(exc)
+        rule = self.rule(schedule, self.config.wsp.staleness, len(groups))
         listed = self.config.virtual_workers if policy == "explicit" else None
         cap = nm_max if nm_max is not None else max(self.config.wsp.nm, max(len(g) for g in groups))
         fitted: list[tuple[int, list[Gpu], tuple[int, ...] | None, VwPlan]] = []
@@ -307,7 +353,7 @@ class _Search:
             gpus = [self.gpu(ref) for ref in refs]
             split = listed[v].layers if listed else None
             try:
-                vw = self.fixed_order(gpus, cap, split) if listed else self.best_order(gpus, cap)
+                vw = self.fixed_order(gpus, cap, split, rule) if listed else self.best_order(gpus, cap, rule)
             except HetpipeError as exc:  # UsageError included: more GPUs than layers
                 left_out.append(f"vw{v} ({_gpu_list(gpus)}) left out: {_first_line(exc)}")
                 continue
@@ -323,27 +369,28 @@ class _Search:
                     continue
                 try:
                     vws.append(partition([self.profiles[g[1]] for g in gpus], gpus, self.links_of(gpus), nm,
-                                         weight_stashing=self.stashing, reserve_bytes=self.reserve, fixed_split=split))
+                                         rule=rule, reserve_bytes=self.reserve, fixed_split=split))
                 except HetpipeError as exc:
                     dropped.append(f"vw{v} ({_gpu_list(gpus)}) left out: the others at nm={nm} without it predict "
                                    f"more than with it at its nm={vw.nm}, and at nm={nm} {_first_line(exc)}")
             if not vws:
                 continue
-            score = (len(vws) * self.batch / max(minibatch_time_s(vw) for vw in vws), nm)
+            slowest = max(minibatch_time_s(vw, schedule, rule.recompute) for vw in vws)
+            score = (len(vws) * self.batch / slowest, nm)
             if chosen is None or score > chosen[0]:
                 chosen = (score, tuple(vws), dropped)
         assert chosen is not None  # the smallest chosen nm always fits every VW that chose a larger one
         _, vws, dropped = chosen
         return tuple(self.with_params(vw) for vw in vws), tuple(left_out + dropped)
 
-    def best_order(self, gpus: list[Gpu], cap: int) -> VwPlan:
+    def best_order(self, gpus: list[Gpu], cap: int, rule: MemoryRule) -> VwPlan:
         """best_order_and_nm, solved once per kind of VW: VWs whose GPUs have the same types, memories and
         nodes (ED and HD make several) get the same plan with their own GPU names."""
-        key = (tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus)), cap)
+        key = (tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus)), cap, rule)
         if key not in self.solved:
             try:
-                self.solved[key] = best_order_and_nm(self.profiles, gpus, self.link, cap,
-                                                     weight_stashing=self.stashing, reserve_bytes=self.reserve)
+                self.solved[key] = best_order_and_nm(self.profiles, gpus, self.link, cap, rule=rule,
+                                                     reserve_bytes=self.reserve)
             except HetpipeError as exc:
                 self.solved[key] = exc
         found = self.solved[key]
@@ -359,18 +406,22 @@ class _Search:
             stages.append(dataclasses.replace(s, gpu=mine[0]))
         return dataclasses.replace(found, stages=tuple(stages))
 
-    def fixed_order(self, gpus: list[Gpu], cap: int, split: Sequence[int] | None) -> VwPlan:
+    def fixed_order(self, gpus: list[Gpu], cap: int, split: Sequence[int] | None, rule: MemoryRule) -> VwPlan:
         """An explicit VW: GPUs in the listed stage order; the Nm in 1..cap with the best minibatch time."""
         profiles = [self.profiles[g[1]] for g in gpus]
         found, error = None, None
+
+        def time_of(vw: VwPlan) -> float:
+            return minibatch_time_s(vw, rule.schedule, rule.recompute)
+
         for nm in range(cap, 0, -1):
             try:
-                vw = partition(profiles, gpus, self.links_of(gpus), nm, weight_stashing=self.stashing,
-                               reserve_bytes=self.reserve, fixed_split=split)
+                vw = partition(profiles, gpus, self.links_of(gpus), nm, rule=rule, reserve_bytes=self.reserve,
+                               fixed_split=split)
             except HetpipeError as exc:
                 error = error or exc
                 continue
-            if found is None or minibatch_time_s(vw) < minibatch_time_s(found) * (1 - 1e-9):
+            if found is None or time_of(vw) < time_of(found) * (1 - 1e-9):
                 found = vw
         if found is None:
             assert error is not None
@@ -388,7 +439,7 @@ class _Search:
     def whole_model(self, gpu: Gpu) -> tuple[int, str]:
         """Bytes the whole model needs on one GPU of data parallelism (nm = 1, no stashing), and the terms."""
         profile = self.profiles[gpu[1]]
-        terms = stage_memory_terms(profile.layers, 0, 1, False, input_bytes=profile.input_bytes)
+        terms = stage_memory_terms(profile.layers, 0, 1, PLAIN, input_bytes=profile.input_bytes)
         return terms.total, terms.describe()
 
     def allreduce(self) -> Candidate:
@@ -433,7 +484,7 @@ class _Search:
         for order in sorted(orders):
             try:
                 found.append(partition([self.profiles[g[1]] for g in order], order, self.links_of(order), 1,
-                                       weight_stashing=False, reserve_bytes=self.reserve))
+                                       rule=PLAIN, reserve_bytes=self.reserve))
             except HetpipeError as exc:
                 error = error or exc
         if not found:
@@ -451,22 +502,23 @@ class _Search:
         return f" minus a reserve of {format_bytes(self.reserve)}" if self.reserve else ""
 
 
-def _predict(plan: Plan, notes: tuple[str, ...], waves: int, ps_gbps: float, shards: int) -> Candidate:
+def _predict(plan: Plan, notes: tuple[str, ...], waves: int, ps_gbps: float, shards: int, server: bool) -> Candidate:
     """Simulate `waves` waves; the prediction is the long run: every VW at the slowest VW's steady wave time
     (WSP keeps any VW within D + 1 waves of the slowest), fill and drain left out."""
-    result = simulate(plan, waves=waves, ps_gbps=ps_gbps, ps_shards=shards)
+    result = simulate(plan, waves=waves, ps_gbps=ps_gbps, ps_shards=shards, server_aggregation=server)
     per_wave = max(r.wave_s for r in result.vws)
     steady = len(plan.vws) * plan.batch_size * plan.vws[0].nm / per_wave if per_wave > 0 else result.samples_per_s
     uses = tuple(u for vw in plan.vws for u in _uses(vw))
     busy = sum(s.time_s for vw in plan.vws for s in vw.stages) * waves * plan.vws[0].nm
     gate = sum(r.gate_wait_s for r in result.vws)
-    slow = max(range(len(plan.vws)), key=lambda v: minibatch_time_s(plan.vws[v]))
+    slow = max(range(len(plan.vws)), key=lambda v: minibatch_time_s(plan.vws[v], plan.schedule, plan.recompute))
     bottleneck = _slowest_stage(plan.vws[slow], slow, "vw")
     if result.ps_utilisation > 0.9:
         bottleneck = f"PS link ({result.ps_utilisation:.0%} busy); then {bottleneck}"
     return Candidate(plan.policy, plan.staleness, plan, steady, uses, bottleneck, notes=notes,
                      nm=plan.vws[0].nm, gate_wait_share=gate / max(busy + gate, 1e-12),
-                     ps_utilisation=result.ps_utilisation, run_samples_per_s=result.samples_per_s)
+                     ps_utilisation=result.ps_utilisation, run_samples_per_s=result.samples_per_s,
+                     schedule=plan.schedule)
 
 
 def _uses(vw: VwPlan) -> tuple[GpuUse, ...]:
@@ -514,8 +566,8 @@ def format_table(candidates: Sequence[Candidate]) -> str:
         top = best(candidates)
     except HetpipeError:
         top = None
-    header = ("", "policy", "D", "Nm", "VWs", "GPUs", "layers per stage", "samples/s", "peak memory (fullest GPU)",
-              "bottleneck")
+    header = ("", "policy", "schedule", "D", "Nm", "VWs", "GPUs", "layers per stage", "samples/s",
+              "peak memory (fullest GPU)", "bottleneck")
     rows = []
     for c in candidates:
         peak = c.peak
@@ -530,7 +582,7 @@ def format_table(candidates: Sequence[Candidate]) -> str:
         else:
             vws, splits = "-", "-"
         rate = f"{c.samples_per_s:.4g}" if c.feasible else "infeasible"
-        rows.append(("*" if c is top else "", c.policy, "-" if c.staleness is None else str(c.staleness),
+        rows.append(("*" if c is top else "", c.policy, c.schedule or "-", "-" if c.staleness is None else str(c.staleness),
                      "-" if c.nm is None else str(c.nm), vws, str(c.gpus_used) if c.feasible else "-", splits, rate,
                      memory, c.bottleneck if c.feasible else c.reason.split("\n")[0]))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
@@ -558,7 +610,7 @@ def explain(candidates: Sequence[Candidate]) -> str:
     """Why each candidate lost to the best: infeasible, slower VWs, gate waits, the PS, transfers, fewer GPUs."""
     top = best(candidates)
     lines = [f"best: {top.label}, nm={top.nm}, {top.samples_per_s:.4g} samples/s on {top.gpus_used} GPUs; "
-             f"bottleneck {top.bottleneck}"]
+             f"bottleneck {top.bottleneck}", f"    memory per GPU: {_memory_per_gpu(top)}"]
     for c in candidates:
         if c is top:
             continue
@@ -568,8 +620,14 @@ def explain(candidates: Sequence[Candidate]) -> str:
         share = c.samples_per_s / top.samples_per_s if top.samples_per_s else 0.0
         head = f"{c.label}: {c.samples_per_s:.4g} samples/s ({share:.0%} of the best)"
         lines.append(f"{head}: {'; '.join(_why(c, top)) or 'the same prediction; the best is listed first'}")
+        lines.append(f"    memory per GPU: {_memory_per_gpu(c)}")
         lines += [f"    note: {note}" for note in c.notes]
     return "\n".join(lines)
+
+
+def _memory_per_gpu(c: Candidate) -> str:
+    """`n0:0 1.20 GiB/12.00 GiB, n0:1 ...`: each GPU's peak by the memory model and what it may use."""
+    return ", ".join(f"{u.gpu} {format_bytes(u.memory_bytes)}/{format_bytes(u.limit_bytes)}" for u in c.memory) or "-"
 
 
 def _why(c: Candidate, top: Candidate) -> list[str]:
@@ -586,7 +644,11 @@ def _why(c: Candidate, top: Candidate) -> list[str]:
         why.append(f"one pipeline flushed every minibatch (bubble) with its slowest stage {c.bottleneck}")
         return why
     assert c.plan is not None
-    if top.plan is not None and c.policy == top.policy and c.plan.vws == top.plan.vws:
+    if c.schedule != top.schedule:
+        why.append(f"schedule {c.schedule} (best: {top.schedule})"
+                   + ("; flushing every wave costs the pipeline's fill and drain" if c.schedule in ("1f1b-flush", "gpipe")
+                      else ""))
+    if top.plan is not None and c.policy == top.policy and c.schedule == top.schedule and c.plan.vws == top.plan.vws:
         why.append(f"the same VWs, splits and nm as the best; only D differs (D={c.staleness} vs {top.staleness})")
         if c.samples_per_s > top.samples_per_s:
             why.append(f"its gain is under {D_TOLERANCE:.0%}, not worth the staler weights of a larger D")
@@ -627,7 +689,7 @@ def candidates_json(candidates: Sequence[Candidate], inputs: Mapping[str, Any] |
             "runnable": c.runnable, "samples_per_s": c.samples_per_s, "gpus_used": c.gpus_used,
             "bottleneck": c.bottleneck, "reason": c.reason, "notes": list(c.notes),
             "gate_wait_share": c.gate_wait_share, "ps_utilisation": c.ps_utilisation, "comm_share": c.comm_share,
-            "run_samples_per_s": c.run_samples_per_s,
+            "run_samples_per_s": c.run_samples_per_s, "schedule": c.schedule,
             "memory": [dataclasses.asdict(u) for u in c.memory],
             "plan": dataclasses.asdict(c.plan) if c.plan is not None else None,
         })

@@ -44,7 +44,7 @@ from hetpipe.compute.profiler import cached_profile
 from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
 from hetpipe.core.emulate import Dilator, cpu_cores, device_dilator, gpu_speeds, slowdowns
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.memory import format_bytes, stage_memory
+from hetpipe.core.memory import PLAIN, format_bytes, stage_memory
 from hetpipe.core.partition import best_order_and_nm
 from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
 from hetpipe.core.profile import ModelProfile
@@ -118,7 +118,7 @@ def whole_model_bytes(profile: ModelProfile) -> int:
     DDP's gradient buckets are not counted (with gradient_as_bucket_view they are the gradients), so the
     rule errs towards letting a GPU in.
     """
-    return stage_memory(profile.layers, 0, 1, False, input_bytes=profile.input_bytes)
+    return stage_memory(profile.layers, 0, 1, PLAIN, input_bytes=profile.input_bytes)
 
 
 def ddp_members(devs: Sequence[Device], need_bytes: int) -> tuple[list[Device], list[Device]]:
@@ -170,7 +170,7 @@ def pipeline_layout(devs: Sequence[Device], profile: ModelProfile,
         by_type.setdefault(key, profile.scaled(key, d.slowdown))
     gpus = [(d.gpu, f"{d.gpu_type}@{d.slowdown:.6g}", d.memory_bytes) for d in devs]
     link = link_gbps if callable(link_gbps) else (lambda a, b: link_gbps)
-    plan = best_order_and_nm(by_type, gpus, link, len(devs), weight_stashing=False)
+    plan = best_order_and_nm(by_type, gpus, link, len(devs), rule=PLAIN.with_nm(len(devs)))
     ordered = {d.gpu: d for d in devs}
     return PipelineLayout(tuple(ordered[s.gpu] for s in plan.stages), plan.split, plan.bottleneck_s)
 
