@@ -94,11 +94,12 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
           quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
+    config = _load(config_path, settings)  # before torch is imported: a bad config fails in well under a second
+
     from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
     from hetpipe.app.train import train as run_train
     from hetpipe.core.metrics import format_summary
 
-    config = _load(config_path, settings)
     layouts = None
     if plan_path:
         config, layouts = apply_plan(config, plan_path)
@@ -123,9 +124,11 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 @_set_option
 def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path, settings: tuple[str, ...]) -> None:
     """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines."""
+    config = _load(config_path, settings)  # before torch is imported
+
     from hetpipe.worker.run import run_worker
 
-    run_worker(_load(config_path, settings), vw, stage, run_dir)
+    run_worker(config, vw, stage, run_dir)
 
 
 @cli.command()

@@ -75,6 +75,28 @@ def test_set_is_validated_like_the_file_on_every_command(tmp_path: Path, command
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", ["train", "plan", "server", "worker"])
+@pytest.mark.parametrize(("setting", "says"), [
+    ('train.schedule="1f1b"', 'did you mean "1f1b-flush"'),
+    ("train.recompute=true", "choose a schedule that flushes"),
+    ('ps.buffers="avg"', "choose one of: average, local"),
+    ('ps.aggregation="avg"', "choose one of: sum, mean, server"),
+])
+def test_training_settings_fail_at_load_before_torch_is_imported(tmp_path: Path, command: str, setting: str,
+                                                                  says: str):
+    # issue 13: these errors come at load, exit 2, naming the field; torch's import alone takes seconds
+    path = tmp_path / "ok.toml"
+    path.write_text(GOOD_HEAD)
+    where = [str(path)] if command in ("train", "plan") else ["--config", str(path)]
+    extra = ["--vw", "0"] if command == "worker" else []
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "hetpipe", command, *where, *extra,
+                             "--set", setting], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"--set {setting}: {setting.split('=')[0]}:" in result.stderr and says in result.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+    assert "click" in imported and "torch" not in imported
+
+
 def test_train_refuses_a_cluster_whose_memory_cannot_hold_the_model(tmp_path: Path):
     # the issue's case: memory_gib = 0.001 cannot hold the default config's CNN; nothing may start
     result = hetpipe("train", "--run-dir", str(tmp_path / "run"), "--quiet",
