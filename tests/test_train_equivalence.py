@@ -122,6 +122,22 @@ def test_batchnorm_model_equals_the_reference(tmp_path: Path, staleness: int, bu
     assert first and all(v.abs().sum() > 0 for v in first.values())  # the statistics did move
 
 
+@pytest.mark.parametrize(("model", "options"), [
+    ("resnet18", "{ in_channels = 1, num_classes = 10, image_size = 32 }"),
+    ("vgg11", "{ in_channels = 1, num_classes = 10, image_size = 32, batch_norm = true }"),
+])
+def test_the_papers_batchnorm_models_equal_the_reference(tmp_path: Path, model: str, options: str):
+    """Issue 13's crash: ResNet (BN in the blocks and the shortcuts) and VGG-BN, 2 VWs x 2 stages, Nm 2, D 1;
+    launch/bench/batchnorm.py runs the whole matrix (Nm 2 and 4, D 0 and 1, exact and latest) on the
+    emulated cluster."""
+    path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=1, waves=2, model=model, batch_size=4)
+    config = apply_overrides(load_config(path), [f"model.options={options}", "data.options={ pad = 2 }"])
+    _, stage_weights = assert_equals_reference(tmp_path, config, [(6, 4), (4, 6)] if model == "resnet18"
+                                               else [(5, 4), (4, 5)], order=1)
+    stats = [v for sid in stage_weights for k, v in stage_weights[sid].items() if k.endswith("running_var")]
+    assert stats and all(not torch.equal(v, torch.ones_like(v)) for v in stats)  # every BN layer's statistics moved
+
+
 def test_reference_is_independent_of_the_global_order(tmp_path: Path):
     path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=1, waves=4)
     config = load_config(path)
