@@ -1,4 +1,4 @@
-"""The memory model of a pipeline stage (hetpipe.md §4): what one GPU holds for its layers. Pure, no torch."""
+"""The memory model of a pipeline stage (docs/memory.md): what one GPU holds for its layers. Pure, no torch."""
 
 from __future__ import annotations
 
