@@ -1,6 +1,6 @@
 """The README's paper-cluster table: predicted throughput of NP/ED/HD, the baselines and 12 vs 16 GPUs, from a CPU profile.
 
-We have no GPU, so per-type times are derived, not measured (hetpipe.md §6): each model is profiled once on this CPU
+We have no GPU, so per-type times are derived, not measured (docs/planning.md#the-papers-cluster): each model is profiled once on this CPU
 (one thread) at a small batch, scaled linearly to batch 32 (times and activation bytes; weights unchanged), taken as the
 TITAN V's times after a FLOPS conversion (x cpu_tflops / 14.9: the GPU is assumed to reach the same share of its FP32
 peak as this CPU does of its own), and scaled to the other types by FP32 TFLOPS. Links and the PS use the paper's
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["resnet152", "vgg19"])
     parser.add_argument("--profile-batch", type=int, default=4, help="batch size the CPU profile is taken at")
     parser.add_argument("--cpu-tflops", type=float, default=0.21,
-                        help="FP32 TFLOPS this CPU stands for (design.md: one-thread matmul ~0.21); 14.9 = no conversion")
+                        help="FP32 TFLOPS this CPU stands for (docs/emulation.md#measured-limits: one-thread matmul ~0.21); 14.9 = no conversion")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hetpipe" / "profiles")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/profiles/paper"),
                         help="where the derived titan-v profiles go, for `hetpipe plan --profile-dir`")

@@ -2,7 +2,7 @@
 
 Every stage owns keys whose arrays have one slot per (vw, wave); a push of wave c by VW i is a one-hot
 at [i, c]. So any pulled snapshot says exactly which updates it contains, and the WSP guarantees can
-be checked from the numbers alone (hetpipe.md §3).
+be checked from the numbers alone (docs/wsp.md).
 """
 
 from __future__ import annotations

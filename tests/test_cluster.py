@@ -18,7 +18,7 @@ TYPES = {
     "fast": GpuType("fast", 2.0, 8.0),
     "slow": GpuType("slow", 1.0, 4.0),
 }
-# The paper's cluster (hetpipe.md §6): one GPU type per node, 4 GPUs each.
+# The paper's cluster (docs/planning.md#the-papers-cluster): one GPU type per node, 4 GPUs each.
 PAPER_TYPES = {
     "titan-v": GpuType("titan-v", 14.9, 12.0),
     "titan-rtx": GpuType("titan-rtx", 16.3, 24.0),

@@ -364,7 +364,7 @@ def test_too_many_orders_falls_back_to_large_memory_first() -> None:
 
 
 def test_minibatch_time_below_k_follows_the_schedule() -> None:
-    """k = 4, F = 1, B = 2 everywhere: Nm = 2 gives 1/0.111 = 9 per minibatch (hetpipe.md §2), Nm >= 4 gives 3."""
+    """k = 4, F = 1, B = 2 everywhere: Nm = 2 gives 1/0.111 = 9 per minibatch (docs/schedules.md#unit-time-figures), Nm >= 4 gives 3."""
     stages = tuple(StagePlan(f"n0:{j}", "t", j, j + 1, 1.0, 2.0, 0.0, 0.0, 0, 1) for j in range(4))
     assert minibatch_time_s(VwPlan(stages, 2, 0)) == pytest.approx(9.0)
     assert minibatch_time_s(VwPlan(stages, 4, 0)) == pytest.approx(3.0)

@@ -31,7 +31,7 @@ BATCH = 8
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
-    """As every stage process does (design.md): profile_model leaves the thread count to its caller."""
+    """As every stage process does (docs/architecture.md#conventions): profile_model leaves the thread count to its caller."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,4 +1,4 @@
-"""Tests for hetpipe/schedule.py: literal tables derived by hand from hetpipe.md §2-§3, properties, the validator."""
+"""Tests for hetpipe/schedule.py: literal tables derived by hand from docs/schedules.md and docs/wsp.md#gate, properties, the validator."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_action_rejects_bad_kind_and_index() -> None:
     assert issubclass(ScheduleError, HetpipeError)
 
 
-# --- the wsp generator against literal tables (derived by hand from hetpipe.md §2, §3) ---------
+# --- the wsp generator against literal tables (derived by hand from docs/schedules.md#wsp and docs/wsp.md#gate) ---------
 
 
 def test_one_stage_one_in_flight_is_sequential_with_gate_from_wave_2() -> None:
@@ -137,7 +137,7 @@ def test_nm_below_stages_warms_up_with_at_least_one_forward() -> None:
 
 
 def test_doc_example_prefix() -> None:
-    # style.md / "Schedules are data": stage 0 (nm=4, D=0)
+    # docs/schedules.md#actions: stage 0 (nm=4, D=0)
     doc = "F0 F1 F2 F3 B0 U0 F4 B1 U1 F5 B2 U2 F6 B3 U3 PUSH0 F7 B4 U4 WAIT2 F8"
     stage0 = wsp_schedule(4, 4, 3, 0).stages[0]
     assert " ".join(map(str, stage0)).startswith(doc + " ")

@@ -138,7 +138,7 @@ def test_every_gate_keeps_the_bound(staleness: int) -> None:
     result = simulate(two_speeds(staleness), waves=12, ps_gbps=math.inf)
     assert result.gates
     for gate in result.gates:
-        assert min(gate.completed) >= gate.wave - staleness - 1  # the gate rule, hetpipe.md §3
+        assert min(gate.completed) >= gate.wave - staleness - 1  # the gate rule, docs/wsp.md#gate
         assert gate.lead <= staleness + 1
     assert max(g.lead for g in result.gates) == staleness  # the fast VW runs right up to the bound
 

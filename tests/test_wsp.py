@@ -1,4 +1,4 @@
-"""Tests of hetpipe.core.wsp: the WSP rules of hetpipe.md §3 on a ledger where each (vw, stage, wave) adds 1.0."""
+"""Tests of hetpipe.core.wsp: the WSP rules of docs/wsp.md on a ledger where each (vw, stage, wave) adds 1.0."""
 
 from __future__ import annotations
 

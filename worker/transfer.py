@@ -1,4 +1,4 @@
-"""Moving a stage's PS tensors between its device and the wire (docs/architecture.md, "The PS path").
+"""Moving a stage's PS tensors between its device and the wire (docs/architecture.md#the-ps-path).
 
 Push: on CUDA the wave's tensors are packed into one flat device buffer and copied to host memory in one
 device-to-host copy into a pinned buffer (two, used in turn, so the next wave's copy need not wait for the

@@ -67,7 +67,7 @@ def measure_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, optimiz
     path = profile_cache_path(spec, batch, gpu_type, cache_dir, optimizer=optimizer, dtype=dtype)
     cached = path.exists() and not refresh
     if not cached:
-        torch.set_num_threads(1)  # as every stage process does (design.md), so times match what stages see
+        torch.set_num_threads(1)  # as every stage process does (docs/architecture.md#conventions), so times match what stages see
         _say(f"profiling {spec.name} ({spec.num_layers} layers) at batch {batch} on {device}, one thread, "
              f"{repeats} timed repeats per layer ...")
 

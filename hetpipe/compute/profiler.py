@@ -1,7 +1,7 @@
 """Measuring a model's per-layer profile (times, weights, activations) on one device, with a JSON cache.
 
 Not pure: it builds and runs the model. The caller sets torch.set_num_threads(1) first, as every stage
-process does (design.md), so that the times match what a stage will see. Each profile records where, when
+process does (docs/architecture.md#conventions), so that the times match what a stage will see. Each profile records where, when
 and how noisily it was measured (hetpipe.core.profile.ProfileOrigin); a noisy one is measured once more.
 """
 

@@ -1,4 +1,4 @@
-"""How the parameter server folds a wave's pushes into the global weights (docs/wsp.md, "Aggregation"):
+"""How the parameter server folds a wave's pushes into the global weights (docs/wsp.md#aggregation):
 `sum` and `mean` of the VWs' updates, or `server`, where VWs push mean gradients and the PS runs the
 optimizer (SGD, momentum, Adam) once per wave. Pure numpy, float32, fixed operation order.
 

@@ -1,4 +1,4 @@
-"""Audit of what each forward saw: a tagged-update ledger checked against guarantees L and G (hetpipe.md §2-3).
+"""Audit of what each forward saw: a tagged-update ledger checked against guarantees L and G (docs/schedules.md#guarantee-l, docs/wsp.md#guarantee-g).
 
 With auditing on, every layer gets an extra synced tensor of shape (num_vws, num_minibatches); the
 backward of minibatch p of VW i adds exactly 1.0 at [i, p], and that update travels like any other

@@ -59,7 +59,7 @@ class _Parts:
 
 
 def allocate(cluster: Cluster, policy: str, num_vws: int | None = None) -> list[list[GpuRef]]:
-    """The virtual workers `policy` makes from the cluster's GPUs (hetpipe.md §5), deterministically.
+    """The virtual workers `policy` makes from the cluster's GPUs (docs/planning.md#allocation-policies), deterministically.
 
     np        one VW per node (nodes without GPUs are skipped), GPUs in index order.
     ed        every VW gets the same mix of GPU types: each type's GPUs, in cluster order, are cut
@@ -214,7 +214,7 @@ def key_nodes(vws: Sequence[VwPlan], layer_keys: Sequence[Sequence[str]]) -> dic
 
 
 def local_placement(key_node: Mapping[str, str], node_shard: Mapping[str, int]) -> dict[str, int]:
-    """ED-local (hetpipe.md §5): each key on the shard of the node that runs it, so its traffic stays in the node."""
+    """ED-local (docs/ps-protocol.md#placement): each key on the shard of the node that runs it, so its traffic stays in the node."""
     out: dict[str, int] = {}
     for key, node in key_node.items():
         if node not in node_shard:

@@ -250,7 +250,7 @@ class EmulationConfig:
 
 @dataclass(frozen=True)
 class AllocationConfig:
-    """How GPUs are grouped into virtual workers (hetpipe.md §5)."""
+    """How GPUs are grouped into virtual workers (docs/planning.md#allocation-policies)."""
 
     policy: AllocationPolicy = "np"
 

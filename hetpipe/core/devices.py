@@ -1,4 +1,4 @@
-"""Where each GPU of a cluster config computes, by one rule (docs/architecture.md, "Devices"), and which
+"""Where each GPU of a cluster config computes, by one rule (docs/architecture.md#devices), and which
 transport a virtual worker's stages use between them. Pure: the caller says how many CUDA devices it has.
 
 The rule: GPU i of a node computes on `cuda:i`, unless the node lists `devices` (one per GPU, "cuda:<n>" or

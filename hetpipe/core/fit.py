@@ -1,4 +1,4 @@
-"""Does a run fit its GPUs: every stage's memory by the memory model (hetpipe.md §4, hetpipe.core.memory)
+"""Does a run fit its GPUs: every stage's memory by the memory model (docs/memory.md, hetpipe.core.memory)
 against its GPU type's memory_gib, checked before `hetpipe train` starts anything. Pure: sizes in, findings out.
 """
 

@@ -1,4 +1,4 @@
-"""Partitioning one virtual worker (hetpipe.md §4): contiguous split, GPU order and Nm. Pure, no torch.
+"""Partitioning one virtual worker (docs/planning.md#partitioner): contiguous split, GPU order and Nm. Pure, no torch.
 
 Stage j runs layers [start, stop) on GPU j. Its time per minibatch is its layers' forward + backward on
 that GPU's type plus its boundary transfers (bytes / link bandwidth): receiving the input activation and
@@ -89,7 +89,7 @@ def best_order_and_nm(
 
     Choice, per order: the split for every Nm, scored by minibatch_time_s - the bottleneck when Nm >= k,
     the simulated steady state of the wsp schedule when Nm < k (the pipe cannot fill; computed only when
-    it could win). The order keeps the *largest* Nm with its best time (hetpipe.md §4: the largest that
+    it could win). The order keeps the *largest* Nm with its best time (docs/planning.md#partitioner: the largest that
     fits; a larger Nm is never bought with a slower split). Across orders: least time, then lower peak
     memory use, then smaller Nm, then the earlier order. So Nm < k is chosen only when no Nm >= k does
     as well, typically because nothing with Nm >= k fits or nm_max < k.

@@ -21,7 +21,7 @@ class StagePlan:
     backward_s: float
     recv_s: float  # receiving the input activation (forward) and the output gradient (backward)
     send_s: float  # sending the output activation (forward) and the input gradient (backward)
-    memory_bytes: int  # peak by the memory model of hetpipe.md §4
+    memory_bytes: int  # peak by the memory model of docs/memory.md
     memory_limit_bytes: int
     # This stage's weights (what its PUSH and pull move). 0 on every stage means "not known": the
     # simulator then splits VwPlan.param_bytes over the stages by layer count.

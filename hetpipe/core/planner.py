@@ -42,7 +42,7 @@ SCHEDULES = ("wsp", "pipedream-2bw", "1f1b-flush", "gpipe")  # every schedule th
 D_TOLERANCE = 0.02  # a larger D must predict more than 2% more samples/s to be chosen over a smaller one
 ALLREDUCE = "allreduce"  # baseline: Horovod/DDP-style data parallelism over the GPUs that hold the whole model
 SYNC_PIPELINE = "sync-pipeline"  # baseline: one GPipe-like pipeline over all GPUs, flushed every minibatch
-# Under emulation every "link" is this machine's loopback (design.md, measured limits): gloo send/recv
+# Under emulation every "link" is this machine's loopback (docs/emulation.md#measured-limits): gloo send/recv
 # ~3.4 GB/s between stages, ZeroMQ ~4.5 GB/s to the PS. The runtime does not stretch transfers.
 EMULATED_P2P_GBPS = 27.0
 EMULATED_PS_GBPS = 36.0
@@ -54,7 +54,7 @@ _GIB = 2**30
 
 @dataclass(frozen=True)
 class GpuUse:
-    """One GPU in a candidate: its peak memory by the memory model of hetpipe.md §4 and what it may use."""
+    """One GPU in a candidate: its peak memory by the memory model of docs/memory.md and what it may use."""
 
     gpu: str  # "n0:1"
     gpu_type: str
@@ -203,7 +203,7 @@ def plan_candidates(
     baselines: bool = True,
     schedules: Sequence[str] | None = None,
 ) -> list[Candidate]:
-    """Every candidate plan for `config` with its prediction, then the baselines (hetpipe.md §4-§6).
+    """Every candidate plan for `config` with its prediction, then the baselines (docs/planning.md).
 
     For each allocation policy (np, ed, hd; explicit when the config lists VWs) each VW gets its GPU order,
     split and Nm from the partitioner (Nm up to `nm_max`, default max(config's nm, the largest VW)). The

@@ -158,7 +158,7 @@ def derive_profile(
 ) -> ModelProfile:
     """The profile of another device: times x reference_speed / gpu_type_speed x time_scale, sizes unchanged.
 
-    Emulation: `reference_speed` is the speed the measured CPU stands for (the fastest type, design.md), so a
+    Emulation: `reference_speed` is the speed the measured CPU stands for (the fastest type, docs/emulation.md#slowdowns), so a
     type half as fast runs 2 x time_scale times slower than the measurement. A GPU you do not have: speeds are
     FLOP rates (the type's and the measured device's, origin.device_tflops) and time_scale 1, so compute
     time scales by the FLOP-rate ratio while memory, counted in bytes, stays. Labelled `gpu_type` (default:

@@ -85,7 +85,7 @@ def first_pulled_wave(staleness: int) -> int:
 
 
 def pending_bound(staleness: int) -> tuple[int, int]:
-    """The most an exact shard holds, in waves' worth of its keys (docs/wsp.md, "Bounded memory"):
+    """The most an exact shard holds, in waves' worth of its keys (docs/wsp.md#bounded-memory):
     (weight versions, wave sums) = (D + 2, D + 2). Versions W_t are kept from the oldest a pull may still
     ask for (c_global - D - 1 at the slowest stage) to the newest (c_global); sums of waves c_global ..
     c_global + D + 1, the furthest any VW may run ahead of the slowest."""

@@ -1,7 +1,7 @@
 """What users would run instead of hetpipe, on the same emulated GPUs: torch DDP and one torch pipeline.
 
 Each peer is a group of spawned processes (hetpipe.core.procs.ChildGroup), one per emulated GPU, under the
-emulation hetpipe's own stages get (design.md, "Emulating..."): one torch thread per process, and every
+emulation hetpipe's own stages get (docs/emulation.md): one torch thread per process, and every
 block of compute - forward with the loss, backward, optimizer step - stretched by hetpipe.core.emulate.Dilator
 to the GPU's slowdown, the same slowdowns hetpipe.core.emulate.slowdowns gives hetpipe's stages. Communication
 (gloo all-reduce, send/recv) is not stretched, as in hetpipe (link emulation is off). Given a testbed topology
@@ -111,7 +111,7 @@ def model_profile(config: ClusterConfig, batch: int, cache_dir: str | Path) -> M
 
 
 def whole_model_bytes(profile: ModelProfile) -> int:
-    """Memory one data-parallel replica needs, by hetpipe's memory model (hetpipe.core.memory, hetpipe.md §4).
+    """Memory one data-parallel replica needs, by hetpipe's memory model (hetpipe.core.memory, docs/memory.md).
 
     The whole model as a single stage with one minibatch in flight and no stashed weights: weights +
     gradients + optimizer state + saved activations + input buffer + the largest layer's working memory.
@@ -161,7 +161,7 @@ def pipeline_layout(devs: Sequence[Device], profile: ModelProfile,
     `profile` is the model at the pipeline's microbatch size; each GPU's times are the profile's times its
     slowdown (what the Dilator makes of them). The 1F1B schedule keeps at most k - j microbatches on stage
     j, which is the memory model's nm = k, without weight stashing (one weight version: the pipeline
-    flushes before its optimizer step). link_gbps: gloo loopback (~3.4 GB/s measured, design.md), or the Gbit/s
+    flushes before its optimizer step). link_gbps: gloo loopback (~3.4 GB/s measured, docs/emulation.md#measured-limits), or the Gbit/s
     between two GPUs (e.g. a testbed's shaped links between nodes).
     """
     by_type: dict[str, ModelProfile] = {}
