@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hetpipe.core.errors import UsageError
 from hetpipe.core.metrics import (
     MetricsWriter,
     TraceRecorder,
@@ -110,6 +111,19 @@ def test_span_records_a_block_that_raises() -> None:
     with pytest.raises(RuntimeError), recorder.span("B3"):
         raise RuntimeError("boom")
     assert [e["name"] for e in recorder.events] == ["B3"]
+
+
+def test_a_long_trace_keeps_its_first_and_newest_events_and_says_what_it_left_out(tmp_path) -> None:
+    recorder = TraceRecorder("vw0", 0, max_events=6)
+    for i in range(20):
+        recorder.add(f"F{i}", ts_us=float(i), dur_us=1.0)
+    assert [e["name"] for e in recorder.events] == ["F0", "F1", "F2", "F17", "F18", "F19"]
+    recorder.dump(tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    gap = [e for e in events if e["ph"] == "i"]
+    assert len(gap) == 1 and gap[0]["name"].startswith("14 events left out") and gap[0]["ts"] == 17.0
+    with pytest.raises(UsageError, match="at least 2 events"):
+        TraceRecorder("vw0", 0, max_events=1)
 
 
 # ---------------------------------------------------------------------------------------------- progress

@@ -112,7 +112,7 @@ class StageRunner:
         self._next_wait = 0  # index into self.waits of the next WAIT to run
         self._pushed = 0  # waves handed over to the agent
         self.c_global = 0
-        self.times = dict.fromkeys(("compute", "d2h", "slot_wait", "gate_wait", "h2d"), 0.0)
+        self.times = dict.fromkeys(("compute", "d2h", "push_wait", "gate_wait", "h2d"), 0.0)
         self.dispatch: dict[str, Callable[[int], None]] = {
             "F": self.forward, "B": self.backward, "U": self.update, "PUSH": self.push, "WAIT": self.wait,
         }
@@ -250,6 +250,10 @@ class StageRunner:
 
     def push(self, wave: int) -> None:
         with self.trace.span(f"PUSH{wave}"):
+            if self._next_wait >= len(self.waits):
+                # no pull is due to hold this stage back, so a PS slower than the stage would let pushes (and
+                # their sums) pile up without bound: one push in flight at most (docs/memory.md#what-a-stage-keeps)
+                self._wait_for_pushes(lambda slot: True)
             started = time.perf_counter()
             arrays, ready = self.push_staging.stage(self.compute.wave_push(wave), self._wait_for_slot)
             self._timed("d2h", started)
@@ -270,11 +274,15 @@ class StageRunner:
 
     def _wait_for_slot(self, slot: int) -> None:
         """Block until the push that last used pinned buffer `slot` has left (CUDA only)."""
+        self._wait_for_pushes(lambda used: used == slot)
+
+    def _wait_for_pushes(self, which: Callable[[int], bool]) -> None:
+        """Block until every push handed over whose pinned slot `which` picks is acknowledged ("push_wait")."""
         started = time.perf_counter()
         for used, future in self._pushes:
-            if used == slot:
+            if which(used):
                 self._note_push(future.result())
-        self._timed("slot_wait", started)
+        self._timed("push_wait", started)
 
     def _hand_over_pull(self) -> None:
         """Hand the next WAIT's pull to the agent as soon as our own pushes it needs are handed over."""

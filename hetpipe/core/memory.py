@@ -59,7 +59,7 @@ class MemoryRule:
         return replace(self, nm=nm)
 
     def keeping(self, stage: int, num_stages: int) -> Keeping:
-        """What stage `stage` of `num_stages` keeps at most (docs/memory.md, "What a stage keeps")."""
+        """What stage `stage` of `num_stages` keeps at most (docs/memory.md#what-a-stage-keeps)."""
         if stage < 0 or num_stages < 1 or stage >= num_stages or self.nm < 1:
             raise UsageError(f"keeping needs 0 <= stage < num_stages and nm >= 1, got stage={stage}, "
                              f"num_stages={num_stages}, nm={self.nm}")
@@ -125,7 +125,7 @@ def stage_memory_terms(
     layers: Sequence[LayerProfile], stage_index: int, num_stages: int, rule: MemoryRule, *, input_bytes: int
 ) -> StageMemory:
     """Peak memory of a stage running `layers` at position `stage_index` of a VW of `num_stages` under `rule`
-    (docs/memory.md, "A stage").
+    (docs/memory.md#a-stage).
 
     `input_bytes` is the activation entering the stage for one minibatch: the model input for stage 0,
     otherwise the previous layer's output_bytes.

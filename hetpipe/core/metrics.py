@@ -6,12 +6,15 @@ import json
 import math
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
+
+from hetpipe.core.errors import UsageError
 
 __all__ = [
     "MetricsWriter",
@@ -23,6 +26,8 @@ __all__ = [
     "read_jsonl",
     "write_summary",
 ]
+
+MAX_TRACE_EVENTS = 50_000  # per stage (about 30 MB of Python objects): a long run keeps its first and newest
 
 
 def _jsonable(value: Any) -> Any:
@@ -106,13 +111,19 @@ class TraceRecorder:
         thread_label: str | None = None,
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.perf_counter,
+        max_events: int = MAX_TRACE_EVENTS,
     ) -> None:
+        if max_events < 2:
+            raise UsageError(f"a trace keeps at least 2 events, got max_events={max_events}")
         self.pid_label = pid_label
         self.tid = tid
         self.thread_label = thread_label if thread_label is not None else f"stage {tid}"
         self._wall = wall
         self._clock = clock
-        self.events: list[dict[str, Any]] = []
+        self.first: list[dict[str, Any]] = []  # the run's first events (start-up, pipeline fill)
+        self.last: deque[dict[str, Any]] = deque(maxlen=max_events - max_events // 2)  # and its newest
+        self.head = max_events // 2
+        self.dropped = 0  # events between the two, left out so a long run's trace stays bounded
         self.other_threads: dict[int, str] = {}  # more rows this recorder writes (tid -> label)
 
     def add(self, name: str, ts_us: float, dur_us: float, tid: int | None = None, **args: Any) -> None:
@@ -124,7 +135,17 @@ class TraceRecorder:
         }
         if args:
             event["args"] = args
-        self.events.append(event)
+        if len(self.first) < self.head:
+            self.first.append(event)
+            return
+        if len(self.last) == self.last.maxlen:
+            self.dropped += 1
+        self.last.append(event)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The events kept: the first half of max_events and the newest, in order."""
+        return self.first + list(self.last)
 
     @contextmanager
     def span(self, name: str, **args: Any) -> Iterator[None]:
@@ -142,6 +163,10 @@ class TraceRecorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = [_meta("process_name", 0, 0, self.pid_label), _meta("thread_name", 0, self.tid, self.thread_label)]
         meta += [_meta("thread_name", 0, tid, label) for tid, label in self.other_threads.items()]
+        if self.dropped:  # an instant event where the gap is, saying what was left out
+            gap = self.last[0]["ts"] if self.last else 0.0
+            meta.append({"name": f"{self.dropped} events left out (trace keeps {self.head} first and "
+                                 f"{self.last.maxlen} newest)", "ph": "i", "s": "t", "ts": gap, "pid": 0, "tid": self.tid})
         path.write_text(json.dumps({"traceEvents": meta + self.events}, default=_jsonable), encoding="utf-8")
 
 

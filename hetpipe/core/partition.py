@@ -87,9 +87,9 @@ def best_order_and_nm(
     interchangeable (so `link_gbps` must depend only on the nodes), tried large-memory-first; with more
     than `max_orders` of them only two heuristic orders (memory-descending, and nodes kept together).
 
-    Choice, per order: the split for every Nm, scored by minibatch_time_s - the bottleneck when Nm >= k,
-    the simulated steady state of the wsp schedule when Nm < k (the pipe cannot fill; computed only when
-    it could win). The order keeps the *largest* Nm with its best time (docs/planning.md#partitioner: the largest that
+    Choice, per order: the split for every Nm, scored by minibatch_time_s under rule.schedule - the
+    bottleneck when Nm >= k and the schedule never drains, else its simulated steady state (computed only
+    when it could win). The order keeps the *largest* Nm with its best time (docs/planning.md#partitioner: the largest that
     fits; a larger Nm is never bought with a slower split). Across orders: least time, then lower peak
     memory use, then smaller Nm, then the earlier order. So Nm < k is chosen only when no Nm >= k does
     as well, typically because nothing with Nm >= k fits or nm_max < k.
