@@ -87,13 +87,23 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
               help="Where metrics, traces, logs and the model go (default: <train.out_dir>/run-<time>).")
 @click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the summary as JSON here.")
+@click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also write TensorBoard event files here (needs the tensorboard extra).")
 @click.option("--quiet", is_flag=True, help="No progress output; print only the summary.")
 @click.option("--audit", is_flag=True,
               help="Carry a tagged-update ledger and check at every forward what it saw (guarantees L and G).")
 @_set_option
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
-          quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
+          tensorboard_dir: Path | None, quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
+    import time
+
+    from hetpipe.app.startup import PRELOAD
+    from hetpipe.core.procs import process_started_at, warm_forkserver
+
+    started_at = process_started_at() or time.time()
+    warm_forkserver(PRELOAD)  # imports torch and the stage code for the children while this process does the same
+
     from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
     from hetpipe.app.train import train as run_train
     from hetpipe.core.metrics import format_summary
@@ -104,7 +114,12 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
         config, layouts = apply_plan(config, plan_path)
     if summary_path:
         check_writable_dir(summary_path.parent, "--summary")  # now, not after the run
-    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit)
+    if tensorboard_dir:
+        from hetpipe.app.board import check_board
+
+        check_board()
+    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit,
+                           tensorboard=tensorboard_dir, started_at=started_at)
     summary = run_train(config, options)
     click.echo(format_summary(summary))
     if summary_path:
@@ -112,6 +127,21 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the rebuilt module (default: RUN_DIR/model-module.pt).")
+def export(run_dir: Path, out_path: Path | None) -> None:
+    """Rebuild the trained nn.Module of a run (its config.toml's model, model.pt's weights) and save it whole.
+
+    Load it with `torch.load(FILE, weights_only=False)`; in Python, `hetpipe.app.export.load_model(RUN_DIR)`
+    returns it without writing anything."""
+    from hetpipe.app.export import export_model
+
+    out = export_model(run_dir, out_path)
+    click.echo(f"wrote {out}: torch.load({str(out)!r}, weights_only=False) gives the trained nn.Module")
 
 
 @cli.command()
