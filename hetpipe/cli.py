@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -11,6 +12,11 @@ import click
 from hetpipe.core.errors import HetpipeError
 
 __all__ = ["main", "cli"]
+
+# when this command started (the zero of `hetpipe train`'s start-up timeline): the interpreter's start and the
+# imports above, about 0.1 s, come before it. Not the process's start time: `exec hetpipe` from a script
+# (launch/run.sh) keeps the script's.
+STARTED = time.time()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -96,12 +102,9 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
           tensorboard_dir: Path | None, quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
-    import time
-
     from hetpipe.app.startup import PRELOAD
-    from hetpipe.core.procs import process_started_at, warm_forkserver
+    from hetpipe.core.procs import warm_forkserver
 
-    started_at = process_started_at() or time.time()
     warm_forkserver(PRELOAD)  # imports torch and the stage code for the children while this process does the same
 
     from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
@@ -119,7 +122,7 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 
         check_board()
     options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit,
-                           tensorboard=tensorboard_dir, started_at=started_at)
+                           tensorboard=tensorboard_dir, started_at=STARTED)
     summary = run_train(config, options)
     click.echo(format_summary(summary))
     if summary_path:
@@ -153,6 +156,10 @@ def export(run_dir: Path, out_path: Path | None) -> None:
 @_set_option
 def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path, settings: tuple[str, ...]) -> None:
     """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines."""
+    from hetpipe.app.startup import PRELOAD
+    from hetpipe.core.procs import warm_forkserver
+
+    warm_forkserver(PRELOAD)  # its stages fork ready, as under `hetpipe train`
     from hetpipe.worker.run import run_worker
 
     run_worker(_load(config_path, settings), vw, stage, run_dir)

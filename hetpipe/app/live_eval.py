@@ -4,6 +4,8 @@ to the launcher, which writes it into metrics.jsonl as an "eval" event (wave = t
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 import time
@@ -21,6 +23,8 @@ from hetpipe.worker.ps_client import PSClient
 
 __all__ = ["LiveEvaluator"]
 
+NICE = 10  # the evaluation thread's niceness: it takes the CPU the stages leave (emulated stages sleep often)
+
 
 class LiveEvaluator:
     """Scores W_t each time c_global passes a multiple of eval_every (not at the end: the final evaluation
@@ -28,7 +32,8 @@ class LiveEvaluator:
 
     The held-out data is loaded by the evaluation thread at its first evaluation, never on the launcher's
     path to the first minibatch. On the CPU the evaluation runs in the launcher's torch threads: the launcher
-    keeps them at one while stages train there (hetpipe.app.train).
+    keeps them at one while stages train there (hetpipe.app.train), and on Linux the thread runs at nice
+    NICE, so it takes what CPU the stages leave rather than slowing them.
     """
 
     def __init__(self, config: ClusterConfig, spec: ModelSpec, endpoints: list[str], num_vws: int, device: str,
@@ -52,6 +57,8 @@ class LiveEvaluator:
         self._busy.start()
 
     def _score(self, c_global: int) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # Linux: this thread only, below the stages
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         try:
             with PSClient(self.endpoints, self.config.name, 0, 0, self.num_vws, 1, {}, timeout_s=60, retry_s=5,
                           curve=self.admin_keys) as ps:

@@ -8,7 +8,8 @@ chooses): a clean process, exec'd like a spawned child, that has only imported m
 names them, e.g. torch and the stage code) and forks each child from that state, so a child starts in
 milliseconds instead of paying an interpreter start and `import torch` (about 1 s) of its own. The fork
 server holds no ZeroMQ context, no torch thread pool and (OPENBLAS_NUM_THREADS=1 while it starts) no BLAS
-thread: nothing that must not be forked. ZeroMQ contexts are still created inside each child.
+thread: nothing that must not be forked. ZeroMQ contexts are still created inside each child. A child gets
+the launcher's sys.path and working directory at its start, but the environment the fork server started with.
 """
 
 from __future__ import annotations
