@@ -175,6 +175,11 @@ def test_write_summary(tmp_path: Path) -> None:
     assert text.endswith("}\n")
 
 
+def test_format_summary_shows_a_list_of_records() -> None:
+    evals = {"evals": [{"wave": 3, "test_accuracy": 0.5}, {"wave": 6, "test_accuracy": 0.75}]}
+    assert format_summary(evals) == "evals: (wave=3 test_accuracy=0.5), (wave=6 test_accuracy=0.75)"
+
+
 def test_format_summary() -> None:
     assert format_summary(SUMMARY) == (
         "accuracy:              -\n"

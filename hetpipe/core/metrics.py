@@ -286,6 +286,8 @@ def _show(value: Any) -> str:
         return f"{value:.6g}"
     if isinstance(value, list | tuple):
         return ", ".join(_show(item) for item in value)
+    if isinstance(value, Mapping):  # e.g. one of the live evaluations in a list
+        return "(" + " ".join(f"{key}={_show(item)}" for key, item in value.items()) + ")"
     return str(value)
 
 
