@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -11,6 +12,11 @@ import click
 from hetpipe.core.errors import HetpipeError
 
 __all__ = ["main", "cli"]
+
+# when this command started (the zero of `hetpipe train`'s start-up timeline): the interpreter's start and the
+# imports above, about 0.1 s, come before it. Not the process's start time: `exec hetpipe` from a script
+# (launch/run.sh) keeps the script's.
+STARTED = time.time()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -87,14 +93,21 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
               help="Where metrics, traces, logs and the model go (default: <train.out_dir>/run-<time>).")
 @click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the summary as JSON here.")
+@click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also write TensorBoard event files here (needs the tensorboard extra).")
 @click.option("--quiet", is_flag=True, help="No progress output; print only the summary.")
 @click.option("--audit", is_flag=True,
               help="Carry a tagged-update ledger and check at every forward what it saw (guarantees L and G).")
 @_set_option
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
-          quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
+          tensorboard_dir: Path | None, quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
     config = _load(config_path, settings)  # before torch is imported: a bad config fails in well under a second
+
+    from hetpipe.app.startup import PRELOAD
+    from hetpipe.core.procs import warm_forkserver
+
+    warm_forkserver(PRELOAD)  # imports torch and the stage code for the children while this process does the same
 
     from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
     from hetpipe.app.train import train as run_train
@@ -105,7 +118,12 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
         config, layouts = apply_plan(config, plan_path)
     if summary_path:
         check_writable_dir(summary_path.parent, "--summary")  # now, not after the run
-    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit)
+    if tensorboard_dir:
+        from hetpipe.app.board import check_board
+
+        check_board()
+    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit,
+                           tensorboard=tensorboard_dir, started_at=STARTED)
     summary = run_train(config, options)
     click.echo(format_summary(summary))
     if summary_path:
@@ -113,6 +131,21 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 
         summary_path.parent.mkdir(parents=True, exist_ok=True)
         summary_path.write_text(json.dumps(summary, indent=1, sort_keys=True))
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the rebuilt module (default: RUN_DIR/model-module.pt).")
+def export(run_dir: Path, out_path: Path | None) -> None:
+    """Rebuild the trained nn.Module of a run (its config.toml's model, model.pt's weights) and save it whole.
+
+    Load it with `torch.load(FILE, weights_only=False)`; in Python, `hetpipe.app.export.load_model(RUN_DIR)`
+    returns it without writing anything."""
+    from hetpipe.app.export import export_model
+
+    out = export_model(run_dir, out_path)
+    click.echo(f"wrote {out}: torch.load({str(out)!r}, weights_only=False) gives the trained nn.Module")
 
 
 @cli.command()
@@ -126,6 +159,10 @@ def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path, 
     """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines."""
     config = _load(config_path, settings)  # before torch is imported
 
+    from hetpipe.app.startup import PRELOAD
+    from hetpipe.core.procs import warm_forkserver
+
+    warm_forkserver(PRELOAD)  # its stages fork ready, as under `hetpipe train`
     from hetpipe.worker.run import run_worker
 
     run_worker(config, vw, stage, run_dir)

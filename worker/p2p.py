@@ -44,12 +44,24 @@ class P2P:
     _pending: dict[int, deque[tuple[dist.Work, torch.Tensor]]] = field(default_factory=dict)
     bytes_sent: int = 0
 
+    @staticmethod
+    def rendezvous_store(rank: int, world_size: int, host: str, port: int, timeout_s: float = 300) -> dist.Store:
+        """The VW's rendezvous store: rank 0 (stage 0) serves it on host:port, the others connect to it.
+
+        Stage 0 makes its store as soon as it starts, before its data and its PS registration: a stage that
+        asked before the store listened would retry with backoff (measured here: up to 0.7 s)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if rank == 0:
+            return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
     @classmethod
     def connect(
         cls, rank: int, world_size: int, host: str, port: int, device: torch.device, timeout_s: float = 300,
-        max_in_flight: int = 8, backend: str = "gloo",
+        max_in_flight: int = 8, backend: str = "gloo", store: dist.Store | None = None,
     ) -> P2P:
-        """Join the VW's process group; stage 0 hosts the rendezvous on host:port."""
+        """Join the VW's process group; stage 0 hosts the rendezvous on host:port (`store`: one made earlier by
+        rendezvous_store)."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}: pass Nm + 1")
         if backend not in ("gloo", "nccl"):
@@ -57,9 +69,11 @@ class P2P:
         if world_size > 1:
             if backend == "nccl":
                 torch.cuda.set_device(device)
+            if store is None:
+                store = cls.rendezvous_store(rank, world_size, host, port, timeout_s)
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://{host}:{port}",
+                store=store,
                 rank=rank,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),

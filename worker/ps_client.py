@@ -200,8 +200,13 @@ class PSClient:
 
     def read(self) -> dict[str, np.ndarray]:
         """Admin read: every key of every shard, at the newest complete version."""
-        call = self.send([("read", {"run": self.run}, None)] * len(self.sockets), what="read")
-        return {k: np.array(v.to_array()) for r in self.wait(call) for k, v in r.tensors.items()}
+        return self.snapshot()[1]
+
+    def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
+        """Admin read with its version: (the oldest shard's t of W_t, or c_global for latest; every key, copied)."""
+        replies = self.wait(self.send([("read", {"run": self.run}, None)] * len(self.sockets), what="read"))
+        return (min(r.fields["version"] for r in replies),
+                {k: np.array(v.to_array()) for r in replies for k, v in r.tensors.items()})
 
     # ---- calls --------------------------------------------------------------------------------------
     def send(self, requests: list[Request], what: str, gate: int = -1) -> Call:

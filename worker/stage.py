@@ -32,6 +32,7 @@ from hetpipe.core.devices import p2p_backend
 from hetpipe.core.emulate import LinkEmulator, device_dilator
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.metrics import TraceRecorder
+from hetpipe.core.procs import child_entered_at, process_started_at
 from hetpipe.core.schedule import WAIT, get_schedule, own_through_required
 from hetpipe.core.wsp import gate_version
 from hetpipe.models import build_stage
@@ -59,14 +60,19 @@ class StageRunner:
 
     def __init__(self, job: StageJob, report: Callable[[dict[str, Any]], None]) -> None:
         self.job, self.report = job, report
+        # when each step of this stage's start-up ended (Unix seconds), reported once before the first action
+        self.startup = {"process": process_started_at(), "imported": child_entered_at() or time.time()}
         self.config = config = job.config
         self.device = torch.device(job.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.spec = model_of(config)
         self.first, self.last = job.stage == 0, job.stage == job.num_stages - 1
+        self.store = (P2P.rendezvous_store(0, job.num_stages, job.p2p_host, job.p2p_port)
+                      if self.first and job.num_stages > 1 else None)  # listening before any peer asks
         dataset = dataset_of(config)
         self.x, self.y = dataset.train.x, dataset.train.y
+        self.startup["data"] = time.time()
         self.indices = datalib.shard_indices(len(self.y), job.num_vws, job.vw, config.seed)
         start, stop = job.layers
         module = build_stage(self.spec, start, stop, self.device)
@@ -116,6 +122,7 @@ class StageRunner:
         self.dispatch: dict[str, Callable[[int], None]] = {
             "F": self.forward, "B": self.backward, "U": self.update, "PUSH": self.push, "WAIT": self.wait,
         }
+        self.startup["built"] = time.time()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -123,13 +130,18 @@ class StageRunner:
         mine = {k: t.detach().float().cpu().numpy() for k, t in self.compute.values().items()}
         w0 = self.client.register(mine, kinds=self.compute.kinds(), num_waves=self.config.train.waves)
         self.compute.load({k: torch.from_numpy(np.array(v)).to(self.device) for k, v in w0.items()})
+        self.startup["registered"] = time.time()
         layout = FlatLayout.of(self.compute.values())
         self.push_staging = PushStaging(layout, self.device)
         self.pull_staging = PullStaging(layout, self.device) if self.pulls else None
         self.agent = PSAgent(self.client, self.pull_staging.out if self.pull_staging else None, self.trace,
                              PS_ROW + job.stage)
         self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device,
-                               max_in_flight=self.config.wsp.nm + 1, backend=p2p_backend(job.devices or (job.device,)))
+                               max_in_flight=self.config.wsp.nm + 1, backend=p2p_backend(job.devices or (job.device,)),
+                               store=self.store)
+        self.startup["rendezvous"] = time.time()
+        self.report({"event": "startup", "vw": job.vw, "stage": job.stage, "time": self.startup["rendezvous"],
+                     "points": {k: round(v, 3) for k, v in self.startup.items() if v is not None}})
         self.started = time.monotonic()
         try:
             for action in self.schedule.stages[job.stage]:
@@ -146,7 +158,7 @@ class StageRunner:
             state = {k: t.detach().cpu().clone() for k, t in self.compute.values().items() if k not in self.ledgers}
             torch.save(state, run_dir / f"final-vw{job.vw}-s{job.stage}.pt")
         self.report({
-            "event": "stage_done", "vw": job.vw, "stage": job.stage, "audit_checks": self.audit_checks,
+            "event": "stage_done", "vw": job.vw, "stage": job.stage, "time": time.time(), "audit_checks": self.audit_checks,
             "compute_s": round(self.dilator.compute_s, 3), "slept_s": round(self.dilator.slept_s, 3),
             "times_s": {**{k: round(v, 4) for k, v in self.times.items()}, "push": round(self.agent.push_s, 4),
                         "pull": round(self.agent.pull_s, 4), "parked": round(self.agent.parked_s, 4)},
@@ -266,7 +278,7 @@ class StageRunner:
         while self._pushes and self._pushes[0][1].done():
             self._note_push(self._pushes.popleft()[1].result())
         self._hand_over_pull()
-        self.report({"event": "push", "vw": self.job.vw, "stage": self.job.stage, "wave": wave,
+        self.report({"event": "push", "vw": self.job.vw, "stage": self.job.stage, "wave": wave, "time": time.time(),
                      "c_global": self.c_global, "gate_wait_s": round(self.times["gate_wait"], 3)})
 
     def _note_push(self, done: Any) -> None:
@@ -301,6 +313,8 @@ class StageRunner:
             started = time.perf_counter()
             pulled = self._pull[1].result()
             self._timed("gate_wait", started)
+            self.report({"event": "pull", "vw": self.job.vw, "stage": self.job.stage, "wave": wave, "time": time.time(),
+                         "version": pulled.version, "age_waves": wave - pulled.version})
             started = time.perf_counter()
             self.compute.rebase(self.pull_staging.to_device(), pulled.own_through)
             self._sync()
@@ -318,7 +332,7 @@ def run_stage(job: StageJob, events: Any = None) -> None:
     try:
         StageRunner(job, report).run()
     except BaseException as exc:
-        report({"event": "stage_failed", "vw": job.vw, "stage": job.stage, "pid": os.getpid(),
+        report({"event": "stage_failed", "vw": job.vw, "stage": job.stage, "pid": os.getpid(), "time": time.time(),
                 "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
                 **({"wave": exc.wave} if isinstance(exc, NonFiniteLoss) else {})})
         raise

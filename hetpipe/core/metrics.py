@@ -45,23 +45,25 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line, `{"t": seconds since start, "event": ..., **fields}`, flushed at once.
+    """Appends one JSON object per line, `{"t": when it happened, "event": ..., **fields}`, flushed at once.
 
+    `t` is the event's own time on the Unix clock (seconds, as time.time() gives it in the process that saw
+    it: a stage's for stage events), not when the line was written; `write(..., at=None)` stamps it now.
     Lines survive a crash of the process that wrote them; several writers may append to different files.
     """
 
-    def __init__(self, path: str | Path, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
-        self._start = clock()
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
 
-    def write(self, event: str, **fields: Any) -> None:
-        """Append `{"t", "event", **fields}`; fields must be JSON values (numpy scalars and paths are converted)."""
+    def write(self, event: str, at: float | None = None, **fields: Any) -> None:
+        """Append `{"t": at (default now), "event", **fields}`; fields must be JSON values (numpy scalars and
+        paths are converted)."""
         if self._file is None:
             raise ValueError(f"MetricsWriter for {self.path} is closed")
-        record = {"t": round(self._clock() - self._start, 6), "event": event, **fields}
+        record = {"t": round(self._clock() if at is None else at, 6), "event": event, **fields}
         self._file.write(json.dumps(record, default=_jsonable) + "\n")
         self._file.flush()
 
@@ -309,6 +311,8 @@ def _show(value: Any) -> str:
         return f"{value:.6g}"
     if isinstance(value, list | tuple):
         return ", ".join(_show(item) for item in value)
+    if isinstance(value, Mapping):  # e.g. one of the live evaluations in a list
+        return "(" + " ".join(f"{key}={_show(item)}" for key, item in value.items()) + ")"
     return str(value)
 
 

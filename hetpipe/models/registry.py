@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from hetpipe.core.errors import UsageError, did_you_mean
+from hetpipe.core.imports import import_target
 from hetpipe.models.cnn import mnist_cnn
 from hetpipe.models.gpt import char_gpt
 from hetpipe.models.mlp import mlp
@@ -65,25 +65,34 @@ def get_model(name: str, **options: Any) -> ModelSpec:
     return replace(spec, options=tuple(sorted(options.items())))
 
 
-def _import(target: str) -> Callable[..., Any]:
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f'cannot import "{module_name}" for model "{target}": {exc}; install the package '
-                         f"or add its directory to PYTHONPATH") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UsageError(f'"{module_name}" has no function "{attr}" for model "{target}"; '
-                         f'write it as "package.module:function"')
-    return fn
+def _input_dtype(target: str, value: Any) -> torch.dtype:
+    """A dtype given in TOML as its name ("float32", "int64") or already a torch.dtype."""
+    if isinstance(value, torch.dtype):
+        return value
+    found = getattr(torch, str(value), None)
+    if not isinstance(found, torch.dtype):
+        raise UsageError(f'model "{target}": input_dtype {value!r} is not a torch dtype; use e.g. "float32" for '
+                         'images or "int64" for token ids')
+    return found
 
 
 def _user_model(target: str, options: dict[str, Any]) -> ModelSpec:
-    """Call the user's function once (seeded) and wrap a returned list of layers as a ModelSpec."""
-    fn = _import(target)
+    """Call the user's function once (seeded) and wrap a returned list of layers or nn.Sequential as a ModelSpec.
+
+    The contract (README "Your own model"): `function(**options)` returns a ModelSpec, an nn.Sequential, or a
+    list of nn.Modules, each layer taking one tensor and returning one (the last returns logits: (B, classes),
+    or (B, T, vocab) for language); the layers are hetpipe's split points. The options input_shape (one sample,
+    without the batch dimension; required for layers), input_dtype (default "float32"), task
+    ("classification" or "language") and num_classes (default: the last nn.Linear's out_features) describe
+    the model to hetpipe and are not passed on; `seed` is passed when the function takes it. Every process
+    calls the function with torch's default generator seeded from `seed`, so initial weights drawn from it
+    agree everywhere.
+    """
+    fn = import_target(target, f'model "{target}"')
     seed = int(options.pop("seed", 0))
     wrap = {k: options.pop(k) for k in ("input_shape", "input_dtype", "task", "num_classes") if k in options}
+    if "input_dtype" in wrap:
+        wrap["input_dtype"] = _input_dtype(target, wrap["input_dtype"])
     accepted, any_kw = _accepted(fn)
     if any_kw or "seed" in accepted:
         options["seed"] = seed
@@ -95,11 +104,12 @@ def _user_model(target: str, options: dict[str, Any]) -> ModelSpec:
     if isinstance(result, nn.Module) and not isinstance(result, nn.Sequential):
         result = [result]
     if not isinstance(result, Sequence | nn.Sequential):
-        raise UsageError(f'model function "{target}" returned {type(result).__name__}; return a ModelSpec '
-                         f"or a list of nn.Modules (each taking and returning one tensor)")
+        raise UsageError(f'model function "{target}" returned {type(result).__name__}; return a ModelSpec, '
+                         f"an nn.Sequential or a list of nn.Modules (each taking and returning one tensor)")
     if "input_shape" not in wrap:
         raise UsageError(f'model "{target}" returned a list of layers, so hetpipe cannot know its input: '
-                         f"pass input_shape=(...) (per sample, without the batch dimension)")
+                         f"pass input_shape=(...) (per sample, without the batch dimension), e.g. "
+                         f"options = {{ input_shape = [1, 28, 28] }}")
     return from_layers(list(result), name=target, seed=seed, **wrap)
 
 
