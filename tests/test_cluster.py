@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.core.cluster import allocate, key_nodes, local_placement, node_shards, vw_capacity
+from hetpipe.core.cluster import allocate, vw_capacity
 from hetpipe.core.config import GpuRef, GpuType, Node, default_config_path, load_config, parse_config
 from hetpipe.core.errors import UsageError
-from hetpipe.core.plan import StagePlan, VwPlan
+from hetpipe.core.plan import StagePlan
 
 TYPES = {
     "fast": GpuType("fast", 2.0, 8.0),
@@ -148,25 +148,3 @@ def stage(gpu: str, start: int, stop: int) -> StagePlan:
     return StagePlan(gpu, "g", start, stop, 1.0, 2.0, 0.0, 0.0, 0, 0)
 
 
-def test_ed_local_puts_each_layer_on_its_node_shard() -> None:
-    # ED on the paper's cluster: stage j of every VW runs on node n<j>, with the same split.
-    vws = [VwPlan(tuple(stage(f"n{j}:{v}", j, j + 1) for j in range(4)), nm=2, param_bytes=0) for v in range(4)]
-    layer_keys = [[f"l{i}.weight", f"l{i}.bias"] for i in range(4)]
-    owners = key_nodes(vws, layer_keys)
-    assert owners == {"l0.weight": "n0", "l0.bias": "n0", "l1.weight": "n1", "l1.bias": "n1",
-                      "l2.weight": "n2", "l2.bias": "n2", "l3.weight": "n3", "l3.bias": "n3"}
-    assert node_shards(["n0", "n1", "n2", "n3"], 4) == {"n0": 0, "n1": 1, "n2": 2, "n3": 3}
-    assert node_shards(["n0", "n1", "n2"], 2) == {"n0": 0, "n1": 1, "n2": 0}
-    placement = local_placement(owners, node_shards(["n0", "n1", "n2", "n3"], 4))
-    assert placement == {key: int(node[1]) for key, node in owners.items()}
-
-
-def test_local_placement_errors() -> None:
-    a = VwPlan((stage("n0:0", 0, 1), stage("n1:0", 1, 2)), nm=1, param_bytes=0)
-    b = VwPlan((stage("n0:1", 0, 2),), nm=1, param_bytes=0)
-    with pytest.raises(UsageError, match="layer 1 runs on node 'n1' in virtual worker 0 but on 'n0'"):
-        key_nodes([a, b], [["x"], ["y"]])
-    with pytest.raises(UsageError, match="layer 2 is in no stage"):
-        key_nodes([a], [["x"], ["y"], ["z"]])
-    with pytest.raises(UsageError, match="node 'n9', which has no shard"):
-        local_placement({"x": "n9"}, {"n0": 0})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,18 @@ def test_default_config_is_packaged_and_linked_from_launch() -> None:
     assert link.is_symlink() and link.resolve() == default_config_path().resolve()
 
 
+def test_default_config_documents_every_field() -> None:
+    """local.toml is the reference for every field: each key of every section appears in it, set or commented."""
+    from hetpipe.core.config import _GPU_TYPE_KEYS, _NODE_KEYS, _SECTIONS, _TOP_KEYS
+
+    text = default_config_path().read_text()
+    missing = [f"{section}.{key}" for section, keys in _SECTIONS.items() for key in keys
+               if not re.search(rf"^\s*#?\s*{key}\s*=", text, re.M)]
+    missing += [key for key in (*_TOP_KEYS, *_GPU_TYPE_KEYS, *_NODE_KEYS)
+                if key not in _SECTIONS and not re.search(rf"^\s*#?\s*(\[+)?{key}\b", text, re.M)]
+    assert not missing, f"hetpipe/clusters/local.toml does not show: {missing}"
+
+
 def test_default_config_values() -> None:
     cfg = load_config(default_config_path())
     fast, slow = GpuType("fast", 2.0, 8.0), GpuType("slow", 1.0, 4.0)
@@ -131,9 +144,9 @@ def test_minimal_config_gets_defaults(tmp_path: Path) -> None:
 ROUND_TRIPS = [
     ("[network]\nintra_node_gbps = 32\ninter_node_gbps = 56.0", "network", NetworkConfig(32.0, 56.0)),
     (
-        '[ps]\nhost = "10.0.0.1"\nport = 9000\nshards = 4\nplacement = "local"\ntimeout_s = 5',
+        '[ps]\nhost = "10.0.0.1"\nport = 9000\nshards = 4\nplacement = "balanced"\ntimeout_s = 5',
         "ps",
-        PsConfig("10.0.0.1", 9000, 4, "local", 5.0),
+        PsConfig("10.0.0.1", 9000, 4, "balanced", 5.0),
     ),
     ('[ps]\nauth = "curve"\nkeys_dir = "keys/lab"', "ps", PsConfig(auth="curve", keys_dir="keys/lab")),
     ('[wsp]\nstaleness = 3\nnm = 4\npull = "latest"', "wsp", WspConfig(3, 4, "latest")),

@@ -35,7 +35,5 @@ def test_keys_by_shard_keeps_stage_order():
 def test_errors():
     with pytest.raises(UsageError, match="known: balanced"):
         get_placement("random")
-    with pytest.raises(UsageError, match='not in the runtime yet: set \\[ps\\] placement = "balanced"'):
-        get_placement("local")
     with pytest.raises(UsageError):
         balanced_placement({"a": 1}, 0)

@@ -1,4 +1,4 @@
-"""Grouping a cluster's GPUs into virtual workers (NP, ED, HD, explicit) and ED-local parameter placement. Pure."""
+"""Grouping a cluster's GPUs into virtual workers (NP, ED, HD, explicit). Pure."""
 
 from __future__ import annotations
 
@@ -7,15 +7,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 from hetpipe.core.config import ClusterConfig, GpuRef, GpuType, Node, VirtualWorkerSpec
 from hetpipe.core.errors import UsageError, did_you_mean
-from hetpipe.core.plan import VwPlan
 
 __all__ = [
     "POLICIES",
     "Cluster",
     "allocate",
-    "key_nodes",
-    "local_placement",
-    "node_shards",
     "vw_capacity",
 ]
 
@@ -171,56 +167,3 @@ def _explicit(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
 _POLICY_FUNCTIONS: dict[str, Callable[[_Parts, int | None], list[list[GpuRef]]]] = {
     "np": _np, "ed": _ed, "hd": _hd, "explicit": _explicit,
 }
-
-
-# ---------------------------------------------------------------------------------------------- placement
-
-
-def node_shards(nodes: Sequence[str], num_shards: int) -> dict[str, int]:
-    """ED-local's shard per node: node n (in cluster order) keeps its parameters on shard n % num_shards.
-
-    With one shard per node (the paper's setup) every node has its own shard.
-    """
-    if num_shards < 1:
-        raise UsageError(f"num_shards must be >= 1, got {num_shards}")
-    return {node: n % num_shards for n, node in enumerate(nodes)}
-
-
-def key_nodes(vws: Sequence[VwPlan], layer_keys: Sequence[Sequence[str]]) -> dict[str, str]:
-    """The node that runs each parameter key: its layer's stage's GPU node, the same in every VW.
-
-    `layer_keys[l]` lists layer l's parameter keys. Local placement needs every VW to run a layer
-    on the same node (ED on a one-type-per-node cluster does); UsageError otherwise.
-    """
-    owner: dict[int, tuple[str, int]] = {}
-    for v, vw in enumerate(vws):
-        for stage in vw.stages:
-            node = GpuRef.parse(stage.gpu).node
-            for layer in range(stage.start, stage.stop):
-                seen = owner.setdefault(layer, (node, v))
-                if seen[0] != node:
-                    raise UsageError(
-                        f"local placement: layer {layer} runs on node {seen[0]!r} in virtual worker {seen[1]} but on "
-                        f"{node!r} in virtual worker {v}; it needs one node per layer across all virtual workers: "
-                        'use placement = "balanced", or policy "ed" with the same split in every virtual worker'
-                    )
-    missing = [layer for layer in range(len(layer_keys)) if layer not in owner]
-    if missing:
-        raise UsageError(
-            f"local placement: layer {missing[0]} is in no stage of any virtual worker; "
-            f"the plans cover {len(owner)} layers but {len(layer_keys)} were given"
-        )
-    return {key: owner[layer][0] for layer, keys in enumerate(layer_keys) for key in keys}
-
-
-def local_placement(key_node: Mapping[str, str], node_shard: Mapping[str, int]) -> dict[str, int]:
-    """ED-local (docs/ps-protocol.md#placement): each key on the shard of the node that runs it, so its traffic stays in the node."""
-    out: dict[str, int] = {}
-    for key, node in key_node.items():
-        if node not in node_shard:
-            raise UsageError(
-                f"local placement: key {key!r} runs on node {node!r}, which has no shard; "
-                f"give every node a shard (node_shards() does), known: {', '.join(node_shard) or 'none'}"
-            )
-        out[key] = node_shard[node]
-    return out

@@ -13,6 +13,7 @@ from typing import Any, Literal, NoReturn, get_args
 
 import msgpack
 
+from hetpipe.core.aggregation import AGGREGATIONS
 from hetpipe.core.errors import ConfigError, did_you_mean
 from hetpipe.core.schedule import SCHEDULES
 
@@ -41,8 +42,8 @@ __all__ = [
     "unpack_config",
 ]
 
-Placement = Literal["balanced", "local"]
-Aggregation = Literal["sum", "mean", "server"]
+Placement = Literal["balanced"]
+Aggregation = str  # a name of hetpipe.core.aggregation.AGGREGATIONS (the rules live there alone)
 BufferPolicy = Literal["average", "local"]
 Precision = Literal["fp32", "bf16"]
 EmulatedDevice = Literal["cpu", "cuda"]
@@ -609,7 +610,7 @@ def _ps(t: _Table) -> PsConfig:
         host=host, port=port, shards=shards,
         placement=t.choice("placement", d.placement, get_args(Placement)),
         timeout_s=t.number("timeout_s", d.timeout_s, gt=0),
-        aggregation=t.choice("aggregation", d.aggregation, get_args(Aggregation)),
+        aggregation=t.choice("aggregation", d.aggregation, AGGREGATIONS),
         buffers=t.choice("buffers", d.buffers, get_args(BufferPolicy)),
         auth=t.choice("auth", d.auth, get_args(PsAuth)),
         keys_dir=t.string("keys_dir", d.keys_dir),

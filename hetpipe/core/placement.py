@@ -36,11 +36,6 @@ def get_placement(name: str) -> Placement:
         return PLACEMENTS[name]
     except KeyError:
         known = ", ".join(sorted(PLACEMENTS))
-        if name == "local":
-            raise UsageError(
-                'placement "local" (each layer\'s parameters on its node\'s shard) is planned but not in the '
-                'runtime yet: set [ps] placement = "balanced"'
-            ) from None
         raise UsageError(f"unknown parameter placement {name!r}; known: {known}") from None
 
 
