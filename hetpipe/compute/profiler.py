@@ -113,9 +113,9 @@ def profile_model(
         step = _Step(i, layer, x, grad_out, spec.loss if last else None, target if last else None, dev, optimizer)
         for _ in range(WARMUP):  # lazy initialisation, allocator caches, kernel selection
             step()
-        trainable = sum(_nbytes(p) for p in layer.parameters() if p.requires_grad)
-        input_grad = _nbytes(x) if x.requires_grad else 0
-        working = _nbytes(traced.outputs[i]) + input_grad
+        trainable = sum(tensor_bytes(p) for p in layer.parameters() if p.requires_grad)
+        input_grad = tensor_bytes(x) if x.requires_grad else 0
+        working = tensor_bytes(traced.outputs[i]) + input_grad
         if dev.type == "cuda":
             working = max(working, _measured_working(step, dev, traced.raw_saved[i] + trainable))
         times = [step() for _ in range(repeats)]
@@ -123,16 +123,16 @@ def profile_model(
             name=spec.layer_names[i],
             forward_s=statistics.median(t[0] for t in times),
             backward_s=statistics.median(t[1] for t in times),
-            param_bytes=sum(_nbytes(t) for t in _own_tensors(layer)),
+            param_bytes=sum(tensor_bytes(t) for t in _own_tensors(layer)),
             optimizer_bytes=OPTIMIZER_STATE[optimizer] * trainable,
-            output_bytes=_nbytes(traced.outputs[i]),
+            output_bytes=tensor_bytes(traced.outputs[i]),
             saved_bytes=traced.saved[i],
             working_bytes=working,
             spread=round(repeat_spread([f + b for f, b in times]), 4),
         ))
     profile = ModelProfile(
         model=spec.name, batch_size=batch_size, gpu_type=gpu_type or str(dev), dtype=dtype_name,
-        torch_version=torch.__version__, input_bytes=_nbytes(x0), layers=tuple(profiles),
+        torch_version=torch.__version__, input_bytes=tensor_bytes(x0), layers=tuple(profiles),
     )
     loads = [load for load in (load_before, load_per_core()) if load is not None]
     load = round(max(loads), 3) if loads else None
@@ -233,11 +233,11 @@ def _trace(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, target: Ten
     x = x0
     keep: list[Tensor] = []  # the loss, so its saved tensors stay alive until the end
     for i, layer in enumerate(layers):
-        own = {_storage_key(t) for t in _own_tensors(layer)}
+        own = {storage_key(t) for t in _own_tensors(layer)}
         found: dict[int, int] = {}
 
         def pack(t: Tensor, own: set[int] = own, found: dict[int, int] = found) -> Tensor:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key not in own and key != 0:
                 found[key] = _storage_bytes(t)
             return t
@@ -247,7 +247,7 @@ def _trace(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, target: Ten
             if i == len(layers) - 1:
                 keep.append(spec.loss(out, target))
         saved.append(sum(size for key, size in found.items() if key not in seen))
-        raw_saved.append(sum(size for key, size in found.items() if key != _storage_key(x)))
+        raw_saved.append(sum(size for key, size in found.items() if key != storage_key(x)))
         seen.update(found)
         outputs.append(out)
         x = out
@@ -314,11 +314,11 @@ def _own_tensors(layer: nn.Module) -> Iterator[Tensor]:
     yield from layer.buffers()
 
 
-def _nbytes(t: Tensor) -> int:
+def tensor_bytes(t: Tensor) -> int:
     return t.nelement() * t.element_size()
 
 
-def _storage_key(t: Tensor) -> int:
+def storage_key(t: Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensors without a plain storage
@@ -329,7 +329,7 @@ def _storage_bytes(t: Tensor) -> int:
     try:
         return t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
-        return _nbytes(t)
+        return tensor_bytes(t)
 
 
 def _model_dtype(spec: ModelSpec) -> str:

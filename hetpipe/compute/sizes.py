@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from hetpipe.compute.profiler import OPTIMIZER_STATE
+from hetpipe.compute.profiler import OPTIMIZER_STATE, storage_key, tensor_bytes
 from hetpipe.core.errors import UsageError
 from hetpipe.core.profile import LayerProfile, ModelProfile
 from hetpipe.models.spec import ModelSpec
@@ -58,7 +58,7 @@ def model_sizes(spec: ModelSpec, batch_size: int, optimizer: str) -> ModelProfil
 def _sizes_at(spec: ModelSpec, optimizer: str, batch_size: int) -> tuple[list[LayerProfile], int]:
     """Every layer's sizes at `batch_size` (times 0), and the input's bytes."""
     x = spec.example_input(batch_size)
-    input_bytes = _nbytes(x)
+    input_bytes = tensor_bytes(x)
     target_shape = (batch_size,) if spec.task == "classification" else (batch_size, *spec.input_shape)
     target = torch.zeros(target_shape, dtype=torch.long)
     kept: list[Tensor] = []  # every saved activation stays alive, so no storage address is reused
@@ -67,11 +67,11 @@ def _sizes_at(spec: ModelSpec, optimizer: str, batch_size: int) -> tuple[list[La
     for i in range(spec.num_layers):
         layer = _materialise(spec.build_layer(i, "meta")).train()
         own_tensors = [*layer.parameters(), *layer.buffers()]
-        own = {_storage_key(t) for t in own_tensors}
+        own = {storage_key(t) for t in own_tensors}
         found: dict[int, Tensor] = {}
 
         def pack(t: Tensor, own: set[int] = own, found: dict[int, Tensor] = found) -> Tensor:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key not in own and key != 0:
                 found[key] = t
             return t
@@ -80,15 +80,15 @@ def _sizes_at(spec: ModelSpec, optimizer: str, batch_size: int) -> tuple[list[La
             out = layer(x)
             if i == spec.num_layers - 1:
                 spec.loss(out, target)
-        trainable = sum(_nbytes(p) for p in layer.parameters() if p.requires_grad)
-        input_grad = _nbytes(x) if x.requires_grad else 0
+        trainable = sum(tensor_bytes(p) for p in layer.parameters() if p.requires_grad)
+        input_grad = tensor_bytes(x) if x.requires_grad else 0
         out_layers.append(LayerProfile(
             name=spec.layer_names[i], forward_s=0.0, backward_s=0.0,
-            param_bytes=sum(_nbytes(t) for t in own_tensors),
+            param_bytes=sum(tensor_bytes(t) for t in own_tensors),
             optimizer_bytes=OPTIMIZER_STATE[optimizer] * trainable,
-            output_bytes=_nbytes(out),
+            output_bytes=tensor_bytes(out),
             saved_bytes=sum(t.untyped_storage().nbytes() for key, t in found.items() if key not in seen),
-            working_bytes=_nbytes(out) + input_grad,
+            working_bytes=tensor_bytes(out) + input_grad,
         ))
         seen.update(found)
         kept.extend(found.values())
@@ -113,14 +113,3 @@ def _materialise(layer: nn.Module) -> nn.Module:
                     made[id(t)] = nn.Parameter(fresh, t.requires_grad) if isinstance(t, nn.Parameter) else fresh
                 table[name] = made[id(t)]
     return layer
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.nelement() * t.element_size()
-
-
-def _storage_key(t: Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
-        return id(t)
