@@ -1,0 +1,264 @@
+"""hetpipe on one real device against a plain torch loop on it, in one run (issue 11).
+
+Systems, per model and precision, each measured --repeats times (median and spread reported):
+  plain          the whole model, one process: forward, loss, backward, Adam step
+  hetpipe 1x1    1 VW x 1 stage at Nm 1 and at Nm 4 (PS + WSP on the same machine, `exact` pulls, D 0)
+  hetpipe 2x1    2 VWs x 1 stage, both on the one device
+  hetpipe 1x2    1 VW x 2 stages, both on the one device (co-located stages: gloo with pinned staging)
+Models: char-gpt 8 blocks x 512 wide, 8 heads, 128 characters of context (Shakespeare), and resnet50 on
+32x32 images (MNIST padded, one channel, ten classes; the CIFAR-style stem), both at batch 64 with Adam.
+
+Rates are samples/s in the steady state: the plain loop's over its timed steps after --warmup, hetpipe's
+from its stage traces after two waves (throughput.py's window); ratio_to_plain divides each median by the
+plain loop's median of the same model and precision. Each hetpipe row also gives the wave breakdown (where a
+wave's time goes: compute, d2h, push_wait, gate_wait, h2d, push, pull, parked), how long `hetpipe train` took
+from its last minibatch to returning (tail_s), and the mean loss of the last 20 minibatches (the 1x2 row is
+compared with the 1x1 row at the same Nm).
+
+    python launch/bench/gpu.py --out gpu.json                       # on the machine's first CUDA device
+    python launch/bench/gpu.py --device cpu --quick                 # a smoke run on the CPU (tiny models)
+    python launch/bench/gpu.py --model char-gpt --precision bf16 --repeats 3 --minibatches 300
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # noqa: E402  (launch/bench is not a package)
+
+from hetpipe.compute import data as datalib  # noqa: E402
+from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
+from hetpipe.compute.optim import make_optimizer  # noqa: E402
+from hetpipe.core.config import ClusterConfig, load_config  # noqa: E402
+from hetpipe.models import build_stage  # noqa: E402
+
+MODELS = {  # name -> (model options, data name and options)
+    "char-gpt": ({"n_layer": 8, "n_head": 8, "n_embd": 512, "block_size": 128, "vocab_size": 84},
+                 ("shakespeare", {"block_size": 128})),
+    "resnet50": ({"in_channels": 1, "num_classes": 10, "image_size": 32}, ("mnist", {"pad": 2})),
+}
+QUICK = {  # --quick: the same kinds of model, small enough for a CPU smoke run
+    "char-gpt": ({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 84},
+                 ("shakespeare", {"block_size": 32})),
+    "resnet50": ({"in_channels": 1, "num_classes": 10, "image_size": 32}, ("mnist", {"pad": 2})),
+}
+SYSTEMS = (  # (system, VWs, stages per VW, Nm)
+    ("hetpipe", 1, 1, 1), ("hetpipe", 1, 1, 4), ("hetpipe", 2, 1, 1), ("hetpipe", 1, 2, 4),
+)
+LOSS_TAIL = 20  # minibatches whose mean loss a row reports
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
+
+
+def bench_config(model: str, options: dict[str, Any], data: tuple[str, dict[str, Any]], precision: str,
+                 device: str, vws: int, stages: int, nm: int, minibatches: int, batch: int, memory_gib: float,
+                 out_dir: Path) -> ClusterConfig:
+    """One node with vws x stages GPUs of one type, every one computing on `device`; one VW per row."""
+    num = vws * stages
+    gpus = ", ".join('"dev"' for _ in range(num))
+    devices = ", ".join(f'"{device}"' for _ in range(num))
+    vw_tables = "".join("[[virtual_workers]]\ngpus = [" + ", ".join(f'"n0:{v * stages + j}"' for j in range(stages))
+                        + "]\n" for v in range(vws))
+    text = f"""name = "gpu-bench"
+seed = 0
+[gpu_types.dev]
+speed = 1.0
+memory_gib = {memory_gib}
+[[nodes]]
+name = "n0"
+gpus = [{gpus}]
+devices = [{devices}]
+[ps]
+port = 7900
+[wsp]
+staleness = 0
+nm = {nm}
+pull = "exact"
+[checkpoint]
+dir = ""
+[model]
+name = "{model}"
+options = {_toml_value(options)}
+[data]
+name = "{data[0]}"
+options = {_toml_value(data[1])}
+[train]
+batch_size = {batch}
+waves = {max(3, -(-minibatches // nm))}
+optimizer = "adam"
+lr = 0.0003
+precision = "{precision}"
+eval_samples = 512
+out_dir = "{out_dir}"
+[emulation]
+enabled = false
+{vw_tables}"""
+    path = out_dir / f"{model}-{vws}x{stages}-nm{nm}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return load_config(path)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_plain(config: ClusterConfig, device_name: str, steps: int, warmup: int) -> dict[str, Any]:
+    """The whole model in this process on `device_name`: samples/s over the steps after `warmup`."""
+    device = torch.device(device_name)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as a hetpipe stage runs on the CPU
+    spec, data = model_of(config), dataset_of(config)
+    model = build_stage(spec, 0, spec.num_layers, device)
+    t = config.train
+    params = list(model.parameters())
+    optimizer = make_optimizer(params, t.optimizer, t.lr, t.momentum, t.weight_decay)  # the one stages use
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    indices = datalib.shard_indices(len(data.train.y), 1, 0, config.seed)
+    losses, started = [], 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            _sync(device)
+            started = time.perf_counter()
+        x, y = datalib.minibatch(data.train.x, data.train.y, indices, t.batch_size, config.seed, step)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast:
+            loss = spec.loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    _sync(device)
+    elapsed = time.perf_counter() - started
+    tail = [float(v) for v in losses[-LOSS_TAIL:]]
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"samples_per_s": steps * t.batch_size / elapsed, "loss_tail": sum(tail) / len(tail)}
+
+
+def run_hetpipe(config: ClusterConfig, run_dir: Path) -> dict[str, Any]:
+    """`hetpipe train` of `config` (progress off): steady samples/s, wave breakdown, tail after the last wave."""
+    from hetpipe.app.train import TrainOptions, train
+
+    summary = train(config, TrainOptions(run_dir=run_dir, progress=False))
+    returned = time.time()
+    rate = throughput.window_rate(throughput.trace_streams(run_dir), config.train.batch_size,
+                                  throughput.WARMUP_WAVES * config.wsp.nm)
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    minibatches = [e for e in events if e.get("event") == "minibatch" and not e.get("skipped")]
+    tail = [e["loss"] for e in sorted(minibatches, key=lambda e: (e["p"], e["vw"]))[-LOSS_TAIL:]]
+    return {"samples_per_s": rate, "wave_breakdown_ms": summary.get("wave_breakdown_ms", {}),
+            "tail_s": round(returned - max(e["t"] for e in minibatches), 2),
+            "loss_tail": sum(tail) / len(tail)}
+
+
+def median_row(base: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The median run's figures (by samples/s), with the spread of samples/s over all runs."""
+    rates = [r["samples_per_s"] for r in runs]
+    middle = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
+    return {**base, **middle, "samples_per_s": round(statistics.median(rates), 1),
+            "samples_per_s_runs": [round(r, 1) for r in rates], "repeats": len(runs)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One model at one precision on one device: what every system of the run shares."""
+
+    model: str
+    options: dict[str, Any]
+    data: tuple[str, dict[str, Any]]
+    precision: str
+    device: str
+    device_name: str
+    batch: int
+    minibatches: int
+    memory_gib: float
+    work: Path
+
+    def config(self, vws: int, stages: int, nm: int) -> ClusterConfig:
+        return bench_config(self.model, self.options, self.data, self.precision, self.device, vws, stages, nm,
+                            self.minibatches, self.batch, self.memory_gib, self.work)
+
+
+def run_setting(setting: Setting, repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """The plain loop, then every hetpipe system of SYSTEMS, `repeats` times each; one row per system."""
+    base = {"device": setting.device_name, "model": setting.model, "precision": setting.precision,
+            "batch": setting.batch}
+    plain = [run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup) for _ in range(repeats)]
+    plain_row = median_row({**base, "system": "plain", "nm": 1, "vws": 1, "stages": 1}, plain)
+    plain_row["ratio_to_plain"] = 1.0
+    click.echo(f"{setting.model} {setting.precision} plain: {plain_row['samples_per_s']} samples/s", err=True)
+    rows = [plain_row]
+    for system, vws, stages, nm in SYSTEMS:
+        runs = [run_hetpipe(setting.config(vws, stages, nm), setting.work / f"run-{time.time_ns()}")
+                for _ in range(repeats)]
+        row = median_row({**base, "system": system, "nm": nm, "vws": vws, "stages": stages}, runs)
+        row["ratio_to_plain"] = round(row["samples_per_s"] / plain_row["samples_per_s"], 3)
+        rows.append(row)
+        click.echo(f"{setting.model} {setting.precision} {system} {vws}x{stages} Nm {nm}: {row['samples_per_s']} "
+                   f"samples/s = {row['ratio_to_plain']}x plain, returned {row['tail_s']} s after its last minibatch",
+                   err=True)
+    return rows
+
+
+@click.command()
+@click.option("--device", default=None, help="Where everything computes (default: cuda:0 when there is one, else cpu).")
+@click.option("--model", "models", type=click.Choice(sorted(MODELS)), multiple=True, help="Repeatable; default both.")
+@click.option("--precision", "precisions", type=click.Choice(["fp32", "bf16"]), multiple=True,
+              help="Repeatable; default both.")
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--minibatches", type=int, default=300, show_default=True, help="Per VW and run.")
+@click.option("--warmup", type=int, default=20, show_default=True, help="Plain loop: untimed steps first.")
+@click.option("--batch", type=int, default=64, show_default=True)
+@click.option("--memory-gib", type=float, default=None, help="The device's memory for hetpipe's fit check "
+              "(default: the CUDA device's, or 16 on the CPU).")
+@click.option("--quick", is_flag=True, help="Small models at batch 8, for a smoke run on the CPU.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the rows as JSON here.")
+def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...], repeats: int, minibatches: int,
+         warmup: int, batch: int, memory_gib: float | None, quick: bool, out_path: Path | None) -> None:
+    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if memory_gib is None:
+        memory_gib = (torch.cuda.get_device_properties(torch.device(device)).total_memory / 2**30
+                      if device.startswith("cuda") else 16.0)
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU (one thread per process)"
+    table = QUICK if quick else MODELS
+    batch = 8 if quick else batch
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="hetpipe-gpu-") as work:
+        for model in models or sorted(MODELS):
+            for precision in precisions or ("fp32", "bf16"):
+                setting = Setting(model, *table[model], precision, device, name, batch, minibatches, memory_gib,
+                                  Path(work))
+                rows += run_setting(setting, repeats, warmup)
+    for row in rows:  # the 2-stage VW against 1 stage at the same Nm: the same training, split
+        if row["stages"] == 2:
+            one = next(r for r in rows if (r["model"], r["precision"], r["stages"], r["vws"], r["nm"], r["system"])
+                       == (row["model"], row["precision"], 1, 1, row["nm"], "hetpipe"))
+            row["loss_vs_one_stage"] = round(row["loss_tail"] / one["loss_tail"] - 1, 4)
+    text = json.dumps(rows, indent=1)
+    if out_path:
+        out_path.write_text(text + "\n")
+    click.echo(text)
+
+
+if __name__ == "__main__":
+    main()

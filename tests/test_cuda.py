@@ -1,0 +1,66 @@
+"""The runtime on a real CUDA device (issue 11): stages and VWs sharing one GPU, BatchNorm across VWs,
+emulated speeds on CUDA, bf16. Skipped without a GPU (CI has none); every other test forces the CPU path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetpipe.app.train import TrainOptions, train
+from hetpipe.core.config import apply_overrides, load_config
+
+from conftest import write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("event") == kind]
+
+
+def first_and_last_loss(run_dir: Path) -> tuple[float, float]:
+    losses = [e["loss"] for e in sorted(events(run_dir, "minibatch"), key=lambda e: e["p"])]
+    return sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+
+
+def test_two_stages_of_one_vw_share_one_gpu(tmp_path: Path):
+    # NCCL refuses two ranks on one device; co-located stages go over gloo with pinned staging
+    path = write_config(tmp_path, vws=[["n0:0", "n0:1"]], nm=2, staleness=0, waves=20, device="cuda:0",
+                        model="mnist-cnn", batch_size=32)
+    summary = train(load_config(path), TrainOptions(run_dir=tmp_path / "run", progress=False))
+    first, last = first_and_last_loss(tmp_path / "run")
+    assert summary["waves"] == 20 and last < first
+
+
+def test_two_vws_with_batchnorm_share_one_gpu(tmp_path: Path):
+    # the BN crash of issue 13 on a GPU: ResNet-18 with BatchNorm, 2 VWs, Nm 2, D 1
+    path = write_config(tmp_path, vws=[["n0:0"], ["n0:1"]], nm=2, staleness=1, waves=6, device="cuda:0",
+                        model="resnet18", batch_size=16)
+    config = apply_overrides(load_config(path), ["model.options={ in_channels = 1, num_classes = 10, image_size = 32 }",
+                                                 "data.options={ pad = 2 }"])
+    summary = train(config, TrainOptions(run_dir=tmp_path / "run", progress=False))
+    assert summary["waves"] == 6 and summary["test_accuracy"] >= 0.0
+
+
+def test_emulated_speeds_slow_a_stage_on_cuda(tmp_path: Path):
+    path = write_config(tmp_path, vws=[["n0:0"], ["n0:1"]], nm=2, staleness=0, waves=6, speeds=[4.0, 1.0],
+                        emulation=True, time_scale=1.0, model="mnist-cnn", device="cuda:0")
+    config = apply_overrides(load_config(path), ['emulation.device="cuda"'])
+    train(config, TrainOptions(run_dir=tmp_path / "run", progress=False))
+    slept = {e["vw"]: e["slept_s"] for e in events(tmp_path / "run", "stage_done")}
+    assert slept[1] > slept[0]  # the speed-1 GPU is stretched, the speed-4 one runs as fast as it can
+
+
+def test_bf16_trains_with_float32_weights_at_the_ps(tmp_path: Path):
+    path = write_config(tmp_path, vws=[["n0:0"]], nm=4, staleness=0, waves=10, device="cuda:0", model="mnist-cnn",
+                        batch_size=32)
+    config = apply_overrides(load_config(path), ["train.precision=bf16"])
+    train(config, TrainOptions(run_dir=tmp_path / "run", progress=False))
+    first, last = first_and_last_loss(tmp_path / "run")
+    state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert last < first
+    assert all(t.dtype == torch.float32 for t in state.values() if torch.is_floating_point(torch.as_tensor(t)))
