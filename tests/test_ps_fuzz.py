@@ -13,7 +13,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -139,6 +139,8 @@ def headers(draw) -> dict:
 
 @FUZZ
 @given(header=headers(), data=st.lists(st.binary(max_size=48), max_size=3))
+# CI found it: an id in the range of the session's reconnect probes had its answer skipped as a probe's
+@example(header={"v": wire.PROTOCOL_VERSION, "type": "ack", "id": 4_492_529_140_584_483_318, "run": RUN}, data=[])
 def test_any_header_from_a_stranger_is_answered_as_decoding_says(live, header: dict, data: list[bytes]):
     frames = [msgpack.packb(header, use_bin_type=True), *data]
     send(live, Case("hypothesis header", "stranger", frames, oracle(frames)))

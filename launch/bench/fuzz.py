@@ -87,6 +87,7 @@ class FuzzSession:
             self.socks[name] = sock
         self._ids = iter(range(2**60, _PROBE_IDS))  # apart from the cases' ids
         self._probes = iter(range(_PROBE_IDS, 2**62))
+        self._probes_sent: set[int] = set()  # a case may carry any id, even one in the probes' range
         self._parked: int | None = None  # the member's pull waiting for its gate
 
     def close(self) -> None:
@@ -100,7 +101,7 @@ class FuzzSession:
         while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             reply = wire.decode(sock.recv_multipart())
             rid = reply.fields.get("id")
-            if isinstance(rid, int) and rid >= _PROBE_IDS:
+            if isinstance(rid, int) and rid in self._probes_sent:
                 continue  # a late answer to a probe
             if want is None or rid == want:
                 return reply
@@ -182,6 +183,7 @@ class FuzzSession:
         """An oversized frame dropped the connection: probe with status until it answers again."""
         for _ in range(100):
             probe = next(self._probes)
+            self._probes_sent.add(probe)
             sock.send_multipart(wire.encode("status", {"id": probe, "run": RUN}))
             if sock.poll(200):
                 while sock.poll(0):
