@@ -349,6 +349,10 @@ class ShardState:
         if np.dtype(src.dtype) != np.float32:
             raise WspError("bad_message", f"key {key!r} is {np.dtype(src.dtype)}; the PS holds float32 only")
 
+    def stage_keys_of(self, vw: int, stage: int) -> tuple[str, ...]:
+        """The keys of a registered stage of a live VW (WspError "not_registered" or "evicted" otherwise)."""
+        return self._stage_keys(vw, stage)
+
     def _stage_keys(self, vw: int, stage: int) -> tuple[str, ...]:
         keys = self.stage_keys.get((vw, stage))
         if keys is None:
