@@ -90,21 +90,34 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 @click.option("--quiet", is_flag=True, help="No progress output; print only the summary.")
 @click.option("--audit", is_flag=True,
               help="Carry a tagged-update ledger and check at every forward what it saw (guarantees L and G).")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Continue the stopped run in this run dir from the newest wave the PS and every stage "
+                   "checkpointed (needs [checkpoint] every >= 1); its config.toml unless CONFIG is given.")
 @_set_option
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
-          quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
+          quiet: bool, audit: bool, resume_dir: Path | None, settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
-    from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
+    from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir, run_config
     from hetpipe.app.train import train as run_train
+    from hetpipe.core.errors import UsageError
     from hetpipe.core.metrics import format_summary
 
-    config = _load(config_path, settings)
+    if resume_dir is not None:
+        if run_dir is not None and run_dir != resume_dir:
+            raise UsageError("--resume RUN_DIR continues that run in its own dir: leave out --run-dir")
+        if plan_path:
+            raise UsageError("--resume uses the VWs the run was started with (saved in its dir): leave out --plan")
+        if not resume_dir.is_dir():
+            raise UsageError(f"--resume {resume_dir}: no such run dir")
+        run_dir = resume_dir
+    config = _load(config_path, settings) if config_path or resume_dir is None else run_config(resume_dir, settings)
     layouts = None
     if plan_path:
         config, layouts = apply_plan(config, plan_path)
     if summary_path:
         check_writable_dir(summary_path.parent, "--summary")  # now, not after the run
-    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit)
+    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit,
+                           resume=resume_dir is not None)
     summary = run_train(config, options)
     click.echo(format_summary(summary))
     if summary_path:

@@ -57,6 +57,7 @@ class Pulled:
     own_through: int  # own waves <= this are contained (max over shards is not needed: all agree)
     tensors: dict[str, np.ndarray]
     parked_s: float = 0.0  # how long the request waited at the PS for its gate (the longest shard)
+    gaps: list[list[int]] = field(default_factory=list)  # [vw, from, to): waves a VW added nothing to (any shard)
 
 
 _NOT_ASKED = wire.Message("none", {}, {})  # the reply slot of a shard a call does not go to
@@ -182,7 +183,7 @@ class PSClient:
             requests.append(("register", fields, part))
             self._registration.append(({**fields, "want_weights": False}, {k: np.array(v) for k, v in part.items()}))
         replies = self.wait(self.send(requests, what="register"))
-        self._next_wave = start_wave
+        self._next_wave = max(start_wave, min(r.fields["pushed"] for r in replies))
         self.keep_from = [r.fields["keep_from"] for r in replies]
         out: dict[str, np.ndarray] = {}
         for reply in replies:
@@ -230,9 +231,10 @@ class PSClient:
                     tensors[key] = out[key]
                 else:
                     tensors[key] = view.to_array()
+        gaps = sorted({tuple(g) for r in replies for g in r.fields["gaps"]})
         return Pulled(version=min(r.fields["version"] for r in replies),
                       own_through=min(r.fields["own_through"] for r in replies), tensors=tensors,
-                      parked_s=max(r.fields["parked_ms"] for r in replies) / 1000)
+                      parked_s=max(r.fields["parked_ms"] for r in replies) / 1000, gaps=[list(g) for g in gaps])
 
     def pull(self, wave: int, out: Mapping[str, np.ndarray] | None = None) -> Pulled:
         """Wait for the gate of `wave` and return the global weights (copied into `out` when given)."""
@@ -244,8 +246,14 @@ class PSClient:
 
     def read(self) -> dict[str, np.ndarray]:
         """Admin read: every key of every shard, at the newest complete version."""
+        return {k: v for tensors in self.read_each()[0] for k, v in tensors.items()}
+
+    def read_each(self) -> tuple[list[dict[str, np.ndarray]], list[dict[str, Any]]]:
+        """Admin read, shard by shard: the keys each holds (newest complete version) and its status then."""
         call = self.send([("read", {"run": self.run}, None)] * len(self.sockets), what="read")
-        return {k: np.array(v.to_array()) for r in self.wait(call) for k, v in r.tensors.items()}
+        replies = self.wait(call)
+        return ([{k: np.array(v.to_array()) for k, v in r.tensors.items()} for r in replies],
+                [r.fields["info"] for r in replies])
 
     # ---- calls --------------------------------------------------------------------------------------
     def send(self, requests: list[Request | None], what: str, gate: int = -1, wave: int = -1,

@@ -74,9 +74,10 @@ def write_checkpoint(
     blobs: list[memoryview] = []
     offset = 0
     for key, arr in arrays.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr)
+        arr = arr if arr.flags.c_contiguous else arr.copy(order="C")  # ascontiguousarray would make 0-d 1-d
         specs.append({"key": key, "dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset})
-        blobs.append(memoryview(arr).cast("B"))
+        blobs.append(memoryview(arr.reshape(-1)).cast("B"))  # 1-d first: 0-d and empty arrays cast too
         offset += arr.nbytes
     header = msgpack.packb({"format": FORMAT_VERSION, "clock": clock, "meta": dict(meta), "arrays": specs})
     stem = f"ckpt-{clock:08d}"

@@ -571,6 +571,7 @@ class ShardState:
             "c_local": [self.c_local(v) for v in range(self.num_vws or 0)],
             "live": self.live_vws(),
             "epochs": [self._epochs(v) for v in range(self.num_vws or 0)],
+            "gaps": self.gaps(),
             "version": self.version,
             "num_vws": self.num_vws,
             "num_waves": self.num_waves,
