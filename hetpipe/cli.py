@@ -131,14 +131,24 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 @_config_option
 @click.option("--vw", type=int, required=True, help="The virtual worker to run (0-based, in config order).")
 @click.option("--stage", type=int, default=None, help="Run only this stage of it (default: all its stages).")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/worker"),
-              show_default=True, help="Where logs and traces go.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where logs and traces go (default: runs/worker, or with --join a worker-vw<I>-<time> dir in it).")
+@click.option("--join", "join_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Join the running `hetpipe train` of this run dir (its PS, keys and config.toml unless --config).")
 @_set_option
-def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path, settings: tuple[str, ...]) -> None:
-    """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines."""
+def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path | None, join_dir: Path | None,
+           settings: tuple[str, ...]) -> None:
+    """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines; a VW
+    the PS evicted after a failure rejoins at the next wave boundary with the current global weights."""
     from hetpipe.worker.run import run_worker
 
-    run_worker(_load(config_path, settings), vw, stage, run_dir)
+    if join_dir is not None and config_path is None:
+        from hetpipe.app.train import run_config
+
+        config = run_config(join_dir, settings)
+    else:
+        config = _load(config_path, settings)
+    run_worker(config, vw, stage, run_dir, join_dir)
 
 
 @cli.command()

@@ -69,6 +69,7 @@ class Supervisor:
     restarts: list[int] = field(default_factory=list)
     evicted: set[int] = field(default_factory=set)
     _handled: set[str] = field(default_factory=set)  # stages whose end was dealt with
+    _port_queues: dict[int, Any] = field(default_factory=dict)  # alive until the restarted shard has read it
 
     def __post_init__(self) -> None:
         self.restarts = [0] * len(self.shards)
@@ -115,8 +116,8 @@ class Supervisor:
 
     def _restart_shard(self, i: int) -> None:
         self.restarts[i] += 1
-        queue = self.group.ctx.Queue()
-        self.group.children.remove(self.shards[i])
+        queue = self._port_queues[i] = self.group.ctx.Queue()  # (a queue collected before the child unpickles it
+        self.group.children.remove(self.shards[i])                # takes its semaphore along)
         self.shards[i] = self.group.start(f"ps-shard-{i}", serve_settings, self.shard_settings[i], queue)
         self.write_pids()
 

@@ -247,7 +247,8 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
             endpoints, settings, shards = _start_ps(group, config, run_dir, keys, resume_clock=cut)
-            (run_dir / "ps.json").write_text(json.dumps({"endpoints": endpoints, "run": config.name}))
+            (run_dir / "ps.json").write_text(json.dumps({"endpoints": endpoints, "run": config.name,
+                                                         "audit": options.audit}))  # for `hetpipe worker --join`
             stages = {}
             for v in range(len(vws)):
                 jobs = stage_jobs(config, vws, v, run_dir=run_dir, ps_endpoints=tuple(endpoints),
