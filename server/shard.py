@@ -32,7 +32,13 @@ from hetpipe.core.access import RefusalLog, refusal
 from hetpipe.core.aggregation import Aggregation, make_aggregation
 from hetpipe.core.keys import ServerKeys
 from hetpipe.core.wsp import PullResult, ShardState, WspError
-from hetpipe.server.checkpoint import discard_after, load_clock, load_newest, write_checkpoint
+from hetpipe.server.checkpoint import (
+    BackgroundWriter,
+    discard_after,
+    load_clock,
+    load_newest,
+    write_checkpoint,
+)
 from hetpipe.server.guard import CurveGate
 
 __all__ = ["ShardServer", "ShardSettings"]
@@ -108,7 +114,11 @@ class ShardServer:
         self._stopping = False
         self._last_checkpoint = -1
         self._sock: zmq.Socket | None = None
+        self._writer: BackgroundWriter | None = None
         self._restore()
+        if settings.checkpoint_dir is not None and settings.checkpoint_every > 0:
+            self._writer = BackgroundWriter(settings.checkpoint_dir, settings.checkpoint_keep,
+                                            lambda m: self.log(f"[shard {settings.shard}] {m}"))
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -193,6 +203,8 @@ class ShardServer:
         finally:
             if self.settings.checkpoint_dir is not None and self.state.stage_keys:
                 self.checkpoint(reason="stop")
+            if self._writer is not None:
+                self._writer.close()
             if self.gate is not None:
                 self.gate.close()
             sock.close(linger=0)
@@ -219,17 +231,29 @@ class ShardServer:
                 ) from None
         return int(endpoint.rsplit(":", 1)[1])
 
-    def checkpoint(self, reason: str) -> Path | None:
+    def checkpoint(self, reason: str, background: bool = False) -> Path | None:
+        """Write a checkpoint of the state now (`background`: by the writer thread, while requests go on; the
+        pushes it holds count as durable once it is on disk)."""
         directory = self.settings.checkpoint_dir
         if directory is None:
             return None
-        meta, arrays = self.state.to_state()
+        meta, arrays = self.state.to_state(detached=background)
         clock = self.state.c_global
         full_meta = {"run": self.settings.run, "shard": self.settings.shard, "c_local": meta_clocks(self.state), "wsp": meta}
-        path = write_checkpoint(directory, clock, full_meta, arrays, self.settings.checkpoint_keep)
+        pushed = dict(self.state.pushed)
         self._last_checkpoint = clock
-        self.durable = dict(self.state.pushed)
-        self.log(f"[shard {self.settings.shard}] checkpoint {path.name} written ({reason})")
+
+        def done(path: Path) -> None:
+            self.durable = pushed  # one assignment: the loop thread sees the old dict or this one
+            self.log(f"[shard {self.settings.shard}] checkpoint {path.name} written ({reason})")
+
+        if background and self._writer is not None:
+            self._writer.submit(clock, full_meta, arrays, done)
+            return None
+        if self._writer is not None:
+            self._writer.drain()  # one writer at a time: the files and their pruning stay in order
+        path = write_checkpoint(directory, clock, full_meta, arrays, self.settings.checkpoint_keep)
+        done(path)
         return path
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -480,7 +504,7 @@ class ShardServer:
         self._status_line()
         every, clock = self.settings.checkpoint_every, self.state.c_global
         if every and clock != self._last_checkpoint and (clock % every == 0 or clock == self.state.num_waves):
-            self.checkpoint(reason=f"every {every} clocks" if clock % every == 0 else "the last clock")
+            self.checkpoint(reason=f"every {every} clocks" if clock % every == 0 else "the last clock", background=True)
 
     def _status_line(self) -> None:
         t = self.traffic

@@ -583,11 +583,13 @@ class ShardState:
             "aggregation": self.aggregation.name,
         }
 
-    def to_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Everything needed to resume: msgpack-able metadata and the named float32 arrays."""
+    def to_state(self, detached: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Everything needed to resume: msgpack-able metadata and the named float32 arrays. `detached`: copy
+        the arrays later pushes change in place (latest weights, sums being accumulated), so that another
+        thread may write them out while the shard goes on; the others are never changed once made."""
         arrays: dict[str, np.ndarray] = {f"i/{k}": v for k, v in self.initial.items()}
         if self.pull_mode == "latest":
-            arrays.update({f"w/{k}": v for k, v in self.weights.items()})
+            arrays.update({f"w/{k}": v.copy() if detached else v for k, v in self.weights.items()})
             for vw, values in self.latest_buffers.items():
                 arrays.update({f"b/{vw}/{k}": v for k, v in values.items()})
             for vw, waves in self.latest_held.items():
@@ -599,7 +601,7 @@ class ShardState:
         sums_meta = {}
         for wave, ws in self.wave_sums.items():
             for key, arr in ws.sums.items():
-                arrays[f"s/{wave}/{key}"] = _as_array(arr)
+                arrays[f"s/{wave}/{key}"] = arr.copy() if detached and key in ws.owned else _as_array(arr)
             for key, held in ws.held.items():
                 for v, arr in held.items():
                     arrays[f"h/{wave}/{v}/{key}"] = _as_array(arr)
