@@ -104,6 +104,7 @@ class ShardServer:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.state = ShardState(settings.staleness, settings.pull_mode, settings.make_aggregation())
         self.identities: dict[tuple[int, int], bytes] = {}
+        self.evicted_identities: dict[bytes, int] = {}  # connections of stages whose VW was evicted -> the VW
         self.parked: dict[tuple[int, int], Parked] = {}  # (vw, stage) -> its one pull waiting for the gate
         self.refusals = RefusalLog()
         self.gate: CurveGate | None = None
@@ -311,6 +312,10 @@ class ShardServer:
                 )
 
     def _owner_check(self, identity: bytes, vw: int, stage: int) -> None:
+        if identity in self.evicted_identities:
+            gone = self.evicted_identities[identity]
+            raise WspError("evicted", f"vw {gone} was evicted: its stages must stop (`hetpipe worker --vw {gone}` "
+                                      "rejoins it at the next wave boundary)")
         owner = self.identities.get((vw, stage))
         if owner is None or owner != identity:
             raise WspError(
@@ -403,7 +408,7 @@ class ShardServer:
             p = self.parked.pop(sid)
             self._send(p.identity, wire.error_frames(p.request_id, "evicted", f"vw {vw} was evicted ({why})"))
         for sid in [sid for sid in self.identities if sid[0] == vw]:
-            del self.identities[sid]
+            self.evicted_identities[self.identities.pop(sid)] = vw
         self.log(f"[shard {self.settings.shard}] evicted vw {vw} at wave {boundary} ({why}); live VWs now "
                  f"{self.state.live_vws()}, c_global {self.state.c_global}")
         if self.settings.recoverable:

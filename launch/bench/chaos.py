@@ -197,6 +197,7 @@ def main(kills: int, stages: str | None, shards: int, waves: int | None, seed: i
     stages = stages or "no"
     waves = waves or 20 + (6 if stages == "no" else 40) * kills
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="hetpipe-chaos-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
     overrides = [*(SMALL if config_path is None else []), f"train.waves={waves}", f"ps.shards={shards}",
                  "checkpoint.every=1", 'checkpoint.dir="ps"', f"ps.max_restarts={kills + 5}", "ps.heartbeat_s=1",
                  "ps.hung_after_s=60", *(["ps.on_vw_failure=evict"] if stages != "no" else []), *settings]
