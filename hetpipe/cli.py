@@ -52,6 +52,12 @@ def _load(config_path: Path | None, settings: tuple[str, ...] = ()):
     return apply_overrides(load_config(config_path or default_config_path()), settings)
 
 
+def _run_config(run_dir: Path, settings: tuple[str, ...]):
+    from hetpipe.core.config import run_dir_config
+
+    return run_dir_config(run_dir, settings)
+
+
 @cli.command()
 @_config_option
 @_set_option
@@ -98,11 +104,26 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 @click.option("--quiet", is_flag=True, help="No progress output; print only the summary.")
 @click.option("--audit", is_flag=True,
               help="Carry a tagged-update ledger and check at every forward what it saw (guarantees L and G).")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Continue the stopped run in this run dir from the newest wave the PS and every stage "
+                   "checkpointed (needs [checkpoint] every >= 1); its config.toml unless CONFIG is given.")
 @_set_option
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
-          tensorboard_dir: Path | None, quiet: bool, audit: bool, settings: tuple[str, ...]) -> None:
+          tensorboard_dir: Path | None, quiet: bool, audit: bool, resume_dir: Path | None,
+          settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
-    config = _load(config_path, settings)  # before torch is imported: a bad config fails in well under a second
+    from hetpipe.core.errors import UsageError
+
+    if resume_dir is not None:
+        if run_dir is not None and run_dir != resume_dir:
+            raise UsageError("--resume RUN_DIR continues that run in its own dir: leave out --run-dir")
+        if plan_path:
+            raise UsageError("--resume uses the VWs the run was started with (saved in its dir): leave out --plan")
+        if not resume_dir.is_dir():
+            raise UsageError(f"--resume {resume_dir}: no such run dir")
+        run_dir = resume_dir
+    # the config before torch is imported: a bad one fails in well under a second
+    config = _load(config_path, settings) if config_path or resume_dir is None else _run_config(resume_dir, settings)
 
     from hetpipe.app.startup import PRELOAD
     from hetpipe.core.procs import warm_forkserver
@@ -111,6 +132,7 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 
     from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
     from hetpipe.app.train import train as run_train
+    from hetpipe.core.errors import UsageError
     from hetpipe.core.metrics import format_summary
 
     layouts = None
@@ -123,7 +145,7 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 
         check_board()
     options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit,
-                           tensorboard=tensorboard_dir, started_at=STARTED)
+                           tensorboard=tensorboard_dir, started_at=STARTED, resume=resume_dir is not None)
     summary = run_train(config, options)
     click.echo(format_summary(summary))
     if summary_path:
@@ -152,12 +174,17 @@ def export(run_dir: Path, out_path: Path | None) -> None:
 @_config_option
 @click.option("--vw", type=int, required=True, help="The virtual worker to run (0-based, in config order).")
 @click.option("--stage", type=int, default=None, help="Run only this stage of it (default: all its stages).")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/worker"),
-              show_default=True, help="Where logs and traces go.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where logs and traces go (default: runs/worker, or with --join a worker-vw<I>-<time> dir in it).")
+@click.option("--join", "join_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Join the running `hetpipe train` of this run dir (its PS, keys and config.toml unless --config).")
 @_set_option
-def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path, settings: tuple[str, ...]) -> None:
-    """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines."""
-    config = _load(config_path, settings)  # before torch is imported
+def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path | None, join_dir: Path | None,
+           settings: tuple[str, ...]) -> None:
+    """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines; a VW
+    the PS evicted after a failure rejoins at the next wave boundary with the current global weights."""
+    # the config before torch is imported
+    config = _run_config(join_dir, settings) if join_dir is not None and config_path is None else _load(config_path, settings)
 
     from hetpipe.app.startup import PRELOAD
     from hetpipe.core.procs import warm_forkserver
@@ -165,7 +192,7 @@ def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path, 
     warm_forkserver(PRELOAD)  # its stages fork ready, as under `hetpipe train`
     from hetpipe.worker.run import run_worker
 
-    run_worker(config, vw, stage, run_dir)
+    run_worker(config, vw, stage, run_dir, join_dir)
 
 
 @cli.command()

@@ -1,158 +1,81 @@
-"""Shard checkpoints on disk: atomic writes (temp file, fsync, rename), sha256 manifests, newest-valid load.
-
-Layout of a checkpoint directory (one per shard):
-    ckpt-00000012.bin   MAGIC, 8-byte little-endian header length, msgpack header, raw array bytes
-    ckpt-00000012.json  manifest: file name, byte count, sha256, clocks; written after the .bin, so a
-                        manifest only ever names a complete file
-No pickle: arrays are raw float32 bytes described by the header.
-"""
+"""Shard checkpoints on disk (the file format lives in hetpipe.core.checkpoint; stages write theirs with it too)
+and the thread that writes them while the shard goes on serving."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import time
+import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 
-from hetpipe.core.errors import HetpipeError
+from hetpipe.core.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    discard_after,
+    list_clocks,
+    list_manifests,
+    load_clock,
+    load_newest,
+    read_checkpoint,
+    write_checkpoint,
+)
 
-__all__ = ["Checkpoint", "CheckpointError", "list_manifests", "load_newest", "read_checkpoint", "write_checkpoint"]
+__all__ = ["BackgroundWriter", "Checkpoint", "CheckpointError", "discard_after", "list_clocks", "list_manifests",
+           "load_clock", "load_newest", "read_checkpoint", "write_checkpoint"]
 
-MAGIC = b"HETPIPE-CKPT-1\n"
-FORMAT_VERSION = 1
-
-
-class CheckpointError(HetpipeError):
-    """No usable checkpoint where one was expected."""
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    path: Path
-    clock: int
-    meta: dict[str, Any]
-    arrays: dict[str, np.ndarray]
+Job = tuple[int, Mapping[str, Any], Mapping[str, np.ndarray], Callable[[Path], None]]
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class BackgroundWriter:
+    """Writes checkpoints in a thread (file writes, sha256 and fsync let the shard's loop run meanwhile). One
+    is written at a time; one more may wait, and a newer one replaces it. `done(path)` runs in the writer
+    thread once a checkpoint is on disk."""
 
+    def __init__(self, directory: Path, keep: int, log: Callable[[str], None]) -> None:
+        self.directory, self.keep, self.log = directory, keep, log
+        self._cond = threading.Condition()
+        self._waiting: Job | None = None
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
 
-def _atomic_write(path: Path, chunks: list[bytes | memoryview]) -> str:
-    """Write chunks to path via a temp file + fsync + rename; returns the sha256 of the content."""
-    digest = hashlib.sha256()
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-            digest.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return digest.hexdigest()
+    def submit(self, clock: int, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
+               done: Callable[[Path], None]) -> None:
+        """Queue a checkpoint (its arrays must not change any more); a newer one queued before it starts wins."""
+        with self._cond:
+            self._waiting = (clock, meta, arrays, done)
+            self._cond.notify_all()
 
+    def drain(self) -> None:
+        """Return once nothing is queued or being written."""
+        with self._cond:
+            while self._waiting is not None or self._busy:
+                self._cond.wait()
 
-def write_checkpoint(
-    directory: Path, clock: int, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray], keep: int
-) -> Path:
-    """Write checkpoint `clock` of a shard and drop all but the newest `keep`; returns the data path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    specs, blobs, offset = [], [], 0
-    for key, arr in arrays.items():
-        arr = np.ascontiguousarray(arr)
-        specs.append({"key": key, "dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset})
-        blobs.append(memoryview(arr).cast("B"))
-        offset += arr.nbytes
-    header = msgpack.packb({"format": FORMAT_VERSION, "clock": clock, "meta": dict(meta), "arrays": specs})
-    stem = f"ckpt-{clock:08d}"
-    data_path = directory / f"{stem}.bin"
-    chunks = [MAGIC, len(header).to_bytes(8, "little"), header, *blobs]
-    sha = _atomic_write(data_path, chunks)
-    manifest = {
-        "format": FORMAT_VERSION,
-        "file": data_path.name,
-        "bytes": sum(len(c) for c in chunks),
-        "sha256": sha,
-        "clock": clock,
-        "c_local": meta.get("c_local"),
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    _atomic_write(directory / f"{stem}.json", [json.dumps(manifest, indent=1).encode()])
-    _fsync_dir(directory)
-    for old in list_manifests(directory)[:-keep]:
-        for suffix in (".bin", ".json"):
-            old.with_suffix(suffix).unlink(missing_ok=True)
-    return data_path
+    def close(self) -> None:
+        self.drain()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(10)
 
-
-def list_manifests(directory: Path) -> list[Path]:
-    """Manifest paths, oldest first."""
-    if not directory.is_dir():
-        return []
-    return sorted(directory.glob("ckpt-*.json"))
-
-
-def read_checkpoint(manifest_path: Path) -> Checkpoint:
-    """Read and verify one checkpoint; raises CheckpointError saying what is wrong with it."""
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        data_path = manifest_path.with_name(manifest["file"])
-        expected_sha, expected_bytes = manifest["sha256"], manifest["bytes"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{manifest_path.name}: unreadable manifest ({exc})") from None
-    try:
-        data = data_path.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"{data_path.name}: cannot read ({exc.strerror})") from None
-    if len(data) != expected_bytes:
-        raise CheckpointError(f"{data_path.name}: {len(data)} bytes, the manifest says {expected_bytes} (truncated)")
-    if hashlib.sha256(data).hexdigest() != expected_sha:
-        raise CheckpointError(f"{data_path.name}: sha256 does not match its manifest (the file changed after it was written)")
-    if not data.startswith(MAGIC):
-        raise CheckpointError(f"{data_path.name}: not a hetpipe checkpoint")
-    start = len(MAGIC) + 8
-    header_len = int.from_bytes(data[len(MAGIC) : start], "little")
-    header = msgpack.unpackb(data[start : start + header_len], strict_map_key=False)
-    body = memoryview(data)[start + header_len :]
-    arrays = {}
-    for spec in header["arrays"]:
-        dtype = np.dtype(spec["dtype"])
-        count = int(np.prod(spec["shape"], dtype=np.int64))
-        flat = np.frombuffer(body, dtype=dtype, count=count, offset=spec["offset"])
-        arrays[spec["key"]] = flat.reshape(spec["shape"]).copy()
-    return Checkpoint(path=data_path, clock=header["clock"], meta=header["meta"], arrays=arrays)
-
-
-def load_newest(directory: Path, log: Callable[[str], None]) -> Checkpoint | None:
-    """The newest checkpoint that verifies; each refused one is logged with its reason.
-
-    None when the directory holds no checkpoint; CheckpointError when it holds some but none verifies
-    (starting from scratch then would silently lose training, so the user must decide).
-    """
-    manifests = list_manifests(directory)
-    refused = []
-    for manifest in reversed(manifests):
-        try:
-            ckpt = read_checkpoint(manifest)
-        except CheckpointError as exc:
-            refused.append(str(exc))
-            log(f"refusing checkpoint {exc}; trying the previous one")
-            continue
-        return ckpt
-    if refused:
-        raise CheckpointError(
-            f"no valid checkpoint in {directory} ({len(refused)} refused: {'; '.join(refused)}); "
-            "move that directory away to start from scratch"
-        )
-    return None
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None and not self._closed:
+                    self._cond.wait()
+                if self._waiting is None:
+                    return
+                job, self._waiting, self._busy = self._waiting, None, True
+            clock, meta, arrays, done = job
+            try:
+                done(write_checkpoint(self.directory, clock, meta, arrays, self.keep))
+            except Exception as exc:  # a full disk must not take the shard down; the next one tries again
+                self.log(f"checkpoint of clock {clock} failed: {exc}")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()

@@ -29,11 +29,12 @@ def shard_keys(config: ClusterConfig) -> ServerKeys | None:
 
 def shard_settings(
     config: ClusterConfig, shard: int, port: int | None = None, checkpoint_root: Path | None = None,
-    keys: ServerKeys | None = None,
+    keys: ServerKeys | None = None, resume_clock: int | None = None,
 ) -> ShardSettings:
     """The settings of shard `shard`: it listens on ps.port + shard unless `port` is given (0: any) and
     checkpoints under [checkpoint] dir (or `checkpoint_root`) in shard-<i>, unless checkpoints are off.
-    With auth = "curve" it admits `keys` (default: those of [ps] keys_dir)."""
+    With auth = "curve" it admits `keys` (default: those of [ps] keys_dir). `resume_clock`: start from that
+    checkpoint, cut back to it (hetpipe train --resume)."""
     if not 0 <= shard < config.ps.shards:
         raise UsageError(f"--shard {shard} is out of range: {config.path} has ps.shards = {config.ps.shards}")
     if config.ps.auth == "curve" and keys is None:
@@ -54,6 +55,9 @@ def shard_settings(
         momentum=config.train.momentum,
         weight_decay=config.train.weight_decay,
         keys=keys if config.ps.auth == "curve" else None,
+        on_vw_failure=config.ps.on_vw_failure,
+        hung_after_s=config.ps.hung_after_s,
+        resume_clock=resume_clock,
     )
 
 

@@ -5,6 +5,12 @@ gate is closed, is parked and answered the moment the gate opens; one parked pul
 by zero-copy sends; the state copies an array before changing it while such a send still reads it.
 Tensors with NaN or inf are refused before the state sees them. With keys (auth = "curve") the ROUTER is a
 CURVE server behind hetpipe.server.guard, and each request must come from a key allowed to act as its VW.
+
+Recovery (docs/recovery.md): a shard restarted after a crash loads its newest valid checkpoint; clients find
+their connection unknown (`not_registered`), register again and resend every push the shard does not hold.
+Acks say how far each stage's pushes are in a checkpoint (`keep_from`), so clients keep only the rest. Stages
+send heartbeats; one silent for `hung_after_s` fails its VW: evicted (on_vw_failure = "evict": the others go
+on) or the whole run stopped ("stop").
 """
 
 from __future__ import annotations
@@ -26,12 +32,19 @@ from hetpipe.core.access import RefusalLog, refusal
 from hetpipe.core.aggregation import Aggregation, make_aggregation
 from hetpipe.core.keys import ServerKeys
 from hetpipe.core.wsp import PullResult, ShardState, WspError
-from hetpipe.server.checkpoint import load_newest, write_checkpoint
+from hetpipe.server.checkpoint import (
+    BackgroundWriter,
+    discard_after,
+    load_clock,
+    load_newest,
+    write_checkpoint,
+)
 from hetpipe.server.guard import CurveGate
 
 __all__ = ["ShardServer", "ShardSettings"]
 
-REQUEST_TYPES = ("register", "push", "pull", "status", "read")
+REQUEST_TYPES = ("register", "push", "pull", "status", "read", "heartbeat", "evict", "rejoin")
+STAGE_REQUESTS = ("register", "push", "pull", "heartbeat")  # refused once the run failed (on_vw_failure = "stop")
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,14 @@ class ShardSettings:
     weight_decay: float = 0.0
 
     keys: ServerKeys | None = None  # None: no authentication (auth = "none")
+    on_vw_failure: str = "stop"  # a stage silent for hung_after_s: "stop" the run | "evict" its VW
+    hung_after_s: float = 0.0  # 0: no heartbeat checks
+    resume_clock: int | None = None  # start from this clock's checkpoint, cut back to it (hetpipe train --resume)
+
+    @property
+    def recoverable(self) -> bool:
+        """Checkpoints come every few clocks, so a crash of this shard can be recovered from."""
+        return self.checkpoint_dir is not None and self.checkpoint_every > 0
 
     def make_aggregation(self) -> Aggregation:
         return make_aggregation(self.aggregation, self.optimizer, self.lr, self.momentum, self.weight_decay)
@@ -83,21 +104,31 @@ class ShardServer:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.state = ShardState(settings.staleness, settings.pull_mode, settings.make_aggregation())
         self.identities: dict[tuple[int, int], bytes] = {}
+        self.evicted_identities: dict[bytes, int] = {}  # connections of stages whose VW was evicted -> the VW
         self.parked: dict[tuple[int, int], Parked] = {}  # (vw, stage) -> its one pull waiting for the gate
         self.refusals = RefusalLog()
         self.gate: CurveGate | None = None
         self.traffic = Traffic()
+        self.durable: dict[tuple[int, int], int] = {}  # (vw, stage) -> its pushes in the newest checkpoint
+        self.beats: dict[tuple[int, int], tuple[float, int]] = {}  # (vw, stage) -> (last heartbeat, progress)
+        self.failed: str | None = None  # why the run stopped (on_vw_failure = "stop")
         self._stopping = False
         self._last_checkpoint = -1
         self._sock: zmq.Socket | None = None
+        self._writer: BackgroundWriter | None = None
         self._restore()
+        if settings.checkpoint_dir is not None and settings.checkpoint_every > 0:
+            self._writer = BackgroundWriter(settings.checkpoint_dir, settings.checkpoint_keep,
+                                            lambda m: self.log(f"[shard {settings.shard}] {m}"))
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def _restore(self) -> None:
         directory = self.settings.checkpoint_dir
         if directory is None:
             return
-        ckpt = load_newest(directory, lambda m: self.log(f"[shard {self.settings.shard}] {m}"))
+        say = lambda m: self.log(f"[shard {self.settings.shard}] {m}")  # noqa: E731
+        cut = self.settings.resume_clock
+        ckpt = load_newest(directory, say) if cut is None else load_clock(directory, cut)
         if ckpt is None:
             return
         meta = ckpt.meta
@@ -106,8 +137,22 @@ class ShardServer:
                 f"[shard {self.settings.shard}] note: checkpoint {ckpt.path.name} is of run {meta.get('run')!r} "
                 f"with D={meta['wsp']['staleness']}; resuming it as it was written"
             )
-        self.state = ShardState.from_state(meta["wsp"], ckpt.arrays, self.settings.make_aggregation())
+        exact = meta["wsp"]["pull_mode"] == "exact"
+        try:
+            self.state = ShardState.from_state(meta["wsp"], ckpt.arrays, self.settings.make_aggregation(),
+                                               cut=cut if exact else None)
+        except WspError as exc:
+            from hetpipe.core.errors import HetpipeError
+
+            raise HetpipeError(f"shard {self.settings.shard}: cannot resume from {ckpt.path}: {exc}") from None
+        if cut is not None:
+            dropped = discard_after(directory, cut)
+            if dropped:
+                say(f"resuming from clock {cut}: dropped the later checkpoints {dropped}")
         self._last_checkpoint = ckpt.clock
+        self.durable = dict(self.state.pushed)
+        now = time.monotonic()
+        self.beats = {sid: (now, 0) for sid in self.state.stage_keys}  # a restart gives every stage its full grace
         self.log(
             f"[shard {self.settings.shard}] resumed from {ckpt.path} at clock {ckpt.clock} "
             f"(c_local {self.state.status()['c_local']})"
@@ -143,6 +188,7 @@ class ShardServer:
         try:
             while not self._stopping:
                 events = dict(poller.poll(100))
+                self._check_heartbeats(time.monotonic())
                 if not events:
                     continue
                 if self.gate is not None:
@@ -158,6 +204,8 @@ class ShardServer:
         finally:
             if self.settings.checkpoint_dir is not None and self.state.stage_keys:
                 self.checkpoint(reason="stop")
+            if self._writer is not None:
+                self._writer.close()
             if self.gate is not None:
                 self.gate.close()
             sock.close(linger=0)
@@ -167,27 +215,46 @@ class ShardServer:
         endpoint = self.settings.endpoint
         if endpoint.endswith(":0"):
             return sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            from hetpipe.core.errors import HetpipeError
+        deadline = time.monotonic() + 10.0  # a restarted shard takes its predecessor's port: the OS may hold it briefly
+        while True:
+            try:
+                sock.bind(endpoint)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EADDRINUSE and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+                from hetpipe.core.errors import HetpipeError
 
-            raise HetpipeError(
-                f"shard {self.settings.shard} cannot listen on {endpoint}: {exc}; "
-                "is another server running? choose another [ps] port"
-            ) from None
+                raise HetpipeError(
+                    f"shard {self.settings.shard} cannot listen on {endpoint}: {exc}; "
+                    "is another server running? choose another [ps] port"
+                ) from None
         return int(endpoint.rsplit(":", 1)[1])
 
-    def checkpoint(self, reason: str) -> Path | None:
+    def checkpoint(self, reason: str, background: bool = False) -> Path | None:
+        """Write a checkpoint of the state now (`background`: by the writer thread, while requests go on; the
+        pushes it holds count as durable once it is on disk)."""
         directory = self.settings.checkpoint_dir
         if directory is None:
             return None
-        meta, arrays = self.state.to_state()
+        meta, arrays = self.state.to_state(detached=background)
         clock = self.state.c_global
         full_meta = {"run": self.settings.run, "shard": self.settings.shard, "c_local": meta_clocks(self.state), "wsp": meta}
-        path = write_checkpoint(directory, clock, full_meta, arrays, self.settings.checkpoint_keep)
+        pushed = dict(self.state.pushed)
         self._last_checkpoint = clock
-        self.log(f"[shard {self.settings.shard}] checkpoint {path.name} written ({reason})")
+
+        def done(path: Path) -> None:
+            self.durable = pushed  # one assignment: the loop thread sees the old dict or this one
+            self.log(f"[shard {self.settings.shard}] checkpoint {path.name} written ({reason})")
+
+        if background and self._writer is not None:
+            self._writer.submit(clock, full_meta, arrays, done)
+            return None
+        if self._writer is not None:
+            self._writer.drain()  # one writer at a time: the files and their pruning stay in order
+        path = write_checkpoint(directory, clock, full_meta, arrays, self.settings.checkpoint_keep)
+        done(path)
         return path
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -209,6 +276,8 @@ class ShardServer:
                 )
             if self.gate is not None:
                 self._access_check(body[0], msg)
+            if self.failed is not None and msg.type in STAGE_REQUESTS:
+                raise WspError("vw_failed", self.failed)
             getattr(self, f"_on_{msg.type}")(identity, msg)
         except (wire.WireError, WspError) as exc:
             if request_id is None:  # decode could not finish; it kept the id if the header had one
@@ -243,11 +312,21 @@ class ShardServer:
                 )
 
     def _owner_check(self, identity: bytes, vw: int, stage: int) -> None:
+        if identity in self.evicted_identities:
+            gone = self.evicted_identities[identity]
+            raise WspError("evicted", f"vw {gone} was evicted: its stages must stop (`hetpipe worker --vw {gone}` "
+                                      "rejoins it at the next wave boundary)")
         owner = self.identities.get((vw, stage))
         if owner is None or owner != identity:
             raise WspError(
                 "not_registered", f"vw {vw} stage {stage} is not registered from this connection: register first"
             )
+
+    def _keep_from(self, sid: tuple[int, int]) -> int:
+        """The first wave of this stage whose push the client must keep: the shard may lose it in a crash."""
+        if not self.settings.recoverable:
+            return self.state.pushed[sid]  # nothing survives a crash here: keeping pushes would not help
+        return min(self.durable.get(sid, self.state.epoch_start(sid[0])), self.state.pushed[sid])
 
     def _on_register(self, identity: bytes, msg: wire.Message) -> None:
         f = msg.fields
@@ -257,22 +336,111 @@ class ShardServer:
             raise WspError("conflict", f"vw {sid[0]} stage {sid[1]} is already registered from another connection")
         self._finite_check(msg, f"register of vw {sid[0]} stage {sid[1]}")
         kinds = {**dict.fromkeys(f["buffers"], "buffer"), **dict.fromkeys(f["ledgers"], "ledger")}
+        again = sid in self.state.stage_keys
         values = self.state.register(f["vw"], f["stage"], f["num_vws"], f["num_stages"], msg.tensors, kinds,
-                                     f["num_waves"] or None)
+                                     f["num_waves"] or None, f["start_wave"])
         self.identities[sid] = identity
+        self.beats[sid] = (time.monotonic(), self.beats.get(sid, (0.0, 0))[1])
+        if again and owner is None:
+            self.log(f"[shard {self.settings.shard}] vw {sid[0]} stage {sid[1]} registered again "
+                     f"(it holds {self.state.pushed[sid]} of its waves)")
         tensors = values if f["want_weights"] else {}
-        frames = wire.encode("registered", {"id": f["id"], "c_global": self.state.c_global}, tensors)
-        self._send(identity, frames, lent=tensors)
+        fields = {"id": f["id"], "c_global": self.state.c_global, "pushed": self.state.pushed[sid],
+                  "keep_from": self._keep_from(sid)}
+        self._send(identity, wire.encode("registered", fields, tensors), lent=tensors)
 
     def _on_push(self, identity: bytes, msg: wire.Message) -> None:
         f = msg.fields
         self._owner_check(identity, f["vw"], f["stage"])
         self._finite_check(msg, f"push of vw {f['vw']} stage {f['stage']} wave {f['wave']}")
         result = self.state.push(f["vw"], f["stage"], f["wave"], msg.tensors)
-        ack = {"id": f["id"], "wave": f["wave"], "applied": result.applied, "c_global": result.c_global}
+        sid = (f["vw"], f["stage"])
+        ack = {"id": f["id"], "wave": f["wave"], "applied": result.applied, "c_global": result.c_global,
+               "keep_from": self._keep_from(sid)}
         self._send(identity, wire.encode("ack", ack))
         if result.clock_advanced:
             self._on_clock()
+
+    def _on_heartbeat(self, identity: bytes, msg: wire.Message) -> None:
+        f = msg.fields
+        self._owner_check(identity, f["vw"], f["stage"])
+        self.state.stage_keys_of(f["vw"], f["stage"])  # "evicted" once its VW is out
+        sid = (f["vw"], f["stage"])
+        self.beats[sid] = (time.monotonic(), f["progress"])
+        beat = {"id": f["id"], "c_global": self.state.c_global, "keep_from": self._keep_from(sid)}
+        self._send(identity, wire.encode("beat", beat))
+
+    def _evict_policy(self, what: str) -> None:
+        if self.settings.on_vw_failure != "evict":
+            raise WspError("conflict", f"{what} refused: this shard runs with [ps] on_vw_failure = \"stop\" (a failed "
+                                       "VW stops the run); with \"evict\" the others go on without it")
+
+    def _on_evict(self, identity: bytes, msg: wire.Message) -> None:
+        f = msg.fields
+        self._evict_policy(f"evict of vw {f['vw']}")
+        at = self.evict(f["vw"], "on request")
+        self._send(identity, wire.encode("evicted", {"id": f["id"], "vw": f["vw"], "at_wave": at}))
+
+    def _on_rejoin(self, identity: bytes, msg: wire.Message) -> None:
+        f = msg.fields
+        vw, start = f["vw"], f["start_wave"]
+        self._evict_policy(f"rejoin of vw {vw}")
+        was_live = self.state.live(vw) if self.state.num_vws else True
+        self.state.rejoin(vw, start)
+        now = time.monotonic()
+        for sid in [sid for sid in self.state.stage_keys if sid[0] == vw]:
+            self.identities.pop(sid, None)
+            self.beats[sid] = (now, 0)
+        if not was_live:
+            self.log(f"[shard {self.settings.shard}] vw {vw} rejoins at wave {start} (c_global {self.state.c_global})")
+            if self.settings.recoverable:
+                self.checkpoint(reason=f"vw {vw} rejoined")
+        self._send(identity, wire.encode("rejoined", {"id": f["id"], "vw": vw, "start_wave": start}))
+
+    def evict(self, vw: int, why: str) -> int:
+        """Take VW `vw` out of the live set (its half waves dropped), answer its parked pulls, forget its
+        connections; checkpointed before anyone hears of it. Returns the wave boundary it left at."""
+        was_live = self.state.num_vws is not None and 0 <= vw < self.state.num_vws and self.state.live(vw)
+        boundary, advanced = self.state.evict(vw)
+        if not was_live:
+            return boundary
+        for sid in [sid for sid in self.parked if sid[0] == vw]:
+            p = self.parked.pop(sid)
+            self._send(p.identity, wire.error_frames(p.request_id, "evicted", f"vw {vw} was evicted ({why})"))
+        for sid in [sid for sid in self.identities if sid[0] == vw]:
+            self.evicted_identities[self.identities.pop(sid)] = vw
+        self.log(f"[shard {self.settings.shard}] evicted vw {vw} at wave {boundary} ({why}); live VWs now "
+                 f"{self.state.live_vws()}, c_global {self.state.c_global}")
+        if self.settings.recoverable:
+            self.checkpoint(reason=f"vw {vw} evicted")
+        if advanced:
+            self._on_clock()
+        return boundary
+
+    def _check_heartbeats(self, now: float) -> None:
+        """A registered stage of a live VW that has not finished and sent nothing for hung_after_s fails its VW."""
+        limit = self.settings.hung_after_s
+        if limit <= 0 or self.failed is not None or self.state.num_vws is None:
+            return
+        waves = self.state.num_waves
+        for sid in sorted(self.state.stage_keys):
+            vw = sid[0]
+            if not self.state.live(vw) or (waves is not None and self.state.pushed[sid] >= waves):
+                continue
+            last = self.beats.get(sid, (now, 0))[0]
+            self.beats.setdefault(sid, (now, 0))
+            if now - last <= limit:
+                continue
+            why = f"vw {vw} stage {sid[1]} sent no heartbeat for {now - last:.0f} s (dead or hung)"
+            if self.settings.on_vw_failure == "evict":
+                self.evict(vw, why)
+            else:
+                self.failed = f"{why}; [ps] on_vw_failure = \"stop\" ends the run (\"evict\" would go on without it)"
+                self.log(f"[shard {self.settings.shard}] {self.failed}")
+                for p in list(self.parked.values()):
+                    self._send(p.identity, wire.error_frames(p.request_id, "vw_failed", self.failed))
+                self.parked.clear()
+            return
 
     def _on_pull(self, identity: bytes, msg: wire.Message) -> None:
         f = msg.fields
@@ -300,7 +468,7 @@ class ShardServer:
             return
         parked_ms = int(1000 * (time.monotonic() - p.since))
         fields = {"id": p.request_id, "wave": p.wave, "version": result.version, "own_through": result.own_through,
-                  "parked_ms": parked_ms}
+                  "parked_ms": parked_ms, "gaps": self.state.gaps()}
         self._send(p.identity, wire.encode("weights", fields, result.tensors), lent=result.tensors)
 
     def _on_status(self, identity: bytes, msg: wire.Message) -> None:
@@ -324,6 +492,9 @@ class ShardServer:
                 for p in self.parked.values()
             ],
             last_checkpoint=self._last_checkpoint,
+            failed=self.failed,
+            heartbeat_age_s={f"{v}/{st}": round(now - t, 1) for (v, st), (t, _) in sorted(self.beats.items())},
+            progress={f"{v}/{st}": n for (v, st), (_, n) in sorted(self.beats.items())},
         )
         return info
 
@@ -336,9 +507,9 @@ class ShardServer:
             self.traffic.pull_wait_s += now - p.since
             self._answer_pull(p)
         self._status_line()
-        every = self.settings.checkpoint_every
-        if every and self.state.c_global % every == 0 and self.state.c_global != self._last_checkpoint:
-            self.checkpoint(reason=f"every {every} clocks")
+        every, clock = self.settings.checkpoint_every, self.state.c_global
+        if every and clock != self._last_checkpoint and (clock % every == 0 or clock == self.state.num_waves):
+            self.checkpoint(reason=f"every {every} clocks" if clock % every == 0 else "the last clock", background=True)
 
     def _status_line(self) -> None:
         t = self.traffic

@@ -82,4 +82,5 @@ def ledger_stage(
                 push(wave - 1)
             time.sleep(pause_s * rng.uniform(0.5, 1.5))
         push(spec.num_waves - 1)
+        assert ps.wait_durable(60), "the shards never put this stage's last pushes in a checkpoint"
     return counts

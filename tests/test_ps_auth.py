@@ -61,7 +61,7 @@ def test_each_vw_key_and_the_admin_key_work(children, keys: Path):
         assert admin.status()[0]["c_global"] == 1
         with pytest.raises(PSError) as err:  # the admin key reads; it never writes
             admin.push(1, {"k": np.ones(3, np.float32)})
-        assert err.value.code == "forbidden" and "admin key may only read and status" in str(err.value)
+        assert err.value.code == "forbidden" and "admin key may only evict, read and status" in str(err.value)
 
 
 def handshake_events(monitor: zmq.Socket) -> set[str]:
@@ -97,7 +97,7 @@ def test_five_unauthorised_clients_are_refused_and_logged(children, keys: Path, 
             monitor = sock.get_monitor_socket()
             sock.connect(endpoint)
             register = {"id": 1, "run": RUN, "vw": 0, "stage": 0, "num_vws": 2, "num_stages": 1, "want_weights": True,
-                        "num_waves": 0, "buffers": [], "ledgers": []}
+                        "num_waves": 0, "buffers": [], "ledgers": [], "start_wave": 0}
             sock.send_multipart(wire.encode("register", register, {"k": np.zeros(3, np.float32)}), flags=zmq.NOBLOCK)
             socks[name] = (sock, monitor)
         time.sleep(2.0)

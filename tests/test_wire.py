@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetpipe.core import wire
-from hetpipe.core.wire import CHUNK_BYTES, DTYPES, Message, WireError, decode, encode
+from hetpipe.core.wire import CHUNK_BYTES, DTYPES, PROTOCOL_VERSION, Message, WireError, decode, encode
 
 BIG = int(2.5 * CHUNK_BYTES) // 4 + 3          # float32 elements: 3 frames, the last one partial
 
@@ -28,14 +28,20 @@ def _tensors() -> dict[str, np.ndarray]:
 
 FIELDS: dict[str, dict] = {
     "register": {"id": 1, "run": "r", "vw": 0, "stage": 2, "num_vws": 3, "num_stages": 4, "want_weights": True,
-                 "num_waves": 10, "buffers": ["2.bn.running_mean"], "ledgers": []},
+                 "num_waves": 10, "buffers": ["2.bn.running_mean"], "ledgers": [], "start_wave": 0},
     "push": {"id": 2**63 - 1, "run": "r" * 128, "vw": 1, "stage": 0, "wave": 2**31 - 1},
     "pull": {"id": 3, "run": "run-7", "vw": 1, "stage": 0, "wave": 5},
     "status": {"id": 4, "run": "r"},
     "read": {"id": 5, "run": "r"},
-    "registered": {"id": 6, "c_global": 0},
-    "ack": {"id": 7, "wave": 3, "applied": False, "c_global": 2},
-    "weights": {"id": 8, "wave": 3, "version": 9, "own_through": -1, "parked_ms": 12},
+    "heartbeat": {"id": 11, "run": "r", "vw": 1, "stage": 0, "progress": 77},
+    "evict": {"id": 12, "run": "r", "vw": 1},
+    "rejoin": {"id": 13, "run": "r", "vw": 1, "start_wave": 9},
+    "registered": {"id": 6, "c_global": 0, "pushed": 0, "keep_from": 0},
+    "ack": {"id": 7, "wave": 3, "applied": False, "c_global": 2, "keep_from": 1},
+    "weights": {"id": 8, "wave": 3, "version": 9, "own_through": -1, "parked_ms": 12, "gaps": [[1, 2, -1], [0, 1, 4]]},
+    "beat": {"id": 14, "c_global": 3, "keep_from": 2},
+    "evicted": {"id": 15, "vw": 1, "at_wave": 3},
+    "rejoined": {"id": 16, "vw": 1, "start_wave": 9},
     "status_reply": {"id": 9, "info": {"vws": [1, 2.5, None, "x", b"b"], "nested": {"a": {"b": [True]}}}},
     "snapshot": {"id": 10, "version": 0, "info": {}},
     "error": {"id": None, "code": "stale", "message": "wave 3 is older than c_global - D"},
@@ -138,7 +144,7 @@ def test_error_frames() -> None:
 
 
 def _header(msg_type: str = "pull", tensors: list | None = None, **changes: object) -> dict:
-    header: dict = {"v": 1, "type": msg_type, **FIELDS[msg_type]}
+    header: dict = {"v": PROTOCOL_VERSION, "type": msg_type, **FIELDS[msg_type]}
     if tensors is not None:
         header["tensors"] = tensors
     for key, value in changes.items():
@@ -159,7 +165,7 @@ def _msg(header: object, *data: bytes) -> list[bytes]:
 
 
 REJECTIONS = [
-    ("wrong version", _msg(_header(v=2)), "version", "version 2"),
+    ("wrong version", _msg(_header(v=1)), "version", "version 1"),
     ("version as bool", _msg(_header(v=True)), "version", "version True"),
     ("no version", _msg(_header(v=_DROP)), "version", "version None"),
     ("unknown type", _msg(_header(type="shove")), "bad_message", "unknown message type 'shove'"),
@@ -263,6 +269,8 @@ FIELD_STRATEGIES = {
     "message": st.text(max_size=50), "num_waves": _u31, "parked_ms": _u31,
     "buffers": st.lists(st.text(min_size=1, max_size=8), max_size=3),
     "ledgers": st.lists(st.text(min_size=1, max_size=8), max_size=3),
+    "start_wave": _u31, "pushed": _u31, "keep_from": _u31, "progress": _u31, "at_wave": _u31,
+    "gaps": st.lists(st.tuples(_u31, _u31, st.integers(-1, 2**31 - 1)).map(list), max_size=3),
 }
 
 

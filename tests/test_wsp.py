@@ -354,3 +354,207 @@ def test_finished_sends_are_forgotten_between_pushes():
         shard.lend("s0", lambda: True)
     shard.lend("s0", lambda: False)
     assert len(shard._lent["s0"]) == 1  # only the send still in flight
+
+
+# ---- live virtual workers: eviction, rejoin, half waves, cut back for a resume -------------------------
+
+
+def ledger(shard: ShardState, stage: int) -> np.ndarray:
+    return shard.read().tensors[ledger_key(stage)]
+
+
+@pytest.mark.parametrize("mode", ["exact", "latest"])
+def test_an_evicted_vw_leaves_no_half_wave_and_the_others_go_on(mode: str):
+    shard = make_shard(num_vws=3, num_stages=2, num_waves=6, staleness=0, mode=mode)
+    for wave in range(3):
+        for vw in (0, 1):
+            for stage in (1, 0):
+                push(shard, vw, stage, wave, 3, 6)
+    push(shard, 2, 1, 0, 3, 6)
+    push(shard, 2, 0, 0, 3, 6)
+    push(shard, 2, 1, 1, 3, 6)  # stage 1 pushed wave 1, stage 0 never will: a half wave
+    assert shard.c_global == 1 and not shard.gate_open(3)
+    assert shard.evict(2) == (1, True)
+    assert shard.c_global == 3 and shard.gate_open(4) and shard.live_vws() == [0, 1]
+    assert shard.gaps() == [[2, 1, -1]]
+    for stage in (0, 1):
+        got = ledger(shard, stage)
+        np.testing.assert_array_equal(got[:2, :3], np.ones((2, 3)))
+        np.testing.assert_array_equal(got[2], [1, 0, 0, 0, 0, 0])  # wave 1 of VW 2 counts nowhere
+    with pytest.raises(WspError) as err:
+        push(shard, 2, 0, 1, 3, 6)
+    assert err.value.code == "evicted"
+    assert shard.evict(2) == (1, False)  # idempotent
+
+
+@pytest.mark.parametrize("mode", ["exact", "latest"])
+def test_a_half_pushed_wave_is_not_folded_until_its_vw_completes_it(mode: str):
+    shard = make_shard(num_vws=1, num_stages=2, num_waves=4, staleness=0, mode=mode)
+    push(shard, 0, 1, 0, 1, 4)
+    assert ledger(shard, 1).sum() == 0.0  # stage 0 of the VW has not pushed wave 0 yet
+    push(shard, 0, 0, 0, 1, 4)
+    assert ledger(shard, 1).sum() == 1.0 and ledger(shard, 0).sum() == 1.0
+
+
+def test_mean_divides_by_the_wave_s_contributors():
+    shard = two_vw_shard("mean")
+    shard.push(0, 0, 0, {"w": np.array([2.0, 4.0], np.float32), "bn": np.array([1.0, 3.0], np.float32)})
+    shard.push(1, 0, 0, {"w": np.array([4.0, 0.0], np.float32), "bn": np.array([3.0, 5.0], np.float32)})
+    shard.evict(1)
+    shard.push(0, 0, 1, {"w": np.array([2.0, 2.0], np.float32), "bn": np.array([7.0, 7.0], np.float32)})
+    got = shard.read().tensors
+    np.testing.assert_array_equal(got["w"], np.array([1.0 + 3.0 + 2.0, 2.0 + 2.0 + 2.0], np.float32))
+    np.testing.assert_array_equal(got["bn"], np.array([7.0, 7.0], np.float32))
+
+
+def test_a_rejoined_vw_contributes_from_its_start_wave_and_counts_in_the_gate():
+    shard = make_shard(num_vws=2, num_stages=1, num_waves=10, staleness=0, mode="exact")
+    push(shard, 0, 0, 0, 2, 10)
+    push(shard, 1, 0, 0, 2, 10)
+    shard.evict(1)
+    for wave in (1, 2):
+        push(shard, 0, 0, wave, 2, 10)
+    with pytest.raises(WspError) as err:
+        shard.rejoin(1, 2)  # VW 0 already pushed wave 2: VW 1's place in its sum is gone
+    assert err.value.code == "stale" and "earliest it may is 3" in str(err.value)
+    with pytest.raises(WspError) as err:
+        shard.register(1, 0, 2, 1, {ledger_key(0): np.zeros((2, 10), np.float32)}, start_wave=0)
+    assert err.value.code == "evicted"
+    shard.rejoin(1, 4)
+    shard.rejoin(1, 4)  # a retried rejoin
+    with pytest.raises(WspError, match="starts at wave 0"):
+        shard.register(1, 0, 2, 1, {ledger_key(0): np.zeros((2, 10), np.float32)})
+    shard.register(1, 0, 2, 1, {ledger_key(0): np.zeros((2, 10), np.float32)}, start_wave=4)
+    assert shard.c_local(1) == 4 and shard.c_global == 3 and shard.gaps() == [[1, 1, 4]]
+    push(shard, 0, 0, 3, 2, 10)
+    push(shard, 1, 0, 4, 2, 10)  # VW 1 ahead: wave 4 waits for VW 0
+    assert shard.c_global == 4
+    push(shard, 0, 0, 4, 2, 10)
+    assert shard.c_global == 5 and shard.pull(1, 0, 6).version == 5
+    np.testing.assert_array_equal(ledger(shard, 0)[:, :5], [[1, 1, 1, 1, 1], [1, 0, 0, 0, 1]])
+
+
+def test_a_shard_cut_back_to_a_clock_equals_one_that_never_saw_the_later_pushes():
+    def run(pushes):
+        shard = make_shard(num_vws=2, num_stages=1, num_waves=8, staleness=1, mode="exact")
+        for vw, wave in pushes:
+            push(shard, vw, 0, wave, 2, 8)
+        return shard
+
+    base = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+    ahead = run(base + [(0, 3), (1, 2)])  # clock 3 reached with VW 0 one wave ahead
+    meta, arrays = ahead.to_state()
+    cut = ShardState.from_state(meta, arrays, cut=3)
+    plain = run(base + [(1, 2)])
+    for shard in (cut, plain):
+        assert shard.c_global == 3 and shard.pushed == {(0, 0): 3, (1, 0): 3} and 1 in shard.versions
+        for vw, wave in [(1, 3), (0, 3), (0, 4), (1, 4)]:
+            push(shard, vw, 0, wave, 2, 8)
+    np.testing.assert_array_equal(cut.pull(0, 0, 5).tensors["s0"], plain.pull(0, 0, 5).tensors["s0"])
+    np.testing.assert_array_equal(ledger(cut, 0), ledger(plain, 0))
+    with pytest.raises(WspError):
+        ShardState.from_state(meta, arrays, cut=2)  # the checkpoint of clock 3 is not one of clock 2
+
+
+def test_snapshot_round_trip_keeps_epochs_and_half_waves():
+    for mode in ("exact", "latest"):
+        shard = make_shard(num_vws=2, num_stages=2, num_waves=6, staleness=0, mode=mode)
+        for vw in (0, 1):
+            push(shard, vw, 1, 0, 2, 6)
+        push(shard, 1, 0, 0, 2, 6)
+        shard.evict(1)
+        meta, arrays = shard.to_state()
+        copy = ShardState.from_state(meta, arrays)
+        assert copy.status() == shard.status() and copy.gaps() == [[1, 1, -1]]
+        for s in (shard, copy):
+            push(s, 0, 0, 0, 2, 6)
+        for stage in (0, 1):
+            np.testing.assert_array_equal(ledger(copy, stage), ledger(shard, stage))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    num_vws=st.integers(2, 3),
+    num_stages=st.integers(1, 2),
+    staleness=st.integers(0, 2),
+    mode=st.sampled_from(["exact", "latest"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_evictions_and_rejoins_keep_every_update_exactly_once(num_vws, num_stages, staleness, mode, seed):
+    """Random stages push and pull; now and then a VW is evicted (its stages stop where they are) and rejoins
+    later at the next wave the shard accepts. Every pull and the final weights hold exactly the updates of the
+    complete waves each VW contributed, once."""
+    num_waves = 8
+    rng = random.Random(seed)
+    shard = make_shard(num_vws, num_stages, num_waves, staleness, mode)
+    programs = {(v, j): stage_program(num_waves, staleness, rng) for v in range(num_vws) for j in range(num_stages)}
+    pos = dict.fromkeys(programs, 0)
+    spans = {v: [[0, None]] for v in range(num_vws)}  # the test's own record of what each VW contributes
+
+    def expected(through: int) -> np.ndarray:
+        w = np.zeros((num_vws, num_waves), np.float32)
+        for v, vs in spans.items():
+            for start, end in vs:
+                w[v, start:min(through, num_waves if end is None else end)] = 1.0
+        return w
+
+    steps = 0
+    while any(pos[s] < len(p) for s, p in programs.items()) and steps < 2000:
+        steps += 1
+        live = [v for v in range(num_vws) if spans[v][-1][1] is None]
+        if mode == "exact":
+            versions, sums = shard.held_waves()
+            assert versions <= pending_bound(staleness)[0] and sums <= pending_bound(staleness)[1]
+        if rng.random() < 0.03 and len(live) > 1:
+            victim = rng.choice(live)
+            boundary, _ = shard.evict(victim)
+            assert boundary == min(shard.pushed[(victim, j)] for j in range(num_stages))
+            spans[victim][-1][1] = boundary
+            continue
+        gone = [v for v in range(num_vws) if spans[v][-1][1] is not None]
+        if gone and rng.random() < 0.05:
+            back = rng.choice(gone)
+            start = shard.c_global + staleness + 2
+            if start < num_waves:
+                shard.rejoin(back, start)
+                spans[back].append([start, None])
+                for j in range(num_stages):
+                    program = stage_program(num_waves, staleness, rng)
+                    programs[(back, j)] = [a for a in program if a[1] >= start]
+                    pos[(back, j)] = 0
+            continue
+        runnable = []
+        for sid, program in programs.items():
+            if spans[sid[0]][-1][1] is not None or pos[sid] == len(program):
+                continue
+            kind, wave = program[pos[sid]]
+            if kind == "PUSH" or shard.gate_open(wave):
+                runnable.append(sid)
+        if not runnable:
+            assert all(pos[s] == len(p) or spans[s[0]][-1][1] is not None for s, p in programs.items())
+            break
+        sid = rng.choice(runnable)
+        vw, stage = sid
+        kind, wave = programs[sid][pos[sid]]
+        if kind == "PUSH":
+            assert push(shard, vw, stage, wave, num_vws, num_waves).applied
+        else:
+            result = shard.pull(vw, stage, wave)
+            got = result.tensors[ledger_key(stage)]
+            need = gate_version(wave, staleness)
+            if mode == "exact":
+                np.testing.assert_array_equal(got, expected(need))
+            else:
+                assert np.isin(got, (0.0, 1.0)).all() and (got[expected(need) == 1.0] == 1.0).all()
+        pos[sid] += 1
+    final = expected(num_waves) if mode == "latest" else expected(shard.c_global)
+    for stage in range(num_stages):
+        got = ledger(shard, stage)
+        assert np.isin(got, (0.0, 1.0)).all()
+        if mode == "exact":
+            np.testing.assert_array_equal(got, final)
+        else:  # complete waves of every VW are in, nothing of a gap
+            for v, vs in spans.items():
+                for start, end in vs:
+                    assert (got[v, start:shard.c_local(v) if end is None else end] == 1.0).all()
+            np.testing.assert_array_equal(got[final == 0.0], 0.0)

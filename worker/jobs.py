@@ -37,6 +37,10 @@ class StageJob:
     dump_weights: bool = False  # write the stage's final live weights (for equivalence tests)
     audit: bool = False  # carry a tagged-update ledger and check guarantees L and G at every forward
     ps_keys: ClientKeys | None = None  # auth = "curve": this VW's key pair (only this VW's) and the PS's key
+    start_wave: int = 0  # > 0: the VW rejoins the run at this wave (from the global weights, fresh optimizer)
+    resume_wave: int = 0  # > 0: continue from this stage's checkpoint at that wave (hetpipe train --resume)
+    snapshot_every: int = 0  # > 0: save this stage's state every this many waves under <run_dir>/stages
+    snapshot_keep: int = 3  # snapshots that may still match one of the PS's kept checkpoints
 
     @cached_property
     def config(self) -> ClusterConfig:
@@ -71,8 +75,10 @@ def cuda_devices() -> int:
 def stage_jobs(
     config: ClusterConfig, vws: tuple[VwLayout, ...], vw: int, *, run_dir: Path, ps_endpoints: tuple[str, ...],
     p2p_host: str, p2p_port: int, audit: bool = False, dump_weights: bool = False, ps_keys: ClientKeys | None = None,
+    start_wave: int = 0, resume_wave: int = 0, snapshots: bool = False,
 ) -> list[StageJob]:
-    """The jobs of every stage of virtual worker `vw` (of `vws`, all the run's VWs); `ps_keys` must be vw's."""
+    """The jobs of every stage of virtual worker `vw` (of `vws`, all the run's VWs); `ps_keys` must be vw's.
+    `snapshots`: the stages save their state at the PS's checkpoint waves ([checkpoint] every, stages)."""
     lay = vws[vw]
     slow, time_scale = emulated_slowdowns(config, vws)
     packed = pack_config(config)
@@ -83,7 +89,9 @@ def stage_jobs(
             packed_config=packed, run_dir=str(run_dir), vw=vw, stage=s, num_vws=len(vws), gpus=lay.gpus,
             split=lay.split, ps_endpoints=ps_endpoints, p2p_port=p2p_port, p2p_host=p2p_host, devices=devices,
             slowdown=slow.get(lay.gpus[s], 1.0), time_scale=time_scale, device=devices[s],
-            dump_weights=dump_weights, audit=audit, ps_keys=ps_keys,
+            dump_weights=dump_weights, audit=audit, ps_keys=ps_keys, start_wave=start_wave, resume_wave=resume_wave,
+            snapshot_every=config.checkpoint.every if snapshots and config.checkpoint.stages else 0,
+            snapshot_keep=config.checkpoint.keep,
         )
         for s in range(len(lay.split))
     ]

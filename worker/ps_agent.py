@@ -7,6 +7,10 @@ woken by an inproc socket, so a new job never waits for a poll timeout.
 
 Pushes and pulls go out in the order they are handed over; a stage hands over the pull of wave c only after
 its own pushes of waves <= c - D - 2 (hetpipe.worker.stage), which is what keeps this free of deadlock.
+
+The agent also sends the stage's heartbeats (every `heartbeat_s`, with how many actions the stage has run);
+when the PS says the VW was evicted or the run failed, or pushes were lost for good, `on_fatal` hears of it
+from this thread (the stage thread may be blocked on a neighbour that will never answer).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class _Job:
     future: Future
     tensors: Mapping[str, np.ndarray] | None = None
     ready: Callable[[], None] | None = None
+    reused: bool = False  # the push's arrays are reused by the stage once it is acknowledged
     call: Call | None = None
     handed: float = field(default_factory=time.monotonic)
     sent: float = 0.0
@@ -54,10 +59,14 @@ class PSAgent:
     """Runs PSClient requests for one stage in a thread; push() and pull() return futures."""
 
     def __init__(self, client: PSClient, pull_into: Mapping[str, np.ndarray] | None = None,
-                 trace: TraceRecorder | None = None, trace_tid: int = 0) -> None:
+                 trace: TraceRecorder | None = None, trace_tid: int = 0, heartbeat_s: float = 0.0,
+                 progress: Callable[[], int] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.client = client
         self.pull_into = pull_into
         self.trace, self.trace_tid = trace, trace_tid
+        self.heartbeat_s, self.progress, self.on_fatal = heartbeat_s, progress or (lambda: 0), on_fatal
+        self._next_beat = 0.0
         self._jobs: deque[_Job] = deque()
         self._active: list[_Job] = []
         self._stopping = False
@@ -73,9 +82,11 @@ class PSAgent:
         self._thread.start()
 
     # ---- the stage thread's side --------------------------------------------------------------------
-    def push(self, wave: int, tensors: Mapping[str, np.ndarray], ready: Callable[[], None] | None = None) -> Future:
-        """Push `tensors` as wave `wave` once ready() returns; the future gives a PushDone."""
-        return self._hand_over(_Job("push", wave, Future(), tensors, ready))
+    def push(self, wave: int, tensors: Mapping[str, np.ndarray], ready: Callable[[], None] | None = None,
+             reused: bool = False) -> Future:
+        """Push `tensors` as wave `wave` once ready() returns; the future gives a PushDone. `reused`: the stage
+        writes into the arrays again once the future is done (they are copied if the client must keep them)."""
+        return self._hand_over(_Job("push", wave, Future(), tensors, ready, reused))
 
     def pull(self, wave: int) -> Future:
         """Pull the weights for the gate of `wave`; the future gives a Pulled (copied into pull_into)."""
@@ -116,6 +127,7 @@ class PSAgent:
                 while self._jobs:
                     self._send(self._jobs.popleft())
                 self._complete()
+                self._beat()
         except BaseException as exc:  # the stage thread must hear of it through every future
             self._failed = exc
             for job in [*self._active, *self._jobs]:
@@ -123,13 +135,23 @@ class PSAgent:
                     job.future.set_exception(exc)
             self._active.clear()
             self._jobs.clear()
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    def _beat(self) -> None:
+        if self.heartbeat_s <= 0 or self._stopping:
+            return
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._next_beat = now + self.heartbeat_s
+            self.client.send_heartbeat(self.progress())
 
     def _send(self, job: _Job) -> None:
         try:
             if job.kind == "push":
                 if job.ready is not None:
                     job.ready()
-                job.call = self.client.send_push(job.wave, job.tensors or {})
+                job.call = self.client.send_push(job.wave, job.tensors or {}, reused=job.reused)
             else:
                 job.call = self.client.send_pull(job.wave)
         except Exception as exc:

@@ -7,11 +7,17 @@ PUSH c: hand the wave's push to the PS agent thread (it goes out while compute g
 WAIT c: take the pull of W_{c-D-1} (handed to the agent as early as WSP allows), rebase.
 Compute is stretched to the emulated GPU's speed; every action is traced, and the stage reports where
 its time went (compute, device-to-host, push, gate wait, pull, host-to-device) to the launcher.
+
+Recovery (docs/recovery.md): at the PS's checkpoint waves the stage saves its state right after its PUSH c-1
+(hetpipe.core.resume), and a resumed stage starts there; a stage of a rejoining VW runs only the actions of
+waves from its start wave on. The PS agent sends heartbeats; when the PS says the VW was evicted or the run
+failed, the process ends (exit code 3) even if its thread waits on a neighbour that will never answer.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from collections import deque
@@ -33,6 +39,7 @@ from hetpipe.core.emulate import LinkEmulator, device_dilator
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.metrics import TraceRecorder
 from hetpipe.core.procs import child_entered_at, process_started_at
+from hetpipe.core.resume import cut_position, forwarded_before, rejoin_actions, snapshot_floor
 from hetpipe.core.schedule import WAIT, get_schedule, own_through_required
 from hetpipe.core.wsp import gate_version
 from hetpipe.models import build_stage
@@ -40,11 +47,13 @@ from hetpipe.worker.jobs import StageJob
 from hetpipe.worker.p2p import P2P
 from hetpipe.worker.ps_agent import PSAgent
 from hetpipe.worker.ps_client import PSClient
+from hetpipe.worker.snapshot import load_snapshot, save_snapshot, snapshot_dir
 from hetpipe.worker.transfer import FlatLayout, PullStaging, PushStaging
 
-__all__ = ["NonFiniteLoss", "StageRunner", "run_stage"]
+__all__ = ["EXIT_STOPPED_BY_PS", "NonFiniteLoss", "StageRunner", "run_stage"]
 
 PS_ROW = 1000  # trace row of a stage's PS traffic: PS_ROW + stage
+EXIT_STOPPED_BY_PS = 3  # the PS evicted this stage's VW or failed the run
 
 
 class NonFiniteLoss(HetpipeError):
@@ -79,6 +88,10 @@ class StageRunner:
         t, wsp = config.train, config.wsp
         kind = get_schedule(t.schedule)
         self.schedule = kind(job.num_stages, wsp.nm, t.waves, wsp.staleness)
+        self.actions = list(self.schedule.stages[job.stage])
+        if job.start_wave:
+            self.actions = rejoin_actions(self.actions, job.start_wave, wsp.nm)
+        self.position = 0  # index of the next action to run (the heartbeats report it)
         rules = StageRules(
             nm=wsp.nm, stashing=kind.stashing != "none" and t.weight_stashing,
             recompute=t.recompute or (kind.stashing == "optional" and not t.weight_stashing),
@@ -93,7 +106,7 @@ class StageRunner:
                                     ledgers=self.ledgers, on_update=self._tag_updates)
         # One VW that applies its own updates needs no pull: its global weights hold only what it holds.
         self.pulls = not (job.num_vws == 1 and config.ps.aggregation != "server")
-        self.waits = [a.index for a in self.schedule.stages[job.stage] if a.kind == WAIT] if self.pulls else []
+        self.waits = [a.index for a in self.actions if a.kind == WAIT] if self.pulls else []
         self.dilator = device_dilator(job.slowdown, wall_clock=self.device.type == "cuda")
         link = config.network.link_gbps
         emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
@@ -116,8 +129,9 @@ class StageRunner:
         self._pushes: deque[tuple[int, Future]] = deque()  # (pinned slot, its push) in hand-over order
         self._pull: tuple[int, Future] | None = None  # the pull handed over, for WAIT of that wave
         self._next_wait = 0  # index into self.waits of the next WAIT to run
-        self._pushed = 0  # waves handed over to the agent
+        self._pushed = job.start_wave  # waves handed over to the agent
         self.c_global = 0
+        self.gaps: list[list[int]] = []  # from the last pull: waves some VW contributed nothing to (evicted)
         self.times = dict.fromkeys(("compute", "d2h", "push_wait", "gate_wait", "h2d"), 0.0)
         self.dispatch: dict[str, Callable[[int], None]] = {
             "F": self.forward, "B": self.backward, "U": self.update, "PUSH": self.push, "WAIT": self.wait,
@@ -128,14 +142,17 @@ class StageRunner:
     def run(self) -> None:
         job = self.job
         mine = {k: t.detach().float().cpu().numpy() for k, t in self.compute.values().items()}
-        w0 = self.client.register(mine, kinds=self.compute.kinds(), num_waves=self.config.train.waves)
+        w0 = self.client.register(mine, kinds=self.compute.kinds(), num_waves=self.config.train.waves,
+                                  start_wave=job.start_wave)
         self.compute.load({k: torch.from_numpy(np.array(v)).to(self.device) for k, v in w0.items()})
         self.startup["registered"] = time.time()
+        resend = self._resume() if job.resume_wave else {}
         layout = FlatLayout.of(self.compute.values())
         self.push_staging = PushStaging(layout, self.device)
         self.pull_staging = PullStaging(layout, self.device) if self.pulls else None
         self.agent = PSAgent(self.client, self.pull_staging.out if self.pull_staging else None, self.trace,
-                             PS_ROW + job.stage)
+                             PS_ROW + job.stage, heartbeat_s=self.config.ps.heartbeat_s,
+                             progress=lambda: self.position, on_fatal=self._stopped_by_ps)
         self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device,
                                max_in_flight=self.config.wsp.nm + 1, backend=p2p_backend(job.devices or (job.device,)),
                                store=self.store)
@@ -144,13 +161,23 @@ class StageRunner:
                      "points": {k: round(v, 3) for k, v in self.startup.items() if v is not None}})
         self.started = time.monotonic()
         try:
-            for action in self.schedule.stages[job.stage]:
+            for p in sorted(resend):  # sent before the checkpoint, not received by the next stage before its own
+                self._send(resend[p], job.stage + 1)
+            self._hand_over_pull()
+            while self.position < len(self.actions):
+                action = self.actions[self.position]
                 self.dispatch[action.kind](action.index)
+                self.position += 1
             for _, future in self._pushes:  # every push acknowledged before the stage reports done
                 self._note_push(future.result())
         finally:
             self.agent.close(timeout_s=30)
             self.p2p.close()
+        try:
+            if not self.client.wait_durable(self.config.ps.timeout_s, progress=self.position):
+                print(f"vw {job.vw} stage {job.stage}: the PS did not put the last pushes in a checkpoint within "
+                      f"{self.config.ps.timeout_s:.0f} s; finishing anyway", file=sys.stderr, flush=True)
+        finally:
             self.client.close()
         run_dir = Path(job.run_dir)
         self.trace.dump(run_dir / "trace" / f"vw{job.vw}-s{job.stage}.json")
@@ -163,6 +190,54 @@ class StageRunner:
             "times_s": {**{k: round(v, 4) for k, v in self.times.items()}, "push": round(self.agent.push_s, 4),
                         "pull": round(self.agent.pull_s, 4), "parked": round(self.agent.parked_s, 4)},
         })
+
+    def _stopped_by_ps(self, exc: BaseException) -> None:
+        """The agent thread heard that this stage must stop (its VW evicted, the run failed, pushes lost): say
+        so and end the process, whatever the stage thread is blocked on."""
+        code = getattr(exc, "code", "")
+        if code not in ("evicted", "vw_failed", "lost"):
+            return  # anything else reaches the stage thread through its futures
+        job = self.job
+        print(f"vw {job.vw} stage {job.stage} stops: {exc}", file=sys.stderr, flush=True)
+        self.report({"event": "stage_failed", "vw": job.vw, "stage": job.stage, "pid": os.getpid(),
+                     "error": f"{type(exc).__name__}: {exc}", "traceback": "", "code": code})
+        time.sleep(0.3)  # let the event queue's feeder thread hand the report over
+        os._exit(EXIT_STOPPED_BY_PS)
+
+    # ---- snapshots (hetpipe train --resume) -----------------------------------------------------------
+    def _snapshot(self, wave: int) -> None:
+        """Save this stage's state at wave `wave` (just after PUSH wave-1), for a resume from there."""
+        job = self.job
+        meta, tensors = self.compute.state_dict()
+        runner = {"position": self.position + 1, "next_wait": self._next_wait, "pushed": self._pushed,
+                  "c_global": self.c_global, "samples": self.samples}
+        keep_from = snapshot_floor(self.c_global, job.snapshot_every, job.snapshot_keep)
+        save_snapshot(snapshot_dir(job.run_dir, job.vw, job.stage), wave,
+                      {"vw": job.vw, "stage": job.stage, "run": self.config.name, "wave": wave, "compute": meta,
+                       "runner": runner}, tensors, keep_from)
+
+    def _resume(self) -> dict[int, torch.Tensor]:
+        """Load this stage's snapshot of job.resume_wave; returns the activations to send the next stage again."""
+        job, wave = self.job, self.job.resume_wave
+        meta, tensors = load_snapshot(snapshot_dir(job.run_dir, job.vw, job.stage), wave)
+        runner = meta["runner"]
+        self.position = runner["position"]
+        if self.position != cut_position(self.actions, wave):
+            raise HetpipeError(f"vw {job.vw} stage {job.stage}: its snapshot of wave {wave} is at action "
+                               f"{self.position}, this run's schedule cuts there at {cut_position(self.actions, wave)}: "
+                               "resume with the config the run was started with")
+        self._next_wait, self._pushed = runner["next_wait"], runner["pushed"]
+        self.c_global, self.samples = runner["c_global"], runner["samples"]
+        in_flight = [entry["p"] for entry in meta["compute"]["in_flight"]]
+        if self.last:
+            self._targets = {p: self._batch(p)[1] for p in in_flight}
+        resend: frozenset[int] = frozenset()
+        if not self.last:
+            following = self.schedule.stages[job.stage + 1]
+            received = forwarded_before(following, cut_position(following, wave))
+            resend = frozenset(p for p in in_flight if p not in received)
+        return self.compute.load_state_dict(meta["compute"], {k: t.to(self.device) for k, t in tensors.items()},
+                                            targets=self._targets, loss_fn=self.spec.loss, resend=resend)
 
     def _batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = datalib.minibatch(self.x, self.y, self.indices, self.config.train.batch_size, self.config.seed, p)
@@ -193,7 +268,8 @@ class StageRunner:
         wsp = self.config.wsp
         own = own_through_required(self.schedule.guarantee, p, wsp.nm)
         for key, ledger in self.ledgers.items():
-            problems = ledger_violations(ledger.cpu().numpy(), self.job.vw, p, wsp.nm, wsp.staleness, own)
+            problems = ledger_violations(ledger.cpu().numpy(), self.job.vw, p, wsp.nm, wsp.staleness, own, self.gaps,
+                                         own_from=self.job.start_wave * wsp.nm)
             if problems:
                 raise AuditError(f"vw {self.job.vw} stage {self.job.stage}, forward of minibatch {p}, {key}: "
                                  + "; ".join(problems))
@@ -269,7 +345,8 @@ class StageRunner:
             started = time.perf_counter()
             arrays, ready = self.push_staging.stage(self.compute.wave_push(wave), self._wait_for_slot)
             self._timed("d2h", started)
-            self._pushes.append((self.push_staging.slot, self.agent.push(wave, arrays, ready)))
+            self._pushes.append((self.push_staging.slot,
+                                 self.agent.push(wave, arrays, ready, reused=self.push_staging.cuda)))
             self._pushed = wave + 1
         if self.compute.optimizer is not None or self.ledgers:
             # own sums the next pull will contain (or all, when no pull comes) are not needed any more
@@ -280,6 +357,9 @@ class StageRunner:
         self._hand_over_pull()
         self.report({"event": "push", "vw": self.job.vw, "stage": self.job.stage, "wave": wave, "time": time.time(),
                      "c_global": self.c_global, "gate_wait_s": round(self.times["gate_wait"], 3)})
+        every = self.job.snapshot_every
+        if every and (wave + 1) % every == 0 and wave + 1 < self.config.train.waves:
+            self._snapshot(wave + 1)
 
     def _note_push(self, done: Any) -> None:
         self.c_global = max(self.c_global, done.c_global)
@@ -312,6 +392,7 @@ class StageRunner:
             assert self._pull is not None and self._pull[0] == wave, (self._pull, wave)
             started = time.perf_counter()
             pulled = self._pull[1].result()
+            self.gaps = pulled.gaps
             self._timed("gate_wait", started)
             self.report({"event": "pull", "vw": self.job.vw, "stage": self.job.stage, "wave": wave, "time": time.time(),
                          "version": pulled.version, "age_waves": wave - pulled.version})

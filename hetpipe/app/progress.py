@@ -32,6 +32,7 @@ class Progress:
     steps: int = 0  # minibatches finished, over all VWs
     first_step: float | None = None  # when the first and the last of them finished (the stages' clock)
     last_step: float | None = None
+    evicted: set[int] = field(default_factory=set)  # VWs out of the run (on_vw_failure = "evict")
 
     def update(self, event: dict[str, Any]) -> None:
         vw = event.get("vw")
@@ -56,7 +57,8 @@ class Progress:
             self.max_lead = max(self.max_lead, max(done) - min(done))
 
     def c_global(self) -> int:
-        return min(self.completed(v) for v in range(len(self.layouts)))
+        live = [v for v in range(len(self.layouts)) if v not in self.evicted]
+        return min((self.completed(v) for v in live), default=0)
 
     def breakdown_ms(self, waves: int) -> dict[str, dict[str, float]]:
         """Per VW, ms per wave spent in each part (compute, d2h, push, gate_wait, pull, h2d, ...): the most

@@ -1,11 +1,14 @@
 """`hetpipe train`: start the PS and every stage of every virtual worker locally, watch them, and finish
 the run (final model from the PS, evaluation, summary, merged trace, start-up timeline).
 
-The launcher owns every child: on Ctrl-C or when any child fails it stops them all within seconds and
-names the one that failed, with why and its last log lines. Before starting anything it checks that every
-stage fits its GPU's memory (hetpipe.core.fit) and that the run dir is writable; with [ps] auth = "curve" it
-makes (or reads) the run's keys and gives each stage its own VW's key pair only. Children fork from a fork
-server that imported torch and the stage code once (hetpipe.core.procs), so they start in milliseconds.
+The launcher owns every child: on Ctrl-C or when the run cannot go on it stops them all within seconds and
+names the one that failed, with why and its last log lines. A PS shard that dies is restarted from its
+checkpoint and a failed VW may be evicted (hetpipe.app.supervise, docs/recovery.md); `--resume RUN_DIR`
+continues a stopped run from the newest wave the PS and every stage checkpointed. Before starting anything it
+checks that every stage fits its GPU's memory (hetpipe.core.fit) and that the run dir is writable; with [ps]
+auth = "curve" it makes (or reads) the run's keys and gives each stage its own VW's key pair only. Children
+fork from a fork server that imported torch and the stage code once (hetpipe.core.procs), so they start in
+milliseconds.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from hetpipe.app.board import EVAL_METRICS, Board
 from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
 from hetpipe.app.startup import PRELOAD, format_timeline, startup_timeline
+from hetpipe.app.supervise import Supervisor
 from hetpipe.compute.build import VwLayout, dataset_of, model_of, vw_layouts
 from hetpipe.compute.evaluate import evaluate
 from hetpipe.compute.sizes import model_sizes
+from hetpipe.core.audit import expected_ledger
 from hetpipe.core.config import ClusterConfig, config_toml
 from hetpipe.core.devices import stage_device
 from hetpipe.core.errors import ConfigError, HetpipeError, UsageError
@@ -46,14 +51,18 @@ from hetpipe.core.keys import (
 from hetpipe.core.memory import MemoryRule
 from hetpipe.core.metrics import MetricsWriter, format_progress, merge_traces
 from hetpipe.core.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
+from hetpipe.core.resume import common_cut
 from hetpipe.models import ModelSpec
-from hetpipe.server.checkpoint import list_manifests
+from hetpipe.server.checkpoint import list_clocks, list_manifests
 from hetpipe.server.launch import serve_settings, shard_settings
+from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.jobs import cuda_devices, emulated_slowdowns, stage_jobs
 from hetpipe.worker.ps_client import PSClient
+from hetpipe.worker.snapshot import list_snapshots
 from hetpipe.worker.stage import run_stage
 
-__all__ = ["RunKeys", "TrainOptions", "apply_plan", "check_memory", "check_writable_dir", "run_keys", "train"]
+__all__ = ["RunKeys", "TrainOptions", "apply_plan", "check_memory", "check_writable_dir", "resume_point",
+           "run_keys", "train"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,7 @@ class TrainOptions:
     audit: bool = False  # check guarantees L and G at every forward with a tagged-update ledger
     tensorboard: Path | None = None  # also write TensorBoard event files here (the tensorboard extra)
     started_at: float | None = None  # Unix time `hetpipe train` started (the timeline's zero); default: train()'s call
+    resume: bool = False  # continue the run in run_dir from its newest wave checkpointed by the PS and every stage
 
 
 @dataclass(frozen=True)
@@ -140,19 +150,43 @@ def _collect_failures(events: Any, failures: dict[str, dict[str, Any]]) -> None:
             failures[f"vw{event['vw']}-s{event['stage']}"] = event
 
 
-def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path, keys: RunKeys | None) -> list[str]:
-    endpoints = []
+def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path, keys: RunKeys | None,
+              resume_clock: int | None = None) -> tuple[list[str], list[ShardSettings], list[Any]]:
+    endpoints, settings_list, children = [], [], []
     for shard in range(config.ps.shards):
         settings = shard_settings(config, shard, port=0, checkpoint_root=run_dir / "ps",
-                                  keys=keys.server if keys else None)
+                                  keys=keys.server if keys else None, resume_clock=resume_clock)
         port_queue = group.ctx.Queue()
         child = group.start(f"ps-shard-{shard}", serve_settings, settings, port_queue)
         try:
             port = port_queue.get(timeout=60)
         except queue_mod.Empty:
             raise ChildFailed(child) from None
-        endpoints.append(f"tcp://{config.ps.host}:{port}")
-    return endpoints
+        endpoint = f"tcp://{config.ps.host}:{port}"
+        endpoints.append(endpoint)
+        settings_list.append(replace(settings, endpoint=endpoint))  # a restart listens on the same port
+        children.append(child)
+    return endpoints, settings_list, children
+
+
+def resume_point(config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...]) -> int:
+    """The newest wave every PS shard and every stage checkpointed in `run_dir`; UsageError saying what is
+    missing when there is none."""
+    if not config.checkpoint.enabled or config.checkpoint.every < 1 or not config.checkpoint.stages:
+        raise UsageError(f"--resume {run_dir}: a run can be resumed with [checkpoint] dir not empty, every >= 1 and "
+                         f"stages = true (this config: dir = {config.checkpoint.dir!r}, every = "
+                         f"{config.checkpoint.every}, stages = {str(config.checkpoint.stages).lower()})")
+    ps = [list_clocks(run_dir / "ps" / f"shard-{s}") for s in range(config.ps.shards)]
+    stages = {(v, j): list_snapshots(run_dir, v, j) for v, lay in enumerate(vws) for j in range(len(lay.split))}
+    cut = common_cut(ps, list(stages.values()))
+    if cut is None:
+        shown = "; ".join([f"PS shard {s}: clocks {c or 'none'}" for s, c in enumerate(ps)]
+                          + [f"vw{v}-s{j}: waves {w or 'none'}" for (v, j), w in stages.items()])
+        raise UsageError(f"--resume {run_dir}: no wave was checkpointed by every PS shard and every stage ({shown}); "
+                         "start a new run instead")
+    if cut >= config.train.waves:
+        raise UsageError(f"--resume {run_dir}: the run finished all {config.train.waves} waves already")
+    return cut
 
 
 def _refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:
@@ -164,34 +198,42 @@ def _refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:
     if found:
         raise UsageError(
             f"{run_dir} already holds PS checkpoints of an earlier run ({found[-1]}); a new run would resume the "
-            "PS from them while its stages start from wave 0: give a new --run-dir, or remove "
-            f"{run_dir / 'ps'} to train from scratch there"
+            "PS from them while its stages start from wave 0: continue that run with --resume, give a new "
+            f"--run-dir, or remove {run_dir / 'ps'} to train from scratch there"
         )
 
 
 def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict[str, Any]:
-    """Run a whole training job locally; returns the summary."""
+    """Run a whole training job locally (or continue one, options.resume); returns the summary."""
     launcher = {"launcher_ready": time.time()}
     started_at = options.started_at or launcher["launcher_ready"]
     warm_forkserver(PRELOAD)  # the CLI started it already; a no-op then
     spec = model_of(config)
-    vws = options.layouts or vw_layouts(config, spec)
     run_dir = options.run_dir or Path(config.train.out_dir) / time.strftime("run-%Y%m%d-%H%M%S")
+    vws = options.layouts or _saved_layouts(run_dir, options.resume) or vw_layouts(config, spec)
     check_memory(config, spec, vws)
-    _refuse_earlier_checkpoints(config, run_dir)
+    cut = resume_point(config, run_dir, vws) if options.resume else None
+    if cut is None:
+        _refuse_earlier_checkpoints(config, run_dir)
     if options.audit and config.ps.aggregation == "server":
         raise UsageError('--audit proves the additive rules: ps.aggregation "server" applies no local updates '
                          'to tag; audit with aggregation "sum" or "mean"')
+    if options.audit and cut is not None and config.wsp.pull == "latest":
+        raise UsageError('--resume with --audit needs wsp.pull = "exact": a latest-pull PS cannot forget the updates '
+                         "of waves after the resume wave, which the VWs that were ahead then compute again")
     check_writable_dir(run_dir, "--run-dir" if options.run_dir else f"the run dir (train.out_dir of {config.path})")
-    (run_dir / "config.toml").write_text(config_toml(config))  # the effective config: `hetpipe export` reads it
-    keys = run_keys(config, run_dir, len(vws))
+    if cut is None:
+        (run_dir / "config.toml").write_text(config_toml(config))  # the effective config: `hetpipe export` reads it
+        (run_dir / "layouts.json").write_text(json.dumps([[list(lay.gpus), list(lay.split)] for lay in vws]))
+    keys = run_keys(config, run_dir, len(vws)) if cut is None or config.ps.keys_dir else _saved_keys(config, run_dir, len(vws))
     slow, time_scale = emulated_slowdowns(config, vws)
     eval_device = stage_device(config, vws[0].gpus[0], cuda_devices())
     progress = Progress(vws)
     view = ProgressView(options.progress)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
     say(f"hetpipe train: {config.name}: {len(vws)} virtual workers, model {spec.name}, "
-        f"{config.train.waves} waves x nm={config.wsp.nm}, D={config.wsp.staleness}, pull={config.wsp.pull}; run dir {run_dir}")
+        f"{config.train.waves} waves x nm={config.wsp.nm}, D={config.wsp.staleness}, pull={config.wsp.pull}; run dir {run_dir}"
+        + (f"; resuming from wave {cut}" if cut is not None else ""))
     for i, lay in enumerate(vws):
         parts = [f"{g} ({config.gpu(g).name}, x{slow.get(g, 1.0):.2f} slower)" if slow else g for g in lay.gpus]
         say(f"  vw{i}: {' -> '.join(parts)}  layers per stage {list(lay.split)}")
@@ -203,21 +245,34 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     group = ChildGroup(log_dir=run_dir / "logs")
     events = group.ctx.Queue()
     failures: dict[str, dict[str, Any]] = {}
+    snapshots = config.checkpoint.enabled and config.checkpoint.every >= 1
     trained = False
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
-            metrics.write("run_start", at=started_at, config=str(config.path), run_dir=str(run_dir))
+            metrics.write("run_start", at=started_at, config=str(config.path), run_dir=str(run_dir), resumed_from=cut)
             launcher["checks_done"] = time.time()
-            endpoints = _start_ps(group, config, run_dir, keys)
+            endpoints, settings, shards = _start_ps(group, config, run_dir, keys, resume_clock=cut)
             launcher["ps_ready"] = time.time()
-            stages = []
+            (run_dir / "ps.json").write_text(json.dumps({"endpoints": endpoints, "run": config.name,
+                                                         "audit": options.audit}))  # for `hetpipe worker --join`
+            stages = {}
             for v in range(len(vws)):
                 jobs = stage_jobs(config, vws, v, run_dir=run_dir, ps_endpoints=tuple(endpoints),
                                   p2p_host="127.0.0.1", p2p_port=free_port(), audit=options.audit,
-                                  dump_weights=options.dump_weights, ps_keys=keys.vws[v] if keys else None)
-                stages += [group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs]
+                                  dump_weights=options.dump_weights, ps_keys=keys.vws[v] if keys else None,
+                                  resume_wave=cut or 0, snapshots=snapshots)
+                stages.update({(v, job.stage): group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs})
             launcher["stages_started"] = time.time()
-            (run_dir / "pids.json").write_text(json.dumps({c.name: c.process.pid for c in group.children}, indent=1))
+
+            def admin() -> PSClient:
+                return PSClient(endpoints, config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=1,
+                                curve=keys.admin if keys else None)
+
+            def record(event: str, **fields: Any) -> None:
+                metrics.write(event, **fields)
+
+            supervisor = Supervisor(config, group, run_dir, settings, shards, stages, admin, say=say, record=record)
+            supervisor.write_pids()
             live = LiveEvaluator(config, spec, endpoints, len(vws), eval_device, keys.admin if keys else None)
 
             def pump() -> None:
@@ -235,25 +290,21 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                         if board is not None:
                             board.write(event, progress)
                         live.wave_done(progress.c_global())  # per event: every due point is seen, however late
+                progress.evicted = set(supervisor.evicted)
                 view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started))
 
-            while any(c.process.exitcode is None for c in stages):
+            while supervisor.stages_running() or not _all_live_done(admin, config.train.waves, supervisor):
                 pump()
-                bad = group.failed()
-                if bad is not None:
-                    raise ChildFailed(bad)
+                supervisor.tick()
                 time.sleep(0.2)
             pump()
-            bad = group.failed()
-            if bad is not None:
-                raise ChildFailed(bad)
+            supervisor.tick()
             view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started), force=True)
             finished = time.monotonic()
             wall = finished - started
             training = (progress.last_step or 0.0) - (progress.first_step or 0.0)
-            with PSClient(endpoints, config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=5,
-                          curve=keys.admin if keys else None) as admin:
-                final = admin.read()
+            with admin() as ps:
+                final, infos = ps.read_each()
             live.join()
             pump()
             trained = True
@@ -276,8 +327,9 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
             board.close()
     timeline = startup_timeline(started_at, launcher, progress.startup.values(), progress.first_step)
     say(format_timeline(timeline))
-    summary = _finish(config, spec, run_dir, final, wall, training, progress, vws, eval_device)
-    summary["startup_s"] = timeline
+    summary = _finish(config, spec, run_dir, final, infos, wall, training, progress, vws, eval_device)
+    summary.update(startup_s=timeline, ps_restarts=sum(supervisor.restarts), evicted=sorted(supervisor.evicted),
+                   resumed_from=cut)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     final_eval = {k: summary[k] for k in (*EVAL_METRICS, "eval_samples") if k in summary}
     with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
@@ -288,10 +340,40 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     return summary
 
 
-def _finish(config, spec, run_dir: Path, final, wall: float, training: float, progress: Progress, vws,
+def _all_live_done(admin, waves: int, supervisor: Supervisor) -> bool:
+    """The launcher's own stages are done; has every live VW (one that rejoined through `hetpipe worker` too)
+    finished at the PS?"""
+    if not supervisor.evicted:
+        return True  # no VW can have rejoined
+    try:
+        with admin() as ps:
+            ps.timeout_s = 10
+            infos = ps.status()
+    except HetpipeError:
+        return False
+    return all(info["c_global"] >= waves for info in infos)
+
+
+def _saved_layouts(run_dir: Path, resume: bool) -> tuple[VwLayout, ...] | None:
+    path = run_dir / "layouts.json"
+    if not resume or not path.exists():
+        return None
+    return tuple(VwLayout(tuple(gpus), tuple(split)) for gpus, split in json.loads(path.read_text()))
+
+
+def _saved_keys(config: ClusterConfig, run_dir: Path, num_vws: int) -> RunKeys | None:
+    """A resumed run with auth = "curve" and no keys_dir reuses the keys it made in <run dir>/keys."""
+    if config.ps.auth == "none":
+        return None
+    directory = run_dir / "keys"
+    return RunKeys(server=server_keys(directory, num_vws),
+                   vws=tuple(client_keys(directory, vw_user(v)) for v in range(num_vws)),
+                   admin=client_keys(directory, ADMIN))
+
+
+def _finish(config, spec, run_dir: Path, final, infos, wall: float, training: float, progress: Progress, vws,
             eval_device: str) -> dict[str, Any]:
-    ledgers = {k: v for k, v in final.items() if k.startswith("audit/")}
-    state = {k: torch.from_numpy(v.copy()) for k, v in final.items() if not k.startswith("audit/")}
+    state = {k: torch.from_numpy(v.copy()) for tensors in final for k, v in tensors.items() if not k.startswith("audit/")}
     torch.save(state, run_dir / "model.pt")
     traces = sorted((run_dir / "trace").glob("vw*-s*.json"))
     if traces:
@@ -314,9 +396,11 @@ def _finish(config, spec, run_dir: Path, final, wall: float, training: float, pr
         "wave_breakdown_ms": progress.breakdown_ms(config.train.waves),
         "evals": progress.evals,
     }
-    if ledgers:  # every (vw, minibatch) update must sit in the final weights exactly once
+    audit = _audit_ledgers(final, infos, config.wsp.nm)
+    if audit is not None:  # every (vw, minibatch) update must sit in the final weights exactly once
         summary["audit_checks"] = progress.audit_checks
-        summary["audit_final_ledgers_exact"] = all(bool((v == 1.0).all()) for v in ledgers.values())
+        summary["audit_final_ledgers_exact"] = audit["lost"] == audit["duplicated"] == audit["stray"] == 0
+        summary["audit_ledger"] = audit
     summary.update(evaluate(spec, state, dataset, batch_size=256, device=eval_device,
                             max_samples=config.train.eval_samples))
     latest = Path(config.train.out_dir) / "latest"
@@ -327,6 +411,24 @@ def _finish(config, spec, run_dir: Path, final, wall: float, training: float, pr
     except OSError:
         pass
     return summary
+
+
+def _audit_ledgers(final: list[dict[str, Any]], infos: list[dict[str, Any]], nm: int) -> dict[str, int] | None:
+    """Each shard's final ledgers against what its clock and its VWs' gaps say they must hold: every update of
+    a wave a VW contributed exactly once (lost: missing; duplicated: more than once; stray: in a gap)."""
+    counts = {"slots": 0, "lost": 0, "duplicated": 0, "stray": 0}
+    found = False
+    for tensors, info in zip(final, infos, strict=True):
+        for key, ledger in tensors.items():
+            if not key.startswith("audit/"):
+                continue
+            found = True
+            want = expected_ledger(ledger.shape, nm, info.get("gaps", []), info["c_global"])
+            counts["slots"] += ledger.size
+            counts["lost"] += int(((want == 1.0) & (ledger < 1.0)).sum())
+            counts["duplicated"] += int((ledger > 1.0).sum())
+            counts["stray"] += int(((want == 0.0) & (ledger > 0.0) & (ledger <= 1.0)).sum())
+    return counts if found else None
 
 
 def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, tuple[VwLayout, ...]]:

@@ -33,6 +33,16 @@ class LocalOptimizer:
         for p in self.params:
             p.grad = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's shape: {"state": {param index: {name: tensor}}, "param_groups": [...]} (what a checkpoint
+        of the stage keeps; the settings come from the config)."""
+        return {"state": self.state, "param_groups": [{"params": list(range(len(self.params)))}]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state = {int(i): {name: t.detach().clone().to(self.params[int(i)].device if t.dim() else "cpu")
+                               for name, t in entry.items()}
+                      for i, entry in state_dict["state"].items()}
+
     @torch.no_grad()
     def step(self) -> None:
         for i, param in enumerate(self.params):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -282,3 +283,93 @@ class StageCompute:
         if self.rules.buffers == "average":
             self._replace_buffers(pulled)
         self._stash = None
+
+    # ---- checkpoints (hetpipe train --resume) ----------------------------------------------------------
+    @torch.no_grad()
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Everything this stage's arithmetic carries from one action to the next, as plain metadata and named
+        tensors: weights, buffers, ledgers, optimizer state, update baselines and own per-wave sums, pending
+        gradients, and each forward in flight (its input and the weight version it ran on; the outputs are
+        recomputed on load)."""
+        tensors: dict[str, Tensor] = {}
+        meta: dict[str, Any] = {"in_flight": [], "pending": list(self.pending), "stash": None}
+        for key, t in {**self.params, **self.ledgers}.items():
+            tensors[f"w/{key}"] = t.detach()
+        for key, b in stage_buffers(self.module).items():
+            tensors[f"b/{key}"] = b.detach()
+        for key, t in self.baseline.items():
+            tensors[f"base/{key}"] = t
+        for key, t in self.acc.items():
+            tensors[f"acc/{key}"] = t
+        for name, table in (("sums", self.sums), ("gsums", self.gsums)):
+            meta[name] = sorted(table)
+            for wave, parts in table.items():
+                tensors.update({f"{name}/{wave}/{key}": t for key, t in parts.items()})
+        if self.optimizer is not None:
+            state = self.optimizer.state_dict()["state"]
+            meta["optimizer"] = {str(i): sorted(entry) for i, entry in state.items()}
+            for i, entry in state.items():
+                tensors.update({f"opt/{i}/{name}": t for name, t in entry.items()})
+        stashes: dict[int, dict[str, Tensor]] = {}
+        for weights in [f.weights for f in self.in_flight.values()] + [self._stash]:
+            if weights is not None:
+                stashes.setdefault(id(weights), weights)
+        order = list(stashes)
+        for n, weights in enumerate(stashes.values()):
+            tensors.update({f"stash/{n}/{key}": w.detach() for key, w in weights.items()})
+        meta["stashes"] = len(order)
+        meta["stash"] = None if self._stash is None else order.index(id(self._stash))
+        for p, flight in sorted(self.in_flight.items()):
+            tensors[f"x/{p}"] = flight.inputs.detach()
+            meta["in_flight"].append({"p": p, "weights": None if flight.weights is None else order.index(id(flight.weights)),
+                                      "output": flight.output is not None, "loss": flight.loss is not None,
+                                      "input_grad": flight.inputs.requires_grad})
+        return meta, tensors
+
+    @torch.no_grad()
+    def load_state_dict(self, meta: Mapping[str, Any], tensors: Mapping[str, Tensor],
+                        targets: Mapping[int, Tensor] | None = None, loss_fn=None,
+                        resend: frozenset[int] = frozenset()) -> dict[int, Tensor]:
+        """Restore what state_dict saved (tensors on any device); each forward in flight whose backward needs
+        its graph runs again on its input and weights (running statistics untouched), the loss too on the last
+        stage (`targets`, `loss_fn`). Returns the outputs of the minibatches in `resend`: what this stage had
+        sent on before the checkpoint and its neighbour had not received yet."""
+        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        for key, t in {**self.params, **self.ledgers}.items():
+            t.copy_(tensors[f"w/{key}"])
+        for key, old in stage_buffers(self.module).items():
+            set_buffer(self.module, key, tensors[f"b/{key}"].to(old.device, old.dtype, copy=True))
+        self.baseline = {k: tensors[f"base/{k}"].to(device, copy=True) for k in self.tracked}
+        self.acc = {k[len("acc/"):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith("acc/")}
+        self.pending = list(meta["pending"])
+        self.sums = {int(w): {k: tensors[f"sums/{w}/{k}"].to(device, copy=True) for k in self.tracked}
+                     for w in meta["sums"]}
+        self.gsums = {int(w): {k[len(f"gsums/{w}/"):]: t.to(device, copy=True) for k, t in tensors.items()
+                               if k.startswith(f"gsums/{w}/")} for w in meta["gsums"]}
+        if self.optimizer is not None:
+            state = {int(i): {name: tensors[f"opt/{i}/{name}"] for name in names}
+                     for i, names in meta.get("optimizer", {}).items()}
+            self.optimizer.load_state_dict({**self.optimizer.state_dict(), "state": state})
+        stashes = [{k: tensors[f"stash/{n}/{k}"].to(device, copy=True).requires_grad_(w.requires_grad)
+                    for k, w in self.params.items()} for n in range(meta["stashes"])]
+        self._stash = None if meta["stash"] is None else stashes[meta["stash"]]
+        self.in_flight, outputs = {}, {}
+        for entry in meta["in_flight"]:
+            p = entry["p"]
+            inputs = tensors[f"x/{p}"].to(device, copy=True)
+            if entry["input_grad"]:
+                inputs.requires_grad_(True)
+            weights = None if entry["weights"] is None else stashes[entry["weights"]]
+            flight = InFlight(inputs, None, weights)
+            if entry["output"] or p in resend:
+                with torch.set_grad_enabled(entry["output"]), self._buffers_kept():
+                    output = self._run(weights, inputs)
+                    if entry["output"]:
+                        flight.output = output
+                        if entry["loss"]:
+                            assert targets is not None and loss_fn is not None
+                            flight.loss = loss_fn(output, targets[p])
+                if p in resend:
+                    outputs[p] = output.detach()
+            self.in_flight[p] = flight
+        return outputs

@@ -20,8 +20,9 @@ __all__ = ["ADMIN_REQUESTS", "VW_REQUESTS", "ZAP_DOMAIN", "ZAP_ENDPOINT", "Refus
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"hetpipe"
-VW_REQUESTS = frozenset({"register", "push", "pull", "status"})  # a VW's key, for that VW only
-ADMIN_REQUESTS = frozenset({"status", "read"})  # the launcher's key: it reads, it never writes
+# a VW's key, for that VW only (evict and rejoin: a VW's worker takes its own VW out after a failure, and back)
+VW_REQUESTS = frozenset({"register", "push", "pull", "status", "heartbeat", "evict", "rejoin"})
+ADMIN_REQUESTS = frozenset({"status", "read", "evict"})  # the launcher's key: it reads, and evicts a failed VW
 
 
 def refusal(user: str | None, msg_type: str, vw: int | None) -> str | None:
@@ -34,7 +35,8 @@ def refusal(user: str | None, msg_type: str, vw: int | None) -> str | None:
     if user == ADMIN:
         if msg_type in ADMIN_REQUESTS:
             return None
-        return f"the admin key may only {' and '.join(sorted(ADMIN_REQUESTS))}, not {msg_type}"
+        *rest, last = sorted(ADMIN_REQUESTS)
+        return f"the admin key may only {', '.join(rest)} and {last}, not {msg_type}"
     own = vw_of_user(user)
     if own is None:
         return f"key user {user!r} is neither a virtual worker nor admin"

@@ -7,11 +7,13 @@ backward of minibatch p of VW i adds exactly 1.0 at [i, p], and that update trav
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from hetpipe.core.errors import HetpipeError
 
-__all__ = ["AuditError", "audit_key", "ledger_violations"]
+__all__ = ["AuditError", "audit_key", "expected_ledger", "gap_mask", "ledger_violations"]
 
 
 class AuditError(HetpipeError):
@@ -22,23 +24,47 @@ def audit_key(layer: int) -> str:
     return f"audit/{layer}"
 
 
-def ledger_violations(ledger: np.ndarray, vw: int, p: int, nm: int, staleness: int, own_through: int | None = None
-                      ) -> list[str]:
+def gap_mask(shape: tuple[int, int], nm: int, gaps: Sequence[Sequence[int]]) -> np.ndarray:
+    """True at the slots of waves a VW contributed nothing to: [vw, from, to) wave ranges (to = -1: on), the
+    spans it was evicted for (docs/recovery.md)."""
+    mask = np.zeros(shape, dtype=bool)
+    for v, start, end in gaps:
+        mask[v, start * nm : shape[1] if end < 0 else end * nm] = True
+    return mask
+
+
+def expected_ledger(shape: tuple[int, int], nm: int, gaps: Sequence[Sequence[int]], through_wave: int) -> np.ndarray:
+    """The final ledger of a run whose waves < through_wave are folded: 1 at every slot outside the gaps."""
+    want = np.zeros(shape, dtype=np.float32)
+    want[:, : through_wave * nm] = 1.0
+    want[gap_mask(shape, nm, gaps)] = 0.0
+    return want
+
+
+def ledger_violations(ledger: np.ndarray, vw: int, p: int, nm: int, staleness: int, own_through: int | None = None,
+                      gaps: Sequence[Sequence[int]] = (), own_from: int = 0) -> list[str]:
     """What is wrong with the ledger the forward of minibatch p of VW `vw` sees (empty: nothing).
 
     L: the VW's own updates of every minibatch <= own_through are in (the schedule's guarantee; default
     p - Nm, the wsp schedule's); none of minibatch >= p is.
     G: every VW's updates of every wave <= c - D - 2 are in (c = the wave of p).
-    Every slot is 0 or 1: no update counted twice or partly.
+    Every slot is 0 or 1: no update counted twice or partly. Slots in `gaps` (waves an evicted VW never
+    contributed) must hold 0 and are no part of L or G. `own_from`: the first minibatch of this incarnation of
+    the VW (it rejoined): its earlier updates are global ones, under G.
     """
     problems = []
     bad = ~np.isin(ledger, (0.0, 1.0))
     if bad.any():
         v, q = np.argwhere(bad)[0]
         problems.append(f"slot [vw {v}, minibatch {q}] holds {ledger[v, q]}, not 0 or 1 (counted twice?)")
+    skip = gap_mask(ledger.shape, nm, gaps)
+    if (ledger[skip] != 0.0).any():
+        v, q = np.argwhere(skip & (ledger != 0.0))[0]
+        problems.append(f"slot [vw {v}, minibatch {q}] is in a wave vw {v} was evicted for, yet holds {ledger[v, q]}")
+    present = (ledger == 1.0) | skip
     through = p - nm if own_through is None else own_through
-    if through >= 0 and not (ledger[vw, : through + 1] == 1.0).all():
-        q = int(np.argmin(ledger[vw, : through + 1] == 1.0))
+    if through >= own_from and not present[vw, own_from : through + 1].all():
+        q = own_from + int(np.argmin(present[vw, own_from : through + 1]))
         problems.append(f"L: own update of minibatch {q} <= {through} is missing")
     if (ledger[vw, p:] != 0.0).any():
         q = p + int(np.argmax(ledger[vw, p:] != 0.0))
@@ -46,7 +72,7 @@ def ledger_violations(ledger: np.ndarray, vw: int, p: int, nm: int, staleness: i
     wave = p // nm
     through = (wave - staleness - 1) * nm  # minibatches of waves <= c - D - 2
     if through > 0:
-        missing = np.argwhere(ledger[:, :through] != 1.0)
+        missing = np.argwhere(~present[:, :through])
         if len(missing):
             v, q = missing[0]
             problems.append(

@@ -51,6 +51,7 @@ PullMode = Literal["exact", "latest"]
 OptimizerName = Literal["sgd", "momentum", "adam"]
 PsAuth = Literal["none", "curve"]
 OnNan = Literal["stop", "skip"]
+OnVwFailure = Literal["stop", "evict"]
 AllocationPolicy = Literal["explicit", "np", "ed", "hd"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -177,6 +178,13 @@ class PsConfig:
     buffers: BufferPolicy = "average"  # BatchNorm statistics: averaged at the PS, or kept per VW (docs/buffers.md)
     auth: PsAuth = "none"
     keys_dir: str = ""
+    # failures (docs/recovery.md): a VW whose stage died or hung stops the run, or is evicted and the others go
+    # on; stages send heartbeats every heartbeat_s, a stage silent for hung_after_s (0: never) has failed;
+    # `hetpipe train` restarts a dead shard from its checkpoint up to max_restarts times (checkpoint.every >= 1)
+    on_vw_failure: OnVwFailure = "stop"
+    heartbeat_s: float = 2.0
+    hung_after_s: float = 60.0
+    max_restarts: int = 10
 
 
 @dataclass(frozen=True)
@@ -190,11 +198,13 @@ class WspConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """PS checkpoints: where, every how many clocks of c_global (0: only on SIGTERM), how many to keep."""
+    """PS checkpoints: where, every how many clocks of c_global (0: only on SIGTERM), how many to keep; with
+    `stages`, every stage also saves its state at those waves under <run dir>/stages, for `train --resume`."""
 
     dir: str = "runs/local/ps"
     every: int = 0
     keep: int = 3
+    stages: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -346,9 +356,10 @@ def _plain(value: Any) -> Any:
 
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "network": ("intra_node_gbps", "inter_node_gbps"),
-    "ps": ("host", "port", "shards", "placement", "timeout_s", "aggregation", "buffers", "auth", "keys_dir"),
+    "ps": ("host", "port", "shards", "placement", "timeout_s", "aggregation", "buffers", "auth", "keys_dir",
+           "on_vw_failure", "heartbeat_s", "hung_after_s", "max_restarts"),
     "wsp": ("staleness", "nm", "pull"),
-    "checkpoint": ("dir", "every", "keep"),
+    "checkpoint": ("dir", "every", "keep", "stages"),
     "model": ("name", "options"),
     "data": ("name", "options", "test_fraction"),
     "train": (
@@ -376,6 +387,17 @@ def load_config(path: str | Path) -> ClusterConfig:
     """Read and validate one cluster config; any problem raises ConfigError naming the fix."""
     path = Path(path)
     return parse_config(_read_toml(path), path)
+
+
+def run_dir_config(run_dir: Path, settings: Sequence[str] = ()) -> ClusterConfig:
+    """The config a `hetpipe train` run in `run_dir` was started with (its config.toml), `settings` applied."""
+    from hetpipe.core.errors import UsageError
+
+    path = Path(run_dir) / "config.toml"
+    if not path.exists():
+        raise UsageError(f"{run_dir}: no config.toml there; is it the run dir of a `hetpipe train` run? "
+                         "Give the cluster config too (the CONFIG argument)")
+    return apply_overrides(load_config(path), settings)
 
 
 def apply_overrides(config: ClusterConfig, settings: Sequence[str]) -> ClusterConfig:
@@ -606,6 +628,12 @@ def _ps(t: _Table) -> PsConfig:
     if last > _MAX_PORT:
         t.fail("port", f"{shards} shards from port {port} need ports up to {last}, above {_MAX_PORT}",
                f"set port to at most {_MAX_PORT + 1 - shards}, or use fewer shards")
+    heartbeat = t.number("heartbeat_s", d.heartbeat_s, ge=0)
+    hung = t.number("hung_after_s", d.hung_after_s, ge=0)
+    if hung and (not heartbeat or hung < 2 * heartbeat):
+        t.fail("hung_after_s", f"{hung:g} s with heartbeat_s = {heartbeat:g}: a stage would be declared hung "
+               "between two heartbeats", "set hung_after_s to at least twice heartbeat_s (or 0 to never declare a "
+               "stage hung)")
     return PsConfig(
         host=host, port=port, shards=shards,
         placement=t.choice("placement", d.placement, get_args(Placement)),
@@ -614,6 +642,10 @@ def _ps(t: _Table) -> PsConfig:
         buffers=t.choice("buffers", d.buffers, get_args(BufferPolicy)),
         auth=t.choice("auth", d.auth, get_args(PsAuth)),
         keys_dir=t.string("keys_dir", d.keys_dir),
+        on_vw_failure=t.choice("on_vw_failure", d.on_vw_failure, get_args(OnVwFailure)),
+        heartbeat_s=heartbeat,
+        hung_after_s=hung,
+        max_restarts=t.integer("max_restarts", d.max_restarts, ge=0),
     )
 
 
@@ -632,6 +664,7 @@ def _checkpoint(t: _Table, default_dir: str) -> CheckpointConfig:
         dir=t.string("dir", default_dir),
         every=t.integer("every", d.every, ge=0),
         keep=t.integer("keep", d.keep, ge=1),
+        stages=t.boolean("stages", d.stages),
     )
 
 

@@ -31,7 +31,7 @@ __all__ = [
     "error_frames",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: durable pushes (keep_from), heartbeats, eviction and rejoin
 CHUNK_BYTES = 1 << 20                   # one data frame; a multiple of every allowed itemsize
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 100_000
@@ -46,7 +46,7 @@ MAX_INFO_ENTRIES = 4096
 MAX_INFO_STR_BYTES = 64 << 10
 ERROR_CODES = frozenset(
     {"bad_message", "version", "run_mismatch", "not_registered", "conflict", "out_of_order", "stale", "internal",
-     "forbidden", "non_finite"}
+     "forbidden", "non_finite", "evicted", "vw_failed"}
 )
 # Bytes on the wire are little-endian whatever the host; on the usual little-endian hosts this is native.
 DTYPES: dict[str, np.dtype] = {
@@ -106,6 +106,14 @@ def _is_error_id(value: object) -> str | None:
 
 def _is_error_code(value: object) -> str | None:
     return None if type(value) is str and value in ERROR_CODES else f"one of {sorted(ERROR_CODES)}"
+
+
+def _is_gaps(value: object) -> str | None:
+    """[vw, from_wave, to_wave] triples: waves a VW contributes nothing to (to_wave -1: open-ended)."""
+    ok = type(value) is list and len(value) <= MAX_INFO_ENTRIES and all(
+        type(g) is list and len(g) == 3 and all(type(x) is int for x in g)
+        and 0 <= g[0] < _I31 and 0 <= g[1] < _I31 and -1 <= g[2] < _I31 for g in value)
+    return None if ok else f"a list of at most {MAX_INFO_ENTRIES} [vw, from, to] int triples"
 
 
 def _is_key_list(value: object) -> str | None:
@@ -171,18 +179,26 @@ FIELDS: dict[str, dict[str, Check]] = {
     "register": {
         "id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX,
         "num_vws": _COUNT, "num_stages": _COUNT, "want_weights": _is_bool,
-        "num_waves": _INDEX, "buffers": _is_key_list, "ledgers": _is_key_list,
+        "num_waves": _INDEX, "buffers": _is_key_list, "ledgers": _is_key_list, "start_wave": _INDEX,
     },
     "push": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
     "pull": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
     "status": {"id": _ID, "run": _RUN},
     "read": {"id": _ID, "run": _RUN},
-    "registered": {"id": _ID, "c_global": _INDEX},
-    "ack": {"id": _ID, "wave": _INDEX, "applied": _is_bool, "c_global": _INDEX},
+    "heartbeat": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "progress": _INDEX},
+    "evict": {"id": _ID, "run": _RUN, "vw": _INDEX},
+    "rejoin": {"id": _ID, "run": _RUN, "vw": _INDEX, "start_wave": _INDEX},
+    # pushed: waves of this stage the shard holds; keep_from: the client may drop its pushes of earlier waves
+    # (they are in a checkpoint, or the shard keeps none and a crash of it cannot be recovered anyway)
+    "registered": {"id": _ID, "c_global": _INDEX, "pushed": _INDEX, "keep_from": _INDEX},
+    "ack": {"id": _ID, "wave": _INDEX, "applied": _is_bool, "c_global": _INDEX, "keep_from": _INDEX},
     "weights": {
         "id": _ID, "wave": _INDEX, "version": _INDEX, "own_through": _int_in(-1, _I31, "2**31"),
-        "parked_ms": _INDEX,
+        "parked_ms": _INDEX, "gaps": _is_gaps,
     },
+    "beat": {"id": _ID, "c_global": _INDEX, "keep_from": _INDEX},
+    "evicted": {"id": _ID, "vw": _INDEX, "at_wave": _INDEX},
+    "rejoined": {"id": _ID, "vw": _INDEX, "start_wave": _INDEX},
     "status_reply": {"id": _ID, "info": _is_info},
     "snapshot": {"id": _ID, "version": _INDEX, "info": _is_info},
     "error": {"id": _is_error_id, "code": _is_error_code, "message": _str_len(0, MAX_MESSAGE_CHARS)},

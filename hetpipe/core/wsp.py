@@ -1,14 +1,19 @@
-"""Wave Synchronous Parallel state of one PS shard: registrations, idempotent pushes, clocks, the gate,
-exact and latest pulls, buffers, bounded memory, snapshots. Pure: numpy arrays in, numpy arrays out, no
-sockets (docs/wsp.md).
+"""Wave Synchronous Parallel state of one PS shard: registrations, idempotent pushes, clocks over the live
+virtual workers, the gate, exact and latest pulls, buffers, eviction and rejoin, bounded memory, snapshots.
+Pure: numpy arrays in, numpy arrays out, no sockets (docs/wsp.md, docs/recovery.md).
 
 Arithmetic, fixed so runs are reproducible bit for bit:
-    S_t = ((P_0(t) + P_1(t)) + P_2(t)) + ...      (VW order, whatever the arrival order)
+    S_t = ((P_a(t) + P_b(t)) + P_c(t)) + ...      (the wave's contributors a < b < c ..., whatever the arrival order)
     W_{t+1} = fold(W_t, S_t)                       (hetpipe.core.aggregation: sum, mean or server optimizer)
 where P_i(t) is VW i's push of wave t for a key: its summed update (or mean gradient, with aggregation
 "server") for a parameter, its current values for a buffer. `exact` pulls return exactly W_{c-D-1}, built
 once wave c-D-2 is complete and kept while a pull may still ask for it; `latest` pulls return the running
-weights, into which every push is folded the moment it arrives.
+weights, into which every VW's wave is folded the moment that VW completes it on this shard.
+
+A VW's push of wave t is merged (exact) or folded (latest) only once every stage of that VW has pushed wave t
+to this shard: so a VW evicted after a failure leaves no half wave behind (its waves from c_local on are
+dropped whole), and a wave counts for every stage of a VW or for none. Contributors of wave t: the VWs whose
+live span ("epoch") covers t; c_global and the gate count live VWs only.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ __all__ = [
 
 PULL_MODES = ("exact", "latest")
 StageId = tuple[int, int]  # (vw, stage)
+OPEN = -1  # the end of a live VW's epoch
 
 
 class TensorSource(Protocol):
@@ -87,8 +93,9 @@ def first_pulled_wave(staleness: int) -> int:
 def pending_bound(staleness: int) -> tuple[int, int]:
     """The most an exact shard holds, in waves' worth of its keys (docs/wsp.md#bounded-memory):
     (weight versions, wave sums) = (D + 2, D + 2). Versions W_t are kept from the oldest a pull may still
-    ask for (c_global - D - 1 at the slowest stage) to the newest (c_global); sums of waves c_global ..
-    c_global + D + 1, the furthest any VW may run ahead of the slowest."""
+    ask for (c_global - D - 1 at the slowest stage, also what a resume from clock c_global or a rejoin needs)
+    to the newest (c_global); sums of waves c_global .. c_global + D + 1, the furthest any VW may run ahead of
+    the slowest."""
     return staleness + 2, staleness + 2
 
 
@@ -114,27 +121,38 @@ def _copy(src: Source) -> np.ndarray:
 
 @dataclass
 class WaveSums:
-    """S_w of one wave, accumulated per key in VW order; early arrivals from later VWs are held.
+    """S_w of one wave, accumulated per key in contributor order; contributions wait in `held` until their VW
+    completed the wave on this shard and every contributor before them is in.
 
     A sum with one contribution is kept as it arrived (a view over the received frames, no copy); the
     second contribution turns it into a fresh array.
     """
 
     sums: dict[str, Source] = field(default_factory=dict)
-    next_vw: dict[str, int] = field(default_factory=dict)
+    merged: dict[str, int] = field(default_factory=dict)  # contributors (in order) already in sums[key]
     held: dict[str, dict[int, Source]] = field(default_factory=dict)
     owned: set[str] = field(default_factory=set)  # keys whose sum is our own array, safe to add into
 
     def add(self, key: str, vw: int, src: Source) -> None:
-        if vw != self.next_vw.get(key, 0):
-            self.held.setdefault(key, {})[vw] = src
-            return
-        self._accumulate(key, src)
-        waiting = self.held.get(key, {})
-        while self.next_vw[key] in waiting:
-            self._accumulate(key, waiting.pop(self.next_vw[key]))
-        if key in self.held and not waiting:
-            del self.held[key]
+        self.held.setdefault(key, {})[vw] = src
+
+    def drop(self, vw: int) -> None:
+        """Forget VW `vw`'s contributions not merged yet (it was evicted before completing this wave)."""
+        for key in list(self.held):
+            self.held[key].pop(vw, None)
+            if not self.held[key]:
+                del self.held[key]
+
+    def merge(self, order: list[int], complete: Callable[[int], bool]) -> None:
+        """Merge held contributions while the next contributor in `order` has one and has completed the wave."""
+        for key in list(self.held):
+            parts, i = self.held[key], self.merged.get(key, 0)
+            while i < len(order) and order[i] in parts and complete(order[i]):
+                self._accumulate(key, parts.pop(order[i]))
+                i += 1
+            self.merged[key] = i
+            if not parts:
+                del self.held[key]
 
     def _accumulate(self, key: str, src: Source) -> None:
         part = self.sums.get(key)
@@ -145,17 +163,16 @@ class WaveSums:
                 part = self.sums[key] = _copy(part)
                 self.owned.add(key)
             _add(part, src)
-        self.next_vw[key] = self.next_vw.get(key, 0) + 1
 
-    def incomplete(self, num_vws: int) -> list[str]:
-        """Keys that still miss a VW's contribution (empty when the wave sum is complete)."""
-        return sorted(k for k, n in self.next_vw.items() if n != num_vws) + sorted(
-            k for k in self.held if k not in self.next_vw
+    def incomplete(self, contributors: int) -> list[str]:
+        """Keys that still miss a contributor's update (empty when the wave sum is complete)."""
+        return sorted(k for k, n in self.merged.items() if n != contributors) + sorted(
+            k for k in self.held if k not in self.merged
         )
 
 
 class ShardState:
-    """The WSP state machine of one shard: who is registered, what was pushed and pulled, the weights."""
+    """The WSP state machine of one shard: who is registered and live, what was pushed and pulled, the weights."""
 
     def __init__(self, staleness: int, pull_mode: str = "exact", aggregation: Aggregation | None = None) -> None:
         if staleness < 0:
@@ -171,12 +188,14 @@ class ShardState:
         self.stage_keys: dict[StageId, tuple[str, ...]] = {}
         self.key_owner: dict[tuple[int, str], int] = {}  # (vw, key) -> stage
         self.kinds: dict[str, KeyKind] = {}
-        self.pushed: dict[StageId, int] = {}  # waves pushed, contiguous from 0
+        self.pushed: dict[StageId, int] = {}  # waves pushed, contiguous from the epoch's start
         self.pulled: dict[StageId, int] = {}  # highest wave pulled (first_pulled_wave - 1 before any)
+        self.epochs: dict[int, list[list[int]]] = {}  # vw -> [[start, end or OPEN], ...]: waves it contributes
         self.initial: dict[str, np.ndarray] = {}  # W_0
         self.versions: dict[int, dict[str, np.ndarray]] = {0: self.initial}  # exact: W_t, never changed once built
         self.wave_sums: dict[int, WaveSums] = {}  # exact: sums of waves not complete yet
         self.weights: dict[str, np.ndarray] = {}  # latest only: running weights (params and ledgers)
+        self.latest_held: dict[int, dict[int, dict[str, Source]]] = {}  # latest: vw -> wave -> pushes not folded
         self.latest_buffers: dict[int, dict[str, np.ndarray]] = {}  # latest: each VW's newest buffer values
         self._lent: dict[str, list[Callable[[], bool]]] = {}
 
@@ -185,13 +204,95 @@ class ShardState:
         """Exact: the newest W_t built (t = c_global once every VW's waves arrived)."""
         return max(self.versions)
 
+    # ---- live virtual workers -----------------------------------------------------------------------
+    def _epochs(self, vw: int) -> list[list[int]]:
+        return self.epochs.setdefault(vw, [[0, OPEN]])
+
+    def live(self, vw: int) -> bool:
+        """A VW is live until evicted, and again once it rejoins."""
+        return self._epochs(vw)[-1][1] == OPEN
+
+    def live_vws(self) -> list[int]:
+        return [v for v in range(self.num_vws or 0) if self.live(v)]
+
+    def contributors(self, wave: int) -> list[int]:
+        """The VWs whose updates wave `wave` sums, in order: those whose epoch covers it."""
+        return [v for v in range(self.num_vws or 0)
+                if any(s <= wave and (e == OPEN or wave < e) for s, e in self._epochs(v))]
+
+    def gaps(self) -> list[list[int]]:
+        """[vw, from, to) wave ranges a VW contributes nothing to (evicted, until it rejoined; to = -1: open)."""
+        out = []
+        for v in range(self.num_vws or 0):
+            spans = self._epochs(v)
+            for (_, end), nxt in zip(spans, [*spans[1:], None], strict=True):
+                if end != OPEN:
+                    out.append([v, end, OPEN if nxt is None else nxt[0]])
+        return out
+
+    def evict(self, vw: int) -> tuple[int, bool]:
+        """Remove VW `vw` from the live set at its wave boundary c_local(vw): its pushes of waves >= c_local(vw)
+        (which some of its stages never pushed) are dropped. Returns (that boundary, whether c_global advanced).
+        Evicting a VW that is not live changes nothing."""
+        self._check_vw(vw)
+        spans = self._epochs(vw)
+        if spans[-1][1] != OPEN:
+            return spans[-1][1], False
+        before = self.c_global
+        boundary = max(self.c_local(vw), spans[-1][0])
+        spans[-1][1] = boundary
+        if self.pull_mode == "exact":
+            for wave, sums in self.wave_sums.items():
+                if wave >= boundary:
+                    sums.drop(vw)
+            self._merge(sorted(self.wave_sums))
+        else:
+            self.latest_held.pop(vw, None)
+            self.latest_buffers.pop(vw, None)
+        self._build_versions()
+        self._forget()
+        return boundary, self.c_global > before
+
+    def rejoin(self, vw: int, start_wave: int) -> None:
+        """Make evicted VW `vw` live again from wave `start_wave` (its stages push from there). Refused when
+        any push of a wave >= start_wave arrived already (its place in the sums' order would be taken) or the
+        weights it would start from are gone."""
+        self._check_vw(vw)
+        if self.live(vw):
+            start = self._epochs(vw)[-1][0]
+            if start == start_wave:
+                return  # a retried rejoin
+            raise WspError("conflict", f"vw {vw} is live (since wave {start}): only an evicted VW rejoins")
+        newest = max((n for (v, _), n in self.pushed.items() if self.live(v)), default=0)
+        least = max(newest, self._epochs(vw)[-1][1])  # no push of a wave >= start_wave has arrived
+        if self.pull_mode == "exact" and start_wave >= first_pulled_wave(self.staleness):
+            least = max(least, min(self.versions) + self.staleness + 1)  # W_{start-D-1} is held or still to come
+        if start_wave < least:
+            raise WspError("stale", f"vw {vw} cannot rejoin at wave {start_wave}: the earliest it may is {least}")
+        if self.num_waves is not None and start_wave >= self.num_waves:
+            raise WspError("stale", f"vw {vw} cannot rejoin at wave {start_wave}: the run has {self.num_waves} waves")
+        self._epochs(vw).append([start_wave, OPEN])
+        for stage in range(self.num_stages.get(vw, 0)):
+            sid = (vw, stage)
+            if sid in self.stage_keys:
+                self.pushed[sid] = start_wave
+                self.pulled[sid] = max(self.pulled[sid], start_wave - 1)
+
+    def epoch_start(self, vw: int) -> int:
+        return self._epochs(vw)[-1][0]
+
+    def _check_vw(self, vw: int) -> None:
+        if self.num_vws is None or not 0 <= vw < self.num_vws:
+            raise WspError("bad_message", f"vw {vw} is not a virtual worker of this run ({self.num_vws or 0} known)")
+
     # ---- registration -------------------------------------------------------------------------------
     def register(
         self, vw: int, stage: int, num_vws: int, num_stages: int, tensors: Mapping[str, Source],
-        kinds: Mapping[str, str] | None = None, num_waves: int | None = None,
+        kinds: Mapping[str, str] | None = None, num_waves: int | None = None, start_wave: int = 0,
     ) -> dict[str, np.ndarray]:
         """Declare a stage's keys (first registration of a key sets its W_0) and their kinds (default
-        "param"), and how many waves the run has (None: unknown); returns the PS's values."""
+        "param"), and how many waves the run has (None: unknown); returns the PS's values. A stage registers
+        again after a restart of the shard (nothing changes) or of its VW (start_wave: where it rejoined)."""
         if num_waves is not None:
             if self.num_waves not in (None, num_waves):
                 raise WspError("conflict", f"vw {vw} stage {stage} says the run has {num_waves} waves, not {self.num_waves}")
@@ -206,6 +307,12 @@ class ShardState:
             raise WspError("conflict", f"vw {vw} has {self.num_stages[vw]} stages, a registration says {num_stages}")
         if not 0 <= stage < num_stages:
             raise WspError("bad_message", f"stage {stage} is out of range for {num_stages} stages")
+        if not self.live(vw):
+            raise WspError("evicted", f"vw {vw} was evicted at wave {self._epochs(vw)[-1][1]}: it must rejoin "
+                                      "(`hetpipe worker --vw` rejoins at the next wave boundary)")
+        if start_wave != self.epoch_start(vw):
+            raise WspError("conflict", f"vw {vw} stage {stage} starts at wave {start_wave}, but vw {vw} is live from "
+                                       f"wave {self.epoch_start(vw)}: every stage of a VW starts at the same wave")
         sid = (vw, stage)
         keys = tuple(tensors)
         if sid in self.stage_keys and set(self.stage_keys[sid]) != set(keys):
@@ -233,8 +340,8 @@ class ShardState:
                 self.kinds[key] = kinds.get(key, "param")
             self.key_owner[(vw, key)] = stage
         self.stage_keys[sid] = keys
-        self.pushed.setdefault(sid, 0)
-        self.pulled.setdefault(sid, first_pulled_wave(self.staleness) - 1)
+        self.pushed.setdefault(sid, start_wave)
+        self.pulled.setdefault(sid, max(first_pulled_wave(self.staleness), start_wave) - 1)
         return {key: self.initial[key] for key in keys}
 
     @staticmethod
@@ -242,10 +349,17 @@ class ShardState:
         if np.dtype(src.dtype) != np.float32:
             raise WspError("bad_message", f"key {key!r} is {np.dtype(src.dtype)}; the PS holds float32 only")
 
+    def stage_keys_of(self, vw: int, stage: int) -> tuple[str, ...]:
+        """The keys of a registered stage of a live VW (WspError "not_registered" or "evicted" otherwise)."""
+        return self._stage_keys(vw, stage)
+
     def _stage_keys(self, vw: int, stage: int) -> tuple[str, ...]:
         keys = self.stage_keys.get((vw, stage))
         if keys is None:
             raise WspError("not_registered", f"vw {vw} stage {stage} is not registered on this shard")
+        if not self.live(vw):
+            raise WspError("evicted", f"vw {vw} was evicted at wave {self._epochs(vw)[-1][1]}; its stages must stop "
+                                      "(`hetpipe worker --vw` rejoins it at the next wave boundary)")
         return keys
 
     # ---- clocks -------------------------------------------------------------------------------------
@@ -254,29 +368,32 @@ class ShardState:
         stages = self.num_stages.get(vw)
         if stages is None:
             return 0
-        return min(self.pushed.get((vw, s), 0) for s in range(stages))
+        return min(self.pushed.get((vw, s), self.epoch_start(vw)) for s in range(stages))
 
     @property
     def c_global(self) -> int:
+        """The fewest waves a live VW has completed (docs/wsp.md#clock); with no live VW, the newest version."""
         if self.num_vws is None:
             return 0
-        return min(self.c_local(vw) for vw in range(self.num_vws))
+        live = self.live_vws()
+        if not live:
+            return self.version  # a run without a live VW has failed; nothing more is built
+        return min(self.c_local(vw) for vw in live)
 
     def gate_open(self, wave: int) -> bool:
-        """Wave `wave` may start once every VW completed wave - D - 2, i.e. c_global >= wave - D - 1."""
+        """Wave `wave` may start once every live VW completed wave - D - 2, i.e. c_global >= wave - D - 1."""
         return self.c_global >= gate_version(wave, self.staleness)
 
     def slowest_vw(self) -> int | None:
-        """The VW with the fewest completed waves (the one a blocked pull waits for)."""
-        if self.num_vws is None:
-            return None
-        return min(range(self.num_vws), key=self.c_local)
+        """The live VW with the fewest completed waves (the one a blocked pull waits for)."""
+        live = self.live_vws()
+        return min(live, key=self.c_local) if live else None
 
     # ---- push ---------------------------------------------------------------------------------------
     def push(self, vw: int, stage: int, wave: int, tensors: Mapping[str, Source]) -> PushResult:
         """Add a stage's push of `wave`; the same (vw, stage, wave) counts once.
 
-        The arrays are kept by reference until folded: the caller must not change them afterwards.
+        The arrays are kept by reference until merged or folded: the caller must not change them afterwards.
         """
         keys = self._stage_keys(vw, stage)
         done = self.pushed[(vw, stage)]
@@ -297,27 +414,40 @@ class ShardState:
             self._check_float32(key, src)
             if tuple(src.shape) != self.initial[key].shape:
                 raise WspError("bad_message", f"update of {key!r} has shape {tuple(src.shape)}, not {self.initial[key].shape}")
+        completed = self.c_local(vw)
         if self.pull_mode == "exact":
             sums = self.wave_sums.setdefault(wave, WaveSums())
             for key, src in tensors.items():
                 sums.add(key, vw, src)
         else:
-            self._fold_now(vw, tensors)
+            self.latest_held.setdefault(vw, {}).setdefault(wave, {}).update(tensors)
         self.pushed[(vw, stage)] = done + 1
+        now_complete = range(completed, self.c_local(vw))  # waves this push completed for its VW
+        if self.pull_mode == "exact":
+            self._merge(list(now_complete))
+        else:
+            for t in now_complete:
+                self._fold_now(vw, t, self.latest_held[vw].pop(t, {}))
         after = self.c_global
         self._build_versions()
         self._forget()
         return PushResult(applied=True, c_global=after, clock_advanced=after > before)
 
-    def _fold_now(self, vw: int, tensors: Mapping[str, Source]) -> None:
-        """Latest: fold one VW's push into the running weights (buffers: keep its newest values)."""
-        assert self.num_vws is not None
+    def _merge(self, waves: list[int]) -> None:
+        for wave in waves:
+            sums = self.wave_sums.get(wave)
+            if sums is not None:
+                sums.merge(self.contributors(wave), lambda v, wave=wave: self.c_local(v) > wave)
+
+    def _fold_now(self, vw: int, wave: int, tensors: Mapping[str, Source]) -> None:
+        """Latest: fold one VW's complete wave into the running weights (buffers: keep its newest values)."""
+        count = max(1, len(self.contributors(wave)))
         for key, src in tensors.items():
             kind = self.kinds[key]
             if kind == "buffer":
                 self.latest_buffers.setdefault(vw, {})[key] = _copy(src)
                 continue
-            new = self.aggregation.add_now(key, kind, self._writable(key), _as_array(src), self.num_vws)
+            new = self.aggregation.add_now(key, kind, self._writable(key), _as_array(src), count)
             if new is not None:
                 self.weights[key] = new.astype(np.float32, copy=False)
 
@@ -334,7 +464,7 @@ class ShardState:
             raise WspError("internal", f"pull of wave {wave} before its gate opened (c_global {self.c_global})")
         sid = (vw, stage)
         if self.pull_mode == "latest":
-            result = PullResult(version=self.c_global, own_through=self.pushed[sid] - 1,
+            result = PullResult(version=self.c_global, own_through=self.c_local(vw) - 1,
                                 tensors={k: self._latest(k) for k in keys})
         else:
             target = gate_version(wave, self.staleness)
@@ -371,13 +501,14 @@ class ShardState:
 
     # ---- building and forgetting versions ------------------------------------------------------------
     def _build_versions(self) -> None:
-        """Exact: build W_{t+1} from W_t and S_t for every wave t that every VW has completed."""
+        """Exact: build W_{t+1} from W_t and S_t for every wave t that every live VW has completed."""
         if self.pull_mode != "exact" or self.num_vws is None:
             return
         while self.version < self.c_global:
             t = self.version
             sums = self.wave_sums.pop(t, WaveSums())
-            incomplete = sums.incomplete(self.num_vws)
+            contributors = self.contributors(t)
+            incomplete = sums.incomplete(len(contributors))
             if incomplete:
                 self.wave_sums[t] = sums
                 raise WspError(
@@ -390,16 +521,19 @@ class ShardState:
             for key, w in old.items():
                 part = sums.sums.get(key)
                 new[key] = w if part is None else self.aggregation.fold(key, self.kinds[key], w, _as_array(part),
-                                                                        self.num_vws)
+                                                                        len(contributors))
             self.versions[t + 1] = new
 
     def oldest_needed(self) -> int:
-        """The oldest W_t a pull may still ask for: a stage that pulled wave c or pushed wave c has passed the
-        gates of every wave <= c, so it will ask for W_{c'-D-1} with c' > c only."""
-        if not self.pulled:
-            return 0
-        passed = min(max(self.pulled[sid], self.pushed[sid] - 1) for sid in self.pulled)
-        return max(0, passed + 1 - self.staleness - 1)
+        """The oldest W_t a pull may still ask for: a live stage that pulled wave c or pushed wave c has passed
+        the gates of every wave <= c, so it will ask for W_{c'-D-1} with c' > c only. W_{c_global-D-1} stays
+        too: a resume from clock c_global, or a VW rejoining, starts from it."""
+        live = [sid for sid in self.pulled if self.live(sid[0])]
+        keep = max(0, self.c_global - self.staleness - 1)
+        if not live:
+            return keep
+        passed = min(max(self.pulled[sid], self.pushed[sid] - 1) for sid in live)
+        return min(keep, max(0, passed + 1 - self.staleness - 1))
 
     def last_pullable(self) -> int | None:
         """The newest W_t any pull of the run will ask for (the last wave's gate), when the length is known."""
@@ -435,8 +569,12 @@ class ShardState:
         return {
             "c_global": self.c_global,
             "c_local": [self.c_local(v) for v in range(self.num_vws or 0)],
+            "live": self.live_vws(),
+            "epochs": [self._epochs(v) for v in range(self.num_vws or 0)],
+            "gaps": self.gaps(),
             "version": self.version,
             "num_vws": self.num_vws,
+            "num_waves": self.num_waves,
             "registered": len(self.stage_keys),
             "versions": sorted(self.versions) if self.pull_mode == "exact" else [],
             "pending_waves": sorted(self.wave_sums),
@@ -445,24 +583,30 @@ class ShardState:
             "aggregation": self.aggregation.name,
         }
 
-    def to_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Everything needed to resume: msgpack-able metadata and the named float32 arrays."""
+    def to_state(self, detached: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Everything needed to resume: msgpack-able metadata and the named float32 arrays. `detached`: copy
+        the arrays later pushes change in place (latest weights, sums being accumulated), so that another
+        thread may write them out while the shard goes on; the others are never changed once made."""
         arrays: dict[str, np.ndarray] = {f"i/{k}": v for k, v in self.initial.items()}
         if self.pull_mode == "latest":
-            arrays.update({f"w/{k}": v for k, v in self.weights.items()})
+            arrays.update({f"w/{k}": v.copy() if detached else v for k, v in self.weights.items()})
             for vw, values in self.latest_buffers.items():
                 arrays.update({f"b/{vw}/{k}": v for k, v in values.items()})
+            for vw, waves in self.latest_held.items():
+                for wave, tensors in waves.items():
+                    arrays.update({f"l/{vw}/{wave}/{k}": _as_array(v) for k, v in tensors.items()})
         for t, weights in self.versions.items():
             if t:
                 arrays.update({f"v/{t}/{k}": v for k, v in weights.items()})
         sums_meta = {}
         for wave, ws in self.wave_sums.items():
             for key, arr in ws.sums.items():
-                arrays[f"s/{wave}/{key}"] = _as_array(arr)
+                arrays[f"s/{wave}/{key}"] = arr.copy() if detached and key in ws.owned else _as_array(arr)
             for key, held in ws.held.items():
                 for v, arr in held.items():
                     arrays[f"h/{wave}/{v}/{key}"] = _as_array(arr)
-            sums_meta[str(wave)] = {"next_vw": ws.next_vw, "held": {k: sorted(h) for k, h in ws.held.items()}}
+            sums_meta[str(wave)] = {"merged": ws.merged, "summed": sorted(ws.sums),
+                                    "held": {k: sorted(h) for k, h in ws.held.items()}}
         optimizer_meta = None
         if self.aggregation.optimizer is not None:
             optimizer_meta, opt_arrays = self.aggregation.optimizer.to_state()
@@ -475,6 +619,7 @@ class ShardState:
             "num_vws": self.num_vws,
             "num_waves": self.num_waves,
             "num_stages": {str(v): n for v, n in self.num_stages.items()},
+            "epochs": {str(v): spans for v, spans in self.epochs.items()},
             "stages": [
                 {"vw": v, "stage": s, "keys": list(keys), "pushed": self.pushed[(v, s)], "pulled": self.pulled[(v, s)]}
                 for (v, s), keys in sorted(self.stage_keys.items())
@@ -482,14 +627,19 @@ class ShardState:
             "kinds": self.kinds,
             "versions": sorted(self.versions),
             "latest_buffers": {str(v): list(values) for v, values in self.latest_buffers.items()},
+            "latest_held": {str(v): {str(t): list(ts) for t, ts in waves.items()}
+                            for v, waves in self.latest_held.items()},
             "wave_sums": sums_meta,
         }
         return meta, arrays
 
     @classmethod
     def from_state(cls, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-                   aggregation: Aggregation | None = None) -> ShardState:
-        """The state `to_state` wrote; `aggregation` supplies the rule (and its optimizer settings) to resume."""
+                   aggregation: Aggregation | None = None, cut: int | None = None) -> ShardState:
+        """The state `to_state` wrote; `aggregation` supplies the rule (and its optimizer settings) to resume.
+
+        `cut` (exact pulls only): the state as it was when every stage had pushed exactly the waves < cut and
+        nothing more, what `hetpipe train --resume` restarts the stages from (docs/recovery.md)."""
         aggregation = aggregation or make_aggregation(meta.get("aggregation", "sum"))
         if aggregation.optimizer is not None and meta.get("optimizer"):
             prefix = "o/"
@@ -499,6 +649,7 @@ class ShardState:
         state.num_vws = meta["num_vws"]
         state.num_waves = meta.get("num_waves")
         state.num_stages = {int(v): n for v, n in meta["num_stages"].items()}
+        state.epochs = {int(v): [list(s) for s in spans] for v, spans in meta.get("epochs", {}).items()}
         state.kinds = dict(meta["kinds"])
         for entry in meta["stages"]:
             sid = (entry["vw"], entry["stage"])
@@ -518,11 +669,35 @@ class ShardState:
             state.weights = {k: load(f"w/{k}") for k in state.kinds}
             state.latest_buffers = {int(v): {k: load(f"b/{v}/{k}") for k in keys}
                                     for v, keys in meta["latest_buffers"].items()}
+            state.latest_held = {int(v): {int(t): {k: load(f"l/{v}/{t}/{k}") for k in keys}
+                                          for t, keys in waves.items()}
+                                 for v, waves in meta.get("latest_held", {}).items()}
         for wave_s, wm in meta["wave_sums"].items():
             wave = int(wave_s)
-            ws = WaveSums(next_vw=dict(wm["next_vw"]))
-            ws.sums = {k: load(f"s/{wave}/{k}") for k in wm["next_vw"]}
+            ws = WaveSums(merged=dict(wm["merged"]))
+            ws.sums = {k: load(f"s/{wave}/{k}") for k in wm["summed"]}
             ws.owned = set(ws.sums)
             ws.held = {k: {v: load(f"h/{wave}/{v}/{k}") for v in vs} for k, vs in wm["held"].items()}
             state.wave_sums[wave] = ws
+        if cut is not None:
+            state._cut_at(cut)
         return state
+
+    def _cut_at(self, cut: int) -> None:
+        """Forget every push of a wave >= cut (exact pulls: nothing of them is folded into a version yet)."""
+        if self.pull_mode != "exact":
+            raise WspError("conflict", "only a shard with exact pulls can be cut back to a wave")
+        need = max(0, gate_version(cut, self.staleness))
+        if self.c_global != cut or need < min(self.versions):
+            raise WspError("stale", f"this checkpoint (c_global {self.c_global}, versions {sorted(self.versions)}) "
+                                    f"cannot be cut back to wave {cut}")
+        if any(spans != [[0, OPEN]] for spans in self.epochs.values()):
+            raise WspError("conflict", "virtual workers were evicted or rejoined in this run: a resume restarts "
+                                       "every VW from one wave, and an evicted VW has no state at it")
+        self.wave_sums = {t: s for t, s in self.wave_sums.items() if t < cut}
+        for t in [t for t in self.versions if t > cut]:
+            del self.versions[t]
+        for sid in self.pushed:
+            if self.live(sid[0]):
+                self.pushed[sid] = min(self.pushed[sid], cut)
+                self.pulled[sid] = first_pulled_wave(self.staleness) - 1

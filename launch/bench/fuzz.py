@@ -87,7 +87,7 @@ class FuzzSession:
             self.socks[name] = sock
         self._ids = iter(range(2**60, _PROBE_IDS))  # apart from the cases' ids
         self._probes = iter(range(_PROBE_IDS, 2**62))
-        self._probes_sent: set[int] = set()  # a case may carry any id, even one in the probes' range
+        self._probes_sent: set[int] = set()  # probes whose late answers may still come (a case may use such ids too)
         self._parked: int | None = None  # the member's pull waiting for its gate
 
     def close(self) -> None:
@@ -101,7 +101,8 @@ class FuzzSession:
         while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             reply = wire.decode(sock.recv_multipart())
             rid = reply.fields.get("id")
-            if isinstance(rid, int) and rid in self._probes_sent:
+            if isinstance(rid, int) and rid in self._probes_sent and reply.type == "status_reply":
+                self._probes_sent.discard(rid)
                 continue  # a late answer to a probe
             if want is None or rid == want:
                 return reply

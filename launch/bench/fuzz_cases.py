@@ -32,8 +32,8 @@ RUN = "fuzz"
 MODEL = {"k": (2, 3), "big": (300_000,)}  # "big" is 1.2 MB: two data frames
 MEMBER_VW = 1
 WAVES_DONE = 3  # both VWs pushed waves 0..2 before the fuzz starts
-REQUESTS = ("register", "push", "pull", "status", "read")
-REGISTER = {"num_vws": 2, "num_stages": 1, "num_waves": 0, "buffers": [], "ledgers": []}  # a registration's fields
+REQUESTS = ("register", "push", "pull", "status", "read", "heartbeat", "evict", "rejoin")
+REGISTER = {"num_vws": 2, "num_stages": 1, "num_waves": 0, "buffers": [], "ledgers": [], "start_wave": 0}  # a registration's fields
 MAXMSGSIZE = wire.MAX_FRAME_BYTES + (64 << 10)  # wire.configure_socket's limit: a bigger frame drops the connection
 
 
@@ -93,6 +93,8 @@ def oracle(frames: list[bytes]) -> Expect:
         return replies("snapshot")
     if msg.type == "register":  # every (vw, stage) of the run is taken, and nothing else fits it
         return errors("conflict", "bad_message", "non_finite")
+    if msg.type in ("evict", "rejoin"):  # the shard under fuzz stops on a VW failure: it evicts nobody
+        return errors("conflict")
     return errors("not_registered")
 
 
@@ -165,7 +167,10 @@ class CaseGenerator:
             wire.encode("pull", {"id": 5, **base, "wave": 4}),
             wire.encode("status", {"id": 6, "run": RUN}),
             wire.encode("read", {"id": 7, "run": RUN}),
-            wire.encode("ack", {"id": 8, "wave": 0, "applied": True, "c_global": 0}),
+            wire.encode("ack", {"id": 8, "wave": 0, "applied": True, "c_global": 0, "keep_from": 0}),
+            wire.encode("heartbeat", {"id": 10, **base, "progress": 3}),
+            wire.encode("evict", {"id": 11, "run": RUN, "vw": 1}),
+            wire.encode("rejoin", {"id": 12, "run": RUN, "vw": 1, "start_wave": 9}),
             wire.encode("error", {"id": 9, "code": "stale", "message": "x"}),
         )]
 

@@ -6,11 +6,13 @@ For each model size and shard count, in the same run, round by round, alternatin
   raw  - the same bytes in the same 1 MiB zero-copy frames to S echo servers (ROUTER) that answer with
          the same number of bytes from a preallocated buffer: ZeroMQ loopback with no PS work at all;
   ps_curve (with --auth curve) - the PS as a stage of auth = "curve" talks to it: CurveZMQ encryption, the
-         ZAP-admitted key checked on every request; same rounds, same model, interleaved with the other two.
+         ZAP-admitted key checked on every request; same rounds, same model, interleaved with the other two;
+  ps_durable (with --durable N) - the PS checkpointing every N clocks, what lets a crashed shard restart
+         without losing an acknowledged push (docs/recovery.md); interleaved likewise.
 Throughput counts both directions: 2 x SIZE bytes per round trip.
 
     python launch/bench/ps_throughput.py [--sizes 10,100,400] [--shards 1,4] [--rounds 5] [--auth curve]
-        [--out FILE] [--plot FILE.png]
+        [--durable N] [--out FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -114,11 +116,13 @@ class PsPeer:
     """The PS: one stage pushes a wave's update, then pulls the weights that contain it."""
 
     def __init__(self, group: ChildGroup, model: dict[str, np.ndarray], shards: int, mode: str,
-                 keys: tuple[ServerKeys, ClientKeys] | None = None) -> None:
+                 keys: tuple[ServerKeys, ClientKeys] | None = None, durable: tuple[Path, int] | None = None) -> None:
         endpoints = []
-        name = "ps-curve" if keys else "ps"
+        name = "ps-curve" if keys else "ps-durable" if durable else "ps"
         for s in range(shards):
-            settings = ShardSettings("bench", s, "tcp://127.0.0.1:0", 0, mode, keys=keys[0] if keys else None)
+            settings = ShardSettings("bench", s, "tcp://127.0.0.1:0", 0, mode, keys=keys[0] if keys else None,
+                                     checkpoint_dir=Path(tempfile.mkdtemp(prefix=f"shard{s}-", dir=durable[0]))
+                                     if durable else None, checkpoint_every=durable[1] if durable else 0)
             endpoints.append(f"tcp://127.0.0.1:{start(group, f'{name}{s}', serve_settings, settings)}")
         placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
         self.model = model
@@ -152,13 +156,15 @@ def bench_keys(directory: Path) -> tuple[ServerKeys, ClientKeys]:
 
 
 def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, logs: Path,
-            keys: tuple[ServerKeys, ClientKeys] | None) -> dict[str, list[float]]:
+            keys: tuple[ServerKeys, ClientKeys] | None, durable: int = 0) -> dict[str, list[float]]:
     """Rounds of every peer, interleaved (the first of a round rotating), after one warm-up round each."""
     times: dict[str, list[float]] = {}
     with ChildGroup(logs) as group:
         peers = {"raw": RawPeer(group, model, shards), "ps": PsPeer(group, model, shards, mode)}
         if keys is not None:
             peers["ps_curve"] = PsPeer(group, model, shards, mode, keys)
+        if durable:
+            peers["ps_durable"] = PsPeer(group, model, shards, mode, durable=(logs, durable))
         names = list(peers)
         try:
             for r in range(rounds + 1):
@@ -180,16 +186,20 @@ def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, l
 @click.option("--mode", type=click.Choice(["exact", "latest"]), default="exact", show_default=True)
 @click.option("--auth", type=click.Choice(["none", "curve"]), default="none", show_default=True,
               help="curve: also measure the PS with auth = \"curve\" (CurveZMQ), interleaved with the others.")
+@click.option("--durable", type=click.IntRange(min=0), default=0, show_default=True,
+              help="N > 0: also measure the PS checkpointing every N clocks (crash recovery), interleaved.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON rows here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
-def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, out: Path | None,
+def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durable: int, out: Path | None,
          plot_path: Path | None) -> None:
     rows = []
     curve = auth == "curve"
     header = f"{'size_mb':>7} {'shards':>6} {'ps_gbps':>8} {'raw_gbps':>8} {'ratio':>6}"
     if curve:
         header += f" {'curve_gbps':>10} {'curve/ps':>8}"
+    if durable:
+        header += f" {'durable_gbps':>12} {'durable/ps':>10}"
     print(header + f"   (median of {rounds}; GB/s both ways)", flush=True)
     logs = Path(tempfile.mkdtemp(prefix="hetpipe-bench-"))  # the shards' status lines go here
     keys = bench_keys(logs / "keys") if curve else None
@@ -197,7 +207,7 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, out: 
         model = make_model(size)
         nbytes = 2 * sum(v.nbytes for v in model.values())
         for shards in (int(s) for s in shard_counts.split(",")):
-            times = measure(model, shards, rounds, mode, logs, keys)
+            times = measure(model, shards, rounds, mode, logs, keys, durable)
             row = {"size_mb": size, "shards": shards, "mode": mode}
             for name, took in times.items():
                 row[f"{name}_gbps"] = round(nbytes / statistics.median(took) / 1e9, 3)
@@ -207,6 +217,9 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, out: 
             if curve:
                 row["curve_ratio"] = round(row["ps_curve_gbps"] / row["ps_gbps"], 3)
                 line += f" {row['ps_curve_gbps']:>10.2f} {row['curve_ratio']:>8.2f}"
+            if durable:
+                row["durable_ratio"] = round(row["ps_durable_gbps"] / row["ps_gbps"], 3)
+                line += f" {row['ps_durable_gbps']:>12.2f} {row['durable_ratio']:>10.2f}"
             rows.append(row)
             print(line, flush=True)
     if out is not None:
@@ -219,6 +232,8 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, out: 
         series = {"hetpipe PS push+pull": [r["ps_gbps"] for r in rows], "raw ZeroMQ": [r["raw_gbps"] for r in rows]}
         if curve:
             series["hetpipe PS, auth = curve"] = [r["ps_curve_gbps"] for r in rows]
+        if durable:
+            series[f"hetpipe PS, checkpoint every {durable}"] = [r["ps_durable_gbps"] for r in rows]
         print(plots.paired_bars(labels, series, "GB/s (both ways)", f"PS round trips, median of {rounds}", png))
 
 
