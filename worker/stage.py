@@ -70,7 +70,9 @@ class StageRunner:
     def __init__(self, job: StageJob, report: Callable[[dict[str, Any]], None]) -> None:
         self.job, self.report = job, report
         # when each step of this stage's start-up ended (Unix seconds), reported once before the first action
-        self.startup = {"process": process_started_at(), "imported": child_entered_at() or time.time()}
+        imported = child_entered_at() or time.time()
+        started = process_started_at()  # from /proc's 10 ms ticks: may read a few ms after `imported`
+        self.startup = {"process": None if started is None else min(started, imported), "imported": imported}
         self.config = config = job.config
         self.device = torch.device(job.device)
         if self.device.type == "cuda":
