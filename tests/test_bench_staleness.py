@@ -1,18 +1,21 @@
-"""launch/bench/staleness.py: settings, refused splits, and scores along a reference run on a tiny model."""
+"""launch/bench/staleness.py: refused splits, scores along a reference run on a tiny model, stopping at the target,
+the calibration file."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import click
 import pytest
+from click.testing import CliRunner
 
 from hetpipe.core.config import load_config
+from hetpipe.core.convergence import Calibration, Setting
 from hetpipe.core.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
 import staleness  # noqa: E402  (launch/bench is not a package)
+import time_to_accuracy as tta  # noqa: E402
 
 _TINY = """name = "staleness-test"
 seed = 3
@@ -35,27 +38,45 @@ lr = 0.05
 """
 
 
-def test_settings_parse_and_reject_with_the_form_to_use() -> None:
-    assert staleness.parse_settings("2x4/3, 1x1/1") == [(2, 4, 3), (1, 1, 1)]
-    for bad in ("2x4", "0x1/1", "2*4/3"):
-        with pytest.raises(click.BadParameter, match="VWSxNM/STAGES"):
-            staleness.parse_settings(bad)
-
-
 def test_a_setting_with_more_stages_than_layers_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "tiny.toml"
     path.write_text(_TINY)
     with pytest.raises(UsageError, match="between 1 and 4 stages"):
-        staleness.run_setting(load_config(path), vws=1, nm=1, stages=5, staleness=0, samples=64, scores=1)
+        staleness.run_setting(load_config(path), Setting(1, 1, 5), samples=64, score_every=64)
 
 
 def test_scores_follow_the_global_versions_with_their_sample_counts(tmp_path: Path) -> None:
     path = tmp_path / "tiny.toml"
     path.write_text(_TINY)
     config = load_config(path)
-    curve = staleness.run_setting(config, vws=2, nm=2, stages=2, staleness=0, samples=640, scores=4)
+    curve = staleness.run_setting(config, Setting(2, 2, 2), samples=640, score_every=160)
     per_wave = 2 * 2 * 8
     assert [c["t"] for c in curve] == [v * per_wave for v in (5, 10, 15, 20)]  # 20 waves, every 5th version
     assert all(0.0 <= c["test_accuracy"] <= 1.0 and c["test_loss"] > 0 for c in curve)
-    one = staleness.run_setting(config, vws=1, nm=1, stages=1, staleness=0, samples=640, scores=4)
+    one = staleness.run_setting(config, Setting(1, 1, 1), samples=640, score_every=160)
     assert one[-1]["t"] == 640 and one != curve  # same samples, other staleness, other weights
+
+
+def test_a_run_stops_at_the_first_score_that_meets_the_goal(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text(_TINY)
+    config = load_config(path)
+    full = staleness.run_setting(config, Setting(1, 1, 1), samples=640, score_every=64)
+    goal = tta.Goal("test_accuracy", sorted(c["test_accuracy"] for c in full)[len(full) // 2])
+    stopped = staleness.run_setting(config, Setting(1, 1, 1), samples=640, score_every=64, goal=goal)
+    first = next(i for i, c in enumerate(full) if goal.met(c))
+    assert stopped == full[: first + 1]
+
+
+def test_the_command_writes_a_calibration_the_planner_reads(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text(_TINY)
+    cal = tmp_path / "cal.json"
+    result = CliRunner().invoke(staleness.main, [
+        "--config", str(path), "--settings", "1x1/1,2x2/2:1f1b-flush:mean", "--seeds", "0,1", "--samples", "256",
+        "--score-every", "64", "--target", "0.3", "--calibrate", str(cal)])
+    assert result.exit_code == 0, result.output
+    made = Calibration.load(cal)
+    assert [m.setting.label for m in made.measurements] == ["1x1/1:wsp:sum:none:D0", "2x2/2:1f1b-flush:mean:none:D0"]
+    assert made.seeds == (0, 1) and all(len(m.samples) == 2 for m in made.measurements)
+    assert made.sequential is made.measurements[0]

@@ -32,6 +32,7 @@ from hetpipe.core.devices import p2p_backend
 from hetpipe.core.emulate import LinkEmulator, device_dilator
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.metrics import TraceRecorder
+from hetpipe.core.mitigation import stage_lags
 from hetpipe.core.schedule import WAIT, get_schedule, own_through_required
 from hetpipe.core.wsp import gate_version
 from hetpipe.models import build_stage
@@ -77,6 +78,8 @@ class StageRunner:
             nm=wsp.nm, stashing=kind.stashing != "none" and t.weight_stashing,
             recompute=t.recompute or (kind.stashing == "optional" and not t.weight_stashing),
             aggregation=config.ps.aggregation, buffers=config.ps.buffers, precision=t.precision,
+            mitigation=t.mitigations, num_vws=job.num_vws, warmup_waves=t.warmup_waves, staleness=wsp.staleness,
+            lags=stage_lags(self.schedule.stages[job.stage]) if t.mitigations else None,
         )
         self.ledgers: dict[str, torch.Tensor] = {}
         if job.audit:

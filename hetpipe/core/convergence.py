@@ -1,0 +1,312 @@
+"""Samples to a target by training setting (docs/convergence.md): the settings the staleness study measures in the
+single-process reference (launch/bench/staleness.py), the calibration file it writes beside the shipped profiles,
+and the model the planner asks: `samples_to_target(calibration, setting)`, measured where the calibration has the
+setting and from a fitted model elsewhere. Pure: no torch, no I/O beyond reading and writing calibration JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hetpipe.core.aggregation import AGGREGATIONS
+from hetpipe.core.errors import UsageError
+from hetpipe.core.mitigation import format_mitigation, parse_mitigation
+from hetpipe.core.schedule import SCHEDULES
+
+__all__ = [
+    "CALIBRATION_VERSION",
+    "Calibration",
+    "ConvergenceModel",
+    "Measurement",
+    "Setting",
+    "calibration_name",
+    "find_calibration",
+    "fit_model",
+    "median_samples",
+    "parse_setting",
+    "parse_settings",
+    "samples_to_target",
+]
+
+CALIBRATION_VERSION = 1
+_SHAPE = re.compile(r"^(\d+)x(\d+)/(\d+)$")
+_D = re.compile(r"^D(\d+)$")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to train, as far as samples to a target go: VWs x Nm / stages per VW, the schedule, the PS's
+    aggregation, the mitigations and D. Written `2x4/3:1f1b-flush:mean:spectrain:D0` (label)."""
+
+    vws: int
+    nm: int
+    stages: int
+    schedule: str = "wsp"
+    aggregation: str = "sum"
+    mitigation: tuple[str, ...] = ()
+    staleness: int = 0
+
+    @property
+    def label(self) -> str:
+        return (f"{self.vws}x{self.nm}/{self.stages}:{self.schedule}:{self.aggregation}:"
+                f"{format_mitigation(self.mitigation)}:D{self.staleness}")
+
+    @property
+    def sequential(self) -> bool:
+        """One VW, one minibatch at a time: plain sequential training whatever the schedule says."""
+        return self.vws == 1 and self.nm == 1
+
+    def overrides(self) -> list[str]:
+        """The `--set` overrides that train this setting (stages and VWs are the reference's splits)."""
+        return [f"wsp.nm={self.nm}", f"wsp.staleness={self.staleness}", f'train.schedule="{self.schedule}"',
+                f'ps.aggregation="{self.aggregation}"', f'train.mitigation="{format_mitigation(self.mitigation)}"']
+
+
+def parse_setting(text: str, defaults: Setting | None = None) -> Setting:
+    """ "2x4/3" with optional ":"-separated parts in any order: a schedule name, an aggregation (sum, mean,
+    server), a mitigation ("none", "spectrain", "pipemare+warmup", ...), D<n>. Parts not given come from
+    `defaults` (its VWs, Nm and stages are ignored)."""
+    base = defaults or Setting(1, 1, 1)
+    shape, *parts = [p.strip() for p in text.strip().split(":")]
+    match = _SHAPE.match(shape)
+    if not match or min(int(g) for g in match.groups()) < 1:
+        raise UsageError(f"setting {text!r}: write VWSxNM/STAGES with positive integers, then optional "
+                         ":SCHEDULE :AGGREGATION :MITIGATION :D<n>, e.g. 2x4/3:1f1b-flush:mean:D0")
+    vws, nm, stages = (int(g) for g in match.groups())
+    out = replace(base, vws=vws, nm=nm, stages=stages)
+    for part in parts:
+        if part in SCHEDULES:
+            out = replace(out, schedule=part)
+        elif part in AGGREGATIONS:
+            out = replace(out, aggregation=part)
+        elif _D.match(part):
+            out = replace(out, staleness=int(part[1:]))
+        else:
+            try:
+                out = replace(out, mitigation=parse_mitigation(part))
+            except UsageError as exc:
+                raise UsageError(f"setting {text!r}: {part!r} is no schedule ({', '.join(SCHEDULES)}), aggregation "
+                                 f"({', '.join(AGGREGATIONS)}), D<n> or mitigation: {exc}") from None
+    return out
+
+
+def parse_settings(text: str, defaults: Setting | None = None) -> list[Setting]:
+    """A comma list of parse_setting's forms."""
+    return [parse_setting(item, defaults) for item in text.split(",") if item.strip()]
+
+
+def median_samples(samples: Sequence[float | None]) -> float | None:
+    """Median over seeds with a seed that never reached the target counted as infinitely many samples; None when
+    the median itself did not reach it."""
+    if not samples:
+        return None
+    value = statistics.median(math.inf if s is None else float(s) for s in samples)
+    return None if math.isinf(value) else value
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A setting measured over seeds: samples to the target per seed (None: not within `budget` samples)."""
+
+    setting: Setting
+    samples: tuple[float | None, ...]
+    best: tuple[float, ...] = ()  # per seed, the best metric reached
+    budget: int = 0  # samples each seed trained at most
+
+    @property
+    def median(self) -> float | None:
+        return median_samples(self.samples)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"setting": self.setting.label, "samples": list(self.samples), "median": self.median,
+                "best": list(self.best), "budget": self.budget}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Measurement:
+        return cls(parse_setting(doc["setting"]), tuple(doc["samples"]), tuple(doc.get("best", ())),
+                   int(doc.get("budget", 0)))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the staleness study measured for one model variant, batch, optimizer and learning rate."""
+
+    model: str
+    options_digest: str  # hetpipe.compute.profiler.options_digest of the model's options
+    batch_size: int
+    optimizer: str
+    lr: float
+    metric: str  # "test_accuracy" (higher is better) or "val_loss"
+    target: float
+    seeds: tuple[int, ...]
+    measurements: tuple[Measurement, ...]
+    command: str = ""  # how it was measured
+    notes: tuple[str, ...] = ()
+
+    @property
+    def sequential(self) -> Measurement | None:
+        """The plain sequential run (1 VW, Nm 1): the unit of every samples factor."""
+        return next((m for m in self.measurements if m.setting.sequential and not m.setting.mitigation), None)
+
+    def find(self, setting: Setting) -> Measurement | None:
+        return next((m for m in self.measurements if m.setting == setting), None)
+
+    def to_json(self) -> str:
+        doc = {"version": CALIBRATION_VERSION, **{k: v for k, v in asdict(self).items() if k != "measurements"},
+               "measurements": [m.to_json() for m in self.measurements]}
+        return json.dumps(doc, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        doc = json.loads(text)
+        if doc.get("version") != CALIBRATION_VERSION:
+            raise ValueError(f"calibration version {doc.get('version')!r}, expected {CALIBRATION_VERSION}")
+        return cls(doc["model"], doc["options_digest"], int(doc["batch_size"]), doc["optimizer"], float(doc["lr"]),
+                   doc["metric"], float(doc["target"]), tuple(doc["seeds"]),
+                   tuple(Measurement.from_json(m) for m in doc["measurements"]), doc.get("command", ""),
+                   tuple(doc.get("notes", ())))
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        return cls.from_json(path.read_text())
+
+    def merged(self, other: Calibration) -> Calibration:
+        """This calibration with `other`'s measurements added (other's win for the same setting)."""
+        keep = [m for m in self.measurements if other.find(m.setting) is None]
+        return replace(self, measurements=tuple(keep) + other.measurements, seeds=other.seeds,
+                       command="; ".join(c for c in (self.command, other.command) if c))
+
+
+def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str) -> str:
+    """File name of a calibration under the calibrations folder (hetpipe/profiles/convergence/)."""
+    return f"{model}-{options_digest}-b{batch_size}-{optimizer}.json"
+
+
+def find_calibration(folder: Path, model: str, options_digest: str, batch_size: int,
+                     optimizer: str) -> Calibration | None:
+    """The calibration of this model variant, batch and optimizer in `folder`, or None."""
+    path = folder / calibration_name(model, options_digest, batch_size, optimizer)
+    return Calibration.load(path) if path.is_file() else None
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class ConvergenceModel:
+    """log(samples / sequential samples) = sum of coefficients x features (`features`), least squares over a
+    calibration's reached settings; `fit_error` is the largest |predicted / measured - 1| over them when each
+    is left out of its own fit (leave-one-out), `rms_log` the in-sample root mean square of the log error."""
+
+    coefficients: Mapping[str, float]
+    fit_error: float
+    rms_log: float
+    points: int
+    residuals: Mapping[str, float] = field(default_factory=dict)  # setting label -> predicted / measured - 1 (LOO)
+
+    def factor(self, setting: Setting) -> float:
+        x = features(setting)
+        return math.exp(sum(self.coefficients.get(k, 0.0) * v for k, v in x.items()))
+
+
+def features(setting: Setting) -> dict[str, float]:
+    """What the fitted model sees of a setting (docs/convergence.md, "The fitted model")."""
+    s = setting
+    wave_update = SCHEDULES[s.schedule].update_every == "wave"
+    per_update = s.nm if wave_update else 1  # minibatches in one local update
+    global_batch = per_update * (s.vws if s.aggregation in ("mean", "server") else 1)
+    # own minibatches whose updates a forward misses: wsp Nm - 1, pipedream-2bw about a wave, flushes none (and
+    # none with aggregation "server": the VW's weights move only at pulls)
+    local_lag = 0.0
+    if s.aggregation != "server":
+        local_lag = {"wsp": float(s.nm - 1), "pipedream-2bw": float(s.nm)}.get(s.schedule, 0.0)
+    # other VWs' updates a minibatch misses, in minibatches of one VW: a wave and a half on average, plus D waves
+    global_lag = (s.vws - 1) * s.nm * (1.5 + s.staleness) if s.vws > 1 else 0.0
+    return {"log_batch": math.log2(global_batch), "local_lag": local_lag, "global_lag": global_lag,
+            "sum_overshoot": math.log2(s.vws) if s.aggregation == "sum" else 0.0}
+
+
+def fit_model(calibration: Calibration, names: Iterable[str] | None = None) -> ConvergenceModel | None:
+    """Least squares (no intercept: the sequential setting has every feature 0) of log samples factors on the
+    features; None without a reached sequential run or with fewer reached settings than features + 1."""
+    seq = calibration.sequential
+    if seq is None or seq.median is None:
+        return None
+    points = [(m.setting, math.log(m.median / seq.median)) for m in calibration.measurements
+              if m.median is not None and m is not seq and not m.setting.mitigation]
+    keys = list(names) if names is not None else ["log_batch", "local_lag", "global_lag", "sum_overshoot"]
+    keys = [k for k in keys if any(features(s)[k] != 0.0 for s, _ in points)]
+    if len(points) < len(keys) + 1:
+        return None
+    coef = _least_squares(points, keys)
+    rms = math.sqrt(sum((_predict(coef, s) - y) ** 2 for s, y in points) / len(points))
+    residuals = {}
+    for i, (s, y) in enumerate(points):
+        rest = points[:i] + points[i + 1:]
+        loo = _least_squares(rest, keys)
+        residuals[s.label] = math.exp(_predict(loo, s) - y) - 1.0
+    worst = max((abs(r) for r in residuals.values()), default=0.0)
+    return ConvergenceModel(coef, worst, rms, len(points), residuals)
+
+
+def _predict(coef: Mapping[str, float], setting: Setting) -> float:
+    x = features(setting)
+    return sum(coef.get(k, 0.0) * x[k] for k in coef)
+
+
+def _least_squares(points: Sequence[tuple[Setting, float]], keys: Sequence[str]) -> dict[str, float]:
+    """Normal equations with a tiny ridge (keeps a feature every point has 0 of, or two collinear ones, finite)."""
+    n = len(keys)
+    a = [[0.0] * n for _ in range(n)]
+    b = [0.0] * n
+    for s, y in points:
+        x = features(s)
+        for i, ki in enumerate(keys):
+            b[i] += x[ki] * y
+            for j, kj in enumerate(keys):
+                a[i][j] += x[ki] * x[kj]
+    for i in range(n):
+        a[i][i] += 1e-6
+    return dict(zip(keys, _solve(a, b), strict=True))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (n is 4 at most)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col and m[col][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
+
+
+def samples_to_target(calibration: Calibration, setting: Setting,
+                      model: ConvergenceModel | None = None) -> tuple[float | None, str]:
+    """(samples to the calibration's target for `setting`, where the number comes from): the measured median
+    when the calibration has the setting ("measured", None when it did not get there), else the sequential
+    samples x the fitted model's factor ("fitted"); (None, why) when neither can answer."""
+    found = calibration.find(setting)
+    if found is not None:
+        return found.median, "measured" if found.median is not None else "measured: not reached"
+    seq = calibration.sequential
+    if seq is None or seq.median is None:
+        return None, "no sequential run in the calibration"
+    if setting.mitigation:
+        plain = calibration.find(replace(setting, mitigation=()))
+        if plain is None:
+            return None, f"no measurement of {setting.label} and the model has no mitigations"
+    fitted = model if model is not None else fit_model(calibration)
+    if fitted is None:
+        return None, "too few reached settings to fit a model"
+    return seq.median * fitted.factor(setting), "fitted"
