@@ -6,16 +6,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from hetpipe.core.config import load_config
-from hetpipe.core.convergence import Calibration, Setting
+from hetpipe.compute.build import model_of
+from hetpipe.compute.reference import run_reference
+from hetpipe.core.config import apply_overrides, load_config
+from hetpipe.core.convergence import Calibration, Setting, canonical, parse_setting
 from hetpipe.core.errors import UsageError
+from hetpipe.models import even_split, param_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
+import goals  # noqa: E402
 import staleness  # noqa: E402  (launch/bench is not a package)
-import time_to_accuracy as tta  # noqa: E402
 
 _TINY = """name = "staleness-test"
 seed = 3
@@ -62,7 +66,7 @@ def test_a_run_stops_at_the_first_score_that_meets_the_goal(tmp_path: Path) -> N
     path.write_text(_TINY)
     config = load_config(path)
     full = staleness.run_setting(config, Setting(1, 1, 1), samples=640, score_every=64)
-    goal = tta.Goal("test_accuracy", sorted(c["test_accuracy"] for c in full)[len(full) // 2])
+    goal = goals.Goal("test_accuracy", sorted(c["test_accuracy"] for c in full)[len(full) // 2])
     stopped = staleness.run_setting(config, Setting(1, 1, 1), samples=640, score_every=64, goal=goal)
     first = next(i for i, c in enumerate(full) if goal.met(c))
     assert stopped == full[: first + 1]
@@ -80,3 +84,25 @@ def test_the_command_writes_a_calibration_the_planner_reads(tmp_path: Path) -> N
     assert [m.setting.label for m in made.measurements] == ["1x1/1:wsp:sum:none:D0", "2x2/2:1f1b-flush:mean:none:D0"]
     assert made.seeds == (0, 1) and all(len(m.samples) == 2 for m in made.measurements)
     assert made.sequential is made.measurements[0]
+
+
+@pytest.mark.parametrize("group", [
+    ["2x2/2:wsp:server", "2x2/1:1f1b-flush:server", "2x2/2:pipedream-2bw:server", "2x2/3:gpipe:server"],
+    ["2x2/2:gpipe:sum", "2x2/1:1f1b-flush:sum", "2x2/3:1f1b-flush:sum:spectrain"],
+    ["1x2/2:wsp:mean:warmup:D1", "1x2/2:wsp:sum"],
+])
+def test_settings_with_one_canonical_form_train_the_same_weights(tmp_path: Path, group: list[str]) -> None:
+    """hetpipe.core.convergence.canonical's claims, checked in the reference: one run stands for each group."""
+    path = tmp_path / "tiny.toml"
+    path.write_text(_TINY)
+    config = apply_overrides(load_config(path), ['train.optimizer="adam"', "train.lr=0.01"])
+    settings = [parse_setting(s) for s in group]
+    assert len({canonical(s) for s in settings}) == 1
+    spec = model_of(config)
+    finals = []
+    for s in settings:
+        cfg = apply_overrides(config, [*s.overrides(), "train.waves=4"])
+        split = tuple(even_split(param_counts(spec), s.stages))
+        finals.append(run_reference(cfg, [split] * s.vws).ps_weights)
+    for other in finals[1:]:
+        assert all(np.array_equal(finals[0][k], other[k]) for k in finals[0])  # bit for bit

@@ -253,7 +253,7 @@ class StageCompute:
             self._recompute(p, flight)
         if flight.loss is None:
             flight.loss = loss_fn(flight.output, target)
-        return float(flight.loss)
+        return float(flight.loss.detach())
 
     def skip(self, p: int) -> None:
         """Drop minibatch p (train.on_nan = "skip"): no gradient, not counted in the next update's mean."""

@@ -26,13 +26,17 @@ __all__ = [
     "ConvergenceModel",
     "Measurement",
     "Setting",
+    "attach_samples",
     "calibration_name",
+    "canonical",
     "find_calibration",
     "fit_model",
     "median_samples",
+    "mitigation_ratio",
     "parse_setting",
     "parse_settings",
     "samples_to_target",
+    "setting_of",
 ]
 
 CALIBRATION_VERSION = 1
@@ -67,6 +71,29 @@ class Setting:
         """The `--set` overrides that train this setting (stages and VWs are the reference's splits)."""
         return [f"wsp.nm={self.nm}", f"wsp.staleness={self.staleness}", f'train.schedule="{self.schedule}"',
                 f'ps.aggregation="{self.aggregation}"', f'train.mitigation="{format_mitigation(self.mitigation)}"']
+
+
+def canonical(setting: Setting) -> Setting:
+    """The simplest setting that trains bit for bit the same weights (hetpipe.md, docs/convergence.md):
+    - one VW, Nm 1: sequential training (every schedule, aggregation and mitigation reduces to it);
+    - gpipe is 1f1b-flush (the same gradient accumulation); flushes do not depend on the number of stages, and
+      their mitigations that act on local lag (spectrain, pipemare) have none to act on;
+    - aggregation "server": the VWs' weights move only at pulls, so schedule and stages do not matter (weights
+      stashed): 1f1b-flush on 1 stage;
+    - one VW with local optimizers skips every pull: D, mean vs sum, warmup and average do nothing.
+    """
+    s = setting
+    if s.vws == 1 and s.nm == 1:
+        return Setting(1, 1, 1)
+    if s.schedule == "gpipe" or s.aggregation == "server":
+        s = replace(s, schedule="1f1b-flush")
+    if s.schedule == "1f1b-flush":
+        lagless = ("spectrain", "pipemare") if s.aggregation != "server" else ("pipemare",)
+        s = replace(s, stages=1, mitigation=tuple(m for m in s.mitigation if m not in lagless))
+    if s.vws == 1 and s.aggregation != "server":
+        s = replace(s, aggregation="sum", staleness=0,
+                    mitigation=tuple(m for m in s.mitigation if m not in ("warmup", "average")))
+    return s
 
 
 def parse_setting(text: str, defaults: Setting | None = None) -> Setting:
@@ -153,10 +180,12 @@ class Calibration:
     @property
     def sequential(self) -> Measurement | None:
         """The plain sequential run (1 VW, Nm 1): the unit of every samples factor."""
-        return next((m for m in self.measurements if m.setting.sequential and not m.setting.mitigation), None)
+        return next((m for m in self.measurements if m.setting.sequential), None)
 
     def find(self, setting: Setting) -> Measurement | None:
-        return next((m for m in self.measurements if m.setting == setting), None)
+        """The measurement of `setting` or of a setting that trains the same weights (canonical)."""
+        want = canonical(setting)
+        return next((m for m in self.measurements if canonical(m.setting) == want), None)
 
     def to_json(self) -> str:
         doc = {"version": CALIBRATION_VERSION, **{k: v for k, v in asdict(self).items() if k != "measurements"},
@@ -184,16 +213,30 @@ class Calibration:
                        command="; ".join(c for c in (self.command, other.command) if c))
 
 
-def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str) -> str:
+def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str, lr: float) -> str:
     """File name of a calibration under the calibrations folder (hetpipe/profiles/convergence/)."""
-    return f"{model}-{options_digest}-b{batch_size}-{optimizer}.json"
+    return f"{model}-{options_digest}-b{batch_size}-{optimizer}-lr{lr:g}.json"
 
 
-def find_calibration(folder: Path, model: str, options_digest: str, batch_size: int,
-                     optimizer: str) -> Calibration | None:
-    """The calibration of this model variant, batch and optimizer in `folder`, or None."""
-    path = folder / calibration_name(model, options_digest, batch_size, optimizer)
-    return Calibration.load(path) if path.is_file() else None
+def find_calibration(folder: Path, model: str, options_digest: str, batch_size: int, optimizer: str,
+                     lr: float) -> tuple[Calibration | None, str]:
+    """(the calibration of this model variant, batch and optimizer in `folder` at `lr`, or else at the nearest
+    learning rate, with a note saying so; or None and why)."""
+    found = []
+    for path in sorted(folder.glob(f"{model}-{options_digest}-b{batch_size}-{optimizer}-lr*.json")):
+        try:
+            cal = Calibration.load(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found.append((abs(math.log(cal.lr / lr)), path.name, cal))
+    if not found:
+        return None, (f"no convergence calibration for {model} ({options_digest}) at batch {batch_size} with {optimizer} "
+                      f"in {folder}: ranking by samples/s alone; measure one with launch/bench/staleness.py --calibrate")
+    _, name, cal = min(found)
+    note = f"convergence calibration {name}: target {cal.metric} {cal.target:g}, {len(cal.measurements)} settings"
+    if cal.lr != lr:
+        note += f", measured at lr {cal.lr:g}, not this config's {lr:g}: samples to target are that lr's"
+    return cal, note
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -212,7 +255,7 @@ class ConvergenceModel:
     residuals: Mapping[str, float] = field(default_factory=dict)  # setting label -> predicted / measured - 1 (LOO)
 
     def factor(self, setting: Setting) -> float:
-        x = features(setting)
+        x = features(canonical(setting))
         return math.exp(sum(self.coefficients.get(k, 0.0) * v for k, v in x.items()))
 
 
@@ -235,15 +278,16 @@ def features(setting: Setting) -> dict[str, float]:
 
 def fit_model(calibration: Calibration, names: Iterable[str] | None = None) -> ConvergenceModel | None:
     """Least squares (no intercept: the sequential setting has every feature 0) of log samples factors on the
-    features; None without a reached sequential run or with fewer reached settings than features + 1."""
+    features (those some point has, in the order given, at most one fewer than the points); None without a
+    reached sequential run or with fewer than two other reached settings."""
     seq = calibration.sequential
     if seq is None or seq.median is None:
         return None
-    points = [(m.setting, math.log(m.median / seq.median)) for m in calibration.measurements
-              if m.median is not None and m is not seq and not m.setting.mitigation]
+    points = [(canonical(m.setting), math.log(m.median / seq.median)) for m in calibration.measurements
+              if m.median is not None and m is not seq and not canonical(m.setting).mitigation]
     keys = list(names) if names is not None else ["log_batch", "local_lag", "global_lag", "sum_overshoot"]
-    keys = [k for k in keys if any(features(s)[k] != 0.0 for s, _ in points)]
-    if len(points) < len(keys) + 1:
+    keys = [k for k in keys if any(features(s)[k] != 0.0 for s, _ in points)][:max(0, len(points) - 1)]
+    if not keys:
         return None
     coef = _least_squares(points, keys)
     rms = math.sqrt(sum((_predict(coef, s) - y) ** 2 for s, y in points) / len(points))
@@ -257,7 +301,7 @@ def fit_model(calibration: Calibration, names: Iterable[str] | None = None) -> C
 
 
 def _predict(coef: Mapping[str, float], setting: Setting) -> float:
-    x = features(setting)
+    x = features(canonical(setting))
     return sum(coef.get(k, 0.0) * x[k] for k in coef)
 
 
@@ -267,7 +311,7 @@ def _least_squares(points: Sequence[tuple[Setting, float]], keys: Sequence[str])
     a = [[0.0] * n for _ in range(n)]
     b = [0.0] * n
     for s, y in points:
-        x = features(s)
+        x = features(canonical(s))
         for i, ki in enumerate(keys):
             b[i] += x[ki] * y
             for j, kj in enumerate(keys):
@@ -302,11 +346,81 @@ def samples_to_target(calibration: Calibration, setting: Setting,
     seq = calibration.sequential
     if seq is None or seq.median is None:
         return None, "no sequential run in the calibration"
-    if setting.mitigation:
-        plain = calibration.find(replace(setting, mitigation=()))
-        if plain is None:
-            return None, f"no measurement of {setting.label} and the model has no mitigations"
     fitted = model if model is not None else fit_model(calibration)
     if fitted is None:
         return None, "too few reached settings to fit a model"
-    return seq.median * fitted.factor(setting), "fitted"
+    want = canonical(setting)
+    plain = replace(want, mitigation=())
+    ratio, source = 1.0, "fitted"
+    if want.mitigation:
+        ratio_of = mitigation_ratio(calibration, want)
+        if ratio_of is None:
+            return None, f"fitted, but no measurement of {format_mitigation(want.mitigation)} to scale it by"
+        ratio, pairs = ratio_of
+        source = f"fitted x {format_mitigation(want.mitigation)} ratio of {pairs} pair{'s' if pairs > 1 else ''}"
+    found = calibration.find(plain)
+    base = found.median if found is not None and found.median is not None else seq.median * fitted.factor(plain)
+    return base * ratio, source if found is None or found.median is None else source.replace("fitted", "measured")
+
+
+def mitigation_ratio(calibration: Calibration, setting: Setting) -> tuple[float, int] | None:
+    """(median over measured pairs of samples with the setting's mitigations / samples without, pairs): pairs of the
+    same schedule and aggregation when there are any, else every pair with these mitigations; None without one.
+    A mitigated run that did not get there counts as the run's budget (a lower bound)."""
+    want = canonical(setting)
+    pairs: list[tuple[Setting, float]] = []
+    for m in calibration.measurements:
+        s = canonical(m.setting)
+        if s.mitigation != want.mitigation:
+            continue
+        plain = calibration.find(replace(s, mitigation=()))
+        if plain is None or plain.median is None:
+            continue
+        value = m.median if m.median is not None else float(m.budget or math.inf)
+        pairs.append((s, value / plain.median))
+    close = [r for s, r in pairs if (s.schedule, s.aggregation) == (want.schedule, want.aggregation)]
+    chosen = close or [r for _, r in pairs]
+    if not chosen or math.isinf(statistics.median(chosen)):
+        return None
+    return statistics.median(chosen), len(chosen)
+
+
+# ---------------------------------------------------------------------------------------------- the planner's hook
+
+
+def setting_of(candidate: Any, aggregation: str, mitigation: tuple[str, ...]) -> Setting | None:
+    """The training setting a planner candidate runs, for samples to target: a hetpipe plan's VWs, Nm, stages (the
+    deepest VW's), schedule and D with the config's aggregation and mitigations; all-reduce over G GPUs is gradient
+    accumulation of G minibatches (1xG/1 with a flush schedule); the synchronous pipeline is sequential training
+    (1x1/1); None for a candidate that cannot run."""
+    from hetpipe.core.planner import ALLREDUCE, SYNC_PIPELINE
+
+    if not candidate.feasible:
+        return None
+    if candidate.policy == ALLREDUCE:
+        return Setting(1, max(1, candidate.gpus_used), 1, "1f1b-flush")
+    if candidate.policy == SYNC_PIPELINE:
+        return Setting(1, 1, 1)
+    plan = candidate.plan
+    if plan is None:
+        return None
+    stages = max(len(vw.stages) for vw in plan.vws)
+    return Setting(len(plan.vws), plan.vws[0].nm, stages, plan.schedule, aggregation, mitigation, plan.staleness)
+
+
+def attach_samples(candidates: Sequence[Any], calibration: Calibration | None, aggregation: str,
+                   mitigation: tuple[str, ...]) -> list[Any]:
+    """The planner's candidates with samples_to_target and samples_source filled in from `calibration` (then
+    hetpipe.core.planner.best ranks them by predicted time to target); unchanged without a calibration."""
+    if calibration is None:
+        return list(candidates)
+    model = fit_model(calibration)
+    out = []
+    for c in candidates:
+        setting = setting_of(c, aggregation, mitigation)
+        if setting is None:
+            out.append(c)
+            continue
+        samples, source = samples_to_target(calibration, setting, model)
+        out.append(replace(c, samples_to_target=samples, samples_source=source))
+    return out

@@ -9,14 +9,15 @@ evenly by parameters) with N minibatches in flight; parts not given come from th
 The global weights are scored every --score-every samples (on train.eval_samples held-out samples); a seed stops
 at the first score that meets the target (--full runs every seed to --samples, for curves). Each setting runs
 once per seed (`seed = N` for data order, shards and initial weights); the median over seeds counts a seed that
-never got there as infinitely many samples.
+never got there as infinitely many samples. Settings that train the same weights bit for bit (the same canonical
+setting, hetpipe.core.convergence.canonical: gpipe is 1f1b-flush, flushes ignore the stage count, ...) run once.
 
     python launch/bench/staleness.py [--config launch/clusters/bench.toml] [--settings 1x1/1,2x4/3:1f1b-flush:mean]
         [--seeds 0,1,2] [--samples 100000] [--score-every 2048] [--target 0.9] [--set train.lr=0.02 ...]
         [--jobs 2] [--calibrate [PATH]] [--out FILE.json]
 
 --calibrate writes (or merges into) the calibration file beside the shipped profiles,
-hetpipe/profiles/convergence/<model>-<digest>-b<batch>-<optimizer>.json, that `hetpipe plan` reads.
+hetpipe/profiles/convergence/<model>-<digest>-b<batch>-<optimizer>-lr<lr>.json, that `hetpipe plan` reads.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import goals  # noqa: E402
 import plots  # noqa: E402  (launch/bench is not a package)
 import throughput  # noqa: E402
-import time_to_accuracy as tta  # noqa: E402
 
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.evaluate import evaluate  # noqa: E402
@@ -49,6 +50,7 @@ from hetpipe.core.convergence import (  # noqa: E402
     Measurement,
     Setting,
     calibration_name,
+    canonical,
     parse_settings,
 )
 from hetpipe.models import even_split, param_counts  # noqa: E402
@@ -66,7 +68,7 @@ def defaults_of(config: ClusterConfig, staleness: int) -> Setting:
 
 
 def run_setting(config: ClusterConfig, setting: Setting, samples: int, score_every: int,
-                goal: tta.Goal | None = None) -> list[dict[str, Any]]:
+                goal: goals.Goal | None = None) -> list[dict[str, Any]]:
     """Train one setting in the reference; the global weights' metrics about every `score_every` samples (at
     least once, at the end), each with the samples all VWs had trained by then. With `goal`, stop at the first
     score that meets it."""
@@ -96,11 +98,11 @@ def _one(packed: bytes, label: str, seed: int, samples: int, score_every: int, m
     """One seed of one setting (also the body of a --jobs worker process)."""
     torch.set_num_threads(1)
     config = apply_overrides(unpack_config(packed), [f"seed={seed}"])
-    goal = tta.Goal(metric, target)
+    goal = goals.Goal(metric, target)
     setting = parse_settings(label)[0]
     began = time.time()
     curve = run_setting(config, setting, samples, score_every, goal if stop else None)
-    reached = tta.first_reaching(curve, 0.0, goal)
+    reached = goals.first_reaching(curve, 0.0, goal)
     return {"setting": label, "seed": seed, "samples_to_target": reached, "best": goal.best(curve),
             "curve": [{"s": c["t"], metric: c[metric]} for c in curve], "seconds": round(time.time() - began, 1)}
 
@@ -131,7 +133,7 @@ def measurements(runs: list[dict[str, Any]], settings: list[Setting], seeds: lis
                  samples: int) -> list[Measurement]:
     out = []
     for s in settings:
-        mine = {r["seed"]: r for r in runs if r["setting"] == s.label}
+        mine = {r["seed"]: r for r in runs if r["setting"] == canonical(s).label}
         out.append(Measurement(s, tuple(mine[k]["samples_to_target"] for k in seeds),
                                tuple(mine[k]["best"] for k in seeds), samples))
     return out
@@ -174,15 +176,16 @@ def main(config_path: Path, settings_text: str, staleness: int, seeds: str, samp
     torch.set_num_threads(1)
     config = apply_overrides(load_config(config_path), overrides)
     spec = model_of(config)
-    goal = tta.goal_for(spec.task, target)
+    goal = goals.goal_for(spec.task, target)
     t = config.train
     seed_list = [int(s) for s in seeds.split(",") if s.strip()]
     settings = parse_settings(settings_text, defaults_of(config, staleness))
     print(f"{config.name}: model {config.model.name}, batch {t.batch_size}, {t.optimizer} lr {t.lr}; seeds {seed_list}; "
           f"target {goal.metric} {'>=' if goal.higher_is_better else '<='} {goal.target}", flush=True)
     packed = pack_config(config)
-    tasks = [(packed, s.label, seed, samples, score_every, goal.metric, goal.target, not full)
-             for s in settings for seed in seed_list]
+    unique = list(dict.fromkeys(canonical(s).label for s in settings))  # settings that train the same weights run once
+    tasks = [(packed, label, seed, samples, score_every, goal.metric, goal.target, not full)
+             for label in unique for seed in seed_list]
     runs = _run_all(tasks, jobs)
     found = measurements(runs, settings, seed_list, samples)
     print()
@@ -190,7 +193,7 @@ def main(config_path: Path, settings_text: str, staleness: int, seeds: str, samp
     command = "python launch/bench/staleness.py " + " ".join(sys.argv[1:])
     if calibrate is not None:
         path = Path(calibrate) if calibrate else CALIBRATION_DIR / calibration_name(
-            spec.name, options_digest(spec), t.batch_size, t.optimizer)
+            spec.name, options_digest(spec), t.batch_size, t.optimizer, t.lr)
         made = Calibration(spec.name, options_digest(spec), t.batch_size, t.optimizer, t.lr, goal.metric, goal.target,
                            tuple(seed_list), tuple(found), command)
         if path.is_file():
