@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_planner import small
+from test_planner import SMALL_TOML, hetpipe, small
 
 from hetpipe.core.convergence import (
     Calibration,
@@ -78,7 +78,7 @@ def test_calibration_round_trips_and_is_found_by_name(tmp_path: Path) -> None:
     found, note = find_calibration(tmp_path, "toy", "x", 4, "momentum", 0.02)
     assert found == cal and "measured at lr 0.01, not this config's 0.02" in note
     found, note = find_calibration(tmp_path, "toy", "x", 8, "momentum", 0.01)
-    assert found is None and "staleness.py --calibrate" in note
+    assert found is None and "how to measure one" in note
 
 
 def test_fit_recovers_a_model_the_points_follow_exactly() -> None:
@@ -140,3 +140,19 @@ def test_a_candidate_that_never_reached_the_target_ranks_after_every_timed_one()
     ranked = attach_samples(found, calibration(points), "sum", ())
     top = best(ranked)
     assert top.time_to_target_s is not None and dataclasses.replace(top, samples_to_target=None) != fastest
+
+
+def test_cli_plan_ranks_by_a_calibration_file_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL_TOML)
+    cal = tmp_path / "cal.json"
+    cal.write_text(calibration({"1x2/1:1f1b-flush": 1200.0, "1x4/1:1f1b-flush": 1600.0, "1x8/1:1f1b-flush": 2400.0,
+                                "2x2/2:wsp:sum": 3000.0, "1x2/2:wsp": 1500.0}).to_json())
+    result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--explain", "--calibration",
+                     str(cal))
+    assert result.returncode == 0, result.stderr
+    assert "note: convergence calibration" in result.stdout and "samples to target" in result.stdout
+    assert "s predicted" in result.stdout and "(fitted)" in result.stdout
+    cal.write_text("{}")
+    result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--calibration", str(cal))
+    assert result.returncode == 2 and "not a calibration file" in result.stderr and "Traceback" not in result.stderr

@@ -11,7 +11,7 @@ from hetpipe.core.convergence import Calibration, find_calibration
 
 __all__ = ["CALIBRATION_DIR", "plan_calibration"]
 
-CALIBRATION_DIR = SHIPPED_DIR / "convergence"  # launch/bench/staleness.py --calibrate writes here
+CALIBRATION_DIR = SHIPPED_DIR.parent / "calibrations"  # beside the profiles; launch/bench/staleness.py --calibrate writes here
 
 
 def plan_calibration(config: ClusterConfig, path: Path | None = None,

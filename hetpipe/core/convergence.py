@@ -214,7 +214,7 @@ class Calibration:
 
 
 def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str, lr: float) -> str:
-    """File name of a calibration under the calibrations folder (hetpipe/profiles/convergence/)."""
+    """File name of a calibration under the calibrations folder (hetpipe/calibrations/, beside the shipped profiles)."""
     return f"{model}-{options_digest}-b{batch_size}-{optimizer}-lr{lr:g}.json"
 
 
@@ -231,7 +231,7 @@ def find_calibration(folder: Path, model: str, options_digest: str, batch_size: 
         found.append((abs(math.log(cal.lr / lr)), path.name, cal))
     if not found:
         return None, (f"no convergence calibration for {model} ({options_digest}) at batch {batch_size} with {optimizer} "
-                      f"in {folder}: ranking by samples/s alone; measure one with launch/bench/staleness.py --calibrate")
+                      f"in {folder}: ranking by samples/s alone (docs/convergence.md: how to measure one)")
     _, name, cal = min(found)
     note = f"convergence calibration {name}: target {cal.metric} {cal.target:g}, {len(cal.measurements)} settings"
     if cal.lr != lr:

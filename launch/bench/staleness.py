@@ -17,7 +17,7 @@ setting, hetpipe.core.convergence.canonical: gpipe is 1f1b-flush, flushes ignore
         [--jobs 2] [--calibrate [PATH]] [--out FILE.json]
 
 --calibrate writes (or merges into) the calibration file beside the shipped profiles,
-hetpipe/profiles/convergence/<model>-<digest>-b<batch>-<optimizer>-lr<lr>.json, that `hetpipe plan` reads.
+hetpipe/calibrations/<model>-<digest>-b<batch>-<optimizer>-lr<lr>.json, that `hetpipe plan` reads.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from hetpipe.core.convergence import (  # noqa: E402
 )
 from hetpipe.models import even_split, param_counts  # noqa: E402
 
-CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "hetpipe" / "profiles" / "convergence"
+CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "hetpipe" / "calibrations"
 
 
 class _Reached(Exception):

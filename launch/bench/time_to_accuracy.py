@@ -126,8 +126,10 @@ class Bench:
     """One task's systems on the emulated cluster: their settings, their sweeps, their timed runs."""
 
     def __init__(self, task: tta_tasks.Task, config: ClusterConfig, goal: Goal, work: Path, max_seconds: float,
-                 checkpoint_every: int, snapshot_every: int, testbed: Topology | None) -> None:
+                 checkpoint_every: int, snapshot_every: int, testbed: Topology | None,
+                 hetpipe_settings: tuple[str, ...] = ()) -> None:
         self.task, self.config, self.goal, self.work = task, config, goal, work
+        self.hetpipe_config = apply_overrides(config, [*task.hetpipe, *hetpipe_settings])
         self.max_seconds, self.checkpoint_every, self.snapshot_every = max_seconds, checkpoint_every, snapshot_every
         self.testbed = testbed
         self.batch = config.train.batch_size
@@ -150,14 +152,16 @@ class Bench:
 
     def plan(self, lr: float) -> tuple[throughput.HetpipeSetup, Any]:
         if lr not in self.plans:
-            self.plans[lr] = planned(apply_overrides(self.config, [f"train.lr={lr}"]), self.profile, self.testbed)
+            self.plans[lr] = planned(apply_overrides(self.hetpipe_config, [f"train.lr={lr}"]), self.profile,
+                                     self.testbed)
         return self.plans[lr]
 
     def setting(self, system: str, lr: float) -> Setting:
         """The setting that trains like `system` (hetpipe: its plan at `lr`)."""
         if system == "hetpipe":
             _, top = self.plan(lr)
-            found = setting_of(top, self.config.ps.aggregation, self.config.train.mitigations)
+            hp = self.hetpipe_config
+            found = setting_of(top, hp.ps.aggregation, hp.train.mitigations)
             assert found is not None
             return found
         count = len(self.layout.gpus) if system == "pipeline" else len(self.members(system))
@@ -166,7 +170,9 @@ class Bench:
     def describe(self, system: str, lr: float) -> str:
         if system == "hetpipe":
             setup, _ = self.plan(lr)
-            return f"{setup.label}, {setup.schedule}, lr {lr:g} ({setup.source})"
+            hp = self.hetpipe_config
+            return (f"{setup.label}, {setup.schedule}, aggregation {hp.ps.aggregation}, mitigation {hp.train.mitigation}, "
+                    f"lr {lr:g} ({setup.source})")
         if system == "pipeline":
             k = len(self.layout.gpus)
             return f"{k} stages {'/'.join(map(str, self.layout.split))}, {k} x {self.batch} microbatches, 1f1b, lr {lr:g}"
@@ -180,7 +186,8 @@ class Bench:
         return self._capacity
 
     def run(self, system: str, lr: float, seed: int) -> dict[str, Any]:
-        config = apply_overrides(self.config, [f"train.lr={lr}", f"seed={seed}"])
+        base = self.hetpipe_config if system == "hetpipe" else self.config
+        config = apply_overrides(base, [f"train.lr={lr}", f"seed={seed}"])
         logs = self.work / "logs"
         if system == "hetpipe":
             setup, top = self.plan(lr)
@@ -288,6 +295,8 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
 @click.option("--snapshot-every", default=4, show_default=True, help="DDP and pipeline: keep the weights every this many steps.")
 @click.option("--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable; "
               "applied after the task's (e.g. ps.aggregation=\"server\").")
+@click.option("--hetpipe-set", "hetpipe_settings", multiple=True,
+              help="Override for hetpipe's runs only, after the task's (e.g. ps.aggregation=\"mean\"), repeatable.")
 @click.option("--testbed", "use_testbed", is_flag=True,
               help="Run every system in the shaped-network testbed (root; docs/testbed.md) instead of on a free network.")
 @click.option("--testbed-scale", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -303,7 +312,7 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
               help="Write the Markdown tables (medians and spread) here.")
 def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds: float | None,
          sweep_samples: int | None, checkpoint_every: int, snapshot_every: int, settings: tuple[str, ...],
-         use_testbed: bool, testbed_scale: float | None, probe_seconds: float, work_dir: Path, out: Path | None,
+         hetpipe_settings: tuple[str, ...], use_testbed: bool, testbed_scale: float | None, probe_seconds: float, work_dir: Path, out: Path | None,
          plot_path: Path | None, table_path: Path | None) -> None:
     torch.set_num_threads(1)
     unknown = [t for t in task_names.split(",") if t not in tta_tasks.TASKS]
@@ -321,7 +330,8 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
         task = tta_tasks.TASKS[name]
         with contextlib.ExitStack() as stack:
             found, rows, png_rows, network = _task(task, seed_list, wanted, lrs, max_seconds, sweep_samples,
-                                                   checkpoint_every, snapshot_every, settings, use_testbed,
+                                                   checkpoint_every, snapshot_every, settings, hetpipe_settings,
+                                                   use_testbed,
                                                    testbed_scale, probe_seconds, work_dir, stack)
         document["tasks"][name] = found
         document["rows"] += rows
@@ -345,7 +355,7 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
 
 def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str | None, max_seconds: float | None,
           sweep_samples: int | None, checkpoint_every: int, snapshot_every: int, settings: tuple[str, ...],
-          use_testbed: bool, testbed_scale: float | None, probe_seconds: float, work_dir: Path,
+          hetpipe_settings: tuple[str, ...], use_testbed: bool, testbed_scale: float | None, probe_seconds: float, work_dir: Path,
           stack: contextlib.ExitStack) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], str]:
     config = apply_overrides(load_config(task.config), [*task.overrides, *settings])
     goal = goal_for(model_of(config).task, task.target)
@@ -356,7 +366,8 @@ def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str |
                                                         stack) if use_testbed else (None, None))
     network = "the shaped-network testbed" if topology else "free (loopback; no link costs anything)"
     print(f"network: {network}", flush=True)
-    bench = Bench(task, config, goal, work, max_seconds or task.max_seconds, checkpoint_every, snapshot_every, topology)
+    bench = Bench(task, config, goal, work, max_seconds or task.max_seconds, checkpoint_every, snapshot_every, topology,
+                  hetpipe_settings)
     swept = [float(v) for v in lrs.split(",")] if lrs else list(task.lrs)
     chosen: dict[str, float] = {}
     sweeps: dict[str, Any] = {}
@@ -370,7 +381,8 @@ def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str |
             setting = bench.setting(system, lr)
             key = (tta_tasks.sweep_key(setting), lr)
             if key not in cache and len(swept) > 1:
-                _, found = tta_tasks.sweep_lr(config, setting, [lr], goal, sweep_samples or task.sweep_samples,
+                base = bench.hetpipe_config if system == "hetpipe" else config
+                _, found = tta_tasks.sweep_lr(base, setting, [lr], goal, sweep_samples or task.sweep_samples,
                                               task.score_every)
                 cache[key] = found[lr]
             per_lr[lr] = cache.get(key)

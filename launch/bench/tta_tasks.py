@@ -27,7 +27,8 @@ CLUSTERS = Path(__file__).resolve().parents[1] / "clusters"
 @dataclass(frozen=True)
 class Task:
     """One benchmark task: `config` with `overrides`, the target, the learning rates swept, the training time each
-    timed run gets, the reference budget of the sweep (samples) and how often it scores."""
+    timed run gets, the reference budget of the sweep (samples) and how often it scores; `hetpipe`: overrides for
+    hetpipe's runs only (its schedule, aggregation, mitigation: what the staleness study found best)."""
 
     name: str
     config: Path
@@ -38,6 +39,7 @@ class Task:
     sweep_samples: int
     score_every: int
     note: str
+    hetpipe: tuple[str, ...] = ()
 
 
 TASKS = {
