@@ -78,12 +78,16 @@ def test_the_command_writes_a_calibration_the_planner_reads(tmp_path: Path) -> N
     cal = tmp_path / "cal.json"
     result = CliRunner().invoke(staleness.main, [
         "--config", str(path), "--settings", "1x1/1,2x2/2:1f1b-flush:mean", "--seeds", "0,1", "--samples", "256",
-        "--score-every", "64", "--target", "0.3", "--calibrate", str(cal)])
+        "--score-every", "64", "--target", "0.3", "--lrs", "0.05,0.2", "--calibrate", str(cal)])
     assert result.exit_code == 0, result.output
     made = Calibration.load(cal)
     assert [m.setting.label for m in made.measurements] == ["1x1/1:wsp:sum:none:D0", "2x2/2:1f1b-flush:mean:none:D0"]
     assert made.seeds == (0, 1) and all(len(m.samples) == 2 for m in made.measurements)
-    assert made.sequential is made.measurements[0]
+    assert made.sequential is made.measurements[0] and made.lrs == (0.05, 0.2)
+    for m in made.measurements:  # the first seed tried both rates; the kept one needed the fewest samples
+        tried = dict(m.sweep)
+        assert list(tried) == [0.05, 0.2] and tried[m.lr] == m.samples[0]
+        assert all(v is None or v >= m.samples[0] for v in tried.values())
 
 
 @pytest.mark.parametrize("group", [

@@ -19,8 +19,10 @@ from hetpipe.core.convergence import (
     features,
     find_calibration,
     fit_model,
+    lr_of,
     median_samples,
     parse_setting,
+    rules_of,
     samples_to_target,
     setting_of,
 )
@@ -64,20 +66,22 @@ def test_median_counts_a_seed_that_never_got_there_as_infinite() -> None:
 
 
 def calibration(points: dict[str, float | None], seq: float = 1000.0, **kw) -> Calibration:
-    rows = [Measurement(Setting(1, 1, 1), (seq,) * 3, budget=100_000)]
-    rows += [Measurement(parse_setting(k), (v,) * 3, budget=100_000) for k, v in points.items()]
-    return Calibration("toy", "x", 4, "momentum", 0.01, "test_accuracy", 0.9, (0, 1, 2), tuple(rows), **kw)
+    rows = [Measurement(Setting(1, 1, 1), (seq,) * 3, budget=100_000, lr=0.01)]
+    rows += [Measurement(parse_setting(k), (v,) * 3, budget=100_000, lr=0.02, sweep=((0.01, None), (0.02, v)))
+             for k, v in points.items()]
+    return Calibration("toy", "x", 4, "momentum", (0.01, 0.02), "test_accuracy", 0.9, (0, 1, 2), tuple(rows), **kw)
 
 
 def test_calibration_round_trips_and_is_found_by_name(tmp_path: Path) -> None:
     cal = calibration({"2x4/3:wsp:sum": 2500.0, "2x4/3:1f1b-flush:mean": None}, notes=("n",))
     assert Calibration.from_json(cal.to_json()) == cal
-    (tmp_path / "toy-x-b4-momentum-lr0.01.json").write_text(cal.to_json())
-    assert find_calibration(tmp_path, "toy", "x", 4, "momentum", 0.01) == (cal, find_calibration(
-        tmp_path, "toy", "x", 4, "momentum", 0.01)[1])
-    found, note = find_calibration(tmp_path, "toy", "x", 4, "momentum", 0.02)
-    assert found == cal and "measured at lr 0.01, not this config's 0.02" in note
-    found, note = find_calibration(tmp_path, "toy", "x", 8, "momentum", 0.01)
+    (tmp_path / "toy-x-b4-momentum.json").write_text(cal.to_json())
+    found, note = find_calibration(tmp_path, "toy", "x", 4, "momentum")
+    assert found == cal and "each at its best lr of 0.01, 0.02" in note
+    assert lr_of(cal, parse_setting("2x4/3:wsp:sum")) == 0.02 and lr_of(cal, parse_setting("1x1/3:gpipe")) == 0.01
+    assert lr_of(cal, parse_setting("3x4/3:wsp:sum")) is None
+    assert rules_of(cal) == [("wsp", "sum", ()), ("1f1b-flush", "mean", ())]  # rules measured with several VWs
+    found, note = find_calibration(tmp_path, "toy", "x", 8, "momentum")
     assert found is None and "how to measure one" in note
 
 
@@ -97,12 +101,12 @@ def test_fit_recovers_a_model_the_points_follow_exactly() -> None:
 def test_samples_come_measured_where_the_setting_was_measured_and_fitted_elsewhere() -> None:
     cal = calibration({"1x2/1:1f1b-flush": 1200.0, "1x4/1:1f1b-flush": 1600.0, "1x8/1:1f1b-flush": 2400.0,
                        "2x4/3:wsp:sum": 5000.0, "2x4/3:wsp:sum:spectrain": 2500.0, "2x2/3:1f1b-flush:mean": None})
-    assert samples_to_target(cal, parse_setting("2x4/3:wsp:sum")) == (5000.0, "measured")
+    assert samples_to_target(cal, parse_setting("2x4/3:wsp:sum")) == (5000.0, "measured at lr 0.02")
     assert samples_to_target(cal, parse_setting("2x2/1:gpipe:mean")) == (None, "measured: not reached")
     value, source = samples_to_target(cal, parse_setting("1x16/1:1f1b-flush"))
     assert source == "fitted" and value > 2400.0  # larger batches keep costing more samples
     value, source = samples_to_target(cal, parse_setting("2x4/3:wsp:sum:spectrain"))
-    assert (value, source) == (2500.0, "measured")
+    assert (value, source) == (2500.0, "measured at lr 0.02")
     value, source = samples_to_target(cal, parse_setting("2x8/3:wsp:sum:spectrain"))
     assert source.startswith("fitted x spectrain ratio of 1 pair")
     plain, _ = samples_to_target(cal, parse_setting("2x8/3:wsp:sum"))

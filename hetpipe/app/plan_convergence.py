@@ -1,5 +1,5 @@
-"""The convergence input of `hetpipe plan`: the calibration of the config's model, batch, optimizer and learning
-rate (hetpipe.core.convergence), from the folder beside the shipped profiles or a file the user names."""
+"""The convergence input of `hetpipe plan`: the calibration of the config's model, batch and optimizer
+(hetpipe.core.convergence), from the folder beside the shipped profiles or a file the user names."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def plan_calibration(config: ClusterConfig, path: Path | None = None,
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"--calibration {path}: not a calibration file ({exc}); write one with "
                              "launch/bench/staleness.py --calibrate PATH") from None
-        return cal, (f"convergence calibration {path}: {cal.model} at batch {cal.batch_size}, {cal.optimizer} lr "
-                     f"{cal.lr:g}, target {cal.metric} {cal.target:g}")
+        return cal, (f"convergence calibration {path}: {cal.model} at batch {cal.batch_size}, {cal.optimizer}, each "
+                     f"setting at its best lr of {', '.join(f'{v:g}' for v in cal.lrs)}, target {cal.metric} "
+                     f"{cal.target:g}")
     spec = model_of(config)
     t = config.train
-    return find_calibration(folder, spec.name, options_digest(spec), t.batch_size, t.optimizer, t.lr)
+    return find_calibration(folder, spec.name, options_digest(spec), t.batch_size, t.optimizer)

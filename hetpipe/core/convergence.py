@@ -29,12 +29,14 @@ __all__ = [
     "attach_samples",
     "calibration_name",
     "canonical",
+    "lr_of",
     "find_calibration",
     "fit_model",
     "median_samples",
     "mitigation_ratio",
     "parse_setting",
     "parse_settings",
+    "rules_of",
     "samples_to_target",
     "setting_of",
 ]
@@ -140,36 +142,41 @@ def median_samples(samples: Sequence[float | None]) -> float | None:
 
 @dataclass(frozen=True)
 class Measurement:
-    """A setting measured over seeds: samples to the target per seed (None: not within `budget` samples)."""
+    """A setting measured over seeds at its learning rate `lr` (the one of the calibration's grid that needed the
+    fewest samples for the first seed, `sweep`): samples to the target per seed (None: not within `budget`)."""
 
     setting: Setting
     samples: tuple[float | None, ...]
     best: tuple[float, ...] = ()  # per seed, the best metric reached
     budget: int = 0  # samples each seed trained at most
+    lr: float = 0.0
+    sweep: tuple[tuple[float, float | None], ...] = ()  # (lr, samples of the first seed; None: not reached / beaten)
 
     @property
     def median(self) -> float | None:
         return median_samples(self.samples)
 
     def to_json(self) -> dict[str, Any]:
-        return {"setting": self.setting.label, "samples": list(self.samples), "median": self.median,
-                "best": list(self.best), "budget": self.budget}
+        return {"setting": self.setting.label, "lr": self.lr, "samples": list(self.samples), "median": self.median,
+                "best": list(self.best), "budget": self.budget, "sweep": [list(p) for p in self.sweep]}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Measurement:
         return cls(parse_setting(doc["setting"]), tuple(doc["samples"]), tuple(doc.get("best", ())),
-                   int(doc.get("budget", 0)))
+                   int(doc.get("budget", 0)), float(doc.get("lr", 0.0)),
+                   tuple((float(a), b) for a, b in doc.get("sweep", ())))
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the staleness study measured for one model variant, batch, optimizer and learning rate."""
+    """What the staleness study measured for one model variant, batch and optimizer: each setting at its best
+    learning rate of the grid `lrs`."""
 
     model: str
     options_digest: str  # hetpipe.compute.profiler.options_digest of the model's options
     batch_size: int
     optimizer: str
-    lr: float
+    lrs: tuple[float, ...]
     metric: str  # "test_accuracy" (higher is better) or "val_loss"
     target: float
     seeds: tuple[int, ...]
@@ -197,8 +204,8 @@ class Calibration:
         doc = json.loads(text)
         if doc.get("version") != CALIBRATION_VERSION:
             raise ValueError(f"calibration version {doc.get('version')!r}, expected {CALIBRATION_VERSION}")
-        return cls(doc["model"], doc["options_digest"], int(doc["batch_size"]), doc["optimizer"], float(doc["lr"]),
-                   doc["metric"], float(doc["target"]), tuple(doc["seeds"]),
+        return cls(doc["model"], doc["options_digest"], int(doc["batch_size"]), doc["optimizer"],
+                   tuple(float(v) for v in doc["lrs"]), doc["metric"], float(doc["target"]), tuple(doc["seeds"]),
                    tuple(Measurement.from_json(m) for m in doc["measurements"]), doc.get("command", ""),
                    tuple(doc.get("notes", ())))
 
@@ -210,33 +217,28 @@ class Calibration:
         """This calibration with `other`'s measurements added (other's win for the same setting)."""
         keep = [m for m in self.measurements if other.find(m.setting) is None]
         return replace(self, measurements=tuple(keep) + other.measurements, seeds=other.seeds,
+                       lrs=tuple(sorted({*self.lrs, *other.lrs})),
                        command="; ".join(c for c in (self.command, other.command) if c))
 
 
-def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str, lr: float) -> str:
-    """File name of a calibration under the calibrations folder (hetpipe/calibrations/, beside the shipped profiles)."""
-    return f"{model}-{options_digest}-b{batch_size}-{optimizer}-lr{lr:g}.json"
+def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str) -> str:
+    """File name of a calibration under the calibrations folder (hetpipe/calibrations/, beside the shipped
+    profiles)."""
+    return f"{model}-{options_digest}-b{batch_size}-{optimizer}.json"
 
 
-def find_calibration(folder: Path, model: str, options_digest: str, batch_size: int, optimizer: str,
-                     lr: float) -> tuple[Calibration | None, str]:
-    """(the calibration of this model variant, batch and optimizer in `folder` at `lr`, or else at the nearest
-    learning rate, with a note saying so; or None and why)."""
-    found = []
-    for path in sorted(folder.glob(f"{model}-{options_digest}-b{batch_size}-{optimizer}-lr*.json")):
-        try:
-            cal = Calibration.load(path)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        found.append((abs(math.log(cal.lr / lr)), path.name, cal))
-    if not found:
-        return None, (f"no convergence calibration for {model} ({options_digest}) at batch {batch_size} with {optimizer} "
-                      f"in {folder}: ranking by samples/s alone (docs/convergence.md: how to measure one)")
-    _, name, cal = min(found)
-    note = f"convergence calibration {name}: target {cal.metric} {cal.target:g}, {len(cal.measurements)} settings"
-    if cal.lr != lr:
-        note += f", measured at lr {cal.lr:g}, not this config's {lr:g}: samples to target are that lr's"
-    return cal, note
+def find_calibration(folder: Path, model: str, options_digest: str, batch_size: int,
+                     optimizer: str) -> tuple[Calibration | None, str]:
+    """(the calibration of this model variant, batch and optimizer in `folder`, a note for the user); (None, why)
+    without one."""
+    path = folder / calibration_name(model, options_digest, batch_size, optimizer)
+    if not path.is_file():
+        return None, (f"no convergence calibration for {model} ({options_digest}) at batch {batch_size} with "
+                      f"{optimizer} in {folder}: ranking by samples/s alone (docs/convergence.md: how to measure one)")
+    cal = Calibration.load(path)
+    return cal, (f"convergence calibration {path.name}: target {cal.metric} {cal.target:g}, {len(cal.measurements)} "
+                 f"settings, each at its best lr of {', '.join(f'{v:g}' for v in cal.lrs)} (samples to target assume "
+                 "it)")
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -342,7 +344,7 @@ def samples_to_target(calibration: Calibration, setting: Setting,
     samples x the fitted model's factor ("fitted"); (None, why) when neither can answer."""
     found = calibration.find(setting)
     if found is not None:
-        return found.median, "measured" if found.median is not None else "measured: not reached"
+        return found.median, f"measured at lr {found.lr:g}" if found.median is not None else "measured: not reached"
     seq = calibration.sequential
     if seq is None or seq.median is None:
         return None, "no sequential run in the calibration"
@@ -361,6 +363,12 @@ def samples_to_target(calibration: Calibration, setting: Setting,
     found = calibration.find(plain)
     base = found.median if found is not None and found.median is not None else seq.median * fitted.factor(plain)
     return base * ratio, source if found is None or found.median is None else source.replace("fitted", "measured")
+
+
+def lr_of(calibration: Calibration, setting: Setting) -> float | None:
+    """The learning rate the calibration measured `setting` at (its best of the grid), or None."""
+    found = calibration.find(setting)
+    return None if found is None else found.lr
 
 
 def mitigation_ratio(calibration: Calibration, setting: Setting) -> tuple[float, int] | None:
@@ -423,4 +431,16 @@ def attach_samples(candidates: Sequence[Any], calibration: Calibration | None, a
             continue
         samples, source = samples_to_target(calibration, setting, model)
         out.append(replace(c, samples_to_target=samples, samples_source=source))
+    return out
+
+
+def rules_of(calibration: Calibration) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The training rules (schedule, aggregation, mitigations) the calibration measured with more than one VW, in
+    file order: what a search over rules can rank by predicted time to target."""
+    out: list[tuple[str, str, tuple[str, ...]]] = []
+    for m in calibration.measurements:
+        s = m.setting
+        rule = (s.schedule, s.aggregation, s.mitigation)
+        if s.vws > 1 and rule not in out:
+            out.append(rule)
     return out

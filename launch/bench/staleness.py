@@ -9,15 +9,17 @@ evenly by parameters) with N minibatches in flight; parts not given come from th
 The global weights are scored every --score-every samples (on train.eval_samples held-out samples); a seed stops
 at the first score that meets the target (--full runs every seed to --samples, for curves). Each setting runs
 once per seed (`seed = N` for data order, shards and initial weights); the median over seeds counts a seed that
-never got there as infinitely many samples. Settings that train the same weights bit for bit (the same canonical
+never got there as infinitely many samples. With --lrs every setting gets its own learning rate: the first seed
+tries each (in the order given; a run stops once it has trained as many samples as the best so far needed, since
+it cannot win), the one with the fewest samples to the target is kept and the other seeds run at it. Settings that train the same weights bit for bit (the same canonical
 setting, hetpipe.core.convergence.canonical: gpipe is 1f1b-flush, flushes ignore the stage count, ...) run once.
 
     python launch/bench/staleness.py [--config launch/clusters/bench.toml] [--settings 1x1/1,2x4/3:1f1b-flush:mean]
-        [--seeds 0,1,2] [--samples 100000] [--score-every 2048] [--target 0.9] [--set train.lr=0.02 ...]
-        [--jobs 2] [--calibrate [PATH]] [--out FILE.json]
+        [--seeds 0,1,2] [--lrs 0.002,0.004,0.001] [--samples 100000] [--score-every 2048] [--target 0.9]
+        [--set train.lr=0.02 ...] [--jobs 2] [--calibrate [PATH]] [--out FILE.json]
 
 --calibrate writes (or merges into) the calibration file beside the shipped profiles,
-hetpipe/calibrations/<model>-<digest>-b<batch>-<optimizer>-lr<lr>.json, that `hetpipe plan` reads.
+hetpipe/calibrations/<model>-<digest>-b<batch>-<optimizer>.json, that `hetpipe plan` reads.
 """
 
 from __future__ import annotations
@@ -93,61 +95,76 @@ def run_setting(config: ClusterConfig, setting: Setting, samples: int, score_eve
     return out
 
 
-def _one(packed: bytes, label: str, seed: int, samples: int, score_every: int, metric: str, target: float,
-         stop: bool) -> dict[str, Any]:
-    """One seed of one setting (also the body of a --jobs worker process)."""
-    torch.set_num_threads(1)
-    config = apply_overrides(unpack_config(packed), [f"seed={seed}"])
-    goal = goals.Goal(metric, target)
-    setting = parse_settings(label)[0]
+def _seed_run(config: ClusterConfig, setting: Setting, seed: int, lr: float, samples: int, score_every: int,
+              goal: goals.Goal, stop: bool) -> dict[str, Any]:
+    cfg = apply_overrides(config, [f"seed={seed}", f"train.lr={lr}"])
     began = time.time()
-    curve = run_setting(config, setting, samples, score_every, goal if stop else None)
-    reached = goals.first_reaching(curve, 0.0, goal)
-    return {"setting": label, "seed": seed, "samples_to_target": reached, "best": goal.best(curve),
-            "curve": [{"s": c["t"], metric: c[metric]} for c in curve], "seconds": round(time.time() - began, 1)}
+    curve = run_setting(cfg, setting, samples, score_every, goal if stop else None)
+    return {"setting": setting.label, "seed": seed, "lr": lr, "samples_to_target": goals.first_reaching(curve, 0.0, goal),
+            "best": goal.best(curve), "curve": [{"s": c["t"], goal.metric: c[goal.metric]} for c in curve],
+            "seconds": round(time.time() - began, 1)}
+
+
+def measure(packed: bytes, label: str, seeds: list[int], lrs: list[float], samples: int, score_every: int,
+            metric: str, target: float, stop: bool) -> dict[str, Any]:
+    """One setting: the first seed at every learning rate (each stopped once it has trained as many samples as the
+    best so far needed), the others at the best one; {setting, lr, sweep, runs}. Also a --jobs worker's body."""
+    torch.set_num_threads(1)
+    config, goal, setting = unpack_config(packed), goals.Goal(metric, target), parse_settings(label)[0]
+    sweep: list[tuple[float, float | None]] = []
+    first: dict[float, dict[str, Any]] = {}
+    best_lr, best_n = lrs[0], math.inf
+    for lr in lrs:
+        limit = samples if math.isinf(best_n) else int(min(samples, best_n))
+        first[lr] = _seed_run(config, setting, seeds[0], lr, limit, score_every, goal, stop or len(lrs) > 1)
+        n = first[lr]["samples_to_target"]
+        sweep.append((lr, n))
+        if len(lrs) > 1:
+            print(f"  {label} seed {seeds[0]} lr {lr:g}: {'-' if n is None else int(n)} samples", flush=True)
+        if n is not None and n < best_n:
+            best_lr, best_n = lr, n
+    runs = [first[best_lr]] + [_seed_run(config, setting, seed, best_lr, samples, score_every, goal, stop)
+                               for seed in seeds[1:]]
+    for r in runs:
+        _say(r)
+    return {"setting": label, "lr": best_lr, "sweep": sweep, "runs": runs}
 
 
 def _run_all(tasks: list[tuple], jobs: int) -> list[dict[str, Any]]:
     if jobs <= 1:
-        out = []
-        for task in tasks:
-            out.append(_one(*task))
-            _say(out[-1])
-        return out
+        return [measure(*task) for task in tasks]
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        results = [pool.apply_async(_one, task) for task in tasks]
-        out = []
-        for r in results:
-            out.append(r.get())
-            _say(out[-1])
-        return out
+        results = [pool.apply_async(measure, task) for task in tasks]
+        return [r.get() for r in results]
 
 
 def _say(r: dict[str, Any]) -> None:
     reached = "-" if r["samples_to_target"] is None else int(r["samples_to_target"])
-    print(f"  {r['setting']} seed {r['seed']}: {reached} samples to target, best {r['best']} ({r['seconds']:.0f} s)",
-          flush=True)
+    print(f"  {r['setting']} seed {r['seed']} lr {r['lr']:g}: {reached} samples to target, best {r['best']} "
+          f"({r['seconds']:.0f} s)", flush=True)
 
 
-def measurements(runs: list[dict[str, Any]], settings: list[Setting], seeds: list[int],
+def measurements(results: list[dict[str, Any]], settings: list[Setting], seeds: list[int],
                  samples: int) -> list[Measurement]:
     out = []
     for s in settings:
-        mine = {r["seed"]: r for r in runs if r["setting"] == canonical(s).label}
+        result = next(r for r in results if r["setting"] == canonical(s).label)
+        mine = {r["seed"]: r for r in result["runs"]}
         out.append(Measurement(s, tuple(mine[k]["samples_to_target"] for k in seeds),
-                               tuple(mine[k]["best"] for k in seeds), samples))
+                               tuple(mine[k]["best"] for k in seeds), samples, result["lr"],
+                               tuple(result["sweep"])))
     return out
 
 
 def table(found: list[Measurement], seeds: list[int], label: str) -> str:
     seq = next((m for m in found if m.setting.sequential and m.median), None)
-    lines = [f"{'setting':<40} {'median':>8} {'x seq':>6}  per seed ({', '.join(map(str, seeds))}); best"]
+    lines = [f"{'setting':<40} {'lr':>7} {'median':>8} {'x seq':>6}  per seed ({', '.join(map(str, seeds))}); best"]
     for m in found:
         med = "-" if m.median is None else str(int(m.median))
         ratio = f"{m.median / seq.median:.2f}" if m.median and seq else "-"
         per = ", ".join("-" if s is None else str(int(s)) for s in m.samples)
         best = ", ".join(f"{b:.3f}" for b in m.best)
-        lines.append(f"{m.setting.label:<40} {med:>8} {ratio:>6}  {per}; {best}")
+        lines.append(f"{m.setting.label:<40} {m.lr:>7g} {med:>8} {ratio:>6}  {per}; {best}")
     return f"samples to {label}\n" + "\n".join(lines)
 
 
@@ -158,6 +175,8 @@ def table(found: list[Measurement], seeds: list[int], label: str) -> str:
               help="VWSxNM/STAGES[:SCHEDULE][:AGGREGATION][:MITIGATION][:D<n>] per run (comma list).")
 @click.option("--staleness", default=0, show_default=True, help="D for settings that do not name one.")
 @click.option("--seeds", default="0", show_default=True, help="Config seeds, one run of every setting each (comma list).")
+@click.option("--lrs", default=None, help="Learning rates each setting tries with the first seed (comma list, in order); "
+              "default: the config's only.")
 @click.option("--samples", default=100_000, show_default=True, help="Samples each run trains at most, over all its VWs.")
 @click.option("--score-every", default=2048, show_default=True, help="Samples between scores of the global weights.")
 @click.option("--full", is_flag=True, help="Train every run to --samples (curves), not only to the target.")
@@ -170,7 +189,8 @@ def table(found: list[Measurement], seeds: list[int], label: str) -> str:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
-def main(config_path: Path, settings_text: str, staleness: int, seeds: str, samples: int, score_every: int, full: bool,
+def main(config_path: Path, settings_text: str, staleness: int, seeds: str, lrs: str | None, samples: int,
+         score_every: int, full: bool,
          target: float | None, overrides: tuple[str, ...], jobs: int, calibrate: str | None, out: Path | None,
          plot_path: Path | None) -> None:
     torch.set_num_threads(1)
@@ -179,28 +199,30 @@ def main(config_path: Path, settings_text: str, staleness: int, seeds: str, samp
     goal = goals.goal_for(spec.task, target)
     t = config.train
     seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+    lr_list = [float(v) for v in lrs.split(",")] if lrs else [t.lr]
     settings = parse_settings(settings_text, defaults_of(config, staleness))
-    print(f"{config.name}: model {config.model.name}, batch {t.batch_size}, {t.optimizer} lr {t.lr}; seeds {seed_list}; "
+    print(f"{config.name}: model {config.model.name}, batch {t.batch_size}, {t.optimizer} lr {lr_list}; seeds {seed_list}; "
           f"target {goal.metric} {'>=' if goal.higher_is_better else '<='} {goal.target}", flush=True)
     packed = pack_config(config)
     unique = list(dict.fromkeys(canonical(s).label for s in settings))  # settings that train the same weights run once
-    tasks = [(packed, label, seed, samples, score_every, goal.metric, goal.target, not full)
-             for label in unique for seed in seed_list]
-    runs = _run_all(tasks, jobs)
-    found = measurements(runs, settings, seed_list, samples)
+    tasks = [(packed, label, seed_list, lr_list, samples, score_every, goal.metric, goal.target, not full)
+             for label in unique]
+    results = _run_all(tasks, jobs)
+    runs = [r for result in results for r in result["runs"]]
+    found = measurements(results, settings, seed_list, samples)
     print()
     print(table(found, seed_list, goal.label))
     command = "python launch/bench/staleness.py " + " ".join(sys.argv[1:])
     if calibrate is not None:
         path = Path(calibrate) if calibrate else CALIBRATION_DIR / calibration_name(
-            spec.name, options_digest(spec), t.batch_size, t.optimizer, t.lr)
-        made = Calibration(spec.name, options_digest(spec), t.batch_size, t.optimizer, t.lr, goal.metric, goal.target,
-                           tuple(seed_list), tuple(found), command)
+            spec.name, options_digest(spec), t.batch_size, t.optimizer)
+        made = Calibration(spec.name, options_digest(spec), t.batch_size, t.optimizer, tuple(lr_list), goal.metric,
+                           goal.target, tuple(seed_list), tuple(found), command)
         if path.is_file():
             old = Calibration.load(path)
-            if (old.lr, old.metric, old.target) != (t.lr, goal.metric, goal.target):
-                raise click.UsageError(f"{path} holds lr {old.lr}, {old.metric} {old.target}; this run lr {t.lr}, "
-                                       f"{goal.metric} {goal.target}: give another --calibrate PATH or remove it")
+            if (old.metric, old.target) != (goal.metric, goal.target):
+                raise click.UsageError(f"{path} holds {old.metric} {old.target}; this run {goal.metric} {goal.target}: "
+                                       "give another --calibrate PATH or remove it")
             made = old.merged(made)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(made.to_json())
@@ -208,7 +230,7 @@ def main(config_path: Path, settings_text: str, staleness: int, seeds: str, samp
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         document = {"config": str(config_path), "command": command, "metric": goal.metric, "target": goal.target,
-                    "samples": samples, "optimizer": t.optimizer, "lr": t.lr, "batch": t.batch_size,
+                    "samples": samples, "optimizer": t.optimizer, "lrs": lr_list, "batch": t.batch_size,
                     "seeds": seed_list, "measurements": [m.to_json() for m in found], "runs": runs}
         out.write_text(json.dumps(document, indent=1))
         print(f"wrote {out}")

@@ -52,7 +52,7 @@ from goals import Goal, first_reaching, goal_for  # noqa: E402, F401  (goal_for:
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.evaluate import evaluate  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
-from hetpipe.core.convergence import Setting, attach_samples, setting_of  # noqa: E402
+from hetpipe.core.convergence import Calibration, Setting, attach_samples, rules_of, setting_of  # noqa: E402
 from hetpipe.core.testbed import Topology  # noqa: E402
 from hetpipe.server.checkpoint import list_manifests, read_checkpoint  # noqa: E402
 
@@ -101,22 +101,35 @@ def row(task: str, system: str, seed: int, goal: Goal, start: float, scores: lis
 # ---------------------------------------------------------------------------------------------- hetpipe's plan
 
 
-def planned(config: ClusterConfig, profile: Any, testbed: Topology | None) -> tuple[throughput.HetpipeSetup, Any]:
-    """The planner's best plan for `config` ranked by predicted time to target (the calibration of its model, batch,
-    optimizer and lr, when there is one), and the chosen candidate."""
+def planned(config: ClusterConfig, profile: Any, testbed: Topology | None,
+            search_rules: bool = False) -> tuple[throughput.HetpipeSetup, Any, Calibration | None, ClusterConfig]:
+    """The planner's best plan for `config` ranked by predicted time to target (the calibration of its model, batch
+    and optimizer, when there is one); with `search_rules`, also over every training rule (schedule, aggregation,
+    mitigation) the calibration measured with several VWs. (setup, candidate, calibration, the config to run)."""
     from hetpipe.app.plan_convergence import plan_calibration
     from hetpipe.core import planner
 
     profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
     ps_gbps, link = throughput.planner_links(testbed)
-    candidates = planner.plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link)
     calibration, note = plan_calibration(config)
-    candidates = attach_samples(candidates, calibration, config.ps.aggregation, config.train.mitigations)
-    top = planner.best(candidates)
+    variants = [config]
+    if search_rules and calibration is not None:
+        variants += [apply_overrides(config, [f'train.schedule="{schedule}"', f'ps.aggregation="{aggregation}"',
+                                              f'train.mitigation="{"+".join(mitigation) or "none"}"'])
+                     for schedule, aggregation, mitigation in rules_of(calibration)]
+    found = []
+    for variant in variants:
+        candidates = planner.plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link)
+        candidates = attach_samples(candidates, calibration, variant.ps.aggregation, variant.train.mitigations)
+        found.append((planner.best(candidates), variant))
+    timed = [(c, v) for c, v in found if c.time_to_target_s is not None]
+    top, chosen = min(timed, key=lambda cv: cv[0].time_to_target_s) if timed else found[0]
     vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
-    setup = throughput.HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness, f"planner: {top.label}; {note}",
+    rule = f"{chosen.train.schedule}/{chosen.ps.aggregation}/{chosen.train.mitigation}"
+    setup = throughput.HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness,
+                                    f"planner: {top.label}, {rule} of {len(variants)} rules; {note}",
                                     top.samples_per_s, top.plan.schedule)
-    return setup, top
+    return setup, top, calibration, chosen
 
 
 # ---------------------------------------------------------------------------------------------- the systems
@@ -127,9 +140,10 @@ class Bench:
 
     def __init__(self, task: tta_tasks.Task, config: ClusterConfig, goal: Goal, work: Path, max_seconds: float,
                  checkpoint_every: int, snapshot_every: int, testbed: Topology | None,
-                 hetpipe_settings: tuple[str, ...] = ()) -> None:
+                 hetpipe_settings: tuple[str, ...] = (), search_rules: bool = True) -> None:
         self.task, self.config, self.goal, self.work = task, config, goal, work
         self.hetpipe_config = apply_overrides(config, [*task.hetpipe, *hetpipe_settings])
+        self.search_rules = search_rules
         self.max_seconds, self.checkpoint_every, self.snapshot_every = max_seconds, checkpoint_every, snapshot_every
         self.testbed = testbed
         self.batch = config.train.batch_size
@@ -143,23 +157,24 @@ class Bench:
             print(line)
         link = 27.0 if testbed is None else (lambda a, b: testbed.link_gbps(a, b, 27.0))
         self.layout = peers.pipeline_layout(self.devs, self.profile, link)
-        self.plans: dict[float, tuple[throughput.HetpipeSetup, Any]] = {}
+        self._plan: tuple[throughput.HetpipeSetup, Any, Calibration | None] | None = None
         self._capacity: float | None = None
 
     def members(self, system: str) -> list[peers.Device]:
         key = "fit" if system == "ddp-fit" else next((k for k in self.subsets if k != "fit"), "fit")
         return self.subsets.get(key, [])
 
-    def plan(self, lr: float) -> tuple[throughput.HetpipeSetup, Any]:
-        if lr not in self.plans:
-            self.plans[lr] = planned(apply_overrides(self.hetpipe_config, [f"train.lr={lr}"]), self.profile,
-                                     self.testbed)
-        return self.plans[lr]
+    def plan(self) -> tuple[throughput.HetpipeSetup, Any, Calibration | None]:
+        if self._plan is None:
+            setup, top, calibration, self.hetpipe_config = planned(self.hetpipe_config, self.profile, self.testbed,
+                                                                   self.search_rules)
+            self._plan = (setup, top, calibration)
+        return self._plan
 
-    def setting(self, system: str, lr: float) -> Setting:
-        """The setting that trains like `system` (hetpipe: its plan at `lr`)."""
+    def setting(self, system: str) -> Setting:
+        """The setting that trains like `system` (hetpipe: the planner's plan)."""
         if system == "hetpipe":
-            _, top = self.plan(lr)
+            _, top, _ = self.plan()
             hp = self.hetpipe_config
             found = setting_of(top, hp.ps.aggregation, hp.train.mitigations)
             assert found is not None
@@ -169,7 +184,7 @@ class Bench:
 
     def describe(self, system: str, lr: float) -> str:
         if system == "hetpipe":
-            setup, _ = self.plan(lr)
+            setup, _, _ = self.plan()
             hp = self.hetpipe_config
             return (f"{setup.label}, {setup.schedule}, aggregation {hp.ps.aggregation}, mitigation {hp.train.mitigation}, "
                     f"lr {lr:g} ({setup.source})")
@@ -190,7 +205,7 @@ class Bench:
         config = apply_overrides(base, [f"train.lr={lr}", f"seed={seed}"])
         logs = self.work / "logs"
         if system == "hetpipe":
-            setup, top = self.plan(lr)
+            setup, top, _ = self.plan()
             per_wave = setup.nm * self.batch * len(setup.vws)
             # waves for at least --max-seconds: 1.3x the plan's rate (it predicts 10-20% high), capped by the capacity
             # bound; checkpoints after --max-seconds are not scored, so hetpipe trains as long as the peers
@@ -295,6 +310,9 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
 @click.option("--snapshot-every", default=4, show_default=True, help="DDP and pipeline: keep the weights every this many steps.")
 @click.option("--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable; "
               "applied after the task's (e.g. ps.aggregation=\"server\").")
+@click.option("--search-rules/--no-search-rules", default=True, show_default=True,
+              help="hetpipe: let the planner also choose the training rule (schedule, aggregation, mitigation) among "
+                   "those its calibration measured; --no-search-rules keeps the config's (and --hetpipe-set's).")
 @click.option("--hetpipe-set", "hetpipe_settings", multiple=True,
               help="Override for hetpipe's runs only, after the task's (e.g. ps.aggregation=\"mean\"), repeatable.")
 @click.option("--testbed", "use_testbed", is_flag=True,
@@ -312,8 +330,8 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
               help="Write the Markdown tables (medians and spread) here.")
 def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds: float | None,
          sweep_samples: int | None, checkpoint_every: int, snapshot_every: int, settings: tuple[str, ...],
-         hetpipe_settings: tuple[str, ...], use_testbed: bool, testbed_scale: float | None, probe_seconds: float, work_dir: Path, out: Path | None,
-         plot_path: Path | None, table_path: Path | None) -> None:
+         search_rules: bool, hetpipe_settings: tuple[str, ...], use_testbed: bool, testbed_scale: float | None,
+         probe_seconds: float, work_dir: Path, out: Path | None, plot_path: Path | None, table_path: Path | None) -> None:
     torch.set_num_threads(1)
     unknown = [t for t in task_names.split(",") if t not in tta_tasks.TASKS]
     bad = [s for s in systems.split(",") if s not in SYSTEMS]
@@ -331,8 +349,8 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
         with contextlib.ExitStack() as stack:
             found, rows, png_rows, network = _task(task, seed_list, wanted, lrs, max_seconds, sweep_samples,
                                                    checkpoint_every, snapshot_every, settings, hetpipe_settings,
-                                                   use_testbed,
-                                                   testbed_scale, probe_seconds, work_dir, stack)
+                                                   search_rules, use_testbed, testbed_scale, probe_seconds, work_dir,
+                                                   stack)
         document["tasks"][name] = found
         document["rows"] += rows
         tables.append(markdown(task, Goal(rows[0]["metric"], task.target), found, network) if rows else "")
@@ -355,8 +373,8 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
 
 def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str | None, max_seconds: float | None,
           sweep_samples: int | None, checkpoint_every: int, snapshot_every: int, settings: tuple[str, ...],
-          hetpipe_settings: tuple[str, ...], use_testbed: bool, testbed_scale: float | None, probe_seconds: float, work_dir: Path,
-          stack: contextlib.ExitStack) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], str]:
+          hetpipe_settings: tuple[str, ...], search_rules: bool, use_testbed: bool, testbed_scale: float | None,
+          probe_seconds: float, work_dir: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], str]:
     config = apply_overrides(load_config(task.config), [*task.overrides, *settings])
     goal = goal_for(model_of(config).task, task.target)
     work = work_dir / task.name / time.strftime("%Y%m%d-%H%M%S")
@@ -367,30 +385,36 @@ def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str |
     network = "the shaped-network testbed" if topology else "free (loopback; no link costs anything)"
     print(f"network: {network}", flush=True)
     bench = Bench(task, config, goal, work, max_seconds or task.max_seconds, checkpoint_every, snapshot_every, topology,
-                  hetpipe_settings)
+                  hetpipe_settings, search_rules)
     swept = [float(v) for v in lrs.split(",")] if lrs else list(task.lrs)
     chosen: dict[str, float] = {}
     sweeps: dict[str, Any] = {}
-    cache: dict[tuple[str, float], float | None] = {}
+    cache: dict[str, tuple[float, dict[float, float | None], str]] = {}
+    _, _, calibration = bench.plan()
     for system in systems:
         if system.startswith("ddp") and not bench.members(system):
             print(f"  {system}: no GPU holds the whole model; left out")
             continue
-        per_lr: dict[float, float | None] = {}
-        for lr in swept:
-            setting = bench.setting(system, lr)
-            key = (tta_tasks.sweep_key(setting), lr)
-            if key not in cache and len(swept) > 1:
-                base = bench.hetpipe_config if system == "hetpipe" else config
-                _, found = tta_tasks.sweep_lr(base, setting, [lr], goal, sweep_samples or task.sweep_samples,
-                                              task.score_every)
-                cache[key] = found[lr]
-            per_lr[lr] = cache.get(key)
-        best = min(swept, key=lambda lr: (math.inf if per_lr[lr] is None else per_lr[lr], swept.index(lr)))
+        setting = bench.setting(system)
+        key = tta_tasks.sweep_key(setting)
+        measured = calibration.find(setting) if calibration is not None else None
+        if key in cache:
+            pass
+        elif len(swept) == 1:
+            cache[key] = (swept[0], {swept[0]: None}, "no sweep")
+        elif measured is not None and [lr for lr, _ in measured.sweep] == swept:  # the same sweep, already run
+            cache[key] = (measured.lr, dict(measured.sweep), "the calibration's sweep")
+        else:
+            base = bench.hetpipe_config if system == "hetpipe" else config
+            best, found = tta_tasks.sweep_lr(base, setting, swept, goal, sweep_samples or task.sweep_samples,
+                                             task.score_every)
+            cache[key] = (best, found, "swept here")
+        best, per_lr, source = cache[key]
         chosen[system] = best
         sweeps[system] = {"lr": best, "samples_to_target": {str(k): v for k, v in per_lr.items()},
-                          "setting": bench.setting(system, best).label}
-        print(f"  sweep {system}: " + ", ".join(f"lr {k:g} {'-' if v is None else int(v)}" for k, v in per_lr.items())
+                          "setting": setting.label, "source": source}
+        print(f"  sweep {system} ({setting.label}, {source}): "
+              + ", ".join(f"lr {k:g} {'-' if v is None else int(v)}" for k, v in per_lr.items())
               + f" samples -> lr {best:g}; {bench.describe(system, best)}", flush=True)
     rows = []
     for i, seed in enumerate(seeds):
