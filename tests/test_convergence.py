@@ -45,7 +45,8 @@ def test_bad_settings_say_the_form(text: str) -> None:
 
 
 @pytest.mark.parametrize(("a", "b"), [
-    ("1x1/4:pipedream-2bw:server:spectrain:D3", "1x1/1"),  # sequential whatever else is said
+    ("1x1/4:pipedream-2bw:mean:spectrain:D3", "1x1/1"),  # sequential whatever else is said
+    ("1x1/4:wsp:server:D1", "1x1/1:1f1b-flush:server:D1"),  # but not with the PS's optimizer: D + 1 waves late
     ("2x4/3:gpipe:mean", "2x4/1:1f1b-flush:mean"),  # gpipe is 1f1b-flush; flushes ignore the stage count
     ("2x4/3:1f1b-flush:sum:spectrain+warmup", "2x4/1:1f1b-flush:sum:warmup"),  # no local lag to predict
     ("2x4/3:wsp:server:D1", "2x4/1:1f1b-flush:server:D1"),  # server: weights move only at pulls
@@ -58,6 +59,7 @@ def test_canonical_forms_train_the_same_weights(a: str, b: str) -> None:
 def test_wsp_keeps_its_stage_count_and_mitigations() -> None:
     s = parse_setting("2x4/3:wsp:sum:spectrain")
     assert canonical(s) == s
+    assert canonical(parse_setting("1x1/1:wsp:server")) != canonical(parse_setting("1x1/1"))
 
 
 def test_median_counts_a_seed_that_never_got_there_as_infinite() -> None:

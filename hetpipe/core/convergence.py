@@ -66,8 +66,9 @@ class Setting:
 
     @property
     def sequential(self) -> bool:
-        """One VW, one minibatch at a time: plain sequential training whatever the schedule says."""
-        return self.vws == 1 and self.nm == 1
+        """One VW, one minibatch at a time, its own optimizer: plain sequential training whatever the schedule says
+        (with aggregation "server" each step waits D + 1 waves for the PS: not sequential)."""
+        return self.vws == 1 and self.nm == 1 and self.aggregation != "server"
 
     def overrides(self) -> list[str]:
         """The `--set` overrides that train this setting (stages and VWs are the reference's splits)."""
@@ -77,7 +78,7 @@ class Setting:
 
 def canonical(setting: Setting) -> Setting:
     """The simplest setting that trains bit for bit the same weights (hetpipe.md, docs/convergence.md):
-    - one VW, Nm 1: sequential training (every schedule, aggregation and mitigation reduces to it);
+    - one VW, Nm 1, its own optimizer: sequential training (every schedule and mitigation reduces to it);
     - gpipe is 1f1b-flush (the same gradient accumulation); flushes do not depend on the number of stages, and
       their mitigations that act on local lag (spectrain, pipemare) have none to act on;
     - aggregation "server": the VWs' weights move only at pulls, so schedule and stages do not matter (weights
@@ -85,7 +86,7 @@ def canonical(setting: Setting) -> Setting:
     - one VW with local optimizers skips every pull: D, mean vs sum, warmup and average do nothing.
     """
     s = setting
-    if s.vws == 1 and s.nm == 1:
+    if s.sequential:
         return Setting(1, 1, 1)
     if s.schedule == "gpipe" or s.aggregation == "server":
         s = replace(s, schedule="1f1b-flush")
