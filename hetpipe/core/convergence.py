@@ -29,6 +29,7 @@ __all__ = [
     "attach_samples",
     "calibration_name",
     "canonical",
+    "describe_fit",
     "lr_of",
     "find_calibration",
     "fit_model",
@@ -239,7 +240,16 @@ def find_calibration(folder: Path, model: str, options_digest: str, batch_size: 
     cal = Calibration.load(path)
     return cal, (f"convergence calibration {path.name}: target {cal.metric} {cal.target:g}, {len(cal.measurements)} "
                  f"settings, each at its best lr of {', '.join(f'{v:g}' for v in cal.lrs)} (samples to target assume "
-                 "it)")
+                 f"it); {describe_fit(fit_model(cal))}")
+
+
+def describe_fit(model: ConvergenceModel | None) -> str:
+    """One line on the fitted model: its coefficients and errors, or why there is none."""
+    if model is None:
+        return "no fitted model (fewer than three reached settings without mitigations): unmeasured settings unknown"
+    coef = ", ".join(f"{k} {v:+.3f}" for k, v in model.coefficients.items())
+    return (f"fitted model over {model.points} settings ({coef}): leave-one-out error up to {model.fit_error:.0%}, "
+            f"in-sample rms {model.rms_log:.2f} in log samples")
 
 
 # ---------------------------------------------------------------------------------------------- the model

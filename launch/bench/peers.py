@@ -326,7 +326,7 @@ def _ddp_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
             snapshots.append((ends[-1], step + 1, {k: v.detach().clone() for k, v in model.module.state_dict().items()}))
         if job.deadline_s and _stop_all(job.rank == 0 and ends[-1] - start >= job.deadline_s):
             break
-    evals = _score(spec, snapshots, data) if snapshots else []
+    evals = _score(spec, snapshots, data, config.train.eval_samples) if snapshots else []
     report({"rank": job.rank, "ends": ends, "start": start, "losses": losses, "evals": evals,
             "compute_s": dilator.compute_s, "slept_s": dilator.slept_s})
     dist.destroy_process_group()
@@ -339,11 +339,14 @@ def _stop_all(stop: bool) -> bool:
     return bool(flag.item())
 
 
-def _score(spec: Any, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]], data: Any) -> list[dict[str, Any]]:
-    """Test metrics of each kept weight version, after training (not timed)."""
+def _score(spec: Any, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]], data: Any,
+           max_samples: int = 0) -> list[dict[str, Any]]:
+    """Test metrics of each kept weight version on the first `max_samples` held-out samples (0: all; hetpipe's
+    train.eval_samples, as its own scores use), after training (not timed)."""
     from hetpipe.compute.evaluate import evaluate
 
-    return [{"t": t, "step": step, **evaluate(spec, state, data)} for t, step, state in snapshots]
+    return [{"t": t, "step": step, **evaluate(spec, state, data, max_samples=max_samples)}
+            for t, step, state in snapshots]
 
 
 def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
@@ -521,7 +524,7 @@ def run_pipeline(config: ClusterConfig, layout: PipelineLayout, microbatch: int,
                "lr": lr if lr is not None else config.train.lr}
     run = _peer_run("pipeline", setting, list(layout.gpus), microbatch * n_micro, reports, k - 1)
     if snapshot_every:
-        run.evals = _score(model_of(config), _merged_snapshots(reports), dataset_of(config))
+        run.evals = _score(model_of(config), _merged_snapshots(reports), dataset_of(config), config.train.eval_samples)
     return run
 
 

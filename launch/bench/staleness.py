@@ -53,6 +53,8 @@ from hetpipe.core.convergence import (  # noqa: E402
     Setting,
     calibration_name,
     canonical,
+    describe_fit,
+    fit_model,
     parse_settings,
 )
 from hetpipe.models import even_split, param_counts  # noqa: E402
@@ -226,7 +228,7 @@ def main(config_path: Path, settings_text: str, staleness: int, seeds: str, lrs:
             made = old.merged(made)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(made.to_json())
-        print(f"wrote calibration {path} ({len(made.measurements)} settings)")
+        print(f"wrote calibration {path} ({len(made.measurements)} settings); {describe_fit(fit_model(made))}")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         document = {"config": str(config_path), "command": command, "metric": goal.metric, "target": goal.target,
