@@ -149,7 +149,7 @@ class Measurement:
 
     setting: Setting
     samples: tuple[float | None, ...]
-    best: tuple[float, ...] = ()  # per seed, the best metric reached
+    best: tuple[float | None, ...] = ()  # per seed, the best metric reached (None: the seed was not run)
     budget: int = 0  # samples each seed trained at most
     lr: float = 0.0
     sweep: tuple[tuple[float, float | None], ...] = ()  # (lr, samples of the first seed; None: not reached / beaten)

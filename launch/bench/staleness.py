@@ -11,7 +11,8 @@ at the first score that meets the target (--full runs every seed to --samples, f
 once per seed (`seed = N` for data order, shards and initial weights); the median over seeds counts a seed that
 never got there as infinitely many samples. With --lrs every setting gets its own learning rate: the first seed
 tries each (in the order given; a run stops once it has trained as many samples as the best so far needed, since
-it cannot win), the one with the fewest samples to the target is kept and the other seeds run at it. Settings that train the same weights bit for bit (the same canonical
+it cannot win), the one with the fewest samples to the target is kept and the other seeds run at it; when no rate
+gets the first seed there within --samples, the setting is "not reached" and the other seeds are not run. Settings that train the same weights bit for bit (the same canonical
 setting, hetpipe.core.convergence.canonical: gpipe is 1f1b-flush, flushes ignore the stage count, ...) run once.
 
     python launch/bench/staleness.py [--config launch/clusters/bench.toml] [--settings 1x1/1,2x4/3:1f1b-flush:mean]
@@ -125,8 +126,13 @@ def measure(packed: bytes, label: str, seeds: list[int], lrs: list[float], sampl
             print(f"  {label} seed {seeds[0]} lr {lr:g}: {'-' if n is None else int(n)} samples", flush=True)
         if n is not None and n < best_n:
             best_lr, best_n = lr, n
-    runs = [first[best_lr]] + [_seed_run(config, setting, seed, best_lr, samples, score_every, goal, stop)
-                               for seed in seeds[1:]]
+    if math.isinf(best_n) and len(lrs) > 1:  # no rate got there: keep the one that came closest, skip other seeds
+        best_lr = max(lrs, key=lambda lr: first[lr]["best"] if goal.higher_is_better else -first[lr]["best"])
+        runs = [first[best_lr]] + [{"setting": label, "seed": seed, "lr": best_lr, "samples_to_target": None,
+                                    "best": None, "curve": [], "seconds": 0.0, "skipped": True} for seed in seeds[1:]]
+    else:
+        runs = [first[best_lr]] + [_seed_run(config, setting, seed, best_lr, samples, score_every, goal, stop)
+                                   for seed in seeds[1:]]
     for r in runs:
         _say(r)
     return {"setting": label, "lr": best_lr, "sweep": sweep, "runs": runs}
@@ -141,6 +147,9 @@ def _run_all(tasks: list[tuple], jobs: int) -> list[dict[str, Any]]:
 
 
 def _say(r: dict[str, Any]) -> None:
+    if r.get("skipped"):
+        print(f"  {r['setting']} seed {r['seed']}: not run (the first seed got there at no rate)", flush=True)
+        return
     reached = "-" if r["samples_to_target"] is None else int(r["samples_to_target"])
     print(f"  {r['setting']} seed {r['seed']} lr {r['lr']:g}: {reached} samples to target, best {r['best']} "
           f"({r['seconds']:.0f} s)", flush=True)
@@ -165,7 +174,7 @@ def table(found: list[Measurement], seeds: list[int], label: str) -> str:
         med = "-" if m.median is None else str(int(m.median))
         ratio = f"{m.median / seq.median:.2f}" if m.median and seq else "-"
         per = ", ".join("-" if s is None else str(int(s)) for s in m.samples)
-        best = ", ".join(f"{b:.3f}" for b in m.best)
+        best = ", ".join("-" if b is None else f"{b:.3f}" for b in m.best)
         lines.append(f"{m.setting.label:<40} {m.lr:>7g} {med:>8} {ratio:>6}  {per}; {best}")
     return f"samples to {label}\n" + "\n".join(lines)
 
