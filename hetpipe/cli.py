@@ -317,15 +317,21 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
 @click.option("--schedule", "schedules", type=click.Choice(["wsp", "pipedream-2bw", "1f1b-flush", "gpipe"]),
               multiple=True, help="Only these schedules (repeatable; default all, the config's train.schedule first).")
 @click.option("--refresh", is_flag=True, help="Emulated configs: measure this machine's CPU profile again first.")
+@click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Convergence calibration to rank by time to target (default: the shipped one of the config's "
+                   "model, batch, optimizer and lr, if any; launch/bench/staleness.py --calibrate writes them).")
 @_set_option
 def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool, profile_dir: Path | None,
          waves: int, d_values: tuple[int, ...], nm_max: int | None, reserve_gib: float,
-         policies: tuple[str, ...], schedules: tuple[str, ...], refresh: bool, settings: tuple[str, ...]) -> None:
+         policies: tuple[str, ...], schedules: tuple[str, ...], refresh: bool, calibration_path: Path | None,
+         settings: tuple[str, ...]) -> None:
     """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the best."""
     import json
     import time
 
+    from hetpipe.app.plan_convergence import plan_calibration
     from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
+    from hetpipe.core.convergence import attach_samples
     from hetpipe.core.planner import (
         D_VALUES,
         best,
@@ -342,6 +348,9 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     candidates = plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
                                  nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),
                                  policies=policies or None, schedules=schedules or None)
+    calibration, calibration_note = plan_calibration(config, calibration_path)
+    candidates = attach_samples(candidates, calibration, config.ps.aggregation, config.train.mitigations)
+    notes = [*notes, calibration_note]
     elapsed = time.monotonic() - started
     chosen = best(candidates)
     if as_json:

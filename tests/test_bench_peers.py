@@ -81,10 +81,13 @@ def test_pipeline_over_all_gpus_trains(cluster, tmp_path: Path) -> None:
     layout = peers.pipeline_layout(devs, peers.model_profile(config, 4, tmp_path / "profiles"))
     assert sorted(d.gpu for d in layout.gpus) == ["n0:0", "n0:1", "n0:2"]
     assert sum(layout.split) == 5 and min(layout.split) >= 1
-    run = peers.run_pipeline(config, layout, 4, 3, 4, tmp_path / "logs")
+    run = peers.run_pipeline(config, layout, 4, 3, 4, tmp_path / "logs", snapshot_every=2)
     assert len(run.ends) == 4 and run.samples_per_step == 12
     assert run.rate(2) > 0
     assert len(run.losses) == 4
+    # every stage kept its part at steps 2 and 4; the parent scored the merged whole model after the run
+    assert [e["step"] for e in run.evals] == [2, 4] and all(0 <= e["test_accuracy"] <= 1 for e in run.evals)
+    assert run.evals[0]["t"] <= run.evals[1]["t"] <= run.ends[-1] + 1
 
 
 def test_steady_rate_counts_steps_after_warmup() -> None:

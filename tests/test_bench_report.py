@@ -41,18 +41,27 @@ def test_a_language_model_needs_an_explicit_target() -> None:
         tta.goal_for("language", None)
 
 
-def test_row_and_verdicts_compare_fastest_runs_and_say_who_never_got_there() -> None:
+def test_rows_summary_and_table_give_medians_spread_and_who_never_got_there() -> None:
     goal = tta.goal_for("classification", 0.9)
-    hp = [tta.row("hetpipe D=0", "a, lr 0.02", 0.0, [{"t": 10.0, "test_accuracy": 0.5}, {"t": 30.0, "test_accuracy": 0.92}],
-                  goal, 1024)]
-    fit = tta.row("ddp-fit", "6 GPUs", 0.0, [{"t": 60.0, "test_accuracy": 0.8}], goal, 512)
-    fast = tta.row("ddp-speed>=14.9", "2 GPUs", 0.0, [{"t": 20.0, "test_accuracy": 0.9}], goal, 512)
-    assert hp[0]["seconds_to_target"] == 30.0 and hp[0]["curve"][1] == {"s": 30.0, "test_accuracy": 0.92}
-    assert fit["seconds_to_target"] is None and fit["trained_s"] == 60.0
-    lines = tta.verdicts([*hp, fit, fast], goal)
-    assert lines == ["hetpipe / ddp-fit wall time to 90%: < 0.50 (ddp-fit did not get there in 60 s)",
-                     "hetpipe / ddp-speed>=14.9 wall time to 90%: 1.50"]
-    assert "ddp-fit" in tta.table([*hp, fit], goal) and "loss" not in tta.table([*hp, fit], goal)
+    scores = [{"t": 10.0, "clock": 1, "test_accuracy": 0.5}, {"t": 30.0, "clock": 3, "test_accuracy": 0.92}]
+    unit = {"key": "clock", "samples": 1024}
+    hp = [tta.row("mnist", "hetpipe", seed, goal, start, scores, unit, lr=0.002, setting="2 VWs a | b",
+                  samples_per_s=100.0, predicted_time_to_target_s=24.0) for seed, start in ((0, 0.0), (1, 5.0), (2, 10.0))]
+    assert hp[0]["time_to_target_s"] == 30.0 and hp[0]["samples_to_target"] == 3072
+    assert hp[0]["curve"][1] == {"s": 30.0, "test_accuracy": 0.92, "samples": 3072}
+    ddp = [tta.row("mnist", "ddp-fit", seed, goal, 0.0, [{"t": 40.0, "step": 8, "test_accuracy": value}],
+                   {"key": "step", "samples": 512}, lr=0.004, setting="6 GPUs", samples_per_s=90.0)
+           for seed, value in ((0, 0.95), (1, 0.8), (2, 0.91))]
+    assert ddp[1]["time_to_target_s"] is None and ddp[1]["samples_to_target"] is None
+    found = tta.summary([*hp, *ddp], ["hetpipe", "ddp-fit"])
+    assert found["systems"]["hetpipe"]["time_to_target_s"] == {"median": 25.0, "min": 20.0, "max": 30.0,
+                                                               "reached": "3/3"}
+    assert found["systems"]["ddp-fit"]["time_to_target_s"]["median"] == 40.0  # 40, 40 and one not reached
+    assert found["hetpipe_over_best_ddp"] == 0.625 and found["predicted_over_measured"] == 0.96
+    assert tta.summary(ddp[1:2], ["ddp-fit"])["systems"]["ddp-fit"]["time_to_target_s"]["median"] is None
+    text = tta.markdown(tta.tta_tasks.TASKS["mnist"], goal, found, "free")
+    assert "| hetpipe | 25.0 (20.0-30.0) | 3/3 | 3,072 | 100 | 0.002 | 2 VWs a / b |" in text
+    assert "hetpipe / best DDP, median time to target: 0.62" in text
 
 
 def test_every_figure_is_a_png_or_says_matplotlib_is_missing(tmp_path: Path) -> None:

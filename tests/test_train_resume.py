@@ -76,3 +76,6 @@ def test_resume_needs_a_wave_every_part_checkpointed(tmp_path: Path):
         train(config, TrainOptions(run_dir=tmp_path / "empty", progress=False, resume=True))
     with pytest.raises(UsageError, match="resumed with \\[checkpoint\\] dir not empty, every >= 1"):
         train(load_config(path), TrainOptions(run_dir=tmp_path / "empty", progress=False, resume=True))
+    spectrain = apply_overrides(config, ['train.mitigation="spectrain"'])
+    with pytest.raises(UsageError, match="mitigation spectrain keeps state that stage snapshots do not hold"):
+        train(spectrain, TrainOptions(run_dir=tmp_path / "empty", progress=False, resume=True))

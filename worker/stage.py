@@ -38,6 +38,7 @@ from hetpipe.core.devices import p2p_backend
 from hetpipe.core.emulate import LinkEmulator, device_dilator
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.metrics import TraceRecorder
+from hetpipe.core.mitigation import stage_lags
 from hetpipe.core.procs import child_entered_at, process_started_at
 from hetpipe.core.resume import cut_position, forwarded_before, rejoin_actions, snapshot_floor
 from hetpipe.core.schedule import WAIT, get_schedule, own_through_required
@@ -98,6 +99,8 @@ class StageRunner:
             nm=wsp.nm, stashing=kind.stashing != "none" and t.weight_stashing,
             recompute=t.recompute or (kind.stashing == "optional" and not t.weight_stashing),
             aggregation=config.ps.aggregation, buffers=config.ps.buffers, precision=t.precision,
+            mitigation=t.mitigations, num_vws=job.num_vws, warmup_waves=t.warmup_waves, staleness=wsp.staleness,
+            lags=stage_lags(self.schedule.stages[job.stage]) if t.mitigations else None,
         )
         self.ledgers: dict[str, torch.Tensor] = {}
         if job.audit:

@@ -169,6 +169,10 @@ def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path, keys: Run
     return endpoints, settings_list, children
 
 
+# Mitigations whose StageCompute state (beyond the optimizer's) stage snapshots do not save (worker/snapshot.py).
+STATEFUL_MITIGATIONS = ("pipemare", "spectrain")
+
+
 def resume_point(config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...]) -> int:
     """The newest wave every PS shard and every stage checkpointed in `run_dir`; UsageError saying what is
     missing when there is none."""
@@ -176,6 +180,11 @@ def resume_point(config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...]
         raise UsageError(f"--resume {run_dir}: a run can be resumed with [checkpoint] dir not empty, every >= 1 and "
                          f"stages = true (this config: dir = {config.checkpoint.dir!r}, every = "
                          f"{config.checkpoint.every}, stages = {str(config.checkpoint.stages).lower()})")
+    stateful = [m for m in config.train.mitigations if m in STATEFUL_MITIGATIONS]
+    if stateful:
+        raise UsageError(f"--resume {run_dir}: train.mitigation {'+'.join(stateful)} keeps state that stage snapshots "
+                         "do not hold yet (PipeMare's moving average, SpecTrain's last step or pull), so the run would "
+                         "not continue as it was; start the run again without --resume")
     ps = [list_clocks(run_dir / "ps" / f"shard-{s}") for s in range(config.ps.shards)]
     stages = {(v, j): list_snapshots(run_dir, v, j) for v, lay in enumerate(vws) for j in range(len(lay.split))}
     cut = common_cut(ps, list(stages.values()))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LocalOptimizer", "make_optimizer"]
+__all__ = ["LocalOptimizer", "current_lr", "make_optimizer", "predicted_step", "set_lr"]
 
 
 class LocalOptimizer:
@@ -99,3 +99,44 @@ def make_optimizer(params: list[nn.Parameter], name: str, lr: float, momentum: f
     if name == "momentum":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Set the learning rate of the next step (LocalOptimizer or a torch.optim optimizer)."""
+    if isinstance(optimizer, LocalOptimizer):
+        optimizer.lr = lr
+    else:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+
+def current_lr(optimizer) -> float:
+    return optimizer.lr if isinstance(optimizer, LocalOptimizer) else optimizer.param_groups[0]["lr"]
+
+
+@torch.no_grad()
+def predicted_step(optimizer, index: int, param: torch.Tensor) -> torch.Tensor | None:
+    """The optimizer's own estimate of its next step for parameter `index` (new - old weights), from its state:
+    momentum -lr * buffer (SpecTrain), Adam -lr * m_hat / (sqrt(v_hat) + eps) (XPipe); None without state (plain
+    SGD, or before the first step). Weight decay is left out."""
+    if isinstance(optimizer, LocalOptimizer):
+        name, lr, state = optimizer.name, optimizer.lr, optimizer.state.get(index)
+        beta1, beta2, eps = *optimizer.betas, optimizer.eps
+    else:
+        group = optimizer.param_groups[0]
+        name = "adam" if "betas" in group else ("momentum" if group.get("momentum") else "sgd")
+        lr, state = group["lr"], optimizer.state.get(param)
+        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        eps = group.get("eps", 1e-8)
+    if not state:
+        return None
+    if name == "momentum":
+        buf = state.get("momentum_buffer")
+        return None if buf is None else buf * -lr
+    if name == "adam":
+        step = float(state["step"])
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        denom = (state["exp_avg_sq"].sqrt() / bias_correction2**0.5).add_(eps)
+        return state["exp_avg"] / denom * (-lr / bias_correction1)
+    return None

@@ -11,6 +11,12 @@ schedule (hetpipe.core.schedule) and the PS's fold (hetpipe.core.aggregation). I
   PS:              W_{t+1} = fold(W_t, ((P_vw0 + P_vw1) + ...)), buffers averaged
   WAIT c:          t = W_{c-D-1} + own sums of waves > c-D-2 (in wave order); buffers replaced
 A single VW skips WAIT when its own updates are applied locally (aggregation sum or mean).
+Mitigations (train.mitigation, hetpipe.core.mitigation), each written here again:
+  warmup/pipemare: lr of U p = lr * (warm-up factor * PipeMare T1 factor), set before the step
+  pipemare T2:     an unstashed backward recomputes on w - dc * s; dc = dc * gamma + Δ * (1 - gamma) after each U
+  spectrain:       a stashed forward runs on w + predicted step * s, s the lag of its version's first forward;
+                   aggregation server: WAIT sets w = W + (W - last pulled W) * (D + 1)
+  average:         WAIT adds own sums / VWs
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from torch.func import functional_call
 
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
-from hetpipe.compute.optim import make_optimizer
+from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
 from hetpipe.compute.stage_compute import set_buffer, stage_buffers
 from hetpipe.core.aggregation import make_aggregation
 from hetpipe.core.config import ClusterConfig
+from hetpipe.core.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
 from hetpipe.core.schedule import BACKWARD, FORWARD, PUSH, UPDATE, WAIT, gate_of, get_schedule, needs
 from hetpipe.models import build_stage
 
@@ -48,6 +55,11 @@ class RefStage:
     saved: dict[int, tuple] = field(default_factory=dict)  # p -> (inputs, output/loss or None, stashed weights)
     covered: int = 0  # backwards since the last update
     pos: int = 0
+    lags: dict[int, Lag] = field(default_factory=dict)
+    version_lag: int | None = None  # spectrain: the lag of the current weight version's first forward
+    dc: dict[str, Tensor] | None = None  # PipeMare T2's moving average of updates
+    last_step: dict[str, Tensor] | None = None  # spectrain with plain SGD: the last update
+    last_pulled: dict[str, Tensor] = field(default_factory=dict)  # spectrain with aggregation server
 
 
 @dataclass
@@ -72,6 +84,11 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
     stashing = kind.stashing != "none" and t.weight_stashing
     recompute = t.recompute or (kind.stashing == "optional" and not t.weight_stashing)
     local = config.ps.aggregation != "server"
+    mit = t.mitigations
+    scale_lr = local and ("warmup" in mit or "pipemare" in mit)
+    predict = "spectrain" in mit and local and stashing
+    predict_pulls = "spectrain" in mit and not local
+    correct = "pipemare" in mit and local and not stashing and recompute
     rule = make_aggregation(config.ps.aggregation, t.optimizer, t.lr, t.momentum, t.weight_decay)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if t.precision == "bf16" else contextlib.nullcontext
     num_vws = len(splits)
@@ -88,8 +105,16 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
             start = sum(split[:j])
             module = build_stage(spec, start, start + split[j])
             opt = make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay) if local else None
-            stages[(v, j)] = RefStage(module, opt, list(schedule.stages[j]), {})
-            stages[(v, j)].baseline = {k: w.detach().clone() for k, w in _tracked(stages[(v, j)], local).items()}
+            st = stages[(v, j)] = RefStage(module, opt, list(schedule.stages[j]), {})
+            st.baseline = {k: w.detach().clone() for k, w in _tracked(st, local).items()}
+            st.lags = stage_lags(schedule.stages[j])
+            named = dict(module.named_parameters())
+            if correct and opt is not None:
+                st.dc = {k: torch.zeros_like(w) for k, w in named.items()}
+            if predict and t.optimizer == "sgd":
+                st.last_step = {}
+            if predict_pulls:
+                st.last_pulled = {k: w.detach().clone() for k, w in named.items()}
 
     def state_of(st: RefStage) -> dict[str, Tensor]:
         return {**dict(st.module.named_parameters()), **{k: b.float() for k, b in stage_buffers(st.module).items()}}
@@ -145,7 +170,17 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
             inputs = batch(v, a.index)[0] if j == 0 else acts.pop((v, j, a.index))
             if j > 0 and inputs.is_floating_point():
                 inputs = inputs.detach().requires_grad_(True)
-            weights = {k: w.detach().clone().requires_grad_(True) for k, w in params.items()} if stashing else None
+            weights = None
+            if stashing:
+                if st.version_lag is None:
+                    st.version_lag = st.lags[a.index].update if predict else 0
+                weights = {}
+                for i, (k, w) in enumerate(params.items()):
+                    ahead = None
+                    if st.version_lag:
+                        ahead = st.last_step.get(k) if st.last_step is not None else predicted_step(st.optimizer, i, w)
+                    copy = w.detach().clone() if ahead is None else w.detach() + ahead * float(st.version_lag)
+                    weights[k] = copy.requires_grad_(True)
             if recompute:
                 with torch.no_grad():
                     out = forward(st, inputs, weights)
@@ -158,6 +193,9 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
         elif a.kind == BACKWARD:
             inputs, root, weights = st.saved.pop(a.index)
             if root is None:  # recompute, leaving the running statistics as the first forward left them
+                lag = st.lags[a.index].backward
+                if weights is None and st.dc is not None and lag > 0:  # PipeMare T2
+                    weights = {k: (w.detach() - st.dc[k] * float(lag)).requires_grad_(True) for k, w in params.items()}
                 kept = {k: b.detach().clone() for k, b in stage_buffers(st.module).items()}
                 out = forward(st, inputs, weights)
                 for key, value in kept.items():
@@ -185,11 +223,23 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                             if w.grad is not None:
                                 w.grad = w.grad / st.covered
                     if st.optimizer is not None:
+                        if scale_lr:
+                            factor = 1.0
+                            if "warmup" in mit:
+                                factor *= warmup_lr_factor(wave, num_vws, t.warmup_waves)
+                            if "pipemare" in mit:
+                                factor *= pipemare_lr_factor(st.lags[a.index].update, wave, t.warmup_waves)
+                            set_lr(st.optimizer, t.lr * factor)
                         st.optimizer.step()
                         st.optimizer.zero_grad(set_to_none=True)
                     sums = st.sums.setdefault(wave, {})
+                    gamma = dc_gamma(max(lag.backward for lag in st.lags.values()))
                     for k, w in params.items():
                         delta = w - st.baseline[k]
+                        if st.dc is not None:
+                            st.dc[k].mul_(gamma).add_(delta, alpha=1 - gamma)
+                        if st.last_step is not None:
+                            st.last_step[k] = delta.clone()
                         sums[k] = sums[k] + delta if k in sums else delta
                         st.baseline[k].copy_(w)
                 else:
@@ -199,6 +249,7 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                             gsum[k] = gsum[k] + w.grad if k in gsum else w.grad.clone()
                         w.grad = None
             st.covered = 0
+            st.version_lag = None
         elif a.kind == PUSH:
             out: dict[str, np.ndarray] = {}
             if local:
@@ -222,8 +273,13 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                     w.copy_(torch.from_numpy(pulled[k]))
                     if local:
                         for wave in sorted(st.sums):
-                            w += st.sums[wave][k]
+                            w += st.sums[wave][k] / num_vws if "average" in mit and num_vws > 1 else st.sums[wave][k]
                         st.baseline[k].copy_(w)
+                    elif predict_pulls:  # SpecTrain with the PS's optimizer: D + 1 versions ahead of the pull
+                        now = torch.from_numpy(pulled[k]).clone()
+                        w.copy_(now + (now - st.last_pulled[k]) * float(D + 1))
+                        st.last_pulled[k] = now
+                st.version_lag = None
                 if config.ps.buffers == "average":
                     for k, b in stage_buffers(st.module).items():
                         value = torch.from_numpy(pulled[k].copy())

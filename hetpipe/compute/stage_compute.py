@@ -11,6 +11,14 @@ so runs are reproducible bit for bit:
   PUSH c:                  params: sums[c] (or gsum[c] / Nm); ledgers: sums[c]; buffers: their values
   WAIT (rebase):           t = pulled; t += sums[w] for own waves w > own_through, in wave order
                            (aggregation server: t = pulled); buffers are replaced out of place
+Mitigations (train.mitigation, hetpipe.core.mitigation; "none" leaves all of the above untouched):
+  warmup, pipemare (T1):   before U p's step: optimizer lr = lr * factor (warm-up factor x PipeMare factor)
+  pipemare (T2):           after U: dc = dc * gamma + Δ * (1 - gamma); an unstashed backward of p recomputes on
+                           w - dc * s (s: updates since F p) instead of the live w
+  spectrain:               a new weight version's stashed copy is w + step * s (step: the optimizer's predicted
+                           next step, plain SGD its last update; s: updates between F p and p's U); aggregation
+                           server: the rebase sets t = pulled + (pulled - last pulled) * (D + 1)
+  average:                 the rebase adds own parameter sums as sums[w] / VWs (ledgers whole)
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from hetpipe.compute.optim import make_optimizer
+from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
+from hetpipe.core.mitigation import Lag, dc_gamma, pipemare_lr_factor, warmup_lr_factor
 
 __all__ = ["InFlight", "StageCompute", "StageRules", "set_buffer", "stage_buffers"]
 
@@ -53,6 +62,11 @@ class StageRules:
     aggregation: str = "sum"  # sum | mean: local optimizer steps pushed as updates; server: mean gradients
     buffers: str = "average"  # average: pulls replace the buffers; local: each VW keeps its own
     precision: str = "fp32"  # fp32 | bf16 (autocast; weights, gradients and updates stay fp32)
+    mitigation: tuple[str, ...] = ()  # staleness mitigations (hetpipe.core.mitigation); () = none
+    num_vws: int = 1  # VWs of the run (warmup's starting share, average's share)
+    warmup_waves: int = 0  # warmup ramp and PipeMare T1 annealing, in waves
+    staleness: int = 0  # D (spectrain with aggregation server predicts D + 1 versions ahead)
+    lags: Mapping[int, Lag] | None = None  # per minibatch of this stage (hetpipe.core.mitigation.stage_lags)
 
 
 @dataclass
@@ -93,6 +107,18 @@ class StageCompute:
         self._stash: dict[str, Tensor] | None = None  # the current weight version's stashed copy
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         self._autocast = torch.autocast(device.type, dtype=torch.bfloat16) if rules.precision == "bf16" else None
+        self.base_lr = lr
+        mit = rules.mitigation
+        self._lags = dict(rules.lags or {})
+        self._scale_lr = self.optimizer is not None and ("warmup" in mit or "pipemare" in mit)
+        self._predict = "spectrain" in mit and self.optimizer is not None and rules.stashing
+        self._last_step: dict[str, Tensor] | None = {} if self._predict and optimizer_name == "sgd" else None
+        self._predict_pulls = "spectrain" in mit and self.optimizer is None
+        self._last_pulled: dict[str, Tensor] = {}  # spectrain, aggregation server: the weights last pulled
+        dc = "pipemare" in mit and self.optimizer is not None and not rules.stashing and rules.recompute
+        self._dc = {k: torch.zeros_like(t) for k, t in self.params.items()} if dc else None
+        self._dc_gamma = dc_gamma(max((lag.backward for lag in self._lags.values()), default=0))
+        self._average = rules.num_vws if "average" in mit and rules.num_vws > 1 else 0
 
     # ---- keys -------------------------------------------------------------------------------------
     def kinds(self) -> dict[str, str]:
@@ -111,6 +137,8 @@ class StageCompute:
             t.copy_(values[key])
         self._replace_buffers(values)
         self.baseline = {k: t.detach().clone() for k, t in self.tracked.items()}
+        if self._predict_pulls:
+            self._last_pulled = {k: t.detach().clone() for k, t in self.params.items()}
         self._stash = None
 
     def _replace_buffers(self, values: Mapping[str, Tensor]) -> None:
@@ -126,13 +154,36 @@ class StageCompute:
     def _compute(self) -> contextlib.AbstractContextManager:
         return self._autocast if self._autocast is not None else contextlib.nullcontext()
 
-    def _weights(self) -> dict[str, Tensor] | None:
-        """The stashed copy of the current weight version (made at its first forward), or None (live)."""
+    def _weights(self, p: int) -> dict[str, Tensor] | None:
+        """The stashed copy of the current weight version (made at its first forward, p), or None (live)."""
         if not self.rules.stashing:
             return None
         if self._stash is None:
-            self._stash = {k: w.detach().clone().requires_grad_(w.requires_grad) for k, w in self.params.items()}
+            lag = self._lags[p].update if self._predict and p in self._lags else 0
+            self._stash = {k: self._predicted(i, k, w, lag).requires_grad_(w.requires_grad)
+                           for i, (k, w) in enumerate(self.params.items())}
         return self._stash
+
+    def _predicted(self, index: int, key: str, w: Tensor, lag: int) -> Tensor:
+        """spectrain: w + step * lag, the weights `lag` updates ahead; a plain copy without a prediction."""
+        if lag == 0:
+            return w.detach().clone()
+        step = predicted_step(self.optimizer, index, w) if self._last_step is None else self._last_step.get(key)
+        return w.detach().clone() if step is None else w.detach() + step * float(lag)
+
+    def _corrected(self, p: int) -> dict[str, Tensor] | None:
+        """PipeMare T2: the live weights moved back by s updates of their moving average, for an unstashed
+        backward of p that s updates came before; None when nothing moved."""
+        s = self._lags[p].backward if self._dc is not None and p in self._lags else 0
+        if s == 0:
+            return None
+        return {k: (w.detach() - self._dc[k] * float(s)).requires_grad_(w.requires_grad) for k, w in self.params.items()}
+
+    def _recompute(self, p: int, flight: InFlight) -> None:
+        if flight.weights is None:
+            flight.weights = self._corrected(p)
+        with self._buffers_kept():
+            flight.output = self._run(flight.weights, flight.inputs)
 
     def _run(self, weights: dict[str, Tensor] | None, inputs: Tensor) -> Tensor:
         with self._compute():
@@ -146,7 +197,7 @@ class StageCompute:
         backward must produce the gradient w.r.t. the input (every stage but the first)."""
         if input_grad and inputs.is_floating_point():
             inputs = inputs.detach().requires_grad_(True)
-        weights = self._weights()
+        weights = self._weights(p)
         if self.rules.recompute:
             with torch.no_grad():
                 output = self._run(weights, inputs)
@@ -173,8 +224,7 @@ class StageCompute:
         the loss or None)."""
         flight = self.in_flight.pop(p)
         if flight.output is None:  # recompute the forward, on the weights it ran on (or today's, unstashed)
-            with self._buffers_kept():
-                flight.output = self._run(flight.weights, flight.inputs)
+            self._recompute(p, flight)
             if target is not None:
                 flight.loss = loss_fn(flight.output, target)
         weights = flight.weights if flight.weights is not None else self.params
@@ -201,8 +251,7 @@ class StageCompute:
         the backward then reuses it)."""
         flight = self.in_flight[p]
         if flight.output is None:
-            with self._buffers_kept():
-                flight.output = self._run(flight.weights, flight.inputs)
+            self._recompute(p, flight)
         if flight.loss is None:
             flight.loss = loss_fn(flight.output, target)
         return float(flight.loss.detach())  # a float of a tensor that requires grad warns (UserWarning)
@@ -218,6 +267,8 @@ class StageCompute:
         covered, count = self.pending, len(self.pending)
         wave = self.wave_of(p)
         if self.optimizer is not None:
+            if self._scale_lr:
+                set_lr(self.optimizer, self.base_lr * self._lr_factor(p))
             for key, param in self.params.items():
                 g = self.acc.get(key)
                 param.grad = None if g is None else (g.div_(count) if count > 1 else g)  # acc is ours: in place
@@ -236,11 +287,25 @@ class StageCompute:
         self._record_update(wave)
         self._stash = None
 
+    def _lr_factor(self, p: int) -> float:
+        """warmup x PipeMare T1 for the update of minibatch p (hetpipe.core.mitigation)."""
+        wave, rules = self.wave_of(p), self.rules
+        factor = 1.0
+        if "warmup" in rules.mitigation:
+            factor *= warmup_lr_factor(wave, rules.num_vws, rules.warmup_waves)
+        if "pipemare" in rules.mitigation:
+            factor *= pipemare_lr_factor(self._lags[p].update, wave, rules.warmup_waves)
+        return factor
+
     @torch.no_grad()
     def _record_update(self, wave: int) -> None:
         sums = self.sums.setdefault(wave, {})
         for key, t in self.tracked.items():
             delta = t - self.baseline[key]
+            if self._dc is not None and key in self._dc:
+                self._dc[key].mul_(self._dc_gamma).add_(delta, alpha=1 - self._dc_gamma)
+            if self._last_step is not None and key in self.params:
+                self._last_step[key] = delta.clone()
             if key in sums:
                 sums[key] += delta
             else:
@@ -274,12 +339,19 @@ class StageCompute:
         self.forget(own_through)
         for key, t in self.tracked.items():
             t.copy_(pulled[key])
+            share = self._average if key in self.params else 0
             for wave in sorted(self.sums):
-                t += self.sums[wave][key]
+                t += self.sums[wave][key] / share if share else self.sums[wave][key]
             self.baseline[key].copy_(t)
         if self.optimizer is None:
+            ahead = float(self.rules.staleness + 1)
             for key, t in self.params.items():
-                t.copy_(pulled[key])
+                if self._predict_pulls:
+                    now = pulled[key].to(t.device, copy=True)
+                    t.copy_(now + (now - self._last_pulled[key]) * ahead)
+                    self._last_pulled[key] = now
+                else:
+                    t.copy_(pulled[key])
         if self.rules.buffers == "average":
             self._replace_buffers(pulled)
         self._stash = None

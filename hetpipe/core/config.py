@@ -7,14 +7,15 @@ import math
 import re
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, NoReturn, get_args
 
 import msgpack
 
 from hetpipe.core.aggregation import AGGREGATIONS
-from hetpipe.core.errors import ConfigError, did_you_mean
+from hetpipe.core.errors import ConfigError, UsageError, did_you_mean
+from hetpipe.core.mitigation import mitigation_conflicts, parse_mitigation
 from hetpipe.core.schedule import SCHEDULES
 
 __all__ = [
@@ -247,6 +248,13 @@ class TrainConfig:
     eval_samples: int = 4096  # held-out samples an evaluation scores (0: all of them)
     out_dir: str = "runs/local"
     on_nan: OnNan = "stop"  # a NaN or inf loss: "stop" the run naming stage and wave, or "skip" the minibatch
+    mitigation: str = "none"  # staleness mitigations, "+"-joined (hetpipe.core.mitigation, docs/convergence.md)
+    warmup_waves: int = 10  # waves of the "warmup" ramp and of PipeMare's learning-rate annealing
+
+    @property
+    def mitigations(self) -> tuple[str, ...]:
+        """The mitigations in canonical order; () for "none"."""
+        return parse_mitigation(self.mitigation)
 
 
 @dataclass(frozen=True)
@@ -365,6 +373,7 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
     "train": (
         "batch_size", "waves", "optimizer", "lr", "momentum", "weight_decay",
         "weight_stashing", "schedule", "recompute", "precision", "eval_every", "eval_samples", "out_dir", "on_nan",
+        "mitigation", "warmup_waves",
     ),
     "emulation": ("enabled", "time_scale", "link_bandwidth", "device"),
     "allocation": ("policy",),
@@ -546,6 +555,10 @@ def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = No
     emulation = _emulation(sections["emulation"])
     allocation = _allocation(sections["allocation"], listed=bool(data.get("virtual_workers")))
     virtual_workers = _virtual_workers(top, allocation, nodes)
+    for what, fix in mitigation_conflicts(train.mitigations, aggregation=ps.aggregation,
+                                          schedule_stashing=SCHEDULES[train.schedule].stashing,
+                                          weight_stashing=train.weight_stashing):
+        sections["train"].fail("mitigation", what, fix)
     return ClusterConfig(
         path=path, name=name, seed=seed, gpu_types=gpu_types, nodes=nodes, network=network, ps=ps,
         wsp=wsp, checkpoint=checkpoint, model=model, data=data_config, train=train, emulation=emulation,
@@ -699,7 +712,13 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         eval_samples=t.integer("eval_samples", d.eval_samples, ge=0),
         out_dir=t.string("out_dir", f"runs/{run_name}", nonempty=True),
         on_nan=t.choice("on_nan", d.on_nan, get_args(OnNan)),
+        mitigation=t.string("mitigation", d.mitigation, nonempty=True),
+        warmup_waves=t.integer("warmup_waves", d.warmup_waves, ge=0),
     )
+    try:
+        train = replace(train, mitigation="+".join(train.mitigations) or "none")
+    except UsageError as exc:
+        t.fail("mitigation", f"cannot read {_show(train.mitigation)}", str(exc))
     kind = SCHEDULES[train.schedule]
     if kind.stashing == "required" and not train.weight_stashing:
         t.fail("weight_stashing", f'is false, but schedule "{train.schedule}" keeps two weight versions by design',

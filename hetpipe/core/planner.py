@@ -88,6 +88,10 @@ class Candidate:
     comm_share: float = 0.0  # baselines: share of the step spent synchronising
     run_samples_per_s: float = 0.0  # WSP: all samples / makespan of the simulated run (fill and drain included)
     schedule: str | None = None  # the pipeline schedule of a hetpipe candidate
+    # Samples to the convergence calibration's target (hetpipe.core.convergence.attach_samples): None when not
+    # known or not reached; `samples_source` says where the number comes from ("" when no calibration was given).
+    samples_to_target: float | None = None
+    samples_source: str = ""
 
     @property
     def feasible(self) -> bool:
@@ -107,6 +111,13 @@ class Candidate:
     @property
     def gpus_used(self) -> int:
         return len(self.memory)
+
+    @property
+    def time_to_target_s(self) -> float | None:
+        """Predicted seconds to the calibration's target: samples to target / samples/s (None when unknown)."""
+        if self.samples_to_target is None or not self.samples_per_s > 0:
+            return None
+        return self.samples_to_target / self.samples_per_s
 
     @property
     def peak(self) -> GpuUse | None:
@@ -263,9 +274,11 @@ def plan_candidates(
 
 
 def best(candidates: Sequence[Candidate]) -> Candidate:
-    """The runnable candidate with the highest predicted samples/s; but a larger D costs convergence (staler
-    weights), so among those within D_TOLERANCE of the highest the smallest D wins (then the higher rate,
-    then the one listed first).
+    """The runnable candidate with the shortest predicted time to target when the candidates carry samples to
+    target (a convergence calibration, hetpipe.core.convergence): samples to target / samples/s, ties to the
+    smaller D, then the one listed first. Without one, the highest predicted samples/s; but a larger D costs
+    convergence (staler weights), so among those within D_TOLERANCE of the highest the smallest D wins (then the
+    higher rate, then the one listed first).
 
     Baselines are not runnable by hetpipe, so they never win here; `explain` says when one predicts more.
     UsageError when nothing is runnable, with every reason.
@@ -275,6 +288,9 @@ def best(candidates: Sequence[Candidate]) -> Candidate:
         reasons = "\n".join(f"  {c.label}: {c.reason}" for c in candidates if c.reason)
         raise UsageError(f"no plan fits this cluster:\n{reasons}\n  lower batch_size, use a smaller model, "
                          "or add GPUs with more memory")
+    timed = [c for c in runnable if c.time_to_target_s is not None]
+    if timed:
+        return min(timed, key=lambda c: (c.time_to_target_s, c.staleness or 0, candidates.index(c)))
     top = max(c.samples_per_s for c in runnable)
     close = [c for c in runnable if c.samples_per_s >= top * (1 - D_TOLERANCE)]
     return min(close, key=lambda c: (c.staleness or 0, -c.samples_per_s, candidates.index(c)))
@@ -568,6 +584,9 @@ def format_table(candidates: Sequence[Candidate]) -> str:
         top = None
     header = ("", "policy", "schedule", "D", "Nm", "VWs", "GPUs", "layers per stage", "samples/s",
               "peak memory (fullest GPU)", "bottleneck")
+    converge = any(c.samples_source for c in candidates)
+    if converge:
+        header = (*header[:9], "samples to target", "s to target", *header[9:])
     rows = []
     for c in candidates:
         peak = c.peak
@@ -582,9 +601,13 @@ def format_table(candidates: Sequence[Candidate]) -> str:
         else:
             vws, splits = "-", "-"
         rate = f"{c.samples_per_s:.4g}" if c.feasible else "infeasible"
-        rows.append(("*" if c is top else "", c.policy, c.schedule or "-", "-" if c.staleness is None else str(c.staleness),
-                     "-" if c.nm is None else str(c.nm), vws, str(c.gpus_used) if c.feasible else "-", splits, rate,
-                     memory, c.bottleneck if c.feasible else c.reason.split("\n")[0]))
+        row = ("*" if c is top else "", c.policy, c.schedule or "-", "-" if c.staleness is None else str(c.staleness),
+               "-" if c.nm is None else str(c.nm), vws, str(c.gpus_used) if c.feasible else "-", splits, rate,
+               memory, c.bottleneck if c.feasible else c.reason.split("\n")[0])
+        if converge:
+            row = (*row[:9], _samples_text(c), "-" if c.time_to_target_s is None else f"{c.time_to_target_s:.4g}",
+                   *row[9:])
+        rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
              for row in [header, *rows]]
@@ -606,11 +629,31 @@ def format_plan(candidate: Candidate) -> str:
     return "\n".join(lines)
 
 
+def _samples_text(c: Candidate) -> str:
+    """"41,000 (fitted)" / "- (not reached)" / "-"."""
+    if not c.samples_source:
+        return "-"
+    value = "-" if c.samples_to_target is None else f"{c.samples_to_target:,.0f}"
+    return f"{value} ({c.samples_source})"
+
+
+def _target_text(c: Candidate, top: Candidate | None = None) -> str:
+    """Both factors of the predicted time to target, for explain: samples to target and the time they take."""
+    if not c.samples_source:
+        return ""
+    if c.time_to_target_s is None:
+        return f"; samples to target {_samples_text(c)}: no time to target"
+    share = (f", {c.time_to_target_s / top.time_to_target_s:.2f}x the best's"
+             if top is not None and top.time_to_target_s else "")
+    return f"; {_samples_text(c)} samples to target -> {c.time_to_target_s:.4g} s predicted{share}"
+
+
 def explain(candidates: Sequence[Candidate]) -> str:
-    """Why each candidate lost to the best: infeasible, slower VWs, gate waits, the PS, transfers, fewer GPUs."""
+    """Why each candidate lost to the best: infeasible, slower VWs, gate waits, the PS, transfers, fewer GPUs;
+    with a convergence calibration, both factors of every candidate's predicted time to target."""
     top = best(candidates)
-    lines = [f"best: {top.label}, nm={top.nm}, {top.samples_per_s:.4g} samples/s on {top.gpus_used} GPUs; "
-             f"bottleneck {top.bottleneck}", f"    memory per GPU: {_memory_per_gpu(top)}"]
+    lines = [f"best: {top.label}, nm={top.nm}, {top.samples_per_s:.4g} samples/s on {top.gpus_used} GPUs"
+             f"{_target_text(top)}; bottleneck {top.bottleneck}", f"    memory per GPU: {_memory_per_gpu(top)}"]
     for c in candidates:
         if c is top:
             continue
@@ -618,7 +661,7 @@ def explain(candidates: Sequence[Candidate]) -> str:
             lines.append(f"{c.label}: cannot run: {c.reason}")
             continue
         share = c.samples_per_s / top.samples_per_s if top.samples_per_s else 0.0
-        head = f"{c.label}: {c.samples_per_s:.4g} samples/s ({share:.0%} of the best)"
+        head = f"{c.label}: {c.samples_per_s:.4g} samples/s ({share:.0%} of the best){_target_text(c, top)}"
         lines.append(f"{head}: {'; '.join(_why(c, top)) or 'the same prediction; the best is listed first'}")
         lines.append(f"    memory per GPU: {_memory_per_gpu(c)}")
         lines += [f"    note: {note}" for note in c.notes]
@@ -634,7 +677,13 @@ def _why(c: Candidate, top: Candidate) -> list[str]:
     why = []
     if c.gpus_used < top.gpus_used:
         why.append(f"uses {c.gpus_used} GPUs, not {top.gpus_used}")
-    if c.plan is None and c.samples_per_s > top.samples_per_s:
+    if (c.time_to_target_s is not None and top.time_to_target_s is not None and top.samples_to_target
+            and c.samples_per_s >= top.samples_per_s):
+        why.append(f"more samples/s than the best, but {c.samples_to_target / top.samples_to_target:.2f}x its samples "
+                   "to target")
+    if c.plan is None and (c.samples_per_s > top.samples_per_s or (
+            c.time_to_target_s is not None and top.time_to_target_s is not None
+            and c.time_to_target_s < top.time_to_target_s)):
         why.append("predicts more than the best, but hetpipe does not run it: it is shown for comparison")
     if c.policy == ALLREDUCE:
         why.append(f"every step waits for the slowest replica ({c.bottleneck}); "
@@ -689,7 +738,8 @@ def candidates_json(candidates: Sequence[Candidate], inputs: Mapping[str, Any] |
             "runnable": c.runnable, "samples_per_s": c.samples_per_s, "gpus_used": c.gpus_used,
             "bottleneck": c.bottleneck, "reason": c.reason, "notes": list(c.notes),
             "gate_wait_share": c.gate_wait_share, "ps_utilisation": c.ps_utilisation, "comm_share": c.comm_share,
-            "run_samples_per_s": c.run_samples_per_s, "schedule": c.schedule,
+            "run_samples_per_s": c.run_samples_per_s, "schedule": c.schedule, "samples_to_target": c.samples_to_target,
+            "samples_source": c.samples_source, "time_to_target_s": c.time_to_target_s,
             "memory": [dataclasses.asdict(u) for u in c.memory],
             "plan": dataclasses.asdict(c.plan) if c.plan is not None else None,
         })

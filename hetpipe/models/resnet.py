@@ -70,11 +70,11 @@ class Bottleneck(nn.Module):
         return torch.relu(self.body(x) + self.shortcut(x))
 
 
-def _stem(in_channels: int, small: bool) -> nn.Module:
+def _stem(in_channels: int, small: bool, width: int = 64) -> nn.Module:
     if small:  # CIFAR-style: keep resolution for 28x28 / 32x32 inputs
-        stem = nn.Sequential(*_conv_bn(in_channels, 64, 3), nn.ReLU(inplace=True))
+        stem = nn.Sequential(*_conv_bn(in_channels, width, 3), nn.ReLU(inplace=True))
     else:      # ImageNet-style: 7x7 stride 2, then 3x3 max-pool stride 2
-        stem = nn.Sequential(*_conv_bn(in_channels, 64, 7, 2), nn.ReLU(inplace=True),
+        stem = nn.Sequential(*_conv_bn(in_channels, width, 7, 2), nn.ReLU(inplace=True),
                              nn.MaxPool2d(3, 2, padding=1))
     _init(stem)
     return stem
@@ -85,20 +85,23 @@ def _head(features: int, num_classes: int) -> nn.Module:
 
 
 def resnet(depth: int, *, seed: int = 0, num_classes: int = 1000, in_channels: int = 3,
-           image_size: int = 224, small_stem: bool | None = None) -> ModelSpec:
-    """ResNet of the given depth; small_stem (default: image_size < 100) drops the stem's downsampling."""
+           image_size: int = 224, small_stem: bool | None = None, width: int = 64) -> ModelSpec:
+    """ResNet of the given depth; small_stem (default: image_size < 100) drops the stem's downsampling; `width`:
+    the stem's and first group's channels (64 in the paper; the groups double it), e.g. 8 for a small model."""
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise UsageError(f"resnet option width must be an integer >= 1 (64 in the paper), got {width!r}")
     if depth not in RESNET_DEPTHS:
         raise UsageError(f"no ResNet-{depth}; known depths: {', '.join(map(str, RESNET_DEPTHS))}")
     kind, counts = RESNET_DEPTHS[depth]
     block = BasicBlock if kind == "basic" else Bottleneck
     small = image_size < 100 if small_stem is None else small_stem
-    names, factories, c_in = ["stem"], [partial(_stem, in_channels, small)], 64
-    for g, (width, count) in enumerate(zip(_WIDTHS, counts, strict=True)):
+    names, factories, c_in = ["stem"], [partial(_stem, in_channels, small, width)], width
+    for g, (group_width, count) in enumerate(zip(_WIDTHS, counts, strict=True)):
         for b in range(count):
             stride = 2 if g > 0 and b == 0 else 1
             names.append(f"layer{g + 1}.{b}")
-            factories.append(partial(block, c_in, width, stride))
-            c_in = width * block.expansion
+            factories.append(partial(block, c_in, group_width * width // 64, stride))
+            c_in = group_width * width // 64 * block.expansion
     names.append("head")
     factories.append(partial(_head, c_in, num_classes))
     return ModelSpec(f"resnet{depth}", tuple(names), tuple(factories), (in_channels, image_size, image_size),

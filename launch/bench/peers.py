@@ -326,7 +326,7 @@ def _ddp_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
             snapshots.append((ends[-1], step + 1, {k: v.detach().clone() for k, v in model.module.state_dict().items()}))
         if job.deadline_s and _stop_all(job.rank == 0 and ends[-1] - start >= job.deadline_s):
             break
-    evals = _score(spec, snapshots, data) if snapshots else []
+    evals = _score(spec, snapshots, data, config.train.eval_samples) if snapshots else []
     report({"rank": job.rank, "ends": ends, "start": start, "losses": losses, "evals": evals,
             "compute_s": dilator.compute_s, "slept_s": dilator.slept_s})
     dist.destroy_process_group()
@@ -339,11 +339,14 @@ def _stop_all(stop: bool) -> bool:
     return bool(flag.item())
 
 
-def _score(spec: Any, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]], data: Any) -> list[dict[str, Any]]:
-    """Test metrics of each kept weight version, after training (not timed)."""
+def _score(spec: Any, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]], data: Any,
+           max_samples: int = 0) -> list[dict[str, Any]]:
+    """Test metrics of each kept weight version on the first `max_samples` held-out samples (0: all; hetpipe's
+    train.eval_samples, as its own scores use), after training (not timed)."""
     from hetpipe.compute.evaluate import evaluate
 
-    return [{"t": t, "step": step, **evaluate(spec, state, data)} for t, step, state in snapshots]
+    return [{"t": t, "step": step, **evaluate(spec, state, data, max_samples=max_samples)}
+            for t, step, state in snapshots]
 
 
 def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
@@ -367,7 +370,7 @@ def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     schedule = schedule_cls(stage, job.n_micro, loss_fn=loss_fn)
     optimizer = _optimizer(config, list(module.parameters()), job.lr)
     indices = datalib.shard_indices(len(data.train.y), 1, 0, config.seed)
-    ends, losses = [], []
+    ends, losses, snapshots = [], [], []
     dist.barrier()
     start = time.time()
     for step in range(job.steps):
@@ -385,7 +388,11 @@ def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
         ends.append(time.time())
         if step_losses:
             losses.append(float(torch.stack(step_losses).detach().mean()))
-    report({"rank": job.rank, "ends": ends, "start": start, "losses": losses,
+        if job.snapshot_every and (step + 1) % job.snapshot_every == 0:  # this stage's part, merged by the parent
+            snapshots.append((ends[-1], step + 1, {k: v.detach().clone() for k, v in module.state_dict().items()}))
+        if job.deadline_s and _stop_all(job.rank == 0 and ends[-1] - start >= job.deadline_s):
+            break
+    report({"rank": job.rank, "ends": ends, "start": start, "losses": losses, "snapshots": snapshots,
             "compute_s": dilator.compute_s, "slept_s": dilator.slept_s})
     dist.barrier()
     dist.destroy_process_group()
@@ -498,8 +505,11 @@ def run_ddp(config: ClusterConfig, members: Sequence[Device], batch: int, steps:
 
 def run_pipeline(config: ClusterConfig, layout: PipelineLayout, microbatch: int, n_micro: int, steps: int,
                  log_dir: Path, *, schedule: str = "1f1b", timeout_s: float = 900.0,
-                 testbed: Topology | None = None) -> PeerRun:
-    """One torch.distributed.pipelining pipeline: `steps` minibatches of n_micro x microbatch, flushed each.
+                 testbed: Topology | None = None, snapshot_every: int = 0, lr: float | None = None,
+                 deadline_s: float = 0.0) -> PeerRun:
+    """One torch.distributed.pipelining pipeline: `steps` minibatches of n_micro x microbatch, flushed each
+    (fewer when deadline_s > 0 runs out first). With snapshot_every, every stage keeps its weights every that many
+    steps and the parent scores the merged model after the run (a snapshot's time: its last stage's step end).
     With a testbed, each stage runs in its GPU's node's namespace."""
     k = len(layout.gpus)
     if schedule == "1f1b" and n_micro < k:
@@ -507,10 +517,27 @@ def run_pipeline(config: ClusterConfig, layout: PipelineLayout, microbatch: int,
                          f"use n_micro >= {k} or schedule gpipe")
     port = free_port()
     jobs = [_Job("pipeline", pack_config(config), r, k, port, d.slowdown, microbatch, steps, n_micro=n_micro,
-                 split=layout.split, schedule=schedule) for r, d in enumerate(layout.gpus)]
+                 split=layout.split, schedule=schedule, snapshot_every=snapshot_every, lr=lr, deadline_s=deadline_s)
+            for r, d in enumerate(layout.gpus)]
     reports = _run(_placed(jobs, layout.gpus, testbed), log_dir, timeout_s)
-    setting = {"schedule": schedule, "microbatch": microbatch, "n_micro": n_micro, "split": list(layout.split)}
-    return _peer_run("pipeline", setting, list(layout.gpus), microbatch * n_micro, reports, k - 1)
+    setting = {"schedule": schedule, "microbatch": microbatch, "n_micro": n_micro, "split": list(layout.split),
+               "lr": lr if lr is not None else config.train.lr}
+    run = _peer_run("pipeline", setting, list(layout.gpus), microbatch * n_micro, reports, k - 1)
+    if snapshot_every:
+        run.evals = _score(model_of(config), _merged_snapshots(reports), dataset_of(config), config.train.eval_samples)
+    return run
+
+
+def _merged_snapshots(reports: Sequence[Mapping[str, Any]]) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
+    """The whole model at each step every stage kept, its time the latest stage's end of that step."""
+    by_step: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
+    counts: dict[int, int] = {}
+    for report in reports:
+        for t, step, state in report.get("snapshots", []):
+            old_t, merged = by_step.get(step, (0.0, {}))
+            by_step[step] = (max(old_t, t), {**merged, **state})
+            counts[step] = counts.get(step, 0) + 1
+    return [(t, step, state) for step, (t, state) in sorted(by_step.items()) if counts[step] == len(reports)]
 
 
 def run_solo(config: ClusterConfig, batch: int, steps: int, log_dir: Path, *, slowdown: float = 1.0,

@@ -88,6 +88,7 @@ class HetpipeSetup:
     staleness: int
     source: str
     predicted: float | None
+    schedule: str | None = None  # the plan's schedule (None: the config's)
 
     @property
     def layouts(self) -> tuple[VwLayout, ...]:
@@ -139,8 +140,9 @@ def hetpipe_config(config: ClusterConfig, setup: HetpipeSetup, waves: int, run_d
                    extra: Sequence[str] = ()) -> ClusterConfig:
     """The config that runs `setup`'s Nm and D for `waves` waves, through --set overrides alone (no
     checkpoints unless `extra` asks); its VWs and splits go to the launcher as layouts (setup.layouts)."""
+    schedule = [f'train.schedule="{setup.schedule}"'] if setup.schedule else []
     return apply_overrides(config, [f"wsp.nm={setup.nm}", f"wsp.staleness={setup.staleness}", f"train.waves={waves}",
-                                    f"train.out_dir={json.dumps(str(run_dir))}", 'checkpoint.dir=""', *extra])
+                                    f"train.out_dir={json.dumps(str(run_dir))}", 'checkpoint.dir=""', *schedule, *extra])
 
 
 def trace_streams(run_dir: Path) -> dict[int, list[float]]:

@@ -1,0 +1,457 @@
+"""Samples to a target by training setting (docs/convergence.md): the settings the staleness study measures in the
+single-process reference (launch/bench/staleness.py), the calibration file it writes beside the shipped profiles,
+and the model the planner asks: `samples_to_target(calibration, setting)`, measured where the calibration has the
+setting and from a fitted model elsewhere. Pure: no torch, no I/O beyond reading and writing calibration JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hetpipe.core.aggregation import AGGREGATIONS
+from hetpipe.core.errors import UsageError
+from hetpipe.core.mitigation import format_mitigation, parse_mitigation
+from hetpipe.core.schedule import SCHEDULES
+
+__all__ = [
+    "CALIBRATION_VERSION",
+    "Calibration",
+    "ConvergenceModel",
+    "Measurement",
+    "Setting",
+    "attach_samples",
+    "calibration_name",
+    "canonical",
+    "describe_fit",
+    "lr_of",
+    "find_calibration",
+    "fit_model",
+    "median_samples",
+    "mitigation_ratio",
+    "parse_setting",
+    "parse_settings",
+    "rules_of",
+    "samples_to_target",
+    "setting_of",
+]
+
+CALIBRATION_VERSION = 1
+_SHAPE = re.compile(r"^(\d+)x(\d+)/(\d+)$")
+_D = re.compile(r"^D(\d+)$")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to train, as far as samples to a target go: VWs x Nm / stages per VW, the schedule, the PS's
+    aggregation, the mitigations and D. Written `2x4/3:1f1b-flush:mean:spectrain:D0` (label)."""
+
+    vws: int
+    nm: int
+    stages: int
+    schedule: str = "wsp"
+    aggregation: str = "sum"
+    mitigation: tuple[str, ...] = ()
+    staleness: int = 0
+
+    @property
+    def label(self) -> str:
+        return (f"{self.vws}x{self.nm}/{self.stages}:{self.schedule}:{self.aggregation}:"
+                f"{format_mitigation(self.mitigation)}:D{self.staleness}")
+
+    @property
+    def sequential(self) -> bool:
+        """One VW, one minibatch at a time, its own optimizer: plain sequential training whatever the schedule says
+        (with aggregation "server" each step waits D + 1 waves for the PS: not sequential)."""
+        return self.vws == 1 and self.nm == 1 and self.aggregation != "server"
+
+    def overrides(self) -> list[str]:
+        """The `--set` overrides that train this setting (stages and VWs are the reference's splits)."""
+        return [f"wsp.nm={self.nm}", f"wsp.staleness={self.staleness}", f'train.schedule="{self.schedule}"',
+                f'ps.aggregation="{self.aggregation}"', f'train.mitigation="{format_mitigation(self.mitigation)}"']
+
+
+def canonical(setting: Setting) -> Setting:
+    """The simplest setting that trains bit for bit the same weights (docs/convergence.md#where-samples-go):
+    - one VW, Nm 1, its own optimizer: sequential training (every schedule and mitigation reduces to it);
+    - gpipe is 1f1b-flush (the same gradient accumulation); flushes do not depend on the number of stages, and
+      their mitigations that act on local lag (spectrain, pipemare) have none to act on;
+    - aggregation "server": the VWs' weights move only at pulls, so schedule and stages do not matter (weights
+      stashed): 1f1b-flush on 1 stage;
+    - one VW with local optimizers skips every pull: D, mean vs sum, warmup and average do nothing.
+    """
+    s = setting
+    if s.sequential:
+        return Setting(1, 1, 1)
+    if s.schedule == "gpipe" or s.aggregation == "server":
+        s = replace(s, schedule="1f1b-flush")
+    if s.schedule == "1f1b-flush":
+        lagless = ("spectrain", "pipemare") if s.aggregation != "server" else ("pipemare",)
+        s = replace(s, stages=1, mitigation=tuple(m for m in s.mitigation if m not in lagless))
+    if s.vws == 1 and s.aggregation != "server":
+        s = replace(s, aggregation="sum", staleness=0,
+                    mitigation=tuple(m for m in s.mitigation if m not in ("warmup", "average")))
+    return s
+
+
+def parse_setting(text: str, defaults: Setting | None = None) -> Setting:
+    """ "2x4/3" with optional ":"-separated parts in any order: a schedule name, an aggregation (sum, mean,
+    server), a mitigation ("none", "spectrain", "pipemare+warmup", ...), D<n>. Parts not given come from
+    `defaults` (its VWs, Nm and stages are ignored)."""
+    base = defaults or Setting(1, 1, 1)
+    shape, *parts = [p.strip() for p in text.strip().split(":")]
+    match = _SHAPE.match(shape)
+    if not match or min(int(g) for g in match.groups()) < 1:
+        raise UsageError(f"setting {text!r}: write VWSxNM/STAGES with positive integers, then optional "
+                         ":SCHEDULE :AGGREGATION :MITIGATION :D<n>, e.g. 2x4/3:1f1b-flush:mean:D0")
+    vws, nm, stages = (int(g) for g in match.groups())
+    out = replace(base, vws=vws, nm=nm, stages=stages)
+    for part in parts:
+        if part in SCHEDULES:
+            out = replace(out, schedule=part)
+        elif part in AGGREGATIONS:
+            out = replace(out, aggregation=part)
+        elif _D.match(part):
+            out = replace(out, staleness=int(part[1:]))
+        else:
+            try:
+                out = replace(out, mitigation=parse_mitigation(part))
+            except UsageError as exc:
+                raise UsageError(f"setting {text!r}: {part!r} is no schedule ({', '.join(SCHEDULES)}), aggregation "
+                                 f"({', '.join(AGGREGATIONS)}), D<n> or mitigation: {exc}") from None
+    return out
+
+
+def parse_settings(text: str, defaults: Setting | None = None) -> list[Setting]:
+    """A comma list of parse_setting's forms."""
+    return [parse_setting(item, defaults) for item in text.split(",") if item.strip()]
+
+
+def median_samples(samples: Sequence[float | None]) -> float | None:
+    """Median over seeds with a seed that never reached the target counted as infinitely many samples; None when
+    the median itself did not reach it."""
+    if not samples:
+        return None
+    value = statistics.median(math.inf if s is None else float(s) for s in samples)
+    return None if math.isinf(value) else value
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A setting measured over seeds at its learning rate `lr` (the one of the calibration's grid that needed the
+    fewest samples for the first seed, `sweep`): samples to the target per seed (None: not within `budget`)."""
+
+    setting: Setting
+    samples: tuple[float | None, ...]
+    best: tuple[float | None, ...] = ()  # per seed, the best metric reached (None: the seed was not run)
+    budget: int = 0  # samples each seed trained at most
+    lr: float = 0.0
+    sweep: tuple[tuple[float, float | None], ...] = ()  # (lr, samples of the first seed; None: not reached / beaten)
+
+    @property
+    def median(self) -> float | None:
+        return median_samples(self.samples)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"setting": self.setting.label, "lr": self.lr, "samples": list(self.samples), "median": self.median,
+                "best": list(self.best), "budget": self.budget, "sweep": [list(p) for p in self.sweep]}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Measurement:
+        return cls(parse_setting(doc["setting"]), tuple(doc["samples"]), tuple(doc.get("best", ())),
+                   int(doc.get("budget", 0)), float(doc.get("lr", 0.0)),
+                   tuple((float(a), b) for a, b in doc.get("sweep", ())))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the staleness study measured for one model variant, batch and optimizer: each setting at its best
+    learning rate of the grid `lrs`."""
+
+    model: str
+    options_digest: str  # hetpipe.compute.profiler.options_digest of the model's options
+    batch_size: int
+    optimizer: str
+    lrs: tuple[float, ...]
+    metric: str  # "test_accuracy" (higher is better) or "val_loss"
+    target: float
+    seeds: tuple[int, ...]
+    measurements: tuple[Measurement, ...]
+    command: str = ""  # how it was measured
+    notes: tuple[str, ...] = ()
+
+    @property
+    def sequential(self) -> Measurement | None:
+        """The plain sequential run (1 VW, Nm 1): the unit of every samples factor."""
+        return next((m for m in self.measurements if m.setting.sequential), None)
+
+    def find(self, setting: Setting) -> Measurement | None:
+        """The measurement of `setting` or of a setting that trains the same weights (canonical)."""
+        want = canonical(setting)
+        return next((m for m in self.measurements if canonical(m.setting) == want), None)
+
+    def to_json(self) -> str:
+        doc = {"version": CALIBRATION_VERSION, **{k: v for k, v in asdict(self).items() if k != "measurements"},
+               "measurements": [m.to_json() for m in self.measurements]}
+        return json.dumps(doc, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        doc = json.loads(text)
+        if doc.get("version") != CALIBRATION_VERSION:
+            raise ValueError(f"calibration version {doc.get('version')!r}, expected {CALIBRATION_VERSION}")
+        return cls(doc["model"], doc["options_digest"], int(doc["batch_size"]), doc["optimizer"],
+                   tuple(float(v) for v in doc["lrs"]), doc["metric"], float(doc["target"]), tuple(doc["seeds"]),
+                   tuple(Measurement.from_json(m) for m in doc["measurements"]), doc.get("command", ""),
+                   tuple(doc.get("notes", ())))
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        return cls.from_json(path.read_text())
+
+    def merged(self, other: Calibration) -> Calibration:
+        """This calibration with `other`'s measurements added (other's win for the same setting)."""
+        keep = [m for m in self.measurements if other.find(m.setting) is None]
+        return replace(self, measurements=tuple(keep) + other.measurements, seeds=other.seeds,
+                       lrs=tuple(sorted({*self.lrs, *other.lrs})),
+                       command="; ".join(c for c in (self.command, other.command) if c))
+
+
+def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str) -> str:
+    """File name of a calibration under the calibrations folder (hetpipe/calibrations/, beside the shipped
+    profiles)."""
+    return f"{model}-{options_digest}-b{batch_size}-{optimizer}.json"
+
+
+def find_calibration(folder: Path, model: str, options_digest: str, batch_size: int,
+                     optimizer: str) -> tuple[Calibration | None, str]:
+    """(the calibration of this model variant, batch and optimizer in `folder`, a note for the user); (None, why)
+    without one."""
+    path = folder / calibration_name(model, options_digest, batch_size, optimizer)
+    if not path.is_file():
+        return None, (f"no convergence calibration for {model} ({options_digest}) at batch {batch_size} with "
+                      f"{optimizer} in {folder}: ranking by samples/s alone (docs/convergence.md: how to measure one)")
+    cal = Calibration.load(path)
+    return cal, (f"convergence calibration {path.name}: target {cal.metric} {cal.target:g}, {len(cal.measurements)} "
+                 f"settings, each at its best lr of {', '.join(f'{v:g}' for v in cal.lrs)} (samples to target assume "
+                 f"it); {describe_fit(fit_model(cal))}")
+
+
+def describe_fit(model: ConvergenceModel | None) -> str:
+    """One line on the fitted model: its coefficients and errors, or why there is none."""
+    if model is None:
+        return "no fitted model (fewer than three reached settings without mitigations): unmeasured settings unknown"
+    coef = ", ".join(f"{k} {v:+.3f}" for k, v in model.coefficients.items())
+    return (f"fitted model over {model.points} settings ({coef}): leave-one-out error up to {model.fit_error:.0%}, "
+            f"in-sample rms {model.rms_log:.2f} in log samples")
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class ConvergenceModel:
+    """log(samples / sequential samples) = sum of coefficients x features (`features`), least squares over a
+    calibration's reached settings; `fit_error` is the largest |predicted / measured - 1| over them when each
+    is left out of its own fit (leave-one-out), `rms_log` the in-sample root mean square of the log error."""
+
+    coefficients: Mapping[str, float]
+    fit_error: float
+    rms_log: float
+    points: int
+    residuals: Mapping[str, float] = field(default_factory=dict)  # setting label -> predicted / measured - 1 (LOO)
+
+    def factor(self, setting: Setting) -> float:
+        x = features(canonical(setting))
+        return math.exp(sum(self.coefficients.get(k, 0.0) * v for k, v in x.items()))
+
+
+def features(setting: Setting) -> dict[str, float]:
+    """What the fitted model sees of a setting (docs/convergence.md#calibration-and-the-fitted-model)."""
+    s = setting
+    wave_update = SCHEDULES[s.schedule].update_every == "wave"
+    per_update = s.nm if wave_update else 1  # minibatches in one local update
+    global_batch = per_update * (s.vws if s.aggregation in ("mean", "server") else 1)
+    # own minibatches whose updates a forward misses: wsp Nm - 1, pipedream-2bw about a wave, flushes none (and
+    # none with aggregation "server": the VW's weights move only at pulls)
+    local_lag = 0.0
+    if s.aggregation != "server":
+        local_lag = {"wsp": float(s.nm - 1), "pipedream-2bw": float(s.nm)}.get(s.schedule, 0.0)
+    # other VWs' updates a minibatch misses, in minibatches of one VW: a wave and a half on average, plus D waves
+    global_lag = (s.vws - 1) * s.nm * (1.5 + s.staleness) if s.vws > 1 else 0.0
+    return {"log_batch": math.log2(global_batch), "local_lag": local_lag, "global_lag": global_lag,
+            "sum_overshoot": math.log2(s.vws) if s.aggregation == "sum" else 0.0}
+
+
+def fit_model(calibration: Calibration, names: Iterable[str] | None = None) -> ConvergenceModel | None:
+    """Least squares (no intercept: the sequential setting has every feature 0) of log samples factors on the
+    features (those some point has, in the order given, at most one fewer than the points); None without a
+    reached sequential run or with fewer than two other reached settings."""
+    seq = calibration.sequential
+    if seq is None or seq.median is None:
+        return None
+    points = [(canonical(m.setting), math.log(m.median / seq.median)) for m in calibration.measurements
+              if m.median is not None and m is not seq and not canonical(m.setting).mitigation]
+    keys = list(names) if names is not None else ["log_batch", "local_lag", "global_lag", "sum_overshoot"]
+    keys = [k for k in keys if any(features(s)[k] != 0.0 for s, _ in points)][:max(0, len(points) - 1)]
+    if not keys:
+        return None
+    coef = _least_squares(points, keys)
+    rms = math.sqrt(sum((_predict(coef, s) - y) ** 2 for s, y in points) / len(points))
+    residuals = {}
+    for i, (s, y) in enumerate(points):
+        rest = points[:i] + points[i + 1:]
+        loo = _least_squares(rest, keys)
+        residuals[s.label] = math.exp(_predict(loo, s) - y) - 1.0
+    worst = max((abs(r) for r in residuals.values()), default=0.0)
+    return ConvergenceModel(coef, worst, rms, len(points), residuals)
+
+
+def _predict(coef: Mapping[str, float], setting: Setting) -> float:
+    x = features(canonical(setting))
+    return sum(coef.get(k, 0.0) * x[k] for k in coef)
+
+
+def _least_squares(points: Sequence[tuple[Setting, float]], keys: Sequence[str]) -> dict[str, float]:
+    """Normal equations with a tiny ridge (keeps a feature every point has 0 of, or two collinear ones, finite)."""
+    n = len(keys)
+    a = [[0.0] * n for _ in range(n)]
+    b = [0.0] * n
+    for s, y in points:
+        x = features(canonical(s))
+        for i, ki in enumerate(keys):
+            b[i] += x[ki] * y
+            for j, kj in enumerate(keys):
+                a[i][j] += x[ki] * x[kj]
+    for i in range(n):
+        a[i][i] += 1e-6
+    return dict(zip(keys, _solve(a, b), strict=True))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (n is 4 at most)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col and m[col][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
+
+
+def samples_to_target(calibration: Calibration, setting: Setting,
+                      model: ConvergenceModel | None = None) -> tuple[float | None, str]:
+    """(samples to the calibration's target for `setting`, where the number comes from): the measured median
+    when the calibration has the setting ("measured", None when it did not get there), else the sequential
+    samples x the fitted model's factor ("fitted"); (None, why) when neither can answer."""
+    found = calibration.find(setting)
+    if found is not None:
+        return found.median, f"measured at lr {found.lr:g}" if found.median is not None else "measured: not reached"
+    seq = calibration.sequential
+    if seq is None or seq.median is None:
+        return None, "no sequential run in the calibration"
+    fitted = model if model is not None else fit_model(calibration)
+    if fitted is None:
+        return None, "too few reached settings to fit a model"
+    want = canonical(setting)
+    plain = replace(want, mitigation=())
+    ratio, source = 1.0, "fitted"
+    if want.mitigation:
+        ratio_of = mitigation_ratio(calibration, want)
+        if ratio_of is None:
+            return None, f"fitted, but no measurement of {format_mitigation(want.mitigation)} to scale it by"
+        ratio, pairs = ratio_of
+        source = f"fitted x {format_mitigation(want.mitigation)} ratio of {pairs} pair{'s' if pairs > 1 else ''}"
+    found = calibration.find(plain)
+    base = found.median if found is not None and found.median is not None else seq.median * fitted.factor(plain)
+    return base * ratio, source if found is None or found.median is None else source.replace("fitted", "measured")
+
+
+def lr_of(calibration: Calibration, setting: Setting) -> float | None:
+    """The learning rate the calibration measured `setting` at (its best of the grid), or None."""
+    found = calibration.find(setting)
+    return None if found is None else found.lr
+
+
+def mitigation_ratio(calibration: Calibration, setting: Setting) -> tuple[float, int] | None:
+    """(median over measured pairs of samples with the setting's mitigations / samples without, pairs): pairs of the
+    same schedule and aggregation when there are any, else every pair with these mitigations; None without one.
+    A mitigated run that did not get there counts as the run's budget (a lower bound)."""
+    want = canonical(setting)
+    pairs: list[tuple[Setting, float]] = []
+    for m in calibration.measurements:
+        s = canonical(m.setting)
+        if s.mitigation != want.mitigation:
+            continue
+        plain = calibration.find(replace(s, mitigation=()))
+        if plain is None or plain.median is None:
+            continue
+        value = m.median if m.median is not None else float(m.budget or math.inf)
+        pairs.append((s, value / plain.median))
+    close = [r for s, r in pairs if (s.schedule, s.aggregation) == (want.schedule, want.aggregation)]
+    chosen = close or [r for _, r in pairs]
+    if not chosen or math.isinf(statistics.median(chosen)):
+        return None
+    return statistics.median(chosen), len(chosen)
+
+
+# ---------------------------------------------------------------------------------------------- the planner's hook
+
+
+def setting_of(candidate: Any, aggregation: str, mitigation: tuple[str, ...]) -> Setting | None:
+    """The training setting a planner candidate runs, for samples to target: a hetpipe plan's VWs, Nm, stages (the
+    deepest VW's), schedule and D with the config's aggregation and mitigations; all-reduce over G GPUs is gradient
+    accumulation of G minibatches (1xG/1 with a flush schedule); the synchronous pipeline is sequential training
+    (1x1/1); None for a candidate that cannot run."""
+    from hetpipe.core.planner import ALLREDUCE, SYNC_PIPELINE
+
+    if not candidate.feasible:
+        return None
+    if candidate.policy == ALLREDUCE:
+        return Setting(1, max(1, candidate.gpus_used), 1, "1f1b-flush")
+    if candidate.policy == SYNC_PIPELINE:
+        return Setting(1, 1, 1)
+    plan = candidate.plan
+    if plan is None:
+        return None
+    stages = max(len(vw.stages) for vw in plan.vws)
+    return Setting(len(plan.vws), plan.vws[0].nm, stages, plan.schedule, aggregation, mitigation, plan.staleness)
+
+
+def attach_samples(candidates: Sequence[Any], calibration: Calibration | None, aggregation: str,
+                   mitigation: tuple[str, ...]) -> list[Any]:
+    """The planner's candidates with samples_to_target and samples_source filled in from `calibration` (then
+    hetpipe.core.planner.best ranks them by predicted time to target); unchanged without a calibration."""
+    if calibration is None:
+        return list(candidates)
+    model = fit_model(calibration)
+    out = []
+    for c in candidates:
+        setting = setting_of(c, aggregation, mitigation)
+        if setting is None:
+            out.append(c)
+            continue
+        samples, source = samples_to_target(calibration, setting, model)
+        out.append(replace(c, samples_to_target=samples, samples_source=source))
+    return out
+
+
+def rules_of(calibration: Calibration) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The training rules (schedule, aggregation, mitigations) the calibration measured with more than one VW, in
+    file order: what a search over rules can rank by predicted time to target."""
+    out: list[tuple[str, str, tuple[str, ...]]] = []
+    for m in calibration.measurements:
+        s = m.setting
+        rule = (s.schedule, s.aggregation, s.mitigation)
+        if s.vws > 1 and rule not in out:
+            out.append(rule)
+    return out

@@ -1,0 +1,164 @@
+"""hetpipe/core/convergence.py: settings, their canonical forms, the calibration file, the fitted model, and the
+planner's hook (candidates ranked by predicted time to target, both factors explained)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+from test_planner import SMALL_TOML, hetpipe, small
+
+from hetpipe.core.convergence import (
+    Calibration,
+    Measurement,
+    Setting,
+    attach_samples,
+    canonical,
+    features,
+    find_calibration,
+    fit_model,
+    lr_of,
+    median_samples,
+    parse_setting,
+    rules_of,
+    samples_to_target,
+    setting_of,
+)
+from hetpipe.core.errors import UsageError
+from hetpipe.core.planner import ALLREDUCE, SYNC_PIPELINE, best, explain, format_table, plan_candidates
+
+
+def test_settings_parse_in_any_order_and_print_back() -> None:
+    s = parse_setting("2x4/3:mean:D1:spectrain+warmup:1f1b-flush")
+    assert s == Setting(2, 4, 3, "1f1b-flush", "mean", ("spectrain", "warmup"), 1)
+    assert s.label == "2x4/3:1f1b-flush:mean:spectrain+warmup:D1" and parse_setting(s.label) == s
+    assert parse_setting("1x2/1", Setting(9, 9, 9, "gpipe", "server", (), 2)) == Setting(1, 2, 1, "gpipe", "server",
+                                                                                           (), 2)
+
+
+@pytest.mark.parametrize("text", ["2x4", "0x1/1", "2x4/3:fast", "2x4/3:D-1"])
+def test_bad_settings_say_the_form(text: str) -> None:
+    with pytest.raises(UsageError, match="VWSxNM/STAGES|no schedule"):
+        parse_setting(text)
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    ("1x1/4:pipedream-2bw:mean:spectrain:D3", "1x1/1"),  # sequential whatever else is said
+    ("1x1/4:wsp:server:D1", "1x1/1:1f1b-flush:server:D1"),  # but not with the PS's optimizer: D + 1 waves late
+    ("2x4/3:gpipe:mean", "2x4/1:1f1b-flush:mean"),  # gpipe is 1f1b-flush; flushes ignore the stage count
+    ("2x4/3:1f1b-flush:sum:spectrain+warmup", "2x4/1:1f1b-flush:sum:warmup"),  # no local lag to predict
+    ("2x4/3:wsp:server:D1", "2x4/1:1f1b-flush:server:D1"),  # server: weights move only at pulls
+    ("1x4/3:wsp:mean:average+warmup:D2", "1x4/3:wsp:sum"),  # one local VW never pulls
+])
+def test_canonical_forms_train_the_same_weights(a: str, b: str) -> None:
+    assert canonical(parse_setting(a)) == canonical(parse_setting(b))
+
+
+def test_wsp_keeps_its_stage_count_and_mitigations() -> None:
+    s = parse_setting("2x4/3:wsp:sum:spectrain")
+    assert canonical(s) == s
+    assert canonical(parse_setting("1x1/1:wsp:server")) != canonical(parse_setting("1x1/1"))
+
+
+def test_median_counts_a_seed_that_never_got_there_as_infinite() -> None:
+    assert median_samples([10, None, 30]) == 30 and median_samples([10, 20, 30]) == 20
+    assert median_samples([10, None, None]) is None and median_samples([]) is None
+
+
+def calibration(points: dict[str, float | None], seq: float = 1000.0, **kw) -> Calibration:
+    rows = [Measurement(Setting(1, 1, 1), (seq,) * 3, budget=100_000, lr=0.01)]
+    rows += [Measurement(parse_setting(k), (v,) * 3, budget=100_000, lr=0.02, sweep=((0.01, None), (0.02, v)))
+             for k, v in points.items()]
+    return Calibration("toy", "x", 4, "momentum", (0.01, 0.02), "test_accuracy", 0.9, (0, 1, 2), tuple(rows), **kw)
+
+
+def test_calibration_round_trips_and_is_found_by_name(tmp_path: Path) -> None:
+    cal = calibration({"2x4/3:wsp:sum": 2500.0, "2x4/3:1f1b-flush:mean": None}, notes=("n",))
+    assert Calibration.from_json(cal.to_json()) == cal
+    (tmp_path / "toy-x-b4-momentum.json").write_text(cal.to_json())
+    found, note = find_calibration(tmp_path, "toy", "x", 4, "momentum")
+    assert found == cal and "each at its best lr of 0.01, 0.02" in note
+    assert lr_of(cal, parse_setting("2x4/3:wsp:sum")) == 0.02 and lr_of(cal, parse_setting("1x1/3:gpipe")) == 0.01
+    assert lr_of(cal, parse_setting("3x4/3:wsp:sum")) is None
+    assert rules_of(cal) == [("wsp", "sum", ()), ("1f1b-flush", "mean", ())]  # rules measured with several VWs
+    found, note = find_calibration(tmp_path, "toy", "x", 8, "momentum")
+    assert found is None and "how to measure one" in note
+
+
+def test_fit_recovers_a_model_the_points_follow_exactly() -> None:
+    truth = {"log_batch": 0.3, "local_lag": 0.1, "global_lag": 0.02, "sum_overshoot": 0.5}
+    labels = ["1x2/1:1f1b-flush", "1x8/1:1f1b-flush", "1x4/3:wsp", "1x8/3:wsp", "2x4/3:wsp:sum", "2x2/3:wsp:mean",
+              "2x4/3:1f1b-flush:mean", "3x4/3:1f1b-flush:sum", "2x8/3:wsp:mean"]
+    points = {k: 1000.0 * math.exp(sum(truth[f] * x for f, x in features(canonical(parse_setting(k))).items()))
+              for k in labels}
+    model = fit_model(calibration(points))
+    assert model is not None and model.points == len(labels)
+    assert model.fit_error < 1e-3 and model.rms_log < 1e-4
+    for key, value in truth.items():
+        assert model.coefficients[key] == pytest.approx(value, abs=1e-3)
+
+
+def test_samples_come_measured_where_the_setting_was_measured_and_fitted_elsewhere() -> None:
+    cal = calibration({"1x2/1:1f1b-flush": 1200.0, "1x4/1:1f1b-flush": 1600.0, "1x8/1:1f1b-flush": 2400.0,
+                       "2x4/3:wsp:sum": 5000.0, "2x4/3:wsp:sum:spectrain": 2500.0, "2x2/3:1f1b-flush:mean": None})
+    assert samples_to_target(cal, parse_setting("2x4/3:wsp:sum")) == (5000.0, "measured at lr 0.02")
+    assert samples_to_target(cal, parse_setting("2x2/1:gpipe:mean")) == (None, "measured: not reached")
+    value, source = samples_to_target(cal, parse_setting("1x16/1:1f1b-flush"))
+    assert source == "fitted" and value > 2400.0  # larger batches keep costing more samples
+    value, source = samples_to_target(cal, parse_setting("2x4/3:wsp:sum:spectrain"))
+    assert (value, source) == (2500.0, "measured at lr 0.02")
+    value, source = samples_to_target(cal, parse_setting("2x8/3:wsp:sum:spectrain"))
+    assert source.startswith("fitted x spectrain ratio of 1 pair")
+    plain, _ = samples_to_target(cal, parse_setting("2x8/3:wsp:sum"))
+    assert value == pytest.approx(plain * 0.5)
+    assert samples_to_target(cal, parse_setting("2x8/3:wsp:sum:pipemare"))[0] is None  # never measured
+
+
+def test_planner_ranks_by_time_to_target_and_explains_both_factors() -> None:
+    config, profiles = small()
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0, 2))
+    fastest = best(found)
+    assert fastest.samples_to_target is None and "samples to target" not in format_table(found)
+    # a calibration in which D = 2 costs ten times the samples of D = 0, and the sequential pipeline is cheap
+    points = {setting_of(c, "sum", ()).label: (1000.0 if c.staleness == 2 else 100.0)
+              for c in found if c.plan is not None}
+    points["1x4/1:1f1b-flush"] = 150.0
+    ranked = attach_samples(found, calibration(points, seq=100.0), "sum", ())
+    top = best(ranked)
+    assert top.staleness == 0 and top.time_to_target_s == pytest.approx(100.0 / top.samples_per_s)
+    assert min(c.time_to_target_s for c in ranked if c.runnable) == top.time_to_target_s
+    baseline = {c.policy: c for c in ranked}
+    assert setting_of(baseline[ALLREDUCE], "sum", ()) == Setting(1, baseline[ALLREDUCE].gpus_used, 1, "1f1b-flush")
+    assert baseline[SYNC_PIPELINE].samples_to_target == 100.0  # sequential training
+    text = explain(ranked)
+    assert "samples to target ->" in text and "s predicted" in text
+    assert "samples to target" in format_table(ranked) and "s to target" in format_table(ranked)
+    assert attach_samples(found, None, "sum", ()) == found
+
+
+def test_a_candidate_that_never_reached_the_target_ranks_after_every_timed_one() -> None:
+    config, profiles = small()
+    found = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,)) if c.plan is not None]
+    fastest = best(found)
+    points = {setting_of(c, "sum", ()).label: (None if c is fastest else 500.0) for c in found}
+    ranked = attach_samples(found, calibration(points), "sum", ())
+    top = best(ranked)
+    assert top.time_to_target_s is not None and dataclasses.replace(top, samples_to_target=None) != fastest
+
+
+def test_cli_plan_ranks_by_a_calibration_file_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL_TOML)
+    cal = tmp_path / "cal.json"
+    cal.write_text(calibration({"1x2/1:1f1b-flush": 1200.0, "1x4/1:1f1b-flush": 1600.0, "1x8/1:1f1b-flush": 2400.0,
+                                "2x2/2:wsp:sum": 3000.0, "1x2/2:wsp": 1500.0}).to_json())
+    result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--explain", "--calibration",
+                     str(cal))
+    assert result.returncode == 0, result.stderr
+    assert "note: convergence calibration" in result.stdout and "samples to target" in result.stdout
+    assert "s predicted" in result.stdout and "(fitted)" in result.stdout
+    cal.write_text("{}")
+    result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--calibration", str(cal))
+    assert result.returncode == 2 and "not a calibration file" in result.stderr and "Traceback" not in result.stderr
