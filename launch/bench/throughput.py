@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (launch/bench is not a package)
 import plots  # noqa: E402
+from testbed_options import testbed_options  # noqa: E402
 
 from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
@@ -417,12 +418,7 @@ def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str,
               help="hetpipe: Nm caps to try (comma list; '' for the planner's own cap).")
 @click.option("--staleness", default=None, help="hetpipe: D values to try (comma list); default: the plan's.")
 @click.option("--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable.")
-@click.option("--testbed", "use_testbed", is_flag=True,
-              help="Run every system in the shaped-network testbed (root; docs/testbed.md) instead of on a free network.")
-@click.option("--testbed-scale", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Link scale in the testbed: links at inter_node_gbps x this (default: derived, docs/testbed.md).")
-@click.option("--probe-seconds", type=click.FloatRange(min=0.5), default=1.5, show_default=True,
-              help="Testbed: seconds each node's egress is measured for, before the systems run.")
+@testbed_options
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/throughput"),
               show_default=True, help="Run directories, logs and the profile cache.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")

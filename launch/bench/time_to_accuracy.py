@@ -48,6 +48,7 @@ import plots  # noqa: E402
 import throughput  # noqa: E402
 import tta_tasks  # noqa: E402
 from goals import Goal, first_reaching, goal_for  # noqa: E402, F401  (goal_for: the scripts' shared entry)
+from testbed_options import testbed_options  # noqa: E402
 
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.evaluate import evaluate  # noqa: E402
@@ -315,12 +316,7 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
                    "those its calibration measured; --no-search-rules keeps the config's (and --hetpipe-set's).")
 @click.option("--hetpipe-set", "hetpipe_settings", multiple=True,
               help="Override for hetpipe's runs only, after the task's (e.g. ps.aggregation=\"mean\"), repeatable.")
-@click.option("--testbed", "use_testbed", is_flag=True,
-              help="Run every system in the shaped-network testbed (root; docs/testbed.md) instead of on a free network.")
-@click.option("--testbed-scale", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Link scale in the testbed: links at inter_node_gbps x this (default: derived, docs/testbed.md).")
-@click.option("--probe-seconds", type=click.FloatRange(min=0.5), default=1.5, show_default=True,
-              help="Testbed: seconds each node's egress is measured for, before the systems run.")
+@testbed_options
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/tta"),
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")

@@ -1,0 +1,24 @@
+"""The --testbed, --testbed-scale and --probe-seconds options the benchmarks that can run in the testbed share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+
+def testbed_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add use_testbed, testbed_scale and probe_seconds to a click command (docs/testbed.md)."""
+    for option in reversed([
+        click.option("--testbed", "use_testbed", is_flag=True,
+                     help="Run every system in the shaped-network testbed (root; docs/testbed.md) instead of on a "
+                          "free network."),
+        click.option("--testbed-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Link scale in the testbed: links at inter_node_gbps x this (default: derived, "
+                          "docs/testbed.md)."),
+        click.option("--probe-seconds", type=click.FloatRange(min=0.5), default=1.5, show_default=True,
+                     help="Testbed: seconds each node's egress is measured for, before the systems run."),
+    ]):
+        command = option(command)
+    return command
