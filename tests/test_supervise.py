@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hetpipe.app.supervise import on_exit
+from hetpipe.app.supervise import Supervisor, on_exit
 from hetpipe.core.config import apply_overrides, load_config
+from hetpipe.core.errors import HetpipeError
 
 from conftest import write_config
 
@@ -26,3 +27,43 @@ def test_what_a_dead_child_leads_to(tmp_path, settings, name, code, restarts, ev
     config = apply_overrides(config, ['checkpoint.dir="ps"', *settings])
     decision = on_exit(config, name, code, restarts, evicted, live)
     assert decision.action == action and text in decision.why, decision
+
+
+class _FakePS:
+    """The admin client's status call, answering what the shards would (or failing like a restarting shard)."""
+
+    def __init__(self, lives: list[list[int]] | None) -> None:
+        self.lives, self.timeout_s = lives, 60.0
+
+    def __enter__(self) -> _FakePS:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def status(self) -> list[dict]:
+        if self.lives is None:
+            raise HetpipeError("no answer from shard 1")
+        return [{"live": live} for live in self.lives]
+
+
+def _supervisor(tmp_path, lives: list[list[int]] | None) -> Supervisor:
+    config = load_config(write_config(tmp_path, vws=[["n0:0"], ["n0:1"]], nm=2, staleness=0, waves=4))
+    return Supervisor(config, group=None, run_dir=tmp_path, shard_settings=[], shards=[],
+                      stages={(0, 0): None, (1, 0): None}, admin=lambda: _FakePS(lives))
+
+
+def test_a_vw_that_rejoined_through_a_worker_counts_as_live(tmp_path):
+    """chaos.py found it: the launcher evicted vw 1, `hetpipe worker --join` brought it back, and when vw 0 then
+    failed the launcher, counting vw 1 out, stopped the run as if vw 0 were the last VW live."""
+    supervisor = _supervisor(tmp_path, [[0, 1], [0, 1]])
+    supervisor.evicted.add(1)
+    assert supervisor.live_vws() == [0]
+    assert supervisor.live_at_ps() == 2
+    assert _supervisor(tmp_path, [[0], [0, 1]]).live_at_ps() == 2  # live at any shard (one may lag a wave)
+
+
+def test_without_an_answer_from_the_ps_the_launchers_own_count_decides(tmp_path):
+    supervisor = _supervisor(tmp_path, None)
+    supervisor.evicted.add(1)
+    assert supervisor.live_at_ps() == 1

@@ -98,13 +98,25 @@ class Supervisor:
             if code in (None, 0) or (vw in self.evicted and child.name in self._handled):
                 continue
             self._handled.add(child.name)
-            decision = on_exit(self.config, child.name, code, 0, vw in self.evicted, len(self.live_vws()))
+            live = len(self.live_vws()) if vw in self.evicted else self.live_at_ps()
+            decision = on_exit(self.config, child.name, code, 0, vw in self.evicted, live)
             if decision.action == "gone":
                 continue
             self._log(decision, child)
             if decision.action == "stop":
                 raise ChildFailed(child)
             self._evict(vw)
+
+    def live_at_ps(self) -> int:
+        """How many VWs are live as the PS sees them: a VW this launcher lost that rejoined through `hetpipe worker
+        --join` counts again (the launcher does not see it come back). Its own count if the PS cannot say now."""
+        try:
+            with self.admin() as ps:
+                ps.timeout_s = 10
+                infos = ps.status()
+        except Exception:  # a shard restarting: decide on what the launcher knows
+            return len(self.live_vws())
+        return len(set().union(*(info["live"] for info in infos)))
 
     def stages_running(self) -> bool:
         return any(c.process.exitcode is None for (vw, _), c in self.stages.items() if vw not in self.evicted)
