@@ -482,7 +482,7 @@ class ShardServer:
 
     def status_info(self) -> dict[str, Any]:
         info = self.state.status()
-        now = time.monotonic()
+        now, live = time.monotonic(), set(info["live"])
         info.update(
             run=self.settings.run,
             shard=self.settings.shard,
@@ -494,6 +494,9 @@ class ShardServer:
             last_checkpoint=self._last_checkpoint,
             failed=self.failed,
             heartbeat_age_s={f"{v}/{st}": round(now - t, 1) for (v, st), (t, _) in sorted(self.beats.items())},
+            # live stages with pushes a crash would lose: their clients keep them and wait, so the PS must serve on
+            not_durable=[f"{v}/{st}" for (v, st) in sorted(self.state.pushed)
+                         if v in live and self._keep_from((v, st)) < self.state.pushed[(v, st)]],
             progress={f"{v}/{st}": n for (v, st), (_, n) in sorted(self.beats.items())},
         )
         return info

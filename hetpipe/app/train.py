@@ -169,6 +169,10 @@ def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path, keys: Run
     return endpoints, settings_list, children
 
 
+# After the last wave, how long `hetpipe train` keeps the PS up for the stages of a VW that rejoined through
+# `hetpipe worker --join` (not its children) to learn by heartbeat that their last pushes are in a checkpoint.
+REJOINED_GRACE_S = 3.0
+
 # Mitigations whose StageCompute state (beyond the optimizer's) stage snapshots do not save (worker/snapshot.py).
 STATEFUL_MITIGATIONS = ("pipemare", "spectrain")
 
@@ -306,6 +310,8 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                 pump()
                 supervisor.tick()
                 time.sleep(0.2)
+            if supervisor.evicted:
+                time.sleep(REJOINED_GRACE_S)  # a rejoined worker's stages hear "in a checkpoint" by heartbeat
             pump()
             supervisor.tick()
             view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started), force=True)
@@ -360,7 +366,8 @@ def _all_live_done(admin, waves: int, supervisor: Supervisor) -> bool:
             infos = ps.status()
     except HetpipeError:
         return False
-    return all(info["c_global"] >= waves for info in infos)
+    # and a rejoined worker's stages, done too, wait for their last pushes to be in a checkpoint: serve until then
+    return all(info["c_global"] >= waves and not info["not_durable"] for info in infos)
 
 
 def _saved_layouts(run_dir: Path, resume: bool) -> tuple[VwLayout, ...] | None:
