@@ -122,8 +122,10 @@ class Chaos:
         kill_stage = self.stages == "only" or (self.stages == "also" and self.rng.random() < 0.5)
         if kill_stage and (not all_live or near_end):
             kill_stage = self.stages != "only"
-            if not kill_stage and self.stages == "only":
-                return True  # not now: a VW is still out, or too late to come back
+            if not kill_stage and self.stages == "only":  # not now: a VW is still out, or too late to come back
+                why = "a VW is still out" if not all_live else "too near the end for a VW to rejoin"
+                print(f"  kill {number + 1} skipped: {why}", flush=True)
+                return True
         if kill_stage:
             names = sorted(n for n in pids if n.startswith("vw") and "-s" in n and _alive(pids[n]))
             if not names:
