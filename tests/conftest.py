@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,3 +85,11 @@ time_scale = {time_scale}
     path = tmp_path / "cluster.toml"
     path.write_text(text)
     return path
+
+
+def as_from_a_terminal() -> None:
+    """Popen preexec_fn for a child a test sends SIGINT: SIGINT and SIGHUP as a terminal leaves them. A suite
+    started in the background (`cmd &` in a script, nohup) runs with them ignored, children inherit that, and
+    a child that ignores Ctrl-C cannot show that it stops on one."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)

@@ -20,6 +20,8 @@ from hetpipe.app import testbed as tb
 from hetpipe.core.config import load_config
 from hetpipe.core.testbed import plan_topology, within
 
+from conftest import as_from_a_terminal
+
 REASON = tb.unavailable_reason()
 needs_testbed = pytest.mark.skipif(REASON is not None, reason=f"no network testbed here: {REASON}")
 
@@ -86,7 +88,7 @@ def leftovers(run: str) -> list[str]:
 
 def hetpipe(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hetpipe", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kwargs)
+                            text=True, preexec_fn=as_from_a_terminal, **kwargs)
 
 
 @pytest.fixture

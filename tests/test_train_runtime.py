@@ -18,7 +18,7 @@ import pytest
 from hetpipe.app.train import TrainOptions, train
 from hetpipe.core.config import load_config
 
-from conftest import write_config
+from conftest import as_from_a_terminal, write_config
 
 pytestmark = pytest.mark.slow
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -30,7 +30,7 @@ def start_long_training(tmp_path: Path) -> tuple[subprocess.Popen, dict[str, int
                         speeds=[2.0, 1.0, 2.0, 1.0], emulation=True, time_scale=1.0)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(run_dir), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 60
     while not ((run_dir / "pids.json").exists() and metrics.exists() and '"push"' in metrics.read_text()):
