@@ -67,3 +67,25 @@ def test_without_an_answer_from_the_ps_the_launchers_own_count_decides(tmp_path)
     supervisor = _supervisor(tmp_path, None)
     supervisor.evicted.add(1)
     assert supervisor.live_at_ps() == 1
+
+
+def test_the_run_ends_once_every_live_vw_is_done_and_in_a_checkpoint(tmp_path):
+    supervisor = _supervisor(tmp_path, [[0, 1]])
+    assert supervisor.all_live_done(4)  # nobody evicted: the launcher's own stages were all there was
+    supervisor.evicted.add(1)
+    for infos, done in [([{"c_global": 4, "not_durable": []}] * 2, True),
+                        ([{"c_global": 4, "not_durable": []}, {"c_global": 3, "not_durable": []}], False),
+                        ([{"c_global": 4, "not_durable": ["1/0"]}, {"c_global": 4, "not_durable": []}], False)]:
+        supervisor.admin = lambda infos=infos: _StatusPS(infos)
+        assert supervisor.all_live_done(4) is done, infos
+    supervisor.admin = lambda: _FakePS(None)
+    assert not supervisor.all_live_done(4)  # no answer: keep serving
+
+
+class _StatusPS(_FakePS):
+    def __init__(self, infos: list[dict]) -> None:
+        super().__init__([])
+        self.infos = infos
+
+    def status(self) -> list[dict]:
+        return self.infos

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hetpipe.core.config import ClusterConfig
+from hetpipe.core.errors import HetpipeError
 from hetpipe.core.procs import Child, ChildFailed, ChildGroup, describe_exit
 from hetpipe.server.launch import serve_settings
 from hetpipe.server.shard import ShardSettings
@@ -107,16 +108,30 @@ class Supervisor:
                 raise ChildFailed(child)
             self._evict(vw)
 
-    def live_at_ps(self) -> int:
-        """How many VWs are live as the PS sees them: a VW this launcher lost that rejoined through `hetpipe worker
-        --join` counts again (the launcher does not see it come back). Its own count if the PS cannot say now."""
+    def ps_status(self) -> list[dict[str, Any]] | None:
+        """Every shard's status now, or None when one cannot answer within 10 s (a shard restarting)."""
         try:
             with self.admin() as ps:
                 ps.timeout_s = 10
-                infos = ps.status()
-        except Exception:  # a shard restarting: decide on what the launcher knows
+                return ps.status()
+        except HetpipeError:
+            return None
+
+    def live_at_ps(self) -> int:
+        """How many VWs are live as the PS sees them: a VW this launcher lost that rejoined through `hetpipe worker
+        --join` counts again (the launcher does not see it come back). Its own count if the PS cannot say now."""
+        infos = self.ps_status()
+        if infos is None:
             return len(self.live_vws())
         return len(set().union(*(info["live"] for info in infos)))
+
+    def all_live_done(self, waves: int) -> bool:
+        """The launcher's own stages are done; has every live VW (one that rejoined through `hetpipe worker` too)
+        finished at the PS, its last pushes in a checkpoint (its stages wait for that, so the PS serves on)?"""
+        if not self.evicted:
+            return True  # no VW can have rejoined
+        infos = self.ps_status()
+        return infos is not None and all(info["c_global"] >= waves and not info["not_durable"] for info in infos)
 
     def stages_running(self) -> bool:
         return any(c.process.exitcode is None for (vw, _), c in self.stages.items() if vw not in self.evicted)

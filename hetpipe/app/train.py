@@ -306,7 +306,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                 progress.evicted = set(supervisor.evicted)
                 view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started))
 
-            while supervisor.stages_running() or not _all_live_done(admin, config.train.waves, supervisor):
+            while supervisor.stages_running() or not supervisor.all_live_done(config.train.waves):
                 pump()
                 supervisor.tick()
                 time.sleep(0.2)
@@ -353,21 +353,6 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
         board.write({"event": "eval", "wave": config.train.waves, **final_eval}, progress)
         board.close()
     return summary
-
-
-def _all_live_done(admin, waves: int, supervisor: Supervisor) -> bool:
-    """The launcher's own stages are done; has every live VW (one that rejoined through `hetpipe worker` too)
-    finished at the PS?"""
-    if not supervisor.evicted:
-        return True  # no VW can have rejoined
-    try:
-        with admin() as ps:
-            ps.timeout_s = 10
-            infos = ps.status()
-    except HetpipeError:
-        return False
-    # and a rejoined worker's stages, done too, wait for their last pushes to be in a checkpoint: serve until then
-    return all(info["c_global"] >= waves and not info["not_durable"] for info in infos)
 
 
 def _saved_layouts(run_dir: Path, resume: bool) -> tuple[VwLayout, ...] | None:
