@@ -25,13 +25,3 @@ def test_chaos_kills_a_shard_and_a_stage_and_the_ledger_holds(tmp_path: Path):
     assert report["lost"] == report["duplicated"] == report["stray"] == 0 and report["ledger_slots"] > 0
     assert report["ps_restarts"] == report["kills_ps"]
     assert "lost 0, duplicated 0, stray 0" in result.stdout
-
-
-def test_ps_throughput_measures_the_durable_ps_beside_plain(tmp_path: Path):
-    out = tmp_path / "ps.json"
-    result = subprocess.run([sys.executable, str(BENCH / "ps_throughput.py"), "--sizes", "2", "--shards", "1",
-                             "--rounds", "2", "--durable", "1", "--out", str(out), "--plot", str(tmp_path / "ps.png")],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["ps_durable_gbps"] > 0 and row["durable_ratio"] == pytest.approx(row["ps_durable_gbps"] / row["ps_gbps"], 0.01)

@@ -28,14 +28,25 @@ def test_fuzz_bench_reports_every_count(tmp_path: Path):
     assert "messages 300 (" in result.stdout and "crashes 0" in result.stdout
 
 
-@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
-def test_ps_throughput_measures_curve_beside_plain(tmp_path: Path):
+def _ps_throughput(tmp_path: Path, *flags: str) -> tuple[dict, str]:
+    """ps_throughput.py on one 2 MB model and one shard with `flags`: its one row and what it printed."""
     out = tmp_path / "ps.json"
-    result = subprocess.run([sys.executable, str(BENCH / "ps_throughput.py"), "--sizes", "2", "--shards", "1",
-                             "--rounds", "1", "--auth", "curve", "--out", str(out), "--plot", str(tmp_path / "ps.png")],
+    result = subprocess.run([sys.executable, str(BENCH / "ps_throughput.py"), "--sizes", "2", "--shards", "1", *flags,
+                             "--out", str(out), "--plot", str(tmp_path / "ps.png")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     (row,) = json.loads(out.read_text())["rows"]
+    return row, result.stdout
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
+def test_ps_throughput_measures_curve_beside_plain(tmp_path: Path):
+    row, printed = _ps_throughput(tmp_path, "--rounds", "1", "--auth", "curve")
     assert {"ps_gbps", "raw_gbps", "ps_curve_gbps", "ratio", "curve_ratio"} <= set(row)
     assert row["ps_curve_gbps"] > 0 and row["curve_ratio"] == pytest.approx(row["ps_curve_gbps"] / row["ps_gbps"], 0.01)
-    assert "curve_gbps" in result.stdout.splitlines()[0]
+    assert "curve_gbps" in printed.splitlines()[0]
+
+
+def test_ps_throughput_measures_the_durable_ps_beside_plain(tmp_path: Path):
+    row, _ = _ps_throughput(tmp_path, "--rounds", "2", "--durable", "1")
+    assert row["ps_durable_gbps"] > 0 and row["durable_ratio"] == pytest.approx(row["ps_durable_gbps"] / row["ps_gbps"], 0.01)
