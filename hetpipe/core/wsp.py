@@ -165,10 +165,8 @@ class WaveSums:
             _add(part, src)
 
     def incomplete(self, contributors: int) -> list[str]:
-        """Keys that still miss a contributor's update (empty when the wave sum is complete)."""
-        return sorted(k for k, n in self.merged.items() if n != contributors) + sorted(
-            k for k in self.held if k not in self.merged
-        )
+        """Keys that still miss a contributor's update, or hold one never merged (empty when the sum is complete)."""
+        return sorted({k for k, n in self.merged.items() if n != contributors} | set(self.held))
 
 
 class ShardState:
@@ -586,7 +584,8 @@ class ShardState:
     def to_state(self, detached: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """Everything needed to resume: msgpack-able metadata and the named float32 arrays. `detached`: copy
         the arrays later pushes change in place (latest weights, sums being accumulated), so that another
-        thread may write them out while the shard goes on; the others are never changed once made."""
+        thread may write them out while the shard goes on; the others are never changed once made. The metadata
+        is always a copy: a writer thread encodes it later, and must see the state of this moment."""
         arrays: dict[str, np.ndarray] = {f"i/{k}": v for k, v in self.initial.items()}
         if self.pull_mode == "latest":
             arrays.update({f"w/{k}": v.copy() if detached else v for k, v in self.weights.items()})
@@ -605,7 +604,7 @@ class ShardState:
             for key, held in ws.held.items():
                 for v, arr in held.items():
                     arrays[f"h/{wave}/{v}/{key}"] = _as_array(arr)
-            sums_meta[str(wave)] = {"merged": ws.merged, "summed": sorted(ws.sums),
+            sums_meta[str(wave)] = {"merged": dict(ws.merged), "summed": sorted(ws.sums),
                                     "held": {k: sorted(h) for k, h in ws.held.items()}}
         optimizer_meta = None
         if self.aggregation.optimizer is not None:
@@ -619,12 +618,12 @@ class ShardState:
             "num_vws": self.num_vws,
             "num_waves": self.num_waves,
             "num_stages": {str(v): n for v, n in self.num_stages.items()},
-            "epochs": {str(v): spans for v, spans in self.epochs.items()},
+            "epochs": {str(v): [list(span) for span in spans] for v, spans in self.epochs.items()},
             "stages": [
                 {"vw": v, "stage": s, "keys": list(keys), "pushed": self.pushed[(v, s)], "pulled": self.pulled[(v, s)]}
                 for (v, s), keys in sorted(self.stage_keys.items())
             ],
-            "kinds": self.kinds,
+            "kinds": dict(self.kinds),
             "versions": sorted(self.versions),
             "latest_buffers": {str(v): list(values) for v, values in self.latest_buffers.items()},
             "latest_held": {str(v): {str(t): list(ts) for t, ts in waves.items()}
