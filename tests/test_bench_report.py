@@ -1,4 +1,5 @@
-"""launch/bench reports: the time-to-target rule for accuracy and loss, the verdict lines, and every PNG figure."""
+"""launch/bench reports: the time-to-target rule for accuracy and loss, the verdict lines, every PNG figure, and
+the scores time_to_accuracy.py reads from a run's PS checkpoints."""
 
 from __future__ import annotations
 
@@ -84,3 +85,33 @@ def test_every_figure_is_a_png_or_says_matplotlib_is_missing(tmp_path: Path) -> 
         path = tmp_path / ("sub/bars.png" if name == "bars" else f"{name}.png")
         assert line == f"wrote {path}"
         assert path.read_bytes()[:8] == _PNG_MAGIC and path.stat().st_size > 5000
+
+
+@pytest.mark.parametrize("mode", ["exact", "latest"])
+def test_checkpoint_scores_read_the_weights_of_exact_and_latest_shards(tmp_path: Path, mode: str) -> None:
+    """An exact shard keeps versions W_t, a latest one running weights: both checkpoints score as the model."""
+    import numpy as np
+    import torch
+
+    from hetpipe.compute.build import dataset_of, model_of
+    from hetpipe.compute.evaluate import evaluate
+    from hetpipe.core.checkpoint import write_checkpoint
+    from hetpipe.core.config import apply_overrides, default_config_path, load_config
+    from hetpipe.core.wsp import ShardState
+    from hetpipe.models import build_stage
+
+    config = apply_overrides(load_config(default_config_path()), ["train.eval_samples=256"])
+    spec = model_of(config)
+    model = build_stage(spec, 0, spec.num_layers, "cpu")
+    weights = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if v.is_floating_point()}
+    shard = ShardState(0, mode)
+    shard.register(0, 0, 1, 1, weights)
+    delta = {k: np.full_like(v, 0.01) for k, v in weights.items()}
+    shard.push(0, 0, 0, delta)
+    meta, arrays = shard.to_state()
+    write_checkpoint(tmp_path / "ps" / "shard-0", shard.c_global, {"run": "r", "shard": 0, "wsp": meta}, arrays, 3)
+    (score,) = tta.checkpoint_scores(config, tmp_path)
+    pushed = {k: torch.from_numpy(v + delta[k]) for k, v in weights.items()}
+    expected = evaluate(spec, pushed, dataset_of(config), max_samples=256)
+    assert score["clock"] == 1 and score["test_accuracy"] == expected["test_accuracy"]
+    assert score["test_loss"] == expected["test_loss"]

@@ -55,6 +55,7 @@ from hetpipe.compute.evaluate import evaluate  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.convergence import Calibration, Setting, attach_samples, rules_of, setting_of  # noqa: E402
 from hetpipe.core.testbed import Topology  # noqa: E402
+from hetpipe.core.wsp import ShardState  # noqa: E402
 from hetpipe.server.checkpoint import list_manifests, read_checkpoint  # noqa: E402
 
 SYSTEMS = ("hetpipe", "ddp-fit", "ddp-fastest", "pipeline")
@@ -72,7 +73,7 @@ def checkpoint_scores(config: ClusterConfig, run_dir: Path, until: float = math.
     for shard in shards:
         for manifest in list_manifests(shard):
             ckpt = read_checkpoint(manifest)
-            weights = {k[2:]: v for k, v in ckpt.arrays.items() if k.startswith("w/")}
+            weights = ShardState.from_state(ckpt.meta["wsp"], ckpt.arrays).read().tensors  # exact or latest
             by_clock.setdefault(ckpt.clock, []).append((ckpt.path.stat().st_mtime, weights))
     out = []
     for clock, parts in sorted(by_clock.items()):
