@@ -58,6 +58,7 @@ def shard_settings(
         on_vw_failure=config.ps.on_vw_failure,
         hung_after_s=config.ps.hung_after_s,
         resume_clock=resume_clock,
+        wire_dtype=config.ps.wire_dtype,
     )
 
 

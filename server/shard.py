@@ -67,6 +67,7 @@ class ShardSettings:
     on_vw_failure: str = "stop"  # a stage silent for hung_after_s: "stop" the run | "evict" its VW
     hung_after_s: float = 0.0  # 0: no heartbeat checks
     resume_clock: int | None = None  # start from this clock's checkpoint, cut back to it (hetpipe train --resume)
+    wire_dtype: str = "float32"  # pulled weights on the wire: float32 | bfloat16 (pushes come as their sender chose)
 
     @property
     def recoverable(self) -> bool:
@@ -469,7 +470,13 @@ class ShardServer:
         parked_ms = int(1000 * (time.monotonic() - p.since))
         fields = {"id": p.request_id, "wave": p.wave, "version": result.version, "own_through": result.own_through,
                   "parked_ms": parked_ms, "gaps": self.state.gaps()}
-        self._send(p.identity, wire.encode("weights", fields, result.tensors), lent=result.tensors)
+        if self.settings.wire_dtype == "float32":
+            self._send(p.identity, wire.encode("weights", fields, result.tensors), lent=result.tensors)
+        else:  # weights packed into new arrays (buffers and ledgers go as they are, lent)
+            params = {k for k in result.tensors if self.state.kinds[k] == "param"}
+            self._send(p.identity, wire.encode("weights", fields, result.tensors, pack=self.settings.wire_dtype,
+                                               pack_only=params),
+                       lent={k: v for k, v in result.tensors.items() if k not in params})
 
     def _on_status(self, identity: bytes, msg: wire.Message) -> None:
         info = self.status_info()

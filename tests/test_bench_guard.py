@@ -1,4 +1,4 @@
-"""launch/bench/fuzz.py and ps_throughput.py --auth curve run end to end at a tiny size (smoke, no timings)."""
+"""launch/bench/fuzz.py and ps_throughput.py (--auth curve, --durable, --wire) run end to end at a tiny size (smoke, no timings)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,10 @@ def test_ps_throughput_measures_curve_beside_plain(tmp_path: Path):
 def test_ps_throughput_measures_the_durable_ps_beside_plain(tmp_path: Path):
     row, _ = _ps_throughput(tmp_path, "--rounds", "2", "--durable", "1")
     assert row["ps_durable_gbps"] > 0 and row["durable_ratio"] == pytest.approx(row["ps_durable_gbps"] / row["ps_gbps"], 0.01)
+
+
+def test_ps_throughput_measures_bfloat16_on_the_wire_beside_plain(tmp_path: Path):
+    """The bf16 peer's pulled weights pass the bench's own check (within bfloat16 rounding of the expected)."""
+    row, printed = _ps_throughput(tmp_path, "--rounds", "2", "--wire", "bfloat16")
+    assert row["ps_bf16_gbps"] > 0 and row["bf16_ratio"] == pytest.approx(row["ps_bf16_gbps"] / row["ps_gbps"], 0.01)
+    assert "bf16_gbps" in printed.splitlines()[0]

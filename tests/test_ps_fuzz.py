@@ -117,7 +117,7 @@ _values = st.recursive(
 _FIELD_NAMES = sorted({name for schema in wire.FIELDS.values() for name in schema} - {"id", "run"})
 _tensor_entry = st.fixed_dictionaries({
     "key": st.text(min_size=1, max_size=4),
-    "dtype": st.sampled_from([*sorted(wire.DTYPES), "float128", "bool", "<f4", ""]) | _values,
+    "dtype": st.sampled_from([*sorted(wire.DTYPES), *sorted(wire.PACKED), "float128", "bool", "<f4", ""]) | _values,
     "shape": st.lists(st.integers(-2, 2**33) | _values, max_size=4) | _values,
 })
 

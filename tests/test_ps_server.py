@@ -169,3 +169,26 @@ def test_a_curve_client_facing_a_plain_shard_times_out_naming_its_key(children, 
             pytest.raises(PSTimeout) as err:
         ps.register({"k": np.zeros(2, np.float32)})
     assert "Or it refuses this client's CURVE key (vw0)" in str(err.value)
+
+
+def test_bfloat16_on_the_wire_both_ways_while_the_ps_adds_in_float32(children):
+    """[ps] wire_dtype = "bfloat16": pushes and pulls go packed (half the bytes), the PS keeps float32 weights."""
+    from hetpipe.core.wire import from_bfloat16_bits, to_bfloat16_bits
+
+    def bf16(x: np.ndarray) -> np.ndarray:
+        return from_bfloat16_bits(to_bfloat16_bits(x))
+
+    endpoint, _ = start_shard(children, ShardSettings("bf", 0, "tcp://127.0.0.1:0", 0, wire_dtype="bfloat16"))
+    rng = np.random.default_rng(0)
+    w0, d0, d1 = (rng.standard_normal(1000).astype(np.float32) * s for s in (1.0, 1e-3, 1e-3))
+    with PSClient([endpoint], "bf", 0, 0, 1, 1, {"k": 0}, timeout_s=10, retry_s=1, wire_dtype="bfloat16") as ps:
+        np.testing.assert_array_equal(ps.register({"k": w0})["k"], w0)  # W_0 goes as it is
+        ps.push(0, {"k": d0})
+        ps.push(1, {"k": d1})
+        (reply,) = ps.wait(ps.send_pull(2))  # the gate of wave 2 (D = 0) asks for W_1
+        view = reply.tensors["k"]
+        assert view.packed and view.nbytes == 2 * w0.size
+        w1 = w0 + bf16(d0)  # the push arrived rounded; the PS added it in float32
+        np.testing.assert_array_equal(view.to_array(), bf16(w1))
+        np.testing.assert_array_equal(ps.read()["k"], w1 + bf16(d1))  # admin reads stay float32, unrounded
+        assert not np.array_equal(bf16(w1) + bf16(d1), w1 + bf16(d1))  # so rounding pulls would have shown

@@ -122,6 +122,18 @@ def test_batchnorm_model_equals_the_reference(tmp_path: Path, staleness: int, bu
     assert first and all(v.abs().sum() > 0 for v in first.values())  # the statistics did move
 
 
+def test_bfloat16_on_the_wire_equals_its_reference_and_rounds(tmp_path: Path):
+    """[ps] wire_dtype = "bfloat16": weights cross the wire rounded, BatchNorm statistics do not; the run is the
+    reference's with the same rounding, bit for bit, and not the float32 run."""
+    path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=1, waves=4, model="mnist-cnn")
+    fp32 = apply_overrides(load_config(path), ["model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }"])
+    bf16 = apply_overrides(fp32, ['ps.wire_dtype="bfloat16"'])
+    _, stage_weights = assert_equals_reference(tmp_path, bf16, [(3, 3), (2, 4)])
+    unrounded = run_reference(fp32, [(3, 3), (2, 4)]).stage_weights[(0, 0)]
+    differs = [k for k, w in stage_weights[(0, 0)].items() if not torch.equal(w, unrounded[k])]
+    assert any("running" not in k for k in differs), "bfloat16 on the wire changed no weight"
+
+
 @pytest.mark.parametrize(("model", "options"), [
     ("resnet18", "{ in_channels = 1, num_classes = 10, image_size = 32 }"),
     ("vgg11", "{ in_channels = 1, num_classes = 10, image_size = 32, batch_norm = true }"),

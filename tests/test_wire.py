@@ -398,3 +398,79 @@ def test_new_error_codes_are_on_the_wire() -> None:
     for code in ("forbidden", "non_finite"):
         msg = decode(wire.error_frames(3, code, "why"))
         assert msg.fields == {"id": 3, "code": code, "message": "why"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bfloat16 on the wire ([ps] wire_dtype)
+
+
+@pytest.mark.parametrize(
+    ("value", "bits"),
+    [
+        (1.0, 0x3F80),
+        (1.0 + 2**-8, 0x3F80),          # halfway: to the even neighbour, down
+        (1.0 + 3 * 2**-8, 0x3F82),      # halfway: to the even neighbour, up
+        (1.0 + 2**-8 + 2**-20, 0x3F81),  # just past halfway: up
+        (-2.5, 0xC020),
+        (0.0, 0x0000),
+        (-0.0, 0x8000),
+        (np.inf, 0x7F80),
+        (-np.inf, 0xFF80),
+        (np.finfo(np.float32).max, 0x7F80),  # past the largest bfloat16: inf
+        (1e-45, 0x0000),                # the smallest float32 subnormal rounds to zero
+    ],
+)
+def test_bfloat16_bits_round_to_nearest_even(value: float, bits: int) -> None:
+    assert int(wire.to_bfloat16_bits(np.array([value], np.float32))[0]) == bits
+
+
+def test_bfloat16_keeps_nan_a_nan_and_widens_exactly() -> None:
+    packed = wire.to_bfloat16_bits(np.array([np.nan, -np.nan, 1.5], np.float32))
+    back = wire.from_bfloat16_bits(packed)
+    assert np.isnan(back[:2]).all() and back[2] == 1.5 and back.dtype == np.float32
+
+
+def test_bfloat16_rounding_equals_torch() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(50_000) * 10.0 ** rng.integers(-38, 38, 50_000)).astype(np.float32)
+    theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(wire.to_bfloat16_bits(x), theirs)
+
+
+def test_packed_push_reads_as_float32_in_half_the_bytes() -> None:
+    n = 2 * CHUNK_BYTES // 2 + 7                     # bfloat16: two full frames and a partial one
+    rng = np.random.default_rng(5)
+    src = rng.standard_normal((1, n)).astype(np.float32)
+    counts = np.arange(4, dtype=np.int64)
+    frames = encode("push", FIELDS["push"], {"w": src, "counts": counts}, pack="bfloat16")
+    plain = encode("push", FIELDS["push"], {"w": src, "counts": counts})
+    data = sum(memoryview(f).nbytes for f in frames[1:])
+    assert data == 2 * n + counts.nbytes and sum(memoryview(f).nbytes for f in plain[1:]) == 4 * n + counts.nbytes
+    header = msgpack.unpackb(frames[0])
+    assert [t["dtype"] for t in header["tensors"]] == ["bfloat16", "int64"]   # only float32 is packed
+    msg = decode([bytes(f) for f in frames])
+    view, rounded = msg.tensors["w"], wire.from_bfloat16_bits(wire.to_bfloat16_bits(src))
+    assert view.dtype == np.float32 and view.packed and len(view.chunks) == 3
+    np.testing.assert_array_equal(view.to_array(), rounded)
+    dst = np.ones_like(src)
+    view.add_into(dst)
+    np.testing.assert_array_equal(dst, 1.0 + rounded)
+    view.copy_into(dst)
+    np.testing.assert_array_equal(dst, rounded)
+    np.testing.assert_array_equal(msg.tensors["counts"].to_array(), counts)
+    assert view.all_finite() and view.non_finite_counts() == (0, 0)
+    src[0, -1], src[0, 0] = np.inf, np.nan
+    dirty = decode([bytes(f) for f in encode("push", FIELDS["push"], {"w": src}, pack="bfloat16")]).tensors["w"]
+    assert not dirty.all_finite() and dirty.non_finite_counts() == (1, 1)
+
+
+def test_a_packed_tensor_with_float32_sized_frames_is_refused() -> None:
+    frames = [bytes(f) for f in encode("push", FIELDS["push"], {"w": np.ones(8, np.float32)})]
+    header = msgpack.unpackb(frames[0])
+    header["tensors"][0]["dtype"] = "bfloat16"      # 32 bytes of data for 8 bfloat16 values (16 bytes)
+    with pytest.raises(WireError) as caught:
+        decode([msgpack.packb(header), frames[1]])
+    assert caught.value.code == "bad_message" and "expected 16" in caught.value.message
+    with pytest.raises(WireError):
+        encode("push", FIELDS["push"], {"w": np.ones(8, np.float32)}, pack="float8")

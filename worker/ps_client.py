@@ -104,8 +104,11 @@ class PSClient:
         timeout_s: float = 60.0,
         retry_s: float = 2.0,
         curve: ClientKeys | None = None,
+        wire_dtype: str = "float32",
     ) -> None:
         self.endpoints = endpoints
+        self.pack = None if wire_dtype == "float32" else wire_dtype  # pushes' float32 weights go packed
+        self.packed_keys: set[str] = set()  # the weights ("param" keys): buffers and ledgers go as they are
         self.run, self.vw, self.stage = run, vw, stage
         self.num_vws, self.num_stages = num_vws, num_stages
         self.placement = dict(placement)
@@ -173,6 +176,7 @@ class PSClient:
         the PS's W_0 for them. A copy of the registration is kept, to register again with a restarted shard."""
         self.keys = list(tensors)
         kinds = kinds or {}
+        self.packed_keys = {k for k in tensors if kinds.get(k, "param") == "param"}
         requests: list[Request] = []
         self._registration = []
         for part in self._split(tensors):
@@ -278,7 +282,8 @@ class PSClient:
             msg_type, fields, tensors = request
             rid = next(self._ids)
             ids.append(rid)
-            frames.append(wire.encode(msg_type, {"id": rid, **fields}, tensors))
+            frames.append(wire.encode(msg_type, {"id": rid, **fields}, tensors,
+                                      pack=self.pack if msg_type == "push" else None, pack_only=self.packed_keys))
         call = Call(what, frames, ids, gate, [None if r is not None else _NOT_ASKED for r in requests],
                     [-1e9] * len(requests), wave=wave, background=background)
         for shard, rid in enumerate(ids):

@@ -10,6 +10,8 @@ schedule (hetpipe.core.schedule) and the PS's fold (hetpipe.core.aggregation). I
                    (aggregation server: gsum[wave] += .grad, no step)
   PS:              W_{t+1} = fold(W_t, ((P_vw0 + P_vw1) + ...)), buffers averaged
   WAIT c:          t = W_{c-D-1} + own sums of waves > c-D-2 (in wave order); buffers replaced
+  ps.wire_dtype:   bfloat16 rounds the weights (not buffers) of every push as it leaves a stage and of every
+                   pull as it leaves the PS; the PS and the stages' own sums stay float32
 A single VW skips WAIT when its own updates are applied locally (aggregation sum or mean).
 Mitigations (train.mitigation, hetpipe.core.mitigation), each written here again:
   warmup/pipemare: lr of U p = lr * (warm-up factor * PipeMare T1 factor), set before the step
@@ -39,6 +41,7 @@ from hetpipe.core.aggregation import make_aggregation
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
 from hetpipe.core.schedule import BACKWARD, FORWARD, PUSH, UPDATE, WAIT, gate_of, get_schedule, needs
+from hetpipe.core.wire import from_bfloat16_bits, to_bfloat16_bits
 from hetpipe.models import build_stage
 
 __all__ = ["ReferenceResult", "run_reference"]
@@ -92,6 +95,11 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
     rule = make_aggregation(config.ps.aggregation, t.optimizer, t.lr, t.momentum, t.weight_decay)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if t.precision == "bf16" else contextlib.nullcontext
     num_vws = len(splits)
+    packed = config.ps.wire_dtype == "bfloat16"
+
+    def on_wire(a: np.ndarray) -> np.ndarray:
+        return from_bfloat16_bits(to_bfloat16_bits(a)) if packed else a
+
     x, y = dataset.train.x, dataset.train.y
     shards = [datalib.shard_indices(len(y), num_vws, v, config.seed) for v in range(num_vws)]
 
@@ -259,13 +267,14 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                 gsum = st.gsums.pop(a.index, {})
                 out.update({k: (gsum[k] / nm if k in gsum else torch.zeros_like(w)).detach().numpy().copy()
                             for k, w in params.items()})
+            out = {k: on_wire(a) for k, a in out.items()}
             out.update({k: b.detach().float().numpy().copy() for k, b in stage_buffers(st.module).items()})
             pushes.setdefault(a.index, {}).setdefault(v, {}).update(out)
             pushed[sid] += 1
             build_versions()
         elif a.kind == WAIT and not (num_vws == 1 and local):
             version = gate_of(a, D)
-            pulled = history[version]
+            pulled = {k: on_wire(a) if k in params else a for k, a in history[version].items()}
             with torch.no_grad():
                 for w in [w for w in st.sums if w <= version - 1]:
                     del st.sums[w]

@@ -53,6 +53,7 @@ OptimizerName = Literal["sgd", "momentum", "adam"]
 PsAuth = Literal["none", "curve"]
 OnNan = Literal["stop", "skip"]
 OnVwFailure = Literal["stop", "evict"]
+WireDtype = Literal["float32", "bfloat16"]
 AllocationPolicy = Literal["explicit", "np", "ed", "hd"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -186,6 +187,9 @@ class PsConfig:
     heartbeat_s: float = 2.0
     hung_after_s: float = 60.0
     max_restarts: int = 10
+    # weights ("param" keys) in pushes and pulls on the wire: float32, or bfloat16 (half the bytes; the PS still
+    # adds and keeps float32; docs/ps-protocol.md#frames): a run is then repeatable but not equal to a float32 one
+    wire_dtype: WireDtype = "float32"
 
 
 @dataclass(frozen=True)
@@ -365,7 +369,7 @@ def _plain(value: Any) -> Any:
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "network": ("intra_node_gbps", "inter_node_gbps"),
     "ps": ("host", "port", "shards", "placement", "timeout_s", "aggregation", "buffers", "auth", "keys_dir",
-           "on_vw_failure", "heartbeat_s", "hung_after_s", "max_restarts"),
+           "on_vw_failure", "heartbeat_s", "hung_after_s", "max_restarts", "wire_dtype"),
     "wsp": ("staleness", "nm", "pull"),
     "checkpoint": ("dir", "every", "keep", "stages"),
     "model": ("name", "options"),
@@ -659,6 +663,7 @@ def _ps(t: _Table) -> PsConfig:
         heartbeat_s=heartbeat,
         hung_after_s=hung,
         max_restarts=t.integer("max_restarts", d.max_restarts, ge=0),
+        wire_dtype=t.choice("wire_dtype", d.wire_dtype, get_args(WireDtype)),
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -21,6 +21,7 @@ __all__ = [
     "MAX_TENSORS",
     "MAX_TENSOR_BYTES",
     "MESSAGE_TYPES",
+    "PACKED",
     "PROTOCOL_VERSION",
     "Message",
     "TensorView",
@@ -29,6 +30,8 @@ __all__ = [
     "decode",
     "encode",
     "error_frames",
+    "from_bfloat16_bits",
+    "to_bfloat16_bits",
 ]
 
 PROTOCOL_VERSION = 2  # 2: durable pushes (keep_from), heartbeats, eviction and rejoin
@@ -52,7 +55,11 @@ ERROR_CODES = frozenset(
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<") for name in ("float32", "float16", "float64", "int32", "int64")
 }
-assert all(CHUNK_BYTES % dt.itemsize == 0 for dt in DTYPES.values())
+# Packed dtypes: float32 tensors sent in fewer bytes ([ps] wire_dtype). On the wire the frames hold the packed
+# form (bfloat16: the upper 16 bits of each float32, rounded to nearest even); a received one reads as float32.
+PACKED: dict[str, tuple[np.dtype, np.dtype]] = {"bfloat16": (np.dtype("<u2"), DTYPES["float32"])}
+assert all(CHUNK_BYTES % dt.itemsize == 0 for dt in [*DTYPES.values(), *(w for w, _ in PACKED.values())])
+_ALLOWED = sorted([*DTYPES, *PACKED])
 
 _RESERVED = ("v", "type", "tensors")
 _I31 = 2**31
@@ -225,9 +232,10 @@ def _show(value: object) -> str:
 @dataclass(frozen=True)
 class _Spec:
     key: str
-    dtype: np.dtype
+    dtype: np.dtype  # what the tensor reads as
     shape: tuple[int, ...]
     nbytes: int
+    frames_dtype: np.dtype  # what its frames hold (differs for a packed dtype)
 
     @property
     def nframes(self) -> int:
@@ -275,20 +283,21 @@ def _check_spec(index: int, entry: object) -> _Spec:
     key, dtype, shape = entry["key"], entry["dtype"], entry["shape"]
     if type(key) is not str or not 1 <= len(key) <= MAX_KEY_CHARS:
         raise _bad(f"{where}.key must be a str of 1..{MAX_KEY_CHARS} chars, got {_show(key)}")
-    if type(dtype) is not str or dtype not in DTYPES:
-        raise _bad(f"tensor {key!r}: dtype {_show(dtype)} is not allowed; use one of {sorted(DTYPES)}")
+    if type(dtype) is not str or (dtype not in DTYPES and dtype not in PACKED):
+        raise _bad(f"tensor {key!r}: dtype {_show(dtype)} is not allowed; use one of {_ALLOWED}")
     if type(shape) is not list or len(shape) > MAX_NDIM or not all(
         type(d) is int and d >= 0 for d in shape
     ):
         raise _bad(f"tensor {key!r}: shape must be a list of <= {MAX_NDIM} ints >= 0, got {_show(shape)}")
-    itemsize = DTYPES[dtype].itemsize
+    frames_dtype, logical = PACKED[dtype] if dtype in PACKED else (DTYPES[dtype], DTYPES[dtype])
+    itemsize = frames_dtype.itemsize
     # Bounding the product of the non-zero dims also keeps zero-size shapes within what numpy can build.
     if math.prod(max(d, 1) for d in shape) * itemsize > MAX_TENSOR_BYTES:
         raise _bad(
             f"tensor {key!r}: shape {list(shape)} of {dtype} exceeds {MAX_TENSOR_BYTES} bytes;"
             " split it into several keys"
         )
-    return _Spec(key, DTYPES[dtype], tuple(shape), math.prod(shape) * itemsize)
+    return _Spec(key, logical, tuple(shape), math.prod(shape) * itemsize, frames_dtype)
 
 
 def _check_specs(entries: object) -> list[_Spec]:
@@ -331,6 +340,32 @@ def _wire_array(key: object, value: object) -> np.ndarray:
     return np.asarray(value, dtype=wire_dtype, order="C")
 
 
+def to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 as uint16 bits, rounded to nearest even (as torch's .to(torch.bfloat16)); a NaN stays
+    a quiet NaN, and a value that rounds past the largest bfloat16 becomes inf."""
+    floats = np.ascontiguousarray(values, dtype=np.float32)
+    flat, out = floats.reshape(-1), np.empty(floats.shape, "<u2")
+    out_flat = out.reshape(-1)
+    block = CHUNK_BYTES  # values per step: a few MiB of temporaries, whatever the tensor's size
+    for start in range(0, flat.size, block):
+        bits = flat[start : start + block].view(np.uint32)
+        rounded = bits >> np.uint32(16)
+        rounded &= np.uint32(1)
+        rounded += np.uint32(0x7FFF)
+        rounded += bits
+        rounded >>= np.uint32(16)
+        nan = np.isnan(flat[start : start + block])
+        if nan.any():
+            rounded[nan] = (bits[nan] >> np.uint32(16)) | np.uint32(0x0040)
+        out_flat[start : start + block] = rounded
+    return out
+
+
+def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bits -> float32 (exact)."""
+    return (np.asarray(bits, dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 def _data_frames(arr: np.ndarray) -> list[memoryview]:
     """Zero-copy CHUNK_BYTES slices of a C-contiguous array's bytes (none for an empty array)."""
     if arr.nbytes == 0:
@@ -353,23 +388,32 @@ def _pack(header: dict) -> bytes:
 
 
 def encode(
-    msg_type: str, fields: Mapping[str, object], tensors: Mapping[str, np.ndarray] | None = None
+    msg_type: str, fields: Mapping[str, object], tensors: Mapping[str, np.ndarray] | None = None,
+    pack: str | None = None, pack_only: Collection[str] | None = None,
 ) -> list[bytes | memoryview]:
     """Frames for `socket.send_multipart(frames, copy=False)`: the header, then each tensor's chunks.
 
     Validates like decode, so a sender's bug raises WireError here. Data frames are views of the arrays:
-    do not modify them until the send has completed.
+    do not modify them until the send has completed. `pack` (a PACKED name): float32 tensors (of `pack_only`,
+    when given) go packed, in new arrays (the caller's may change as soon as this returns); others as they are.
     """
+    if pack is not None and pack not in PACKED:
+        raise _bad(f"pack {pack!r} is not a packed dtype; use one of {sorted(PACKED)}")
     if not isinstance(fields, Mapping):
         raise _bad(f"fields must be a mapping, got {type(fields).__name__}")
     reserved = [k for k in _RESERVED if k in fields]
     if reserved:
         raise _bad(f"field {reserved[0]!r} is set by encode; leave it out of fields")
     arrays = {k: _wire_array(k, v) for k, v in (tensors or {}).items()}
+    names = {k: a.dtype.name for k, a in arrays.items()}
+    if pack is not None:
+        for k, a in arrays.items():
+            if a.dtype.name == "float32" and (pack_only is None or k in pack_only):
+                arrays[k], names[k] = to_bfloat16_bits(a), pack
     header: dict[str, object] = {"v": PROTOCOL_VERSION, "type": msg_type, **fields}
     if msg_type in _WITH_TENSORS:
         header["tensors"] = [
-            {"key": k, "dtype": a.dtype.name, "shape": list(a.shape)} for k, a in arrays.items()
+            {"key": k, "dtype": names[k], "shape": list(a.shape)} for k, a in arrays.items()
         ]
     _validate_header(header)
     if arrays and msg_type not in _WITH_TENSORS:
@@ -395,51 +439,56 @@ def error_frames(request_id: int | None, code: str, message: str) -> list[bytes]
 
 @dataclass(frozen=True)
 class TensorView:
-    """One received tensor as read-only 1-d chunks over the frames (zero-copy)."""
+    """One received tensor as read-only 1-d chunks over the frames (zero-copy). A packed one (bfloat16) reads as
+    float32: each chunk is widened as it is read, one chunk's temporary at a time."""
 
     key: str
     dtype: np.dtype
     shape: tuple[int, ...]
     chunks: list[np.ndarray]
     nbytes: int
+    packed: bool = False
 
     def to_array(self) -> np.ndarray:
-        """The tensor: a read-only view when it came in one frame, else one fresh (writable) array."""
-        if len(self.chunks) == 1:
+        """The tensor: a read-only view when it came in one frame unpacked, else one fresh (writable) array."""
+        if len(self.chunks) == 1 and not self.packed:
             return self.chunks[0].reshape(self.shape)
         if not self.chunks:
             return np.empty(self.shape, dtype=self.dtype)
-        return np.concatenate(self.chunks).reshape(self.shape)
+        return np.concatenate([self._read(c) for c in self.chunks]).reshape(self.shape)
 
     def copy_into(self, dst: np.ndarray) -> None:
-        """dst[...] = tensor, chunk by chunk, without temporaries."""
+        """dst[...] = tensor, chunk by chunk, without temporaries (but one chunk's, packed)."""
         flat = self._flat(dst, "copy_into")
         for start, chunk in self._spans():
-            np.copyto(flat[start : start + chunk.size], chunk)
+            np.copyto(flat[start : start + chunk.size], self._read(chunk))
 
     def add_into(self, dst: np.ndarray) -> None:
-        """dst += tensor, chunk by chunk, in place, without temporaries."""
+        """dst += tensor, chunk by chunk, in place, without temporaries (but one chunk's, packed)."""
         flat = self._flat(dst, "add_into")
         for start, chunk in self._spans():
             part = flat[start : start + chunk.size]
-            np.add(part, chunk, out=part)
+            np.add(part, self._read(chunk), out=part)
 
     def all_finite(self) -> bool:
         """No NaN and no inf (integer tensors always pass); reads each chunk once, no copies kept."""
         if self.dtype.kind != "f":
             return True
-        return all(bool(np.isfinite(chunk).all()) for chunk in self.chunks)
+        return all(bool(np.isfinite(self._read(chunk)).all()) for chunk in self.chunks)
 
     def non_finite_counts(self) -> tuple[int, int]:
         """(number of NaNs, number of infs): for the message that refuses a tensor."""
         if self.dtype.kind != "f":
             return 0, 0
-        nans = sum(int(np.isnan(chunk).sum()) for chunk in self.chunks)
-        infs = sum(int(np.isinf(chunk).sum()) for chunk in self.chunks)
+        nans = sum(int(np.isnan(self._read(chunk)).sum()) for chunk in self.chunks)
+        infs = sum(int(np.isinf(self._read(chunk)).sum()) for chunk in self.chunks)
         return nans, infs
 
+    def _read(self, chunk: np.ndarray) -> np.ndarray:
+        return from_bfloat16_bits(chunk) if self.packed else chunk
+
     def _spans(self) -> list[tuple[int, np.ndarray]]:
-        per_chunk = CHUNK_BYTES // self.dtype.itemsize
+        per_chunk = CHUNK_BYTES // self.chunks[0].dtype.itemsize if self.chunks else 0
         return [(i * per_chunk, chunk) for i, chunk in enumerate(self.chunks)]
 
     def _flat(self, dst: object, what: str) -> np.ndarray:
@@ -526,13 +575,14 @@ def _tensor_views(specs: list[_Spec], data: list[memoryview]) -> dict[str, Tenso
             if frame.nbytes != expected:
                 raise _bad(
                     f"tensor {spec.key!r} frame {i + 1} of {spec.nframes} has {frame.nbytes} bytes,"
-                    f" expected {expected} (shape {list(spec.shape)} of {spec.dtype.name})"
+                    f" expected {expected} (shape {list(spec.shape)} of {spec.frames_dtype.name})"
                 )
-            chunk = np.frombuffer(frame, dtype=spec.dtype)
+            chunk = np.frombuffer(frame, dtype=spec.frames_dtype)
             chunk.flags.writeable = False
             chunks.append(chunk)
             position += 1
-        views[spec.key] = TensorView(spec.key, spec.dtype, spec.shape, chunks, spec.nbytes)
+        views[spec.key] = TensorView(spec.key, spec.dtype, spec.shape, chunks, spec.nbytes,
+                                     packed=spec.frames_dtype != spec.dtype)
     return views
 
 

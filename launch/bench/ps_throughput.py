@@ -8,11 +8,14 @@ For each model size and shard count, in the same run, round by round, alternatin
   ps_curve (with --auth curve) - the PS as a stage of auth = "curve" talks to it: CurveZMQ encryption, the
          ZAP-admitted key checked on every request; same rounds, same model, interleaved with the other two;
   ps_durable (with --durable N) - the PS checkpointing every N clocks, what lets a crashed shard restart
-         without losing an acknowledged push (docs/recovery.md); interleaved likewise.
-Throughput counts both directions: 2 x SIZE bytes per round trip.
+         without losing an acknowledged push (docs/recovery.md); interleaved likewise;
+  ps_bf16 (with --wire bfloat16) - pushes and pulls as bfloat16 on the wire ([ps] wire_dtype): half the
+         bytes, packed and widened by numpy on each side; interleaved likewise.
+Throughput counts both directions: 2 x SIZE bytes per round trip (the model's float32 bytes for ps_bf16 too,
+so its figure is the model's rate, not the wire's).
 
     python launch/bench/ps_throughput.py [--sizes 10,100,400] [--shards 1,4] [--rounds 5] [--auth curve]
-        [--durable N] [--out FILE] [--plot FILE.png]
+        [--durable N] [--wire bfloat16] [--out FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -116,20 +119,23 @@ class PsPeer:
     """The PS: one stage pushes a wave's update, then pulls the weights that contain it."""
 
     def __init__(self, group: ChildGroup, model: dict[str, np.ndarray], shards: int, mode: str,
-                 keys: tuple[ServerKeys, ClientKeys] | None = None, durable: tuple[Path, int] | None = None) -> None:
+                 keys: tuple[ServerKeys, ClientKeys] | None = None, durable: tuple[Path, int] | None = None,
+                 wire_dtype: str = "float32") -> None:
         endpoints = []
-        name = "ps-curve" if keys else "ps-durable" if durable else "ps"
+        name = "ps-curve" if keys else "ps-durable" if durable else "ps-bf16" if wire_dtype != "float32" else "ps"
         for s in range(shards):
             settings = ShardSettings("bench", s, "tcp://127.0.0.1:0", 0, mode, keys=keys[0] if keys else None,
                                      checkpoint_dir=Path(tempfile.mkdtemp(prefix=f"shard{s}-", dir=durable[0]))
-                                     if durable else None, checkpoint_every=durable[1] if durable else 0)
+                                     if durable else None, checkpoint_every=durable[1] if durable else 0,
+                                     wire_dtype=wire_dtype)
             endpoints.append(f"tcp://127.0.0.1:{start(group, f'{name}{s}', serve_settings, settings)}")
         placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
         self.model = model
         self.delta = {k: np.full_like(v, 1e-3) for k, v in model.items()}
         self.weights = {k: v.copy() for k, v in model.items()}
         self.ps = PSClient(endpoints, "bench", 0, 0, 1, 1, placement, timeout_s=120, retry_s=60,
-                           curve=keys[1] if keys else None)
+                           curve=keys[1] if keys else None, wire_dtype=wire_dtype)
+        self.rtol = 1e-5 if wire_dtype == "float32" else 4e-3  # a bfloat16 pull is rounded (relative 2^-9)
         self.ps.register(model, want_weights=False)
         self.wave = 0
 
@@ -145,7 +151,7 @@ class PsPeer:
         expected = self.model[key][:4] + np.float32(1e-3) * self.wave
         got = self.weights[key][:4]
         self.ps.close()
-        if not np.allclose(got, expected, rtol=1e-5, atol=1e-5):
+        if not np.allclose(got, expected, rtol=self.rtol, atol=1e-5):
             raise SystemExit(f"PS returned wrong weights: {got} != {expected}")
 
 
@@ -156,7 +162,8 @@ def bench_keys(directory: Path) -> tuple[ServerKeys, ClientKeys]:
 
 
 def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, logs: Path,
-            keys: tuple[ServerKeys, ClientKeys] | None, durable: int = 0) -> dict[str, list[float]]:
+            keys: tuple[ServerKeys, ClientKeys] | None, durable: int = 0, wire: str = "float32",
+            ) -> dict[str, list[float]]:
     """Rounds of every peer, interleaved (the first of a round rotating), after one warm-up round each."""
     times: dict[str, list[float]] = {}
     with ChildGroup(logs) as group:
@@ -165,6 +172,8 @@ def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, l
             peers["ps_curve"] = PsPeer(group, model, shards, mode, keys)
         if durable:
             peers["ps_durable"] = PsPeer(group, model, shards, mode, durable=(logs, durable))
+        if wire != "float32":
+            peers["ps_bf16"] = PsPeer(group, model, shards, mode, wire_dtype=wire)
         names = list(peers)
         try:
             for r in range(rounds + 1):
@@ -188,11 +197,13 @@ def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, l
               help="curve: also measure the PS with auth = \"curve\" (CurveZMQ), interleaved with the others.")
 @click.option("--durable", type=click.IntRange(min=0), default=0, show_default=True,
               help="N > 0: also measure the PS checkpointing every N clocks (crash recovery), interleaved.")
+@click.option("--wire", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="bfloat16: also measure the PS with [ps] wire_dtype = \"bfloat16\", interleaved.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON rows here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
-def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durable: int, out: Path | None,
-         plot_path: Path | None) -> None:
+def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durable: int, wire: str,
+         out: Path | None, plot_path: Path | None) -> None:
     rows = []
     curve = auth == "curve"
     header = f"{'size_mb':>7} {'shards':>6} {'ps_gbps':>8} {'raw_gbps':>8} {'ratio':>6}"
@@ -200,6 +211,9 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durab
         header += f" {'curve_gbps':>10} {'curve/ps':>8}"
     if durable:
         header += f" {'durable_gbps':>12} {'durable/ps':>10}"
+    packed = wire != "float32"
+    if packed:
+        header += f" {'bf16_gbps':>9} {'bf16/ps':>7}"
     print(header + f"   (median of {rounds}; GB/s both ways)", flush=True)
     logs = Path(tempfile.mkdtemp(prefix="hetpipe-bench-"))  # the shards' status lines go here
     keys = bench_keys(logs / "keys") if curve else None
@@ -207,7 +221,7 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durab
         model = make_model(size)
         nbytes = 2 * sum(v.nbytes for v in model.values())
         for shards in (int(s) for s in shard_counts.split(",")):
-            times = measure(model, shards, rounds, mode, logs, keys, durable)
+            times = measure(model, shards, rounds, mode, logs, keys, durable, wire)
             row = {"size_mb": size, "shards": shards, "mode": mode}
             for name, took in times.items():
                 row[f"{name}_gbps"] = round(nbytes / statistics.median(took) / 1e9, 3)
@@ -220,6 +234,9 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durab
             if durable:
                 row["durable_ratio"] = round(row["ps_durable_gbps"] / row["ps_gbps"], 3)
                 line += f" {row['ps_durable_gbps']:>12.2f} {row['durable_ratio']:>10.2f}"
+            if packed:
+                row["bf16_ratio"] = round(row["ps_bf16_gbps"] / row["ps_gbps"], 3)
+                line += f" {row['ps_bf16_gbps']:>9.2f} {row['bf16_ratio']:>7.2f}"
             rows.append(row)
             print(line, flush=True)
     if out is not None:
@@ -234,6 +251,8 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durab
             series["hetpipe PS, auth = curve"] = [r["ps_curve_gbps"] for r in rows]
         if durable:
             series[f"hetpipe PS, checkpoint every {durable}"] = [r["ps_durable_gbps"] for r in rows]
+        if packed:
+            series["hetpipe PS, bfloat16 on the wire"] = [r["ps_bf16_gbps"] for r in rows]
         print(plots.paired_bars(labels, series, "GB/s (both ways)", f"PS round trips, median of {rounds}", png))
 
 
