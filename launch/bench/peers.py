@@ -389,7 +389,9 @@ def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
         if step_losses:
             losses.append(float(torch.stack(step_losses).detach().mean()))
         if job.snapshot_every and (step + 1) % job.snapshot_every == 0:  # this stage's part, merged by the parent
-            snapshots.append((ends[-1], step + 1, {k: v.detach().clone() for k, v in module.state_dict().items()}))
+            # numpy, not tensors: the result queue would pass a tensor's storage by a file descriptor that the
+            # parent fetches from this process, which may have exited by then (seen: ConnectionResetError)
+            snapshots.append((ends[-1], step + 1, {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}))
         if job.deadline_s and _stop_all(job.rank == 0 and ends[-1] - start >= job.deadline_s):
             break
     report({"rank": job.rank, "ends": ends, "start": start, "losses": losses, "snapshots": snapshots,
@@ -535,7 +537,7 @@ def _merged_snapshots(reports: Sequence[Mapping[str, Any]]) -> list[tuple[float,
     for report in reports:
         for t, step, state in report.get("snapshots", []):
             old_t, merged = by_step.get(step, (0.0, {}))
-            by_step[step] = (max(old_t, t), {**merged, **state})
+            by_step[step] = (max(old_t, t), {**merged, **{k: torch.from_numpy(v) for k, v in state.items()}})
             counts[step] = counts.get(step, 0) + 1
     return [(t, step, state) for step, (t, state) in sorted(by_step.items()) if counts[step] == len(reports)]
 
