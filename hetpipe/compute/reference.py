@@ -267,14 +267,14 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                 gsum = st.gsums.pop(a.index, {})
                 out.update({k: (gsum[k] / nm if k in gsum else torch.zeros_like(w)).detach().numpy().copy()
                             for k, w in params.items()})
-            out = {k: on_wire(a) for k, a in out.items()}
+            out = {k: on_wire(arr) for k, arr in out.items()}
             out.update({k: b.detach().float().numpy().copy() for k, b in stage_buffers(st.module).items()})
             pushes.setdefault(a.index, {}).setdefault(v, {}).update(out)
             pushed[sid] += 1
             build_versions()
         elif a.kind == WAIT and not (num_vws == 1 and local):
             version = gate_of(a, D)
-            pulled = {k: on_wire(a) if k in params else a for k, a in history[version].items()}
+            pulled = {k: on_wire(arr) if k in params else arr for k, arr in history[version].items()}
             with torch.no_grad():
                 for w in [w for w in st.sums if w <= version - 1]:
                     del st.sums[w]
