@@ -470,13 +470,11 @@ class ShardServer:
         parked_ms = int(1000 * (time.monotonic() - p.since))
         fields = {"id": p.request_id, "wave": p.wave, "version": result.version, "own_through": result.own_through,
                   "parked_ms": parked_ms, "gaps": self.state.gaps()}
-        if self.settings.wire_dtype == "float32":
-            self._send(p.identity, wire.encode("weights", fields, result.tensors), lent=result.tensors)
-        else:  # weights packed into new arrays (buffers and ledgers go as they are, lent)
-            params = {k for k in result.tensors if self.state.kinds[k] == "param"}
-            self._send(p.identity, wire.encode("weights", fields, result.tensors, pack=self.settings.wire_dtype,
-                                               pack_only=params),
-                       lent={k: v for k, v in result.tensors.items() if k not in params})
+        pack = None if self.settings.wire_dtype == "float32" else self.settings.wire_dtype
+        packed = {k for k in result.tensors if self.state.kinds[k] == "param"} if pack else set()
+        # packed weights go in new arrays; what goes as it is (all of it, unpacked) is the state's, lent to the send
+        self._send(p.identity, wire.encode("weights", fields, result.tensors, pack=pack, pack_only=packed),
+                   lent={k: v for k, v in result.tensors.items() if k not in packed})
 
     def _on_status(self, identity: bytes, msg: wire.Message) -> None:
         info = self.status_info()
