@@ -345,10 +345,11 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     config = _load(config_path, settings)
     profiles, ps_gbps, link, notes = plan_profiles(config, profile_dir or default_profile_dir(), refresh=refresh)
     started = time.monotonic()
+    calibration, calibration_note = plan_calibration(config, calibration_path)
     candidates = plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
                                  nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),
-                                 policies=policies or None, schedules=schedules or None)
-    calibration, calibration_note = plan_calibration(config, calibration_path)
+                                 policies=policies or None, schedules=schedules or None,
+                                 slower_but_fewer=calibration is not None)
     candidates = attach_samples(candidates, calibration, config.ps.aggregation, config.train.mitigations)
     notes = [*notes, calibration_note]
     elapsed = time.monotonic() - started

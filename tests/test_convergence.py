@@ -82,7 +82,9 @@ def test_calibration_round_trips_and_is_found_by_name(tmp_path: Path) -> None:
     assert found == cal and "each at its best lr of 0.01, 0.02" in note
     assert lr_of(cal, parse_setting("2x4/3:wsp:sum")) == 0.02 and lr_of(cal, parse_setting("1x1/3:gpipe")) == 0.01
     assert lr_of(cal, parse_setting("3x4/3:wsp:sum")) is None
-    assert rules_of(cal) == [("wsp", "sum", ()), ("1f1b-flush", "mean", ())]  # rules measured with several VWs
+    assert rules_of(cal) == [("wsp", "sum", ()), ("1f1b-flush", "mean", ())]  # every rule measured, in file order
+    one_vw = calibration({"1x2/1:gpipe": 1200.0, "2x4/3:wsp:sum": 2500.0})
+    assert rules_of(one_vw) == [("wsp", "sum", ()), ("gpipe", "sum", ())]  # a rule measured on one VW counts
     found, note = find_calibration(tmp_path, "toy", "x", 8, "momentum")
     assert found is None and "how to measure one" in note
 
@@ -102,18 +104,36 @@ def test_fit_recovers_a_model_the_points_follow_exactly() -> None:
 
 def test_samples_come_measured_where_the_setting_was_measured_and_fitted_elsewhere() -> None:
     cal = calibration({"1x2/1:1f1b-flush": 1200.0, "1x4/1:1f1b-flush": 1600.0, "1x8/1:1f1b-flush": 2400.0,
-                       "2x4/3:wsp:sum": 5000.0, "2x4/3:wsp:sum:spectrain": 2500.0, "2x2/3:1f1b-flush:mean": None})
+                       "2x4/3:wsp:sum": 5000.0, "2x2/3:wsp:sum": 3000.0, "2x4/3:wsp:sum:spectrain": 2500.0,
+                       "2x2/3:1f1b-flush:mean": None})
     assert samples_to_target(cal, parse_setting("2x4/3:wsp:sum")) == (5000.0, "measured at lr 0.02")
     assert samples_to_target(cal, parse_setting("2x2/1:gpipe:mean")) == (None, "measured: not reached")
-    value, source = samples_to_target(cal, parse_setting("1x16/1:1f1b-flush"))
-    assert source == "fitted" and value > 2400.0  # larger batches keep costing more samples
+    value, source = samples_to_target(cal, parse_setting("1x6/1:1f1b-flush"))
+    assert source == "fitted" and 1600.0 < value < 2400.0  # larger batches cost more samples
     value, source = samples_to_target(cal, parse_setting("2x4/3:wsp:sum:spectrain"))
     assert (value, source) == (2500.0, "measured at lr 0.02")
-    value, source = samples_to_target(cal, parse_setting("2x8/3:wsp:sum:spectrain"))
+    value, source = samples_to_target(cal, parse_setting("2x3/3:wsp:sum:spectrain"))
     assert source.startswith("fitted x spectrain ratio of 1 pair")
-    plain, _ = samples_to_target(cal, parse_setting("2x8/3:wsp:sum"))
+    plain, _ = samples_to_target(cal, parse_setting("2x3/3:wsp:sum"))
     assert value == pytest.approx(plain * 0.5)
     assert samples_to_target(cal, parse_setting("2x8/3:wsp:sum:pipemare"))[0] is None  # never measured
+
+
+def test_a_fit_prices_only_the_features_it_has_seen() -> None:
+    # only larger batches were calibrated: the fit knows log_batch and nothing of staleness
+    cal = calibration({"1x2/1:1f1b-flush": 1200.0, "1x4/1:1f1b-flush": 1600.0, "1x8/1:1f1b-flush": 2400.0})
+    model = fit_model(cal)
+    assert model is not None and set(model.coefficients) == {"log_batch"}
+    value, source = samples_to_target(cal, parse_setting("1x6/1:1f1b-flush"))
+    assert source == "fitted" and 1600.0 < value < 2400.0
+    # beyond the batches calibrated, an exponential fit runs away: unknown, saying how far
+    value, source = samples_to_target(cal, parse_setting("1x16/1:1f1b-flush"))
+    assert value is None and "log_batch 4 (calibrated up to 3)" in source
+    # wsp at Nm 3 updates every minibatch (log_batch 0): a factor would say "sequential", so it is unknown instead
+    assert model.unseen(parse_setting("2x3/3:wsp:sum")) == ["local_lag", "global_lag", "sum_overshoot"]
+    value, source = samples_to_target(cal, parse_setting("2x3/3:wsp:sum"))
+    assert value is None and source.startswith("unknown: the fit has not seen local_lag, global_lag")
+    assert samples_to_target(cal, parse_setting("1x3/3:wsp"))[0] is None
 
 
 def test_planner_ranks_by_time_to_target_and_explains_both_factors() -> None:
@@ -136,6 +156,23 @@ def test_planner_ranks_by_time_to_target_and_explains_both_factors() -> None:
     assert "samples to target ->" in text and "s predicted" in text
     assert "samples to target" in format_table(ranked) and "s to target" in format_table(ranked)
     assert attach_samples(found, None, "sum", ()) == found
+
+
+def test_a_time_to_target_search_offers_fewer_vws_and_smaller_nm_and_can_pick_them() -> None:
+    config, profiles = small()
+    plain = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,)) if c.runnable]
+    wide = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), slower_but_fewer=True)
+            if c.runnable]
+    shape = lambda c: (c.policy, c.schedule, c.nm, tuple(tuple(vw.gpus) for vw in c.plan.vws))  # noqa: E731
+    assert {shape(c) for c in plain} < {shape(c) for c in wide}  # everything the plain search has, and more
+    assert len({shape(c) for c in wide}) == len(wide)  # each distinct set of VWs once
+    assert min(len(c.plan.vws) for c in wide) == 1 < min(len(c.plan.vws) for c in plain)
+    assert min(c.nm for c in wide) == 1 < min(c.nm for c in plain)
+    # a calibration that knows only one-VW settings prices only those, and the best is one of them
+    cal = calibration({"1x2/1:1f1b-flush": 1200.0, "1x4/1:1f1b-flush": 1600.0, "1x8/1:1f1b-flush": 2400.0})
+    assert best(attach_samples(plain, cal, "sum", ())).time_to_target_s is None  # nothing plain is priced
+    top = best(attach_samples(wide, cal, "sum", ()))
+    assert len(top.plan.vws) == 1 and top.time_to_target_s is not None
 
 
 def test_a_candidate_that_never_reached_the_target_ranks_after_every_timed_one() -> None:

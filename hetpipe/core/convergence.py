@@ -266,10 +266,23 @@ class ConvergenceModel:
     rms_log: float
     points: int
     residuals: Mapping[str, float] = field(default_factory=dict)  # setting label -> predicted / measured - 1 (LOO)
+    span: Mapping[str, float] = field(default_factory=dict)  # feature -> the largest value a fitted point has
 
     def factor(self, setting: Setting) -> float:
         x = features(canonical(setting))
         return math.exp(sum(self.coefficients.get(k, 0.0) * v for k, v in x.items()))
+
+    def unseen(self, setting: Setting) -> list[str]:
+        """The setting's features the fit cannot price: those it has no coefficient for (no reached point had them,
+        or too few points to fit them: a factor would count them as free) and those beyond the largest value a
+        fitted point had (an exponential fit extrapolated runs away), each named with its value."""
+        out = []
+        for k, v in features(canonical(setting)).items():
+            if v != 0.0 and k not in self.coefficients:
+                out.append(k)
+            elif v > self.span.get(k, 0.0) * (1 + 1e-9) + 1e-12:
+                out.append(f"{k} {v:g} (calibrated up to {self.span.get(k, 0.0):g})")
+        return out
 
 
 def features(setting: Setting) -> dict[str, float]:
@@ -310,7 +323,8 @@ def fit_model(calibration: Calibration, names: Iterable[str] | None = None) -> C
         loo = _least_squares(rest, keys)
         residuals[s.label] = math.exp(_predict(loo, s) - y) - 1.0
     worst = max((abs(r) for r in residuals.values()), default=0.0)
-    return ConvergenceModel(coef, worst, rms, len(points), residuals)
+    span = {k: max(features(s)[k] for s, _ in points) for k in keys}
+    return ConvergenceModel(coef, worst, rms, len(points), residuals, span)
 
 
 def _predict(coef: Mapping[str, float], setting: Setting) -> float:
@@ -352,7 +366,8 @@ def samples_to_target(calibration: Calibration, setting: Setting,
                       model: ConvergenceModel | None = None) -> tuple[float | None, str]:
     """(samples to the calibration's target for `setting`, where the number comes from): the measured median
     when the calibration has the setting ("measured", None when it did not get there), else the sequential
-    samples x the fitted model's factor ("fitted"); (None, why) when neither can answer."""
+    samples x the fitted model's factor ("fitted") when the fit has a coefficient for every feature the setting
+    has (ConvergenceModel.unseen); (None, why) when neither can answer."""
     found = calibration.find(setting)
     if found is not None:
         return found.median, f"measured at lr {found.lr:g}" if found.median is not None else "measured: not reached"
@@ -372,6 +387,10 @@ def samples_to_target(calibration: Calibration, setting: Setting,
         ratio, pairs = ratio_of
         source = f"fitted x {format_mitigation(want.mitigation)} ratio of {pairs} pair{'s' if pairs > 1 else ''}"
     found = calibration.find(plain)
+    if found is None or found.median is None:
+        unseen = fitted.unseen(plain)
+        if unseen:
+            return None, f"unknown: the fit has not seen {', '.join(unseen)} (calibrate a setting that has it)"
     base = found.median if found is not None and found.median is not None else seq.median * fitted.factor(plain)
     return base * ratio, source if found is None or found.median is None else source.replace("fitted", "measured")
 
@@ -446,12 +465,13 @@ def attach_samples(candidates: Sequence[Any], calibration: Calibration | None, a
 
 
 def rules_of(calibration: Calibration) -> list[tuple[str, str, tuple[str, ...]]]:
-    """The training rules (schedule, aggregation, mitigations) the calibration measured with more than one VW, in
-    file order: what a search over rules can rank by predicted time to target."""
+    """The training rules (schedule, aggregation, mitigations) the calibration measured, with any number of VWs, in
+    file order: what a search over rules can rank by predicted time to target (a rule measured on one VW prices
+    the planner's one-VW plans; its several-VW plans stay unknown unless the fit has seen what they add)."""
     out: list[tuple[str, str, tuple[str, ...]]] = []
     for m in calibration.measurements:
         s = m.setting
         rule = (s.schedule, s.aggregation, s.mitigation)
-        if s.vws > 1 and rule not in out:
+        if rule not in out:
             out.append(rule)
     return out

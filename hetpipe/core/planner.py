@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -213,6 +214,7 @@ def plan_candidates(
     reserve_bytes: int = 0,
     baselines: bool = True,
     schedules: Sequence[str] | None = None,
+    slower_but_fewer: bool = False,
 ) -> list[Candidate]:
     """Every candidate plan for `config` with its prediction, then the baselines (docs/planning.md).
 
@@ -224,6 +226,9 @@ def plan_candidates(
     such grouping is simulated for every D in `d_values` (and the config's D) for `waves` waves. All of this
     for each schedule of `schedules` (default: the config's train.schedule first, then the others of
     SCHEDULES); a schedule changes both the partition (what a stage keeps: hetpipe.core.memory) and the time.
+    `slower_but_fewer`: for a ranking by time to target, also what trades samples/s for samples to target: each
+    grouping with Nm capped below the one it chose, and with only its fastest 1, 2, ... VWs (less staleness and
+    a smaller global batch); groupings that come out the same are planned once.
 
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
     GPUs (default: NetworkConfig.link_gbps of [network]). The baselines: ALLREDUCE over the GPUs whose
@@ -249,9 +254,9 @@ def plan_candidates(
             if isinstance(grouping, str):
                 out.append(Candidate(policy, None, None, 0.0, reason=grouping, schedule=schedule))
                 continue
-            vws, notes = grouping
+            groupings = search.slower_but_fewer(grouping, policy, nm_max, schedule) if slower_but_fewer else [grouping]
             recompute = config.train.recompute and schedule in ("1f1b-flush", "gpipe")
-            for d in ds:
+            for (vws, notes), d in itertools.product(groupings, ds):
                 rule = search.rule(schedule, d, len(vws))
                 sized = tuple(search.with_memory(vw, rule) for vw in vws)
                 over = [(v, j, st) for v, vw in enumerate(sized) for j, st in enumerate(vw.stages)
@@ -398,6 +403,27 @@ class _Search:
         assert chosen is not None  # the smallest chosen nm always fits every VW that chose a larger one
         _, vws, dropped = chosen
         return tuple(self.with_params(vw) for vw in vws), tuple(left_out + dropped)
+
+    def slower_but_fewer(self, grouping: tuple[tuple[VwPlan, ...], tuple[str, ...]], policy: str, nm_max: int | None,
+                         schedule: str) -> list[tuple[tuple[VwPlan, ...], tuple[str, ...]]]:
+        """`grouping`, then the policy's groupings at every smaller Nm cap, then each of these with only its fastest
+        1, 2, ... VWs (plan_candidates' slower_but_fewer); each distinct set of VWs once."""
+        out = [grouping]
+        for cap in range(grouping[0][0].nm - 1, 0, -1):
+            found = self.grouping(policy, cap if nm_max is None else min(cap, nm_max), schedule)
+            if not isinstance(found, str):
+                out.append(found)
+        for vws, notes in list(out):
+            fastest = sorted(vws, key=lambda vw: minibatch_time_s(vw, schedule))
+            for k in range(1, len(vws)):
+                kept = tuple(vw for vw in vws if vw in fastest[:k])
+                out.append((kept, (*notes, f"only the {k} fastest of the policy's {len(vws)} VWs: fewer samples to "
+                                           "target may beat more samples/s")))
+        distinct: list[tuple[tuple[VwPlan, ...], tuple[str, ...]]] = []
+        for vws, notes in out:
+            if all(vws != seen for seen, _ in distinct):
+                distinct.append((vws, notes))
+        return distinct
 
     def best_order(self, gpus: list[Gpu], cap: int, rule: MemoryRule) -> VwPlan:
         """best_order_and_nm, solved once per kind of VW: VWs whose GPUs have the same types, memories and

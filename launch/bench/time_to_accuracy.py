@@ -121,13 +121,14 @@ def planned(config: ClusterConfig, profile: Any, testbed: Topology | None,
                      for schedule, aggregation, mitigation in rules_of(calibration)]
     found = []
     for variant in variants:
-        candidates = planner.plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link)
+        candidates = planner.plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link,
+                                             slower_but_fewer=calibration is not None)
         candidates = attach_samples(candidates, calibration, variant.ps.aggregation, variant.train.mitigations)
         found.append((planner.best(candidates), variant))
     timed = [(c, v) for c, v in found if c.time_to_target_s is not None]
     top, chosen = min(timed, key=lambda cv: cv[0].time_to_target_s) if timed else found[0]
     vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
-    rule = f"{chosen.train.schedule}/{chosen.ps.aggregation}/{chosen.train.mitigation}"
+    rule = f"{top.plan.schedule}/{chosen.ps.aggregation}/{chosen.train.mitigation}"
     setup = throughput.HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness,
                                     f"planner: {top.label}, {rule} of {len(variants)} rules; {note}",
                                     top.samples_per_s, top.plan.schedule)
