@@ -6,10 +6,14 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from hetpipe.core.errors import HetpipeError
+
+if TYPE_CHECKING:
+    from hetpipe.core.testbed import Topology
 
 __all__ = ["main", "cli"]
 
@@ -411,19 +415,29 @@ def _testbed_plan(config_path: Path, settings: tuple[str, ...], scale: float | N
     return config, plan_topology(config, run_id or f"{os.getpid():x}", scale, ps_node)
 
 
+def _nodes_table(topology: Topology, probe: bool) -> str:
+    """The testbed's nodes, with every node's egress and inside rates measured when `probe`."""
+    from hetpipe.app.testbed import probe_egress, probe_inside
+    from hetpipe.core.testbed import format_nodes
+
+    if not probe:
+        return format_nodes(topology)
+    return format_nodes(topology, probe_egress(topology), inside=probe_inside(topology))
+
+
 @testbed.command("up")
 @click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
 @_testbed_options
-@click.option("--probe/--no-probe", default=True, show_default=True, help="Measure every node's egress once up.")
+@click.option("--probe/--no-probe", default=True, show_default=True,
+              help="Measure every node's egress and inside rates once up.")
 def testbed_up(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
                ps_node: str | None, probe: bool) -> None:
     """Build the testbed of CONFIG_PATH and leave it up (until `hetpipe testbed down`)."""
-    from hetpipe.app.testbed import probe_egress, up
-    from hetpipe.core.testbed import format_nodes
+    from hetpipe.app.testbed import up
 
     config, topology = _testbed_plan(config_path, settings, scale, run_id, ps_node)
     folder = up(topology, config, owner=False)
-    click.echo(format_nodes(topology, probe_egress(topology) if probe else None))
+    click.echo(_nodes_table(topology, probe))
     click.echo(f"testbed {topology.run} is up; effective config {folder / 'cluster.toml'}; run a command on a node "
                f"with `ip netns exec {topology.nodes[0].netns} ...`; remove it with `hetpipe testbed down --run "
                f"{topology.run}`")
@@ -464,22 +478,21 @@ def testbed_run(config_path: Path, settings: tuple[str, ...], scale: float | Non
 @_testbed_options
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where traces, logs and the effective config go (default: <train.out_dir>/testbed-<time>).")
-@click.option("--probe/--no-probe", default=True, show_default=True, help="Measure every node's egress first.")
+@click.option("--probe/--no-probe", default=True, show_default=True,
+              help="Measure every node's egress and inside rates first.")
 def testbed_train(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
                   ps_node: str | None, run_dir: Path | None, probe: bool) -> None:
     """Train in the testbed as on several machines: `hetpipe server` and `hetpipe worker`s in their nodes'
     namespaces; the testbed is torn down after."""
     import time
 
-    from hetpipe.app.testbed import probe_egress
     from hetpipe.app.testbed import testbed as shaped
     from hetpipe.app.testbed_train import train_in_testbed
-    from hetpipe.core.testbed import format_nodes
 
     config, topology = _testbed_plan(config_path, settings, scale, run_id, ps_node)
     run_dir = run_dir or Path(config.train.out_dir) / time.strftime("testbed-%Y%m%d-%H%M%S")
     with shaped(topology, config):
-        click.echo(format_nodes(topology, probe_egress(topology) if probe else None))
+        click.echo(_nodes_table(topology, probe))
         run = train_in_testbed(config, topology, run_dir, say=click.echo)
     click.echo(f"{config.train.waves} waves in {run.wall_s:.1f} s; bytes sent per node: "
                + ", ".join(f"{n} {b}" for n, b in run.egress_bytes.items()) + f"; run dir {run.run_dir}")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hetpipe.app import testbed as tb
-from hetpipe.core.config import load_config
+from hetpipe.core.config import apply_overrides, load_config
 from hetpipe.core.testbed import plan_topology, within
 
 from conftest import as_from_a_terminal
@@ -152,6 +152,21 @@ def test_every_node_egress_is_shaped_to_its_rate(tmp_path: Path) -> None:
     assert set(measured) == {"n0", "n1"}
     for node, gbps in measured.items():
         assert within(gbps, 0.002, 0.15), f"{node}: {gbps * 1e3:.3f} Mbit/s, configured 2"
+    assert leftovers(topology.run) == []
+
+
+@pytest.mark.slow
+@needs_testbed
+def test_traffic_inside_a_node_is_shaped_to_its_gpus_links(tmp_path: Path) -> None:
+    """A node's loopback (what its own GPUs send each other) runs at its GPUs x intra_node_gbps x scale."""
+    config = apply_overrides(load_config(two_nodes(tmp_path)), ["network.intra_node_gbps=2"])
+    topology = plan_topology(config, run_id("l"), 0.001)  # 2 Gbit/s x 0.001 = 2 Mbit/s a GPU
+    with tb.testbed(topology, config):
+        inside = tb.probe_inside(topology, seconds=1.5)
+    for net in topology.nodes:
+        want = len(config.nodes[[n.name for n in config.nodes].index(net.node)].gpus) * 0.002
+        assert net.inside_gbps == pytest.approx(want)
+        assert within(inside[net.node], want, 0.15), f"{net.node}: {inside[net.node] * 1e3:.3f} Mbit/s, configured {want * 1e3:g}"
     assert leftovers(topology.run) == []
 
 

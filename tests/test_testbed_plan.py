@@ -11,6 +11,7 @@ from hetpipe.core.errors import UsageError
 from hetpipe.core.testbed import (
     LinkScale,
     Tbf,
+    Topology,
     WorkerPlace,
     effective_config,
     format_nodes,
@@ -43,8 +44,12 @@ def test_plan_of_the_bench_cluster() -> None:
     assert all(n.tbf == tbf_for(0.004) for n in topology.nodes)
     assert topology.overrides() == ("nodes.0.host=10.77.0.2", "nodes.1.host=10.77.0.3", "nodes.2.host=10.77.0.4",
                                     "ps.host=10.77.0.2", "emulation.link_bandwidth=false")
-    assert topology.link_gbps("n0:0", "n0:1", 27.0) == 27.0
-    assert topology.link_gbps("n0:0", "n2:1", 27.0) == pytest.approx(0.004)
+    # inside a node: its two GPUs' 100 Gbit/s (intra_node_gbps' default) links x the scale, on its loopback
+    assert topology.intra_node_gbps == 100.0 and topology.shaped_intra_gbps == pytest.approx(0.04)
+    assert all(n.inside_tbf == tbf_for(0.08) for n in topology.nodes)
+    assert topology.link_gbps("n0:0", "n0:1") == pytest.approx(0.04)
+    assert topology.link_gbps("n0:0", "n2:1") == pytest.approx(0.004)
+    assert Topology.from_dict(topology.to_dict()) == topology
     assert topology.of_gpu("n2:1").netns == "hp-ab12-n2"
 
 
@@ -171,4 +176,26 @@ def test_format_nodes_says_which_are_in_range() -> None:
     lines = text.splitlines()
     assert "hp-t-n0" in lines[1] and "9.9 (-1.0%, ok)" in lines[1] and "[PS]" in lines[1]
     assert "8 (-20.0%, OUT OF RANGE)" in lines[2]
-    assert lines[3].rstrip().endswith("-")
+    assert lines[3].split()[4] == "-"  # n2: not measured
+    assert lines[1].split()[-2] == "200"  # inside: 2 GPUs x 100 Gbit/s x 0.001, in Mbit/s
+    text = format_nodes(topology, inside={"n0": 0.199, "n1": 0.0, "n2": 0.2})
+    lines = text.splitlines()
+    assert "199 (-0.5%, ok)" in lines[1] and "0 (-100.0%, OUT OF RANGE)" in lines[2]
+
+
+def test_ddp_on_one_node_pays_for_its_all_reduce_at_the_inside_rate() -> None:
+    import sys
+
+    sys.path.insert(0, str(REPO / "launch" / "bench"))
+    import peers
+    import throughput
+
+    config = load_config(BENCH)
+    topology = plan_topology(config, "t", 0.001)  # inside: 0.1 Gbit/s a GPU; between nodes 0.01
+    one_node = [d for d in peers.devices(config) if d.gpu.startswith("n0:")]
+    two_nodes = [d for d in peers.devices(config) if d.gpu in ("n0:0", "n1:0")]
+    param_bytes = 10**6
+    # a ring over 2 ranks: each sends 2 (n - 1) / n = 1x the parameters, at its link's rate
+    assert throughput.allreduce_s(param_bytes, one_node, topology) == pytest.approx(8e6 / 0.1e9)
+    assert throughput.allreduce_s(param_bytes, two_nodes, topology) == pytest.approx(8e6 / 0.01e9)
+    assert throughput.allreduce_s(param_bytes, one_node, None) == 0.0

@@ -21,12 +21,13 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from hetpipe.core.config import ClusterConfig, config_toml
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.testbed import (
+    LO_MTU,
     NS_IFNAME,
     PREFIX_LEN,
     LinkScale,
@@ -49,6 +50,7 @@ __all__ = [
     "ingress_bytes",
     "netns_argv",
     "probe_egress",
+    "probe_inside",
     "remove",
     "run_command",
     "state_dir",
@@ -247,7 +249,9 @@ def clean_stale() -> list[str]:
 def _create_node(topology: Topology, net: NodeNet) -> None:
     ns = net.netns
     for step in (["ip", "netns", "add", ns],
+                 ["ip", "-n", ns, "link", "set", "lo", "mtu", str(LO_MTU)],
                  ["ip", "-n", ns, "link", "set", "lo", "up"],
+                 ["tc", "-n", ns, "qdisc", "replace", "dev", "lo", "root", *net.inside_tbf.tc_args()],  # inside
                  ["ip", "link", "add", net.host_veth, "type", "veth", "peer", "name", NS_IFNAME, "netns", ns],
                  ["ip", "link", "set", net.host_veth, "master", topology.bridge],
                  ["ip", "link", "set", net.host_veth, "up"],
@@ -331,14 +335,34 @@ def probe_egress(topology: Topology, seconds: float = 1.5, warmup_s: float = 0.3
     if len(topology.nodes) < 2:
         return {net.node: None for net in topology.nodes}
     nodes = topology.nodes
-    return {net.node: _probe_one(net, nodes[(i + 1) % len(nodes)], seconds, warmup_s) for i, net in enumerate(nodes)}
+    return {net.node: _probe_one(net, nodes[(i + 1) % len(nodes)], seconds, warmup_s, _counter, net.tbf.rate_bit)
+            for i, net in enumerate(nodes)}
+
+
+def probe_inside(topology: Topology, seconds: float = 1.5, warmup_s: float = 0.3) -> dict[str, float]:
+    """Each node's inside rate in Gbit/s (its loopback: traffic between its own GPUs), as probe_egress measures
+    egress: a TCP stream from the node to itself, the loopback's bytes after `warmup_s`, bounded alike."""
+    return {net.node: _probe_one(net, net, seconds, warmup_s, _loopback_counter, net.inside_tbf.rate_bit)
+            for net in topology.nodes}
 
 
 def _counter(net: NodeNet) -> int:
     return int((SYS_NET / net.host_veth / "statistics" / "rx_bytes").read_text())
 
 
-def _probe_one(src: NodeNet, dst: NodeNet, seconds: float, warmup_s: float) -> float:
+def _loopback_counter(net: NodeNet) -> int:
+    """Bytes the node's loopback has carried: read from /proc/thread-self/net/dev inside its namespace."""
+    with in_netns(net.netns):
+        lines = Path("/proc/thread-self/net/dev").read_text().splitlines()
+    for line in lines:
+        name, _, fields = line.partition(":")
+        if name.strip() == "lo":
+            return int(fields.split()[8])  # transmit bytes
+    raise HetpipeError(f"testbed: no loopback in namespace {net.netns}")
+
+
+def _probe_one(src: NodeNet, dst: NodeNet, seconds: float, warmup_s: float, counter: Callable[[NodeNet], int],
+               rate_bit: int) -> float:
     with in_netns(dst.netns):
         server = socket.create_server((dst.address, 0))
     server.settimeout(seconds + 10)
@@ -354,17 +378,17 @@ def _probe_one(src: NodeNet, dst: NodeNet, seconds: float, warmup_s: float) -> f
                            f"the bridge ({exc}); if br_netfilter is loaded (/proc/sys/net/bridge/bridge-nf-call-"
                            "iptables is 1) and the firewall drops forwarded traffic (e.g. Docker's FORWARD policy), "
                            "allow traffic on the hp-* bridges") from None
-    limit = max(1 << 20, int(2 * src.tbf.rate_bit / 8 * seconds))
+    limit = max(1 << 20, int(2 * rate_bit / 8 * seconds))
     payload, sent, mark = bytes(_PROBE_CHUNK), 0, None
     client.settimeout(0.2)
     start = time.monotonic()
     try:
         while (now := time.monotonic()) - start < seconds and sent < limit:
             if mark is None and now - start >= warmup_s:
-                mark = (now, _counter(src))
+                mark = (now, counter(src))
             with contextlib.suppress(TimeoutError):
                 sent += client.send(payload)
-        end, after = time.monotonic(), _counter(src)
+        end, after = time.monotonic(), counter(src)
     finally:
         client.close()
         receiver.join(timeout=10)

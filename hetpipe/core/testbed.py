@@ -6,7 +6,9 @@ One network namespace per config node, all on one bridge in the root namespace, 
 10.77.0.0/16 (private to the machine). A node's link is shaped both ways by a tbf qdisc at inter_node_gbps x
 scale, like a full-duplex NIC: its egress on its end of its veth, its ingress on the bridge's end (so several
 nodes sending to one, e.g. pushes to the PS, share its rate). Traffic between processes of one node stays inside
-its namespace (loopback speed: intra_node_gbps is not emulated).
+its namespace, on its loopback, shaped by a tbf at its GPUs x intra_node_gbps x scale: the node's GPUs each on
+their own full-duplex PCIe-like link through a switch that does not block, so all of them can send at once
+(lo_mtu: the loopback's frames are cut to an Ethernet MTU so that the bucket stays small).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hetpipe.core.errors import UsageError
 
 __all__ = [
     "BURST_S",
+    "LO_MTU",
     "MIN_BURST_BYTES",
     "MIN_QUEUE_BYTES",
     "NS_IFNAME",
@@ -49,6 +52,7 @@ SUBNET = "10.77.0.0/16"
 PREFIX_LEN = 16
 NS_IFNAME = "hpnet"  # a node's end of its veth, inside its namespace: the same name everywhere (GLOO_SOCKET_IFNAME)
 IFNAMSIZ = 15  # longest Linux interface name
+LO_MTU = 1500  # a node's loopback MTU in the testbed (Linux's 65536 would need a 64 KiB bucket for one frame)
 _RUN = re.compile(r"[a-z0-9]{1,8}")
 
 # tbf: a bucket of at least MIN_BURST_BYTES (two full 1514-byte frames and change) or 1 ms of the rate, and a
@@ -147,17 +151,23 @@ class LinkScale:
 
 @dataclass(frozen=True)
 class NodeNet:
-    """One config node in the testbed: its namespace, its veth's bridge end, its address, its shaped egress."""
+    """One config node in the testbed: its namespace, its veth's bridge end, its address, its shaped egress, and
+    the shaping of its loopback (the traffic between its own GPUs)."""
 
     node: str
     netns: str  # hp-<run>-<node>
     host_veth: str  # hp-<run>-<index>, in the root namespace, a port of the bridge
     address: str
     tbf: Tbf
+    inside_tbf: Tbf  # on its loopback: its GPUs x intra_node_gbps x scale
 
     @property
     def egress_gbps(self) -> float:
         return self.tbf.gbps
+
+    @property
+    def inside_gbps(self) -> float:
+        return self.inside_tbf.gbps
 
 
 @dataclass(frozen=True)
@@ -170,6 +180,7 @@ class Topology:
     ps_node: str
     scale: float
     inter_node_gbps: float
+    intra_node_gbps: float
 
     def node(self, name: str) -> NodeNet:
         for net in self.nodes:
@@ -190,9 +201,14 @@ class Topology:
         """Every node's egress rate: inter_node_gbps x scale."""
         return self.inter_node_gbps * self.scale
 
-    def link_gbps(self, a: str, b: str, intra_gbps: float) -> float:
-        """Gbit/s between GPUs a and b ("n0:1"): `intra_gbps` on one node (its namespace), else a shaped link."""
-        return intra_gbps if a.rsplit(":", 1)[0] == b.rsplit(":", 1)[0] else self.shaped_gbps
+    @property
+    def shaped_intra_gbps(self) -> float:
+        """One GPU's share of its node's loopback: intra_node_gbps x scale."""
+        return self.intra_node_gbps * self.scale
+
+    def link_gbps(self, a: str, b: str) -> float:
+        """Gbit/s between GPUs a and b ("n0:1"): shaped_intra_gbps on one node, else shaped_gbps."""
+        return self.shaped_intra_gbps if a.rsplit(":", 1)[0] == b.rsplit(":", 1)[0] else self.shaped_gbps
 
     def overrides(self) -> tuple[str, ...]:
         """`--set` overrides that make a config run in this testbed: node hosts, the PS host, no sleep-based links."""
@@ -204,8 +220,10 @@ class Topology:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Topology:
-        nodes = tuple(NodeNet(**{**n, "tbf": Tbf(**n["tbf"])}) for n in data["nodes"])
-        return cls(data["run"], data["bridge"], nodes, data["ps_node"], data["scale"], data["inter_node_gbps"])
+        nodes = tuple(NodeNet(**{**n, "tbf": Tbf(**n["tbf"]), "inside_tbf": Tbf(**n["inside_tbf"])})
+                      for n in data["nodes"])
+        return cls(data["run"], data["bridge"], nodes, data["ps_node"], data["scale"], data["inter_node_gbps"],
+                   data["intra_node_gbps"])
 
 
 def effective_config(config: ClusterConfig, topology: Topology) -> ClusterConfig:
@@ -223,7 +241,8 @@ def node_address(index: int) -> str:
 
 
 def plan_topology(config: ClusterConfig, run: str, scale: float, ps_node: str | None = None) -> Topology:
-    """The testbed of `config`: one namespace per node, egress at inter_node_gbps x scale.
+    """The testbed of `config`: one namespace per node, egress at inter_node_gbps x scale, its loopback at its
+    GPUs x intra_node_gbps x scale.
 
     The PS runs on `ps_node`, else on the first node whose host is the config's ps.host, else on the first node.
     """
@@ -244,8 +263,9 @@ def plan_topology(config: ClusterConfig, run: str, scale: float, ps_node: str | 
         if len(veth) > IFNAMSIZ:
             raise UsageError(f"testbed interface name {veth!r} is longer than {IFNAMSIZ} characters: "
                              "use a shorter run id or fewer nodes")
-        nodes.append(NodeNet(name, f"{PREFIX}{run}-{name}", veth, node_address(i), tbf))
-    return Topology(run, f"{PREFIX}{run}-br", tuple(nodes), ps_node, scale, gbps)
+        inside = tbf_for(len(config.nodes[i].gpus) * config.network.intra_node_gbps * scale)
+        nodes.append(NodeNet(name, f"{PREFIX}{run}-{name}", veth, node_address(i), tbf, inside))
+    return Topology(run, f"{PREFIX}{run}-br", tuple(nodes), ps_node, scale, gbps, config.network.intra_node_gbps)
 
 
 def run_of(name: str) -> str | None:
@@ -304,16 +324,23 @@ def layout_overrides(layouts: Iterable[tuple[Sequence[str], Sequence[int]]]) -> 
 
 
 def format_nodes(topology: Topology, measured: Mapping[str, float | None] | None = None,
-                 tolerance: float = 0.15) -> str:
-    """A table of the testbed's nodes: namespace, address, configured egress and, when given, the measured one
-    (Mbit/s) with whether it is within `tolerance` of the configured rate."""
-    lines = [f"{'node':<8} {'namespace':<16} {'address':<12} {'egress Mbit/s':>13}" + ("  measured" if measured else "")]
+                 tolerance: float = 0.15, inside: Mapping[str, float | None] | None = None) -> str:
+    """A table of the testbed's nodes: namespace, address, configured egress and inside (loopback) rates and,
+    when given, the measured ones (Mbit/s) with whether each is within `tolerance` of its configured rate."""
+    def cell(got: float | None, want: float) -> str:
+        if got is None:
+            return "-"
+        return f"{got * 1e3:.4g} ({got / want - 1:+.1%}, {'ok' if within(got, want, tolerance) else 'OUT OF RANGE'})"
+
+    lines = [f"{'node':<8} {'namespace':<16} {'address':<12} {'egress Mbit/s':>13}" + ("  measured" if measured else "")
+             + f"  {'inside Mbit/s':>13}" + ("  measured" if inside else "")]
     for net in topology.nodes:
         line = f"{net.node:<8} {net.netns:<16} {net.address:<12} {net.egress_gbps * 1e3:>13.4g}"
         if measured is not None:
-            got = measured.get(net.node)
-            line += "  -" if got is None else (f"  {got * 1e3:.4g} ({got / net.egress_gbps - 1:+.1%}, "
-                                               + ("ok" if within(got, net.egress_gbps, tolerance) else "OUT OF RANGE") + ")")
+            line += f"  {cell(measured.get(net.node), net.egress_gbps):<28}"
+        line += f"  {net.inside_gbps * 1e3:>13.4g}"
+        if inside is not None:
+            line += f"  {cell(inside.get(net.node), net.inside_gbps)}"
         lines.append(line + ("  [PS]" if net.node == topology.ps_node else ""))
     return "\n".join(lines)
 

@@ -103,12 +103,13 @@ class HetpipeSetup:
 
 def planner_links(testbed: Topology | None) -> tuple[float, Callable[[str, str], float]]:
     """(the PS's link, the link between two GPUs) in Gbit/s as the planner should see them: loopback figures on
-    the free network; in the testbed, a node's shaped egress between nodes and for the PS, loopback inside a node."""
+    the free network; in the testbed, a node's shaped egress between nodes and for the PS, its shaped loopback
+    inside a node."""
     from hetpipe.core import planner
 
     if testbed is None:
         return planner.EMULATED_PS_GBPS, lambda a, b: planner.EMULATED_P2P_GBPS
-    return testbed.shaped_gbps, lambda a, b: testbed.link_gbps(a, b, planner.EMULATED_P2P_GBPS)
+    return testbed.shaped_gbps, testbed.link_gbps
 
 
 def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nm: int | None = None,
@@ -266,12 +267,14 @@ def parse_ddp(text: str, default_batch: int) -> list[tuple[str, list[int]]]:
 
 
 def allreduce_s(param_bytes: int, members: Sequence[peers.Device], testbed: Topology | None) -> float:
-    """A ring all-reduce's time over the testbed's shaped links: each rank sends 2 (n - 1) / n of the parameters
-    and a node's egress carries one rank's share across (0 without a testbed, or when the ranks share a node)."""
-    if testbed is None or len({testbed.of_gpu(d.gpu).node for d in members}) < 2:
+    """A ring all-reduce's time over the testbed's shaped links: each rank sends 2 (n - 1) / n of the parameters,
+    at one GPU's inside rate when the ranks share a node, else at a node's egress (0 without a testbed)."""
+    if testbed is None or len(members) < 2:
         return 0.0
     n = len(members)
-    return 2 * (n - 1) / n * param_bytes * 8 / (testbed.shaped_gbps * 1e9)
+    one_node = len({testbed.of_gpu(d.gpu).node for d in members}) == 1
+    gbps = testbed.shaped_intra_gbps if one_node else testbed.shaped_gbps
+    return 2 * (n - 1) / n * param_bytes * 8 / (gbps * 1e9)
 
 
 def ddp_peers(config: ClusterConfig, subsets: dict[str, list[peers.Device]], wanted: Sequence[tuple[str, list[int]]],
@@ -306,7 +309,7 @@ def pipeline_peers(config: ClusterConfig, devs: list[peers.Device], micro: Seque
         if microbatch * n_micro > n_train:
             raise click.BadParameter(f"--micro {microbatch}x{n_micro}: a minibatch of {microbatch * n_micro} is more "
                                      f"than the {n_train} training samples; use fewer or smaller microbatches")
-        link = 27.0 if testbed is None else (lambda a, b: testbed.link_gbps(a, b, 27.0))
+        link = 27.0 if testbed is None else testbed.link_gbps
         layout = peers.pipeline_layout(devs, peers.model_profile(config, microbatch, cache), link)
 
         def run(seconds: float, logs: Path, layout: peers.PipelineLayout = layout, mb: int = microbatch,
@@ -374,15 +377,21 @@ def open_testbed(config: ClusterConfig, cache: Path, scale: float | None, probe_
     topology = plan_topology(config, f"{os.getpid():x}", scale or derived.scale)
     stack.enter_context(tb.testbed(topology, config))
     measured = tb.probe_egress(topology, probe_s)
-    print(f"testbed {topology.run}: egress measured for {probe_s:g} s per node (link-level bytes)")
-    print(format_nodes(topology, measured, EGRESS_TOLERANCE))
+    inside = tb.probe_inside(topology, probe_s)
+    print(f"testbed {topology.run}: egress and inside (loopback) rates measured for {probe_s:g} s per node "
+          "(link-level bytes)")
+    print(format_nodes(topology, measured, EGRESS_TOLERANCE, inside))
     ok = all(m is None or within(m, topology.shaped_gbps, EGRESS_TOLERANCE) for m in measured.values())
-    print(f"every node's egress within {EGRESS_TOLERANCE:.0%} of its configured rate: {'yes' if ok else 'NO'}", flush=True)
+    inside_ok = all(within(inside[n.node], n.inside_gbps, EGRESS_TOLERANCE) for n in topology.nodes)
+    print(f"every node's egress within {EGRESS_TOLERANCE:.0%} of its configured rate: {'yes' if ok else 'NO'}; "
+          f"inside: {'yes' if inside_ok else 'NO'}", flush=True)
     record = {"scale": topology.scale, "scale_derived": derived.to_dict(), "scale_given": scale,
-              "inter_node_gbps": topology.inter_node_gbps, "ps_node": topology.ps_node,
-              "egress_within_tolerance": ok, "tolerance": EGRESS_TOLERANCE,
+              "inter_node_gbps": topology.inter_node_gbps, "intra_node_gbps": topology.intra_node_gbps,
+              "ps_node": topology.ps_node, "egress_within_tolerance": ok, "inside_within_tolerance": inside_ok,
+              "tolerance": EGRESS_TOLERANCE,
               "nodes": [{"node": n.node, "address": n.address, "configured_gbps": n.egress_gbps,
-                         "measured_gbps": measured[n.node]} for n in topology.nodes]}
+                         "measured_gbps": measured[n.node], "inside_configured_gbps": n.inside_gbps,
+                         "inside_measured_gbps": inside[n.node]} for n in topology.nodes]}
     return topology, record
 
 

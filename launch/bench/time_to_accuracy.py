@@ -158,7 +158,7 @@ class Bench:
         self.subsets = peers.ddp_subsets(fit)
         for line in peers.describe_members(fit, left_out, need):
             print(line)
-        link = 27.0 if testbed is None else (lambda a, b: testbed.link_gbps(a, b, 27.0))
+        link = 27.0 if testbed is None else testbed.link_gbps
         self.layout = peers.pipeline_layout(self.devs, self.profile, link)
         self._plan: tuple[throughput.HetpipeSetup, Any, Calibration | None] | None = None
         self._capacity: float | None = None
