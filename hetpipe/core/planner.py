@@ -254,7 +254,7 @@ def plan_candidates(
             if isinstance(grouping, str):
                 out.append(Candidate(policy, None, None, 0.0, reason=grouping, schedule=schedule))
                 continue
-            groupings = search.slower_but_fewer(grouping, policy, nm_max, schedule) if slower_but_fewer else [grouping]
+            groupings = search.slower_but_fewer(grouping, policy, schedule) if slower_but_fewer else [grouping]
             recompute = config.train.recompute and schedule in ("1f1b-flush", "gpipe")
             for (vws, notes), d in itertools.product(groupings, ds):
                 rule = search.rule(schedule, d, len(vws))
@@ -404,13 +404,13 @@ class _Search:
         _, vws, dropped = chosen
         return tuple(self.with_params(vw) for vw in vws), tuple(left_out + dropped)
 
-    def slower_but_fewer(self, grouping: tuple[tuple[VwPlan, ...], tuple[str, ...]], policy: str, nm_max: int | None,
+    def slower_but_fewer(self, grouping: tuple[tuple[VwPlan, ...], tuple[str, ...]], policy: str,
                          schedule: str) -> list[tuple[tuple[VwPlan, ...], tuple[str, ...]]]:
         """`grouping`, then the policy's groupings at every smaller Nm cap, then each of these with only its fastest
         1, 2, ... VWs (plan_candidates' slower_but_fewer); each distinct set of VWs once."""
         out = [grouping]
         for cap in range(grouping[0][0].nm - 1, 0, -1):
-            found = self.grouping(policy, cap if nm_max is None else min(cap, nm_max), schedule)
+            found = self.grouping(policy, cap, schedule)  # cap < the chosen Nm <= nm_max
             if not isinstance(found, str):
                 out.append(found)
         for vws, notes in list(out):
