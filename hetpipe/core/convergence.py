@@ -367,7 +367,7 @@ def samples_to_target(calibration: Calibration, setting: Setting,
     """(samples to the calibration's target for `setting`, where the number comes from): the measured median
     when the calibration has the setting ("measured", None when it did not get there), else the sequential
     samples x the fitted model's factor ("fitted") when the fit has a coefficient for every feature the setting
-    has (ConvergenceModel.unseen); (None, why) when neither can answer."""
+    has, within the values it saw (ConvergenceModel.unseen); (None, why) when neither can answer."""
     found = calibration.find(setting)
     if found is not None:
         return found.median, f"measured at lr {found.lr:g}" if found.median is not None else "measured: not reached"
