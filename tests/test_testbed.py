@@ -163,8 +163,8 @@ def test_traffic_inside_a_node_is_shaped_to_its_gpus_links(tmp_path: Path) -> No
     topology = plan_topology(config, run_id("l"), 0.001)  # 2 Gbit/s x 0.001 = 2 Mbit/s a GPU
     with tb.testbed(topology, config):
         inside = tb.probe_inside(topology, seconds=1.5)
-    for net in topology.nodes:
-        want = len(config.nodes[[n.name for n in config.nodes].index(net.node)].gpus) * 0.002
+    for node, net in zip(config.nodes, topology.nodes, strict=True):  # plan_topology keeps the config's order
+        want = len(node.gpus) * 0.002
         assert net.inside_gbps == pytest.approx(want)
         assert within(inside[net.node], want, 0.15), f"{net.node}: {inside[net.node] * 1e3:.3f} Mbit/s, configured {want * 1e3:g}"
     assert leftovers(topology.run) == []

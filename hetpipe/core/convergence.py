@@ -387,12 +387,12 @@ def samples_to_target(calibration: Calibration, setting: Setting,
         ratio, pairs = ratio_of
         source = f"fitted x {format_mitigation(want.mitigation)} ratio of {pairs} pair{'s' if pairs > 1 else ''}"
     found = calibration.find(plain)
-    if found is None or found.median is None:
-        unseen = fitted.unseen(plain)
-        if unseen:
-            return None, f"unknown: the fit has not seen {', '.join(unseen)} (calibrate a setting that has it)"
-    base = found.median if found is not None and found.median is not None else seq.median * fitted.factor(plain)
-    return base * ratio, source if found is None or found.median is None else source.replace("fitted", "measured")
+    if found is not None and found.median is not None:
+        return found.median * ratio, source.replace("fitted", "measured")
+    unseen = fitted.unseen(plain)
+    if unseen:
+        return None, f"unknown: the fit has not seen {', '.join(unseen)} (calibrate a setting that has it)"
+    return seq.median * fitted.factor(plain) * ratio, source
 
 
 def lr_of(calibration: Calibration, setting: Setting) -> float | None:
