@@ -29,6 +29,7 @@ from hetpipe.core.planner import (
     supplied_profiles,
 )
 from hetpipe.core.profile import LayerProfile, ModelProfile
+from hetpipe.core.simulate import PsNetwork
 from hetpipe.models import get_model, param_counts
 
 GIB = 2**30
@@ -157,6 +158,23 @@ def test_explicit_vws_keep_their_order_and_split() -> None:
     vws = found[0].plan.vws
     assert vws[0].gpus == ("n1:0", "n0:0") and vws[0].split == (1, 5)
     assert vws[1].gpus == ("n0:1", "n1:1") and vws[1].split == (4, 2)
+
+
+def test_a_vw_beside_the_ps_is_priced_at_its_nodes_loopback_with_a_ps_network() -> None:
+    # one GPU on each node; 6 MiB of weights pushed per wave: 5 s over a 0.01 Gbit/s egress, 5 ms over 10 Gbit/s
+    network = PsNetwork("n0", {"n0": 0.01, "n1": 0.01}, {"n0": 10.0, "n1": 10.0})
+
+    def rate(gpu: str, ps_network: PsNetwork | None) -> float:
+        extra = {"virtual_workers": [{"gpus": [gpu]}]}
+        config = cluster([["fast"], ["fast"]], {"fast": (2.0, 8.0)}, extra=extra)
+        found = plan_candidates(config, {"fast": toy_profile("fast", 1.0)}, ps_gbps=10.0, d_values=(0,),
+                                policies=["explicit"], baselines=False, ps_network=ps_network)
+        return found[0].samples_per_s
+
+    assert rate("n0:0", None) == rate("n1:0", None)  # one PS link for all: where a VW sits does not matter
+    beside, away = rate("n0:0", network), rate("n1:0", network)
+    assert beside == pytest.approx(rate("n0:0", None), rel=0.01)  # its loopback is as fast as the PS itself
+    assert away < beside / 10  # each wave waits for its push over the slow egress
 
 
 def test_explain_names_every_loser_and_why() -> None:

@@ -13,6 +13,7 @@ from hetpipe.core.plan import Plan, StagePlan, VwPlan
 from hetpipe.core.schedule import BACKWARD, FORWARD, wsp_schedule
 from hetpipe.core.schedule import simulate as simulate_schedule
 from hetpipe.core.simulate import (
+    PsNetwork,
     simulate,
     simulate_allreduce,
     simulate_sync_pipeline,
@@ -25,9 +26,10 @@ GB = 1e9  # 8 Gbit/s moves GB bytes per second
 
 
 def stage(
-    forward: float, backward: float, *, recv: float = 0.0, send: float = 0.0, params: int = 0, layers: int = 1
+    forward: float, backward: float, *, recv: float = 0.0, send: float = 0.0, params: int = 0, layers: int = 1,
+    gpu: str = "n0:0",
 ) -> StagePlan:
-    return StagePlan("n0:0", "g", 0, layers, forward, backward, recv, send, 0, 0, params)
+    return StagePlan(gpu, "g", 0, layers, forward, backward, recv, send, 0, 0, params)
 
 
 def vw(*stages: StagePlan, nm: int = 1, param_bytes: int = 0) -> VwPlan:
@@ -155,6 +157,42 @@ def test_larger_d_lets_the_fast_worker_run_ahead_and_raises_throughput() -> None
     # (At 1 Gbit/s the pushes hide behind compute entirely; at 0.1 they queue.)
     loaded = [simulate(two_speeds(d, params=10**8), waves=12, ps_gbps=0.1).samples_per_s for d in (0, 1, 3, 20)]
     assert loaded[0] < loaded[1] < loaded[2] < loaded[3]
+
+
+# ---------------------------------------------------------------------------------------------- node links
+
+# The PS on n0; every node's egress 8 Gbit/s (1 s per GB), n0's loopback 80 (0.1 s per GB).
+NETWORK = PsNetwork("n0", {"n0": 8.0, "n1": 8.0, "n2": 8.0}, {"n0": 80.0, "n1": 80.0, "n2": 80.0})
+
+
+def test_pushes_leave_over_their_own_nodes_egress_and_pulls_share_the_ps_nodes() -> None:
+    # The shared-link case above, with vw0 on n1 and vw1 on n2: PUSH0 at 3 crosses n1's and n2's egress at
+    # once (both land at 4, not 4 and 5). The gate opens at 4; both pulls leave over n0's egress: vw0's 4-5,
+    # vw1's 5-6. F1 3-4, B1 4-6, PUSH1 6-7 each; both pulls are in by 6: F2 6-7, B2 7-9, PUSH2 9-10.
+    result = simulate(plan(vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")),
+                           vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))), waves=3, ps_gbps=math.inf, network=NETWORK)
+    assert result.makespan_s == 10.0
+    assert result.vws[0].wave_done_s == result.vws[1].wave_done_s == (4.0, 7.0, 10.0)
+    assert (result.vws[0].pull_s, result.vws[1].pull_s) == (1.0, 2.0)
+    assert result.ps_utilisation == pytest.approx(3 / 10)  # each egress carried 3 pushes; n0's 2 pulls
+    shared = simulate(plan(vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")),
+                           vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))), waves=3, ps_gbps=8.0)
+    assert shared.makespan_s == 11.0  # without the network: one link for everything, as worked out above
+
+
+def test_a_vw_on_the_ps_node_crosses_its_loopback_and_the_ps_rate_still_caps_it() -> None:
+    def makespan(gpu: str, ps_gbps: float = math.inf) -> float:
+        one = plan(vw(stage(1.0, 2.0, params=int(GB), gpu=gpu)))
+        return simulate(one, waves=3, ps_gbps=ps_gbps, network=NETWORK).makespan_s
+
+    assert makespan("n1:0") == 10.0  # pushes of 1 s each, as on one 8 Gbit/s link
+    assert makespan("n0:0") == pytest.approx(9.1)  # F0 B0 at 0-3, F1 B1 3-6, F2 B2 6-9; each push 0.1 s
+    assert makespan("n0:0", ps_gbps=8.0) == 10.0  # the PS itself moves no faster than 8 Gbit/s
+
+
+def test_a_network_without_the_plans_node_says_so() -> None:
+    with pytest.raises(UsageError, match="node 'n7'.*nodes: n0, n1, n2"):
+        simulate(plan(vw(stage(1.0, 2.0, params=1, gpu="n7:0"))), waves=1, ps_gbps=1.0, network=NETWORK)
 
 
 @settings(max_examples=25, deadline=None)

@@ -53,6 +53,14 @@ def test_plan_of_the_bench_cluster() -> None:
     assert topology.of_gpu("n2:1").netns == "hp-ab12-n2"
 
 
+def test_the_ps_network_routes_each_gpu_over_its_nodes_links() -> None:
+    network = plan_topology(load_config(BENCH), "t", 0.001).ps_network()  # the PS on n0
+    name, gbps = network.route("n0:1", push=True)
+    assert name == "n0 loopback" and gbps == pytest.approx(0.2)  # 2 GPUs x 100 Gbit/s x 0.001
+    assert network.route("n1:0", push=True) == ("n1 egress", pytest.approx(0.01))
+    assert network.route("n2:1", push=False) == ("n0 egress", pytest.approx(0.01))  # pulls leave the PS's node
+
+
 def test_effective_config_puts_every_node_and_the_ps_on_its_address() -> None:
     config = apply_overrides(load_config(BENCH), ["emulation.link_bandwidth=true"])
     effective = effective_config(config, plan_topology(config, "x", 0.01))

@@ -16,7 +16,7 @@ from hetpipe.core.memory import PLAIN, MemoryRule, format_bytes, stage_memory_te
 from hetpipe.core.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
 from hetpipe.core.plan import Plan, VwPlan
 from hetpipe.core.profile import ModelProfile, derive_profile
-from hetpipe.core.simulate import simulate, simulate_allreduce, simulate_sync_pipeline
+from hetpipe.core.simulate import PsNetwork, simulate, simulate_allreduce, simulate_sync_pipeline
 
 __all__ = [
     "ALLREDUCE",
@@ -215,6 +215,7 @@ def plan_candidates(
     baselines: bool = True,
     schedules: Sequence[str] | None = None,
     slower_but_fewer: bool = False,
+    ps_network: PsNetwork | None = None,
 ) -> list[Candidate]:
     """Every candidate plan for `config` with its prediction, then the baselines (docs/planning.md).
 
@@ -231,7 +232,9 @@ def plan_candidates(
     a smaller global batch); groupings that come out the same are planned once.
 
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
-    GPUs (default: NetworkConfig.link_gbps of [network]). The baselines: ALLREDUCE over the GPUs whose
+    GPUs (default: NetworkConfig.link_gbps of [network]); `ps_network`: the nodes' own links the PS traffic
+    crosses (hetpipe.core.simulate.PsNetwork, e.g. the testbed's), each capped by the PS's rate; None: one
+    link for all. The baselines: ALLREDUCE over the GPUs whose
     memory holds the whole model, SYNC_PIPELINE over all GPUs (at most one per layer, fastest first).
     """
     batch = config.train.batch_size
@@ -271,7 +274,7 @@ def plan_candidates(
                     continue
                 plan = Plan(policy, search.any_profile.model, batch, d, sized, placement=config.ps.placement,
                             schedule=schedule, recompute=recompute)
-                out.append(_predict(plan, notes, waves, ps_gbps, config.ps.shards, server))
+                out.append(_predict(plan, notes, waves, ps_gbps, config.ps.shards, server, ps_network))
     if baselines:
         out.append(search.allreduce())
         out.append(search.sync_pipeline())
@@ -544,10 +547,12 @@ class _Search:
         return f" minus a reserve of {format_bytes(self.reserve)}" if self.reserve else ""
 
 
-def _predict(plan: Plan, notes: tuple[str, ...], waves: int, ps_gbps: float, shards: int, server: bool) -> Candidate:
+def _predict(plan: Plan, notes: tuple[str, ...], waves: int, ps_gbps: float, shards: int, server: bool,
+             network: PsNetwork | None) -> Candidate:
     """Simulate `waves` waves; the prediction is the long run: every VW at the slowest VW's steady wave time
     (WSP keeps any VW within D + 1 waves of the slowest), fill and drain left out."""
-    result = simulate(plan, waves=waves, ps_gbps=ps_gbps, ps_shards=shards, server_aggregation=server)
+    result = simulate(plan, waves=waves, ps_gbps=ps_gbps, ps_shards=shards, server_aggregation=server,
+                      network=network)
     per_wave = max(r.wave_s for r in result.vws)
     steady = len(plan.vws) * plan.batch_size * plan.vws[0].nm / per_wave if per_wave > 0 else result.samples_per_s
     uses = tuple(u for vw in plan.vws for u in _uses(vw))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetpipe.core.errors import HetpipeError, UsageError
@@ -25,6 +25,7 @@ from hetpipe.core.wsp import gate_version
 __all__ = [
     "BaselineResult",
     "GateRecord",
+    "PsNetwork",
     "SimEvent",
     "SimResult",
     "VwResult",
@@ -82,7 +83,7 @@ class SimResult:
 
     samples_per_s: float  # batch_size x all minibatches of all VWs / makespan
     makespan_s: float
-    ps_utilisation: float  # busy fraction of the PS link over the makespan
+    ps_utilisation: float  # busy fraction of the PS link (of the busiest, with a PsNetwork) over the makespan
     vws: tuple[VwResult, ...]
     gates: tuple[GateRecord, ...]
     events: tuple[SimEvent, ...]
@@ -133,11 +134,33 @@ def stage_param_bytes(vw: VwPlan) -> list[float]:
     return [vw.param_bytes * n / layers for n in vw.split]
 
 
+@dataclass(frozen=True)
+class PsNetwork:
+    """The nodes' own links as the PS's bytes cross them (the testbed, or a cluster of machines): the PS runs on
+    `ps_node`; a GPU on another node pushes over its node's egress and pulls over the PS node's egress (shared by
+    every VW there); a GPU on the PS's node pushes and pulls over that node's loopback. Gbit/s per node name."""
+
+    ps_node: str
+    egress_gbps: Mapping[str, float]
+    inside_gbps: Mapping[str, float]
+
+    def route(self, gpu: str, push: bool) -> tuple[str, float]:
+        """(the link's name, its Gbit/s) that a push (else a pull) of GPU "n1:0" crosses."""
+        node = gpu.rsplit(":", 1)[0]
+        if node not in self.egress_gbps or node not in self.inside_gbps:
+            raise UsageError(f"GPU {gpu!r} is on node {node!r}, which the PS network does not list "
+                             f"(nodes: {', '.join(self.egress_gbps)}); build it from the same config as the plan")
+        if node == self.ps_node:
+            return f"{node} loopback", self.inside_gbps[node]
+        sender = node if push else self.ps_node
+        return f"{sender} egress", self.egress_gbps[sender]
+
+
 # ---------------------------------------------------------------------------------------------- WSP run
 
 
 class _Link:
-    """The PS link: one FIFO for pushes and pulls, `bytes_per_s` in all (every shard's share in parallel)."""
+    """A FIFO link to or from the PS carrying `bytes_per_s` (every shard's share in parallel)."""
 
     def __init__(self, bytes_per_s: float) -> None:
         self.bytes_per_s = bytes_per_s
@@ -164,6 +187,7 @@ class _Vw:
         if recompute:  # the backward runs the forward again first
             self.backward = [b + f for f, b in zip(self.forward, self.backward, strict=True)]
         self.param_bytes = stage_param_bytes(vw)
+        self.gpus = vw.gpus
         self.position = [0] * self.k
         self.free_at = [0.0] * self.k
         self.ready_at = [0.0] * self.k  # when the stage reached its current position
@@ -195,13 +219,33 @@ class _Vw:
         return tuple(max(landed) for landed in self.push_landed)
 
 
-class _Run:
-    """All virtual workers on one clock and one PS link, so the D bound couples them."""
+class _Links:
+    """The links the PS's traffic crosses: one shared FIFO at the PS's own rate, or, given a PsNetwork, one FIFO
+    per node link (each no faster than the PS's own rate)."""
 
-    def __init__(self, plan: Plan, waves: int, link: _Link, pulls: bool) -> None:
+    def __init__(self, ps_bytes_per_s: float, network: PsNetwork | None) -> None:
+        self.ps_bytes_per_s = ps_bytes_per_s
+        self.network = network
+        self.by_name: dict[str, _Link] = {}
+
+    def of(self, gpu: str, push: bool) -> _Link:
+        name, gbps = ("PS", math.inf) if self.network is None else self.network.route(gpu, push)
+        if name not in self.by_name:
+            self.by_name[name] = _Link(min(self.ps_bytes_per_s, gbps * 1e9 / 8))
+        return self.by_name[name]
+
+    def utilisation(self, makespan: float) -> float:
+        """The busiest link's busy share of `makespan`."""
+        return max((link.busy_s for link in self.by_name.values()), default=0.0) / makespan
+
+
+class _Run:
+    """All virtual workers on one clock and one set of PS links, so the D bound couples them."""
+
+    def __init__(self, plan: Plan, waves: int, links: _Links, pulls: bool) -> None:
         self.staleness = plan.staleness
         self.vws = [_Vw(vw, waves, plan.staleness, plan.schedule, plan.recompute) for vw in plan.vws]
-        self.link = link
+        self.links = links
         self.pulls = pulls
         self.events: list[SimEvent] = []
         self.gates: list[GateRecord] = []
@@ -234,7 +278,7 @@ class _Run:
             for j in range(vw.k):
                 for wave, handed in vw.pull_handed[j].items():
                     if wave not in vw.pull_arrived[j] and handed <= now and c_global >= gate_version(wave, self.staleness):
-                        arrived = self.link.transfer(now, vw.param_bytes[j])
+                        arrived = self.links.of(vw.gpus[j], push=False).transfer(now, vw.param_bytes[j])
                         vw.pull_arrived[j][wave] = arrived
                         vw.pull_s += arrived - now
                         if arrived > now:
@@ -244,7 +288,7 @@ class _Run:
         vw = self.vws[i]
         end = free = now
         if action.kind == PUSH:  # handed to the PS agent thread: the stage goes on at once
-            end = self.link.transfer(now, vw.param_bytes[j])  # the event spans the transfer
+            end = self.links.of(vw.gpus[j], push=True).transfer(now, vw.param_bytes[j])  # the event spans it
             vw.push_landed[action.index].append(end)
             vw.pushed[j] = action.index + 1
         elif action.kind == WAIT and self.pulls:  # the pull has arrived (ready() checked)
@@ -296,8 +340,8 @@ class _Run:
             now = heapq.heappop(self.upcoming)
 
 
-def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1, server_aggregation: bool = False
-             ) -> SimResult:
+def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1, server_aggregation: bool = False,
+             network: PsNetwork | None = None) -> SimResult:
     """Run every VW of `plan` for `waves` waves of its schedule under WSP with D = plan.staleness.
 
     Stages take stage_times() (a recomputing backward adds the forward); PUSH c sends the stage's param
@@ -308,7 +352,9 @@ def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1, serv
     the optimizer (`server_aggregation`).
     Pushes and pulls share one FIFO PS link; with balanced placement every transfer is spread
     evenly over the shards, each with its own `ps_gbps` link, so the link runs at ps_shards x ps_gbps
-    (math.inf: free). The run ends when the last push has arrived.
+    (math.inf: free). With a `network`, each transfer instead queues on the node link it crosses
+    (PsNetwork.route), at the lesser of that link's rate and the PS's; ps_utilisation is then the busiest
+    link's. The run ends when the last push has arrived.
     """
     if waves < 1:
         raise UsageError(f"waves must be >= 1, got {waves}")
@@ -318,8 +364,8 @@ def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1, serv
         raise UsageError(f"ps_shards must be >= 1, got {ps_shards}")
     if not plan.vws:
         raise UsageError("the plan has no virtual workers; allocate GPUs to at least one")
-    link = _Link(ps_gbps * ps_shards * 1e9 / 8)
-    run = _Run(plan, waves, link, pulls=len(plan.vws) > 1 or server_aggregation)
+    links = _Links(ps_gbps * ps_shards * 1e9 / 8, network)
+    run = _Run(plan, waves, links, pulls=len(plan.vws) > 1 or server_aggregation)
     run.run()
     makespan = max(e.end for e in run.events)
     results = []
@@ -333,7 +379,7 @@ def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1, serv
     return SimResult(
         samples_per_s=total / makespan,
         makespan_s=makespan,
-        ps_utilisation=link.busy_s / makespan,
+        ps_utilisation=links.utilisation(makespan),
         vws=tuple(results),
         gates=tuple(run.gates),
         events=tuple(run.events),

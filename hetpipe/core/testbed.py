@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 from hetpipe.core.config import ClusterConfig, apply_overrides
 from hetpipe.core.errors import UsageError
+from hetpipe.core.simulate import PsNetwork
 
 __all__ = [
     "BURST_S",
@@ -209,6 +210,11 @@ class Topology:
     def link_gbps(self, a: str, b: str) -> float:
         """Gbit/s between GPUs a and b ("n0:1"): shaped_intra_gbps on one node, else shaped_gbps."""
         return self.shaped_intra_gbps if a.rsplit(":", 1)[0] == b.rsplit(":", 1)[0] else self.shaped_gbps
+
+    def ps_network(self) -> PsNetwork:
+        """The links the PS's traffic crosses here, for the simulator: each node's shaped egress and loopback."""
+        return PsNetwork(self.ps_node, {n.node: n.egress_gbps for n in self.nodes},
+                         {n.node: n.inside_gbps for n in self.nodes})
 
     def overrides(self) -> tuple[str, ...]:
         """`--set` overrides that make a config run in this testbed: node hosts, the PS host, no sleep-based links."""

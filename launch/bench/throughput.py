@@ -57,6 +57,7 @@ from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
 from hetpipe.core.profile import ModelProfile  # noqa: E402
+from hetpipe.core.simulate import PsNetwork  # noqa: E402
 from hetpipe.core.testbed import Topology, format_nodes, plan_topology, within  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "clusters" / "bench.toml"
@@ -101,15 +102,15 @@ class HetpipeSetup:
             "-".join(g) + " " + "/".join(map(str, s)) for g, s in self.vws) + f", Nm={self.nm}, D={self.staleness}"
 
 
-def planner_links(testbed: Topology | None) -> tuple[float, Callable[[str, str], float]]:
-    """(the PS's link, the link between two GPUs) in Gbit/s as the planner should see them: loopback figures on
-    the free network; in the testbed, a node's shaped egress between nodes and for the PS, its shaped loopback
-    inside a node."""
+def planner_links(testbed: Topology | None) -> tuple[float, Callable[[str, str], float], PsNetwork | None]:
+    """(the PS's own rate, the link between two GPUs, the node links the PS traffic crosses) as the planner should
+    see them: loopback figures on the free network; in the testbed, each node's shaped egress between nodes and to
+    or from the PS, its shaped loopback inside a node (its GPUs' own VW traffic to a PS on it included)."""
     from hetpipe.core import planner
 
     if testbed is None:
-        return planner.EMULATED_PS_GBPS, lambda a, b: planner.EMULATED_P2P_GBPS
-    return testbed.shaped_gbps, testbed.link_gbps
+        return planner.EMULATED_PS_GBPS, lambda a, b: planner.EMULATED_P2P_GBPS, None
+    return planner.EMULATED_PS_GBPS, testbed.link_gbps, testbed.ps_network()
 
 
 def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nm: int | None = None,
@@ -123,8 +124,9 @@ def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: boo
         from hetpipe.core import planner
 
         profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
-        ps_gbps, link = planner_links(testbed)
+        ps_gbps, link, network = planner_links(testbed)
         candidates = planner.plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, nm_max=nm,
+                                             ps_network=network,
                                              d_values=planner.D_VALUES if staleness is None else (staleness,))
         if staleness is not None:
             candidates = [c for c in candidates if c.staleness in (None, staleness)]

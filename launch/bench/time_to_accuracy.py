@@ -112,7 +112,7 @@ def planned(config: ClusterConfig, profile: Any, testbed: Topology | None,
     from hetpipe.core import planner
 
     profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
-    ps_gbps, link = throughput.planner_links(testbed)
+    ps_gbps, link, network = throughput.planner_links(testbed)
     calibration, note = plan_calibration(config)
     variants = [config]
     if search_rules and calibration is not None:
@@ -121,7 +121,7 @@ def planned(config: ClusterConfig, profile: Any, testbed: Topology | None,
                      for schedule, aggregation, mitigation in rules_of(calibration)]
     found = []
     for variant in variants:
-        candidates = planner.plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link,
+        candidates = planner.plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link, ps_network=network,
                                              slower_but_fewer=calibration is not None)
         candidates = attach_samples(candidates, calibration, variant.ps.aggregation, variant.train.mitigations)
         found.append((planner.best(candidates), variant))
