@@ -43,7 +43,7 @@ def shard_settings(
     return ShardSettings(
         run=config.name,
         shard=shard,
-        endpoint=f"tcp://{config.ps.host}:{config.ps.port + shard if port is None else port}",
+        endpoint=f"tcp://{config.shard_host(shard)}:{config.ps.port + shard if port is None else port}",
         staleness=config.wsp.staleness,
         pull_mode=config.wsp.pull,
         checkpoint_dir=Path(checkpoint_root or ckpt.dir) / f"shard-{shard}" if ckpt.enabled else None,
@@ -70,6 +70,11 @@ def run_shard(packed_config: bytes, shard: int) -> None:
 def serve_all(config: ClusterConfig) -> None:
     """Serve every shard of the config as child processes; stop all when one fails or on Ctrl-C."""
     shard_keys(config)  # a missing or bad key file: say so before any shard starts
+    hosts = {config.shard_host(i) for i in range(config.ps.shards)}
+    if len(hosts) > 1:
+        each = "; ".join(f"`hetpipe server --shard {i}` on {n.name} ({n.host})" for i, n in enumerate(config.nodes))
+        raise UsageError(f'{config.path}: [ps] placement = "local" runs one shard on each node, and the nodes have '
+                         f"different hosts, so no one machine can serve them all: run {each}")
     if config.ps.shards == 1:
         run_shard(pack_config(config), 0)
         return

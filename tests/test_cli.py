@@ -41,6 +41,16 @@ def test_missing_config_and_bad_shard(tmp_path: Path):
     assert result.returncode == 2 and "--shard 3 is out of range" in result.stderr
 
 
+def test_a_local_placement_over_several_hosts_says_which_shard_to_start_where(tmp_path: Path):
+    body = GOOD_HEAD.replace('name = "n0"', 'name = "n0"\nhost = "10.0.0.5"') + (
+        '[[nodes]]\nname = "n1"\nhost = "10.0.0.6"\ngpus = ["a"]\n[ps]\nshards = 2\nplacement = "local"\n')
+    path = tmp_path / "two.toml"
+    path.write_text(body)
+    result = hetpipe("server", "--config", str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "`hetpipe server --shard 0` on n0 (10.0.0.5); `hetpipe server --shard 1` on n1 (10.0.0.6)" in result.stderr
+
+
 def test_schedule_grid_and_unknown_schedule():
     result = hetpipe("schedule", "--stages", "2", "--nm", "2", "--waves", "1", "--lists")
     assert result.returncode == 0

@@ -225,6 +225,14 @@ def test_ps_endpoints_one_port_per_shard(tmp_path: Path) -> None:
     assert cfg.ps_endpoints() == ["tcp://10.0.0.2:65533", "tcp://10.0.0.2:65534", "tcp://10.0.0.2:65535"]
 
 
+def test_local_placement_puts_shard_i_on_node_i(tmp_path: Path) -> None:
+    text = MINIMAL.replace('name = "n0"', 'name = "n0"\nhost = "10.0.0.5"').replace(
+        'name = "n1"', 'name = "n1"\nhost = "10.0.0.6"')
+    cfg = load_text(tmp_path, text + '[ps]\nhost = "10.0.0.2"\nport = 9000\nshards = 2\nplacement = "local"')
+    assert cfg.ps_endpoints() == ["tcp://10.0.0.5:9000", "tcp://10.0.0.6:9001"]
+    assert [cfg.shard_host(i) for i in (0, 1)] == ["10.0.0.5", "10.0.0.6"]
+
+
 def test_gpu_ref_parse_and_str() -> None:
     assert GpuRef.parse("n0:12") == GpuRef("n0", 12) and str(GpuRef("n0", 12)) == "n0:12"
     for bad in ["n0", "n0:", ":1", "n0:-1", "n0:1:2", "n 0:1"]:
@@ -329,6 +337,9 @@ ERRORS = [
      ['train.optimizer: unknown value "adamw"', "choose one of: sgd, momentum, adam", 'did you mean "adam"']),
     ("bad-policy", MINIMAL + '[allocation]\npolicy = "HD"\n', ['allocation.policy: unknown value "HD"', 'np, ed, hd (did you mean "hd"?)']),
     ("bad-placement", MINIMAL + '[ps]\nplacement = "spread"\n', ['ps.placement: unknown value "spread"']),
+    ("local-placement-shards", MINIMAL + '[ps]\nplacement = "local"\n',
+     ['ps.shards: is 1 but placement = "local" runs one shard on each of the 2 nodes',
+      'set shards = 2, or placement = "balanced"']),
     ("bad-auth", MINIMAL + '[ps]\nauth = "curv"\n',
      ['ps.auth: unknown value "curv"', 'choose one of: none, curve (did you mean "curve"?)']),
     ("auth-not-string", MINIMAL + "[ps]\nauth = true\n",

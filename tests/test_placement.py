@@ -1,11 +1,18 @@
-"""Tests of hetpipe.core.placement: balanced by bytes, deterministic, independent of how a model is split."""
+"""Tests of hetpipe.core.placement: balanced by bytes, deterministic, independent of how a model is split; local by node."""
 
 from __future__ import annotations
 
 import pytest
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.placement import balanced_placement, get_placement, keys_by_shard
+from hetpipe.core.placement import (
+    balanced_placement,
+    get_placement,
+    keys_by_shard,
+    layer_of_key,
+    layer_shards,
+    local_placement,
+)
 
 
 def test_balanced_literal():
@@ -37,3 +44,44 @@ def test_errors():
         get_placement("random")
     with pytest.raises(UsageError):
         balanced_placement({"a": 1}, 0)
+
+
+def test_local_puts_each_layer_on_the_shard_of_the_node_that_runs_it():
+    # the first VW: n2:0 runs layers 0-1, n1:0 layers 2-3, n0:0 layers 4-9 (nodes n0 n1 n2 are shards 0 1 2)
+    shards = layer_shards(("n2:0", "n1:0", "n0:0"), (2, 2, 6), ("n0", "n1", "n2"))
+    assert shards == (2, 2, 1, 1, 0, 0, 0, 0, 0, 0)
+    keys = ["0.weight", "1.bias", "3.attn.qkv.weight", "9.weight", "audit/2"]
+    assert local_placement(keys, shards) == {"0.weight": 2, "1.bias": 2, "3.attn.qkv.weight": 1, "9.weight": 0,
+                                             "audit/2": 1}
+    # two stages on one node: both on its shard
+    assert layer_shards(("n1:0", "n1:1"), (1, 2), ("n0", "n1")) == (1, 1, 1)
+
+
+def test_local_placement_errors_name_the_key_or_gpu():
+    assert [layer_of_key(k) for k in ("12.weight", "audit/3", "0.running_mean")] == [12, 3, 0]
+    with pytest.raises(UsageError, match="key 'head.weight' names no layer"):
+        local_placement(["head.weight"], (0,))
+    with pytest.raises(UsageError, match="key '5.weight' is in layer 5, but the layout has 2 layers"):
+        local_placement(["5.weight"], (0, 1))
+    with pytest.raises(UsageError, match="node 'n7'"):
+        layer_shards(("n7:0",), (3,), ("n0", "n1"))
+    with pytest.raises(UsageError, match="2 GPUs but 1 stage sizes"):
+        layer_shards(("n0:0", "n1:0"), (3,), ("n0", "n1"))
+
+
+def test_a_run_with_local_placement_places_the_models_keys_by_its_first_vw(tmp_path):
+    from hetpipe.compute.build import VwLayout, ps_placement
+    from hetpipe.core.config import apply_overrides, load_config
+    from hetpipe.models import get_model
+
+    from conftest import write_config
+
+    path = write_config(tmp_path, vws=[["n0:0", "n0:1"]], nm=1, staleness=0, waves=1, hidden=(8, 8, 8))
+    path.write_text(path.read_text() + '\n[[nodes]]\nname = "n1"\ngpus = ["g0"]\n')
+    config = apply_overrides(load_config(path), ['ps.placement="local"', "ps.shards=2"])
+    spec = get_model("mlp", hidden=[8, 8, 8])  # a flatten, then 4 linear layers: "1.0.weight" ... "4.bias"
+    place = ps_placement(config, spec, first_vw=VwLayout(("n1:0", "n0:0"), (2, 3)))  # layers 0-1 on n1, 2-4 on n0
+    assert place == {"1.0.weight": 1, "1.0.bias": 1, "2.0.weight": 0, "2.0.bias": 0, "3.0.weight": 0, "3.0.bias": 0,
+                     "4.weight": 0, "4.bias": 0}
+    with pytest.raises(UsageError, match="follows the first VW"):
+        ps_placement(config, spec)

@@ -177,6 +177,23 @@ def test_a_vw_beside_the_ps_is_priced_at_its_nodes_loopback_with_a_ps_network() 
     assert away < beside / 10  # each wave waits for its push over the slow egress
 
 
+def test_local_placement_keeps_ed_vws_ps_traffic_inside_their_nodes() -> None:
+    # two VWs, each a GPU on both nodes: with every shard on n0 the n1 stages push and pull over the slow links;
+    # with placement "local" each stage's layers sit on its own node's shard, reached over its loopback
+    network = PsNetwork("n0", {"n0": 0.01, "n1": 0.01}, {"n0": 10.0, "n1": 10.0})
+    vws = {"virtual_workers": [{"gpus": ["n0:0", "n1:0"], "layers": [3, 3]}, {"gpus": ["n0:1", "n1:1"], "layers": [3, 3]}]}
+
+    def rate(ps: dict) -> float:
+        config = cluster([["fast", "fast"], ["fast", "fast"]], {"fast": (2.0, 8.0)}, extra={**vws, "ps": ps})
+        found = plan_candidates(config, {"fast": toy_profile("fast", 1.0)}, ps_gbps=10.0, d_values=(0,),
+                                policies=["explicit"], baselines=False, ps_network=network)
+        return found[0].samples_per_s
+
+    one_node = rate({"shards": 1})
+    local = rate({"shards": 2, "placement": "local"})
+    assert local > 10 * one_node
+
+
 def test_explain_names_every_loser_and_why() -> None:
     config, profiles = small()
     found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0, 1))

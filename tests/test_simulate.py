@@ -190,6 +190,28 @@ def test_a_vw_on_the_ps_node_crosses_its_loopback_and_the_ps_rate_still_caps_it(
     assert makespan("n0:0", ps_gbps=8.0) == 10.0  # the PS itself moves no faster than 8 Gbit/s
 
 
+def test_local_placement_keeps_a_vws_traffic_on_the_node_holding_its_layers() -> None:
+    # The layer lives on n1's shard. vw0 (on n1) reaches it over n1's loopback: each push and pull 0.1 s. vw1 (on
+    # n2) pushes over n2's egress (1 s) and pulls over n1's (1 s): PUSH0 3-4, so the gate opens at 4; vw1's pull
+    # 4-5, vw0's 4-4.1. F1 3-4, B1 4-6; PUSH1 6-6.1 and 6-7; F2 6-7, B2 7-9; PUSH2 9-9.1 and 9-10.
+    local = PsNetwork("n0", NETWORK.egress_gbps, NETWORK.inside_gbps, layer_nodes=("n1",))
+    result = simulate(plan(vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")),
+                           vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))), waves=3, ps_gbps=math.inf, network=local)
+    assert result.makespan_s == 10.0
+    assert result.vws[0].wave_done_s == pytest.approx((3.1, 6.1, 9.1)) and result.vws[1].wave_done_s == (4.0, 7.0, 10.0)
+    assert (result.vws[0].pull_s, result.vws[1].pull_s) == pytest.approx((0.1, 1.0))
+
+
+def test_a_stage_spanning_shards_splits_its_bytes_by_layer() -> None:
+    split = PsNetwork("n0", NETWORK.egress_gbps, NETWORK.inside_gbps, layer_nodes=("n1", "n2"), layer_bytes=(3.0, 1.0))
+    assert split.parts("n1:0", 0, 2, 100.0, push=True) == [("n1 loopback", 80.0, 75.0), ("n1 egress", 8.0, 25.0)]
+    assert split.parts("n1:0", 0, 2, 100.0, push=False) == [("n1 loopback", 80.0, 75.0), ("n2 egress", 8.0, 25.0)]
+    even = PsNetwork("n0", NETWORK.egress_gbps, NETWORK.inside_gbps, layer_nodes=("n1", "n2"))
+    assert [p[2] for p in even.parts("n2:0", 0, 2, 100.0, push=True)] == [50.0, 50.0]
+    with pytest.raises(UsageError, match=r"layers \[1, 3\) of 'n1:0' are outside the 2 layers"):
+        even.parts("n1:0", 1, 3, 1.0, push=True)
+
+
 def test_a_network_without_the_plans_node_says_so() -> None:
     with pytest.raises(UsageError, match="node 'n7'.*nodes: n0, n1, n2"):
         simulate(plan(vw(stage(1.0, 2.0, params=1, gpu="n7:0"))), waves=1, ps_gbps=1.0, network=NETWORK)

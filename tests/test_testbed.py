@@ -116,6 +116,29 @@ def test_without_root_or_ip_netns_the_cli_says_why(tmp_path: Path, monkeypatch, 
 @pytest.mark.slow
 @needs_testbed
 @pytest.mark.timeout(300)
+def test_local_placement_runs_a_shard_in_every_nodes_namespace(tmp_path: Path, reaper) -> None:
+    """ED-local in the testbed: `hetpipe server --shard I` in node I's namespace on its address, two VWs each
+    spanning both nodes; 3 waves on both shards."""
+    text = TWO_NODES.replace("[ps]\n", '[ps]\nshards = 2\nplacement = "local"\n').replace(
+        'gpus = ["n1:1"]', 'gpus = ["n0:1", "n1:1"]')
+    path = tmp_path / "tb2.toml"
+    path.write_text(text.replace("OUT", str(tmp_path / "runs")))
+    run, run_dir = run_id("l"), tmp_path / "run"
+    proc = hetpipe("testbed", "train", str(path), "--scale", "0.01", "--run", run, "--run-dir", str(run_dir),
+                   "--no-probe")
+    reaper.append(proc)
+    out, err = proc.communicate(timeout=280)
+    assert proc.returncode == 0, err + out
+    assert load_config(run_dir / "cluster.toml").ps_endpoints() == ["tcp://10.77.0.2:7700", "tcp://10.77.0.3:7701"]
+    assert "n0 (10.77.0.2): -m hetpipe server" in out and "n1 (10.77.0.3): -m hetpipe server" in out
+    for shard in (0, 1):
+        assert "clock 3  c_local [3, 3]" in (run_dir / "logs" / f"server-{shard}.log").read_text()
+    assert leftovers(run) == []
+
+
+@pytest.mark.slow
+@needs_testbed
+@pytest.mark.timeout(300)
 def test_server_and_workers_train_three_waves_on_distinct_addresses(tmp_path: Path, reaper) -> None:
     """The acceptance test of the several-machines flow: a 2-node testbed, `hetpipe server` in n0's namespace,
     VW 0 spanning both nodes (`hetpipe worker --vw 0 --stage J` in each), VW 1 on n1; 3 waves; torn down."""

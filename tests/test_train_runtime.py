@@ -269,3 +269,27 @@ def test_example_model_trains_evaluates_live_and_exports(tmp_path: Path):
     with torch.no_grad():
         predicted = model(test.x[:200]).argmax(-1)
     assert round(float((predicted == test.y[:200]).float().mean()), 4) == summary["test_accuracy"]
+
+
+def test_local_placement_keeps_each_nodes_layers_on_its_own_shard(tmp_path: Path):
+    """ED-local: two nodes, two VWs each with a GPU on both; shard i (node i) holds exactly node i's layers and the
+    audited WSP guarantees hold."""
+    from hetpipe.compute.build import model_of
+    from hetpipe.server.checkpoint import load_newest
+
+    path = write_config(tmp_path, vws=[["n0:0", "n1:0"], ["n0:1", "n1:1"]], nm=2, staleness=0, waves=3,
+                        hidden=(24, 16, 16))
+    text = path.read_text().replace('[checkpoint]\ndir = ""', f'[checkpoint]\ndir = "{tmp_path / "unused"}"\nevery = 1')
+    text = text.replace("[wsp]", '[ps]\nshards = 2\nplacement = "local"\n[wsp]')
+    path.write_text(text + '\n[[nodes]]\nname = "n1"\ngpus = ["g0", "g0"]\ndevices = ["cpu", "cpu"]\n')
+    text = path.read_text()
+    for v in (0, 1):  # layers 0-1 (a flatten and a linear layer) on n0, 2-4 on n1, in both VWs
+        text = text.replace(f'gpus = ["n0:{v}", "n1:{v}"]\n', f'gpus = ["n0:{v}", "n1:{v}"]\nlayers = [2, 3]\n')
+    path.write_text(text)
+    config = load_config(path)
+    summary = train(config, TrainOptions(run_dir=tmp_path / "run", progress=False, audit=True))
+    assert summary["audit_final_ledgers_exact"] is True
+    keys = [set(load_newest(tmp_path / "run" / "ps" / f"shard-{s}", print).arrays) for s in (0, 1)]
+    layers = [{int(k.split("/")[-1].split(".")[0]) for k in found if not k.startswith("_")} for found in keys]
+    assert layers == [{0, 1}, {2, 3, 4}], keys
+    assert model_of(config).num_layers == 5

@@ -41,6 +41,7 @@ class StageJob:
     resume_wave: int = 0  # > 0: continue from this stage's checkpoint at that wave (hetpipe train --resume)
     snapshot_every: int = 0  # > 0: save this stage's state every this many waves under <run_dir>/stages
     snapshot_keep: int = 3  # snapshots that may still match one of the PS's kept checkpoints
+    first_vw: VwLayout | None = None  # the run's first VW: placement "local" puts each layer where it runs
 
     @cached_property
     def config(self) -> ClusterConfig:
@@ -91,7 +92,7 @@ def stage_jobs(
             slowdown=slow.get(lay.gpus[s], 1.0), time_scale=time_scale, device=devices[s],
             dump_weights=dump_weights, audit=audit, ps_keys=ps_keys, start_wave=start_wave, resume_wave=resume_wave,
             snapshot_every=config.checkpoint.every if snapshots and config.checkpoint.stages else 0,
-            snapshot_keep=config.checkpoint.keep,
+            snapshot_keep=config.checkpoint.keep, first_vw=vws[0],
         )
         for s in range(len(lay.split))
     ]

@@ -124,7 +124,7 @@ class StageRunner:
         self.trace.other_threads[PS_ROW + job.stage] = f"stage {job.stage} PS traffic"
         self.client = PSClient(
             list(job.ps_endpoints), config.name, job.vw, job.stage, job.num_vws, job.num_stages,
-            ps_placement(config, self.spec, job.num_vws if job.audit else 0), timeout_s=config.ps.timeout_s,
+            ps_placement(config, self.spec, job.num_vws if job.audit else 0, job.first_vw), timeout_s=config.ps.timeout_s,
             retry_s=min(5.0, config.ps.timeout_s / 4), curve=job.ps_keys, wire_dtype=config.ps.wire_dtype,
         )
         self.p2p: P2P | None = None

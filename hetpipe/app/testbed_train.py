@@ -1,4 +1,5 @@
-"""Training in the testbed as on several machines: `hetpipe server` in the PS node's namespace and one
+"""Training in the testbed as on several machines: `hetpipe server` in the PS node's namespace (with placement
+"local", `hetpipe server --shard I` in node I's) and one
 `hetpipe worker` per virtual worker (or per stage, for a VW spanning nodes) in its node's namespace, each a
 real process on its node's address, reading the effective config the run directory holds (docs/testbed.md).
 
@@ -101,6 +102,14 @@ def _wait_listening(commands: _Commands, server: _Command, shards: int, timeout_
         time.sleep(0.1)
 
 
+def _server_places(config: ClusterConfig, topology: Topology) -> list[tuple[str, int | None]]:
+    """(node, shard) of each `hetpipe server` to start: every shard on the PS node (shard None: all of them), or
+    with placement "local" shard i on node i."""
+    if config.ps.placement == "local":
+        return [(node.name, i) for i, node in enumerate(config.nodes)]
+    return [(topology.ps_node, None)]
+
+
 def train_in_testbed(config: ClusterConfig, topology: Topology, run_dir: Path, *,
                      layouts: Sequence[VwLayout] | None = None, timeout_s: float = 900.0,
                      say: Callable[[str], None] = lambda line: None) -> TestbedRun:
@@ -118,10 +127,15 @@ def train_in_testbed(config: ClusterConfig, topology: Topology, run_dir: Path, *
     commands = _Commands()
     lines = []
     try:
-        argv = _hetpipe("server", "--config", str(config_path))
-        server = commands.start("hetpipe server", netns_argv(topology, topology.ps_node, argv), run_dir / "logs" / "server.log")
-        lines.append(f"{topology.ps_node} ({topology.ps.address}): {' '.join(argv[1:])}")
-        _wait_listening(commands, server, config.ps.shards, timeout_s=120)
+        servers = []
+        for node, shard in _server_places(config, topology):
+            argv = _hetpipe("server", "--config", str(config_path), *(() if shard is None else ("--shard", str(shard))))
+            log = run_dir / "logs" / ("server.log" if shard is None else f"server-{shard}.log")
+            name = "hetpipe server" + ("" if shard is None else f" --shard {shard}")
+            servers.append(commands.start(name, netns_argv(topology, node, argv), log))
+            lines.append(f"{node} ({topology.node(node).address}): {' '.join(argv[1:])}")
+        for server in servers:
+            _wait_listening(commands, server, 1 if len(servers) > 1 else config.ps.shards, timeout_s=120)
         before = egress_bytes(topology)
         started = time.monotonic()
         workers = []
@@ -135,7 +149,7 @@ def train_in_testbed(config: ClusterConfig, topology: Topology, run_dir: Path, *
             say(f"  {line}")
         deadline = started + timeout_s
         while any(w.popen.poll() is None for w in workers):
-            bad = commands.failure([*workers, server])
+            bad = commands.failure([*workers, *servers])
             if bad is not None:
                 raise bad
             if time.monotonic() > deadline:
@@ -147,7 +161,7 @@ def train_in_testbed(config: ClusterConfig, topology: Topology, run_dir: Path, *
             raise bad
         wall = time.monotonic() - started
         after = egress_bytes(topology)
-        commands.stop([server], grace_s=30.0)  # SIGTERM: the PS checkpoints (when on), then exits
+        commands.stop(servers, grace_s=30.0)  # SIGTERM: the PS checkpoints (when on), then exits
     except KeyboardInterrupt:
         raise HetpipeError("interrupted: stopped the PS and every worker") from None
     finally:

@@ -162,7 +162,7 @@ def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path, keys: Run
             port = port_queue.get(timeout=60)
         except queue_mod.Empty:
             raise ChildFailed(child) from None
-        endpoint = f"tcp://{config.ps.host}:{port}"
+        endpoint = f"tcp://{config.shard_host(shard)}:{port}"
         endpoints.append(endpoint)
         settings_list.append(replace(settings, endpoint=endpoint))  # a restart listens on the same port
         children.append(child)

@@ -9,7 +9,7 @@ from hetpipe.core.audit import audit_key
 from hetpipe.core.cluster import allocate
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.errors import UsageError
-from hetpipe.core.placement import get_placement
+from hetpipe.core.placement import get_placement, layer_shards, local_placement
 from hetpipe.models import ModelSpec, build_stage, even_split, get_model, named_stage_tensors, param_counts
 
 __all__ = ["VwLayout", "audit_shape", "dataset_of", "model_of", "ps_placement", "vw_layouts"]
@@ -59,11 +59,18 @@ def audit_shape(config: ClusterConfig, num_vws: int) -> tuple[int, int]:
     return num_vws, config.train.waves * config.wsp.nm
 
 
-def ps_placement(config: ClusterConfig, spec: ModelSpec, audit_vws: int = 0) -> dict[str, int]:
-    """Shard of every synced key of the whole model (computed on the meta device, split-independent)."""
+def ps_placement(config: ClusterConfig, spec: ModelSpec, audit_vws: int = 0, first_vw: VwLayout | None = None
+                 ) -> dict[str, int]:
+    """Shard of every synced key of the whole model (computed on the meta device, split-independent); the
+    "local" placement follows `first_vw`, the run's first VW (every stage of the run must pass the same one)."""
     whole = build_stage(spec, 0, spec.num_layers, "meta")
     sizes = {k: t.numel() * 4 for k, t in named_stage_tensors(whole).items()}  # the PS holds float32
     if audit_vws:
         rows, cols = audit_shape(config, audit_vws)
         sizes.update({audit_key(layer): rows * cols * 4 for layer in range(spec.num_layers)})
+    if config.ps.placement == "local":
+        if first_vw is None:
+            raise UsageError('placement = "local" follows the first VW\'s layout: pass it (first_vw)')
+        nodes = [n.name for n in config.nodes]
+        return local_placement(sizes, layer_shards(first_vw.gpus, first_vw.split, nodes))
     return get_placement(config.ps.placement)(sizes, config.ps.shards)

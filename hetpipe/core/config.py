@@ -43,7 +43,7 @@ __all__ = [
     "unpack_config",
 ]
 
-Placement = Literal["balanced"]
+Placement = Literal["balanced", "local"]
 Aggregation = str  # a name of hetpipe.core.aggregation.AGGREGATIONS (the rules live there alone)
 BufferPolicy = Literal["average", "local"]
 Precision = Literal["fp32", "bf16"]
@@ -329,9 +329,13 @@ class ClusterConfig:
         """Every GPU of the cluster, in node order then index order."""
         return [GpuRef(node.name, index) for node in self.nodes for index in range(len(node.gpus))]
 
+    def shard_host(self, shard: int) -> str:
+        """Where shard `shard` listens: ps.host, or with placement "local" the host of node `shard` (one shard a node)."""
+        return self.nodes[shard].host if self.ps.placement == "local" else self.ps.host
+
     def ps_endpoints(self) -> list[str]:
-        """ZeroMQ endpoints of the PS shards, shard i at port + i."""
-        return [f"tcp://{self.ps.host}:{self.ps.port + i}" for i in range(self.ps.shards)]
+        """ZeroMQ endpoints of the PS shards, shard i at port + i on shard_host(i)."""
+        return [f"tcp://{self.shard_host(i)}:{self.ps.port + i}" for i in range(self.ps.shards)]
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a TOML-shaped document: parse_config(config.to_dict(), config.path) == config."""
@@ -559,6 +563,9 @@ def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = No
     emulation = _emulation(sections["emulation"])
     allocation = _allocation(sections["allocation"], listed=bool(data.get("virtual_workers")))
     virtual_workers = _virtual_workers(top, allocation, nodes)
+    if ps.placement == "local" and ps.shards != len(nodes):
+        sections["ps"].fail("shards", f'is {ps.shards} but placement = "local" runs one shard on each of the '
+                            f"{len(nodes)} nodes", f'set shards = {len(nodes)}, or placement = "balanced"')
     for what, fix in mitigation_conflicts(train.mitigations, aggregation=ps.aggregation,
                                           schedule_stashing=SCHEDULES[train.schedule].stashing,
                                           weight_stashing=train.weight_stashing):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from hetpipe.core.errors import UsageError
 
-__all__ = ["PLACEMENTS", "balanced_placement", "get_placement", "keys_by_shard"]
+__all__ = ["PLACEMENTS", "balanced_placement", "get_placement", "keys_by_shard", "layer_of_key", "layer_shards",
+           "local_placement"]
 
 Placement = Callable[[Mapping[str, int], int], dict[str, int]]
 
@@ -28,7 +29,42 @@ def balanced_placement(sizes: Mapping[str, int], num_shards: int) -> dict[str, i
     return out
 
 
-PLACEMENTS: dict[str, Placement] = {"balanced": balanced_placement}
+PLACEMENTS: dict[str, Placement] = {"balanced": balanced_placement}  # "local" needs a layout: local_placement
+
+
+def layer_of_key(key: str) -> int:
+    """The layer a key belongs to: "3.weight" and "3.attn.qkv.bias" (hetpipe.models.stages) and "audit/3"."""
+    head = key.removeprefix("audit/").split(".", 1)[0]
+    if not head.isdigit():
+        raise UsageError(f"key {key!r} names no layer (expected '<layer>.<name>' or 'audit/<layer>')")
+    return int(head)
+
+
+def layer_shards(gpus: Sequence[str], split: Sequence[int], nodes: Sequence[str]) -> tuple[int, ...]:
+    """For each layer of a VW (its GPUs "n1:0" in stage order, layers per stage), the index in `nodes` of the
+    node whose GPU runs it: the shard that holds the layer under the "local" placement."""
+    if len(gpus) != len(split):
+        raise UsageError(f"{len(gpus)} GPUs but {len(split)} stage sizes: give one layer count per GPU")
+    out = []
+    for gpu, count in zip(gpus, split, strict=True):
+        node = gpu.rsplit(":", 1)[0]
+        if node not in nodes:
+            raise UsageError(f"GPU {gpu!r} is on node {node!r}, which is not one of the nodes {', '.join(nodes)}")
+        out += [list(nodes).index(node)] * count
+    return tuple(out)
+
+
+def local_placement(keys: Iterable[str], shard_of_layer: Sequence[int]) -> dict[str, int]:
+    """ED-local (the HetPipe paper's): each key on the shard of the node that runs its layer (layer_shards of the
+    first VW, so every VW places each key alike; with ED every VW runs a layer on the same node, so its pushes and
+    pulls stay inside that node)."""
+    out = {}
+    for key in keys:
+        layer = layer_of_key(key)
+        if not 0 <= layer < len(shard_of_layer):
+            raise UsageError(f"key {key!r} is in layer {layer}, but the layout has {len(shard_of_layer)} layers")
+        out[key] = shard_of_layer[layer]
+    return out
 
 
 def get_placement(name: str) -> Placement:

@@ -234,8 +234,9 @@ def plan_candidates(
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
     GPUs (default: NetworkConfig.link_gbps of [network]); `ps_network`: the nodes' own links the PS traffic
     crosses (hetpipe.core.simulate.PsNetwork, e.g. the testbed's), each capped by the PS's rate; None: one
-    link for all. The baselines: ALLREDUCE over the GPUs whose
-    memory holds the whole model, SYNC_PIPELINE over all GPUs (at most one per layer, fastest first).
+    link for all. With [ps] placement = "local" each layer's shard is on the node where the plan's first VW
+    runs it. The baselines: ALLREDUCE over the GPUs whose memory holds the whole model, SYNC_PIPELINE over all
+    GPUs (at most one per layer, fastest first).
     """
     batch = config.train.batch_size
     _check_profiles(config, profiles_by_type)
@@ -274,7 +275,11 @@ def plan_candidates(
                     continue
                 plan = Plan(policy, search.any_profile.model, batch, d, sized, placement=config.ps.placement,
                             schedule=schedule, recompute=recompute)
-                out.append(_predict(plan, notes, waves, ps_gbps, config.ps.shards, server, ps_network))
+                network = ps_network
+                if network is not None and config.ps.placement == "local":
+                    network = dataclasses.replace(network, layer_nodes=_layer_nodes(sized[0]), layer_bytes=tuple(
+                        float(layer.param_bytes) for layer in search.any_profile.layers))
+                out.append(_predict(plan, notes, waves, ps_gbps, config.ps.shards, server, network))
     if baselines:
         out.append(search.allreduce())
         out.append(search.sync_pipeline())
@@ -545,6 +550,11 @@ class _Search:
 
     def _reserve_text(self) -> str:
         return f" minus a reserve of {format_bytes(self.reserve)}" if self.reserve else ""
+
+
+def _layer_nodes(vw: VwPlan) -> tuple[str, ...]:
+    """The node of each layer's shard under placement "local": where the first VW runs it."""
+    return tuple(stage.gpu.rsplit(":", 1)[0] for stage in vw.stages for _ in range(stage.start, stage.stop))
 
 
 def _predict(plan: Plan, notes: tuple[str, ...], waves: int, ps_gbps: float, shards: int, server: bool,

@@ -136,24 +136,46 @@ def stage_param_bytes(vw: VwPlan) -> list[float]:
 
 @dataclass(frozen=True)
 class PsNetwork:
-    """The nodes' own links as the PS's bytes cross them (the testbed, or a cluster of machines): the PS runs on
-    `ps_node`; a GPU on another node pushes over its node's egress and pulls over the PS node's egress (shared by
-    every VW there); a GPU on the PS's node pushes and pulls over that node's loopback. Gbit/s per node name."""
+    """The nodes' own links as the PS's bytes cross them (the testbed, or a cluster of machines), in Gbit/s per
+    node name. A shard on the sender's own node is reached over that node's loopback; else a push leaves over the
+    sender's egress and a pull over the shard node's egress (shared by every VW it serves). The shards run on
+    `ps_node`, or with placement "local" each layer's on `layer_nodes[layer]`; a stage's bytes are then split
+    over its layers by `layer_bytes` (default: evenly)."""
 
     ps_node: str
     egress_gbps: Mapping[str, float]
     inside_gbps: Mapping[str, float]
+    layer_nodes: tuple[str, ...] = ()
+    layer_bytes: tuple[float, ...] = ()
 
-    def route(self, gpu: str, push: bool) -> tuple[str, float]:
-        """(the link's name, its Gbit/s) that a push (else a pull) of GPU "n1:0" crosses."""
+    def route(self, gpu: str, push: bool, shard_node: str | None = None) -> tuple[str, float]:
+        """(the link's name, its Gbit/s) that a push (else a pull) of GPU "n1:0" to a shard on `shard_node`
+        (default: ps_node) crosses."""
         node = gpu.rsplit(":", 1)[0]
-        if node not in self.egress_gbps or node not in self.inside_gbps:
-            raise UsageError(f"GPU {gpu!r} is on node {node!r}, which the PS network does not list "
-                             f"(nodes: {', '.join(self.egress_gbps)}); build it from the same config as the plan")
-        if node == self.ps_node:
+        shard_node = shard_node or self.ps_node
+        for name in (node, shard_node):
+            if name not in self.egress_gbps or name not in self.inside_gbps:
+                raise UsageError(f"GPU {gpu!r} or its shard is on node {name!r}, which the PS network does not list "
+                                 f"(nodes: {', '.join(self.egress_gbps)}); build it from the same config as the plan")
+        if node == shard_node:
             return f"{node} loopback", self.inside_gbps[node]
-        sender = node if push else self.ps_node
+        sender = node if push else shard_node
         return f"{sender} egress", self.egress_gbps[sender]
+
+    def parts(self, gpu: str, start: int, stop: int, nbytes: float, push: bool) -> list[tuple[str, float, float]]:
+        """(link name, Gbit/s, bytes) of each link a stage's transfer of `nbytes` for layers [start, stop) crosses."""
+        if not self.layer_nodes:
+            return [(*self.route(gpu, push), nbytes)]
+        if not 0 <= start < stop <= len(self.layer_nodes):
+            raise UsageError(f"layers [{start}, {stop}) of {gpu!r} are outside the {len(self.layer_nodes)} layers "
+                             "the PS network places: build it from the same plan")
+        weights = self.layer_bytes[start:stop] if self.layer_bytes else (1.0,) * (stop - start)
+        total = sum(weights) or 1.0
+        by_node: dict[str, float] = {}
+        for layer, weight in zip(range(start, stop), weights, strict=True):
+            node = self.layer_nodes[layer]
+            by_node[node] = by_node.get(node, 0.0) + nbytes * weight / total
+        return [(*self.route(gpu, push, node), part) for node, part in by_node.items()]
 
 
 # ---------------------------------------------------------------------------------------------- WSP run
@@ -188,6 +210,8 @@ class _Vw:
             self.backward = [b + f for f, b in zip(self.forward, self.backward, strict=True)]
         self.param_bytes = stage_param_bytes(vw)
         self.gpus = vw.gpus
+        self.starts = [stage.start for stage in vw.stages]
+        self.stops = [stage.stop for stage in vw.stages]
         self.position = [0] * self.k
         self.free_at = [0.0] * self.k
         self.ready_at = [0.0] * self.k  # when the stage reached its current position
@@ -228,11 +252,19 @@ class _Links:
         self.network = network
         self.by_name: dict[str, _Link] = {}
 
-    def of(self, gpu: str, push: bool) -> _Link:
-        name, gbps = ("PS", math.inf) if self.network is None else self.network.route(gpu, push)
-        if name not in self.by_name:
-            self.by_name[name] = _Link(min(self.ps_bytes_per_s, gbps * 1e9 / 8))
-        return self.by_name[name]
+    def transfer(self, vw: _Vw, j: int, push: bool, now: float) -> float:
+        """Queue stage j's push (else pull) at `now`; the time every part of it has arrived."""
+        nbytes = vw.param_bytes[j]
+        if self.network is None:
+            parts = [("PS", math.inf, nbytes)]
+        else:
+            parts = self.network.parts(vw.gpus[j], vw.starts[j], vw.stops[j], nbytes, push)
+        end = now
+        for name, gbps, part in parts:
+            if name not in self.by_name:
+                self.by_name[name] = _Link(min(self.ps_bytes_per_s, gbps * 1e9 / 8))
+            end = max(end, self.by_name[name].transfer(now, part))
+        return end
 
     def utilisation(self, makespan: float) -> float:
         """The busiest link's busy share of `makespan`."""
@@ -278,7 +310,7 @@ class _Run:
             for j in range(vw.k):
                 for wave, handed in vw.pull_handed[j].items():
                     if wave not in vw.pull_arrived[j] and handed <= now and c_global >= gate_version(wave, self.staleness):
-                        arrived = self.links.of(vw.gpus[j], push=False).transfer(now, vw.param_bytes[j])
+                        arrived = self.links.transfer(vw, j, push=False, now=now)
                         vw.pull_arrived[j][wave] = arrived
                         vw.pull_s += arrived - now
                         if arrived > now:
@@ -288,7 +320,7 @@ class _Run:
         vw = self.vws[i]
         end = free = now
         if action.kind == PUSH:  # handed to the PS agent thread: the stage goes on at once
-            end = self.links.of(vw.gpus[j], push=True).transfer(now, vw.param_bytes[j])  # the event spans it
+            end = self.links.transfer(vw, j, push=True, now=now)  # the event spans the transfer
             vw.push_landed[action.index].append(end)
             vw.pushed[j] = action.index + 1
         elif action.kind == WAIT and self.pulls:  # the pull has arrived (ready() checked)
