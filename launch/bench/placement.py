@@ -152,7 +152,8 @@ def format_table(result: dict[str, Any], setups: dict[str, throughput.HetpipeSet
     for name, p in result["placements"].items():
         measured = "-" if p["median"] is None else f"{p['median']:.1f} ({p['min']:.1f}-{p['max']:.1f})"
         measured += f", {p['failed']} failed" if p["failed"] else ""
-        lines.append(f"| {name} | {setups[name].label} | {measured} | {p['predicted']:.1f} | "
+        label = setups[name].label.replace(" | ", "; ")  # a VW separator would split the Markdown row
+        lines.append(f"| {name} | {label} | {measured} | {p['predicted']:.1f} | "
                      f"{p['predicted_over_measured']} |")
     ratio = result["ratio_local_over_balanced"]
     if ratio:
