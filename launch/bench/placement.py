@@ -8,6 +8,10 @@ testbed, interleaved repeats; with the planner's prediction for each (docs/ps-pr
 The VWs are the planner's for one allocation policy (--policy, default ed: every VW one GPU of every type, the
 grouping ED-local is for; explicit: the config's own VWs), with their order, split, Nm and schedule planned for
 each placement over the testbed's links (D: the config's). Needs root and `ip netns` (docs/testbed.md).
+
+With "balanced" on bench-vgg.toml every pull of the n1 and n2 stages crosses n0's shaped link, and a pull parked at
+the gate can wait longer than [ps] timeout_s's 60 s for the other VW's wave (seen once in three runs): give
+`--set ps.timeout_s=300`. A failed run is kept as a row and left out of the medians.
 """
 
 from __future__ import annotations
