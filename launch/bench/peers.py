@@ -101,10 +101,11 @@ def devices(config: ClusterConfig) -> list[Device]:
     return out
 
 
-def model_profile(config: ClusterConfig, batch: int, cache_dir: str | Path) -> ModelProfile:
-    """The model's per-layer profile at `batch` on this CPU (one thread), cached in cache_dir."""
+def model_profile(config: ClusterConfig, batch: int, cache_dir: str | Path, *, refresh: bool = False) -> ModelProfile:
+    """The model's per-layer profile at `batch` on this CPU (one thread), cached in cache_dir (refresh: measured
+    again and the cache entry replaced)."""
     torch.set_num_threads(1)
-    return cached_profile(model_of(config), batch, "cpu", cache_dir, optimizer=config.train.optimizer)
+    return cached_profile(model_of(config), batch, "cpu", cache_dir, optimizer=config.train.optimizer, refresh=refresh)
 
 
 # ---------------------------------------------------------------------------------------------- DDP members

@@ -30,6 +30,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (launch/bench is not a package)
 import throughput  # noqa: E402
+from testbed_options import profile_option  # noqa: E402
 
 from hetpipe.core import planner  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
@@ -64,28 +65,31 @@ def predicted(config: ClusterConfig, profile: Any, topology: Any, policy: str) -
 @click.option("--testbed-scale", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Link scale (default: derived, docs/testbed.md).")
 @click.option("--probe-seconds", type=click.FloatRange(min=0.5), default=1.5, show_default=True)
+@profile_option
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/placement"),
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
 def main(config_path: Path, repeats: int, seconds: float, policy: str, settings: tuple[str, ...],
-         testbed_scale: float | None, probe_seconds: float, work_dir: Path, out: Path | None) -> None:
+         testbed_scale: float | None, probe_seconds: float, cached_profile: bool, work_dir: Path, out: Path | None
+         ) -> None:
     """Measure hetpipe's samples/s with each PS placement on the same VWs in the testbed."""
     try:
         with contextlib.ExitStack() as stack:
-            _main(config_path, repeats, seconds, policy, settings, testbed_scale, probe_seconds, work_dir, out, stack)
+            _main(config_path, repeats, seconds, policy, settings, testbed_scale, probe_seconds, cached_profile, work_dir,
+                  out, stack)
     except HetpipeError as exc:
         raise click.ClickException(str(exc)) from None
 
 
 def _main(config_path: Path, repeats: int, seconds: float, policy: str, settings: tuple[str, ...],
-          testbed_scale: float | None, probe_seconds: float, work_dir: Path, out: Path | None,
+          testbed_scale: float | None, probe_seconds: float, cached_profile: bool, work_dir: Path, out: Path | None,
           stack: contextlib.ExitStack) -> None:
     started = time.monotonic()
     config = apply_overrides(load_config(config_path), settings)
     if policy == "explicit" and not config.virtual_workers:
         raise click.UsageError(f"{config_path} lists no [[virtual_workers]]: give the VWs to compare (e.g. ED ones)")
     cache = work_dir / "profiles"
-    profile = peers.model_profile(config, config.train.batch_size, cache)
+    profile = peers.model_profile(config, config.train.batch_size, cache, refresh=not cached_profile)
     topology, record = throughput.open_testbed(config, cache, testbed_scale, probe_seconds, stack)
     configs = {p: apply_overrides(config, placement_settings(config, p)) for p in PLACEMENTS}
     setups, predictions = {}, {}

@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (launch/bench is not a package)
 import plots  # noqa: E402
-from testbed_options import testbed_options  # noqa: E402
+from testbed_options import profile_option, testbed_options  # noqa: E402
 
 from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
@@ -430,6 +430,7 @@ def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str,
 @click.option("--staleness", default=None, help="hetpipe: D values to try (comma list); default: the plan's.")
 @click.option("--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable.")
 @testbed_options
+@profile_option
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/throughput"),
               show_default=True, help="Run directories, logs and the profile cache.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
@@ -437,16 +438,16 @@ def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str,
               help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
 def main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: str,
          schedule: str, planner: bool, nm: str | None, staleness: str | None, settings: tuple[str, ...],
-         use_testbed: bool, testbed_scale: float | None, probe_seconds: float,
+         use_testbed: bool, testbed_scale: float | None, probe_seconds: float, cached_profile: bool,
          work_dir: Path, out: Path | None, plot_path: Path | None) -> None:
     with contextlib.ExitStack() as stack:
         _main(config_path, repeats, seconds, ddp_spec, micro, schedule, planner, nm, staleness, settings,
-              use_testbed, testbed_scale, probe_seconds, work_dir, out, plot_path, stack)
+              use_testbed, testbed_scale, probe_seconds, cached_profile, work_dir, out, plot_path, stack)
 
 
 def _main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: str,
           schedule: str, planner: bool, nm: str | None, staleness: str | None, settings: tuple[str, ...],
-          use_testbed: bool, testbed_scale: float | None, probe_seconds: float,
+          use_testbed: bool, testbed_scale: float | None, probe_seconds: float, cached_profile: bool,
           work_dir: Path, out: Path | None, plot_path: Path | None, stack: contextlib.ExitStack) -> None:
     torch.set_num_threads(1)
     work = work_dir / time.strftime("%Y%m%d-%H%M%S")
@@ -455,7 +456,7 @@ def _main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro:
     batch = config.train.batch_size
     cache = work_dir / "profiles"
     devs = peers.devices(config)
-    profile = peers.model_profile(config, batch, cache)
+    profile = peers.model_profile(config, batch, cache, refresh=not cached_profile)
     need = peers.whole_model_bytes(profile)
     fit, left_out = peers.ddp_members(devs, need)
     subsets = peers.ddp_subsets(fit)

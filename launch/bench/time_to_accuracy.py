@@ -48,7 +48,7 @@ import plots  # noqa: E402
 import throughput  # noqa: E402
 import tta_tasks  # noqa: E402
 from goals import Goal, first_reaching, goal_for  # noqa: E402, F401  (goal_for: the scripts' shared entry)
-from testbed_options import testbed_options  # noqa: E402
+from testbed_options import profile_option, testbed_options  # noqa: E402
 
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.evaluate import evaluate  # noqa: E402
@@ -141,7 +141,7 @@ def planned(config: ClusterConfig, profile: Any, testbed: Topology | None,
 class Bench:
     """One task's systems on the emulated cluster: their settings, their sweeps, their timed runs."""
 
-    def __init__(self, task: tta_tasks.Task, config: ClusterConfig, goal: Goal, work: Path, max_seconds: float,
+    def __init__(self, task: tta_tasks.Task, config: ClusterConfig, goal: Goal, work: Path, cache: Path, max_seconds: float,
                  checkpoint_every: int, snapshot_every: int, testbed: Topology | None,
                  hetpipe_settings: tuple[str, ...] = (), search_rules: bool = True) -> None:
         self.task, self.config, self.goal, self.work = task, config, goal, work
@@ -151,7 +151,7 @@ class Bench:
         self.testbed = testbed
         self.batch = config.train.batch_size
         self.devs = peers.devices(config)
-        self.cache = work.parent / "profiles"
+        self.cache = cache
         self.profile = peers.model_profile(config, self.batch, self.cache)
         need = peers.whole_model_bytes(self.profile)
         fit, left_out = peers.ddp_members(self.devs, need)
@@ -319,6 +319,7 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
 @click.option("--hetpipe-set", "hetpipe_settings", multiple=True,
               help="Override for hetpipe's runs only, after the task's (e.g. ps.aggregation=\"mean\"), repeatable.")
 @testbed_options
+@profile_option
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/tta"),
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
@@ -329,7 +330,8 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
 def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds: float | None,
          sweep_samples: int | None, checkpoint_every: int, snapshot_every: int, settings: tuple[str, ...],
          search_rules: bool, hetpipe_settings: tuple[str, ...], use_testbed: bool, testbed_scale: float | None,
-         probe_seconds: float, work_dir: Path, out: Path | None, plot_path: Path | None, table_path: Path | None) -> None:
+         probe_seconds: float, cached_profile: bool, work_dir: Path, out: Path | None, plot_path: Path | None,
+         table_path: Path | None) -> None:
     torch.set_num_threads(1)
     unknown = [t for t in task_names.split(",") if t not in tta_tasks.TASKS]
     bad = [s for s in systems.split(",") if s not in SYSTEMS]
@@ -347,7 +349,8 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
         with contextlib.ExitStack() as stack:
             found, rows, png_rows, network = _task(task, seed_list, wanted, lrs, max_seconds, sweep_samples,
                                                    checkpoint_every, snapshot_every, settings, hetpipe_settings,
-                                                   search_rules, use_testbed, testbed_scale, probe_seconds, work_dir,
+                                                   search_rules, use_testbed, testbed_scale, probe_seconds,
+                                                   cached_profile, work_dir,
                                                    stack)
         document["tasks"][name] = found
         document["rows"] += rows
@@ -372,18 +375,21 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
 def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str | None, max_seconds: float | None,
           sweep_samples: int | None, checkpoint_every: int, snapshot_every: int, settings: tuple[str, ...],
           hetpipe_settings: tuple[str, ...], search_rules: bool, use_testbed: bool, testbed_scale: float | None,
-          probe_seconds: float, work_dir: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], str]:
+          probe_seconds: float, cached_profile: bool, work_dir: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], str]:
     config = apply_overrides(load_config(task.config), [*task.overrides, *settings])
     goal = goal_for(model_of(config).task, task.target)
     work = work_dir / task.name / time.strftime("%Y%m%d-%H%M%S")
     print(f"== {task.name}: {config.name} with {', '.join(task.overrides)}; target {goal.metric} "
           f"{'>=' if goal.higher_is_better else '<='} {goal.target:g}", flush=True)
-    topology, testbed_record = (throughput.open_testbed(config, work_dir / "profiles", testbed_scale, probe_seconds,
-                                                        stack) if use_testbed else (None, None))
+    cache = work_dir / "profiles"
+    if not cached_profile:  # this machine's speed now, for the planner and the link scale (--cached-profile: skip)
+        peers.model_profile(config, config.train.batch_size, cache, refresh=True)
+    topology, testbed_record = (throughput.open_testbed(config, cache, testbed_scale, probe_seconds, stack)
+                                if use_testbed else (None, None))
     network = "the shaped-network testbed" if topology else "free (loopback; no link costs anything)"
     print(f"network: {network}", flush=True)
-    bench = Bench(task, config, goal, work, max_seconds or task.max_seconds, checkpoint_every, snapshot_every, topology,
-                  hetpipe_settings, search_rules)
+    bench = Bench(task, config, goal, work, cache, max_seconds or task.max_seconds, checkpoint_every, snapshot_every,
+                  topology, hetpipe_settings, search_rules)
     swept = [float(v) for v in lrs.split(",")] if lrs else list(task.lrs)
     chosen: dict[str, float] = {}
     sweeps: dict[str, Any] = {}
