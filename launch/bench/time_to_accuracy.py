@@ -141,7 +141,7 @@ def planned(config: ClusterConfig, profile: Any, testbed: Topology | None,
 class Bench:
     """One task's systems on the emulated cluster: their settings, their sweeps, their timed runs."""
 
-    def __init__(self, task: tta_tasks.Task, config: ClusterConfig, goal: Goal, work: Path, cache: Path, max_seconds: float,
+    def __init__(self, task: tta_tasks.Task, config: ClusterConfig, goal: Goal, work: Path, profile: Any, max_seconds: float,
                  checkpoint_every: int, snapshot_every: int, testbed: Topology | None,
                  hetpipe_settings: tuple[str, ...] = (), search_rules: bool = True) -> None:
         self.task, self.config, self.goal, self.work = task, config, goal, work
@@ -151,8 +151,7 @@ class Bench:
         self.testbed = testbed
         self.batch = config.train.batch_size
         self.devs = peers.devices(config)
-        self.cache = cache
-        self.profile = peers.model_profile(config, self.batch, self.cache)
+        self.profile = profile
         need = peers.whole_model_bytes(self.profile)
         fit, left_out = peers.ddp_members(self.devs, need)
         self.subsets = peers.ddp_subsets(fit)
@@ -381,14 +380,13 @@ def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str |
     work = work_dir / task.name / time.strftime("%Y%m%d-%H%M%S")
     print(f"== {task.name}: {config.name} with {', '.join(task.overrides)}; target {goal.metric} "
           f"{'>=' if goal.higher_is_better else '<='} {goal.target:g}", flush=True)
-    cache = work_dir / "profiles"
-    if not cached_profile:  # this machine's speed now, for the planner and the link scale (--cached-profile: skip)
-        peers.model_profile(config, config.train.batch_size, cache, refresh=True)
-    topology, testbed_record = (throughput.open_testbed(config, cache, testbed_scale, probe_seconds, stack)
+    profiles_dir = work_dir / "profiles"  # measured afresh (this machine's speed now) unless --cached-profile
+    profile = peers.model_profile(config, config.train.batch_size, profiles_dir, refresh=not cached_profile)
+    topology, testbed_record = (throughput.open_testbed(config, profiles_dir, testbed_scale, probe_seconds, stack)
                                 if use_testbed else (None, None))
     network = "the shaped-network testbed" if topology else "free (loopback; no link costs anything)"
     print(f"network: {network}", flush=True)
-    bench = Bench(task, config, goal, work, cache, max_seconds or task.max_seconds, checkpoint_every, snapshot_every,
+    bench = Bench(task, config, goal, work, profile, max_seconds or task.max_seconds, checkpoint_every, snapshot_every,
                   topology, hetpipe_settings, search_rules)
     swept = [float(v) for v in lrs.split(",")] if lrs else list(task.lrs)
     chosen: dict[str, float] = {}
