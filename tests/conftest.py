@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,26 @@ def start_shard(group: ChildGroup, settings: ShardSettings, name: str = "ps") ->
     except Exception as exc:
         raise AssertionError(f"shard {name} did not start: {child.log.read_text() if child.log else ''}") from exc
     return f"tcp://127.0.0.1:{port}", child
+
+
+def free_port_block(offsets: Iterable[int], host: str = "127.0.0.1") -> int:
+    """A base port with base + each offset free on `host` now, all below the OS's ephemeral range: for ports a
+    test's processes bind later by rule (`hetpipe worker`'s rendezvous at ps.port + 100 + vw). A port the OS
+    picked (`free_port`) lies inside that range, where any other process's outgoing connection may take
+    base + 100 before the worker binds it (CI saw EADDRINUSE)."""
+    offsets = sorted(set(offsets))
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, low - offsets[-1])
+        try:
+            for offset in offsets:
+                with socket.socket() as s:
+                    s.bind((host, base + offset))
+        except OSError:
+            continue
+        return base
+    raise AssertionError(f"no block of free ports {offsets} below {low} on {host}")
 
 
 def write_config(

@@ -42,3 +42,16 @@ def test_sends_arrive_in_order_and_old_sends_are_released(children) -> None:
     got = dict(results.get(timeout=10) for _ in range(2))
     assert got["receiver"] is True
     assert got["sender"] <= 2 * MAX_IN_FLIGHT  # header + data per tensor, at most max_in_flight tensors held
+
+
+def test_a_rendezvous_port_in_use_names_the_port_and_the_remedy() -> None:
+    import socket
+
+    from hetpipe.core.errors import HetpipeError
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(HetpipeError, match=rf"rendezvous on 127\.0\.0\.1:{port}: the port is in use.*ps\.port \+ 100"):
+            P2P.rendezvous_store(0, 2, "127.0.0.1", port, timeout_s=5)

@@ -18,7 +18,7 @@ import pytest
 from hetpipe.app.train import TrainOptions, train
 from hetpipe.core.config import load_config
 
-from conftest import as_from_a_terminal, write_config
+from conftest import as_from_a_terminal, free_port_block, write_config
 
 pytestmark = pytest.mark.slow
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -129,10 +129,8 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
 
 def test_server_and_workers_as_separate_commands(tmp_path: Path):
     """The several-machines flow, on one: `hetpipe server` plus one `hetpipe worker` per VW."""
-    from hetpipe.core.procs import free_port
-
     path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=3)
-    port = free_port()
+    port = free_port_block([0, 100, 101])  # the PS's one shard, then each VW's rendezvous
     path.write_text(path.read_text() + f"\n[ps]\nport = {port}\n")
     server = subprocess.Popen([sys.executable, "-m", "hetpipe", "server", "--config", str(path)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from hetpipe.core.errors import HetpipeError
+
 __all__ = ["P2P"]
 
 MAX_NDIM = 8
@@ -52,7 +54,15 @@ class P2P:
         asked before the store listened would retry with backoff (measured here: up to 0.7 s)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         if rank == 0:
-            return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+            try:
+                return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+            except dist.DistNetworkError as exc:
+                if "EADDRINUSE" not in str(exc):
+                    raise
+                raise HetpipeError(
+                    f"stage 0 cannot serve its virtual worker's rendezvous on {host}:{port}: the port is in use on "
+                    "this machine. `hetpipe worker` uses ps.port + 100 + vw: choose another [ps] port, or stop "
+                    "what holds this one") from exc
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
     @classmethod
