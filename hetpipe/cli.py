@@ -318,7 +318,7 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
               help="Memory per GPU kept free (CUDA context, allocator slack).")
 @click.option("--policy", "policies", type=click.Choice(["np", "ed", "hd", "explicit"]), multiple=True,
               help="Only these allocation policies (repeatable; default np, ed, hd and explicit when listed).")
-@click.option("--schedule", "schedules", type=click.Choice(["wsp", "pipedream-2bw", "1f1b-flush", "gpipe"]),
+@click.option("--schedule", "schedules", type=click.Choice(["wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe"]),
               multiple=True, help="Only these schedules (repeatable; default all, the config's train.schedule first).")
 @click.option("--refresh", is_flag=True, help="Emulated configs: measure this machine's CPU profile again first.")
 @click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False, path_type=Path), default=None,

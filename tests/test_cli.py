@@ -58,7 +58,7 @@ def test_schedule_grid_and_unknown_schedule():
     result = hetpipe("schedule", "--stages", "2", "--nm", "2", "--waves", "1", "--lists", "--name", "gpipe")
     assert result.stdout.splitlines()[1:] == ["stage 0: F0 F1 B0 B1 U1 PUSH0", "stage 1: F0 F1 B0 B1 U1 PUSH0"]
     result = hetpipe("schedule", "--name", "gpip")
-    assert result.returncode == 2 and "known schedules: 1f1b-flush, gpipe, pipedream-2bw, wsp" in result.stderr
+    assert result.returncode == 2 and "known schedules: 1f1b-flush, gpipe, pipedream, pipedream-2bw, wsp" in result.stderr
     assert 'did you mean "gpipe"' in result.stderr
 
 

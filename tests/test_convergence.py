@@ -51,6 +51,8 @@ def test_bad_settings_say_the_form(text: str) -> None:
     ("2x4/3:1f1b-flush:sum:spectrain+warmup", "2x4/1:1f1b-flush:sum:warmup"),  # no local lag to predict
     ("2x4/3:wsp:server:D1", "2x4/1:1f1b-flush:server:D1"),  # server: weights move only at pulls
     ("1x4/3:wsp:mean:average+warmup:D2", "1x4/3:wsp:sum"),  # one local VW never pulls
+    ("1x8/3:pipedream:spectrain", "1x3/3:wsp:spectrain"),  # one VW: pipedream is wsp at the pipe's depth
+    ("1x8/1:pipedream:mean:D2", "1x1/1"),  # so one stage of it is sequential training
 ])
 def test_canonical_forms_train_the_same_weights(a: str, b: str) -> None:
     assert canonical(parse_setting(a)) == canonical(parse_setting(b))
@@ -59,6 +61,15 @@ def test_canonical_forms_train_the_same_weights(a: str, b: str) -> None:
 def test_wsp_keeps_its_stage_count_and_mitigations() -> None:
     s = parse_setting("2x4/3:wsp:sum:spectrain")
     assert canonical(s) == s
+    for kept in ("2x8/3:pipedream:sum", "1x8/3:pipedream:sum:pipemare"):  # pulls, or a warm-up counted in waves
+        assert canonical(parse_setting(kept)) == parse_setting(kept)
+
+
+def test_pipedream_lags_by_the_pipes_depth_not_the_wave() -> None:
+    assert features(parse_setting("2x8/3:wsp"))["local_lag"] == 7
+    assert features(parse_setting("2x8/3:pipedream"))["local_lag"] == 2
+    assert features(parse_setting("2x2/3:pipedream"))["local_lag"] == 1
+    assert features(parse_setting("2x8/3:pipedream"))["global_lag"] == features(parse_setting("2x8/3:wsp"))["global_lag"]
     assert canonical(parse_setting("1x1/1:wsp:server")) != canonical(parse_setting("1x1/1"))
 
 

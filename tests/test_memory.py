@@ -81,7 +81,18 @@ def test_what_each_schedule_keeps() -> None:
     assert keep("wsp").update_sums == 3 and keep("wsp", pulls=False).update_sums == 2  # D + 2 with pulls
     server = keep("wsp", local_updates=False)
     assert not server.optimizer and not server.baseline
-    assert set(SCHEDULES) == {"wsp", "pipedream-2bw", "1f1b-flush", "gpipe"}
+    assert set(SCHEDULES) == {"wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe"}
+
+
+def test_pipedream_keeps_what_the_pipes_depth_needs_whatever_the_wave() -> None:
+    """wsp keeps Nm minibatches at stage 0 (each with its stashed version); pipedream at most k, so a one-stage VW
+    keeps one minibatch at any Nm."""
+    def keep(schedule: str, nm: int, k: int):
+        return MemoryRule(nm=nm, schedule=schedule, staleness=1).keeping(0, k)
+
+    assert keep("pipedream", 4, 4) == keep("wsp", 4, 4)
+    assert (keep("wsp", 8, 4).stashed, keep("pipedream", 8, 4).stashed) == (8, 4)
+    assert (keep("wsp", 8, 1).in_flight, keep("pipedream", 8, 1).in_flight, keep("pipedream", 8, 1).stashed) == (8, 1, 1)
 
 
 def test_stage_memory_literal_sum() -> None:

@@ -67,12 +67,15 @@ def test_config_reads_and_checks_the_mitigation(tmp_path) -> None:
         apply_overrides(config, ['train.mitigation="pipemere"'])
 
 
-# stage j of a wsp pipe at Nm 4 lags min(p, 3 - j) own updates (its warm-up forwards less one); pipedream-2bw
+# stage j of a wsp pipe at Nm 4 lags min(p, 3 - j) own updates (its warm-up forwards less one), of a pipedream pipe
+# of 3 stages min(p, 2 - j) whatever the Nm; pipedream-2bw
 # lags one update for the forwards that straddle a wave's update; the flushes lag none.
 @pytest.mark.parametrize(("schedule", "stage", "lags"), [
     ("wsp", 0, [0, 1, 2, 3, 3, 3, 3, 3]),
     ("wsp", 1, [0, 1, 2, 2, 2, 2, 2, 2]),
     ("wsp", 2, [0, 1, 1, 1, 1, 1, 1, 1]),
+    ("pipedream", 0, [0, 1, 2, 2, 2, 2, 2, 2]),
+    ("pipedream", 2, [0] * 8),
     ("pipedream-2bw", 0, [0, 0, 0, 0, 1, 1, 1, 0]),
     ("pipedream-2bw", 2, [0, 0, 0, 0, 1, 0, 0, 0]),
     ("1f1b-flush", 0, [0] * 8),

@@ -70,7 +70,8 @@ def test_candidates_cover_policies_d_and_baselines() -> None:
     config, profiles = small()
     found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0, 2))
     labels = [c.label for c in found]
-    per_schedule = [f"{p} {s} D={d}" for s in ("wsp", "pipedream-2bw", "1f1b-flush", "gpipe") for p in ("np", "ed", "hd")
+    per_schedule = [f"{p} {s} D={d}" for s in ("wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe")
+                    for p in ("np", "ed", "hd")
                     for d in (0, 2)]
     assert labels == [*per_schedule, ALLREDUCE, SYNC_PIPELINE]  # the config's schedule (wsp) first
     for c in found:

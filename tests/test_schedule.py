@@ -165,6 +165,8 @@ def test_generated_schedule_invariants(s: Schedule) -> None:
         assert peak <= s.nm and peak == stage_profile(s, j).in_flight
         if s.name in ("wsp", "pipedream-2bw"):
             assert peak == max(1, min(s.nm - j, total))
+        if s.name == "pipedream":  # as deep as the pipe, whatever the wave
+            assert peak == max(1, min(min(s.nm, s.num_stages) - j, total))
         updates = [a.index for a in actions if a.kind == "U"]
         assert updates == ([c * s.nm + s.nm - 1 for c in range(s.num_waves)] if per_wave else list(range(total)))
         for i, a in enumerate(actions):
@@ -219,6 +221,21 @@ def test_2bw_is_1f1b_with_one_update_per_wave() -> None:
     validate(s)
 
 
+def test_pipedream_keeps_the_pipe_full_at_its_depth_and_pushes_every_nm() -> None:
+    s = get_schedule("pipedream")(2, 4, 2, 0)
+    assert s.stages == lists(
+        "F0 F1 B0 U0 F2 B1 U1 F3 B2 U2 F4 B3 U3 PUSH0 F5 B4 U4 F6 B5 U5 F7 B6 U6 B7 U7 PUSH1",
+        "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3 PUSH0 F4 B4 U4 F5 B5 U5 F6 B6 U6 F7 B7 U7 PUSH1",
+    )
+    # stage 0 sees its own updates through p - 2 (the pipe's depth), not p - Nm as under wsp at Nm 4
+    assert s.own_through(0, 5) == 3 and wsp_schedule(2, 4, 2, 0).own_through(0, 5) == 1
+    assert [stage_profile(s, j) for j in range(2)] == [StageProfile(2, 2), StageProfile(1, 1)]
+    # one stage: sequential training that pushes every Nm minibatches; below the depth it is wsp
+    assert get_schedule("pipedream")(1, 3, 1, 0).stages == lists("F0 B0 U0 F1 B1 U1 F2 B2 U2 PUSH0")
+    assert get_schedule("pipedream")(4, 2, 3, 1).stages == wsp_schedule(4, 2, 3, 1).stages
+    validate(s)
+
+
 def test_1f1b_flush_warms_up_k_minus_j_and_drains_every_wave() -> None:
     s = get_schedule("1f1b-flush")(3, 3, 3, 0)
     assert s.stages == lists(
@@ -244,15 +261,15 @@ def test_wsp_keeps_one_version_per_minibatch_in_flight() -> None:
 # --- registry --------------------------------------------------------------------------------
 
 
-def test_registry_knows_the_four_schedules() -> None:
+def test_registry_knows_the_five_schedules() -> None:
     assert get_schedule("wsp") is wsp_schedule and SCHEDULES["wsp"] is wsp_schedule
-    assert sorted(SCHEDULES) == ["1f1b-flush", "gpipe", "pipedream-2bw", "wsp"]
+    assert sorted(SCHEDULES) == ["1f1b-flush", "gpipe", "pipedream", "pipedream-2bw", "wsp"]
 
 
 def test_unknown_schedule_lists_known_names_and_suggests() -> None:
     with pytest.raises(UsageError, match=r'unknown schedule "wps"') as info:
         get_schedule("wps")
-    assert "known schedules: 1f1b-flush, gpipe, pipedream-2bw, wsp" in str(info.value)
+    assert "known schedules: 1f1b-flush, gpipe, pipedream, pipedream-2bw, wsp" in str(info.value)
     assert 'did you mean "wsp"?' in str(info.value)
 
 

@@ -101,6 +101,22 @@ def test_every_schedule_equals_its_reference(tmp_path: Path, schedule: str, vws:
     assert_equals_reference(tmp_path, config, SPLITS[stages][:vws], order=vws + stages)
 
 
+def test_pipedream_beyond_the_pipes_depth_equals_its_reference_and_one_vw_trains_as_wsp_at_the_depth(tmp_path: Path):
+    """Nm 4 on 2 stages: 2 VWs equal the reference; one VW trains the weights wsp trains at Nm 2 (the same F, B and
+    U; only its pushes, which it never pulls back, fall elsewhere: hetpipe.core.convergence.canonical)."""
+    deep = apply_overrides(load_config(write_config(tmp_path, vws=layout(2, 2), nm=4, staleness=1, waves=3)),
+                           ['train.schedule="pipedream"'])
+    assert_equals_reference(tmp_path, deep, [(2, 2), (3, 1)], order=1)
+    (tmp_path / "one").mkdir()
+    one = apply_overrides(load_config(write_config(tmp_path / "one", vws=layout(1, 2), nm=4, staleness=0, waves=3)),
+                          ['train.schedule="pipedream"'])
+    _, pipedream, _ = run(tmp_path / "one", one, [(2, 2)])
+    wsp = apply_overrides(one, ["wsp.nm=2", "train.waves=6", 'train.schedule="wsp"'])
+    _, at_depth, _ = run(tmp_path / "wsp", wsp, [(2, 2)])
+    for sid in pipedream:
+        assert_bitwise(pipedream[sid], at_depth[sid], f"stage {sid}: pipedream at Nm 4 vs wsp at Nm 2")
+
+
 @pytest.mark.parametrize(("setting", "staleness"), [
     ("ps.aggregation=mean", 1), ("ps.aggregation=server", 0), ("train.weight_stashing=false", 0),
 ])

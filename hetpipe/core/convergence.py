@@ -84,9 +84,13 @@ def canonical(setting: Setting) -> Setting:
       their mitigations that act on local lag (spectrain, pipemare) have none to act on;
     - aggregation "server": the VWs' weights move only at pulls, so schedule and stages do not matter (weights
       stashed): 1f1b-flush on 1 stage;
-    - one VW with local optimizers skips every pull: D, mean vs sum, warmup and average do nothing.
+    - one VW with local optimizers skips every pull: D, mean vs sum, warmup and average do nothing;
+    - so one such VW under pipedream is wsp at Nm = min(Nm, stages) (the same F, B and U; only the pushes fall
+      elsewhere), unless pipemare counts its warm-up in waves.
     """
     s = setting
+    if s.schedule == "pipedream" and s.vws == 1 and s.aggregation != "server" and "pipemare" not in s.mitigation:
+        return canonical(replace(s, schedule="wsp", nm=min(s.nm, s.stages)))
     if s.sequential:
         return Setting(1, 1, 1)
     if s.schedule == "gpipe" or s.aggregation == "server":
@@ -291,11 +295,12 @@ def features(setting: Setting) -> dict[str, float]:
     wave_update = SCHEDULES[s.schedule].update_every == "wave"
     per_update = s.nm if wave_update else 1  # minibatches in one local update
     global_batch = per_update * (s.vws if s.aggregation in ("mean", "server") else 1)
-    # own minibatches whose updates a forward misses: wsp Nm - 1, pipedream-2bw about a wave, flushes none (and
-    # none with aggregation "server": the VW's weights move only at pulls)
+    # own minibatches whose updates a forward misses at stage 0: wsp Nm - 1, pipedream min(Nm, stages) - 1,
+    # pipedream-2bw about a wave, flushes none (and none with aggregation "server": weights move only at pulls)
     local_lag = 0.0
     if s.aggregation != "server":
-        local_lag = {"wsp": float(s.nm - 1), "pipedream-2bw": float(s.nm)}.get(s.schedule, 0.0)
+        local_lag = {"wsp": float(s.nm - 1), "pipedream": float(min(s.nm, s.stages) - 1),
+                     "pipedream-2bw": float(s.nm)}.get(s.schedule, 0.0)
     # other VWs' updates a minibatch misses, in minibatches of one VW: a wave and a half on average, plus D waves
     global_lag = (s.vws - 1) * s.nm * (1.5 + s.staleness) if s.vws > 1 else 0.0
     return {"log_batch": math.log2(global_batch), "local_lag": local_lag, "global_lag": global_lag,

@@ -29,6 +29,7 @@ from hetpipe.core.schedule import get_schedule, simulate
 __all__ = ["Gpu", "best_order_and_nm", "minibatch_time_s", "partition"]
 
 Gpu = tuple[str, str, int]  # (GPU reference "node:index", GPU type, memory in bytes)
+NEVER_DRAINS = ("wsp", "pipedream", "pipedream-2bw")  # schedules whose pipe, once full (Nm >= k), never drains
 _TIE = 1e-9  # relative: stage times this close count as equal for the memory tie-break
 
 
@@ -114,7 +115,7 @@ def best_order_and_nm(
             found = problem.solve(rule.with_nm(nm))
             if found is None:
                 continue
-            if nm >= k and rule.schedule in ("wsp", "pipedream-2bw"):  # the pipe fills and never drains
+            if nm >= k and rule.schedule in NEVER_DRAINS:  # the pipe fills and never drains
                 time_s = found.bottleneck
                 filled_best = min(filled_best, time_s)
             elif found.bottleneck < min(filled_best, chosen[0][0] if chosen else math.inf):
@@ -144,7 +145,7 @@ def minibatch_time_s(vw: VwPlan, schedule: str = "wsp", recompute: bool = False)
     """Steady-state time per minibatch of one VW: the bottleneck stage when the schedule never drains and
     Nm >= k (batch / this is its throughput), else the schedule simulated with the stages' times (a pipe that
     cannot fill, or one that flushes every wave; a recomputing backward runs the forward again)."""
-    if vw.nm >= len(vw.stages) and schedule in ("wsp", "pipedream-2bw") and not recompute:
+    if vw.nm >= len(vw.stages) and schedule in NEVER_DRAINS and not recompute:
         return vw.bottleneck_s
     forward = [s.forward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]
     backward = [s.backward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]

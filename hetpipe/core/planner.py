@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 D_VALUES = (0, 1, 2, 4)
-SCHEDULES = ("wsp", "pipedream-2bw", "1f1b-flush", "gpipe")  # every schedule the runtime has (hetpipe.core.schedule)
+SCHEDULES = ("wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe")  # every schedule the runtime has (hetpipe.core.schedule)
 D_TOLERANCE = 0.02  # a larger D must predict more than 2% more samples/s to be chosen over a smaller one
 ALLREDUCE = "allreduce"  # baseline: Horovod/DDP-style data parallelism over the GPUs that hold the whole model
 SYNC_PIPELINE = "sync-pipeline"  # baseline: one GPipe-like pipeline over all GPUs, flushed every minibatch

@@ -1,5 +1,5 @@
-"""Pipeline schedules as data: per-stage action lists of one virtual worker, the four generators (wsp,
-pipedream-2bw, 1f1b-flush, gpipe), the dependency rules every engine runs by, a validator, a timing model
+"""Pipeline schedules as data: per-stage action lists of one virtual worker, the five generators (wsp,
+pipedream, pipedream-2bw, 1f1b-flush, gpipe), the dependency rules every engine runs by, a validator, a timing model
 and text forms (docs/schedules.md). Pure, no I/O.
 
 The dependency rules (`needs`, `gate_of`) are the one engine: the validator and timing model below, the
@@ -63,7 +63,8 @@ _ZERO_TIME = (UPDATE, PUSH, WAIT)  # the optimizer step's time is part of the pr
 _ACTION_RE = re.compile(r"(F|B|U|PUSH|WAIT)(\d+)")
 
 # What the forward of minibatch p is guaranteed to see of its own VW's updates (guarantee L), per schedule:
-#   "minibatch":      every minibatch <= p - Nm                 (wsp: PipeDream 1F1B, an update per minibatch)
+#   "minibatch":      every minibatch <= p - Nm                 (wsp, pipedream: 1F1B, an update per minibatch;
+#                                                                 pipedream sees more: p - min(Nm, k) + j)
 #   "wave":           every minibatch of the waves before p's    (1f1b-flush, gpipe: no local staleness)
 #   "previous-wave":  every minibatch of the waves before the last (pipedream-2bw: one update of delay)
 Guarantee = Literal["minibatch", "wave", "previous-wave"]
@@ -255,6 +256,13 @@ def _async_order(stage: int, num_stages: int, nm: int, num_waves: int) -> list[t
     return _one_f_one_b(0, total, max(1, min(nm - stage, total)))
 
 
+def _depth_order(stage: int, num_stages: int, nm: int, num_waves: int) -> list[tuple[str, int]]:
+    # The wsp order with at most as many in flight as the pipe is deep (min(Nm, k)): a full pipe needs no
+    # more, so Nm beyond k lengthens the wave (the push period) without adding local staleness or memory.
+    total = num_waves * nm
+    return _one_f_one_b(0, total, max(1, min(min(nm, num_stages) - stage, total)))
+
+
 def _flush_order(stage: int, num_stages: int, nm: int, num_waves: int) -> list[tuple[str, int]]:
     warmup = max(1, min(num_stages - stage, nm))
     return [step for c in range(num_waves) for step in _one_f_one_b(c * nm, nm, warmup)]
@@ -288,6 +296,11 @@ wsp_schedule = register_schedule(ScheduleKind(
     "wsp", _async_order, "minibatch", "minibatch", "optional", False,
     "PipeDream 1F1B with Nm in flight and an update after every backward (weight stashing by default); "
     "the paper's HetPipe schedule",
+))
+register_schedule(ScheduleKind(
+    "pipedream", _depth_order, "minibatch", "minibatch", "optional", False,
+    "PipeDream 1F1B at the pipe's depth: stage j keeps min(Nm, k) - j in flight and updates after every "
+    "backward; Nm only sets the wave (how often stages push), so a larger Nm adds no local staleness",
 ))
 register_schedule(ScheduleKind(
     "pipedream-2bw", _async_order, "wave", "previous-wave", "required", False,
