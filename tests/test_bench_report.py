@@ -1,5 +1,5 @@
-"""launch/bench reports: the time-to-target rule for accuracy and loss, the verdict lines, every PNG figure, and
-the scores time_to_accuracy.py reads from a run's PS checkpoints."""
+"""launch/bench reports: the time-to-target rule for accuracy and loss, the verdict lines, every PNG figure, the
+scores time_to_accuracy.py reads from a run's PS checkpoints, and throughput.py's wave breakdown."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
 import plots  # noqa: E402  (launch/bench is not a package)
+import throughput  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -115,3 +116,19 @@ def test_checkpoint_scores_read_the_weights_of_exact_and_latest_shards(tmp_path:
     expected = evaluate(spec, pushed, dataset_of(config), max_samples=256)
     assert score["clock"] == 1 and score["test_accuracy"] == expected["test_accuracy"]
     assert score["test_loss"] == expected["test_loss"]
+
+
+def test_the_wave_breakdown_shows_each_stages_median_parts_and_the_rest() -> None:
+    def run(compute: float, recv: float) -> dict:
+        return {"stage_breakdown_ms": {
+            "vw0-s0": {"compute": compute, "recv": 0.2, "send": 10.0, "push": 30.0, "pull": 40.0, "parked": 5.0,
+                       "train": 1000.0},
+            "vw0-s1": {"compute": 300.0, "recv": recv, "gate_wait": 100.0, "train": 1000.0}}}
+    text = throughput.format_breakdown([run(800.0, 500.0), run(900.0, 700.0), run(700.0, 600.0)])
+    assert text.splitlines() == [
+        "hetpipe: where each stage's waves went (ms per wave, median of the repeats)",
+        "  vw0-s0: wave 1000 = compute 800, send 10, other 190; PS thread: push 30, pull 40 (parked at the gate 5)",
+        "  vw0-s1: wave 1000 = compute 300, recv 600, gate_wait 100, other 0; PS thread: push 0, pull 0 (parked at the "
+        "gate 0)",
+    ]
+    assert throughput.format_breakdown([]) == "hetpipe: no wave breakdown (no run)"

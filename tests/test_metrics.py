@@ -17,6 +17,8 @@ from hetpipe.core.metrics import (
     format_summary,
     merge_traces,
     read_jsonl,
+    stage_totals,
+    wave_breakdown_ms,
     write_summary,
 )
 
@@ -136,6 +138,23 @@ def test_a_long_trace_keeps_its_first_and_newest_events_and_says_what_it_left_ou
     assert len(gap) == 1 and gap[0]["name"].startswith("14 events left out") and gap[0]["ts"] == 17.0
     with pytest.raises(UsageError, match="at least 2 events"):
         TraceRecorder("vw0", 0, max_events=1)
+
+
+def test_stage_totals_come_back_from_the_traces_and_break_down_per_vw_by_its_slowest_stage(tmp_path) -> None:
+    """What a stage writes into its trace (hetpipe worker runs leave nothing else) is what wave_breakdown_ms
+    reads: per VW the most any stage spent in each part, in ms per wave; traces without totals are skipped."""
+    totals = {(0, 0): {"compute": 2.0, "recv": 0.5, "train": 4.0}, (0, 1): {"compute": 1.0, "recv": 3.0, "train": 4.1},
+              (1, 0): {"compute": 3.0, "gate_wait": 0.25, "train": 4.0}}
+    for (vw, stage), times in totals.items():
+        TraceRecorder(f"vw{vw}", stage).dump(tmp_path / f"vw{vw}-s{stage}.json", other={"times_s": times, "waves": 10})
+    TraceRecorder("vw2", 0).dump(tmp_path / "vw2-s0.json")  # an older trace: no totals
+    (tmp_path / "merged.json").write_text('{"traceEvents": []}')
+    found = stage_totals(tmp_path)
+    assert sorted(found) == [(0, 0), (0, 1), (1, 0)] and found[(0, 1)] == {"times_s": totals[(0, 1)], "waves": 10}
+    assert wave_breakdown_ms({k: v["times_s"] for k, v in found.items()}, 10) == {
+        "0": {"compute": 200.0, "recv": 300.0, "train": 410.0},
+        "1": {"compute": 300.0, "gate_wait": 25.0, "train": 400.0},
+    }
 
 
 # ---------------------------------------------------------------------------------------------- progress

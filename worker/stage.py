@@ -137,7 +137,10 @@ class StageRunner:
         self._pushed = job.start_wave  # waves handed over to the agent
         self.c_global = 0
         self.gaps: list[list[int]] = []  # from the last pull: waves some VW contributed nothing to (evicted)
-        self.times = dict.fromkeys(("compute", "d2h", "push_wait", "gate_wait", "h2d"), 0.0)
+        # seconds of this stage's own thread by part (recv: blocked for a neighbour's activation or gradient;
+        # send: handing one over, the emulated link's delay included), and of its whole training loop
+        self.times = dict.fromkeys(("compute", "recv", "send", "d2h", "push_wait", "gate_wait", "h2d"), 0.0)
+        self.train_s = 0.0
         self.dispatch: dict[str, Callable[[int], None]] = {
             "F": self.forward, "B": self.backward, "U": self.update, "PUSH": self.push, "WAIT": self.wait,
         }
@@ -173,6 +176,7 @@ class StageRunner:
                 action = self.actions[self.position]
                 self.dispatch[action.kind](action.index)
                 self.position += 1
+            self.train_s = time.monotonic() - self.started
             for _, future in self._pushes:  # every push acknowledged before the stage reports done
                 self._note_push(future.result())
         finally:
@@ -185,16 +189,23 @@ class StageRunner:
         finally:
             self.client.close()
         run_dir = Path(job.run_dir)
-        self.trace.dump(run_dir / "trace" / f"vw{job.vw}-s{job.stage}.json")
+        totals = self.totals()
+        self.trace.dump(run_dir / "trace" / f"vw{job.vw}-s{job.stage}.json",
+                        other={"times_s": totals, "waves": self.config.train.waves - job.start_wave})
         if job.dump_weights:
             state = {k: t.detach().cpu().clone() for k, t in self.compute.values().items() if k not in self.ledgers}
             torch.save(state, run_dir / f"final-vw{job.vw}-s{job.stage}.pt")
         self.report({
             "event": "stage_done", "vw": job.vw, "stage": job.stage, "time": time.time(), "audit_checks": self.audit_checks,
             "compute_s": round(self.dilator.compute_s, 3), "slept_s": round(self.dilator.slept_s, 3),
-            "times_s": {**{k: round(v, 4) for k, v in self.times.items()}, "push": round(self.agent.push_s, 4),
-                        "pull": round(self.agent.pull_s, 4), "parked": round(self.agent.parked_s, 4)},
+            "times_s": totals,
         })
+
+    def totals(self) -> dict[str, float]:
+        """Seconds by part: this thread's (self.times), its PS thread's (push, pull, parked) and the training loop's."""
+        assert self.agent is not None
+        return {**{k: round(v, 4) for k, v in self.times.items()}, "push": round(self.agent.push_s, 4),
+                "pull": round(self.agent.pull_s, 4), "parked": round(self.agent.parked_s, 4), "train": round(self.train_s, 4)}
 
     def _stopped_by_ps(self, exc: BaseException) -> None:
         """The agent thread heard that this stage must stop (its VW evicted, the run failed, pushes lost): say
@@ -249,11 +260,19 @@ class StageRunner:
         return x.to(self.device), y.to(self.device)
 
     def _send(self, tensor: Any, peer: int) -> None:
+        started = time.perf_counter()
         if tensor is P2P.SKIPPED:
             self.p2p.send_skip(peer)
-            return
-        self.links[peer].delay(tensor.numel() * tensor.element_size())  # emulated link (off by default)
-        self.p2p.send(tensor, peer)
+        else:
+            self.links[peer].delay(tensor.numel() * tensor.element_size())  # emulated link (off by default)
+            self.p2p.send(tensor, peer)
+        self._timed("send", started)
+
+    def _recv(self, peer: int) -> Any:
+        started = time.perf_counter()
+        received = self.p2p.recv(peer)
+        self._timed("recv", started)
+        return received
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -289,7 +308,7 @@ class StageRunner:
             if self.first:
                 inputs, target = self._batch(p)
             else:
-                inputs = self.p2p.recv(job.stage - 1)
+                inputs = self._recv(job.stage - 1)
                 target = self._batch(p)[1] if self.last else None
             started = time.perf_counter()
             with self.dilator.compute(f"F{p}"):
@@ -306,7 +325,7 @@ class StageRunner:
         job = self.job
         value = None
         with self.trace.span(f"B{p}"):
-            grad = None if self.last else self.p2p.recv(job.stage + 1)
+            grad = None if self.last else self._recv(job.stage + 1)
             skip = grad is P2P.SKIPPED
             target = self._targets.pop(p) if self.last else None
             if self.last:

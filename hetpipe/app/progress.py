@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe.compute.build import VwLayout
-from hetpipe.core.metrics import VwProgress
+from hetpipe.core.metrics import VwProgress, wave_breakdown_ms
 
 __all__ = ["Progress", "ProgressView"]
 
@@ -61,16 +61,10 @@ class Progress:
         return min((self.completed(v) for v in live), default=0)
 
     def breakdown_ms(self, waves: int) -> dict[str, dict[str, float]]:
-        """Per VW, ms per wave spent in each part (compute, d2h, push, gate_wait, pull, h2d, ...): the most
-        any of its stages spent there."""
-        out: dict[str, dict[str, float]] = {}
-        for v, lay in enumerate(self.layouts):
-            parts: dict[str, float] = {}
-            for s in range(len(lay.split)):
-                for part, seconds in self.times.get((v, s), {}).items():
-                    parts[part] = max(parts.get(part, 0.0), round(1000 * seconds / max(waves, 1), 3))
-            out[str(v)] = parts
-        return out
+        """Per VW, ms per wave spent in each part (compute, recv, d2h, push, gate_wait, pull, h2d, ...): the most
+        any of its stages spent there (wave_breakdown_ms); a VW none of whose stages reported has none."""
+        found = wave_breakdown_ms(self.times, waves)
+        return {str(v): found.get(str(v), {}) for v in range(len(self.layouts))}
 
     def completed(self, vw: int) -> int:
         return min(self.pushed.get((vw, s), 0) for s in range(len(self.layouts[vw].split)))

@@ -24,6 +24,8 @@ __all__ = [
     "format_summary",
     "merge_traces",
     "read_jsonl",
+    "stage_totals",
+    "wave_breakdown_ms",
     "write_summary",
 ]
 
@@ -159,8 +161,9 @@ class TraceRecorder:
         finally:
             self.add(name, round(ts_us, 3), round((self._clock() - start) * 1e6, 3), **args)
 
-    def dump(self, path: str | Path) -> None:
-        """Write a trace file of this thread alone (viewable as is; merge_traces combines several)."""
+    def dump(self, path: str | Path, other: Mapping[str, Any] | None = None) -> None:
+        """Write a trace file of this thread alone (viewable as is; merge_traces combines several); `other` goes
+        into its otherData (a stage puts its totals there: stage_totals reads them)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = [_meta("process_name", 0, 0, self.pid_label), _meta("thread_name", 0, self.tid, self.thread_label)]
@@ -169,7 +172,38 @@ class TraceRecorder:
             gap = self.last[0]["ts"] if self.last else 0.0
             meta.append({"name": f"{self.dropped} events left out (trace keeps {self.head} first and "
                                  f"{self.last.maxlen} newest)", "ph": "i", "s": "t", "ts": gap, "pid": 0, "tid": self.tid})
-        path.write_text(json.dumps({"traceEvents": meta + self.events}, default=_jsonable), encoding="utf-8")
+        document: dict[str, Any] = {"traceEvents": meta + self.events}
+        if other:
+            document["otherData"] = dict(other)
+        path.write_text(json.dumps(document, default=_jsonable), encoding="utf-8")
+
+
+_STAGE_TRACE = re.compile(r"vw(\d+)-s(\d+)")
+
+
+def stage_totals(trace_dir: str | Path) -> dict[tuple[int, int], dict[str, Any]]:
+    """(vw, stage) -> the totals a stage wrote into its trace's otherData (`times_s`: seconds by part, `waves`
+    it ran), for every vw<V>-s<S>.json in `trace_dir` that has them: what a run on other machines (`hetpipe
+    worker`, the testbed) leaves for wave_breakdown_ms."""
+    out = {}
+    for path in sorted(Path(trace_dir).glob("vw*-s*.json")):
+        match = _STAGE_TRACE.fullmatch(path.stem)
+        other = json.loads(path.read_text(encoding="utf-8")).get("otherData") if match else None
+        if match and other and "times_s" in other:
+            out[(int(match[1]), int(match[2]))] = other
+    return out
+
+
+def wave_breakdown_ms(times: Mapping[tuple[int, int], Mapping[str, float]], waves: int) -> dict[str, dict[str, float]]:
+    """Per VW ("0", "1", ...), ms per wave in each part a stage timed (compute, recv, send, d2h, push_wait,
+    gate_wait, h2d on its own thread; push, pull and parked on its PS thread; train: its whole training loop):
+    the most any of the VW's stages spent there, over `waves` waves."""
+    out: dict[str, dict[str, float]] = {}
+    for (vw, _), parts in sorted(times.items()):
+        mine = out.setdefault(str(vw), {})
+        for part, seconds in parts.items():
+            mine[part] = max(mine.get(part, 0.0), round(1000 * seconds / max(waves, 1), 3))
+    return out
 
 
 def _meta(kind: str, pid: int, tid: int, value: str | int) -> dict[str, Any]:

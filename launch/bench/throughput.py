@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from testbed_options import profile_option, testbed_options  # noqa: E402
 from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
+from hetpipe.core.metrics import stage_totals, wave_breakdown_ms  # noqa: E402
 from hetpipe.core.profile import ModelProfile  # noqa: E402
 from hetpipe.core.simulate import PsNetwork  # noqa: E402
 from hetpipe.core.testbed import Topology, format_nodes, plan_topology, within  # noqa: E402
@@ -187,7 +188,8 @@ def run_hetpipe(config: ClusterConfig, setup: HetpipeSetup, run_dir: Path,
                 testbed: Topology | None = None) -> tuple[dict[str, Any], float]:
     """One hetpipe training run of `setup` (progress off); (summary, steady samples/s after WARMUP_WAVES waves).
     In a testbed: `hetpipe server` and `hetpipe worker`s in the nodes' namespaces; the summary is then the
-    run's wall time and the bytes each node sent (the rate comes from the traces either way)."""
+    run's wall time and the bytes each node sent. The rate and the summary's `wave_breakdown_ms` (where each VW's
+    waves went, by part) come from the stages' traces either way."""
     if testbed is None:
         from hetpipe.app.train import TrainOptions, train
 
@@ -197,6 +199,10 @@ def run_hetpipe(config: ClusterConfig, setup: HetpipeSetup, run_dir: Path,
 
         run = train_in_testbed(config, testbed, run_dir, layouts=setup.layouts)
         summary = {"wall_s": run.wall_s, "egress_bytes": run.egress_bytes}
+    times = {k: t["times_s"] for k, t in stage_totals(run_dir / "trace").items()}
+    summary["wave_breakdown_ms"] = wave_breakdown_ms(times, config.train.waves)
+    summary["stage_breakdown_ms"] = {f"vw{v}-s{j}": wave_breakdown_ms({(v, j): t}, config.train.waves)[str(v)]
+                                     for (v, j), t in sorted(times.items())}
     rate = window_rate(trace_streams(run_dir), config.train.batch_size, WARMUP_WAVES * config.wsp.nm)
     return summary, rate
 
@@ -227,11 +233,13 @@ def parse_ints(text: str, what: str) -> list[int]:
 
 @dataclass
 class Peer:
-    """One row of the table: a system with one setting and how to run it for about `seconds`."""
+    """One row of the table: a system with one setting and how to run it for about `seconds`; `details` collects
+    what each run reports beside its rate (hetpipe: its wave breakdown), in run order."""
 
     name: str
     setting: str
     run: Callable[[float, Path], float]  # (seconds, log dir) -> samples/s
+    details: list[dict[str, Any]] = field(default_factory=list)
 
 
 def hetpipe_peers(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nms: Sequence[int | None],
@@ -245,14 +253,19 @@ def hetpipe_peers(config: ClusterConfig, profile: ModelProfile, use_planner: boo
             setup = hetpipe_setup(config, profile, use_planner, nm, d, testbed)
             setups.append(setup)
 
-            def run(seconds: float, logs: Path, setup: HetpipeSetup = setup) -> float:
+            details: list[dict[str, Any]] = []
+
+            def run(seconds: float, logs: Path, setup: HetpipeSetup = setup, details: list = details) -> float:
                 per_wave = setup.nm * config.train.batch_size * len(setup.vws)
                 guess = min(setup.predicted or capacity, capacity) * 0.6  # emulated runs fall short of plans
                 waves = WARMUP_WAVES + max(5, math.ceil(seconds * guess / per_wave))
                 run_dir = work / f"hetpipe-{next(runs)}"
-                _, rate = run_hetpipe(hetpipe_config(config, setup, waves, run_dir), setup, run_dir, testbed)
+                summary, rate = run_hetpipe(hetpipe_config(config, setup, waves, run_dir), setup, run_dir, testbed)
+                details.append({"run_dir": str(run_dir), "waves": waves, "samples_per_s": round(rate, 1),
+                                "wave_breakdown_ms": summary["wave_breakdown_ms"],
+                                "stage_breakdown_ms": summary["stage_breakdown_ms"]})
                 return rate
-            options.append(Peer("hetpipe", f"{setup.label} [{setup.source}]", run))
+            options.append(Peer("hetpipe", f"{setup.label} [{setup.source}]", run, details))
     return options, setups
 
 
@@ -341,6 +354,29 @@ def table(rows: list[dict[str, Any]], capacity: float) -> str:
                      f"{s['median'] / capacity:>5.0%} {top / s['median']:>9.2f}  {row['setting']}")
     lines.append(f"{'capacity':<14} {capacity:>9.0f} {'':>13} {1:>5.0%} {top / capacity:>9.2f}  "
                  "sum over GPUs of (one process's samples/s at slowdown 1) / slowdown")
+    return "\n".join(lines)
+
+
+BREAKDOWN_PARTS = ("compute", "recv", "send", "d2h", "push_wait", "gate_wait", "h2d")  # a stage's own thread
+
+
+def format_breakdown(runs: Sequence[dict[str, Any]]) -> str:
+    """Where hetpipe's waves went in its repeats, stage by stage (median over the repeats, ms per wave;
+    docs/testbed.md#reading-a-breakdown): the training loop, the parts of the stage's own thread, the rest (Python,
+    the data), and, overlapped with them on its PS thread, push and pull."""
+    if not runs:
+        return "hetpipe: no wave breakdown (no run)"
+    lines = ["hetpipe: where each stage's waves went (ms per wave, median of the repeats)"]
+    for stage in runs[0]["stage_breakdown_ms"]:
+        parts = [r["stage_breakdown_ms"].get(stage, {}) for r in runs]
+
+        def med(part: str, parts: list = parts) -> float:
+            return statistics.median(p.get(part, 0.0) for p in parts)
+        own = {part: med(part) for part in BREAKDOWN_PARTS}
+        train = med("train")
+        shown = ", ".join(f"{part} {ms:.0f}" for part, ms in own.items() if ms >= 0.5)
+        lines.append(f"  {stage}: wave {train:.0f} = {shown}, other {train - sum(own.values()):.0f}; PS thread: push "
+                     f"{med('push'):.0f}, pull {med('pull'):.0f} (parked at the gate {med('parked'):.0f})")
     return "\n".join(lines)
 
 
@@ -497,12 +533,17 @@ def _main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro:
     settings = {p.name: p.setting for p in chosen}
     rows = [{"system": name, "setting": settings[name], "samples_per_s": summarize(values), "runs": values}
             for name, values in rates.items()]
+    ours = next(p for p in chosen if p.name == "hetpipe")
+    repeated = ours.details[-repeats:]  # the repeats' runs (a sweep's come before them)
+    rows[0]["wave_breakdown_ms"] = [d["wave_breakdown_ms"] for d in repeated]
+    rows[0]["stage_breakdown_ms"] = [d["stage_breakdown_ms"] for d in repeated]
     ratios = {name: summarize([h / v for h, v in zip(rates["hetpipe"], values, strict=True)], 2)
               for name, values in rates.items() if name != "hetpipe"}
     print()
     print(table(rows, capacity))
     print("hetpipe / peer in the same repeat (median, min-max): "
           + ", ".join(f"{n} {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for n, s in ratios.items()))
+    print(format_breakdown(repeated))
     note = peers.env_note()
     print(f"load average (1, 5, 15 min) before {load_before}, after {note['loadavg_1_5_15']}, {note['cores']} cores")
     if network.egress:
