@@ -316,8 +316,8 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
               help="Largest Nm to consider (default: the config's nm or the VW size, whichever is larger).")
 @click.option("--reserve-gib", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Memory per GPU kept free (CUDA context, allocator slack).")
-@click.option("--policy", "policies", type=click.Choice(["np", "ed", "hd", "explicit"]), multiple=True,
-              help="Only these allocation policies (repeatable; default np, ed, hd and explicit when listed).")
+@click.option("--policy", "policies", type=click.Choice(["np", "ed", "hd", "dp", "explicit"]), multiple=True,
+              help="Only these allocation policies (repeatable; default np, ed, hd, dp and explicit when listed).")
 @click.option("--schedule", "schedules", type=click.Choice(["wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe"]),
               multiple=True, help="Only these schedules (repeatable; default all, the config's train.schedule first).")
 @click.option("--refresh", is_flag=True, help="Emulated configs: measure this machine's CPU profile again first.")

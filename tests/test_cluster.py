@@ -53,6 +53,7 @@ SPLIT = (TYPES, (Node("n0", "h", ("fast", "fast")), Node("n1", "h", ("slow", "sl
         (SPLIT, "np", ["n0:0 n0:1", "n1:0 n1:1"]),
         (SPLIT, "ed", ["n0:0 n1:0", "n0:1 n1:1"]),
         (SPLIT, "hd", ["n0:0 n1:0", "n0:1 n1:1"]),
+        (MIXED, "dp", ["n0:0", "n0:1", "n1:0", "n1:1"]),  # every GPU its own VW, in cluster order
     ],
 )
 def test_two_nodes_of_two(cluster, policy: str, expected: list[str]) -> None:
@@ -118,6 +119,7 @@ def test_packaged_config_allocates() -> None:
         (PAPER, "explicit", None, "add \\[\\[virtual_workers\\]\\]"),
         (PAPER, "hdd", None, 'did you mean "hd"'),
         (PAPER, "np", 0, "num_vws must be >= 1"),
+        (PAPER, "dp", 4, 'one virtual worker per GPU: 16 GPUs, but num_vws=4; use num_vws=16, or policy "ed"'),
         ((TYPES, (Node("a", "h", ("fastt",)),)), "np", None, 'unknown type "fastt"'),
     ],
 )
@@ -131,7 +133,7 @@ def test_policy_errors_name_the_fix(cluster, policy: str, num_vws: int | None, m
 def test_every_policy_uses_every_gpu_once(node_types: list[list[str]]) -> None:
     cluster = (TYPES, tuple(Node(f"n{i}", "h", tuple(types)) for i, types in enumerate(node_types)))
     every = sorted(GpuRef(f"n{i}", j) for i, types in enumerate(node_types) for j in range(len(types)))
-    for policy in ("np", "ed", "hd"):
+    for policy in ("np", "ed", "hd", "dp"):
         vws = allocate(cluster, policy)
         assert all(vws) and sorted(g for vw in vws for g in vw) == every
         assert allocate(cluster, policy) == vws  # deterministic
@@ -139,6 +141,7 @@ def test_every_policy_uses_every_gpu_once(node_types: list[list[str]]) -> None:
     mixes = {frozenset(Counter(cluster[1][int(g.node[1:])].gpus[g.index] for g in vw).items()) for vw in ed}
     assert len(mixes) == 1
     assert len(allocate(cluster, "hd")) == len(node_types)
+    assert all(len(vw) == 1 for vw in allocate(cluster, "dp"))
 
 
 # ---------------------------------------------------------------------------------------------- placement

@@ -335,7 +335,7 @@ ERRORS = [
      ['wsp.pull: unknown value "exactt"', 'choose one of: exact, latest (did you mean "exact"?)']),
     ("bad-optimizer", MINIMAL + '[train]\noptimizer = "adamw"\n',
      ['train.optimizer: unknown value "adamw"', "choose one of: sgd, momentum, adam", 'did you mean "adam"']),
-    ("bad-policy", MINIMAL + '[allocation]\npolicy = "HD"\n', ['allocation.policy: unknown value "HD"', 'np, ed, hd (did you mean "hd"?)']),
+    ("bad-policy", MINIMAL + '[allocation]\npolicy = "HD"\n', ['allocation.policy: unknown value "HD"', 'np, ed, hd, dp (did you mean "hd"?)']),
     ("bad-placement", MINIMAL + '[ps]\nplacement = "spread"\n', ['ps.placement: unknown value "spread"']),
     ("local-placement-shards", MINIMAL + '[ps]\nplacement = "local"\n',
      ['ps.shards: is 1 but placement = "local" runs one shard on each of the 2 nodes',

@@ -171,19 +171,21 @@ def test_planner_ranks_by_time_to_target_and_explains_both_factors() -> None:
 
 def test_a_time_to_target_search_offers_fewer_vws_and_smaller_nm_and_can_pick_them() -> None:
     config, profiles = small()
-    plain = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,)) if c.runnable]
-    wide = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), slower_but_fewer=True)
-            if c.runnable]
+    pipelines = ["np", "ed", "hd"]  # (dp's one-GPU VWs under pipedream train sequentially: priced in both searches)
+    plain = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), policies=pipelines)
+             if c.runnable]
+    wide = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), slower_but_fewer=True,
+                                       policies=pipelines) if c.runnable]
     shape = lambda c: (c.policy, c.schedule, c.nm, tuple(tuple(vw.gpus) for vw in c.plan.vws))  # noqa: E731
     assert {shape(c) for c in plain} < {shape(c) for c in wide}  # everything the plain search has, and more
     assert len({shape(c) for c in wide}) == len(wide)  # each distinct set of VWs once
-    assert min(len(c.plan.vws) for c in wide) == 1 < min(len(c.plan.vws) for c in plain)
-    assert min(c.nm for c in wide) == 1 < min(c.nm for c in plain)
-    # a calibration that knows only one-VW settings prices only those, and the best is one of them
-    cal = calibration({"1x2/1:1f1b-flush": 1200.0, "1x4/1:1f1b-flush": 1600.0, "1x8/1:1f1b-flush": 2400.0})
+    assert min(len(c.plan.vws) for c in wide) == 1 == min(len(c.plan.vws) for c in plain)  # fewer VWs: both
+    assert min(c.nm for c in wide) == 1 < min(c.nm for c in plain)  # a smaller Nm: the time-to-target search
+    # a calibration that knows only sequential training prices only one VW at Nm 1, and the best is one
+    cal = calibration({})
     assert best(attach_samples(plain, cal, "sum", ())).time_to_target_s is None  # nothing plain is priced
     top = best(attach_samples(wide, cal, "sum", ()))
-    assert len(top.plan.vws) == 1 and top.time_to_target_s is not None
+    assert len(top.plan.vws) == 1 and top.nm == 1 and top.time_to_target_s is not None
 
 
 def test_a_candidate_that_never_reached_the_target_ranks_after_every_timed_one() -> None:

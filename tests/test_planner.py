@@ -25,6 +25,7 @@ from hetpipe.core.planner import (
     emulated_profiles,
     explain,
     format_table,
+    own_lag,
     plan_candidates,
     supplied_profiles,
 )
@@ -71,9 +72,10 @@ def test_candidates_cover_policies_d_and_baselines() -> None:
     found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0, 2))
     labels = [c.label for c in found]
     per_schedule = [f"{p} {s} D={d}" for s in ("wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe")
-                    for p in ("np", "ed", "hd")
+                    for p in ("np", "ed", "hd", "dp")
                     for d in (0, 2)]
-    assert labels == [*per_schedule, ALLREDUCE, SYNC_PIPELINE]  # the config's schedule (wsp) first
+    # the config's schedule (wsp) first; each policy's grouping, then the same with only its fastest VWs
+    assert list(dict.fromkeys(labels)) == [*per_schedule, ALLREDUCE, SYNC_PIPELINE]
     for c in found:
         assert c.feasible and c.samples_per_s > 0 and c.bottleneck
         assert (c.plan is not None) == (c.policy not in (ALLREDUCE, SYNC_PIPELINE))
@@ -101,7 +103,9 @@ def test_best_is_the_max_prediction_and_a_larger_d_must_buy_more_than_the_tolera
 def test_balanced_policies_beat_node_partition_on_a_mixed_cluster() -> None:
     config, profiles = small()
     found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,))
-    rate = {c.policy: c.samples_per_s for c in found}
+    rate: dict[str, float] = {}
+    for c in found:  # each policy's whole grouping (listed before the same with fewer VWs)
+        rate.setdefault(c.policy, c.samples_per_s)
     # np: a fast VW (6 x 30 ms over 2 GPUs) and a slow one (twice that): WSP holds the fast one to the slow one.
     # ed/hd: two equal fast+slow VWs; the fast GPU takes 4 layers, the slow one 2 (120 ms each)
     assert rate["ed"] > rate["np"] * 1.2 and rate["hd"] > rate["np"] * 1.2
@@ -193,6 +197,36 @@ def test_local_placement_keeps_ed_vws_ps_traffic_inside_their_nodes() -> None:
     one_node = rate({"shards": 1})
     local = rate({"shards": 2, "placement": "local"})
     assert local > 10 * one_node
+
+
+def test_with_slow_links_off_the_ps_node_the_best_is_data_parallelism_on_the_gpus_beside_it() -> None:
+    """dp makes a one-GPU VW of every GPU; the slow GPUs' VWs on n1 would hold the fast ones to their pace and push
+    6 MiB a wave over a 0.01 Gbit/s egress, so the search's fewer-VWs groupings leave them out. Among plans of the
+    same rate the one whose VWs lag no own update wins: pipedream (a one-stage VW trains sequentially and pushes
+    every Nm), not wsp at the same Nm (three own updates late)."""
+    network = PsNetwork("n0", {"n0": 0.01, "n1": 0.01}, {"n0": 10.0, "n1": 10.0})
+    config = cluster([["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)}, nm=4)
+    profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0, 1), ps_network=network,
+                            link_gbps=lambda a, b: 10.0 if a.split(":")[0] == b.split(":")[0] else 0.01)
+    top = best(found)
+    assert (top.policy, top.schedule, top.staleness) == ("dp", "pipedream", 0)
+    assert [vw.gpus for vw in top.plan.vws] == [("n0:0",), ("n0:1",)] and top.nm == 4 and own_lag(top.plan) == 0
+    every_gpu = next(c for c in found if c.policy == "dp" and c.schedule == "pipedream" and c.staleness == 0)
+    assert len(every_gpu.plan.vws) == 4 and every_gpu.samples_per_s < top.samples_per_s / 5
+    wsp = next(c for c in found if c.policy == "dp" and c.schedule == "wsp" and c.staleness == 0
+               and [vw.gpus for vw in c.plan.vws] == [("n0:0",), ("n0:1",)])
+    assert wsp.nm == 4 and wsp.plan.vws[0].stages[0].memory_bytes > top.plan.vws[0].stages[0].memory_bytes  # 4 stashed
+    assert wsp.samples_per_s == pytest.approx(top.samples_per_s) and own_lag(wsp.plan) == 3
+    assert "lags fewer own updates (0 vs 3)" in explain([top, wsp])
+
+
+def test_own_lag_is_read_off_each_schedules_lists() -> None:
+    config, profiles = small()
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), policies=["np"], nm_max=2, baselines=False)
+    lag = {c.schedule: own_lag(c.plan) for c in found if len(c.plan.vws) == 2 and c.nm == 2}
+    assert lag == {"wsp": 1, "pipedream": 1, "pipedream-2bw": 2, "1f1b-flush": 0, "gpipe": 0}  # 2-stage VWs, Nm 2
+    assert own_lag(None) == 0
 
 
 def test_explain_names_every_loser_and_why() -> None:

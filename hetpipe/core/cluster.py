@@ -1,4 +1,4 @@
-"""Grouping a cluster's GPUs into virtual workers (NP, ED, HD, explicit). Pure."""
+"""Grouping a cluster's GPUs into virtual workers (NP, ED, HD, DP, explicit). Pure."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ __all__ = [
 # A validated config, or just its GPU types and nodes (enough for every policy but "explicit").
 Cluster = ClusterConfig | tuple[Mapping[str, GpuType], Sequence[Node]]
 
-POLICIES = ("np", "ed", "hd", "explicit")
+POLICIES = ("np", "ed", "hd", "dp", "explicit")
 
 
 class _Parts:
@@ -68,6 +68,8 @@ def allocate(cluster: Cluster, policy: str, num_vws: int | None = None) -> list[
               has about half a fast node and half a slow node, crosses the network once, and the
               two VWs of a pair have nearly equal capacity. With an odd number of nodes the middle
               one in the ranking forms a VW on its own. Always one VW per node.
+    dp        data parallelism through the PS: every GPU its own one-stage VW, in cluster order (each must hold
+              the whole model; the planner leaves out those that cannot, and those that would slow the rest).
     explicit  the config's [[virtual_workers]], GPUs in the listed (stage) order.
 
     Except for explicit, each VW lists its GPUs in cluster order (config node order, then index);
@@ -149,6 +151,14 @@ def _hd(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
     return vws
 
 
+def _dp(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
+    vws = [[ref] for node in parts.nodes for ref in parts.gpus(node)]
+    if num_vws is not None and num_vws != len(vws):
+        raise UsageError(f'policy "dp" makes one virtual worker per GPU: {len(vws)} GPUs, but num_vws={num_vws}; '
+                         f'use num_vws={len(vws)}, or policy "ed" or "explicit" for another number of virtual workers')
+    return vws
+
+
 def _explicit(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
     listed: Sequence[VirtualWorkerSpec] | None = parts.listed
     if not listed:
@@ -165,5 +175,5 @@ def _explicit(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
 
 
 _POLICY_FUNCTIONS: dict[str, Callable[[_Parts, int | None], list[list[GpuRef]]]] = {
-    "np": _np, "ed": _ed, "hd": _hd, "explicit": _explicit,
+    "np": _np, "ed": _ed, "hd": _hd, "dp": _dp, "explicit": _explicit,
 }

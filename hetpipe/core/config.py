@@ -54,7 +54,7 @@ PsAuth = Literal["none", "curve"]
 OnNan = Literal["stop", "skip"]
 OnVwFailure = Literal["stop", "evict"]
 WireDtype = Literal["float32", "bfloat16"]
-AllocationPolicy = Literal["explicit", "np", "ed", "hd"]
+AllocationPolicy = Literal["explicit", "np", "ed", "hd", "dp"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 _GPU_REF = re.compile(r"(?P<node>[A-Za-z0-9_-]+):(?P<index>[0-9]+)")
@@ -764,7 +764,7 @@ def _allocation(t: _Table, listed: bool) -> AllocationConfig:
     policy = t.choice("policy", "explicit" if listed else "np", get_args(AllocationPolicy))
     if policy == "explicit" and not listed:
         t.fail("policy", 'is "explicit" but no [[virtual_workers]] are listed',
-               'add [[virtual_workers]] tables with gpus = ["n0:0", ...], or set policy = "np", "ed" or "hd"')
+               'add [[virtual_workers]] tables with gpus = ["n0:0", ...], or set policy = "np", "ed", "hd" or "dp"')
     return AllocationConfig(policy=policy)
 
 

@@ -16,6 +16,7 @@ from hetpipe.core.memory import PLAIN, MemoryRule, format_bytes, stage_memory_te
 from hetpipe.core.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
 from hetpipe.core.plan import Plan, VwPlan
 from hetpipe.core.profile import ModelProfile, derive_profile
+from hetpipe.core.schedule import get_schedule
 from hetpipe.core.simulate import PsNetwork, simulate, simulate_allreduce, simulate_sync_pipeline
 
 __all__ = [
@@ -219,7 +220,7 @@ def plan_candidates(
 ) -> list[Candidate]:
     """Every candidate plan for `config` with its prediction, then the baselines (docs/planning.md).
 
-    For each allocation policy (np, ed, hd; explicit when the config lists VWs) each VW gets its GPU order,
+    For each allocation policy (np, ed, hd, dp; explicit when the config lists VWs) each VW gets its GPU order,
     split and Nm from the partitioner (Nm up to `nm_max`, default max(config's nm, the largest VW)). The
     runtime runs one Nm for all VWs, so the planner then picks one common Nm among those the VWs chose (the
     one with the highest n_vws x slowest-VW rate, larger on ties) and re-splits the others at it. A VW whose
@@ -241,7 +242,7 @@ def plan_candidates(
     batch = config.train.batch_size
     _check_profiles(config, profiles_by_type)
     link = link_gbps or config.network.link_gbps
-    names = list(policies) if policies is not None else ["np", "ed", "hd"] + (["explicit"] if config.virtual_workers else [])
+    names = list(policies) if policies is not None else ["np", "ed", "hd", "dp"] + (["explicit"] if config.virtual_workers else [])
     ds = sorted({*d_values, config.wsp.staleness})
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in ds):
         raise UsageError(f"staleness values must be integers >= 0, got {ds}")
@@ -258,7 +259,8 @@ def plan_candidates(
             if isinstance(grouping, str):
                 out.append(Candidate(policy, None, None, 0.0, reason=grouping, schedule=schedule))
                 continue
-            groupings = search.slower_but_fewer(grouping, policy, schedule) if slower_but_fewer else [grouping]
+            groupings = (search.slower_but_fewer(grouping, policy, schedule) if slower_but_fewer
+                         else search.fewer([grouping], schedule))
             recompute = config.train.recompute and schedule in ("1f1b-flush", "gpipe")
             for (vws, notes), d in itertools.product(groupings, ds):
                 rule = search.rule(schedule, d, len(vws))
@@ -289,9 +291,9 @@ def plan_candidates(
 def best(candidates: Sequence[Candidate]) -> Candidate:
     """The runnable candidate with the shortest predicted time to target when the candidates carry samples to
     target (a convergence calibration, hetpipe.core.convergence): samples to target / samples/s, ties to the
-    smaller D, then the one listed first. Without one, the highest predicted samples/s; but a larger D costs
-    convergence (staler weights), so among those within D_TOLERANCE of the highest the smallest D wins (then the
-    higher rate, then the one listed first).
+    smaller D, then the one listed first. Without one, the highest predicted samples/s; but staleness costs
+    convergence, so among those within D_TOLERANCE of the highest the smallest D wins, then the least local
+    staleness (own_lag), then the higher rate, then the one listed first.
 
     Baselines are not runnable by hetpipe, so they never win here; `explain` says when one predicts more.
     UsageError when nothing is runnable, with every reason.
@@ -306,7 +308,17 @@ def best(candidates: Sequence[Candidate]) -> Candidate:
         return min(timed, key=lambda c: (c.time_to_target_s, c.staleness or 0, candidates.index(c)))
     top = max(c.samples_per_s for c in runnable)
     close = [c for c in runnable if c.samples_per_s >= top * (1 - D_TOLERANCE)]
-    return min(close, key=lambda c: (c.staleness or 0, -c.samples_per_s, candidates.index(c)))
+    return min(close, key=lambda c: (c.staleness or 0, own_lag(c.plan), -c.samples_per_s, candidates.index(c)))
+
+
+def own_lag(plan: Plan | None) -> int:
+    """A plan's local staleness: the own minibatches whose updates the forward of a wave's first minibatch misses
+    at a VW's first stage, past the pipe's fill (wsp Nm - 1, pipedream min(Nm, k) - 1, pipedream-2bw Nm, the
+    flushes 0), read off the schedule's lists; the most over the VWs (0 for a baseline)."""
+    if plan is None:
+        return 0
+    kind = get_schedule(plan.schedule)
+    return max(2 * vw.nm - 1 - kind(len(vw.stages), vw.nm, 3, 0).own_through(0, 2 * vw.nm) for vw in plan.vws)
 
 
 def _check_profiles(config: ClusterConfig, profiles: Mapping[str, ModelProfile]) -> None:
@@ -421,12 +433,21 @@ class _Search:
             found = self.grouping(policy, cap, schedule)  # cap < the chosen Nm <= nm_max
             if not isinstance(found, str):
                 out.append(found)
-        for vws, notes in list(out):
+        return self.fewer(out, schedule)
+
+    def fewer(self, groupings: list[tuple[tuple[VwPlan, ...], tuple[str, ...]]], schedule: str
+              ) -> list[tuple[tuple[VwPlan, ...], tuple[str, ...]]]:
+        """`groupings`, then each with only its fastest 1, 2, ... VWs: under WSP every VW runs at the slowest one's
+        wave rate and adds its own PS traffic, so leaving slow VWs out can give more samples/s (and, with a
+        calibration, fewer samples to target); each distinct set of VWs once."""
+        out = list(groupings)
+        for vws, notes in groupings:
             fastest = sorted(vws, key=lambda vw: minibatch_time_s(vw, schedule))
             for k in range(1, len(vws)):
                 kept = tuple(vw for vw in vws if vw in fastest[:k])
-                out.append((kept, (*notes, f"only the {k} fastest of the policy's {len(vws)} VWs: fewer samples to "
-                                           "target may beat more samples/s")))
+                out.append((kept, (*notes, f"only the {k} fastest of the policy's {len(vws)} VWs: WSP paces every VW "
+                                           "by the slowest, each sends its own PS traffic, and fewer VWs may need "
+                                           "fewer samples to target")))
         distinct: list[tuple[tuple[VwPlan, ...], tuple[str, ...]]] = []
         for vws, notes in out:
             if all(vws != seen for seen, _ in distinct):
@@ -747,11 +768,17 @@ def _why(c: Candidate, top: Candidate) -> list[str]:
         return why
     rates = [minibatch_time_s(vw) for vw in c.plan.vws]
     if abs(c.samples_per_s - top.samples_per_s) <= 0.01 * top.samples_per_s and c.gpus_used == top.gpus_used:
-        why.append("within 1% of the best, which has the smaller D or comes first (np, ed, hd, explicit)")
+        lags = (own_lag(c.plan), own_lag(top.plan))
+        why.append("within 1% of the best, which " + (
+            f"lags fewer own updates ({lags[1]} vs {lags[0]})" if lags[0] > lags[1] and c.staleness == top.staleness
+            else "has the smaller D or comes first (np, ed, hd, dp, explicit)"))
     elif max(rates) > 1.1 * min(rates):
         slow, fast = rates.index(max(rates)), rates.index(min(rates))
         why.append(f"its VWs differ in speed (vw{slow} {max(rates):.3g} s/minibatch vs vw{fast} {min(rates):.3g}); "
                    f"WSP holds the fast ones to the slowest ({c.bottleneck})")
+    elif c.samples_per_s > top.samples_per_s and c.staleness == top.staleness:
+        why.append(f"its gain is under {D_TOLERANCE:.0%}, not worth lagging {own_lag(c.plan)} own updates "
+                   f"(best: {own_lag(top.plan)})")
     elif c.samples_per_s > top.samples_per_s:
         why.append(f"its gain is under {D_TOLERANCE:.0%}, not worth the staler weights of D={c.staleness} "
                    f"(best: D={top.staleness})")
