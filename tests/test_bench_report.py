@@ -132,3 +132,17 @@ def test_the_wave_breakdown_shows_each_stages_median_parts_and_the_rest() -> Non
         "gate 0)",
     ]
     assert throughput.format_breakdown([]) == "hetpipe: no wave breakdown (no run)"
+
+
+def test_the_throughput_bench_runs_the_plan_with_the_planners_schedule() -> None:
+    """hetpipe_setup once dropped the plan's schedule, so a plan chosen as 1f1b-flush or pipedream ran as the
+    config's wsp."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_planner import cluster, toy_profile
+
+    config = cluster([["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)}, nm=4)
+    setup = throughput.hetpipe_setup(config, toy_profile("cpu", 1.0), True, None, None, None)
+    chosen = setup.source.split()[2]  # "planner: POLICY SCHEDULE D=d"
+    assert setup.schedule == chosen and setup.label.endswith(f", {chosen}")
+    override = throughput.hetpipe_config(config, setup, 3, Path("unused"))
+    assert override.train.schedule == chosen

@@ -99,8 +99,9 @@ class HetpipeSetup:
 
     @property
     def label(self) -> str:
+        schedule = f", {self.schedule}" if self.schedule else ""
         return f"{len(self.vws)} VWs " + " | ".join(
-            "-".join(g) + " " + "/".join(map(str, s)) for g, s in self.vws) + f", Nm={self.nm}, D={self.staleness}"
+            "-".join(g) + " " + "/".join(map(str, s)) for g, s in self.vws) + f", Nm={self.nm}, D={self.staleness}{schedule}"
 
 
 def planner_links(testbed: Topology | None) -> tuple[float, Callable[[str, str], float], PsNetwork | None]:
@@ -133,7 +134,8 @@ def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: boo
             candidates = [c for c in candidates if c.staleness in (None, staleness)]
         top = planner.best(candidates)
         vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
-        return HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness, f"planner: {top.label}", top.samples_per_s)
+        return HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness, f"planner: {top.label}", top.samples_per_s,
+                            top.plan.schedule)
     from hetpipe.compute.build import model_of, vw_layouts
 
     vws = tuple((lay.gpus, lay.split) for lay in vw_layouts(config, model_of(config)))
