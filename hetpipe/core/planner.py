@@ -35,6 +35,7 @@ __all__ = [
     "explain",
     "format_plan",
     "format_table",
+    "own_lag",
     "plan_candidates",
     "supplied_profiles",
 ]

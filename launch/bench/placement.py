@@ -99,7 +99,7 @@ def _main(config_path: Path, repeats: int, seconds: float, policy: str, settings
         setups[name] = throughput.HetpipeSetup(tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws),
                                                top.plan.vws[0].nm, top.plan.staleness, f"planner: {top.label}",
                                                top.samples_per_s, top.plan.schedule)
-        print(f"{name}: {setups[name].label}, {setups[name].schedule}; predicted {top.samples_per_s:.1f} samples/s "
+        print(f"{name}: {setups[name].label}; predicted {top.samples_per_s:.1f} samples/s "
               f"({top.bottleneck})", flush=True)
     rows: list[dict[str, Any]] = []
     runs = iter(range(10**6))

@@ -188,7 +188,7 @@ class Bench:
         if system == "hetpipe":
             setup, _, _ = self.plan()
             hp = self.hetpipe_config
-            return (f"{setup.label}, {setup.schedule}, aggregation {hp.ps.aggregation}, mitigation {hp.train.mitigation}, "
+            return (f"{setup.label}, aggregation {hp.ps.aggregation}, mitigation {hp.train.mitigation}, "
                     f"lr {lr:g} ({setup.source})")
         if system == "pipeline":
             k = len(self.layout.gpus)
