@@ -126,12 +126,12 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
     state = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
     assert "1.0.weight" in state and all(t.dtype == torch.float32 for t in state.values())
     # each stage's totals are in its trace too (what a run of `hetpipe worker`s leaves), and they add up
-    from hetpipe.core.metrics import stage_totals
+    from hetpipe.core.metrics import STAGE_PARTS, stage_totals
 
     totals = stage_totals(tmp_path / "r" / "trace")
     assert sorted(totals) == [(0, 0), (0, 1)] and {t["waves"] for t in totals.values()} == {3}
     for t in totals.values():
-        own = sum(t["times_s"][part] for part in ("compute", "recv", "send", "d2h", "push_wait", "gate_wait", "h2d"))
+        own = sum(t["times_s"][part] for part in STAGE_PARTS)
         assert 0 < t["times_s"]["compute"] <= own <= t["times_s"]["train"]
     assert summary["wave_breakdown_ms"]["0"]["train"] == max(round(1000 * t["times_s"]["train"] / 3, 3)
                                                               for t in totals.values())

@@ -37,7 +37,7 @@ from hetpipe.core.audit import AuditError, audit_key, ledger_violations
 from hetpipe.core.devices import p2p_backend
 from hetpipe.core.emulate import LinkEmulator, device_dilator
 from hetpipe.core.errors import HetpipeError
-from hetpipe.core.metrics import TraceRecorder
+from hetpipe.core.metrics import STAGE_PARTS, TraceRecorder
 from hetpipe.core.mitigation import stage_lags
 from hetpipe.core.procs import child_entered_at, process_started_at
 from hetpipe.core.resume import cut_position, forwarded_before, rejoin_actions, snapshot_floor
@@ -139,7 +139,7 @@ class StageRunner:
         self.gaps: list[list[int]] = []  # from the last pull: waves some VW contributed nothing to (evicted)
         # seconds of this stage's own thread by part (recv: blocked for a neighbour's activation or gradient;
         # send: handing one over, the emulated link's delay included), and of its whole training loop
-        self.times = dict.fromkeys(("compute", "recv", "send", "d2h", "push_wait", "gate_wait", "h2d"), 0.0)
+        self.times = dict.fromkeys(STAGE_PARTS, 0.0)
         self.train_s = 0.0
         self.dispatch: dict[str, Callable[[int], None]] = {
             "F": self.forward, "B": self.backward, "U": self.update, "PUSH": self.push, "WAIT": self.wait,

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from hetpipe.core.errors import UsageError
 
 __all__ = [
+    "STAGE_PARTS",
     "MetricsWriter",
     "TraceRecorder",
     "VwProgress",
@@ -29,6 +30,9 @@ __all__ = [
     "write_summary",
 ]
 
+# What a stage's own thread times, by part (worker/stage.py; docs/architecture.md#where-a-waves-time-goes); its PS
+# thread adds push, pull and parked, and `train` is its whole training loop
+STAGE_PARTS = ("compute", "recv", "send", "d2h", "push_wait", "gate_wait", "h2d")
 MAX_TRACE_EVENTS = 50_000  # per stage (about 30 MB of Python objects): a long run keeps its first and newest
 
 

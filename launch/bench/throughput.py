@@ -56,7 +56,7 @@ from testbed_options import profile_option, testbed_options  # noqa: E402
 from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
-from hetpipe.core.metrics import stage_totals, wave_breakdown_ms  # noqa: E402
+from hetpipe.core.metrics import STAGE_PARTS, stage_totals, wave_breakdown_ms  # noqa: E402
 from hetpipe.core.profile import ModelProfile  # noqa: E402
 from hetpipe.core.simulate import PsNetwork  # noqa: E402
 from hetpipe.core.testbed import Topology, format_nodes, plan_topology, within  # noqa: E402
@@ -359,9 +359,6 @@ def table(rows: list[dict[str, Any]], capacity: float) -> str:
     return "\n".join(lines)
 
 
-BREAKDOWN_PARTS = ("compute", "recv", "send", "d2h", "push_wait", "gate_wait", "h2d")  # a stage's own thread
-
-
 def format_breakdown(runs: Sequence[dict[str, Any]]) -> str:
     """Where hetpipe's waves went in its repeats, stage by stage (median over the repeats, ms per wave;
     docs/testbed.md#reading-a-breakdown): the training loop, the parts of the stage's own thread, the rest (Python,
@@ -374,7 +371,7 @@ def format_breakdown(runs: Sequence[dict[str, Any]]) -> str:
 
         def med(part: str, parts: list = parts) -> float:
             return statistics.median(p.get(part, 0.0) for p in parts)
-        own = {part: med(part) for part in BREAKDOWN_PARTS}
+        own = {part: med(part) for part in STAGE_PARTS}
         train = med("train")
         shown = ", ".join(f"{part} {ms:.0f}" for part, ms in own.items() if ms >= 0.5)
         lines.append(f"  {stage}: wave {train:.0f} = {shown}, other {train - sum(own.values()):.0f}; PS thread: push "
