@@ -17,6 +17,7 @@ from hetpipe.core.metrics import (
     format_summary,
     merge_traces,
     read_jsonl,
+    stage_breakdown_ms,
     stage_totals,
     wave_breakdown_ms,
     write_summary,
@@ -151,6 +152,8 @@ def test_stage_totals_come_back_from_the_traces_and_break_down_per_vw_by_its_slo
     (tmp_path / "merged.json").write_text('{"traceEvents": []}')
     found = stage_totals(tmp_path)
     assert sorted(found) == [(0, 0), (0, 1), (1, 0)] and found[(0, 1)] == {"times_s": totals[(0, 1)], "waves": 10}
+    assert stage_breakdown_ms({k: v["times_s"] for k, v in found.items()}, 10)[(0, 1)] == {
+        "compute": 100.0, "recv": 300.0, "train": 410.0}
     assert wave_breakdown_ms({k: v["times_s"] for k, v in found.items()}, 10) == {
         "0": {"compute": 200.0, "recv": 300.0, "train": 410.0},
         "1": {"compute": 300.0, "gate_wait": 25.0, "train": 400.0},

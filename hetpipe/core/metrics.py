@@ -25,6 +25,7 @@ __all__ = [
     "format_summary",
     "merge_traces",
     "read_jsonl",
+    "stage_breakdown_ms",
     "stage_totals",
     "wave_breakdown_ms",
     "write_summary",
@@ -198,15 +199,22 @@ def stage_totals(trace_dir: str | Path) -> dict[tuple[int, int], dict[str, Any]]
     return out
 
 
+def stage_breakdown_ms(times: Mapping[tuple[int, int], Mapping[str, float]], waves: int
+                       ) -> dict[tuple[int, int], dict[str, float]]:
+    """Per (vw, stage), ms per wave in each part it timed (STAGE_PARTS on its own thread; push, pull and parked on
+    its PS thread; train: its whole training loop), over `waves` waves."""
+    return {key: {part: round(1000 * seconds / max(waves, 1), 3) for part, seconds in parts.items()}
+            for key, parts in sorted(times.items())}
+
+
 def wave_breakdown_ms(times: Mapping[tuple[int, int], Mapping[str, float]], waves: int) -> dict[str, dict[str, float]]:
-    """Per VW ("0", "1", ...), ms per wave in each part a stage timed (compute, recv, send, d2h, push_wait,
-    gate_wait, h2d on its own thread; push, pull and parked on its PS thread; train: its whole training loop):
-    the most any of the VW's stages spent there, over `waves` waves."""
+    """Per VW ("0", "1", ...), ms per wave in each part: the most any of the VW's stages spent there
+    (stage_breakdown_ms)."""
     out: dict[str, dict[str, float]] = {}
-    for (vw, _), parts in sorted(times.items()):
+    for (vw, _), parts in stage_breakdown_ms(times, waves).items():
         mine = out.setdefault(str(vw), {})
-        for part, seconds in parts.items():
-            mine[part] = max(mine.get(part, 0.0), round(1000 * seconds / max(waves, 1), 3))
+        for part, ms in parts.items():
+            mine[part] = max(mine.get(part, 0.0), ms)
     return out
 
 

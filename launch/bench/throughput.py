@@ -56,7 +56,7 @@ from testbed_options import profile_option, testbed_options  # noqa: E402
 from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
-from hetpipe.core.metrics import STAGE_PARTS, stage_totals, wave_breakdown_ms  # noqa: E402
+from hetpipe.core.metrics import STAGE_PARTS, stage_breakdown_ms, stage_totals, wave_breakdown_ms  # noqa: E402
 from hetpipe.core.profile import ModelProfile  # noqa: E402
 from hetpipe.core.simulate import PsNetwork  # noqa: E402
 from hetpipe.core.testbed import Topology, format_nodes, plan_topology, within  # noqa: E402
@@ -203,8 +203,8 @@ def run_hetpipe(config: ClusterConfig, setup: HetpipeSetup, run_dir: Path,
         summary = {"wall_s": run.wall_s, "egress_bytes": run.egress_bytes}
     times = {k: t["times_s"] for k, t in stage_totals(run_dir / "trace").items()}
     summary["wave_breakdown_ms"] = wave_breakdown_ms(times, config.train.waves)
-    summary["stage_breakdown_ms"] = {f"vw{v}-s{j}": wave_breakdown_ms({(v, j): t}, config.train.waves)[str(v)]
-                                     for (v, j), t in sorted(times.items())}
+    summary["stage_breakdown_ms"] = {f"vw{v}-s{j}": parts
+                                     for (v, j), parts in stage_breakdown_ms(times, config.train.waves).items()}
     rate = window_rate(trace_streams(run_dir), config.train.batch_size, WARMUP_WAVES * config.wsp.nm)
     return summary, rate
 
