@@ -54,7 +54,7 @@ TASKS = {
         "Adam reaches it in 2 of 3 seeds within 60k samples (best 0.967-0.973)"),
     "shakespeare": Task(
         "shakespeare", CLUSTERS / "bench-shakespeare.toml", ("train.eval_samples=2048",),
-        2.0, (0.002, 0.004, 0.008), 180.0, 100_000, 4096,
+        2.0, (0.002, 0.004, 0.008), 330.0, 100_000, 4096,
         "char-level GPT (4 blocks, 64 wide, 32 characters of context), Adam; target validation loss 2.0 nats "
         "(unigram 3.29), scored on 2048 held-out windows"),
     "resnet": Task(
