@@ -13,6 +13,7 @@ import click
 from hetpipe.core.errors import HetpipeError
 
 if TYPE_CHECKING:
+    from hetpipe.core.config import ClusterConfig
     from hetpipe.core.testbed import Topology
 
 __all__ = ["main", "cli"]
@@ -324,18 +325,20 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
 @click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Convergence calibration to rank by time to target (default: the shipped one of the config's "
                    "model, batch, optimizer and lr, if any; launch/bench/staleness.py --calibrate writes them).")
+@click.option("--search-rules/--no-search-rules", default=True, show_default=True,
+              help="With a calibration: also choose the training rule (the PS's aggregation, the mitigation) among "
+                   "those it measured, by predicted time to target; --out carries it. --no-search-rules: the config's.")
 @_set_option
 def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool, profile_dir: Path | None,
          waves: int, d_values: tuple[int, ...], nm_max: int | None, reserve_gib: float,
          policies: tuple[str, ...], schedules: tuple[str, ...], refresh: bool, calibration_path: Path | None,
-         settings: tuple[str, ...]) -> None:
+         search_rules: bool, settings: tuple[str, ...]) -> None:
     """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the best."""
     import json
     import time
 
-    from hetpipe.app.plan_convergence import plan_calibration
+    from hetpipe.app.plan_convergence import plan_calibration, plan_over_rules, rule_of
     from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
-    from hetpipe.core.convergence import attach_samples
     from hetpipe.core.planner import (
         D_VALUES,
         best,
@@ -350,17 +353,28 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     profiles, ps_gbps, link, notes = plan_profiles(config, profile_dir or default_profile_dir(), refresh=refresh)
     started = time.monotonic()
     calibration, calibration_note = plan_calibration(config, calibration_path)
-    candidates = plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
-                                 nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),
-                                 policies=policies or None, schedules=schedules or None,
-                                 slower_but_fewer=calibration is not None)
-    candidates = attach_samples(candidates, calibration, config.ps.aggregation, config.train.mitigations)
+
+    def planned(variant: ClusterConfig) -> list:
+        return plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
+                               nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),
+                               policies=policies or None, schedules=schedules or None,
+                               slower_but_fewer=calibration is not None)
+
+    candidates, ruled, tried = plan_over_rules(config, calibration, planned, best, search=search_rules)
     notes = [*notes, calibration_note]
+    if ruled is not config:
+        notes.append(f"training rule: {rule_of(ruled)}, the soonest to target of the {tried} rules the calibration "
+                     f"measured (the config's: {rule_of(config)}); --out carries it, or set [ps] aggregation = "
+                     f'"{ruled.ps.aggregation}" and [train] mitigation = "{ruled.train.mitigation}" in {config_path}')
+    elif search_rules and tried > 1:
+        notes.append(f"training rule: the config's ({rule_of(config)}), the soonest to target of the {tried} rules "
+                     "the calibration measured")
     elapsed = time.monotonic() - started
     chosen = best(candidates)
     if as_json:
         inputs = {"config": str(config_path), "model": config.model.name, "batch_size": config.train.batch_size,
-                  "waves": waves, "ps_gbps": ps_gbps, "notes": notes, "planning_s": round(elapsed, 3)}
+                  "waves": waves, "ps_gbps": ps_gbps, "notes": notes, "planning_s": round(elapsed, 3),
+                  "aggregation": ruled.ps.aggregation, "mitigation": ruled.train.mitigation}
         click.echo(json.dumps(candidates_json(candidates, inputs), indent=1))
     else:
         click.echo(f"{config.name}: {config.model.name} at batch {config.train.batch_size}, {len(config.all_gpus())} GPUs; "
@@ -379,7 +393,8 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(chosen.plan.to_json())
         click.echo(f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}` "
-                   f"(its VWs, splits, nm={chosen.nm} and D={chosen.staleness})", err=True)
+                   f"(its VWs, splits, nm={chosen.nm}, D={chosen.staleness}, schedule {chosen.plan.schedule}, "
+                   f"{rule_of(ruled)})", err=True)
 
 
 @cli.group()

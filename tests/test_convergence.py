@@ -188,6 +188,39 @@ def test_a_time_to_target_search_offers_fewer_vws_and_smaller_nm_and_can_pick_th
     assert len(top.plan.vws) == 1 and top.nm == 1 and top.time_to_target_s is not None
 
 
+def test_a_search_over_rules_takes_the_rule_whose_best_plan_reaches_the_target_soonest() -> None:
+    from hetpipe.app.plan_convergence import plan_over_rules, rule_variants
+
+    config, profiles = small()
+    found = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,)) if c.plan is not None]
+    # every plan needs 10x fewer samples under mean than under sum; pipemare with server is a rule no config can run
+    points = {setting_of(c, "sum", ()).label: 1000.0 for c in found}
+    points |= {setting_of(c, "mean", ()).label: 100.0 for c in found}
+    points["2x4/3:wsp:server:pipemare"] = 50.0
+    cal = calibration(points, seq=500.0)
+    assert [rule_of_variant(v) for v in rule_variants(config, cal)] == [("sum", "none"), ("mean", "none")]
+
+    def plan(variant):
+        return plan_candidates(variant, profiles, ps_gbps=10.0, d_values=(0,))
+
+    candidates, chosen, tried = plan_over_rules(config, cal, plan, best)
+    top = best(candidates)
+    assert tried == 2 and chosen.ps.aggregation == "mean" and top.plan.aggregation == "mean"
+    assert top.samples_to_target == 100.0 and top.plan.mitigation == "none"
+    # without the search: the config's rule, still ranked by time to target (sum's plans 1000, sequential 500)
+    candidates, chosen, tried = plan_over_rules(config, cal, plan, best, search=False)
+    top = best(candidates)
+    assert tried == 1 and chosen is config and top.plan.aggregation == "sum"
+    assert top.samples_to_target in (500.0, 1000.0) and top.time_to_target_s is not None
+    # without a calibration nothing is priced, and the config's rule is kept
+    candidates, chosen, tried = plan_over_rules(config, None, plan, best)
+    assert chosen is config and best(candidates).time_to_target_s is None
+
+
+def rule_of_variant(config) -> tuple[str, str]:
+    return config.ps.aggregation, config.train.mitigation
+
+
 def test_a_candidate_that_never_reached_the_target_ranks_after_every_timed_one() -> None:
     config, profiles = small()
     found = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,)) if c.plan is not None]

@@ -391,6 +391,17 @@ def test_cli_plan_prints_a_table_and_writes_a_loadable_plan(tmp_path: Path) -> N
     planned, layouts = apply_plan(load_config(config), out)
     assert [lay.gpus for lay in layouts] == [vw.gpus for vw in plan.vws]
     assert (planned.wsp.nm, planned.wsp.staleness) == (plan.vws[0].nm, plan.staleness)  # --plan runs the plan's Nm and D
+    # and its training rule: the config's when planned without a calibration; a file from before has none
+    assert (plan.aggregation, plan.mitigation) == ("sum", "none") == (planned.ps.aggregation, planned.train.mitigation)
+    data = json.loads(out.read_text())
+    out.write_text(json.dumps({**data, "aggregation": "mean", "mitigation": "average"}))
+    planned, _ = apply_plan(load_config(config), out)
+    assert (planned.ps.aggregation, planned.train.mitigations) == ("mean", ("average",))
+    out.write_text(json.dumps({**data, "aggregation": "server", "mitigation": "pipemare"}))
+    with pytest.raises(UsageError, match=r"(?s)plan.json: its training rule .* does not fit: .*pipemare.*plan again for this config"):
+        apply_plan(load_config(config), out)
+    out.write_text(json.dumps({k: v for k, v in data.items() if k not in ("aggregation", "mitigation")}))
+    assert apply_plan(load_config(config), out)[0].ps.aggregation == "sum"
     # the second run reads the cached profile; --json is machine-readable
     result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--json", "-D", "0")
     assert result.returncode == 0, result.stderr

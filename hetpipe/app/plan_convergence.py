@@ -1,15 +1,19 @@
 """The convergence input of `hetpipe plan`: the calibration of the config's model, batch and optimizer
-(hetpipe.core.convergence), from the folder beside the shipped profiles or a file the user names."""
+(hetpipe.core.convergence), from the folder beside the shipped profiles or a file the user names, and the search
+over the training rules it measured."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from hetpipe.app.plan_inputs import SHIPPED_DIR
-from hetpipe.core.config import ClusterConfig
-from hetpipe.core.convergence import Calibration, find_calibration
+from hetpipe.core.config import ClusterConfig, apply_overrides
+from hetpipe.core.convergence import Calibration, attach_samples, find_calibration, rules_of
+from hetpipe.core.errors import ConfigError, UsageError
 
-__all__ = ["CALIBRATION_DIR", "plan_calibration"]
+__all__ = ["CALIBRATION_DIR", "plan_calibration", "plan_over_rules", "rule_of", "rule_variants"]
 
 CALIBRATION_DIR = SHIPPED_DIR.parent / "calibrations"  # beside the profiles; launch/bench/staleness.py --calibrate writes here
 
@@ -34,3 +38,47 @@ def plan_calibration(config: ClusterConfig, path: Path | None = None,
     spec = model_of(config)
     t = config.train
     return find_calibration(folder, spec.name, options_digest(spec), t.batch_size, t.optimizer)
+
+
+def rule_of(config: ClusterConfig) -> str:
+    """What a config fixes of its training rule for the planner, which searches the schedule itself: the PS's
+    aggregation and the mitigation."""
+    return f"aggregation {config.ps.aggregation}, mitigation {config.train.mitigation}"
+
+
+def rule_variants(config: ClusterConfig, calibration: Calibration | None) -> list[ClusterConfig]:
+    """The config, then the config under each other training rule (aggregation, mitigations; its schedule first in
+    the planner's search) the calibration measured and the config can run (a rule its validation refuses is left
+    out)."""
+    out = [config]
+    for schedule, aggregation, mitigation in rules_of(calibration) if calibration is not None else []:
+        try:
+            variant = apply_overrides(config, [f'train.schedule="{schedule}"', f'ps.aggregation="{aggregation}"',
+                                               f'train.mitigation="{"+".join(mitigation) or "none"}"'])
+        except ConfigError:
+            continue
+        if rule_of(variant) not in {rule_of(c) for c in out}:
+            out.append(variant)
+    return out
+
+
+def plan_over_rules(config: ClusterConfig, calibration: Calibration | None,
+                    plan: Callable[[ClusterConfig], Sequence[Any]], best: Callable[[Sequence[Any]], Any],
+                    search: bool = True) -> tuple[list[Any], ClusterConfig, int]:
+    """(the candidates with their samples to target, the config, the rules tried) of the training rule whose best
+    plan reaches the target soonest by prediction: `plan(variant)` plans each of rule_variants (only the config
+    without `search`), `best` ranks (hetpipe.core.planner's). Without a calibration, or when no rule's best has a
+    predicted time, the config's own rule."""
+    found = []
+    for variant in rule_variants(config, calibration if search else None):
+        candidates = attach_samples(plan(variant), calibration, variant.ps.aggregation, variant.train.mitigations)
+        try:
+            top = best(candidates)
+        except UsageError:
+            if variant is config:
+                raise
+            continue
+        found.append((top.time_to_target_s, candidates, variant))
+    timed = [f for f in found if f[0] is not None]
+    _, candidates, chosen = min(timed, key=lambda f: f[0]) if timed else found[0]
+    return candidates, chosen, len(found)

@@ -34,7 +34,7 @@ from hetpipe.compute.build import VwLayout, dataset_of, model_of, vw_layouts
 from hetpipe.compute.evaluate import evaluate
 from hetpipe.compute.sizes import model_sizes
 from hetpipe.core.audit import expected_ledger
-from hetpipe.core.config import ClusterConfig, config_toml
+from hetpipe.core.config import ClusterConfig, apply_overrides, config_toml
 from hetpipe.core.devices import stage_device
 from hetpipe.core.errors import ConfigError, HetpipeError, UsageError
 from hetpipe.core.fit import memory_error, stage_needs
@@ -433,7 +433,8 @@ def _audit_ledgers(final: list[dict[str, Any]], infos: list[dict[str, Any]], nm:
 
 
 def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, tuple[VwLayout, ...]]:
-    """The config with a plan's Nm and D, and the plan's VWs and splits (a file from `hetpipe plan --out`)."""
+    """The config with a plan's Nm, D, schedule and training rule (aggregation, mitigation), and the plan's VWs and
+    splits (a file from `hetpipe plan --out`)."""
     from hetpipe.core.plan import Plan
 
     try:
@@ -454,4 +455,14 @@ def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, t
         raise UsageError(f"{plan_path}: VWs with different Nm {sorted(nms)}; the runtime runs one Nm for all VWs")
     config = replace(config, wsp=replace(config.wsp, nm=nms.pop(), staleness=plan.staleness),
                      train=replace(config.train, schedule=plan.schedule, recompute=plan.recompute))
+    rule = []
+    if plan.aggregation:
+        rule.append(f'ps.aggregation="{plan.aggregation}"')
+    if plan.mitigation:
+        rule.append(f'train.mitigation="{plan.mitigation}"')
+    try:
+        config = apply_overrides(config, rule)
+    except ConfigError as exc:
+        raise UsageError(f"{plan_path}: its training rule ({', '.join(rule)}) does not fit: {exc}; plan again for "
+                         "this config") from None
     return config, tuple(VwLayout(vw.gpus, vw.split) for vw in plan.vws)

@@ -63,6 +63,8 @@ class Plan:
     placement: str = "balanced"
     schedule: str = "wsp"  # the pipeline schedule every VW runs (hetpipe.core.schedule)
     recompute: bool = False
+    aggregation: str = ""  # the PS's aggregation it was planned under ("": a plan file from before, the config's)
+    mitigation: str = ""  # the staleness mitigation it was planned under ("": the config's)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -277,7 +277,8 @@ def plan_candidates(
                         schedule=schedule))
                     continue
                 plan = Plan(policy, search.any_profile.model, batch, d, sized, placement=config.ps.placement,
-                            schedule=schedule, recompute=recompute)
+                            schedule=schedule, recompute=recompute, aggregation=config.ps.aggregation,
+                            mitigation=config.train.mitigation)
                 network = ps_network
                 if network is not None and config.ps.placement == "local":
                     network = dataclasses.replace(network, layer_nodes=_layer_nodes(sized[0]), layer_bytes=tuple(

@@ -53,7 +53,7 @@ from testbed_options import profile_option, testbed_options  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.evaluate import evaluate  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
-from hetpipe.core.convergence import Calibration, Setting, attach_samples, rules_of, setting_of  # noqa: E402
+from hetpipe.core.convergence import Calibration, Setting, setting_of  # noqa: E402
 from hetpipe.core.testbed import Topology  # noqa: E402
 from hetpipe.core.wsp import ShardState  # noqa: E402
 from hetpipe.server.checkpoint import list_manifests, read_checkpoint  # noqa: E402
@@ -106,32 +106,25 @@ def row(task: str, system: str, seed: int, goal: Goal, start: float, scores: lis
 def planned(config: ClusterConfig, profile: Any, testbed: Topology | None,
             search_rules: bool = False) -> tuple[throughput.HetpipeSetup, Any, Calibration | None, ClusterConfig]:
     """The planner's best plan for `config` ranked by predicted time to target (the calibration of its model, batch
-    and optimizer, when there is one); with `search_rules`, also over every training rule (schedule, aggregation,
-    mitigation) the calibration measured with several VWs. (setup, candidate, calibration, the config to run)."""
-    from hetpipe.app.plan_convergence import plan_calibration
+    and optimizer, when there is one); with `search_rules`, also over every training rule (aggregation, mitigation)
+    the calibration measured, as `hetpipe plan` does. (setup, candidate, calibration, the config to run)."""
+    from hetpipe.app.plan_convergence import plan_calibration, plan_over_rules, rule_of
     from hetpipe.core import planner
 
     profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
     ps_gbps, link, network = throughput.planner_links(testbed)
     calibration, note = plan_calibration(config)
-    variants = [config]
-    if search_rules and calibration is not None:
-        variants += [apply_overrides(config, [f'train.schedule="{schedule}"', f'ps.aggregation="{aggregation}"',
-                                              f'train.mitigation="{"+".join(mitigation) or "none"}"'])
-                     for schedule, aggregation, mitigation in rules_of(calibration)]
-    found = []
-    for variant in variants:
-        candidates = planner.plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link, ps_network=network,
-                                             slower_but_fewer=calibration is not None)
-        candidates = attach_samples(candidates, calibration, variant.ps.aggregation, variant.train.mitigations)
-        found.append((planner.best(candidates), variant))
-    timed = [(c, v) for c, v in found if c.time_to_target_s is not None]
-    top, chosen = min(timed, key=lambda cv: cv[0].time_to_target_s) if timed else found[0]
+
+    def plan(variant: ClusterConfig) -> list[Any]:
+        return planner.plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link, ps_network=network,
+                                       slower_but_fewer=calibration is not None)
+
+    candidates, chosen, tried = plan_over_rules(config, calibration, plan, planner.best, search=search_rules)
+    top = planner.best(candidates)
     vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
-    rule = f"{top.plan.schedule}/{chosen.ps.aggregation}/{chosen.train.mitigation}"
     setup = throughput.HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness,
-                                    f"planner: {top.label}, {rule} of {len(variants)} rules; {note}",
-                                    top.samples_per_s, top.plan.schedule)
+                                    f"planner: {top.label}, {top.plan.schedule}, {rule_of(chosen)} (of {tried} "
+                                    f"rules); {note}", top.samples_per_s, top.plan.schedule)
     return setup, top, calibration, chosen
 
 
