@@ -189,7 +189,7 @@ def test_a_time_to_target_search_offers_fewer_vws_and_smaller_nm_and_can_pick_th
 
 
 def test_a_search_over_rules_takes_the_rule_whose_best_plan_reaches_the_target_soonest() -> None:
-    from hetpipe.app.plan_convergence import plan_over_rules, rule_variants
+    from hetpipe.app.plan_convergence import plan_over_rules, rule_of, rule_variants
 
     config, profiles = small()
     found = [c for c in plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,)) if c.plan is not None]
@@ -198,7 +198,8 @@ def test_a_search_over_rules_takes_the_rule_whose_best_plan_reaches_the_target_s
     points |= {setting_of(c, "mean", ()).label: 100.0 for c in found}
     points["2x4/3:wsp:server:pipemare"] = 50.0
     cal = calibration(points, seq=500.0)
-    assert [rule_of_variant(v) for v in rule_variants(config, cal)] == [("sum", "none"), ("mean", "none")]
+    assert [rule_of(v) for v in rule_variants(config, cal)] == ["aggregation sum, mitigation none",
+                                                                "aggregation mean, mitigation none"]
 
     def plan(variant):
         return plan_candidates(variant, profiles, ps_gbps=10.0, d_values=(0,))
@@ -215,10 +216,6 @@ def test_a_search_over_rules_takes_the_rule_whose_best_plan_reaches_the_target_s
     # without a calibration nothing is priced, and the config's rule is kept
     candidates, chosen, tried = plan_over_rules(config, None, plan, best)
     assert chosen is config and best(candidates).time_to_target_s is None
-
-
-def rule_of_variant(config) -> tuple[str, str]:
-    return config.ps.aggregation, config.train.mitigation
 
 
 def test_a_candidate_that_never_reached_the_target_ranks_after_every_timed_one() -> None:

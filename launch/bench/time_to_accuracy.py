@@ -123,8 +123,8 @@ def planned(config: ClusterConfig, profile: Any, testbed: Topology | None,
     top = planner.best(candidates)
     vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
     setup = throughput.HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness,
-                                    f"planner: {top.label}, {top.plan.schedule}, {rule_of(chosen)} (of {tried} "
-                                    f"rules); {note}", top.samples_per_s, top.plan.schedule)
+                                    f"planner: {top.label}, {rule_of(chosen)} (of {tried} rules); {note}",
+                                    top.samples_per_s, top.plan.schedule)
     return setup, top, calibration, chosen
 
 
