@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 from test_planner import SMALL_TOML, hetpipe, small
 
+from hetpipe.app.plan_convergence import CALIBRATION_DIR
 from hetpipe.core.convergence import (
     Calibration,
     Measurement,
     Setting,
     attach_samples,
+    calibration_name,
     canonical,
     features,
     find_calibration,
@@ -242,3 +244,17 @@ def test_cli_plan_ranks_by_a_calibration_file_and_refuses_a_bad_one(tmp_path: Pa
     cal.write_text("{}")
     result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--calibration", str(cal))
     assert result.returncode == 2 and "not a calibration file" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("path", sorted(CALIBRATION_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_calibration_loads_is_named_for_its_model_and_says_how_it_was_measured(path: Path) -> None:
+    cal = Calibration.load(path)
+    assert path.name == calibration_name(cal.model, cal.options_digest, cal.batch_size, cal.optimizer)
+    assert cal.sequential is not None and cal.sequential.median is not None  # the unit of every factor
+    commands = cal.command.split("; ")
+    assert all(c.startswith("python launch/bench/staleness.py ") and "--calibrate" in c for c in commands)
+    assert all(f"--target {cal.target:g}" in c for c in commands)  # one target per file
+    assert not any("/tmp" in c or "--out" in c for c in commands)  # reproducible from the repository alone
+    measured = {canonical(m.setting) for m in cal.measurements}
+    assert len(measured) == len(cal.measurements)  # merges replace a setting, never list it twice
+    assert all(set(m.samples) <= {None} or m.lr in cal.lrs for m in cal.measurements)
