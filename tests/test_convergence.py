@@ -55,6 +55,8 @@ def test_bad_settings_say_the_form(text: str) -> None:
     ("1x4/3:wsp:mean:average+warmup:D2", "1x4/3:wsp:sum"),  # one local VW never pulls
     ("1x8/3:pipedream:spectrain", "1x3/3:wsp:spectrain"),  # one VW: pipedream is wsp at the pipe's depth
     ("1x8/1:pipedream:mean:D2", "1x1/1"),  # so one stage of it is sequential training
+    ("2x1/1:pipedream:sum", "2x1/1:wsp:sum"),  # pipedream no deeper than its pipe is wsp, any VWs
+    ("3x2/3:pipedream:mean:pipemare:D1", "3x2/3:wsp:mean:pipemare:D1"),
 ])
 def test_canonical_forms_train_the_same_weights(a: str, b: str) -> None:
     assert canonical(parse_setting(a)) == canonical(parse_setting(b))

@@ -86,11 +86,15 @@ def canonical(setting: Setting) -> Setting:
       stashed): 1f1b-flush on 1 stage;
     - one VW with local optimizers skips every pull: D, mean vs sum, warmup and average do nothing;
     - so one such VW under pipedream is wsp at Nm = min(Nm, stages) (the same F, B and U; only the pushes fall
-      elsewhere), unless pipemare counts its warm-up in waves.
+      elsewhere), unless pipemare counts its warm-up in waves;
+    - pipedream at Nm <= stages is wsp, any VWs (its depth min(Nm, stages) is Nm: the same actions, waves
+      and pushes).
     """
     s = setting
     if s.schedule == "pipedream" and s.vws == 1 and s.aggregation != "server" and "pipemare" not in s.mitigation:
         return canonical(replace(s, schedule="wsp", nm=min(s.nm, s.stages)))
+    if s.schedule == "pipedream" and s.nm <= s.stages:
+        s = replace(s, schedule="wsp")
     if s.sequential:
         return Setting(1, 1, 1)
     if s.schedule == "gpipe" or s.aggregation == "server":
