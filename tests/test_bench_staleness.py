@@ -97,6 +97,7 @@ def test_the_command_writes_a_calibration_the_planner_reads(tmp_path: Path) -> N
     ["1x1/2:pipedream-2bw:mean:spectrain", "1x1/1:wsp:sum"],
     ["2x1/1:pipedream:sum", "2x1/1:wsp:sum"],
     ["2x2/2:pipedream:mean:pipemare:D1", "2x2/2:wsp:mean:pipemare:D1"],
+    ["2x1/1:wsp:mean:warmup", "2x1/2:1f1b-flush:mean:warmup", "2x1/3:gpipe:mean:warmup", "2x1/2:pipedream:mean:warmup"],
 ])
 def test_settings_with_one_canonical_form_train_the_same_weights(tmp_path: Path, group: list[str]) -> None:
     """hetpipe.core.convergence.canonical's claims, checked in the reference: one run stands for each group."""

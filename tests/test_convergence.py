@@ -57,6 +57,8 @@ def test_bad_settings_say_the_form(text: str) -> None:
     ("1x8/1:pipedream:mean:D2", "1x1/1"),  # so one stage of it is sequential training
     ("2x1/1:pipedream:sum", "2x1/1:wsp:sum"),  # pipedream no deeper than its pipe is wsp, any VWs
     ("3x2/3:pipedream:mean:pipemare:D1", "3x2/3:wsp:mean:pipemare:D1"),
+    ("2x1/3:gpipe:mean:warmup", "2x1/1:wsp:mean:warmup"),  # at Nm 1 nothing is in flight across an update
+    ("2x1/2:1f1b-flush:sum:none:D1", "2x1/1:pipedream:sum:none:D1"),
 ])
 def test_canonical_forms_train_the_same_weights(a: str, b: str) -> None:
     assert canonical(parse_setting(a)) == canonical(parse_setting(b))
@@ -67,6 +69,9 @@ def test_wsp_keeps_its_stage_count_and_mitigations() -> None:
     assert canonical(s) == s
     for kept in ("2x8/3:pipedream:sum", "1x8/3:pipedream:sum:pipemare"):  # pulls, or a warm-up counted in waves
         assert canonical(parse_setting(kept)) == parse_setting(kept)
+    # at Nm 1, not claimed with spectrain (its prediction) nor with server (the PS steps; flush is its form)
+    assert canonical(parse_setting("2x1/3:wsp:sum:spectrain")) == parse_setting("2x1/3:wsp:sum:spectrain")
+    assert canonical(parse_setting("2x1/3:wsp:server")) == parse_setting("2x1/1:1f1b-flush:server")
 
 
 def test_pipedream_lags_by_the_pipes_depth_not_the_wave() -> None:

@@ -88,7 +88,9 @@ def canonical(setting: Setting) -> Setting:
     - so one such VW under pipedream is wsp at Nm = min(Nm, stages) (the same F, B and U; only the pushes fall
       elsewhere), unless pipemare counts its warm-up in waves;
     - pipedream at Nm <= stages is wsp, any VWs (its depth min(Nm, stages) is Nm: the same actions, waves
-      and pushes).
+      and pushes);
+    - at Nm 1 nothing is ever in flight across an update, so wsp and the flushes are one schedule and the stage
+      count does not matter (unless spectrain or pipemare, which this does not claim for).
     """
     s = setting
     if s.schedule == "pipedream" and s.vws == 1 and s.aggregation != "server" and "pipemare" not in s.mitigation:
@@ -102,6 +104,9 @@ def canonical(setting: Setting) -> Setting:
     if s.schedule == "1f1b-flush":
         lagless = ("spectrain", "pipemare") if s.aggregation != "server" else ("pipemare",)
         s = replace(s, stages=1, mitigation=tuple(m for m in s.mitigation if m not in lagless))
+    if s.nm == 1 and s.schedule in ("wsp", "1f1b-flush") and s.aggregation != "server" \
+            and not {"spectrain", "pipemare"} & set(s.mitigation):
+        s = replace(s, schedule="wsp", stages=1)
     if s.vws == 1 and s.aggregation != "server":
         s = replace(s, aggregation="sum", staleness=0,
                     mitigation=tuple(m for m in s.mitigation if m not in ("warmup", "average")))
