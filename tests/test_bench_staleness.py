@@ -3,6 +3,7 @@ the calibration file."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -72,15 +73,18 @@ def test_a_run_stops_at_the_first_score_that_meets_the_goal(tmp_path: Path) -> N
     assert stopped == full[: first + 1]
 
 
-def test_the_command_writes_a_calibration_the_planner_reads(tmp_path: Path) -> None:
+def test_the_command_writes_a_calibration_the_planner_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "tiny.toml"
     path.write_text(_TINY)
     cal = tmp_path / "cal.json"
-    result = CliRunner().invoke(staleness.main, [
-        "--config", str(path), "--settings", "1x1/1,2x2/2:1f1b-flush:mean", "--seeds", "0,1", "--samples", "256",
-        "--score-every", "64", "--target", "0.3", "--lrs", "0.05,0.2", "--calibrate", str(cal)])
+    args = ["--config", str(path), "--settings", "1x1/1,2x2/2:1f1b-flush:mean", "--seeds", "0,1", "--samples", "256",
+            "--score-every", "64", "--target", "0.3", "--lrs", "0.05,0.2", "--set", 'train.optimizer="sgd"',
+            "--calibrate", str(cal)]
+    monkeypatch.setattr(sys, "argv", ["staleness.py", *args])
+    result = CliRunner().invoke(staleness.main, args)
     assert result.exit_code == 0, result.output
     made = Calibration.load(cal)
+    assert shlex.split(made.command)[2:] == args  # the recorded command pastes back into a shell as it ran
     assert [m.setting.label for m in made.measurements] == ["1x1/1:wsp:sum:none:D0", "2x2/2:1f1b-flush:mean:none:D0"]
     assert made.seeds == (0, 1) and all(len(m.samples) == 2 for m in made.measurements)
     assert made.sequential is made.measurements[0] and made.lrs == (0.05, 0.2)

@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import multiprocessing
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -223,7 +224,7 @@ def main(config_path: Path, settings_text: str, staleness: int, seeds: str, lrs:
     found = measurements(results, settings, seed_list, samples)
     print()
     print(table(found, seed_list, goal.label))
-    command = "python launch/bench/staleness.py " + " ".join(sys.argv[1:])
+    command = "python launch/bench/staleness.py " + shlex.join(sys.argv[1:])  # pastes back into a shell
     if calibrate is not None:
         path = Path(calibrate) if calibrate else CALIBRATION_DIR / calibration_name(
             spec.name, options_digest(spec), t.batch_size, t.optimizer)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -333,7 +334,7 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
     seed_list = [int(s) for s in seeds.split(",")]
     wanted = [s for s in SYSTEMS if s in systems.split(",")]
     began = time.time()
-    document: dict[str, Any] = {"command": "python launch/bench/time_to_accuracy.py " + " ".join(sys.argv[1:]),
+    document: dict[str, Any] = {"command": "python launch/bench/time_to_accuracy.py " + shlex.join(sys.argv[1:]),
                                 "meta": {**peers.env_note()}, "tasks": {}, "rows": []}
     tables = []
     for name in task_names.split(","):
