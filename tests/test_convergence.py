@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,10 @@ def test_every_shipped_calibration_loads_is_named_for_its_model_and_says_how_it_
     assert all(c.startswith("python launch/bench/staleness.py ") and "--calibrate" in c for c in commands)
     assert all(f"--target {cal.target:g}" in c for c in commands)  # one target per file
     assert not any("/tmp" in c or "--out" in c for c in commands)  # reproducible from the repository alone
+    for c in commands:  # each pastes back into a shell: every --set value one word, brackets whole
+        words = shlex.split(c)
+        values = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+        assert all("=" in v and v.count("{") == v.count("}") and v.count("[") == v.count("]") for v in values), c
     measured = {canonical(m.setting) for m in cal.measurements}
     assert len(measured) == len(cal.measurements)  # merges replace a setting, never list it twice
     assert all(set(m.samples) <= {None} or m.lr in cal.lrs for m in cal.measurements)
