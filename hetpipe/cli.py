@@ -325,6 +325,9 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
 @click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Convergence calibration to rank by time to target (default: the shipped one of the config's "
                    "model, batch, optimizer and lr, if any; launch/bench/staleness.py --calibrate writes them).")
+@click.option("--target", type=float, default=None,
+              help="Rank by time to this target (test accuracy, or validation loss for a language model): the shipped "
+                   "calibration measured to it (default: the model's default calibration, whatever its target).")
 @click.option("--search-rules/--no-search-rules", default=True, show_default=True,
               help="With a calibration: also choose the training rule (the PS's aggregation, the mitigation) among "
                    "those it measured, by predicted time to target; --out carries it. --no-search-rules: the config's.")
@@ -332,7 +335,7 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
 def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool, profile_dir: Path | None,
          waves: int, d_values: tuple[int, ...], nm_max: int | None, reserve_gib: float,
          policies: tuple[str, ...], schedules: tuple[str, ...], refresh: bool, calibration_path: Path | None,
-         search_rules: bool, settings: tuple[str, ...]) -> None:
+         target: float | None, search_rules: bool, settings: tuple[str, ...]) -> None:
     """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the best."""
     import json
     import time
@@ -352,7 +355,7 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     config = _load(config_path, settings)
     profiles, ps_gbps, link, notes = plan_profiles(config, profile_dir or default_profile_dir(), refresh=refresh)
     started = time.monotonic()
-    calibration, calibration_note = plan_calibration(config, calibration_path)
+    calibration, calibration_note = plan_calibration(config, calibration_path, target=target)
 
     def planned(variant: ClusterConfig) -> list:
         return plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,

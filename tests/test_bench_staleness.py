@@ -94,6 +94,24 @@ def test_the_command_writes_a_calibration_the_planner_reads(tmp_path: Path, monk
         assert all(v is None or v >= m.samples[0] for v in tried.values())
 
 
+def test_calibrate_to_another_target_writes_beside_the_default_file(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text(_TINY)
+    monkeypatch.setattr(staleness, "CALIBRATION_DIR", tmp_path / "cals")
+    for target in ("0.3", "0.2", "0.3"):
+        args = ["--config", str(path), "--settings", "1x1/1", "--samples", "128", "--score-every", "64",
+                "--target", target, "--set", 'train.optimizer="sgd"', "--calibrate"]
+        monkeypatch.setattr(sys, "argv", ["staleness.py", *args])
+        result = CliRunner().invoke(staleness.main, args)
+        assert result.exit_code == 0, result.output
+    files = sorted((p.name for p in (tmp_path / "cals").iterdir()), key=len)
+    assert len(files) == 2 and files[0].endswith("-sgd.json") and files[1].endswith("-sgd-to0.2.json")
+    default, other = (Calibration.load(tmp_path / "cals" / f) for f in files)
+    assert (default.target, other.target) == (0.3, 0.2)
+    assert default.command.count("--target 0.3") == 2  # the third run merged into the default file
+
+
 @pytest.mark.parametrize("group", [
     ["2x2/2:wsp:server", "2x2/1:1f1b-flush:server", "2x2/2:pipedream-2bw:server", "2x2/3:gpipe:server"],
     ["2x2/2:gpipe:sum", "2x2/1:1f1b-flush:sum", "2x2/3:1f1b-flush:sum:spectrain"],

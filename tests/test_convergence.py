@@ -110,6 +110,19 @@ def test_calibration_round_trips_and_is_found_by_name(tmp_path: Path) -> None:
     assert found is None and "how to measure one" in note
 
 
+def test_a_calibration_to_another_target_is_found_by_its_target(tmp_path: Path) -> None:
+    default = calibration({"2x4/3:wsp:sum": 2500.0})
+    other = dataclasses.replace(calibration({"2x4/3:wsp:sum": 4000.0}), target=0.95)
+    (tmp_path / calibration_name("toy", "x", 4, "momentum")).write_text(default.to_json())
+    (tmp_path / calibration_name("toy", "x", 4, "momentum", 0.95)).write_text(other.to_json())
+    assert calibration_name("toy", "x", 4, "momentum", 0.95) == "toy-x-b4-momentum-to0.95.json"
+    assert find_calibration(tmp_path, "toy", "x", 4, "momentum")[0] == default  # no target: the default file
+    assert find_calibration(tmp_path, "toy", "x", 4, "momentum", 0.95)[0] == other
+    assert find_calibration(tmp_path, "toy", "x", 4, "momentum", 0.9)[0] == default  # the default file is at 0.9
+    found, note = find_calibration(tmp_path, "toy", "x", 4, "momentum", 0.99)
+    assert found is None and "to target 0.99" in note and "there is one to test_accuracy 0.9" in note
+
+
 def test_fit_recovers_a_model_the_points_follow_exactly() -> None:
     truth = {"log_batch": 0.3, "local_lag": 0.1, "global_lag": 0.02, "sum_overshoot": 0.5}
     labels = ["1x2/1:1f1b-flush", "1x8/1:1f1b-flush", "1x4/3:wsp", "1x8/3:wsp", "2x4/3:wsp:sum", "2x2/3:wsp:mean",
@@ -249,6 +262,9 @@ def test_cli_plan_ranks_by_a_calibration_file_and_refuses_a_bad_one(tmp_path: Pa
     assert result.returncode == 0, result.stderr
     assert "note: convergence calibration" in result.stdout and "samples to target" in result.stdout
     assert "s predicted" in result.stdout and "(fitted)" in result.stdout
+    result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--calibration", str(cal),
+                     "--target", "0.95")
+    assert result.returncode == 2 and "give --calibration or --target, not both" in result.stderr
     cal.write_text("{}")
     result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--calibration", str(cal))
     assert result.returncode == 2 and "not a calibration file" in result.stderr and "Traceback" not in result.stderr
@@ -257,7 +273,8 @@ def test_cli_plan_ranks_by_a_calibration_file_and_refuses_a_bad_one(tmp_path: Pa
 @pytest.mark.parametrize("path", sorted(CALIBRATION_DIR.glob("*.json")), ids=lambda p: p.name)
 def test_every_shipped_calibration_loads_is_named_for_its_model_and_says_how_it_was_measured(path: Path) -> None:
     cal = Calibration.load(path)
-    assert path.name == calibration_name(cal.model, cal.options_digest, cal.batch_size, cal.optimizer)
+    named = (cal.model, cal.options_digest, cal.batch_size, cal.optimizer)
+    assert path.name in (calibration_name(*named), calibration_name(*named, cal.target))  # default, or to its target
     assert cal.sequential is not None and cal.sequential.median is not None  # the unit of every factor
     commands = cal.command.split("; ")
     assert all(c.startswith("python launch/bench/staleness.py ") and "--calibrate" in c for c in commands)

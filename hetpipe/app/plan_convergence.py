@@ -18,15 +18,18 @@ __all__ = ["CALIBRATION_DIR", "plan_calibration", "plan_over_rules", "rule_of", 
 CALIBRATION_DIR = SHIPPED_DIR.parent / "calibrations"  # beside the profiles; launch/bench/staleness.py --calibrate writes here
 
 
-def plan_calibration(config: ClusterConfig, path: Path | None = None,
-                     folder: Path = CALIBRATION_DIR) -> tuple[Calibration | None, str]:
+def plan_calibration(config: ClusterConfig, path: Path | None = None, folder: Path = CALIBRATION_DIR,
+                     target: float | None = None) -> tuple[Calibration | None, str]:
     """(the calibration to rank candidates by time to target, a note for the user); (None, why) without one.
-    `path`: a calibration file to use whatever its model (its own note says what it was measured for)."""
+    `path`: a calibration file to use whatever its model (its own note says what it was measured for); `target`:
+    the one in `folder` measured to that target."""
     from hetpipe.compute.build import model_of
     from hetpipe.compute.profiler import options_digest
     from hetpipe.core.errors import UsageError
 
     if path is not None:
+        if target is not None:
+            raise UsageError(f"--calibration {path} has its own target: give --calibration or --target, not both")
         try:
             cal = Calibration.load(path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -37,7 +40,7 @@ def plan_calibration(config: ClusterConfig, path: Path | None = None,
                      f"{cal.target:g}")
     spec = model_of(config)
     t = config.train
-    return find_calibration(folder, spec.name, options_digest(spec), t.batch_size, t.optimizer)
+    return find_calibration(folder, spec.name, options_digest(spec), t.batch_size, t.optimizer, target)
 
 
 def rule_of(config: ClusterConfig) -> str:

@@ -236,24 +236,36 @@ class Calibration:
                        command="; ".join(c for c in (self.command, other.command) if c))
 
 
-def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str) -> str:
+def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str,
+                     target: float | None = None) -> str:
     """File name of a calibration under the calibrations folder (hetpipe/calibrations/, beside the shipped
-    profiles)."""
-    return f"{model}-{options_digest}-b{batch_size}-{optimizer}.json"
+    profiles): the model variant's default one, or with `target` one measured to that target (`-to0.97`)."""
+    suffix = "" if target is None else f"-to{target:g}"
+    return f"{model}-{options_digest}-b{batch_size}-{optimizer}{suffix}.json"
 
 
-def find_calibration(folder: Path, model: str, options_digest: str, batch_size: int,
-                     optimizer: str) -> tuple[Calibration | None, str]:
+def find_calibration(folder: Path, model: str, options_digest: str, batch_size: int, optimizer: str,
+                     target: float | None = None) -> tuple[Calibration | None, str]:
     """(the calibration of this model variant, batch and optimizer in `folder`, a note for the user); (None, why)
-    without one."""
-    path = folder / calibration_name(model, options_digest, batch_size, optimizer)
-    if not path.is_file():
-        return None, (f"no convergence calibration for {model} ({options_digest}) at batch {batch_size} with "
-                      f"{optimizer} in {folder}: ranking by samples/s alone (docs/convergence.md: how to measure one)")
-    cal = Calibration.load(path)
-    return cal, (f"convergence calibration {path.name}: target {cal.metric} {cal.target:g}, {len(cal.measurements)} "
-                 f"settings, each at its best lr of {', '.join(f'{v:g}' for v in cal.lrs)} (samples to target assume "
-                 f"it); {describe_fit(fit_model(cal))}")
+    without one. With `target`: the one measured to that target (the default file when its target is that)."""
+    names = [calibration_name(model, options_digest, batch_size, optimizer)]
+    if target is not None:
+        names.insert(0, calibration_name(model, options_digest, batch_size, optimizer, target))
+    other: Calibration | None = None
+    for name in names:
+        if not (folder / name).is_file():
+            continue
+        cal = Calibration.load(folder / name)
+        if target is None or math.isclose(cal.target, target):
+            return cal, (f"convergence calibration {name}: target {cal.metric} {cal.target:g}, "
+                         f"{len(cal.measurements)} settings, each at its best lr of "
+                         f"{', '.join(f'{v:g}' for v in cal.lrs)} (samples to target assume it); "
+                         f"{describe_fit(fit_model(cal))}")
+        other = other or cal
+    to = "" if target is None else f" to target {target:g}"
+    have = "" if other is None else f" (there is one to {other.metric} {other.target:g})"
+    return None, (f"no convergence calibration for {model} ({options_digest}) at batch {batch_size} with {optimizer}"
+                  f"{to} in {folder}{have}: ranking by samples/s alone (docs/convergence.md: how to measure one)")
 
 
 def describe_fit(model: ConvergenceModel | None) -> str:

@@ -228,6 +228,9 @@ def main(config_path: Path, settings_text: str, staleness: int, seeds: str, lrs:
     if calibrate is not None:
         path = Path(calibrate) if calibrate else CALIBRATION_DIR / calibration_name(
             spec.name, options_digest(spec), t.batch_size, t.optimizer)
+        if not calibrate and path.is_file() and not math.isclose(Calibration.load(path).target, goal.target):
+            path = path.with_name(calibration_name(spec.name, options_digest(spec), t.batch_size, t.optimizer,
+                                                   goal.target))  # the default file is another target's
         made = Calibration(spec.name, options_digest(spec), t.batch_size, t.optimizer, tuple(lr_list), goal.metric,
                            goal.target, tuple(seed_list), tuple(found), command)
         if path.is_file():

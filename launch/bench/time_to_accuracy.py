@@ -104,17 +104,18 @@ def row(task: str, system: str, seed: int, goal: Goal, start: float, scores: lis
 # ---------------------------------------------------------------------------------------------- hetpipe's plan
 
 
-def planned(config: ClusterConfig, profile: Any, testbed: Topology | None,
-            search_rules: bool = False) -> tuple[throughput.HetpipeSetup, Any, Calibration | None, ClusterConfig]:
-    """The planner's best plan for `config` ranked by predicted time to target (the calibration of its model, batch
-    and optimizer, when there is one); with `search_rules`, also over every training rule (aggregation, mitigation)
-    the calibration measured, as `hetpipe plan` does. (setup, candidate, calibration, the config to run)."""
+def planned(config: ClusterConfig, profile: Any, testbed: Topology | None, search_rules: bool = False,
+            target: float | None = None) -> tuple[throughput.HetpipeSetup, Any, Calibration | None, ClusterConfig]:
+    """The planner's best plan for `config` ranked by predicted time to `target` (the calibration of its model, batch
+    and optimizer to that target, when there is one); with `search_rules`, also over every training rule
+    (aggregation, mitigation) the calibration measured, as `hetpipe plan --target` does. (setup, candidate,
+    calibration, the config to run)."""
     from hetpipe.app.plan_convergence import plan_calibration, plan_over_rules, rule_of
     from hetpipe.core import planner
 
     profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
     ps_gbps, link, network = throughput.planner_links(testbed)
-    calibration, note = plan_calibration(config)
+    calibration, note = plan_calibration(config, target=target)
 
     def plan(variant: ClusterConfig) -> list[Any]:
         return planner.plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link, ps_network=network,
@@ -163,7 +164,7 @@ class Bench:
     def plan(self) -> tuple[throughput.HetpipeSetup, Any, Calibration | None]:
         if self._plan is None:
             setup, top, calibration, self.hetpipe_config = planned(self.hetpipe_config, self.profile, self.testbed,
-                                                                   self.search_rules)
+                                                                   self.search_rules, self.goal.target)
             self._plan = (setup, top, calibration)
         return self._plan
 
