@@ -1,0 +1,48 @@
+"""launch/bench/dilation.py: the ratios it reports, and its two kinds of timed steps on a tiny model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetpipe.core.config import load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
+import dilation  # noqa: E402  (launch/bench is not a package)
+
+_TINY = """name = "dilation-test"
+seed = 3
+[gpu_types.g]
+speed = 1.0
+memory_gib = 1.0
+[[nodes]]
+name = "n0"
+gpus = ["g", "g"]
+[model]
+name = "mlp"
+options = { image_size = 8, hidden = [16, 16] }
+[data]
+name = "synthetic"
+options = { input_shape = [1, 8, 8], num_classes = 4, n = 64 }
+[train]
+batch_size = 8
+optimizer = "adam"
+"""
+
+
+def test_report_gives_the_medians_and_the_ratios_the_planner_misses_by() -> None:
+    found = dilation.report(0.010, {"back_to_back": [0.011, 0.012, 0.013], "dilated": [0.015, 0.0135, 0.014]}, 10.0)
+    assert (found["profile_ms"], found["back_to_back_ms"], found["dilated_ms"]) == (10.0, 12.0, 14.0)
+    assert found["whole_over_profile"] == 1.2 and found["dilated_over_profile"] == 1.4
+    assert found["dilated_over_whole"] == pytest.approx(14 / 12, abs=1e-3)
+    assert found["steps"] == {"back_to_back": 3, "dilated": 3}
+
+
+def test_both_kinds_of_steps_are_timed_in_every_round(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text(_TINY)
+    times = dilation.step_cpu_times(load_config(path), steps=3, rounds=2, slowdown=2.0)
+    assert {k: len(v) for k, v in times.items()} == {"back_to_back": 6, "dilated": 6}
+    assert all(t > 0 for v in times.values() for t in v)
