@@ -6,30 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bench_staleness import _TINY
 
 from hetpipe.core.config import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
 import dilation  # noqa: E402  (launch/bench is not a package)
-
-_TINY = """name = "dilation-test"
-seed = 3
-[gpu_types.g]
-speed = 1.0
-memory_gib = 1.0
-[[nodes]]
-name = "n0"
-gpus = ["g", "g"]
-[model]
-name = "mlp"
-options = { image_size = 8, hidden = [16, 16] }
-[data]
-name = "synthetic"
-options = { input_shape = [1, 8, 8], num_classes = 4, n = 64 }
-[train]
-batch_size = 8
-optimizer = "adam"
-"""
 
 
 def test_report_gives_the_medians_and_the_ratios_the_planner_misses_by() -> None:
