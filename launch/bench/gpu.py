@@ -123,8 +123,16 @@ def _sync(device: torch.device) -> None:
 def run_plain(config: ClusterConfig, device_name: str, steps: int, warmup: int) -> dict[str, Any]:
     """The whole model in this process on `device_name`: samples/s over the steps after `warmup`."""
     device = torch.device(device_name)
+    threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # as a hetpipe stage runs on the CPU
+    try:
+        return _plain_steps(config, device, steps, warmup)
+    finally:
+        torch.set_num_threads(threads)  # hetpipe's runs in this process evaluate with every core, as the CLI does
+
+
+def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
     spec, data = model_of(config), dataset_of(config)
     model = build_stage(spec, 0, spec.num_layers, device)
     t = config.train
