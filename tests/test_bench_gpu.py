@@ -32,3 +32,33 @@ def test_smoke_run_on_the_cpu_gives_every_row(tmp_path: Path):
         assert set(row["wave_breakdown_ms"]["0"]) >= {"compute", "d2h", "push", "gate_wait", "pull", "h2d"}
         assert row["tail_s"] < 10  # `hetpipe train` returns within 10 s of its last minibatch (issue 11)
     assert abs(rows[-1]["loss_vs_one_stage"]) < 0.05
+
+
+ROWS = [
+    {"device": "NVIDIA H100 80GB HBM3", "model": "char-gpt", "precision": "fp32", "batch": 64, "system": "plain",
+     "nm": 1, "vws": 1, "stages": 1, "samples_per_s": 1950.0, "samples_per_s_runs": [1940.0, 1950.0, 1961.0],
+     "repeats": 3, "ratio_to_plain": 1.0},
+    {"device": "NVIDIA H100 80GB HBM3", "model": "char-gpt", "precision": "fp32", "batch": 64, "system": "hetpipe",
+     "nm": 4, "vws": 2, "stages": 1, "samples_per_s": 1800.0, "samples_per_s_runs": [1790.0, 1800.0, 1812.5],
+     "repeats": 3, "ratio_to_plain": 0.923, "tail_s": 1.234, "loss_vs_one_stage": -0.0042,
+     "wave_breakdown_ms": {"0": {"compute": 130.0, "d2h": 2.25, "push": 5.0, "gate_wait": 0.0, "pull": 4.0}}},
+]
+
+
+def test_the_table_names_the_device_and_gives_each_row_its_spread_ratio_and_wave_parts():
+    lines = gpu.markdown(ROWS).splitlines()
+    assert lines[0].startswith("On NVIDIA H100 80GB HBM3; batch 64, Adam; median of 3 runs")
+    assert lines[-2] == "| char-gpt | fp32 | plain torch loop | 1950.0 (1940.0-1961.0) | 1.00 | - | - | - |"
+    assert lines[-1] == ("| char-gpt | fp32 | hetpipe 2 VWs x 1 stage, Nm 4 | 1800.0 (1790.0-1812.5) | 0.92 "
+                         "| 130.0 / 2.2 / 5.0 / 0.0 / 4.0 / - | 1.2 s | -0.4% |")
+
+
+def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
+    parts = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, row in zip(parts, ROWS, strict=True):
+        path.write_text(json.dumps([row]))
+    out, table = tmp_path / "gpu.json", tmp_path / "gpu.md"
+    result = CliRunner().invoke(gpu.main, ["--rows", str(parts[0]), "--rows", str(parts[1]), "--out", str(out),
+                                           "--table", str(table)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text()) == ROWS and table.read_text() == gpu.markdown(ROWS) + "\n"

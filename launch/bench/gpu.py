@@ -18,6 +18,9 @@ compared with the 1x1 row at the same Nm).
     python launch/bench/gpu.py --out gpu.json                       # on the machine's first CUDA device
     python launch/bench/gpu.py --device cpu --quick                 # a smoke run on the CPU (tiny models)
     python launch/bench/gpu.py --model char-gpt --precision bf16 --repeats 3 --minibatches 300
+    python launch/bench/gpu.py --rows a.json --rows b.json --out gpu.json --table gpu.md   # merge split runs
+
+--table writes the README's Markdown table (naming the device) of the rows.
 """
 
 from __future__ import annotations
@@ -186,6 +189,38 @@ def median_row(base: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str
             "samples_per_s_runs": [round(r, 1) for r in rates], "repeats": len(runs)}
 
 
+BREAKDOWN = ("compute", "d2h", "push", "gate_wait", "pull", "h2d")  # the table's parts of a wave (VW 0), ms
+
+
+def system_label(row: dict[str, Any]) -> str:
+    if row["system"] == "plain":
+        return "plain torch loop"
+    vws = "VW" if row["vws"] == 1 else "VWs"
+    stages = "stage" if row["stages"] == 1 else "stages"
+    return f"hetpipe {row['vws']} {vws} x {row['stages']} {stages}, Nm {row['nm']}"
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The README table of `rows` (one run of this script, or several merged): per model and precision, each
+    system's median samples/s with its spread, the ratio to the plain loop, where VW 0's waves went, how long
+    `hetpipe train` took to return after its last minibatch, and the 2-stage VW's loss against 1 stage's."""
+    devices = sorted({r["device"] for r in rows})
+    repeats = sorted({r["repeats"] for r in rows})
+    lines = [f"On {', '.join(devices)}; batch {', '.join(sorted({str(r['batch']) for r in rows}))}, Adam; "
+             f"median of {'/'.join(map(str, repeats))} runs (min-max); wave parts of VW 0 in ms per wave:", "",
+             f"| model | precision | system | samples/s | x plain | {' / '.join(BREAKDOWN)} | returned after last "
+             "minibatch | loss vs 1 stage |", "|---|---|---|---:|---:|---|---:|---:|"]
+    for r in rows:
+        runs = r.get("samples_per_s_runs", [r["samples_per_s"]])
+        parts = r.get("wave_breakdown_ms", {}).get("0", {})
+        wave = " / ".join(f"{parts[k]:.1f}" if k in parts else "-" for k in BREAKDOWN) if parts else "-"
+        returned = f"{r['tail_s']:.1f} s" if "tail_s" in r else "-"
+        loss = f"{100 * r['loss_vs_one_stage']:+.1f}%" if "loss_vs_one_stage" in r else "-"
+        lines.append(f"| {r['model']} | {r['precision']} | {system_label(r)} | {r['samples_per_s']:.1f} "
+                     f"({min(runs):.1f}-{max(runs):.1f}) | {r['ratio_to_plain']:.2f} | {wave} | {returned} | {loss} |")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Setting:
     """One model at one precision on one device: what every system of the run shares."""
@@ -241,8 +276,18 @@ def run_setting(setting: Setting, repeats: int, warmup: int) -> list[dict[str, A
 @click.option("--quick", is_flag=True, help="Small models at batch 8, for a smoke run on the CPU.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the rows as JSON here.")
+@click.option("--table", "table_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the rows as the README's Markdown table here.")
+@click.option("--rows", "row_files", type=click.Path(exists=True, dir_okay=False, path_type=Path), multiple=True,
+              help="Run nothing: merge the rows of these --out files (one per model or precision, for runs split "
+                   "over several calls) into --out and --table.")
 def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...], repeats: int, minibatches: int,
-         warmup: int, batch: int, memory_gib: float | None, quick: bool, out_path: Path | None) -> None:
+         warmup: int, batch: int, memory_gib: float | None, quick: bool, out_path: Path | None,
+         table_path: Path | None, row_files: tuple[Path, ...]) -> None:
+    if row_files:
+        rows = [row for path in row_files for row in json.loads(path.read_text())]
+        _write(rows, out_path, table_path)
+        return
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if memory_gib is None:
         memory_gib = (torch.cuda.get_device_properties(torch.device(device)).total_memory / 2**30
@@ -262,10 +307,17 @@ def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...
             one = next(r for r in rows if (r["model"], r["precision"], r["stages"], r["vws"], r["nm"], r["system"])
                        == (row["model"], row["precision"], 1, 1, row["nm"], "hetpipe"))
             row["loss_vs_one_stage"] = round(row["loss_tail"] / one["loss_tail"] - 1, 4)
+    _write(rows, out_path, table_path)
+
+
+def _write(rows: list[dict[str, Any]], out_path: Path | None, table_path: Path | None) -> None:
     text = json.dumps(rows, indent=1)
     if out_path:
         out_path.write_text(text + "\n")
+    if table_path:
+        table_path.write_text(markdown(rows) + "\n")
     click.echo(text)
+    click.echo(markdown(rows), err=True)
 
 
 if __name__ == "__main__":
