@@ -197,7 +197,9 @@ def table(found: list[Measurement], seeds: list[int], label: str) -> str:
 @click.option("--set", "overrides", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable.")
 @click.option("--jobs", default=1, show_default=True, help="Runs at once, each its own process (one thread each).")
 @click.option("--calibrate", "calibrate", is_flag=False, flag_value="", default=None,
-              help="Write (merge into) the planner's calibration file: beside the shipped profiles, or PATH.")
+              help="Write (merge into) the planner's calibration file: beside the shipped profiles (as "
+              "<model>-<digest>-b<batch>-<optimizer>-to<target>.json when the default file is another target's), "
+              "or PATH.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
