@@ -435,7 +435,7 @@ def derive_link_scale(config: ClusterConfig, cache_dir: Path, efficiency: float 
     profile = cached_profile(spec, batch, "cpu", cache_dir, optimizer=config.train.optimizer)
     speeds = gpu_speeds(config)
     time_scale = min(slowdowns(speeds, cpu_cores(), config.emulation.time_scale).values()) if config.emulation.enabled else 1.0
-    return LinkScale(cpu_step_s=sum(layer.forward_s + layer.backward_s for layer in profile.layers),
+    return LinkScale(cpu_step_s=profile.step_s,
                      time_scale=time_scale, step_flops=float(training_flops(spec, batch)),
                      gpu_tflops=max(speeds.values()), efficiency=efficiency)
 

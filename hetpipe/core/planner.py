@@ -531,7 +531,7 @@ class _Search:
         ring = [g for g, _ in fit]
         gbps = min((self.link(a[0], b[0]) for a, b in zip(ring, ring[1:] + ring[:1], strict=True)
                     if a is not b), default=math.inf)
-        steps = [sum(layer.forward_s + layer.backward_s for layer in self.profiles[g[1]].layers) for g in ring]
+        steps = [self.profiles[g[1]].step_s for g in ring]
         param_bytes = sum(layer.param_bytes for layer in self.any_profile.layers)
         result = simulate_allreduce(steps, param_bytes, gbps if math.isfinite(gbps) else 1e12, self.batch)
         slowest = max(range(len(ring)), key=lambda i: steps[i])

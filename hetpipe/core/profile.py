@@ -96,9 +96,14 @@ class ModelProfile:
         return len(self.layers)
 
     @property
+    def step_s(self) -> float:
+        """One minibatch through the whole model, layer by layer: the sum of every layer's forward + backward."""
+        return sum(layer.forward_s + layer.backward_s for layer in self.layers)
+
+    @property
     def spread(self) -> float:
         """The layers' repeat spreads weighted by their forward+backward times (the big layers set the pace)."""
-        total = sum(layer.forward_s + layer.backward_s for layer in self.layers)
+        total = self.step_s
         if total <= 0:
             return 0.0
         return sum(layer.spread * (layer.forward_s + layer.backward_s) for layer in self.layers) / total
