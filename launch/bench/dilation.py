@@ -33,15 +33,16 @@ import throughput  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.optim import make_optimizer  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
-from hetpipe.core.emulate import cpu_cores, gpu_speeds, slowdowns  # noqa: E402
+from hetpipe.core.emulate import cpu_cores, device_dilator, gpu_speeds, slowdowns  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
 
 WARMUP = 10  # steps before any is timed
 
 
 def step_cpu_times(config: ClusterConfig, steps: int, rounds: int, slowdown: float) -> dict[str, list[float]]:
-    """CPU seconds of each timed step of the whole model at the config's batch: "back_to_back" and "dilated"
-    (each step followed by a sleep of (slowdown - 1) x its CPU time), `steps` of each per round, alternating."""
+    """CPU seconds of each timed step of the whole model at the config's batch: "back_to_back" and "dilated" (each
+    step run in the emulation's own Dilator, which sleeps it up to slowdown x its CPU time), `steps` of each per
+    round, alternating."""
     torch.set_num_threads(1)
     spec, data = model_of(config), dataset_of(config)
     t = config.train
@@ -49,21 +50,30 @@ def step_cpu_times(config: ClusterConfig, steps: int, rounds: int, slowdown: flo
     optimizer = make_optimizer(list(model.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
     x, y = data.train.x[: t.batch_size], data.train.y[: t.batch_size]
 
-    def step() -> float:
-        began = time.thread_time()
+    def step() -> None:
         model.zero_grad(set_to_none=True)
         spec.loss(model(x), y).backward()
         optimizer.step()
+
+    def back_to_back() -> float:
+        began = time.thread_time()
+        step()
         return time.thread_time() - began
+
+    dilator = device_dilator(slowdown)  # what every emulated device on the CPU runs its blocks in
+
+    def dilated() -> float:
+        with dilator.compute("step"):
+            step()
+        assert dilator.last is not None
+        return dilator.last.compute_s
 
     for _ in range(WARMUP):
         step()
     out: dict[str, list[float]] = {"back_to_back": [], "dilated": []}
     for _ in range(rounds):
-        out["back_to_back"] += [step() for _ in range(steps)]
-        for _ in range(steps):
-            out["dilated"].append(step())
-            time.sleep((slowdown - 1.0) * out["dilated"][-1])
+        out["back_to_back"] += [back_to_back() for _ in range(steps)]
+        out["dilated"] += [dilated() for _ in range(steps)]
     return out
 
 
@@ -97,8 +107,7 @@ def main(config_path: Path, overrides: tuple[str, ...], steps: int, rounds: int,
     if slowdown is None:
         slowdown = min(slowdowns(gpu_speeds(config), cpu_cores(), config.emulation.time_scale).values())
     profile = peers.model_profile(config, config.train.batch_size, profile_dir, refresh=not cached_profile)
-    profile_s = sum(layer.forward_s + layer.backward_s for layer in profile.layers)
-    found = report(profile_s, step_cpu_times(config, steps, rounds, slowdown), slowdown)
+    found = report(profile.step_s, step_cpu_times(config, steps, rounds, slowdown), slowdown)
     print(f"{config.name}: {config.model.name} at batch {config.train.batch_size}, {config.train.optimizer}, one thread; "
           f"CPU time of one step, median: profile (layer by layer) {found['profile_ms']} ms, whole step back to back "
           f"{found['back_to_back_ms']} ms ({found['whole_over_profile']:.2f}x), dilated at {slowdown:g} "
