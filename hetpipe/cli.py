@@ -331,16 +331,20 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
 @click.option("--search-rules/--no-search-rules", default=True, show_default=True,
               help="With a calibration: also choose the training rule (the PS's aggregation, the mitigation) among "
                    "those it measured, by predicted time to target; --out carries it. --no-search-rules: the config's.")
+@click.option("--batch", "batches", type=click.IntRange(min=1), multiple=True,
+              help="Also choose the minibatch size per GPU among these (repeatable), by predicted time to target: "
+                   "each batch is planned with its own profiles and the calibration at that batch (a batch without "
+                   "one is not ranked); --out carries it. Default: the config's train.batch_size.")
 @_set_option
 def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool, profile_dir: Path | None,
          waves: int, d_values: tuple[int, ...], nm_max: int | None, reserve_gib: float,
          policies: tuple[str, ...], schedules: tuple[str, ...], refresh: bool, calibration_path: Path | None,
-         target: float | None, search_rules: bool, settings: tuple[str, ...]) -> None:
+         target: float | None, search_rules: bool, batches: tuple[int, ...], settings: tuple[str, ...]) -> None:
     """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the best."""
     import json
     import time
 
-    from hetpipe.app.plan_convergence import plan_calibration, plan_over_rules, rule_of
+    from hetpipe.app.plan_convergence import batch_note, plan_calibration, plan_over_batches, plan_over_rules, rule_of
     from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
     from hetpipe.core.planner import (
         D_VALUES,
@@ -353,19 +357,32 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     )
 
     config = _load(config_path, settings)
-    profiles, ps_gbps, link, notes = plan_profiles(config, profile_dir or default_profile_dir(), refresh=refresh)
+    if calibration_path is not None and len(set(batches)) > 1:
+        raise click.UsageError(f"--calibration {calibration_path} holds one batch's samples, but --batch gives "
+                               f"{len(set(batches))}: drop --calibration to price each batch by its shipped calibration")
     started = time.monotonic()
-    calibration, calibration_note = plan_calibration(config, calibration_path, target=target)
+    inputs_of: dict[int, tuple[list[str], float]] = {}  # per batch: its notes, the PS's Gbit/s
 
-    def planned(variant: ClusterConfig) -> list:
-        return plan_candidates(variant, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
-                               nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),
-                               policies=policies or None, schedules=schedules or None,
-                               slower_but_fewer=calibration is not None)
+    def at_batch(variant: ClusterConfig) -> tuple[list, ClusterConfig, int]:
+        """plan_over_rules at the variant's batch, with that batch's profiles and calibration."""
+        profiles, ps_gbps, link, notes = plan_profiles(variant, profile_dir or default_profile_dir(), refresh=refresh)
+        calibration, calibration_note = plan_calibration(variant, calibration_path, target=target)
+        inputs_of[variant.train.batch_size] = ([*notes, calibration_note], ps_gbps)
 
-    candidates, ruled, tried = plan_over_rules(config, calibration, planned, best, search=search_rules)
-    notes = [*notes, calibration_note]
-    if ruled is not config:
+        def planned(ruled: ClusterConfig) -> list:
+            return plan_candidates(ruled, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
+                                   nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),
+                                   policies=policies or None, schedules=schedules or None,
+                                   slower_but_fewer=calibration is not None)
+
+        return plan_over_rules(variant, calibration, planned, best, search=search_rules)
+
+    candidates, ruled, tried, predicted = plan_over_batches(config, batches, at_batch, best)
+    batch = ruled.train.batch_size
+    notes, ps_gbps = inputs_of[batch]
+    if len(predicted) > 1:
+        notes.append(batch_note(predicted, batch))
+    if rule_of(ruled) != rule_of(config):
         notes.append(f"training rule: {rule_of(ruled)}, the soonest to target of the {tried} rules the calibration "
                      f"measured (the config's: {rule_of(config)}); --out carries it, or set [ps] aggregation = "
                      f'"{ruled.ps.aggregation}" and [train] mitigation = "{ruled.train.mitigation}" in {config_path}')
@@ -375,12 +392,12 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     elapsed = time.monotonic() - started
     chosen = best(candidates)
     if as_json:
-        inputs = {"config": str(config_path), "model": config.model.name, "batch_size": config.train.batch_size,
+        inputs = {"config": str(config_path), "model": config.model.name, "batch_size": batch,
                   "waves": waves, "ps_gbps": ps_gbps, "notes": notes, "planning_s": round(elapsed, 3),
                   "aggregation": ruled.ps.aggregation, "mitigation": ruled.train.mitigation}
         click.echo(json.dumps(candidates_json(candidates, inputs), indent=1))
     else:
-        click.echo(f"{config.name}: {config.model.name} at batch {config.train.batch_size}, {len(config.all_gpus())} GPUs; "
+        click.echo(f"{config.name}: {config.model.name} at batch {batch}, {len(config.all_gpus())} GPUs; "
                    f"{len(candidates)} candidates planned in {elapsed:.2f} s ({waves} waves simulated each)")
         for note in notes:
             click.echo(f"note: {note}")
@@ -397,7 +414,7 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
         out_path.write_text(chosen.plan.to_json())
         click.echo(f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}` "
                    f"(its VWs, splits, nm={chosen.nm}, D={chosen.staleness}, schedule {chosen.plan.schedule}, "
-                   f"{rule_of(ruled)})", err=True)
+                   f"{rule_of(ruled)}, batch {batch})", err=True)
 
 
 @cli.group()

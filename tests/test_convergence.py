@@ -251,6 +251,51 @@ def test_a_candidate_that_never_reached_the_target_ranks_after_every_timed_one()
     assert top.time_to_target_s is not None and dataclasses.replace(top, samples_to_target=None) != fastest
 
 
+
+def test_a_search_over_batches_takes_the_batch_whose_best_plan_reaches_the_target_soonest() -> None:
+    from types import SimpleNamespace
+
+    from hetpipe.app.plan_convergence import batch_note, plan_over_batches, soonest_batch
+
+    config, _ = small()
+    times = {4: 30.0, 16: 20.0, 32: None}  # batch 32: no calibration prices its plans
+    seen = []
+
+    def at_batch(variant):
+        seen.append(variant.train.batch_size)
+        return [SimpleNamespace(time_to_target_s=times[variant.train.batch_size])], variant, 1
+
+    candidates, chosen, tried, predicted = plan_over_batches(config, (4, 32, 16, 4), at_batch, lambda c: c[0])
+    assert seen == [4, 32, 16] and predicted == {4: 30.0, 32: None, 16: 20.0}  # each batch once, in order
+    assert chosen.train.batch_size == 16 and candidates[0].time_to_target_s == 20.0 and tried == 1
+    assert config.train.batch_size == 4  # the config itself is left alone
+    assert soonest_batch({8: 20.0, 16: 20.0}) == 8 and soonest_batch({8: None}) is None  # ties: the first listed
+    note = batch_note(predicted, 16)
+    assert note.startswith("batch per GPU: 16,") and "32 (not priced" in note and "16 (20.0 s)" in note
+    # no batch priced: the first one's plans; no batches given: the config's
+    times[16] = times[4] = None
+    assert plan_over_batches(config, (16, 4), at_batch, lambda c: c[0])[1].train.batch_size == 16
+    assert plan_over_batches(config, (), at_batch, lambda c: c[0])[1] is config
+
+
+def test_cli_plan_over_batches_carries_the_batch_into_the_plan_file(tmp_path: Path) -> None:
+    from hetpipe.app.train import apply_plan
+    from hetpipe.core.config import load_config
+    from hetpipe.core.plan import Plan
+
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL_TOML)  # batch 8, no calibration for its model
+    out, profiles = tmp_path / "plan.json", str(tmp_path / "profiles")
+    result = hetpipe("plan", str(config), "--profile-dir", profiles, "--batch", "16", "--batch", "4", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "at batch 16," in result.stdout  # nothing priced: the first batch given
+    assert "batch per GPU: 16, the soonest predicted time to target of 16 (not priced" in result.stdout
+    assert Plan.from_json(out.read_text()).batch_size == 16 and "batch 16)" in result.stderr
+    assert apply_plan(load_config(config), out)[0].train.batch_size == 16  # `hetpipe train --plan` trains at it
+    result = hetpipe("plan", str(config), "--profile-dir", profiles, "--batch", "16", "--batch", "4",
+                     "--calibration", str(tmp_path / "cal.json"))
+    assert result.returncode == 2 and "holds one batch's samples" in result.stderr
+
 def test_cli_plan_ranks_by_a_calibration_file_and_refuses_a_bad_one(tmp_path: Path) -> None:
     config = tmp_path / "small.toml"
     config.write_text(SMALL_TOML)

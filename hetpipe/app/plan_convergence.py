@@ -1,10 +1,10 @@
 """The convergence input of `hetpipe plan`: the calibration of the config's model, batch and optimizer
-(hetpipe.core.convergence), from the folder beside the shipped profiles or a file the user names, and the search
-over the training rules it measured."""
+(hetpipe.core.convergence), from the folder beside the shipped profiles or a file the user names, and the searches
+over the training rules it measured and over minibatch sizes, each priced by its own batch's calibration."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,8 @@ from hetpipe.core.config import ClusterConfig, apply_overrides
 from hetpipe.core.convergence import Calibration, attach_samples, find_calibration, rules_of
 from hetpipe.core.errors import ConfigError, UsageError
 
-__all__ = ["CALIBRATION_DIR", "plan_calibration", "plan_over_rules", "rule_of", "rule_variants"]
+__all__ = ["CALIBRATION_DIR", "batch_note", "plan_calibration", "plan_over_batches", "plan_over_rules", "rule_of",
+           "rule_variants", "soonest_batch"]
 
 CALIBRATION_DIR = SHIPPED_DIR.parent / "calibrations"  # beside the profiles; launch/bench/staleness.py --calibrate writes here
 
@@ -85,3 +86,35 @@ def plan_over_rules(config: ClusterConfig, calibration: Calibration | None,
     timed = [f for f in found if f[0] is not None]
     _, candidates, chosen = min(timed, key=lambda f: f[0]) if timed else found[0]
     return candidates, chosen, len(found)
+
+
+def soonest_batch(predicted: Mapping[int, float | None]) -> int | None:
+    """The batch with the soonest predicted time to target (ties: the first listed); None when none has one (no
+    calibration at any of them: times to target across batches cannot be compared by samples/s)."""
+    timed = [(t, b) for b, t in predicted.items() if t is not None]
+    return min(timed, key=lambda f: f[0])[1] if timed else None
+
+
+def plan_over_batches(config: ClusterConfig, batches: Sequence[int],
+                      plan_batch: Callable[[ClusterConfig], tuple[list[Any], ClusterConfig, int]],
+                      best: Callable[[Sequence[Any]], Any]) -> tuple[list[Any], ClusterConfig, int, dict[int, float | None]]:
+    """(the candidates, the config, the rules tried, each batch's predicted time to target) of the minibatch size per
+    GPU, among `batches`, whose best plan reaches the target soonest: `plan_batch(variant)` plans the config at one
+    batch (plan_over_rules with that batch's calibration and profiles). A batch whose best plan has no predicted
+    time (no calibration at it) is not ranked; with none ranked, the first batch's plans."""
+    found: dict[int, tuple[list[Any], ClusterConfig, int]] = {}
+    predicted: dict[int, float | None] = {}
+    for batch in dict.fromkeys(batches or (config.train.batch_size,)):
+        variant = config if batch == config.train.batch_size else apply_overrides(config, [f"train.batch_size={batch}"])
+        found[batch] = plan_batch(variant)
+        predicted[batch] = best(found[batch][0]).time_to_target_s
+    chosen = soonest_batch(predicted)
+    candidates, ruled, tried = found[next(iter(found)) if chosen is None else chosen]
+    return candidates, ruled, tried, predicted
+
+
+def batch_note(predicted: Mapping[int, float | None], chosen: int) -> str:
+    """What `hetpipe plan --batch` says about the batches it weighed."""
+    text = ", ".join(f"{b} ({'not priced: no calibration covers its plans' if t is None else f'{t:.1f} s'})"
+                     for b, t in predicted.items())
+    return f"batch per GPU: {chosen}, the soonest predicted time to target of {text}"

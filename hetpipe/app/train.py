@@ -433,8 +433,8 @@ def _audit_ledgers(final: list[dict[str, Any]], infos: list[dict[str, Any]], nm:
 
 
 def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, tuple[VwLayout, ...]]:
-    """The config with a plan's Nm, D, schedule and training rule (aggregation, mitigation), and the plan's VWs and
-    splits (a file from `hetpipe plan --out`)."""
+    """The config with a plan's Nm, D, schedule, minibatch size and training rule (aggregation, mitigation), and the
+    plan's VWs and splits (a file from `hetpipe plan --out`)."""
     from hetpipe.core.plan import Plan
 
     try:
@@ -454,7 +454,8 @@ def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, t
     if len(nms) != 1:
         raise UsageError(f"{plan_path}: VWs with different Nm {sorted(nms)}; the runtime runs one Nm for all VWs")
     config = replace(config, wsp=replace(config.wsp, nm=nms.pop(), staleness=plan.staleness),
-                     train=replace(config.train, schedule=plan.schedule, recompute=plan.recompute))
+                     train=replace(config.train, schedule=plan.schedule, recompute=plan.recompute,
+                                   batch_size=plan.batch_size or config.train.batch_size))
     rule = []
     if plan.aggregation:
         rule.append(f'ps.aggregation="{plan.aggregation}"')
