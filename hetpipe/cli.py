@@ -344,7 +344,13 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     import json
     import time
 
-    from hetpipe.app.plan_convergence import batch_note, plan_calibration, plan_over_batches, plan_over_rules, rule_of
+    from hetpipe.app.plan_convergence import (
+        batch_note,
+        plan_calibration,
+        plan_over_batches,
+        plan_over_rules,
+        rule_of,
+    )
     from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
     from hetpipe.core.planner import (
         D_VALUES,
