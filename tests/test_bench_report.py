@@ -66,6 +66,38 @@ def test_rows_summary_and_table_give_medians_spread_and_who_never_got_there() ->
     assert "hetpipe / best DDP, median time to target: 0.62" in text
 
 
+
+def test_each_system_takes_the_batch_it_reaches_the_target_soonest_at_by_its_own_rule(capsys) -> None:
+    from types import SimpleNamespace
+
+    class FakeBench:  # the planner predicts hetpipe's time; a peer's rate comes from a short run at the batch
+        def __init__(self, predicted_s: float | None, plan_rate: float, probe_rate: float) -> None:
+            self.predicted_s, self.plan_rate, self.probe_rate, self.probed = predicted_s, plan_rate, probe_rate, []
+
+        def plan(self):
+            samples = None if self.predicted_s is None else self.predicted_s * self.plan_rate
+            return None, SimpleNamespace(samples_per_s=self.plan_rate, time_to_target_s=self.predicted_s,
+                                         samples_to_target=samples), None
+
+        def probe(self, system: str, lr: float, seconds: float) -> float:
+            self.probed.append((system, lr, seconds))
+            return self.probe_rate
+
+    benches = {64: FakeBench(200.0, 230.0, 160.0), 16: FakeBench(150.0, 140.0, 60.0)}
+    info = {64: {"lr": 0.002, "reference_samples": 48_000.0}, 16: {"lr": 0.004, "reference_samples": 24_000.0}}
+    assert tta._choose_batch("hetpipe", benches, info, 30.0) == 16  # 150 s predicted against 200
+    assert info[16]["predicted_s"] == 150.0 and not benches[16].probed  # the planner's word, no run
+    assert "16: 21000 samples / 140.0 samples/s = 150.0 s" in capsys.readouterr().out  # the plan's samples
+    # DDP: 48,000 / 160 = 300 s at 64 against 24,000 / 60 = 400 s at 16, each probed at its own lr
+    assert tta._choose_batch("ddp-fastest", benches, info, 30.0) == 64
+    assert benches[16].probed == [("ddp-fastest", 0.004, 30.0)] and info[64]["predicted_s"] == 300.0
+    assert "64: 48000 samples / 160.0 samples/s = 300.0 s" in capsys.readouterr().out
+    # a batch that made no step in its run, or never reached the target in the sweep, is not chosen
+    benches[64].probe_rate = 0.0
+    assert tta._choose_batch("ddp-fit", benches, info, 30.0) == 16 and info[64]["predicted_s"] is None
+    info[16]["reference_samples"] = None
+    assert tta._choose_batch("ddp-fit", benches, info, 30.0) == 64  # nothing priced: the first batch listed
+
 def test_every_figure_is_a_png_or_says_matplotlib_is_missing(tmp_path: Path) -> None:
     stats = {"median": 100.0, "min": 90.0, "max": 120.0}
     curve_rows = [{"label": "hetpipe Nm=4 D=0, lr 0.02", "curve": [{"s": 1.0, "val_loss": 3.0},

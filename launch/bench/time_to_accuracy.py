@@ -7,6 +7,10 @@ Per task (tta_tasks.TASKS: mnist, shakespeare, resnet; a shipped cluster config 
    each learning rate of the task (or --lrs), for the setting that trains like the system (hetpipe: the planner's
    plan at that learning rate; DDP over G GPUs and a pipeline of G microbatches: gradient accumulation over G
    minibatches); each system gets its fewest-samples learning rate. No timing, so a busy machine cannot bias it.
+   With several batches per GPU (the task's grid or --batches), the sweep runs at each, and each system then takes
+   the batch it reaches the target soonest at by its own rule: hetpipe by the planner's prediction (each batch's
+   calibration and profile, as `hetpipe plan --batch`), the peers by the sweep's samples over their rate measured
+   in a short run at that batch (--rate-probe-s, on the same network).
 2. Timed runs, every system once per seed (the order rotating), each given --max-seconds of training. Clocks start
    when training starts, after every process is up (hetpipe: its first stage span; the peers: after their first
    barrier). Weights are scored after the run, never during it: hetpipe's PS writes a checkpoint every
@@ -15,7 +19,8 @@ Per task (tta_tasks.TASKS: mnist, shakespeare, resnet; a shipped cluster config 
    target accuracy (at or below the target loss); samples to target: the samples every worker had trained by then.
 
     python launch/bench/time_to_accuracy.py [--task mnist,shakespeare,resnet] [--seeds 0,1,2] [--systems ...]
-        [--lrs 0.001,0.002] [--max-seconds S] [--set K=V ...] [--testbed] [--out tta.json] [--table tta.md]
+        [--lrs 0.001,0.002] [--batches 16,64] [--max-seconds S] [--set K=V ...] [--testbed] [--out tta.json]
+        [--table tta.md]
 
 --out writes JSON: one row per task, system and seed {task, system, seed, target, time_to_target_s,
 samples_to_target} (null when not reached) with the learning rate, setting, best score and curve, and a summary per
@@ -183,8 +188,8 @@ class Bench:
         if system == "hetpipe":
             setup, _, _ = self.plan()
             hp = self.hetpipe_config
-            return (f"{setup.label}, aggregation {hp.ps.aggregation}, mitigation {hp.train.mitigation}, "
-                    f"lr {lr:g} ({setup.source})")
+            return (f"{setup.label}, batch {self.batch}/GPU, aggregation {hp.ps.aggregation}, mitigation "
+                    f"{hp.train.mitigation}, lr {lr:g} ({setup.source})")
         if system == "pipeline":
             k = len(self.layout.gpus)
             return f"{k} stages {'/'.join(map(str, self.layout.split))}, {k} x {self.batch} microbatches, 1f1b, lr {lr:g}"
@@ -196,6 +201,19 @@ class Bench:
             solo = peers.run_solo(self.config, self.batch, 10, self.work / "logs")
             self._capacity = solo.rate(3) * sum(1.0 / d.slowdown for d in self.devs)
         return self._capacity
+
+    def probe(self, system: str, lr: float, seconds: float) -> float:
+        """A peer's samples/s in a run of `seconds` of training at this batch (0.0: fewer than three steps)."""
+        logs = self.work / "probe-logs"
+        config = apply_overrides(self.config, [f"train.lr={lr}"])
+        if system == "pipeline":
+            k = len(self.layout.gpus)
+            run = peers.run_pipeline(config, self.layout, self.batch, k, 10**6, logs, lr=lr, deadline_s=seconds,
+                                     testbed=self.testbed)
+        else:
+            run = peers.run_ddp(config, self.members(system), self.batch, 10**6, logs, lr=lr, deadline_s=seconds,
+                                testbed=self.testbed)
+        return run.rate(1) if len(run.ends) > 2 else 0.0
 
     def run(self, system: str, lr: float, seed: int) -> dict[str, Any]:
         base = self.hetpipe_config if system == "hetpipe" else self.config
@@ -216,7 +234,7 @@ class Bench:
             start = throughput.trace_start(run_dir)
             scores = checkpoint_scores(cfg, run_dir, until=start + self.max_seconds)
             return row(self.task.name, system, seed, self.goal, start, scores, {"key": "clock", "samples": per_wave},
-                       lr=lr, setting=self.describe(system, lr), samples_per_s=round(measured_rate, 1),
+                       lr=lr, batch=self.batch, setting=self.describe(system, lr), samples_per_s=round(measured_rate, 1),
                        predicted_samples_per_s=round(top.samples_per_s, 1),
                        predicted_samples_to_target=top.samples_to_target,
                        predicted_time_to_target_s=None if top.time_to_target_s is None else round(top.time_to_target_s, 2),
@@ -230,7 +248,8 @@ class Bench:
                                 lr=lr, deadline_s=self.max_seconds, testbed=self.testbed)
         rate = run.rate(1) if len(run.ends) > 2 else 0.0
         return row(self.task.name, system, seed, self.goal, run.start, run.evals,
-                   {"key": "step", "samples": run.samples_per_step}, lr=lr, setting=self.describe(system, lr),
+                   {"key": "step", "samples": run.samples_per_step}, lr=lr, batch=self.batch,
+                   setting=self.describe(system, lr),
                    samples_per_s=round(rate, 1))
 
 
@@ -256,7 +275,8 @@ def summary(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
                                  "max": max(reached, default=None), "reached": f"{len(reached)}/{len(times)}"},
             "samples_to_target": med([r["samples_to_target"] for r in mine]),
             "samples_per_s": med([r["samples_per_s"] for r in mine]),
-            "lr": mine[0]["lr"] if mine else None, "setting": mine[0]["setting"] if mine else "",
+            "lr": mine[0]["lr"] if mine else None, "batch": mine[0].get("batch") if mine else None,
+            "setting": mine[0]["setting"] if mine else "",
         }
     hp = out["systems"].get("hetpipe", {}).get("time_to_target_s", {}).get("median")
     ddp = [out["systems"][s]["time_to_target_s"]["median"] for s in systems if s.startswith("ddp")]
@@ -301,6 +321,11 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
 @click.option("--seeds", default="0,1,2", show_default=True, help="Seeds: every system runs once per seed.")
 @click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Systems to run (comma list).")
 @click.option("--lrs", default=None, help="Learning rates to sweep (comma list; default: the task's). One value: no sweep.")
+@click.option("--batches", default=None,
+              help="Batches per GPU to choose among (comma list; default: the task's). Each system takes its own: "
+                   "hetpipe by the planner's prediction, the peers by a --rate-probe-s run at each.")
+@click.option("--rate-probe-s", type=float, default=30.0, show_default=True,
+              help="With several batches: training seconds of each peer's rate run per batch.")
 @click.option("--max-seconds", type=float, default=None, help="Training seconds each run gets (default: the task's).")
 @click.option("--sweep-samples", type=int, default=None, help="Samples each sweep run trains at most (default: the task's).")
 @click.option("--checkpoint-every", default=1, show_default=True, help="hetpipe: PS checkpoint every this many clocks.")
@@ -321,7 +346,8 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
               help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png (one per task).")
 @click.option("--table", "table_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the Markdown tables (medians and spread) here.")
-def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds: float | None,
+def main(task_names: str, seeds: str, systems: str, lrs: str | None, batches: str | None, rate_probe_s: float,
+         max_seconds: float | None,
          sweep_samples: int | None, checkpoint_every: int, snapshot_every: int, settings: tuple[str, ...],
          search_rules: bool, hetpipe_settings: tuple[str, ...], use_testbed: bool, testbed_scale: float | None,
          probe_seconds: float, cached_profile: bool, work_dir: Path, out: Path | None, plot_path: Path | None,
@@ -333,6 +359,7 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
         raise click.UsageError(f"unknown task(s) {unknown} or system(s) {bad}: tasks are {', '.join(tta_tasks.TASKS)}, "
                                f"systems {', '.join(SYSTEMS)}")
     seed_list = [int(s) for s in seeds.split(",")]
+    batch_list = tuple(int(b) for b in batches.split(",")) if batches else ()
     wanted = [s for s in SYSTEMS if s in systems.split(",")]
     began = time.time()
     document: dict[str, Any] = {"command": "python launch/bench/time_to_accuracy.py " + shlex.join(sys.argv[1:]),
@@ -341,7 +368,8 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
     for name in task_names.split(","):
         task = tta_tasks.TASKS[name]
         with contextlib.ExitStack() as stack:
-            found, rows, png_rows, network = _task(task, seed_list, wanted, lrs, max_seconds, sweep_samples,
+            found, rows, png_rows, network = _task(task, seed_list, wanted, lrs, batch_list, rate_probe_s,
+                                                   max_seconds, sweep_samples,
                                                    checkpoint_every, snapshot_every, settings, hetpipe_settings,
                                                    search_rules, use_testbed, testbed_scale, probe_seconds,
                                                    cached_profile, work_dir,
@@ -366,7 +394,8 @@ def main(task_names: str, seeds: str, systems: str, lrs: str | None, max_seconds
         print(f"wrote {table_path}")
 
 
-def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str | None, max_seconds: float | None,
+def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str | None, batches: tuple[int, ...],
+          rate_probe_s: float, max_seconds: float | None,
           sweep_samples: int | None, checkpoint_every: int, snapshot_every: int, settings: tuple[str, ...],
           hetpipe_settings: tuple[str, ...], search_rules: bool, use_testbed: bool, testbed_scale: float | None,
           probe_seconds: float, cached_profile: bool, work_dir: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], str]:
@@ -381,44 +410,40 @@ def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str |
                                 if use_testbed else (None, None))
     network = "the shaped-network testbed" if topology else "free (loopback; no link costs anything)"
     print(f"network: {network}", flush=True)
-    bench = Bench(task, config, goal, work, profile, max_seconds or task.max_seconds, checkpoint_every, snapshot_every,
-                  topology, hetpipe_settings, search_rules)
+    grid = tuple(dict.fromkeys(batches or task.batches or (config.train.batch_size,)))
+    benches: dict[int, Bench] = {}
+    for b in grid:
+        at = config if b == config.train.batch_size else apply_overrides(config, [f"train.batch_size={b}"])
+        measured = profile if at is config else peers.model_profile(at, b, profiles_dir, refresh=not cached_profile)
+        benches[b] = Bench(task, at, goal, work if len(grid) == 1 else work / f"batch{b}", measured,
+                           max_seconds or task.max_seconds, checkpoint_every, snapshot_every, topology,
+                           hetpipe_settings, search_rules)
     swept = [float(v) for v in lrs.split(",")] if lrs else list(task.lrs)
-    chosen: dict[str, float] = {}
+    chosen: dict[str, tuple[int, float]] = {}  # system -> (batch, lr)
     sweeps: dict[str, Any] = {}
-    cache: dict[str, tuple[float, dict[float, float | None], str]] = {}
-    _, _, calibration = bench.plan()
+    cache: dict[tuple[int, str], tuple[float, dict[float, float | None], str]] = {}
     for system in systems:
-        if system.startswith("ddp") and not bench.members(system):
+        per_batch: dict[int, dict[str, Any]] = {}
+        for b, bench in benches.items():
+            if system.startswith("ddp") and not bench.members(system):
+                continue
+            per_batch[b] = _swept(bench, system, swept, cache, sweep_samples or task.sweep_samples)
+        if not per_batch:
             print(f"  {system}: no GPU holds the whole model; left out")
             continue
-        setting = bench.setting(system)
-        key = tta_tasks.sweep_key(setting)
-        measured = calibration.find(setting) if calibration is not None else None
-        if key in cache:
-            pass
-        elif len(swept) == 1:
-            cache[key] = (swept[0], {swept[0]: None}, "no sweep")
-        elif measured is not None and [lr for lr, _ in measured.sweep] == swept:  # the same sweep, already run
-            cache[key] = (measured.lr, dict(measured.sweep), "the calibration's sweep")
-        else:
-            base = bench.hetpipe_config if system == "hetpipe" else config
-            best, found = tta_tasks.sweep_lr(base, setting, swept, goal, sweep_samples or task.sweep_samples,
-                                             task.score_every)
-            cache[key] = (best, found, "swept here")
-        best, per_lr, source = cache[key]
-        chosen[system] = best
-        sweeps[system] = {"lr": best, "samples_to_target": {str(k): v for k, v in per_lr.items()},
-                          "setting": setting.label, "source": source}
-        print(f"  sweep {system} ({setting.label}, {source}): "
-              + ", ".join(f"lr {k:g} {'-' if v is None else int(v)}" for k, v in per_lr.items())
-              + f" samples -> lr {best:g}; {bench.describe(system, best)}", flush=True)
+        batch = next(iter(per_batch))
+        if len(per_batch) > 1:
+            batch = _choose_batch(system, benches, per_batch, rate_probe_s)
+        chosen[system] = (batch, per_batch[batch]["lr"])
+        sweeps[system] = {**per_batch[batch], "batch": batch,
+                          **({"batches": {str(b): v for b, v in per_batch.items()}} if len(per_batch) > 1 else {})}
     rows = []
     for i, seed in enumerate(seeds):
         order = [s for s in systems if s in chosen]
         order = order[i % len(order):] + order[: i % len(order)]  # rotate: drift in the machine's speed hits all
         for system in order:
-            rows.append(bench.run(system, chosen[system], seed))
+            batch, lr = chosen[system]
+            rows.append(benches[batch].run(system, lr, seed))
             r = rows[-1]
             print(f"  seed {seed} {system}: {r['time_to_target_s']} s, {r['samples_to_target']} samples to target, "
                   f"best {r['best']}, {r['samples_per_s']} samples/s", flush=True)
@@ -428,6 +453,61 @@ def _task(task: tta_tasks.Task, seeds: list[int], systems: list[str], lrs: str |
         found["testbed"] = testbed_record
     png_rows = [replace_label(r) for r in rows]
     return found, rows, png_rows, network
+
+
+def _swept(bench: Bench, system: str, swept: list[float], cache: dict[tuple[int, str], Any],
+           budget: int) -> dict[str, Any]:
+    """The learning-rate sweep of `system` at the bench's batch (the calibration's own when it ran the same grid;
+    settings that train alike share one): its best lr, samples per lr, and its reference samples to target (the
+    calibration's 3-seed median when it measured the setting, else the sweep's at the best lr)."""
+    setting = bench.setting(system)
+    _, _, calibration = bench.plan()
+    key = (bench.batch, tta_tasks.sweep_key(setting))
+    measured = calibration.find(setting) if calibration is not None else None
+    if key in cache:
+        pass
+    elif len(swept) == 1:
+        cache[key] = (swept[0], {swept[0]: None}, "no sweep")
+    elif measured is not None and [lr for lr, _ in measured.sweep] == swept:  # the same sweep, already run
+        cache[key] = (measured.lr, dict(measured.sweep), "the calibration's sweep")
+    else:
+        base = bench.hetpipe_config if system == "hetpipe" else bench.config
+        best, found = tta_tasks.sweep_lr(base, setting, swept, bench.goal, budget, bench.task.score_every)
+        cache[key] = (best, found, "swept here")
+    best, per_lr, source = cache[key]
+    samples = measured.median if measured is not None and measured.median is not None else per_lr[best]
+    print(f"  sweep {system} at batch {bench.batch} ({setting.label}, {source}): "
+          + ", ".join(f"lr {k:g} {'-' if v is None else int(v)}" for k, v in per_lr.items())
+          + f" samples -> lr {best:g}; {bench.describe(system, best)}", flush=True)
+    return {"lr": best, "samples_to_target": {str(k): v for k, v in per_lr.items()}, "setting": setting.label,
+            "source": source, "reference_samples": samples}
+
+
+def _choose_batch(system: str, benches: dict[int, Bench], per_batch: dict[int, dict[str, Any]],
+                  probe_s: float) -> int:
+    """The batch `system` reaches the target soonest at, by its own rule: hetpipe by the planner's predicted time
+    (hetpipe.app.plan_convergence.soonest_batch, as `hetpipe plan --batch`); a peer by its reference samples over
+    its rate in a `probe_s` run at that batch. Records each batch's figures in `per_batch`."""
+    from hetpipe.app.plan_convergence import soonest_batch
+
+    predicted: dict[int, float | None] = {}
+    for b, info in per_batch.items():
+        if system == "hetpipe":  # the plan's samples: the calibration's, or its fitted model's
+            _, top, _ = benches[b].plan()
+            samples, rate, predicted[b] = top.samples_to_target, top.samples_per_s, top.time_to_target_s
+        else:
+            samples, rate = info["reference_samples"], benches[b].probe(system, info["lr"], probe_s)
+            predicted[b] = samples / rate if rate > 0 and samples is not None else None
+        info.update(priced_samples=samples, samples_per_s=round(rate, 1),
+                    predicted_s=None if predicted[b] is None else round(predicted[b], 1))
+    found = soonest_batch(predicted)
+    batch = next(iter(per_batch)) if found is None else found
+    how = "the planner's prediction" if system == "hetpipe" else f"reference samples / rate in a {probe_s:g}-s run"
+    print(f"  batch {system}: " + ", ".join(
+        f"{b}: {'-' if info['priced_samples'] is None else int(info['priced_samples'])} samples / "
+        f"{info['samples_per_s']} samples/s = {'-' if info['predicted_s'] is None else info['predicted_s']} s"
+        for b, info in per_batch.items()) + f" -> batch {batch} (by {how})", flush=True)
+    return batch
 
 
 def replace_label(r: dict[str, Any]) -> dict[str, Any]:

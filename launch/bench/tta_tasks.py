@@ -29,7 +29,8 @@ class Task:
     """One benchmark task: `config` with `overrides`, the target, the learning rates swept (in order; the grid the
     task's calibration used, so that its sweeps are reused), the training time each timed run gets, the reference
     budget of the sweep (samples) and how often it scores; `hetpipe`: overrides for
-    hetpipe's runs only (its schedule, aggregation, mitigation: what the staleness study found best)."""
+    hetpipe's runs only (its schedule, aggregation, mitigation: what the staleness study found best); `batches`: the
+    batches per GPU every system chooses among (empty: the config's alone)."""
 
     name: str
     config: Path
@@ -41,6 +42,7 @@ class Task:
     score_every: int
     note: str
     hetpipe: tuple[str, ...] = ()
+    batches: tuple[int, ...] = ()
 
 
 TASKS = {
@@ -56,7 +58,8 @@ TASKS = {
         "shakespeare", CLUSTERS / "bench-shakespeare.toml", ("train.eval_samples=2048",),
         2.0, (0.002, 0.004, 0.008), 330.0, 100_000, 4096,
         "char-level GPT (4 blocks, 64 wide, 32 characters of context), Adam; target validation loss 2.0 nats "
-        "(unigram 3.29), scored on 2048 held-out windows"),
+        "(unigram 3.29), scored on 2048 held-out windows; each system at batch 64 or 16 per GPU, its own choice",
+        batches=(64, 16)),
     "resnet": Task(
         "resnet", CLUSTERS / "bench.toml",
         ('model.name="resnet18"', "model.options={ width = 8, in_channels = 1, num_classes = 10, image_size = 28 }",
