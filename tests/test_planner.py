@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from hetpipe.core.planner import (
     plan_candidates,
     supplied_profiles,
 )
-from hetpipe.core.profile import LayerProfile, ModelProfile
+from hetpipe.core.profile import LayerProfile, ModelProfile, ProfileOrigin
 from hetpipe.core.simulate import PsNetwork
 from hetpipe.models import get_model, param_counts
 
@@ -261,6 +262,13 @@ def test_emulated_profiles_follow_the_runtime_slowdowns() -> None:
     assert derived["fast"].layers[0].forward_s == pytest.approx(cpu.layers[0].forward_s * slow["n0:0"])
     assert derived["slow"].layers[0].backward_s == pytest.approx(cpu.layers[0].backward_s * slow["n1:0"])
     assert derived["slow"].layers[0].saved_bytes == cpu.layers[0].saved_bytes
+    # a CPU profile that measured what a whole emulated step costs beyond its layers: every type's times x that
+    origin = ProfileOrigin("2026-11-25T00:00:00+00:00", "cpu", "x", "0" * 16, 7, "momentum", "abc", 10, 4, 1.0,
+                           None, emulation_cost=1.4)
+    costly = emulated_profiles(config, dataclasses.replace(cpu, origin=origin), cores=2)
+    for name in derived:
+        assert costly[name].layers[0].forward_s == pytest.approx(1.4 * derived[name].layers[0].forward_s)
+        assert costly[name].step_s == pytest.approx(1.4 * derived[name].step_s)
 
 
 def test_supplied_profiles_scale_missing_types_by_speed() -> None:

@@ -50,7 +50,9 @@ DTYPES = ("float32", "bfloat16")  # what a model may be profiled in besides its 
 
 
 WARMUP = 3  # untimed forward+backward runs per layer before the timed ones
-PROFILER_VERSION = 6  # part of the cache key: bump when what a profile measures changes (6: origin, spreads)
+PROFILER_VERSION = 7  # part of the cache key: bump when what a profile measures changes (7: emulation_cost)
+COST_SLOWDOWN = 10.0  # the dilation emulation_cost is measured at: bench.toml's fastest type's on 2 cores
+COST_BUDGET_S = 1.0  # CPU seconds of whole steps emulation_cost times (3 to 15 steps)
 
 
 def profile_model(
@@ -134,6 +136,7 @@ def profile_model(
         model=spec.name, batch_size=batch_size, gpu_type=gpu_type or str(dev), dtype=dtype_name,
         torch_version=torch.__version__, input_bytes=tensor_bytes(x0), layers=tuple(profiles),
     )
+    cost = emulation_cost(spec, layers, x0, target, optimizer, profile.step_s) if dev.type == "cpu" else 1.0
     loads = [load for load in (load_before, load_per_core()) if load is not None]
     load = round(max(loads), 3) if loads else None
     origin = ProfileOrigin(
@@ -141,8 +144,41 @@ def profile_model(
         device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
         host=host_fingerprint(), profiler_version=PROFILER_VERSION, optimizer=optimizer,
         options_digest=options_digest(spec), repeats=repeats, measured_batch=batch_size,
-        device_tflops=round(device_tflops(dev, cast), 4), load_per_core=load, flags=noise_flags(profile, load))
+        device_tflops=round(device_tflops(dev, cast), 4), load_per_core=load, flags=noise_flags(profile, load),
+        emulation_cost=round(cost, 3))
     return replace(profile, origin=origin)
+
+
+def emulation_cost(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, target: Tensor, optimizer: str,
+                   step_s: float, slowdown: float = COST_SLOWDOWN, budget_s: float = COST_BUDGET_S) -> float:
+    """The CPU time of the whole model's training step run as an emulated device runs it, over `step_s` (the
+    layers' sum): forward, backward and update each a block in the emulation's own Dilator at `slowdown`, as a
+    stage runs them (worker/stage.py), so the step pays what emulation costs beyond the profile (caches and clocks
+    cold after each sleep, the whole step's own overheads). The median of as many steps as fit `budget_s` of CPU
+    time, 3 to 15, after WARMUP undilated ones; on one thread, like the profile."""
+    from hetpipe.compute.stage_compute import StageCompute, StageRules
+    from hetpipe.core.emulate import device_dilator
+
+    compute = StageCompute(nn.Sequential(*layers), optimizer, 0.0, 0.9, 0.0, StageRules(nm=1))
+    dilator = device_dilator(slowdown)
+
+    def step(dilated: bool) -> float:
+        spent = dilator.compute_s
+        blocks = (lambda: compute.forward(0, x0, target, spec.loss, input_grad=False),
+                  lambda: compute.backward(0, None, target, spec.loss), lambda: compute.update(0))
+        for name, block in zip("FBU", blocks, strict=True):
+            if dilated:
+                with dilator.compute(name):
+                    block()
+            else:
+                block()
+        compute.sums.clear()
+        return dilator.compute_s - spent
+
+    for _ in range(WARMUP):
+        step(dilated=False)
+    steps = min(15, max(3, int(budget_s / max(step_s, 1e-6))))
+    return statistics.median(step(dilated=True) for _ in range(steps)) / max(step_s, 1e-12)
 
 
 def profile_checked(

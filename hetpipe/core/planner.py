@@ -136,14 +136,17 @@ def emulated_profiles(config: ClusterConfig, cpu_profile: ModelProfile, cores: i
 
     The slowdown is (fastest speed / the type's speed) x time_scale, time_scale from [emulation] or, for
     "auto", auto_time_scale over all the cluster's GPUs (the runtime uses the GPUs of the run's VWs: the same
-    set when a plan uses every GPU). So predictions are in wall seconds of `hetpipe train` on this machine.
+    set when a plan uses every GPU). So predictions are in wall seconds of `hetpipe train` on this machine. Times
+    are also x the profile's origin.emulation_cost: what a whole step costs an emulated device in CPU time beyond
+    the layer-by-layer profile (docs/emulation.md#what-dilation-costs).
     """
 
     speeds = gpu_speeds(config)
     time_scale = config.emulation.time_scale or auto_time_scale(speeds, cores)
     fastest = max(speeds.values())
     used = {config.gpu(ref).name for ref in config.all_gpus()}
-    return {name: derive_profile(cpu_profile, t.speed, fastest, time_scale, gpu_type=name)
+    cost = cpu_profile.origin.emulation_cost if cpu_profile.origin is not None else 1.0
+    return {name: derive_profile(cpu_profile, t.speed, fastest, time_scale * cost, gpu_type=name)
             for name, t in config.gpu_types.items() if name in used}
 
 
