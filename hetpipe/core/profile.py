@@ -70,8 +70,8 @@ class ProfileOrigin:
     derived_from: str = ""  # "" when measured; else the label of the measured profile it was derived from
     speed_ratio: float = 1.0  # derived: its FLOP rate / the measured device's (times are the measured / this)
     # CPU profiles: the CPU time of the whole training step run as an emulated device runs it (each block in the
-    # emulation's Dilator, asleep between) over the layer-by-layer sum, step_s (docs/emulation.md#what-dilation-
-    # costs); the planner's emulated times are the profile's x this. 1.0: not measured (a GPU, an older profile)
+    # emulation's Dilator, asleep between) over the layer-by-layer sum, step_s; the planner's emulated times are
+    # the profile's x this (docs/emulation.md#what-dilation-costs). 1.0: not measured (a GPU, an older profile)
     emulation_cost: float = 1.0
 
     @property
