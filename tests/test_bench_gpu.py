@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -62,3 +63,20 @@ def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
                                            "--table", str(table)])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text()) == ROWS and table.read_text() == gpu.markdown(ROWS) + "\n"
+
+
+def test_system_option_reads_vws_stages_and_nm_and_refuses_the_rest():
+    assert gpu.parse_system("1x2:4") == ("hetpipe", 1, 2, 4)
+    for bad in ("1x2", "12:4", "axb:c", "0x1:4"):
+        with pytest.raises(click.BadParameter, match="VWs|VWSxSTAGES"):
+            gpu.parse_system(bad)
+
+
+def test_a_failed_system_is_a_row_with_its_error_and_two_stages_compare_only_where_one_stage_ran():
+    base = {"model": "char-gpt", "precision": "fp32", "system": "hetpipe", "vws": 1}
+    rows = [{**base, "stages": 1, "nm": 4, "loss_tail": 2.0}, {**base, "stages": 2, "nm": 4, "loss_tail": 2.1},
+            {**base, "stages": 2, "nm": 1, "loss_tail": 2.5}, {**base, "stages": 2, "nm": 8, "error": "E: boom"}]
+    gpu.compare_stages(rows)
+    assert rows[1]["loss_vs_one_stage"] == 0.05 and "loss_vs_one_stage" not in rows[2]
+    line = gpu.markdown([{**ROWS[0]}, {**rows[3], "batch": 64, "device": "cpu"}]).splitlines()[-1]
+    assert line == "| char-gpt | fp32 | hetpipe 1 VW x 2 stages, Nm 8 | failed: E: boom | - | - | - | - |"

@@ -18,9 +18,12 @@ compared with the 1x1 row at the same Nm).
     python launch/bench/gpu.py --out gpu.json                       # on the machine's first CUDA device
     python launch/bench/gpu.py --device cpu --quick                 # a smoke run on the CPU (tiny models)
     python launch/bench/gpu.py --model char-gpt --precision bf16 --repeats 3 --minibatches 300
+    python launch/bench/gpu.py --model resnet50 --system 1x1:4 --keep runs/gpu  # one system; keep its run folders
     python launch/bench/gpu.py --rows a.json --rows b.json --out gpu.json --table gpu.md   # merge split runs
 
---table writes the README's Markdown table (naming the device) of the rows.
+--table writes the README's Markdown table (naming the device) of the rows. A system whose run fails gets a row
+with its error (the other systems still run) and the script exits 1; --out is rewritten after every model and
+precision, so what was measured survives a later failure.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ QUICK = {  # --quick: the same kinds of model, small enough for a CPU smoke run
 SYSTEMS = (  # (system, VWs, stages per VW, Nm)
     ("hetpipe", 1, 1, 1), ("hetpipe", 1, 1, 4), ("hetpipe", 2, 1, 1), ("hetpipe", 1, 2, 4),
 )
+System = tuple[str, int, int, int]
 LOSS_TAIL = 20  # minibatches whose mean loss a row reports
 
 
@@ -181,6 +185,19 @@ def run_hetpipe(config: ClusterConfig, run_dir: Path) -> dict[str, Any]:
             "loss_tail": sum(tail) / len(tail)}
 
 
+def parse_system(text: str) -> System:
+    """`VWSxSTAGES:NM` (as `--system` takes it, e.g. 1x2:4) as a SYSTEMS entry."""
+    try:
+        shape, nm = text.split(":")
+        vws, stages = shape.split("x")
+        system = ("hetpipe", int(vws), int(stages), int(nm))
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: write VWSxSTAGES:NM, e.g. 1x1:4 (1 VW of 1 stage at Nm 4)") from None
+    if min(system[1:]) < 1:
+        raise click.BadParameter(f"{text!r}: VWs, stages and Nm are each at least 1")
+    return system
+
+
 def median_row(base: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The median run's figures (by samples/s), with the spread of samples/s over all runs."""
     rates = [r["samples_per_s"] for r in runs]
@@ -205,12 +222,16 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     system's median samples/s with its spread, the ratio to the plain loop, where VW 0's waves went, how long
     `hetpipe train` took to return after its last minibatch, and the 2-stage VW's loss against 1 stage's."""
     devices = sorted({r["device"] for r in rows})
-    repeats = sorted({r["repeats"] for r in rows})
+    repeats = sorted({r["repeats"] for r in rows if "repeats" in r})
     lines = [f"On {', '.join(devices)}; batch {', '.join(sorted({str(r['batch']) for r in rows}))}, Adam; "
              f"median of {'/'.join(map(str, repeats))} runs (min-max); wave parts of VW 0 in ms per wave:", "",
              f"| model | precision | system | samples/s | x plain | {' / '.join(BREAKDOWN)} | returned after last "
              "minibatch | loss vs 1 stage |", "|---|---|---|---:|---:|---|---:|---:|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['precision']} | {system_label(r)} | failed: {r['error'][:120]} "
+                         "| - | - | - | - |")
+            continue
         runs = r.get("samples_per_s_runs", [r["samples_per_s"]])
         parts = r.get("wave_breakdown_ms", {}).get("0", {})
         wave = " / ".join(f"{parts[k]:.1f}" if k in parts else "-" for k in BREAKDOWN) if parts else "-"
@@ -241,8 +262,9 @@ class Setting:
                             self.minibatches, self.batch, self.memory_gib, self.work)
 
 
-def run_setting(setting: Setting, repeats: int, warmup: int) -> list[dict[str, Any]]:
-    """The plain loop, then every hetpipe system of SYSTEMS, `repeats` times each; one row per system."""
+def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """The plain loop, then every hetpipe system of `systems`, `repeats` times each; one row per system. A
+    system whose run fails gets a row with its error instead of figures, and the next system runs."""
     base = {"device": setting.device_name, "model": setting.model, "precision": setting.precision,
             "batch": setting.batch}
     plain = [run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup) for _ in range(repeats)]
@@ -250,10 +272,17 @@ def run_setting(setting: Setting, repeats: int, warmup: int) -> list[dict[str, A
     plain_row["ratio_to_plain"] = 1.0
     click.echo(f"{setting.model} {setting.precision} plain: {plain_row['samples_per_s']} samples/s", err=True)
     rows = [plain_row]
-    for system, vws, stages, nm in SYSTEMS:
-        runs = [run_hetpipe(setting.config(vws, stages, nm), setting.work / f"run-{time.time_ns()}")
-                for _ in range(repeats)]
-        row = median_row({**base, "system": system, "nm": nm, "vws": vws, "stages": stages}, runs)
+    for system, vws, stages, nm in systems:
+        labels = {**base, "system": system, "nm": nm, "vws": vws, "stages": stages}
+        try:
+            runs = [run_hetpipe(setting.config(vws, stages, nm),
+                                setting.work / f"{setting.model}-{setting.precision}-{vws}x{stages}-nm{nm}-{i}")
+                    for i in range(repeats)]
+        except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
+            rows.append({**labels, "error": f"{type(e).__name__}: {e}"})
+            click.echo(f"{setting.model} {setting.precision} {system} {vws}x{stages} Nm {nm}: FAILED: {e}", err=True)
+            continue
+        row = median_row(labels, runs)
         row["ratio_to_plain"] = round(row["samples_per_s"] / plain_row["samples_per_s"], 3)
         rows.append(row)
         click.echo(f"{setting.model} {setting.precision} {system} {vws}x{stages} Nm {nm}: {row['samples_per_s']} "
@@ -267,12 +296,16 @@ def run_setting(setting: Setting, repeats: int, warmup: int) -> list[dict[str, A
 @click.option("--model", "models", type=click.Choice(sorted(MODELS)), multiple=True, help="Repeatable; default both.")
 @click.option("--precision", "precisions", type=click.Choice(["fp32", "bf16"]), multiple=True,
               help="Repeatable; default both.")
+@click.option("--system", "systems", multiple=True, callback=lambda _c, _p, v: tuple(map(parse_system, v)),
+              help="VWSxSTAGES:NM, repeatable (default: 1x1:1 1x1:4 2x1:1 1x2:4); the plain loop always runs.")
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--minibatches", type=int, default=300, show_default=True, help="Per VW and run.")
 @click.option("--warmup", type=int, default=20, show_default=True, help="Plain loop: untimed steps first.")
 @click.option("--batch", type=int, default=64, show_default=True)
 @click.option("--memory-gib", type=float, default=None, help="The device's memory for hetpipe's fit check "
               "(default: the CUDA device's, or 16 on the CPU).")
+@click.option("--keep", "keep_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep every hetpipe run's folder (logs, traces, metrics) here instead of a temporary one.")
 @click.option("--quick", is_flag=True, help="Small models at batch 8, for a smoke run on the CPU.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the rows as JSON here.")
@@ -281,9 +314,9 @@ def run_setting(setting: Setting, repeats: int, warmup: int) -> list[dict[str, A
 @click.option("--rows", "row_files", type=click.Path(exists=True, dir_okay=False, path_type=Path), multiple=True,
               help="Run nothing: merge the rows of these --out files (one per model or precision, for runs split "
                    "over several calls) into --out and --table.")
-def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...], repeats: int, minibatches: int,
-         warmup: int, batch: int, memory_gib: float | None, quick: bool, out_path: Path | None,
-         table_path: Path | None, row_files: tuple[Path, ...]) -> None:
+def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...], systems: tuple[System, ...],
+         repeats: int, minibatches: int, warmup: int, batch: int, memory_gib: float | None, keep_dir: Path | None,
+         quick: bool, out_path: Path | None, table_path: Path | None, row_files: tuple[Path, ...]) -> None:
     if row_files:
         rows = [row for path in row_files for row in json.loads(path.read_text())]
         _write(rows, out_path, table_path)
@@ -296,28 +329,39 @@ def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...
     table = QUICK if quick else MODELS
     batch = 8 if quick else batch
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="hetpipe-gpu-") as work:
+    with tempfile.TemporaryDirectory(prefix="hetpipe-gpu-") as temporary:
+        work = keep_dir or Path(temporary)
         for model in models or sorted(MODELS):
             for precision in precisions or ("fp32", "bf16"):
                 setting = Setting(model, *table[model], precision, device, name, batch, minibatches, memory_gib,
-                                  Path(work))
-                rows += run_setting(setting, repeats, warmup)
-    for row in rows:  # the 2-stage VW against 1 stage at the same Nm: the same training, split
-        if row["stages"] == 2:
-            one = next(r for r in rows if (r["model"], r["precision"], r["stages"], r["vws"], r["nm"], r["system"])
-                       == (row["model"], row["precision"], 1, 1, row["nm"], "hetpipe"))
-            row["loss_vs_one_stage"] = round(row["loss_tail"] / one["loss_tail"] - 1, 4)
+                                  work)
+                rows += run_setting(setting, systems or SYSTEMS, repeats, warmup)
+                compare_stages(rows)
+                _write(rows, out_path, None, echo=False)  # what is measured so far survives a later failure
     _write(rows, out_path, table_path)
+    if any("error" in row for row in rows):
+        raise SystemExit(1)
 
 
-def _write(rows: list[dict[str, Any]], out_path: Path | None, table_path: Path | None) -> None:
+def compare_stages(rows: list[dict[str, Any]]) -> None:
+    """Each 2-stage VW's loss against 1 stage's at the same Nm (the same training, split), where both ran."""
+    ones = {(r["model"], r["precision"], r["nm"]): r for r in rows
+            if (r["system"], r["vws"], r["stages"]) == ("hetpipe", 1, 1) and "loss_tail" in r}
+    for row in rows:
+        one = ones.get((row["model"], row["precision"], row["nm"]))
+        if row["stages"] == 2 and "loss_tail" in row and one is not None:
+            row["loss_vs_one_stage"] = round(row["loss_tail"] / one["loss_tail"] - 1, 4)
+
+
+def _write(rows: list[dict[str, Any]], out_path: Path | None, table_path: Path | None, echo: bool = True) -> None:
     text = json.dumps(rows, indent=1)
     if out_path:
         out_path.write_text(text + "\n")
     if table_path:
         table_path.write_text(markdown(rows) + "\n")
-    click.echo(text)
-    click.echo(markdown(rows), err=True)
+    if echo:
+        click.echo(text)
+        click.echo(markdown(rows), err=True)
 
 
 if __name__ == "__main__":
