@@ -113,6 +113,9 @@ class StageRunner:
         self.pulls = not (job.num_vws == 1 and config.ps.aggregation != "server")
         self.waits = [a.index for a in self.actions if a.kind == WAIT] if self.pulls else []
         self.dilator = device_dilator(job.slowdown, wall_clock=self.device.type == "cuda")
+        # A CUDA block is timed to its end (a wait for the device) only where the dilator stretches it; else the
+        # CPU queues work ahead, as a plain loop does, and waits once a wave, at the push (docs/architecture.md#devices)
+        self._sync_blocks = self.device.type == "cuda" and job.slowdown > 1.0
         link = config.network.link_gbps
         emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
         self.links = {
@@ -131,6 +134,7 @@ class StageRunner:
         self.agent: PSAgent | None = None
         self.samples = 0
         self._targets: dict[int, torch.Tensor] = {}
+        self._unread: list[tuple[dict[str, Any], torch.Tensor]] = []  # last stage: (minibatch event, its loss)
         self._pushes: deque[tuple[int, Future]] = deque()  # (pinned slot, its push) in hand-over order
         self._pull: tuple[int, Future] | None = None  # the pull handed over, for WAIT of that wave
         self._next_wait = 0  # index into self.waits of the next WAIT to run
@@ -176,6 +180,7 @@ class StageRunner:
                 action = self.actions[self.position]
                 self.dispatch[action.kind](action.index)
                 self.position += 1
+            self._read_losses()  # a schedule that ends without a push (none of ours) still reports every loss
             self.train_s = time.monotonic() - self.started
             for _, future in self._pushes:  # every push acknowledged before the stage reports done
                 self._note_push(future.result())
@@ -257,7 +262,9 @@ class StageRunner:
 
     def _batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = datalib.minibatch(self.x, self.y, self.indices, self.config.train.batch_size, self.config.seed, p)
-        return x.to(self.device), y.to(self.device)
+        if self.device.type == "cuda":  # from pinned memory the copy is queued, not waited for
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x, y
 
     def _send(self, tensor: Any, peer: int) -> None:
         started = time.perf_counter()
@@ -277,6 +284,10 @@ class StageRunner:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _sync_block(self) -> None:
+        if self._sync_blocks:
+            self._sync()
 
     def _timed(self, what: str, started: float) -> None:
         self.times[what] += time.perf_counter() - started
@@ -314,7 +325,7 @@ class StageRunner:
             with self.dilator.compute(f"F{p}"):
                 output = self.compute.forward(p, inputs, target if self.last else None, self.spec.loss,
                                               input_grad=not self.first)
-                self._sync()
+                self._sync_block()
             self._timed("compute", started)
             if not self.last:
                 self._send(output, job.stage + 1)
@@ -329,12 +340,10 @@ class StageRunner:
             skip = grad is P2P.SKIPPED
             target = self._targets.pop(p) if self.last else None
             if self.last:
-                value = self.compute.loss_of(p, target, self.spec.loss)
-                skip = not np.isfinite(value)
-                if skip and self.config.train.on_nan == "stop":
-                    wave = p // self.config.wsp.nm
-                    raise NonFiniteLoss(f"vw {job.vw} stage {job.stage}: the loss of minibatch {p} (wave {wave}) is "
-                                        f"{value}; lower the learning rate, or check the data", wave)
+                loss = self.compute.loss_of(p, target, self.spec.loss)
+                if self.config.train.on_nan == "skip":  # skipping needs the value before the backward
+                    value = float(loss)
+                    skip = not np.isfinite(value)
             started = time.perf_counter()
             with self.dilator.compute(f"B{p}"):
                 if skip:  # train.on_nan = "skip": the minibatch adds nothing, at every stage
@@ -342,26 +351,48 @@ class StageRunner:
                     grad_in = P2P.SKIPPED
                 else:
                     grad_in, _ = self.compute.backward(p, grad, target, self.spec.loss)
-                self._sync()
+                self._sync_block()
             self._timed("compute", started)
             if not self.first:
                 self._send(grad_in, job.stage - 1)
         self.samples += self.config.train.batch_size
         if self.last:
             elapsed = time.monotonic() - self.started
-            self.report({"event": "minibatch", "vw": job.vw, "p": p, "loss": value, "time": time.time(),
-                         "samples_per_s": self.samples / max(elapsed, 1e-9), "skipped": skip})
+            event = {"event": "minibatch", "vw": job.vw, "p": p, "loss": value, "time": time.time(),
+                     "samples_per_s": self.samples / max(elapsed, 1e-9), "skipped": skip}
+            if value is None:  # read at the wave's end: reading it now would make the CPU wait for the device
+                self._unread.append((event, loss))
+            else:
+                self.report(event)
+
+    def _read_losses(self) -> None:
+        """Report the wave's minibatch losses, read in one go (one wait for the device, not one per minibatch);
+        under train.on_nan = "stop" a NaN or inf stops the run here, before the wave's push carries it."""
+        if not self._unread:
+            return
+        values = torch.stack([loss.float() for _, loss in self._unread]).tolist()
+        for (event, _), value in zip(self._unread, values, strict=True):
+            if not np.isfinite(value):
+                p, wave = event["p"], event["p"] // self.config.wsp.nm
+                raise NonFiniteLoss(f"vw {self.job.vw} stage {self.job.stage}: the loss of minibatch {p} (wave {wave}) "
+                                    f"is {value}; lower the learning rate, or check the data", wave)
+            self.report({**event, "loss": value})
+        self._unread = []
 
     def update(self, p: int) -> None:
         with self.trace.span(f"U{p}"):
             started = time.perf_counter()
             with self.dilator.compute(f"U{p}"):
                 self.compute.update(p)
-                self._sync()
+                self._sync_block()
             self._timed("compute", started)
 
     def push(self, wave: int) -> None:
         with self.trace.span(f"PUSH{wave}"):
+            started = time.perf_counter()
+            self._sync()  # the wave's queued device work: compute, as the blocks' own timers miss it
+            self._timed("compute", started)
+            self._read_losses()
             if self._next_wait >= len(self.waits):
                 # no pull is due to hold this stage back, so a PS slower than the stage would let pushes (and
                 # their sums) pile up without bound: one push in flight at most (docs/memory.md#what-a-stage-keeps)

@@ -246,15 +246,16 @@ class StageCompute:
         grad_in = grads[-1] if flight.inputs.requires_grad else None
         return grad_in, (None if flight.loss is None else flight.loss.detach())
 
-    def loss_of(self, p: int, target: Tensor, loss_fn) -> float:
-        """The loss of minibatch p's forward on the last stage (recomputing the forward if it was not kept;
-        the backward then reuses it)."""
+    def loss_of(self, p: int, target: Tensor, loss_fn) -> Tensor:
+        """The loss of minibatch p's forward on the last stage, a detached 0-d tensor on the stage's device
+        (recomputing the forward if it was not kept; the backward then reuses it). Reading its value waits for
+        the device, so a CUDA stage reads it late (worker/stage.py)."""
         flight = self.in_flight[p]
         if flight.output is None:
             self._recompute(p, flight)
         if flight.loss is None:
             flight.loss = loss_fn(flight.output, target)
-        return float(flight.loss.detach())  # a float of a tensor that requires grad warns (UserWarning)
+        return flight.loss.detach()
 
     def skip(self, p: int) -> None:
         """Drop minibatch p (train.on_nan = "skip"): no gradient, not counted in the next update's mean."""
@@ -299,18 +300,25 @@ class StageCompute:
 
     @torch.no_grad()
     def _record_update(self, wave: int) -> None:
+        """Add what the update just changed (tracked - baseline) to the wave's sums and move the baseline. The
+        arithmetic goes over all tensors at once (torch._foreach_*): a few kernels per update, not three per
+        tensor, which on CUDA kept the CPU busier than the device for a model of many small tensors."""
+        keys = list(self.tracked)
+        if not keys:
+            return
+        now = [self.tracked[k] for k in keys]
+        deltas = torch._foreach_sub(now, [self.baseline[k] for k in keys])
         sums = self.sums.setdefault(wave, {})
-        for key, t in self.tracked.items():
-            delta = t - self.baseline[key]
+        for key, delta in zip(keys, deltas, strict=True):
             if self._dc is not None and key in self._dc:
                 self._dc[key].mul_(self._dc_gamma).add_(delta, alpha=1 - self._dc_gamma)
             if self._last_step is not None and key in self.params:
                 self._last_step[key] = delta.clone()
-            if key in sums:
-                sums[key] += delta
-            else:
-                sums[key] = delta
-            self.baseline[key].copy_(t)
+        have = [k for k in keys if k in sums]
+        if have:
+            torch._foreach_add_([sums[k] for k in have], [d for k, d in zip(keys, deltas, strict=True) if k in sums])
+        sums.update({k: d for k, d in zip(keys, deltas, strict=True) if k not in sums})
+        torch._foreach_copy_([self.baseline[k] for k in keys], now)
 
     # ---- WSP --------------------------------------------------------------------------------------
     @torch.no_grad()
