@@ -10,6 +10,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from hetpipe.core.errors import HetpipeError
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
 import gpu  # noqa: E402  (launch/bench is not a package)
 
@@ -21,12 +23,14 @@ FIELDS = {"system", "model", "precision", "nm", "vws", "stages", "samples_per_s"
 def test_smoke_run_on_the_cpu_gives_every_row(tmp_path: Path):
     out = tmp_path / "gpu.json"
     result = CliRunner().invoke(gpu.main, ["--device", "cpu", "--quick", "--model", "char-gpt", "--precision",
-                                           "fp32", "--repeats", "1", "--minibatches", "12", "--warmup", "2",
+                                           "fp32", "--repeats", "1", "--minibatches", "24", "--warmup", "2",
                                            "--out", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
     assert [(r["system"], r["vws"], r["stages"], r["nm"]) for r in rows] == [
-        ("plain", 1, 1, 1), ("hetpipe", 1, 1, 1), ("hetpipe", 1, 1, 4), ("hetpipe", 2, 1, 1), ("hetpipe", 1, 2, 4)]
+        ("plain", 1, 1, 1), ("hetpipe", 1, 1, 1), ("hetpipe", 1, 1, 4), ("hetpipe", 2, 1, 1), ("hetpipe", 2, 1, 4),
+        ("hetpipe", 1, 2, 4)]
+    assert [r.get("staleness") for r in rows] == [None, 0, 0, 0, 1, 0]
     for row in rows:
         assert set(row) >= FIELDS and row["samples_per_s"] > 0
     for row in rows[1:]:
@@ -40,7 +44,7 @@ ROWS = [
      "nm": 1, "vws": 1, "stages": 1, "samples_per_s": 1950.0, "samples_per_s_runs": [1940.0, 1950.0, 1961.0],
      "repeats": 3, "ratio_to_plain": 1.0},
     {"device": "NVIDIA H100 80GB HBM3", "model": "char-gpt", "precision": "fp32", "batch": 64, "system": "hetpipe",
-     "nm": 4, "vws": 2, "stages": 1, "samples_per_s": 1800.0, "samples_per_s_runs": [1790.0, 1800.0, 1812.5],
+     "nm": 4, "staleness": 1, "vws": 2, "stages": 1, "samples_per_s": 1800.0, "samples_per_s_runs": [1790.0, 1800.0, 1812.5],
      "repeats": 3, "ratio_to_plain": 0.923, "tail_s": 1.234, "loss_vs_one_stage": -0.0042,
      "wave_breakdown_ms": {"0": {"compute": 130.0, "d2h": 2.25, "push": 5.0, "gate_wait": 0.0, "pull": 4.0}}},
 ]
@@ -50,7 +54,7 @@ def test_the_table_names_the_device_and_gives_each_row_its_spread_ratio_and_wave
     lines = gpu.markdown(ROWS).splitlines()
     assert lines[0].startswith("On NVIDIA H100 80GB HBM3; batch 64, Adam; median of 3 runs")
     assert lines[-2] == "| char-gpt | fp32 | plain torch loop | 1950.0 (1940.0-1961.0) | 1.00 | - | - | - |"
-    assert lines[-1] == ("| char-gpt | fp32 | hetpipe 2 VWs x 1 stage, Nm 4 | 1800.0 (1790.0-1812.5) | 0.92 "
+    assert lines[-1] == ("| char-gpt | fp32 | hetpipe 2 VWs x 1 stage, Nm 4, D 1 | 1800.0 (1790.0-1812.5) | 0.92 "
                          "| 130.0 / 2.2 / 5.0 / 0.0 / 4.0 / - | 1.2 s | -0.4% |")
 
 
@@ -66,8 +70,9 @@ def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
 
 
 def test_system_option_reads_vws_stages_and_nm_and_refuses_the_rest():
-    assert gpu.parse_system("1x2:4") == ("hetpipe", 1, 2, 4)
-    for bad in ("1x2", "12:4", "axb:c", "0x1:4"):
+    assert gpu.parse_system("1x2:4") == ("hetpipe", 1, 2, 4, 0)
+    assert gpu.parse_system("2x1:4:1") == ("hetpipe", 2, 1, 4, 1)
+    for bad in ("1x2", "12:4", "axb:c", "0x1:4", "2x1:4:-1", "2x1:4:1:1"):
         with pytest.raises(click.BadParameter, match="VWs|VWSxSTAGES"):
             gpu.parse_system(bad)
 
@@ -80,3 +85,11 @@ def test_a_failed_system_is_a_row_with_its_error_and_two_stages_compare_only_whe
     assert rows[1]["loss_vs_one_stage"] == 0.05 and "loss_vs_one_stage" not in rows[2]
     line = gpu.markdown([{**ROWS[0]}, {**rows[3], "batch": 64, "device": "cpu"}]).splitlines()[-1]
     assert line == "| char-gpt | fp32 | hetpipe 1 VW x 2 stages, Nm 8 | failed: E: boom | - | - | - | - |"
+
+
+def test_window_rate_counts_minibatches_while_every_vw_runs_and_refuses_vws_that_never_overlapped():
+    # VW 0 ends minibatches at 1..6 s, VW 1 at 2..7 s; warm-up 2: from 3 s (VW 1's 2nd) to 6 s (VW 0's last)
+    streams = {0: [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 1: [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]}
+    assert gpu.throughput.window_rate(streams, batch=10, warmup=2) == (3 + 3) * 10 / 3
+    with pytest.raises(HetpipeError, match="never ran together"):
+        gpu.throughput.window_rate({0: [1.0, 2.0, 3.0, 4.0], 1: [5.0, 6.0, 7.0, 8.0]}, batch=10, warmup=2)

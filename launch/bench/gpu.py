@@ -3,7 +3,8 @@
 Systems, per model and precision, each measured --repeats times (median and spread reported):
   plain          the whole model, one process: forward, loss, backward, Adam step
   hetpipe 1x1    1 VW x 1 stage at Nm 1 and at Nm 4 (PS + WSP on the same machine, `exact` pulls, D 0)
-  hetpipe 2x1    2 VWs x 1 stage, both on the one device
+  hetpipe 2x1    2 VWs x 1 stage, both on the one device: at Nm 1, D 0 (every minibatch waits for its push
+                 and pull) and at Nm 4, D 1 (the pull overlaps the next wave)
   hetpipe 1x2    1 VW x 2 stages, both on the one device (co-located stages: gloo with pinned staging)
 Models: char-gpt 8 blocks x 512 wide, 8 heads, 128 characters of context (Shakespeare), and resnet50 on
 32x32 images (MNIST padded, one channel, ten classes; the CIFAR-style stem), both at batch 64 with Adam.
@@ -22,8 +23,8 @@ compared with the 1x1 row at the same Nm).
     python launch/bench/gpu.py --rows a.json --rows b.json --out gpu.json --table gpu.md   # merge split runs
 
 --table writes the README's Markdown table (naming the device) of the rows. A system whose run fails gets a row
-with its error (the other systems still run) and the script exits 1; --out is rewritten after every model and
-precision, so what was measured survives a later failure.
+with its error (the other systems still run) and the script exits 1; --out is rewritten after every row, so what was measured
+survives a later failure or a timeout.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,10 +61,11 @@ QUICK = {  # --quick: the same kinds of model, small enough for a CPU smoke run
                  ("shakespeare", {"block_size": 32})),
     "resnet50": ({"in_channels": 1, "num_classes": 10, "image_size": 32}, ("mnist", {"pad": 2})),
 }
-SYSTEMS = (  # (system, VWs, stages per VW, Nm)
-    ("hetpipe", 1, 1, 1), ("hetpipe", 1, 1, 4), ("hetpipe", 2, 1, 1), ("hetpipe", 1, 2, 4),
+SYSTEMS = (  # (system, VWs, stages per VW, Nm, D)
+    ("hetpipe", 1, 1, 1, 0), ("hetpipe", 1, 1, 4, 0), ("hetpipe", 2, 1, 1, 0), ("hetpipe", 2, 1, 4, 1),
+    ("hetpipe", 1, 2, 4, 0),
 )
-System = tuple[str, int, int, int]
+System = tuple[str, int, int, int, int]
 LOSS_TAIL = 20  # minibatches whose mean loss a row reports
 
 
@@ -74,7 +76,8 @@ def _toml_value(value: Any) -> str:
 
 
 def bench_config(model: str, options: dict[str, Any], data: tuple[str, dict[str, Any]], precision: str,
-                 device: str, vws: int, stages: int, nm: int, minibatches: int, batch: int, memory_gib: float,
+                 device: str, vws: int, stages: int, nm: int, staleness: int, minibatches: int, batch: int,
+                 memory_gib: float,
                  out_dir: Path) -> ClusterConfig:
     """One node with vws x stages GPUs of one type, every one computing on `device`; one VW per row."""
     num = vws * stages
@@ -94,7 +97,7 @@ devices = [{devices}]
 [ps]
 port = 7900
 [wsp]
-staleness = 0
+staleness = {staleness}
 nm = {nm}
 pull = "exact"
 [checkpoint]
@@ -116,7 +119,7 @@ out_dir = "{out_dir}"
 [emulation]
 enabled = false
 {vw_tables}"""
-    path = out_dir / f"{model}-{vws}x{stages}-nm{nm}.toml"
+    path = out_dir / f"{model}-{precision}-{vws}x{stages}-nm{nm}-d{staleness}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return load_config(path)
@@ -186,15 +189,18 @@ def run_hetpipe(config: ClusterConfig, run_dir: Path) -> dict[str, Any]:
 
 
 def parse_system(text: str) -> System:
-    """`VWSxSTAGES:NM` (as `--system` takes it, e.g. 1x2:4) as a SYSTEMS entry."""
+    """`VWSxSTAGES:NM[:D]` (as `--system` takes it, e.g. 1x2:4 or 2x1:4:1; D 0 unless given) as a SYSTEMS entry."""
     try:
-        shape, nm = text.split(":")
+        shape, nm, *rest = text.split(":")
         vws, stages = shape.split("x")
-        system = ("hetpipe", int(vws), int(stages), int(nm))
+        if len(rest) > 1:
+            raise ValueError(text)
+        system = ("hetpipe", int(vws), int(stages), int(nm), int(rest[0]) if rest else 0)
     except ValueError:
-        raise click.BadParameter(f"{text!r}: write VWSxSTAGES:NM, e.g. 1x1:4 (1 VW of 1 stage at Nm 4)") from None
-    if min(system[1:]) < 1:
-        raise click.BadParameter(f"{text!r}: VWs, stages and Nm are each at least 1")
+        raise click.BadParameter(f"{text!r}: write VWSxSTAGES:NM[:D], e.g. 1x1:4 (1 VW of 1 stage at Nm 4) or "
+                                 "2x1:4:1 (2 VWs at Nm 4, D 1)") from None
+    if min(system[1:4]) < 1 or system[4] < 0:
+        raise click.BadParameter(f"{text!r}: VWs, stages and Nm are each at least 1, D at least 0")
     return system
 
 
@@ -214,7 +220,8 @@ def system_label(row: dict[str, Any]) -> str:
         return "plain torch loop"
     vws = "VW" if row["vws"] == 1 else "VWs"
     stages = "stage" if row["stages"] == 1 else "stages"
-    return f"hetpipe {row['vws']} {vws} x {row['stages']} {stages}, Nm {row['nm']}"
+    staleness = f", D {row['staleness']}" if row.get("staleness") else ""
+    return f"hetpipe {row['vws']} {vws} x {row['stages']} {stages}, Nm {row['nm']}{staleness}"
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
@@ -257,38 +264,37 @@ class Setting:
     memory_gib: float
     work: Path
 
-    def config(self, vws: int, stages: int, nm: int) -> ClusterConfig:
+    def config(self, vws: int, stages: int, nm: int, staleness: int = 0) -> ClusterConfig:
         return bench_config(self.model, self.options, self.data, self.precision, self.device, vws, stages, nm,
-                            self.minibatches, self.batch, self.memory_gib, self.work)
+                            staleness, self.minibatches, self.batch, self.memory_gib, self.work)
 
 
-def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmup: int) -> list[dict[str, Any]]:
-    """The plain loop, then every hetpipe system of `systems`, `repeats` times each; one row per system. A
-    system whose run fails gets a row with its error instead of figures, and the next system runs."""
+def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmup: int,
+                measured: Callable[[dict[str, Any]], None]) -> None:
+    """The plain loop, then every hetpipe system of `systems`, `repeats` times each; `measured` gets each row
+    as it is done. A system whose run fails gets a row with its error instead of figures, and the next runs."""
     base = {"device": setting.device_name, "model": setting.model, "precision": setting.precision,
-            "batch": setting.batch}
+            "batch": setting.batch, "minibatches": setting.minibatches}
     plain = [run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup) for _ in range(repeats)]
     plain_row = median_row({**base, "system": "plain", "nm": 1, "vws": 1, "stages": 1}, plain)
     plain_row["ratio_to_plain"] = 1.0
     click.echo(f"{setting.model} {setting.precision} plain: {plain_row['samples_per_s']} samples/s", err=True)
-    rows = [plain_row]
-    for system, vws, stages, nm in systems:
-        labels = {**base, "system": system, "nm": nm, "vws": vws, "stages": stages}
+    measured(plain_row)
+    for system, vws, stages, nm, staleness in systems:
+        labels = {**base, "system": system, "nm": nm, "vws": vws, "stages": stages, "staleness": staleness}
         try:
-            runs = [run_hetpipe(setting.config(vws, stages, nm),
-                                setting.work / f"{setting.model}-{setting.precision}-{vws}x{stages}-nm{nm}-{i}")
+            runs = [run_hetpipe(setting.config(vws, stages, nm, staleness), setting.work
+                                / f"{setting.model}-{setting.precision}-{vws}x{stages}-nm{nm}-d{staleness}-{i}")
                     for i in range(repeats)]
         except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
-            rows.append({**labels, "error": f"{type(e).__name__}: {e}"})
-            click.echo(f"{setting.model} {setting.precision} {system} {vws}x{stages} Nm {nm}: FAILED: {e}", err=True)
+            measured({**labels, "error": f"{type(e).__name__}: {e}"})
+            click.echo(f"{setting.model} {setting.precision} {system_label(labels)}: FAILED: {e}", err=True)
             continue
         row = median_row(labels, runs)
         row["ratio_to_plain"] = round(row["samples_per_s"] / plain_row["samples_per_s"], 3)
-        rows.append(row)
-        click.echo(f"{setting.model} {setting.precision} {system} {vws}x{stages} Nm {nm}: {row['samples_per_s']} "
-                   f"samples/s = {row['ratio_to_plain']}x plain, returned {row['tail_s']} s after its last minibatch",
-                   err=True)
-    return rows
+        click.echo(f"{setting.model} {setting.precision} {system_label(row)}: {row['samples_per_s']} samples/s = "
+                   f"{row['ratio_to_plain']}x plain, returned {row['tail_s']} s after its last minibatch", err=True)
+        measured(row)
 
 
 @click.command()
@@ -297,7 +303,7 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
 @click.option("--precision", "precisions", type=click.Choice(["fp32", "bf16"]), multiple=True,
               help="Repeatable; default both.")
 @click.option("--system", "systems", multiple=True, callback=lambda _c, _p, v: tuple(map(parse_system, v)),
-              help="VWSxSTAGES:NM, repeatable (default: 1x1:1 1x1:4 2x1:1 1x2:4); the plain loop always runs.")
+              help="VWSxSTAGES:NM[:D], repeatable (default: 1x1:1 1x1:4 2x1:1 2x1:4:1 1x2:4); the plain loop always runs.")
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--minibatches", type=int, default=300, show_default=True, help="Per VW and run.")
 @click.option("--warmup", type=int, default=20, show_default=True, help="Plain loop: untimed steps first.")
@@ -329,15 +335,19 @@ def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...
     table = QUICK if quick else MODELS
     batch = 8 if quick else batch
     rows: list[dict[str, Any]] = []
+
+    def save(rows: list[dict[str, Any]], row: dict[str, Any]) -> None:  # what is measured survives a later failure
+        rows.append(row)
+        compare_stages(rows)
+        _write(rows, out_path, None, echo=False)
+
     with tempfile.TemporaryDirectory(prefix="hetpipe-gpu-") as temporary:
         work = keep_dir or Path(temporary)
         for model in models or sorted(MODELS):
             for precision in precisions or ("fp32", "bf16"):
                 setting = Setting(model, *table[model], precision, device, name, batch, minibatches, memory_gib,
                                   work)
-                rows += run_setting(setting, systems or SYSTEMS, repeats, warmup)
-                compare_stages(rows)
-                _write(rows, out_path, None, echo=False)  # what is measured so far survives a later failure
+                run_setting(setting, systems or SYSTEMS, repeats, warmup, lambda row: save(rows, row))
     _write(rows, out_path, table_path)
     if any("error" in row for row in rows):
         raise SystemExit(1)

@@ -182,6 +182,9 @@ def window_rate(streams: dict[int, list[float]], batch: int, warmup: int) -> flo
                            f"{warmup} of warm-up: run more waves")
     t0 = max(s[warmup - 1] for s in streams.values())
     t1 = min(s[-1] for s in streams.values())
+    if t1 <= t0:
+        raise HetpipeError("one VW finished before another was past its warm-up, so they never ran together: run "
+                           "more waves")
     count = sum(sum(1 for t in s if t0 < t <= t1) for s in streams.values())
     return count * batch / (t1 - t0)
 
