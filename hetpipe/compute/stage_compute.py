@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
+from hetpipe.compute.weight_swap import WeightSwap
 from hetpipe.core.mitigation import Lag, dc_gamma, pipemare_lr_factor, warmup_lr_factor
 
 __all__ = ["InFlight", "StageCompute", "StageRules", "set_buffer", "stage_buffers"]
@@ -90,6 +90,7 @@ class StageCompute:
         """`ledgers`: audit counters that `on_update(minibatches)` may change at each update, before its
         change is recorded (they travel as updates and are always summed)."""
         self.module = module
+        self._swap = WeightSwap(module)  # forwards on a stashed weight version
         self.rules = rules
         self.params = dict(module.named_parameters())
         self.ledgers = dict(ledgers or {})
@@ -160,8 +161,16 @@ class StageCompute:
             return None
         if self._stash is None:
             lag = self._lags[p].update if self._predict and p in self._lags else 0
-            self._stash = {k: self._predicted(i, k, w, lag).requires_grad_(w.requires_grad)
-                           for i, (k, w) in enumerate(self.params.items())}
+            if lag == 0:  # plain copies, in one multi-tensor copy rather than a kernel per tensor
+                live = [w.detach() for w in self.params.values()]
+                copies = [torch.empty_like(w) for w in live]
+                if copies:
+                    torch._foreach_copy_(copies, live)
+                self._stash = {k: c.requires_grad_(w.requires_grad)
+                               for (k, w), c in zip(self.params.items(), copies, strict=True)}
+            else:
+                self._stash = {k: self._predicted(i, k, w, lag).requires_grad_(w.requires_grad)
+                               for i, (k, w) in enumerate(self.params.items())}
         return self._stash
 
     def _predicted(self, index: int, key: str, w: Tensor, lag: int) -> Tensor:
@@ -189,7 +198,8 @@ class StageCompute:
         with self._compute():
             if weights is None:
                 return self.module(inputs)
-            return functional_call(self.module, weights, (inputs,), strict=False)
+            with self._swap.using(weights):
+                return self.module(inputs)
 
     def forward(self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None,
                 input_grad: bool = True) -> Tensor:
