@@ -29,20 +29,21 @@ def test_smoke_run_on_the_cpu_gives_every_row(tmp_path: Path):
     rows = json.loads(out.read_text())
     assert [(r["system"], r["vws"], r["stages"], r["nm"]) for r in rows] == [
         ("plain", 1, 1, 1), ("hetpipe", 1, 1, 1), ("hetpipe", 1, 1, 4), ("hetpipe", 2, 1, 1), ("hetpipe", 2, 1, 4),
-        ("hetpipe", 1, 2, 4)]
-    assert [r.get("staleness") for r in rows] == [None, 0, 0, 0, 1, 0]
+        ("hetpipe", 1, 2, 4), ("hetpipe", 1, 1, 4), ("hetpipe", 1, 2, 4)]
+    assert [r.get("staleness") for r in rows] == [None, 0, 0, 0, 1, 0, 0, 0]
+    assert [r.get("schedule") for r in rows][-3:] == ["wsp", "1f1b-flush", "1f1b-flush"]
     for row in rows:
-        assert set(row) >= FIELDS and row["samples_per_s"] > 0
+        assert set(row) >= FIELDS and row["samples_per_s"] > 0 and row["host_ms"] > 0
     for row in rows[1:]:
         assert set(row["wave_breakdown_ms"]["0"]) >= {"compute", "d2h", "push", "gate_wait", "pull", "h2d"}
         assert row["tail_s"] < 10  # `hetpipe train` returns within 10 s of its last minibatch (issue 11)
-    assert abs(rows[-1]["loss_vs_one_stage"]) < 0.05
+    assert abs(rows[-1]["loss_vs_one_stage"]) < 0.02  # on the flush schedule 2 stages train as 1 does
 
 
 ROWS = [
     {"device": "NVIDIA H100 80GB HBM3", "model": "char-gpt", "precision": "fp32", "batch": 64, "system": "plain",
      "nm": 1, "vws": 1, "stages": 1, "samples_per_s": 1950.0, "samples_per_s_runs": [1940.0, 1950.0, 1961.0],
-     "repeats": 3, "ratio_to_plain": 1.0},
+     "repeats": 3, "ratio_to_plain": 1.0, "host_ms": 20.25},
     {"device": "NVIDIA H100 80GB HBM3", "model": "char-gpt", "precision": "fp32", "batch": 64, "system": "hetpipe",
      "nm": 4, "staleness": 1, "vws": 2, "stages": 1, "samples_per_s": 1800.0, "samples_per_s_runs": [1790.0, 1800.0, 1812.5],
      "repeats": 3, "ratio_to_plain": 0.923, "tail_s": 1.234, "loss_vs_one_stage": -0.0042,
@@ -53,9 +54,9 @@ ROWS = [
 def test_the_table_names_the_device_and_gives_each_row_its_spread_ratio_and_wave_parts():
     lines = gpu.markdown(ROWS).splitlines()
     assert lines[0].startswith("On NVIDIA H100 80GB HBM3; batch 64, Adam; median of 3 runs")
-    assert lines[-2] == "| char-gpt | fp32 | plain torch loop | 1950.0 (1940.0-1961.0) | 1.00 | - | - | - |"
+    assert lines[-2] == "| char-gpt | fp32 | plain torch loop | 1950.0 (1940.0-1961.0) | 1.00 | 20.2 | - | - | - |"
     assert lines[-1] == ("| char-gpt | fp32 | hetpipe 2 VWs x 1 stage, Nm 4, D 1 | 1800.0 (1790.0-1812.5) | 0.92 "
-                         "| 130.0 / 2.2 / 5.0 / 0.0 / 4.0 / - | 1.2 s | -0.4% |")
+                         "| - | 130.0 / 2.2 / 5.0 / 0.0 / 4.0 / - | 1.2 s | -0.4% |")
 
 
 def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
@@ -70,10 +71,11 @@ def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
 
 
 def test_system_option_reads_vws_stages_and_nm_and_refuses_the_rest():
-    assert gpu.parse_system("1x2:4") == ("hetpipe", 1, 2, 4, 0)
-    assert gpu.parse_system("2x1:4:1") == ("hetpipe", 2, 1, 4, 1)
-    for bad in ("1x2", "12:4", "axb:c", "0x1:4", "2x1:4:-1", "2x1:4:1:1"):
-        with pytest.raises(click.BadParameter, match="VWs|VWSxSTAGES"):
+    assert gpu.parse_system("1x2:4") == ("hetpipe", 1, 2, 4, 0, "wsp")
+    assert gpu.parse_system("2x1:4:1") == ("hetpipe", 2, 1, 4, 1, "wsp")
+    assert gpu.parse_system("1x2:4@1f1b-flush") == ("hetpipe", 1, 2, 4, 0, "1f1b-flush")
+    for bad in ("1x2", "12:4", "axb:c", "0x1:4", "2x1:4:-1", "2x1:4:1:1", "1x2:4@flush"):
+        with pytest.raises(click.BadParameter, match="VWs|VWSxSTAGES|schedule"):
             gpu.parse_system(bad)
 
 
@@ -84,7 +86,7 @@ def test_a_failed_system_is_a_row_with_its_error_and_two_stages_compare_only_whe
     gpu.compare_stages(rows)
     assert rows[1]["loss_vs_one_stage"] == 0.05 and "loss_vs_one_stage" not in rows[2]
     line = gpu.markdown([{**ROWS[0]}, {**rows[3], "batch": 64, "device": "cpu"}]).splitlines()[-1]
-    assert line == "| char-gpt | fp32 | hetpipe 1 VW x 2 stages, Nm 8 | failed: E: boom | - | - | - | - |"
+    assert line == "| char-gpt | fp32 | hetpipe 1 VW x 2 stages, Nm 8 | failed: E: boom | - | - | - | - | - |"
 
 
 def test_window_rate_counts_minibatches_while_every_vw_runs_and_refuses_vws_that_never_overlapped():

@@ -6,6 +6,7 @@ Systems, per model and precision, each measured --repeats times (median and spre
   hetpipe 2x1    2 VWs x 1 stage, both on the one device: at Nm 1, D 0 (every minibatch waits for its push
                  and pull) and at Nm 4, D 1 (the pull overlaps the next wave)
   hetpipe 1x2    1 VW x 2 stages, both on the one device (co-located stages: gloo with pinned staging)
+  ...@1f1b-flush 1x1 and 1x2 at Nm 4 on the synchronous 1F1B schedule too, where 2 stages train as 1 does
 Models: char-gpt 8 blocks x 512 wide, 8 heads, 128 characters of context (Shakespeare), and resnet50 on
 32x32 images (MNIST padded, one channel, ten classes; the CIFAR-style stem), both at batch 64 with Adam.
 
@@ -13,8 +14,10 @@ Rates are samples/s in the steady state: the plain loop's over its timed steps a
 from its stage traces after two waves (throughput.py's window); ratio_to_plain divides each median by the
 plain loop's median of the same model and precision. Each hetpipe row also gives the wave breakdown (where a
 wave's time goes: compute, d2h, push_wait, gate_wait, h2d, push, pull, parked), how long `hetpipe train` took
-from its last minibatch to returning (tail_s), and the mean loss of the last 20 minibatches (the 1x2 row is
-compared with the 1x1 row at the same Nm).
+from its last minibatch to returning (tail_s), the host time of a minibatch (host_ms: the plain loop's step
+issued onto an idle device, hetpipe's F, B and U at VW 0's first stage; a system whose host time exceeds the
+plain loop's step is bound by the CPU, not the device), and the mean loss of the last 20 minibatches (the 1x2
+row is compared with the 1x1 row at the same Nm and schedule).
 
     python launch/bench/gpu.py --out gpu.json                       # on the machine's first CUDA device
     python launch/bench/gpu.py --device cpu --quick                 # a smoke run on the CPU (tiny models)
@@ -49,6 +52,7 @@ from hetpipe.compute import data as datalib  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.optim import make_optimizer  # noqa: E402
 from hetpipe.core.config import ClusterConfig, load_config  # noqa: E402
+from hetpipe.core.schedule import SCHEDULES  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
 
 MODELS = {  # name -> (model options, data name and options)
@@ -61,11 +65,13 @@ QUICK = {  # --quick: the same kinds of model, small enough for a CPU smoke run
                  ("shakespeare", {"block_size": 32})),
     "resnet50": ({"in_channels": 1, "num_classes": 10, "image_size": 32}, ("mnist", {"pad": 2})),
 }
-SYSTEMS = (  # (system, VWs, stages per VW, Nm, D)
-    ("hetpipe", 1, 1, 1, 0), ("hetpipe", 1, 1, 4, 0), ("hetpipe", 2, 1, 1, 0), ("hetpipe", 2, 1, 4, 1),
-    ("hetpipe", 1, 2, 4, 0),
+SYSTEMS = (  # (system, VWs, stages per VW, Nm, D, schedule)
+    ("hetpipe", 1, 1, 1, 0, "wsp"), ("hetpipe", 1, 1, 4, 0, "wsp"), ("hetpipe", 2, 1, 1, 0, "wsp"),
+    ("hetpipe", 2, 1, 4, 1, "wsp"), ("hetpipe", 1, 2, 4, 0, "wsp"),
+    ("hetpipe", 1, 1, 4, 0, "1f1b-flush"), ("hetpipe", 1, 2, 4, 0, "1f1b-flush"),
 )
-System = tuple[str, int, int, int, int]
+System = tuple[str, int, int, int, int, str]
+HOST_STEPS = 10  # plain loop: steps after the timed ones, each issued onto an idle device, for its host time
 LOSS_TAIL = 20  # minibatches whose mean loss a row reports
 
 
@@ -76,9 +82,8 @@ def _toml_value(value: Any) -> str:
 
 
 def bench_config(model: str, options: dict[str, Any], data: tuple[str, dict[str, Any]], precision: str,
-                 device: str, vws: int, stages: int, nm: int, staleness: int, minibatches: int, batch: int,
-                 memory_gib: float,
-                 out_dir: Path) -> ClusterConfig:
+                 device: str, vws: int, stages: int, nm: int, staleness: int, schedule: str, minibatches: int,
+                 batch: int, memory_gib: float, out_dir: Path) -> ClusterConfig:
     """One node with vws x stages GPUs of one type, every one computing on `device`; one VW per row."""
     num = vws * stages
     gpus = ", ".join('"dev"' for _ in range(num))
@@ -112,6 +117,7 @@ options = {_toml_value(data[1])}
 batch_size = {batch}
 waves = {max(3, -(-minibatches // nm))}
 optimizer = "adam"
+schedule = "{schedule}"
 lr = 0.0003
 precision = "{precision}"
 eval_samples = 512
@@ -119,7 +125,7 @@ out_dir = "{out_dir}"
 [emulation]
 enabled = false
 {vw_tables}"""
-    path = out_dir / f"{model}-{precision}-{vws}x{stages}-nm{nm}-d{staleness}.toml"
+    path = out_dir / f"{model}-{precision}-{vws}x{stages}-nm{nm}-d{staleness}-{schedule}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return load_config(path)
@@ -150,11 +156,14 @@ def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup
     optimizer = make_optimizer(params, t.optimizer, t.lr, t.momentum, t.weight_decay)  # the one stages use
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
     indices = datalib.shard_indices(len(data.train.y), 1, 0, config.seed)
-    losses, started = [], 0.0
-    for step in range(warmup + steps):
+    losses, started, host = [], 0.0, []
+    for step in range(warmup + steps + HOST_STEPS):
         if step == warmup:
             _sync(device)
             started = time.perf_counter()
+        if step >= warmup + steps:  # the host time of a step: issued onto an idle device, not waited for
+            _sync(device)
+            issued = time.perf_counter()
         x, y = datalib.minibatch(data.train.x, data.train.y, indices, t.batch_size, config.seed, step)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast:
@@ -163,13 +172,17 @@ def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    _sync(device)
-    elapsed = time.perf_counter() - started
-    tail = [float(v) for v in losses[-LOSS_TAIL:]]
+        if step == warmup + steps - 1:
+            _sync(device)
+            elapsed = time.perf_counter() - started
+        elif step >= warmup + steps:
+            host.append(time.perf_counter() - issued)
+    tail = [float(v) for v in losses[warmup + steps - LOSS_TAIL:warmup + steps]]
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"samples_per_s": steps * t.batch_size / elapsed, "loss_tail": sum(tail) / len(tail)}
+    return {"samples_per_s": steps * t.batch_size / elapsed, "loss_tail": sum(tail) / len(tail),
+            "host_ms": round(1000 * statistics.median(host), 2)}
 
 
 def run_hetpipe(config: ClusterConfig, run_dir: Path) -> dict[str, Any]:
@@ -185,22 +198,38 @@ def run_hetpipe(config: ClusterConfig, run_dir: Path) -> dict[str, Any]:
     tail = [e["loss"] for e in sorted(minibatches, key=lambda e: (e["p"], e["vw"]))[-LOSS_TAIL:]]
     return {"samples_per_s": rate, "wave_breakdown_ms": summary.get("wave_breakdown_ms", {}),
             "tail_s": round(returned - max(e["t"] for e in minibatches), 2),
-            "loss_tail": sum(tail) / len(tail)}
+            "loss_tail": sum(tail) / len(tail), "host_ms": host_ms(run_dir / "trace" / "vw0-s0.json")}
+
+
+def host_ms(trace_file: Path) -> float:
+    """Median host milliseconds of one minibatch's F, B and U at VW 0's first stage after the warm-up waves: on
+    CUDA the time to issue them (a stage waits for the device once a wave, at PUSH), on the CPU their compute."""
+    spans: dict[str, list[float]] = {"F": [], "B": [], "U": []}
+    for event in json.loads(trace_file.read_text())["traceEvents"]:
+        kind = event.get("name", "")[:1]
+        if event.get("ph") == "X" and event.get("tid") == 0 and kind in spans and event["name"][1:].isdigit():
+            spans[kind].append(event["dur"] / 1000)
+    return round(sum(statistics.median(v[len(v) // 4:]) for v in spans.values() if v), 2)
 
 
 def parse_system(text: str) -> System:
-    """`VWSxSTAGES:NM[:D]` (as `--system` takes it, e.g. 1x2:4 or 2x1:4:1; D 0 unless given) as a SYSTEMS entry."""
+    """`VWSxSTAGES:NM[:D][@SCHEDULE]` (as `--system` takes it, e.g. 1x2:4, 2x1:4:1 or 1x2:4@1f1b-flush; D 0 and
+    schedule wsp unless given) as a SYSTEMS entry."""
+    shape_part, _, schedule = text.partition("@")
+    schedule = schedule or "wsp"
     try:
-        shape, nm, *rest = text.split(":")
+        shape, nm, *rest = shape_part.split(":")
         vws, stages = shape.split("x")
         if len(rest) > 1:
             raise ValueError(text)
-        system = ("hetpipe", int(vws), int(stages), int(nm), int(rest[0]) if rest else 0)
+        system = ("hetpipe", int(vws), int(stages), int(nm), int(rest[0]) if rest else 0, schedule)
     except ValueError:
-        raise click.BadParameter(f"{text!r}: write VWSxSTAGES:NM[:D], e.g. 1x1:4 (1 VW of 1 stage at Nm 4) or "
-                                 "2x1:4:1 (2 VWs at Nm 4, D 1)") from None
+        raise click.BadParameter(f"{text!r}: write VWSxSTAGES:NM[:D][@SCHEDULE], e.g. 1x1:4 (1 VW of 1 stage at "
+                                 "Nm 4), 2x1:4:1 (2 VWs at Nm 4, D 1) or 1x2:4@1f1b-flush") from None
     if min(system[1:4]) < 1 or system[4] < 0:
         raise click.BadParameter(f"{text!r}: VWs, stages and Nm are each at least 1, D at least 0")
+    if schedule not in SCHEDULES:
+        raise click.BadParameter(f"{text!r}: schedule {schedule!r} is none of {', '.join(sorted(SCHEDULES))}")
     return system
 
 
@@ -221,31 +250,36 @@ def system_label(row: dict[str, Any]) -> str:
     vws = "VW" if row["vws"] == 1 else "VWs"
     stages = "stage" if row["stages"] == 1 else "stages"
     staleness = f", D {row['staleness']}" if row.get("staleness") else ""
-    return f"hetpipe {row['vws']} {vws} x {row['stages']} {stages}, Nm {row['nm']}{staleness}"
+    schedule = f", {row['schedule']}" if row.get("schedule", "wsp") != "wsp" else ""
+    return f"hetpipe {row['vws']} {vws} x {row['stages']} {stages}, Nm {row['nm']}{staleness}{schedule}"
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The README table of `rows` (one run of this script, or several merged): per model and precision, each
-    system's median samples/s with its spread, the ratio to the plain loop, where VW 0's waves went, how long
-    `hetpipe train` took to return after its last minibatch, and the 2-stage VW's loss against 1 stage's."""
+    system's median samples/s with its spread, the ratio to the plain loop, the host time of a minibatch (the
+    plain loop's step issued onto an idle device; hetpipe's F, B and U at VW 0's first stage), where VW 0's waves
+    went, how long `hetpipe train` took to return after its last minibatch, and the 2-stage VW's loss against
+    1 stage's."""
     devices = sorted({r["device"] for r in rows})
     repeats = sorted({r["repeats"] for r in rows if "repeats" in r})
     lines = [f"On {', '.join(devices)}; batch {', '.join(sorted({str(r['batch']) for r in rows}))}, Adam; "
              f"median of {'/'.join(map(str, repeats))} runs (min-max); wave parts of VW 0 in ms per wave:", "",
-             f"| model | precision | system | samples/s | x plain | {' / '.join(BREAKDOWN)} | returned after last "
-             "minibatch | loss vs 1 stage |", "|---|---|---|---:|---:|---|---:|---:|"]
+             f"| model | precision | system | samples/s | x plain | host ms per minibatch | {' / '.join(BREAKDOWN)} "
+             "| returned after last minibatch | loss vs 1 stage |", "|---|---|---|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['precision']} | {system_label(r)} | failed: {r['error'][:120]} "
-                         "| - | - | - | - |")
+                         "| - | - | - | - | - |")
             continue
         runs = r.get("samples_per_s_runs", [r["samples_per_s"]])
         parts = r.get("wave_breakdown_ms", {}).get("0", {})
         wave = " / ".join(f"{parts[k]:.1f}" if k in parts else "-" for k in BREAKDOWN) if parts else "-"
         returned = f"{r['tail_s']:.1f} s" if "tail_s" in r else "-"
         loss = f"{100 * r['loss_vs_one_stage']:+.1f}%" if "loss_vs_one_stage" in r else "-"
+        host = f"{r['host_ms']:.1f}" if "host_ms" in r else "-"
         lines.append(f"| {r['model']} | {r['precision']} | {system_label(r)} | {r['samples_per_s']:.1f} "
-                     f"({min(runs):.1f}-{max(runs):.1f}) | {r['ratio_to_plain']:.2f} | {wave} | {returned} | {loss} |")
+                     f"({min(runs):.1f}-{max(runs):.1f}) | {r['ratio_to_plain']:.2f} | {host} | {wave} | {returned} "
+                     f"| {loss} |")
     return "\n".join(lines)
 
 
@@ -264,9 +298,9 @@ class Setting:
     memory_gib: float
     work: Path
 
-    def config(self, vws: int, stages: int, nm: int, staleness: int = 0) -> ClusterConfig:
+    def config(self, vws: int, stages: int, nm: int, staleness: int = 0, schedule: str = "wsp") -> ClusterConfig:
         return bench_config(self.model, self.options, self.data, self.precision, self.device, vws, stages, nm,
-                            staleness, self.minibatches, self.batch, self.memory_gib, self.work)
+                            staleness, schedule, self.minibatches, self.batch, self.memory_gib, self.work)
 
 
 def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmup: int,
@@ -280,11 +314,12 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
     plain_row["ratio_to_plain"] = 1.0
     click.echo(f"{setting.model} {setting.precision} plain: {plain_row['samples_per_s']} samples/s", err=True)
     measured(plain_row)
-    for system, vws, stages, nm, staleness in systems:
-        labels = {**base, "system": system, "nm": nm, "vws": vws, "stages": stages, "staleness": staleness}
+    for system, vws, stages, nm, staleness, schedule in systems:
+        labels = {**base, "system": system, "nm": nm, "vws": vws, "stages": stages, "staleness": staleness,
+                  "schedule": schedule}
         try:
-            runs = [run_hetpipe(setting.config(vws, stages, nm, staleness), setting.work
-                                / f"{setting.model}-{setting.precision}-{vws}x{stages}-nm{nm}-d{staleness}-{i}")
+            runs = [run_hetpipe(setting.config(vws, stages, nm, staleness, schedule), setting.work / f"{setting.model}"
+                                f"-{setting.precision}-{vws}x{stages}-nm{nm}-d{staleness}-{schedule}-{i}")
                     for i in range(repeats)]
         except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
             measured({**labels, "error": f"{type(e).__name__}: {e}"})
@@ -303,7 +338,8 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
 @click.option("--precision", "precisions", type=click.Choice(["fp32", "bf16"]), multiple=True,
               help="Repeatable; default both.")
 @click.option("--system", "systems", multiple=True, callback=lambda _c, _p, v: tuple(map(parse_system, v)),
-              help="VWSxSTAGES:NM[:D], repeatable (default: 1x1:1 1x1:4 2x1:1 2x1:4:1 1x2:4); the plain loop always runs.")
+              help="VWSxSTAGES:NM[:D][@SCHEDULE], repeatable (default: 1x1:1 1x1:4 2x1:1 2x1:4:1 1x2:4 "
+                   "1x1:4@1f1b-flush 1x2:4@1f1b-flush); the plain loop always runs.")
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--minibatches", type=int, default=300, show_default=True, help="Per VW and run.")
 @click.option("--warmup", type=int, default=20, show_default=True, help="Plain loop: untimed steps first.")
@@ -354,11 +390,12 @@ def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...
 
 
 def compare_stages(rows: list[dict[str, Any]]) -> None:
-    """Each 2-stage VW's loss against 1 stage's at the same Nm (the same training, split), where both ran."""
-    ones = {(r["model"], r["precision"], r["nm"]): r for r in rows
+    """Each 2-stage VW's loss against 1 stage's at the same Nm and schedule, where both ran: under a flush
+    schedule the same training, split (under wsp each stage's weights lag by its own count of updates)."""
+    ones = {(r["model"], r["precision"], r["nm"], r.get("schedule", "wsp")): r for r in rows
             if (r["system"], r["vws"], r["stages"]) == ("hetpipe", 1, 1) and "loss_tail" in r}
     for row in rows:
-        one = ones.get((row["model"], row["precision"], row["nm"]))
+        one = ones.get((row["model"], row["precision"], row["nm"], row.get("schedule", "wsp")))
         if row["stages"] == 2 and "loss_tail" in row and one is not None:
             row["loss_vs_one_stage"] = round(row["loss_tail"] / one["loss_tail"] - 1, 4)
 
