@@ -311,8 +311,8 @@ class StageCompute:
     @torch.no_grad()
     def _record_update(self, wave: int) -> None:
         """Add what the update just changed (tracked - baseline) to the wave's sums and move the baseline. The
-        arithmetic goes over all tensors at once (torch._foreach_*): a few kernels per update, not three per
-        tensor, which on CUDA kept the CPU busier than the device for a model of many small tensors."""
+        arithmetic goes over all tensors at once (torch._foreach_*): a few kernel launches per update, not three
+        per tensor, since on CUDA a stage's host time per minibatch is what it must keep under the device's."""
         keys = list(self.tracked)
         if not keys:
             return

@@ -26,8 +26,8 @@ row is compared with the 1x1 row at the same Nm and schedule).
     python launch/bench/gpu.py --rows a.json --rows b.json --out gpu.json --table gpu.md   # merge split runs
 
 --table writes the README's Markdown table (naming the device) of the rows. A system whose run fails gets a row
-with its error (the other systems still run) and the script exits 1; --out is rewritten after every row, so what was measured
-survives a later failure or a timeout.
+with its error (the other systems still run) and the script exits 1; --out is rewritten after every row, so
+what was measured survives a later failure or a timeout.
 """
 
 from __future__ import annotations
@@ -202,8 +202,9 @@ def run_hetpipe(config: ClusterConfig, run_dir: Path) -> dict[str, Any]:
 
 
 def host_ms(trace_file: Path) -> float:
-    """Median host milliseconds of one minibatch's F, B and U at VW 0's first stage after the warm-up waves: on
-    CUDA the time to issue them (a stage waits for the device once a wave, at PUSH), on the CPU their compute."""
+    """Host milliseconds of one minibatch's F, B and U at VW 0's first stage (the sum of their medians over the
+    last three quarters of the run): on CUDA the time to issue them (a stage waits for the device once a wave, at
+    PUSH; a stage with neighbours also waits in F and B for its transfers), on the CPU their compute."""
     spans: dict[str, list[float]] = {"F": [], "B": [], "U": []}
     for event in json.loads(trace_file.read_text())["traceEvents"]:
         kind = event.get("name", "")[:1]
