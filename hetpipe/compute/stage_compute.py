@@ -335,7 +335,9 @@ class StageCompute:
     def wave_push(self, wave: int) -> dict[str, Tensor]:
         """What PUSH `wave` sends, as tensors on this stage's device: parameter updates (or mean gradients),
         ledger updates and the buffers' current values (float32)."""
-        sums = self.sums.setdefault(wave, {k: torch.zeros_like(t) for k, t in self.tracked.items()})
+        if wave not in self.sums:  # a wave without an update (not setdefault: its zeros would be made every time)
+            self.sums[wave] = {k: torch.zeros_like(t) for k, t in self.tracked.items()}
+        sums = self.sums[wave]
         out = {k: sums[k] for k in self.tracked}
         if self.optimizer is None:
             gsum = self.gsums.pop(wave, {})
