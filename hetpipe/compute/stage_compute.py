@@ -174,9 +174,7 @@ class StageCompute:
         return self._stash
 
     def _predicted(self, index: int, key: str, w: Tensor, lag: int) -> Tensor:
-        """spectrain: w + step * lag, the weights `lag` updates ahead; a plain copy without a prediction."""
-        if lag == 0:
-            return w.detach().clone()
+        """spectrain: w + step * lag, the weights `lag` (> 0) updates ahead; a plain copy without a step yet."""
         step = predicted_step(self.optimizer, index, w) if self._last_step is None else self._last_step.get(key)
         return w.detach().clone() if step is None else w.detach() + step * float(lag)
 
@@ -324,9 +322,9 @@ class StageCompute:
                 self._dc[key].mul_(self._dc_gamma).add_(delta, alpha=1 - self._dc_gamma)
             if self._last_step is not None and key in self.params:
                 self._last_step[key] = delta.clone()
-        have = [k for k in keys if k in sums]
-        if have:
-            torch._foreach_add_([sums[k] for k in have], [d for k, d in zip(keys, deltas, strict=True) if k in sums])
+        held = [(sums[k], d) for k, d in zip(keys, deltas, strict=True) if k in sums]
+        if held:
+            torch._foreach_add_([total for total, _ in held], [d for _, d in held])
         sums.update({k: d for k, d in zip(keys, deltas, strict=True) if k not in sums})
         torch._foreach_copy_([self.baseline[k] for k in keys], now)
 
