@@ -106,6 +106,7 @@ class StageCompute:
         self.acc: dict[str, Tensor] = {}  # gradients of the backwards since the last update
         self.pending: list[int] = []  # those backwards' minibatches
         self._stash: dict[str, Tensor] | None = None  # the current weight version's stashed copy
+        self._spare: list[dict[str, Tensor]] = []  # stashed copies no forward needs any more, reused by new versions
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         self._autocast = torch.autocast(device.type, dtype=torch.bfloat16) if rules.precision == "bf16" else None
         self.base_lr = lr
@@ -163,11 +164,16 @@ class StageCompute:
             lag = self._lags[p].update if self._predict and p in self._lags else 0
             if lag == 0:  # plain copies, in one multi-tensor copy rather than a kernel per tensor
                 live = [w.detach() for w in self.params.values()]
-                copies = [torch.empty_like(w) for w in live]
+                if self._spare:  # a retired version's tensors (leaves that need no grad set up again)
+                    self._stash = self._spare.pop()
+                    copies = list(self._stash.values())
+                else:
+                    copies = [torch.empty_like(w) for w in live]
+                    self._stash = {k: c.requires_grad_(w.requires_grad)
+                                   for (k, w), c in zip(self.params.items(), copies, strict=True)}
                 if copies:
-                    torch._foreach_copy_(copies, live)
-                self._stash = {k: c.requires_grad_(w.requires_grad)
-                               for (k, w), c in zip(self.params.items(), copies, strict=True)}
+                    with torch.no_grad():  # into leaves that require grad: not a step autograd may see
+                        torch._foreach_copy_(copies, live)
             else:
                 self._stash = {k: self._predicted(i, k, w, lag).requires_grad_(w.requires_grad)
                                for i, (k, w) in enumerate(self.params.items())}
@@ -244,13 +250,17 @@ class StageCompute:
         else:  # no weights here and no input gradient wanted
             grads = (None,) * len(wrt)
         with torch.no_grad():
+            held: list[tuple[Tensor, Tensor]] = []  # gradients added to earlier ones, in one multi-tensor add
             for key, g in zip(names, grads, strict=False):
                 if g is not None:
                     if key in self.acc:
-                        self.acc[key] += g
+                        held.append((self.acc[key], g))
                     else:
                         self.acc[key] = g
+            if held:
+                torch._foreach_add_([total for total, _ in held], [g for _, g in held])
         self.pending.append(p)
+        self._retire(flight.weights)
         grad_in = grads[-1] if flight.inputs.requires_grad else None
         return grad_in, (None if flight.loss is None else flight.loss.detach())
 
@@ -267,7 +277,21 @@ class StageCompute:
 
     def skip(self, p: int) -> None:
         """Drop minibatch p (train.on_nan = "skip"): no gradient, not counted in the next update's mean."""
-        del self.in_flight[p]
+        self._retire(self.in_flight.pop(p).weights)
+
+    def _new_version(self) -> None:
+        """The weights just changed: the next forward stashes a new copy (the old one is retired if unused)."""
+        old, self._stash = self._stash, None
+        self._retire(old)
+
+    def _retire(self, weights: dict[str, Tensor] | None) -> None:
+        """Keep a stashed copy for the next weight version once no forward in flight needs it: a new version then
+        costs one multi-tensor copy, not an allocation per tensor (on CUDA, host time a plain loop does not spend).
+        On a device the copy into it is queued after the backward that read it, so it cannot overtake."""
+        if (weights is None or not self.rules.stashing or weights is self._stash or len(self._spare) >= 2
+                or any(f.weights is weights for f in self.in_flight.values())):
+            return
+        self._spare.append(weights)
 
     # ---- the update -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -278,9 +302,10 @@ class StageCompute:
         if self.optimizer is not None:
             if self._scale_lr:
                 set_lr(self.optimizer, self.base_lr * self._lr_factor(p))
+            if count > 1 and self.acc:  # the mean gradient; acc is ours, so in place
+                torch._foreach_div_(list(self.acc.values()), float(count))
             for key, param in self.params.items():
-                g = self.acc.get(key)
-                param.grad = None if g is None else (g.div_(count) if count > 1 else g)  # acc is ours: in place
+                param.grad = self.acc.get(key)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         elif self.params:  # aggregation server: the PS steps on the wave's mean gradient
@@ -294,7 +319,7 @@ class StageCompute:
         if self.on_update is not None:
             self.on_update(covered)
         self._record_update(wave)
-        self._stash = None
+        self._new_version()
 
     def _lr_factor(self, p: int) -> float:
         """warmup x PipeMare T1 for the update of minibatch p (hetpipe.core.mitigation)."""
@@ -372,7 +397,7 @@ class StageCompute:
                     t.copy_(pulled[key])
         if self.rules.buffers == "average":
             self._replace_buffers(pulled)
-        self._stash = None
+        self._new_version()
 
     # ---- checkpoints (hetpipe train --resume) ----------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,52 @@
+"""StageCompute's stashed weight versions: retired copies are reused for new versions without changing what any
+forward or backward computes."""
+
+from __future__ import annotations
+
+import torch
+
+from hetpipe.compute.stage_compute import StageCompute, StageRules
+from hetpipe.core.schedule import get_schedule
+from hetpipe.models import build_stage, get_model
+
+NM, WAVES = 4, 5
+
+
+def train(reuse: bool) -> tuple[dict[str, torch.Tensor], set[int]]:
+    """One stage on the wsp schedule at Nm 4: final weights and the storages its stashed copies used. Checks at
+    every backward that the minibatch's stashed copy still holds the weights its forward saw."""
+    torch.manual_seed(0)
+    spec = get_model("mlp", hidden=[16, 8])
+    compute = StageCompute(build_stage(spec, 0, spec.num_layers), "momentum", 0.05, 0.9, 0.0, StageRules(nm=NM))
+    if not reuse:
+        compute._retire = lambda weights: None  # type: ignore[method-assign]
+    seen_at_forward: dict[int, dict[str, torch.Tensor]] = {}
+    storages: set[int] = set()
+    gen = torch.Generator().manual_seed(1)
+    data = {p: (torch.randn(8, 784, generator=gen), torch.randint(0, 10, (8,), generator=gen))
+            for p in range(NM * WAVES)}
+    for action in get_schedule("wsp")(1, NM, WAVES, 0).stages[0]:
+        p = action.index
+        if action.kind == "F":
+            compute.forward(p, data[p][0], data[p][1], spec.loss, input_grad=False)
+            stash = compute.in_flight[p].weights
+            assert stash is not None
+            storages.update(t.data_ptr() for t in stash.values())
+            seen_at_forward[p] = {k: w.detach().clone() for k, w in compute.params.items()}
+        elif action.kind == "B":
+            stash = compute.in_flight[p].weights
+            assert stash is not None
+            assert all(torch.equal(stash[k], w) for k, w in seen_at_forward.pop(p).items()), p
+            compute.backward(p, None, data[p][1], spec.loss)
+        elif action.kind == "U":
+            compute.update(p)
+    return {k: w.detach().clone() for k, w in compute.params.items()}, storages
+
+
+def test_retired_stashes_are_reused_and_change_nothing():
+    reused, few = train(reuse=True)
+    fresh, many = train(reuse=False)
+    assert all(torch.equal(reused[k], fresh[k]) for k in fresh)
+    per_copy = len(reused)
+    # Nm versions in flight at most, plus the spare ones: the copies stop growing with the waves
+    assert len(few) <= per_copy * (NM + 2) < len(many)
