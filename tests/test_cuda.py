@@ -65,3 +65,25 @@ def test_bf16_trains_with_float32_weights_at_the_ps(tmp_path: Path):
     state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert last < first
     assert all(t.dtype == torch.float32 for t in state.values() if torch.is_floating_point(torch.as_tensor(t)))
+
+
+def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path):
+    """The PS path on CUDA (pushes copied on a side stream, pulls copied and rebased without a wait) computes
+    what the CPU reference computes, to float tolerance: a pull overwritten while its copy was still reading it,
+    or a push read before its wave's updates, would be off by whole updates."""
+    from test_train_equivalence import run
+
+    from hetpipe.compute.reference import run_reference
+
+    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=1, waves=8,
+                        device="cuda:0")
+    config = load_config(path)
+    splits = [(2, 2), (3, 1)]
+    _, stage_weights, ps_weights = run(tmp_path, config, splits)
+    ref = run_reference(config, splits, order_seed=1)
+    for sid, weights in stage_weights.items():
+        for key, value in weights.items():
+            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, sid=sid, key=key: f"stage {sid} {key}: {m}")
+    for key, value in ps_weights.items():
+        torch.testing.assert_close(torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5)

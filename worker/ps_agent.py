@@ -61,9 +61,11 @@ class PSAgent:
     def __init__(self, client: PSClient, pull_into: Mapping[str, np.ndarray] | None = None,
                  trace: TraceRecorder | None = None, trace_tid: int = 0, heartbeat_s: float = 0.0,
                  progress: Callable[[], int] | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 pull_into_free: Callable[[], None] | None = None) -> None:
+        """`pull_into_free()` blocks until `pull_into` may be overwritten (the stage's last read of it is done)."""
         self.client = client
-        self.pull_into = pull_into
+        self.pull_into, self.pull_into_free = pull_into, pull_into_free
         self.trace, self.trace_tid = trace, trace_tid
         self.heartbeat_s, self.progress, self.on_fatal = heartbeat_s, progress or (lambda: 0), on_fatal
         self._next_beat = 0.0
@@ -176,6 +178,8 @@ class PSAgent:
                     self._span(f"PUSH{job.wave}", job, now)
                     result: object = PushDone(job.wave, min(r.fields["c_global"] for r in replies), now - job.handed)
                 else:
+                    if self.pull_into_free is not None:
+                        self.pull_into_free()
                     pulled = self.client.pulled(replies, self.pull_into)
                     self.parked_s += pulled.parked_s
                     self.pull_s += max(0.0, now - job.sent - pulled.parked_s)

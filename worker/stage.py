@@ -164,7 +164,8 @@ class StageRunner:
         self.pull_staging = PullStaging(layout, self.device) if self.pulls else None
         self.agent = PSAgent(self.client, self.pull_staging.out if self.pull_staging else None, self.trace,
                              PS_ROW + job.stage, heartbeat_s=self.config.ps.heartbeat_s,
-                             progress=lambda: self.position, on_fatal=self._stopped_by_ps)
+                             progress=lambda: self.position, on_fatal=self._stopped_by_ps,
+                             pull_into_free=self.pull_staging.wait_free if self.pull_staging else None)
         self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device,
                                max_in_flight=self.config.wsp.nm + 1, backend=p2p_backend(job.devices or (job.device,)),
                                store=self.store)
@@ -451,9 +452,9 @@ class StageRunner:
             self._timed("gate_wait", started)
             self.report({"event": "pull", "vw": self.job.vw, "stage": self.job.stage, "wave": wave, "time": time.time(),
                          "version": pulled.version, "age_waves": wave - pulled.version})
-            started = time.perf_counter()
-            self.compute.rebase(self.pull_staging.to_device(), pulled.own_through)
-            self._sync()
+            started = time.perf_counter()  # on CUDA the copy and the rebase are queued, not waited for (the agent
+            self.compute.rebase(self.pull_staging.to_device(), pulled.own_through)  # waits for the copy instead),
+            self._sync_block()  # unless emulation stretches blocks: then the next F must not carry this work
             self._timed("h2d", started)
         self._pull = None
         self._next_wait += 1

@@ -2,8 +2,10 @@
 
 Push: on CUDA the wave's tensors are packed into one flat device buffer and copied to host memory in one
 device-to-host copy into a pinned buffer (two, used in turn, so the next wave's copy need not wait for the
-last push to leave); on the CPU the tensors go out as they are, zero-copy. Pull: the agent thread copies
-the received frames into one flat host buffer; on CUDA one host-to-device copy then brings it over.
+last push to leave), on a stream of its own, so the copy overlaps the next wave's compute; on the CPU the
+tensors go out as they are, zero-copy. Pull: the agent thread copies the received frames into one flat host
+buffer; on CUDA one host-to-device copy then brings it over, queued, and the agent copies the next pull into
+the buffer only once that copy has left it (`wait_free`), so the stage need not wait for it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class PushStaging:
         self.device = device
         self.cuda = device.type == "cuda"
         self._slots = [_host_buffer(layout.numel, True) for _ in range(2)] if self.cuda else []
+        self._stream = torch.cuda.Stream(device) if self.cuda else None  # the copies, beside the compute
         self._turn = 0
 
     def stage(self, tensors: Mapping[str, Tensor], wait_for_slot: Callable[[int], None]) -> tuple[
@@ -68,9 +71,13 @@ class PushStaging:
         wait_for_slot(slot)
         flat = torch.cat([tensors[k].detach().float().reshape(-1) for k in self.layout.keys])
         host = self._slots[slot]
-        host.copy_(flat, non_blocking=True)  # the one device-to-host copy of this wave
-        copied = torch.cuda.Event()
-        copied.record()
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the wave's updates and the cat
+        with torch.cuda.stream(self._stream):
+            host.copy_(flat, non_blocking=True)  # the one device-to-host copy of this wave
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        flat.record_stream(self._stream)  # its memory is not reused by the compute before the copy has read it
         views = self.layout.views(host)
         return {k: v.numpy() for k, v in views.items()}, copied.synchronize
 
@@ -88,10 +95,19 @@ class PullStaging:
         self.device = device
         self.host = _host_buffer(layout.numel, device.type == "cuda")
         self.out = {k: v.numpy() for k, v in layout.views(self.host).items()}  # where the agent copies to
+        self._copied: torch.cuda.Event | None = None  # CUDA: the last host-to-device copy out of self.host
 
     def to_device(self) -> dict[str, Tensor]:
-        """The pulled tensors on the stage's device: views of the host buffer (CPU) or of one device copy."""
+        """The pulled tensors on the stage's device: views of the host buffer (CPU) or of one device copy (queued,
+        not waited for)."""
         if self.device.type != "cuda":
             return self.layout.views(self.host)
         flat = self.host.to(self.device, non_blocking=True)  # the one host-to-device copy of this pull
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         return self.layout.views(flat)
+
+    def wait_free(self) -> None:
+        """Block until the host buffer may be written again (the agent thread calls it before copying a pull in)."""
+        if self._copied is not None:
+            self._copied.synchronize()
