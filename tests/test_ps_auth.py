@@ -106,7 +106,9 @@ def test_five_unauthorised_clients_are_refused_and_logged(children, keys: Path, 
         # the clients the ZAP handler refused were told so in their handshake
         for name in ("unknown key", "the server's key pair as a client"):
             assert "HANDSHAKE_FAILED_AUTH" in handshake_events(socks[name][1]), name
-        assert "HANDSHAKE_FAILED_PROTOCOL" in handshake_events(socks["plain"][1])
+        # a client without CURVE fails its handshake too: as a protocol error when it reads the server's greeting
+        # (mechanism CURVE) before the server hangs up on its own, else with no detail (seen on a loaded machine)
+        assert handshake_events(socks["plain"][1]) & {"HANDSHAKE_FAILED_PROTOCOL", "HANDSHAKE_FAILED_NO_DETAIL"}
     finally:
         for sock, monitor in socks.values():
             sock.disable_monitor()
