@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Check hetpipe on a machine with a CUDA GPU, in one go (issue 11): the CUDA tests, gpu.py's acceptance systems
-# against the plain loop, then the whole suite with the GPU visible. Everything lands in OUT (default
-# runs/gpu-check): test and suite logs, gpu.json and gpu.md (merge of the per-model runs), the run folders.
+# against the plain loop, host_time.py on the CPU-bound ones, then the whole suite with the GPU visible.
+# Everything lands in OUT (default runs/gpu-check): test and suite logs, gpu.json and gpu.md (merge of the
+# per-model runs), host-*.json, the run folders.
 #
 #   bash launch/gpu_check.sh [OUT]                     # PYTHON=python3 to use another interpreter than .venv's
 #   REPEATS=1 MINIBATCHES=100 bash launch/gpu_check.sh # a quicker, rougher pass
@@ -31,6 +32,11 @@ rows=()
 for f in "$OUT/char-gpt.json" "$OUT/resnet50.json"; do [ -f "$f" ] && rows+=(--rows "$f"); done
 [ ${#rows[@]} -gt 0 ] && "$PY" launch/bench/gpu.py "${rows[@]}" --out "$OUT/gpu.json" --table "$OUT/gpu.md" >/dev/null 2>&1
 [ -f "$OUT/gpu.md" ] && cat "$OUT/gpu.md"
+
+stamp "host time, in one process"  # where a CPU-bound row's host time goes: plain step against StageCompute
+for m in "char-gpt --precision bf16" "resnet50 --precision fp32"; do
+  "$PY" launch/bench/host_time.py --model $m --out "$OUT/host-${m%% *}.json" 2>&1 | grep -E '^(plain|stage) '
+done
 
 stamp "the suite, GPU visible"
 workers=()

@@ -95,3 +95,16 @@ def test_window_rate_counts_minibatches_while_every_vw_runs_and_refuses_vws_that
     assert gpu.throughput.window_rate(streams, batch=10, warmup=2) == (3 + 3) * 10 / 3
     with pytest.raises(HetpipeError, match="never ran together"):
         gpu.throughput.window_rate({0: [1.0, 2.0, 3.0, 4.0], 1: [5.0, 6.0, 7.0, 8.0]}, batch=10, warmup=2)
+
+
+def test_host_time_gives_a_plain_and_a_stage_row(tmp_path: Path):
+    import host_time
+
+    out = tmp_path / "host.json"
+    result = CliRunner().invoke(host_time.main, ["--device", "cpu", "--quick", "--steps", "12", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    for name in ("plain", "stage"):
+        assert rows[name]["wall_ms"] > 0 and all(rows[name][f"{k}_ms"] > 0 for k in "FBU")
+    assert rows["stage"]["PUSH_ms"] > 0 and "PUSH_ms" not in rows["plain"]
+    assert (rows["model"], rows["schedule"], rows["device"]) == ("char-gpt", "wsp", "cpu")
