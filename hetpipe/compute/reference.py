@@ -6,7 +6,9 @@ so its stage arithmetic is written here again, the textbook way (`loss.backward(
 the weights per stashed forward), not shared with hetpipe.compute.stage_compute. What it shares is the
 schedule (hetpipe.core.schedule) and the PS's fold (hetpipe.core.aggregation). Its order of operations:
   backward of p:   .grad accumulates (stashed forwards: live .grad = first stashed grad, then +=)
-  U p:             .grad /= n (n > 1 backwards); optimizer step; Δ = t - baseline; sums[wave] += Δ; baseline = t
+  U p:             .grad /= n (n > 1 backwards); optimizer step; the wave's updates are folded in together:
+                   Δ = t - baseline; sums[wave] += Δ; baseline = t when a U of another wave comes and before
+                   PUSH and WAIT (after each U under pipemare T2 and spectrain with SGD, which use each Δ)
                    (aggregation server: gsum[wave] += .grad, no step)
   PS:              W_{t+1} = fold(W_t, ((P_vw0 + P_vw1) + ...)), buffers averaged
   WAIT c:          t = W_{c-D-1} + own sums of waves > c-D-2 (in wave order); buffers replaced
@@ -63,6 +65,7 @@ class RefStage:
     dc: dict[str, Tensor] | None = None  # PipeMare T2's moving average of updates
     last_step: dict[str, Tensor] | None = None  # spectrain with plain SGD: the last update
     last_pulled: dict[str, Tensor] = field(default_factory=dict)  # spectrain with aggregation server
+    open_wave: int | None = None  # the wave whose updates since the baseline are not in sums yet
 
 
 @dataclass
@@ -123,6 +126,23 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                 st.last_step = {}
             if predict_pulls:
                 st.last_pulled = {k: w.detach().clone() for k, w in named.items()}
+
+    @torch.no_grad()
+    def fold(st: RefStage, params: dict[str, Tensor]) -> None:
+        """The updates since the baseline into their wave's sum: Δ = t - baseline; sums[wave] += Δ; baseline = t."""
+        if st.open_wave is None:
+            return
+        sums = st.sums.setdefault(st.open_wave, {})
+        gamma = dc_gamma(max(lag.backward for lag in st.lags.values())) if st.dc is not None else 0.0
+        for k, w in params.items():
+            delta = w - st.baseline[k]
+            if st.dc is not None:
+                st.dc[k].mul_(gamma).add_(delta, alpha=1 - gamma)
+            if st.last_step is not None:
+                st.last_step[k] = delta.clone()
+            sums[k] = sums[k] + delta if k in sums else delta
+            st.baseline[k].copy_(w)
+        st.open_wave = None
 
     def state_of(st: RefStage) -> dict[str, Tensor]:
         return {**dict(st.module.named_parameters()), **{k: b.float() for k, b in stage_buffers(st.module).items()}}
@@ -240,16 +260,11 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                             set_lr(st.optimizer, t.lr * factor)
                         st.optimizer.step()
                         st.optimizer.zero_grad(set_to_none=True)
-                    sums = st.sums.setdefault(wave, {})
-                    gamma = dc_gamma(max(lag.backward for lag in st.lags.values()))
-                    for k, w in params.items():
-                        delta = w - st.baseline[k]
-                        if st.dc is not None:
-                            st.dc[k].mul_(gamma).add_(delta, alpha=1 - gamma)
-                        if st.last_step is not None:
-                            st.last_step[k] = delta.clone()
-                        sums[k] = sums[k] + delta if k in sums else delta
-                        st.baseline[k].copy_(w)
+                    if st.open_wave is not None and st.open_wave != wave:
+                        fold(st, params)
+                    st.open_wave = wave
+                    if st.dc is not None or st.last_step is not None:
+                        fold(st, params)
                 else:
                     gsum = st.gsums.setdefault(wave, {})
                     for k, w in params.items():
@@ -261,6 +276,7 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
         elif a.kind == PUSH:
             out: dict[str, np.ndarray] = {}
             if local:
+                fold(st, params)
                 sums = st.sums.setdefault(a.index, {k: torch.zeros_like(w) for k, w in params.items()})
                 out.update({k: d.detach().numpy().copy() for k, d in sums.items()})
             else:
@@ -276,6 +292,8 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
             version = gate_of(a, D)
             pulled = {k: on_wire(arr) if k in params else arr for k, arr in history[version].items()}
             with torch.no_grad():
+                if local:
+                    fold(st, params)
                 for w in [w for w in st.sums if w <= version - 1]:
                     del st.sums[w]
                 for k, w in params.items():

@@ -5,11 +5,14 @@ push sums, and the rebase after a pull.
 Order of floating-point operations is fixed here (and written independently in hetpipe.compute.reference),
 so runs are reproducible bit for bit:
   backward of p:           acc += grad(p)                        (per parameter; the first grad is taken as is)
-  U (n backwards applied): grad = acc / n (n > 1, in place); optimizer step; for aggregation sum/mean:
-                           Δ = t - baseline; sums[wave] += Δ; baseline = t
-                           for aggregation server: gsum[wave] += acc (the PS runs the optimizer)
-  PUSH c:                  params: sums[c] (or gsum[c] / Nm); ledgers: sums[c]; buffers: their values
-  WAIT (rebase):           t = pulled; t += sums[w] for own waves w > own_through, in wave order
+  U (n backwards applied): grad = acc / n (n > 1, in place); optimizer step; for aggregation sum/mean the
+                           update is recorded by wave, lazily: the updates of one wave since the baseline
+                           are folded in at once, Δ = t - baseline; sums[wave] += Δ; baseline = t, when a
+                           U of another wave comes, and before PUSH and WAIT (per update under pipemare and
+                           spectrain, which need each update's Δ); aggregation server: gsum[wave] += acc
+                           (the PS runs the optimizer)
+  PUSH c:                  fold; params: sums[c] (or gsum[c] / Nm); ledgers: sums[c]; buffers: their values
+  WAIT (rebase):           fold; t = pulled; t += sums[w] for own waves w > own_through, in wave order
                            (aggregation server: t = pulled); buffers are replaced out of place
 Mitigations (train.mitigation, hetpipe.core.mitigation; "none" leaves all of the above untouched):
   warmup, pipemare (T1):   before U p's step: optimizer lr = lr * factor (warm-up factor x PipeMare factor)
@@ -106,6 +109,7 @@ class StageCompute:
         self.acc: dict[str, Tensor] = {}  # gradients of the backwards since the last update
         self.pending: list[int] = []  # those backwards' minibatches
         self._stash: dict[str, Tensor] | None = None  # the current weight version's stashed copy
+        self._open_wave: int | None = None  # the wave whose updates since the baseline are not in sums yet
         self._spare: list[dict[str, Tensor]] = []  # stashed copies no forward needs any more, reused by new versions
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         self._autocast = torch.autocast(device.type, dtype=torch.bfloat16) if rules.precision == "bf16" else None
@@ -139,6 +143,7 @@ class StageCompute:
             t.copy_(values[key])
         self._replace_buffers(values)
         self.baseline = {k: t.detach().clone() for k, t in self.tracked.items()}
+        self._open_wave = None
         if self._predict_pulls:
             self._last_pulled = {k: t.detach().clone() for k, t in self.params.items()}
         self._stash = None
@@ -331,13 +336,23 @@ class StageCompute:
             factor *= pipemare_lr_factor(self._lags[p].update, wave, rules.warmup_waves)
         return factor
 
-    @torch.no_grad()
     def _record_update(self, wave: int) -> None:
-        """Add what the update just changed (tracked - baseline) to the wave's sums and move the baseline. The
-        arithmetic goes over all tensors at once (torch._foreach_*): a few kernel launches per update, not three
-        per tensor, since on CUDA a stage's host time per minibatch is what it must keep under the device's."""
+        """Note an update of `wave`: folded into the sums with the wave's other updates (one subtraction, add and
+        copy for all of them, since on CUDA a stage's host time per minibatch is what it must keep under the
+        device's), or at once where a mitigation needs each update's change."""
+        if self._open_wave is not None and self._open_wave != wave:
+            self._fold()
+        self._open_wave = wave
+        if self._dc is not None or self._last_step is not None:
+            self._fold()
+
+    @torch.no_grad()
+    def _fold(self) -> None:
+        """Add what the updates since the baseline changed (tracked - baseline) to their wave's sums and move the
+        baseline, over all tensors at once (torch._foreach_*)."""
+        wave, self._open_wave = self._open_wave, None
         keys = list(self.tracked)
-        if not keys:
+        if wave is None or not keys:
             return
         now = [self.tracked[k] for k in keys]
         deltas = torch._foreach_sub(now, [self.baseline[k] for k in keys])
@@ -358,6 +373,7 @@ class StageCompute:
     def wave_push(self, wave: int) -> dict[str, Tensor]:
         """What PUSH `wave` sends, as tensors on this stage's device: parameter updates (or mean gradients),
         ledger updates and the buffers' current values (float32)."""
+        self._fold()
         if wave not in self.sums:  # a wave without an update (not setdefault: its zeros would be made every time)
             self.sums[wave] = {k: torch.zeros_like(t) for k, t in self.tracked.items()}
         sums = self.sums[wave]
@@ -379,6 +395,7 @@ class StageCompute:
     def rebase(self, pulled: Mapping[str, Tensor], own_through: int) -> None:
         """weights = pulled global + own updates the snapshot does not contain yet (docs/wsp.md); buffers
         replaced out of place (buffers = "average"); aggregation server: weights = pulled."""
+        self._fold()
         self.forget(own_through)
         for key, t in self.tracked.items():
             t.copy_(pulled[key])
@@ -407,7 +424,8 @@ class StageCompute:
         gradients, and each forward in flight (its input and the weight version it ran on; the outputs are
         recomputed on load)."""
         tensors: dict[str, Tensor] = {}
-        meta: dict[str, Any] = {"in_flight": [], "pending": list(self.pending), "stash": None}
+        meta: dict[str, Any] = {"in_flight": [], "pending": list(self.pending), "stash": None,
+                                "open_wave": self._open_wave}  # its updates are in the weights, not yet in sums
         for key, t in {**self.params, **self.ledgers}.items():
             tensors[f"w/{key}"] = t.detach()
         for key, b in stage_buffers(self.module).items():
@@ -457,6 +475,7 @@ class StageCompute:
         self.baseline = {k: tensors[f"base/{k}"].to(device, copy=True) for k in self.tracked}
         self.acc = {k[len("acc/"):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith("acc/")}
         self.pending = list(meta["pending"])
+        self._open_wave = meta.get("open_wave")
         self.sums = {int(w): {k: tensors[f"sums/{w}/{k}"].to(device, copy=True) for k in self.tracked}
                      for w in meta["sums"]}
         self.gsums = {int(w): {k[len(f"gsums/{w}/"):]: t.to(device, copy=True) for k, t in tensors.items()
