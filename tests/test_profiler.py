@@ -201,7 +201,9 @@ def test_origin_says_when_where_and_how(mlp_profile: ModelProfile) -> None:
     assert o.options_digest == options_digest(get_model("mlp", image_size=8, hidden=(16,)))
     assert o.device_tflops > 0 and (o.load_per_core is None or o.load_per_core >= 0)
     assert (o.derived_from, o.speed_ratio) == ("", 1.0)
-    assert 0.2 < o.emulation_cost < 10 and o.emulation_cost != 1.0  # measured: the whole step dilated / its layers
+    # measured (not the default 1.0): the whole step dilated over its layers. This MLP's blocks take ~0.1 ms, and
+    # on a 2-core VM each one after a sleep ran 2-8x slower (cold caches and clocks): 1.6-36 seen, so only sanity
+    assert 0.2 < o.emulation_cost < 100 and o.emulation_cost != 1.0
     assert all(layer.spread == 0.0 for layer in mlp_profile.layers)  # 2 repeats: too few to judge
     hostname = socket.gethostname()
     if len(hostname) >= 6:  # a very short name could appear by chance
