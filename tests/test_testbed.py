@@ -253,11 +253,26 @@ def _start_run(tmp_path: Path, run: str, reaper: list) -> tuple[subprocess.Popen
     proc = hetpipe("testbed", "run", str(two_nodes(tmp_path)), "--scale", "0.01", "--run", run, "--", "sleep", "120")
     reaper.append(proc)
     deadline = time.monotonic() + 60
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-    while not (len(leftovers(run)) >= 3 and children.exists() and children.read_text().split()):
+    while True:  # the set-up's own short-lived children (ip, tc) come and go before the sleep starts
+        sleeper = next((pid for pid in _children(proc.pid) if _cmdline(pid)[-2:] == ["sleep", "120"]), None)
+        if sleeper is not None and len(leftovers(run)) >= 3:
+            return proc, sleeper
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
-    return proc, int(children.read_text().split()[0])
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
 
 
 def _gone(pid: int) -> bool:
