@@ -177,7 +177,7 @@ def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup
             elapsed = time.perf_counter() - started
         elif step >= warmup + steps:
             host.append(time.perf_counter() - issued)
-    tail = [float(v) for v in losses[warmup + steps - LOSS_TAIL:warmup + steps]]
+    tail = [float(v) for v in losses[max(warmup, warmup + steps - LOSS_TAIL):warmup + steps]]
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
