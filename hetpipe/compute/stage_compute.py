@@ -168,14 +168,13 @@ class StageCompute:
         if self._stash is None:
             lag = self._lags[p].update if self._predict and p in self._lags else 0
             if lag == 0:  # plain copies, in one multi-tensor copy rather than a kernel per tensor
-                live = [w.detach() for w in self.params.values()]
+                live = list(self.params.values())
                 if self._spare:  # a retired version's tensors (leaves that need no grad set up again)
                     self._stash = self._spare.pop()
                     copies = list(self._stash.values())
                 else:
-                    copies = [torch.empty_like(w) for w in live]
-                    self._stash = {k: c.requires_grad_(w.requires_grad)
-                                   for (k, w), c in zip(self.params.items(), copies, strict=True)}
+                    copies = [torch.empty_like(w, requires_grad=w.requires_grad) for w in live]
+                    self._stash = dict(zip(self.params, copies, strict=True))
                 if copies:
                     with torch.no_grad():  # into leaves that require grad: not a step autograd may see
                         torch._foreach_copy_(copies, live)
