@@ -53,6 +53,15 @@ def set_buffer(module: nn.Module, name: str, value: Tensor) -> None:
     (module.get_submodule(owner) if owner else module)._buffers[leaf] = value
 
 
+def _add_into(totals: dict[str, Tensor], new: list[tuple[str, Tensor]]) -> None:
+    """totals[key] += tensor for the keys totals holds, in one multi-tensor add (not a kernel per tensor); the
+    others are taken as they are (the caller owns them)."""
+    held = [(totals[k], t) for k, t in new if k in totals]
+    if held:
+        torch._foreach_add_([total for total, _ in held], [t for _, t in held])
+    totals.update({k: t for k, t in new if k not in totals})
+
+
 @dataclass(frozen=True)
 class StageRules:
     """How a stage computes, from the config and its schedule (validated at load, docs/schedules.md)."""
@@ -254,15 +263,7 @@ class StageCompute:
         else:  # no weights here and no input gradient wanted
             grads = (None,) * len(wrt)
         with torch.no_grad():
-            held: list[tuple[Tensor, Tensor]] = []  # gradients added to earlier ones, in one multi-tensor add
-            for key, g in zip(names, grads, strict=False):
-                if g is not None:
-                    if key in self.acc:
-                        held.append((self.acc[key], g))
-                    else:
-                        self.acc[key] = g
-            if held:
-                torch._foreach_add_([total for total, _ in held], [g for _, g in held])
+            _add_into(self.acc, [(key, g) for key, g in zip(names, grads, strict=False) if g is not None])
         self.pending.append(p)
         self._retire(flight.weights)
         grad_in = grads[-1] if flight.inputs.requires_grad else None
@@ -361,10 +362,7 @@ class StageCompute:
                 self._dc[key].mul_(self._dc_gamma).add_(delta, alpha=1 - self._dc_gamma)
             if self._last_step is not None and key in self.params:
                 self._last_step[key] = delta.clone()
-        held = [(sums[k], d) for k, d in zip(keys, deltas, strict=True) if k in sums]
-        if held:
-            torch._foreach_add_([total for total, _ in held], [d for _, d in held])
-        sums.update({k: d for k, d in zip(keys, deltas, strict=True) if k not in sums})
+        _add_into(sums, list(zip(keys, deltas, strict=True)))
         torch._foreach_copy_([self.baseline[k] for k in keys], now)
 
     # ---- WSP --------------------------------------------------------------------------------------
