@@ -148,13 +148,18 @@ def run_plain(config: ClusterConfig, device_name: str, steps: int, warmup: int) 
         torch.set_num_threads(threads)  # hetpipe's runs in this process evaluate with every core, as the CLI does
 
 
-def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
-    spec, data = model_of(config), dataset_of(config)
+def plain_model(config: ClusterConfig, device: torch.device) -> tuple[Any, torch.nn.Module, Any, torch.autocast]:
+    """The plain loop's whole model on `device`, its optimizer (the one stages use) and its autocast: (spec, model,
+    optimizer, autocast)."""
+    spec, t = model_of(config), config.train
     model = build_stage(spec, 0, spec.num_layers, device)
-    t = config.train
-    params = list(model.parameters())
-    optimizer = make_optimizer(params, t.optimizer, t.lr, t.momentum, t.weight_decay)  # the one stages use
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    optimizer = make_optimizer(list(model.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
+    return spec, model, optimizer, torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+
+
+def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
+    spec, model, optimizer, autocast = plain_model(config, device)
+    data, t = dataset_of(config), config.train
     indices = datalib.shard_indices(len(data.train.y), 1, 0, config.seed)
     losses, started, host = [], 0.0, []
     for step in range(warmup + steps + HOST_STEPS):

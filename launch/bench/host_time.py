@@ -34,7 +34,6 @@ import gpu  # noqa: E402  (launch/bench is not a package)
 
 from hetpipe.compute import data as datalib  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
-from hetpipe.compute.optim import make_optimizer  # noqa: E402
 from hetpipe.compute.stage_compute import StageCompute, StageRules  # noqa: E402
 from hetpipe.core.schedule import PUSH, SCHEDULES, WAIT, get_schedule  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
@@ -80,10 +79,7 @@ def _profiled(device: torch.device, run: Callable[[], None], minibatches: int) -
 
 def plain(config: Any, device: torch.device, batches: list, steps: int, profile: bool) -> dict[str, Any]:
     """The whole model stepped as gpu.py's plain loop steps it."""
-    spec, t = model_of(config), config.train
-    model = build_stage(spec, 0, spec.num_layers, device)
-    optimizer = make_optimizer(list(model.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    spec, model, optimizer, autocast = gpu.plain_model(config, device)
     parts: dict[str, list[float]] = {}
     cpu: list[float] = []
     losses: dict[int, torch.Tensor] = {}
