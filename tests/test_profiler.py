@@ -4,6 +4,7 @@ taken, the JSON cache and --refresh, emulated types."""
 from __future__ import annotations
 
 import itertools
+import math
 import socket
 from collections.abc import Iterator
 from dataclasses import replace
@@ -16,7 +17,9 @@ import torch
 from hetpipe.compute.machine import cpu_model, host_fingerprint
 from hetpipe.compute.profiler import (
     PROFILER_VERSION,
+    WARMUP,
     cached_profile,
+    emulation_cost,
     options_digest,
     profile_cache_path,
     profile_checked,
@@ -169,6 +172,22 @@ def test_cache_refuses_or_remeasures_a_wrong_file(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- emulation
 
 
+@pytest.mark.parametrize(("budget_s", "dilated"), [(0.0, 1), (1e9, 15)])
+def test_emulation_cost_times_the_steps_its_wall_budget_begins(budget_s: float, dilated: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """At least one dilated step, and at most 15 (a large model's one step can take the whole budget)."""
+    from hetpipe.compute.stage_compute import StageCompute
+
+    spec = get_model("mlp", image_size=4, hidden=(8,))
+    layers = [spec.build_layer(i, torch.device("cpu")) for i in range(spec.num_layers)]
+    x0, target = spec.example_input(2), torch.tensor([1, 2])
+    updates = []
+    plain_update = StageCompute.update
+    monkeypatch.setattr(StageCompute, "update", lambda self, p: (updates.append(p), plain_update(self, p)))
+    cost = emulation_cost(spec, layers, x0, target, "momentum", 1e-4, slowdown=1.0, budget_s=budget_s)
+    assert len(updates) == WARMUP + dilated and 0 < cost < math.inf
+
+
 def test_derive_profile_scales_times_only(mlp_profile: ModelProfile) -> None:
     # a type half as fast as the reference, emulated at time_scale 3: 6x the measured times
     slow = derive_profile(mlp_profile, 5.0, 10.0, 3.0, gpu_type="half")
@@ -202,8 +221,9 @@ def test_origin_says_when_where_and_how(mlp_profile: ModelProfile) -> None:
     assert o.device_tflops > 0 and (o.load_per_core is None or o.load_per_core >= 0)
     assert (o.derived_from, o.speed_ratio) == ("", 1.0)
     # measured (not the default 1.0): the whole step dilated over its layers. This MLP's blocks take ~0.1 ms, and
-    # on a 2-core VM each one after a sleep ran 2-8x slower (cold caches and clocks): 1.6-36 seen, so only sanity
-    assert 0.2 < o.emulation_cost < 100 and o.emulation_cost != 1.0
+    # on a 2-core VM each one after a sleep ran 1-100x slower (cold caches and clocks; 0.8-135 seen): no bound on
+    # a timing here, only that it was measured
+    assert 0 < o.emulation_cost < math.inf and o.emulation_cost != 1.0
     assert all(layer.spread == 0.0 for layer in mlp_profile.layers)  # 2 repeats: too few to judge
     hostname = socket.gethostname()
     if len(hostname) >= 6:  # a very short name could appear by chance

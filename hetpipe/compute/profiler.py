@@ -52,7 +52,7 @@ DTYPES = ("float32", "bfloat16")  # what a model may be profiled in besides its 
 WARMUP = 3  # untimed forward+backward runs per layer before the timed ones
 PROFILER_VERSION = 7  # part of the cache key: bump when what a profile measures changes (7: emulation_cost)
 COST_SLOWDOWN = 10.0  # the dilation emulation_cost is measured at: bench.toml's fastest type's on 2 cores
-COST_BUDGET_S = 2.0  # wall seconds of dilated steps emulation_cost times (3 to 15 steps; each sleeps ~slowdown x)
+COST_BUDGET_S = 2.0  # wall seconds of dilated steps emulation_cost times (1 to 15 steps; each sleeps ~slowdown x)
 
 
 def profile_model(
@@ -154,9 +154,10 @@ def emulation_cost(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, tar
     """The CPU time of the whole model's training step run as an emulated device runs it, over `step_s` (the
     layers' sum): forward, backward and update each a block in the emulation's own Dilator at `slowdown`, as a
     stage runs them (worker/stage.py), so the step pays what emulation costs beyond the profile (caches and clocks
-    cold after each sleep, the whole step's own overheads). The median of as many steps as fit `budget_s` of wall
-    time (a dilated step takes about slowdown x step_s, its sleeps included), 3 to 15, after WARMUP undilated ones;
-    on one thread, like the profile."""
+    cold after each sleep, the whole step's own overheads). The median of the steps begun within `budget_s` of wall
+    time, 1 to 15, after WARMUP undilated ones: a dilated step sleeps about slowdown x its CPU time, so a large
+    model's one step (where cold caches weigh little) can take the whole budget, a small one's takes a few ms
+    (where they weigh most, and the median of many is needed); on one thread, like the profile."""
     from hetpipe.compute.stage_compute import StageCompute, StageRules
     from hetpipe.core.emulate import device_dilator
 
@@ -178,8 +179,11 @@ def emulation_cost(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, tar
 
     for _ in range(WARMUP):
         step(dilated=False)
-    steps = min(15, max(3, int(budget_s / max(step_s * max(slowdown, 1.0), 1e-6))))
-    return statistics.median(step(dilated=True) for _ in range(steps)) / max(step_s, 1e-12)
+    costs: list[float] = []
+    deadline = time.perf_counter() + budget_s  # wall time, measured: a costly emulation takes far over slowdown x
+    while len(costs) < 15 and (not costs or time.perf_counter() < deadline):
+        costs.append(step(dilated=True))
+    return statistics.median(costs) / max(step_s, 1e-12)
 
 
 def profile_checked(
