@@ -81,6 +81,11 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value)
 
 
+def run_name(model: str, precision: str, vws: int, stages: int, nm: int, staleness: int, schedule: str) -> str:
+    """What names one setting's config file and run folders."""
+    return f"{model}-{precision}-{vws}x{stages}-nm{nm}-d{staleness}-{schedule}"
+
+
 def bench_config(model: str, options: dict[str, Any], data: tuple[str, dict[str, Any]], precision: str,
                  device: str, vws: int, stages: int, nm: int, staleness: int, schedule: str, minibatches: int,
                  batch: int, memory_gib: float, out_dir: Path) -> ClusterConfig:
@@ -125,7 +130,7 @@ out_dir = "{out_dir}"
 [emulation]
 enabled = false
 {vw_tables}"""
-    path = out_dir / f"{model}-{precision}-{vws}x{stages}-nm{nm}-d{staleness}-{schedule}.toml"
+    path = out_dir / f"{run_name(model, precision, vws, stages, nm, staleness, schedule)}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return load_config(path)
@@ -324,8 +329,8 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
         labels = {**base, "system": system, "nm": nm, "vws": vws, "stages": stages, "staleness": staleness,
                   "schedule": schedule}
         try:
-            runs = [run_hetpipe(setting.config(vws, stages, nm, staleness, schedule), setting.work / f"{setting.model}"
-                                f"-{setting.precision}-{vws}x{stages}-nm{nm}-d{staleness}-{schedule}-{i}")
+            name = run_name(setting.model, setting.precision, vws, stages, nm, staleness, schedule)
+            runs = [run_hetpipe(setting.config(vws, stages, nm, staleness, schedule), setting.work / f"{name}-{i}")
                     for i in range(repeats)]
         except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
             measured({**labels, "error": f"{type(e).__name__}: {e}"})
