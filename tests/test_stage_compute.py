@@ -1,11 +1,11 @@
-"""StageCompute's stashed weight versions: retired copies are reused for new versions without changing what any
-forward or backward computes."""
+"""StageCompute: retired stashed weight versions are reused for new versions without changing what any
+forward or backward computes; the buffers a push carries are copies as of the push."""
 
 from __future__ import annotations
 
 import torch
 
-from hetpipe.compute.stage_compute import StageCompute, StageRules
+from hetpipe.compute.stage_compute import StageCompute, StageRules, stage_buffers
 from hetpipe.core.schedule import get_schedule
 from hetpipe.models import build_stage, get_model
 
@@ -50,3 +50,31 @@ def test_retired_stashes_are_reused_and_change_nothing():
     per_copy = len(reused)
     # Nm versions in flight at most, plus the spare ones: the copies stop growing with the waves
     assert len(few) <= per_copy * (NM + 2) < len(many)
+
+
+def test_push_copies_the_buffers_and_reads_them_where_they_are_now():
+    """wave_push's buffers are float32 copies as of the push (a later forward moves the running statistics, not
+    the push); the stage reads its buffers through slots found once, which follow an out-of-place replacement."""
+    torch.manual_seed(0)
+    spec = get_model("mnist-cnn", batch_norm=True)
+    compute = StageCompute(build_stage(spec, 0, spec.num_layers), "sgd", 0.1, 0.0, 0.0, StageRules(nm=1))
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    live = stage_buffers(compute.module)
+    assert {k: id(b) for k, b in compute.buffers().items()} == {k: id(b) for k, b in live.items()}
+    assert any(not b.is_floating_point() for b in live.values())  # num_batches_tracked: converted, not cloned
+    compute.forward(0, x, y, spec.loss, input_grad=False)
+    compute.backward(0, None, y, spec.loss)
+    compute.update(0)
+    pushed = compute.wave_push(0)
+    at_push = {k: b.float().clone() for k, b in live.items()}
+    for key, b in live.items():
+        assert pushed[key].dtype == torch.float32 and torch.equal(pushed[key], at_push[key])
+        assert pushed[key].data_ptr() != b.data_ptr()
+    compute.forward(1, x, y, spec.loss, input_grad=False)
+    assert all(not torch.equal(b.float(), at_push[k]) for k, b in live.items())  # the forward moved every buffer
+    assert all(torch.equal(pushed[k], at_push[k]) for k in live)  # and none of the pushed ones
+    pulled = {k: v + 1.0 for k, v in compute.values().items()}
+    compute.rebase(pulled, own_through=0)
+    now = stage_buffers(compute.module)
+    assert {k: id(b) for k, b in compute.buffers().items()} == {k: id(b) for k, b in now.items()}
+    assert all(now[k] is not live[k] and torch.equal(now[k].float(), pulled[k]) for k in live)
