@@ -423,12 +423,16 @@ class StageCompute:
         replaced out of place (buffers = "average"); aggregation server: weights = pulled."""
         self._fold()
         self.forget(own_through)
-        for key, t in self.tracked.items():
-            t.copy_(pulled[key])
-            share = self._average if key in self.params else 0
+        keys = list(self.tracked)
+        if keys:  # per tensor: t = pulled, then t += each wave's own sum in wave order; all tensors at once
+            now = [self.tracked[k] for k in keys]
+            torch._foreach_copy_(now, [pulled[k] for k in keys])
             for wave in sorted(self.sums):
-                t += self.sums[wave][key] / share if share else self.sums[wave][key]
-            self.baseline[key].copy_(t)
+                own = [self.sums[wave][k] for k in keys]
+                if self._average:
+                    own = [t / self._average if k in self.params else t for k, t in zip(keys, own, strict=True)]
+                torch._foreach_add_(now, own)
+            torch._foreach_copy_([self.baseline[k] for k in keys], now)
         if self.optimizer is None:
             ahead = float(self.rules.staleness + 1)
             for key, t in self.params.items():
