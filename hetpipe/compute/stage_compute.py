@@ -47,20 +47,22 @@ def stage_buffers(module: nn.Module) -> dict[str, Tensor]:
     return {k: t for k, t in module.state_dict(keep_vars=True).items() if k not in params}
 
 
+def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module that owns the buffer `name` (a global name) and its attribute there."""
+    owner, _, leaf = name.rpartition(".")
+    return (module.get_submodule(owner) if owner else module), leaf
+
+
 def set_buffer(module: nn.Module, name: str, value: Tensor) -> None:
     """Replace a buffer by another tensor (out of place: graphs that saved the old one keep it)."""
-    owner, _, leaf = name.rpartition(".")
-    (module.get_submodule(owner) if owner else module)._buffers[leaf] = value
+    owner, leaf = _slot(module, name)
+    owner._buffers[leaf] = value
 
 
 def buffer_slots(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """Where each of stage_buffers(module) lives (owning module, attribute), found once: reading a buffer through
     its slot is a dict lookup, not a walk of the module tree (state_dict: ~0.6 ms for resnet50, per call)."""
-    slots = {}
-    for name in stage_buffers(module):
-        owner, _, leaf = name.rpartition(".")
-        slots[name] = (module.get_submodule(owner) if owner else module, leaf)
-    return slots
+    return {name: _slot(module, name) for name in stage_buffers(module)}
 
 
 def _float_copies(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
