@@ -78,3 +78,6 @@ def test_push_copies_the_buffers_and_reads_them_where_they_are_now():
     now = stage_buffers(compute.module)
     assert {k: id(b) for k, b in compute.buffers().items()} == {k: id(b) for k, b in now.items()}
     assert all(now[k] is not live[k] and torch.equal(now[k].float(), pulled[k]) for k in live)
+    uncopied = compute.wave_push(1, copy_buffers=False)  # CUDA staging copies them itself, in stream order
+    assert all(uncopied[k] is b for k, b in compute.buffers().items())
+    assert set(uncopied) == set(pushed)

@@ -394,12 +394,15 @@ class StageRunner:
             self._sync()  # the wave's queued device work: compute, as the blocks' own timers miss it
             self._timed("compute", started)
             self._read_losses()
-            if self._next_wait >= len(self.waits):
+            if self._next_wait >= len(self.waits) and not self.push_staging.cuda:
                 # no pull is due to hold this stage back, so a PS slower than the stage would let pushes (and
-                # their sums) pile up without bound: one push in flight at most (docs/memory.md#what-a-stage-keeps)
+                # their sums) pile up without bound: one push in flight at most (docs/memory.md#what-a-stage-keeps);
+                # on CUDA the two pinned buffers bound them at two (a push waits for its buffer's last push)
                 self._wait_for_pushes(lambda slot: True)
             started = time.perf_counter()
-            arrays, ready = self.push_staging.stage(self.compute.wave_push(wave), self._wait_for_slot)
+            cuda = self.push_staging.cuda  # its staging copies the buffers itself, in stream order
+            arrays, ready = self.push_staging.stage(self.compute.wave_push(wave, copy_buffers=not cuda),
+                                                    self._wait_for_slot)
             self._timed("d2h", started)
             self._pushes.append((self.push_staging.slot,
                                  self.agent.push(wave, arrays, ready, reused=self.push_staging.cuda)))

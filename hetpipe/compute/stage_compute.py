@@ -398,9 +398,11 @@ class StageCompute:
 
     # ---- WSP --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def wave_push(self, wave: int) -> dict[str, Tensor]:
+    def wave_push(self, wave: int, copy_buffers: bool = True) -> dict[str, Tensor]:
         """What PUSH `wave` sends, as tensors on this stage's device: parameter updates (or mean gradients),
-        ledger updates and the buffers' current values (float32)."""
+        ledger updates and the buffers' current values (float32 copies; with `copy_buffers` false the buffers
+        themselves, for a caller that copies them before the next forward moves them, as CUDA staging does in
+        stream order)."""
         self._fold()
         if wave not in self.sums:  # a wave without an update (not setdefault: its zeros would be made every time)
             self.sums[wave] = {k: torch.zeros_like(t) for k, t in self.tracked.items()}
@@ -411,7 +413,7 @@ class StageCompute:
             for key, param in self.params.items():
                 g = gsum.get(key)
                 out[key] = torch.zeros_like(param) if g is None else g / self.rules.nm
-        out.update(_float_copies(self.buffers()))
+        out.update(_float_copies(self.buffers()) if copy_buffers else self.buffers())
         return out
 
     def forget(self, through: int) -> None:
