@@ -2,11 +2,12 @@
 # Check hetpipe on a machine with a CUDA GPU, in one go (issue 11): the CUDA tests, gpu.py's acceptance systems
 # against the plain loop, host_time.py on the CPU-bound ones, and the whole suite with the GPU visible. The
 # suite runs beside the benchmarks on the upper half of the cores (they get the lower half), so the whole check
-# takes about 5 minutes on a 16-core H100 machine (2026-11-26). Everything lands in OUT (default
+# takes about 7 minutes on a 16-core H100 or H200 machine (2026-11-26). Everything lands in OUT (default
 # runs/gpu-check): test and suite logs, a.json ... e.json and their merge gpu.json and gpu.md, host-*.json.
 #
 #   bash launch/gpu_check.sh [OUT]                     # PYTHON=python3 to use another interpreter than .venv's
 #   REPEATS=1 MINIBATCHES=60 bash launch/gpu_check.sh  # a quicker, rougher pass
+#   KEEP=runs/gpu-runs bash launch/gpu_check.sh         # keep every run folder (traces, logs) there
 #
 # The suite runs in parallel when pytest-xdist is installed, else serially.
 set -uo pipefail
@@ -37,7 +38,7 @@ stamp "CUDA tests"
 "${low[@]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$OUT/test_cuda.log" 2>&1; echo "rc $?"
 tail -3 "$OUT/test_cuda.log"
 
-G=("${low[@]}" "$PY" launch/bench/gpu.py --repeats "$REPEATS" --minibatches "$MINIBATCHES")
+G=("${low[@]}" "$PY" launch/bench/gpu.py --repeats "$REPEATS" --minibatches "$MINIBATCHES" ${KEEP:+--keep "$KEEP"})
 run() {  # NAME, then gpu.py's arguments: in order of what the issue's acceptance needs most
   local name=$1; shift
   stamp "gpu.py $name: $*"
@@ -46,9 +47,9 @@ run() {  # NAME, then gpu.py's arguments: in order of what the issue's acceptanc
 run a --model char-gpt --precision fp32 --system 1x1:4 --system 2x1:4:1
 run b --model char-gpt --precision fp32 --repeats 1 --minibatches 200 --system 1x1:4@1f1b-flush \
   --system 1x2:4@1f1b-flush
-run c --model char-gpt --precision bf16 --system 1x1:4
-run d --model resnet50 --precision fp32 --system 1x1:4
-run e --model resnet50 --precision bf16 --system 1x1:4
+run c --model char-gpt --precision bf16 --system 1x1:4 --system 1x1:4@1f1b-flush
+run d --model resnet50 --precision fp32 --system 1x1:4 --system 1x1:4@1f1b-flush
+run e --model resnet50 --precision bf16 --system 1x1:4 --system 1x1:4@1f1b-flush
 rows=()
 for f in "$OUT"/[a-e].json; do [ -f "$f" ] && rows+=(--rows "$f"); done
 [ ${#rows[@]} -gt 0 ] && "$PY" launch/bench/gpu.py "${rows[@]}" --out "$OUT/gpu.json" --table "$OUT/gpu.md" >/dev/null 2>&1

@@ -87,3 +87,33 @@ def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path):
                                        msg=lambda m, sid=sid, key=key: f"stage {sid} {key}: {m}")
     for key, value in ps_weights.items():
         torch.testing.assert_close(torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5)
+
+
+def test_push_and_pull_staging_move_every_key_through_their_buffers():
+    """PushStaging: each wave's arrays hold its tensors once ready() returns, integer buffers converted, the two
+    pinned buffers in turn (a wave two back must have left before its buffer is written); PullStaging: the
+    device views hold what the agent wrote into the host buffer, pull after pull."""
+    from hetpipe.worker.transfer import FlatLayout, PullStaging, PushStaging
+
+    device = torch.device("cuda:0")
+    shapes = {"w": (3, 4), "b": (5,), "count": (), "k": (2, 3, 2)}
+    layout = FlatLayout.of({k: torch.empty(s) for k, s in shapes.items()})
+    push, waited = PushStaging(layout, device), []
+    for wave in range(4):
+        tensors = {k: torch.arange(float(torch.tensor(s).prod()), device=device).view(s) + wave
+                   for k, s in shapes.items() if k != "count"}
+        tensors["count"] = torch.tensor(wave + 7, device=device)  # int64, as BatchNorm's batch counter
+        arrays, ready = push.stage(tensors, waited.append)
+        ready()
+        assert push.slot == wave % 2 and waited[-1] == wave % 2
+        for key, t in tensors.items():
+            assert arrays[key].shape == shapes[key]
+            assert (arrays[key] == t.float().cpu().numpy()).all(), (wave, key)
+    pull = PullStaging(layout, device)
+    for value in (1.5, -2.0):
+        pull.wait_free()
+        for array in pull.out.values():
+            array[...] = value
+        got = pull.to_device()
+        assert set(got) == set(shapes) and all(t.device.type == "cuda" for t in got.values())
+        assert all(torch.equal(t.cpu(), torch.full(shapes[k], value)) for k, t in got.items())
