@@ -1,7 +1,8 @@
 """hetpipe on one real device against a plain torch loop on it, in one run (issue 11).
 
 Systems, per model and precision, each measured --repeats times (median and spread reported):
-  plain          the whole model, one process: forward, loss, backward, Adam step
+  plain          the whole model, one process: forward, loss, backward, Adam step; each minibatch copied to the
+                 device from pinned memory, as a stage copies its own (since 2026-11-26, after the H200 run)
   hetpipe 1x1    1 VW x 1 stage at Nm 1 and at Nm 4 (PS + WSP on the same machine, `exact` pulls, D 0)
   hetpipe 2x1    2 VWs x 1 stage, both on the one device: at Nm 1, D 0 (every minibatch waits for its push
                  and pull) and at Nm 4, D 1 (the pull overlaps the next wave)
@@ -175,7 +176,9 @@ def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup
             _sync(device)
             issued = time.perf_counter()
         x, y = datalib.minibatch(data.train.x, data.train.y, indices, t.batch_size, config.seed, step)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if device.type == "cuda":  # from pinned memory, as a stage brings its input over: a copy from pageable
+            #                        memory would wait for the device's queue every step
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         with autocast:
             loss = spec.loss(model(x), y)
         loss.backward()
