@@ -176,8 +176,8 @@ def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup
             _sync(device)
             issued = time.perf_counter()
         x, y = datalib.minibatch(data.train.x, data.train.y, indices, t.batch_size, config.seed, step)
-        if device.type == "cuda":  # from pinned memory, as a stage brings its input over: a copy from pageable
-            #                        memory would wait for the device's queue every step
+        if device.type == "cuda":  # from pinned memory, as a stage brings its input over: from pageable memory
+            #                        the driver may wait for the stream's queued work first, every step
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         with autocast:
             loss = spec.loss(model(x), y)
