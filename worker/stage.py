@@ -263,9 +263,7 @@ class StageRunner:
 
     def _batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = datalib.minibatch(self.x, self.y, self.indices, self.config.train.batch_size, self.config.seed, p)
-        if self.device.type == "cuda":  # from pinned memory the copy is queued, not waited for
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x, y
+        return datalib.on_device(x, y, self.device)
 
     def _send(self, tensor: Any, peer: int) -> None:
         started = time.perf_counter()
@@ -404,8 +402,7 @@ class StageRunner:
             arrays, ready = self.push_staging.stage(self.compute.wave_push(wave, copy_buffers=not cuda),
                                                     self._wait_for_slot)
             self._timed("d2h", started)
-            self._pushes.append((self.push_staging.slot,
-                                 self.agent.push(wave, arrays, ready, reused=self.push_staging.cuda)))
+            self._pushes.append((self.push_staging.slot, self.agent.push(wave, arrays, ready, reused=cuda)))
             self._pushed = wave + 1
         if self.compute.optimizer is not None or self.ledgers:
             # own sums the next pull will contain (or all, when no pull comes) are not needed any more

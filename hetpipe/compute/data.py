@@ -25,7 +25,7 @@ from hetpipe.core.imports import import_target
 
 __all__ = [
     "Split", "DatasetSplit", "DATASETS", "load_dataset", "synthetic", "encode", "decode", "windows", "shakespeare_text",
-    "shard_indices", "minibatch", "minibatches", "unigram_loss", "check_model_fits", "data_cache_dir",
+    "shard_indices", "minibatch", "minibatches", "on_device", "unigram_loss", "check_model_fits", "data_cache_dir",
 ]
 
 Task = Literal["classification", "language"]
@@ -374,6 +374,14 @@ def minibatch(x: Tensor, y: Tensor, indices: np.ndarray, batch_size: int, seed: 
     pick = np.asarray(indices)[_epoch_order(len(indices), seed, epoch)[j * batch_size:(j + 1) * batch_size]]
     idx = torch.from_numpy(pick.astype(np.int64))
     return x[idx], y[idx]
+
+
+def on_device(x: Tensor, y: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A minibatch on `device`: on CUDA copied from pinned memory, queued and not waited for (from pageable memory
+    the driver may first wait for the stream's queued work, every minibatch); on the CPU as it is."""
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x, y
 
 
 def minibatches(x: Tensor, y: Tensor, indices: np.ndarray, batch_size: int, seed: int, start: int = 0

@@ -175,10 +175,8 @@ def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup
         if step >= warmup + steps:  # the host time of a step: issued onto an idle device, not waited for
             _sync(device)
             issued = time.perf_counter()
-        x, y = datalib.minibatch(data.train.x, data.train.y, indices, t.batch_size, config.seed, step)
-        if device.type == "cuda":  # from pinned memory, as a stage brings its input over: from pageable memory
-            #                        the driver may wait for the stream's queued work first, every step
-            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        x, y = datalib.on_device(*datalib.minibatch(data.train.x, data.train.y, indices, t.batch_size, config.seed,
+                                                    step), device)  # as a stage brings its input over
         with autocast:
             loss = spec.loss(model(x), y)
         loss.backward()
