@@ -67,17 +67,19 @@ def test_bf16_trains_with_float32_weights_at_the_ps(tmp_path: Path):
     assert all(t.dtype == torch.float32 for t in state.values() if torch.is_floating_point(torch.as_tensor(t)))
 
 
-def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path):
+@pytest.mark.parametrize("agent", ["process", "thread"])
+def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: str):
     """The PS path on CUDA (pushes copied on a side stream, pulls copied and rebased without a wait) computes
     what the CPU reference computes, to float tolerance: a pull overwritten while its copy was still reading it,
-    or a push read before its wave's updates, would be off by whole updates."""
+    or a push read before its wave's updates, would be off by whole updates. With the agent in a process (the
+    CUDA default) and in a thread."""
     from test_train_equivalence import run
 
     from hetpipe.compute.reference import run_reference
 
     path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=1, waves=8,
                         device="cuda:0")
-    config = load_config(path)
+    config = apply_overrides(load_config(path), [f'ps.agent="{agent}"'])
     splits = [(2, 2), (3, 1)]
     _, stage_weights, ps_weights = run(tmp_path, config, splits)
     ref = run_reference(config, splits, order_seed=1)
@@ -89,16 +91,26 @@ def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path):
         torch.testing.assert_close(torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5)
 
 
-def test_push_and_pull_staging_move_every_key_through_their_buffers():
+@pytest.mark.parametrize("shared", [False, True], ids=["own-pinned", "shared-with-agent-process"])
+def test_push_and_pull_staging_move_every_key_through_their_buffers(shared: bool):
     """PushStaging: each wave's arrays hold its tensors once ready() returns, integer buffers converted, the two
     pinned buffers in turn (a wave two back must have left before its buffer is written); PullStaging: the
-    device views hold what the agent wrote into the host buffer, pull after pull."""
+    device views hold what the agent wrote into the host buffer, pull after pull. Shared: the buffers a stage
+    shares with its agent process (worker/shared_host.py), registered with the driver as pinned memory."""
+    from hetpipe.worker.shared_host import SharedHost
     from hetpipe.worker.transfer import FlatLayout, PullStaging, PushStaging
 
     device = torch.device("cuda:0")
     shapes = {"w": (3, 4), "b": (5,), "count": (), "k": (2, 3, 2)}
     layout = FlatLayout.of({k: torch.empty(s) for k, s in shapes.items()})
-    push, waited = PushStaging(layout, device), []
+    host = SharedHost.create(layout.numel, "test-cuda") if shared else None
+    slots = pull_host = None
+    if host is not None:
+        host.unlink()
+        assert host.pin(), "cudaHostRegister refused the shared buffers"
+        slots, pull_host = [torch.from_numpy(a) for a in host.slots], torch.from_numpy(host.pull)
+        assert all(t.is_pinned() for t in [*slots, pull_host])
+    push, waited = PushStaging(layout, device, slots), []
     for wave in range(4):
         tensors = {k: torch.arange(float(torch.tensor(s).prod()), device=device).view(s) + wave
                    for k, s in shapes.items() if k != "count"}
@@ -109,7 +121,7 @@ def test_push_and_pull_staging_move_every_key_through_their_buffers():
         for key, t in tensors.items():
             assert arrays[key].shape == shapes[key]
             assert (arrays[key] == t.float().cpu().numpy()).all(), (wave, key)
-    pull = PullStaging(layout, device)
+    pull = PullStaging(layout, device, pull_host)
     for value in (1.5, -2.0):
         pull.wait_free()
         for array in pull.out.values():
@@ -117,3 +129,6 @@ def test_push_and_pull_staging_move_every_key_through_their_buffers():
         got = pull.to_device()
         assert set(got) == set(shapes) and all(t.device.type == "cuda" for t in got.values())
         assert all(torch.equal(t.cpu(), torch.full(shapes[k], value)) for k, t in got.items())
+    if host is not None:
+        del push, pull, got, arrays, slots, pull_host
+        host.close()

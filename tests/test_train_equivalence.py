@@ -193,3 +193,14 @@ def test_each_mitigation_equals_the_reference(tmp_path: Path, vws: int, settings
     plain = run_reference(apply_overrides(config, ['train.mitigation="none"']), splits, order_seed=vws)
     assert any(not torch.equal(stage_weights[sid][k], plain.stage_weights[sid][k])
                for sid in stage_weights for k in stage_weights[sid]), "the mitigation changed nothing"
+
+
+@pytest.mark.parametrize(("staleness", "buffers"), [(1, "average"), (0, "local")])
+def test_ps_agent_in_a_process_equals_the_reference(tmp_path: Path, staleness: int, buffers: str):
+    """[ps] agent = "process" (a CUDA stage's default, here on the CPU): pushes staged into buffers shared with the
+    agent process, pulls and W_0 back through them; the run is the reference's bit for bit, as the thread's is."""
+    path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=staleness, waves=4, model="mnist-cnn")
+    config = apply_overrides(load_config(path), ["model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }",
+                                                 f"ps.buffers={buffers}", 'ps.agent="process"'])
+    summary, _ = assert_equals_reference(tmp_path, config, [(3, 3), (2, 4)], order=staleness)
+    assert all(part["push"] > 0 for part in summary["wave_breakdown_ms"].values()), summary["wave_breakdown_ms"]

@@ -3,7 +3,7 @@
 F p: receive the input (stage 0: read minibatch p), forward, send the output on.
 B p: receive the output gradient (last stage: from the loss), backward, send the input gradient.
 U p: the optimizer step (or, with aggregation "server", the gradient into the wave's sum).
-PUSH c: hand the wave's push to the PS agent thread (it goes out while compute goes on).
+PUSH c: hand the wave's push to the PS agent, a thread or a process (it goes out while compute goes on).
 WAIT c: take the pull of W_{c-D-1} (handed to the agent as early as WSP allows), rebase.
 Compute is stretched to the emulated GPU's speed; every action is traced, and the stage reports where
 its time went (compute, device-to-host, push, gate wait, pull, host-to-device) to the launcher.
@@ -46,8 +46,7 @@ from hetpipe.core.wsp import gate_version
 from hetpipe.models import build_stage
 from hetpipe.worker.jobs import StageJob
 from hetpipe.worker.p2p import P2P
-from hetpipe.worker.ps_agent import PSAgent
-from hetpipe.worker.ps_client import PSClient
+from hetpipe.worker.ps_link import ClientSpec, ProcessLink, ThreadLink, agent_kind, open_link
 from hetpipe.worker.snapshot import load_snapshot, save_snapshot, snapshot_dir
 from hetpipe.worker.transfer import FlatLayout, PullStaging, PushStaging
 
@@ -125,13 +124,13 @@ class StageRunner:
         }
         self.trace = TraceRecorder(f"vw{job.vw}", job.stage)
         self.trace.other_threads[PS_ROW + job.stage] = f"stage {job.stage} PS traffic"
-        self.client = PSClient(
+        self.client_spec = ClientSpec(
             list(job.ps_endpoints), config.name, job.vw, job.stage, job.num_vws, job.num_stages,
             ps_placement(config, self.spec, job.num_vws if job.audit else 0, job.first_vw), timeout_s=config.ps.timeout_s,
             retry_s=min(5.0, config.ps.timeout_s / 4), curve=job.ps_keys, wire_dtype=config.ps.wire_dtype,
         )
         self.p2p: P2P | None = None
-        self.agent: PSAgent | None = None
+        self.link: ThreadLink | ProcessLink | None = None
         self.samples = 0
         self._targets: dict[int, torch.Tensor] = {}
         self._unread: list[tuple[dict[str, Any], torch.Tensor]] = []  # last stage: (minibatch event, its loss)
@@ -153,19 +152,19 @@ class StageRunner:
     # ---- lifecycle ----------------------------------------------------------------------------------
     def run(self) -> None:
         job = self.job
-        mine = {k: t.detach().float().cpu().numpy() for k, t in self.compute.values().items()}
-        w0 = self.client.register(mine, kinds=self.compute.kinds(), num_waves=self.config.train.waves,
-                                  start_wave=job.start_wave)
+        values = self.compute.values()
+        layout = FlatLayout.of(values)
+        self.link = link = open_link(
+            agent_kind(self.config.ps.agent, self.device), self.client_spec, layout, self.device, self.trace,
+            PS_ROW + job.stage, self.config.ps.heartbeat_s, self._stopped_by_ps, f"{self.config.name}-vw{job.vw}-s{job.stage}")
+        w0 = link.register(values, self.compute.kinds(), self.config.train.waves, job.start_wave, self.pulls)
         self.compute.load({k: torch.from_numpy(np.array(v)).to(self.device) for k, v in w0.items()})
         self.startup["registered"] = time.time()
         resend = self._resume() if job.resume_wave else {}
-        layout = FlatLayout.of(self.compute.values())
-        self.push_staging = PushStaging(layout, self.device)
-        self.pull_staging = PullStaging(layout, self.device) if self.pulls else None
-        self.agent = PSAgent(self.client, self.pull_staging.out if self.pull_staging else None, self.trace,
-                             PS_ROW + job.stage, heartbeat_s=self.config.ps.heartbeat_s,
-                             progress=lambda: self.position, on_fatal=self._stopped_by_ps,
-                             pull_into_free=self.pull_staging.wait_free if self.pull_staging else None)
+        self.push_staging = PushStaging(layout, self.device, link.push_slots)
+        self.pull_staging = PullStaging(layout, self.device, link.pull_host) if self.pulls else None
+        link.start(self.pull_staging.out if self.pull_staging else None,
+                   self.pull_staging.wait_free if self.pull_staging else None)
         self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device,
                                max_in_flight=self.config.wsp.nm + 1, backend=p2p_backend(job.devices or (job.device,)),
                                store=self.store)
@@ -177,23 +176,25 @@ class StageRunner:
             for p in sorted(resend):  # sent before the checkpoint, not received by the next stage before its own
                 self._send(resend[p], job.stage + 1)
             self._hand_over_pull()
+            progress = link.progress  # what the agent's heartbeats report
             while self.position < len(self.actions):
                 action = self.actions[self.position]
                 self.dispatch[action.kind](action.index)
                 self.position += 1
+                progress[0] = self.position
             self._read_losses()  # a schedule that ends without a push (none of ours) still reports every loss
             self.train_s = time.monotonic() - self.started
             for _, future in self._pushes:  # every push acknowledged before the stage reports done
                 self._note_push(future.result())
         finally:
-            self.agent.close(timeout_s=30)
+            link.close(timeout_s=30)
             self.p2p.close()
         try:
-            if not self.client.wait_durable(self.config.ps.timeout_s, progress=self.position):
+            if not link.wait_durable(self.config.ps.timeout_s, progress=self.position):
                 print(f"vw {job.vw} stage {job.stage}: the PS did not put the last pushes in a checkpoint within "
                       f"{self.config.ps.timeout_s:.0f} s; finishing anyway", file=sys.stderr, flush=True)
         finally:
-            self.client.close()
+            link.shutdown()
         run_dir = Path(job.run_dir)
         totals = self.totals()
         self.trace.dump(run_dir / "trace" / f"vw{job.vw}-s{job.stage}.json",
@@ -209,9 +210,10 @@ class StageRunner:
 
     def totals(self) -> dict[str, float]:
         """Seconds by part: this thread's (self.times), its PS thread's (push, pull, parked) and the training loop's."""
-        assert self.agent is not None
-        return {**{k: round(v, 4) for k, v in self.times.items()}, "push": round(self.agent.push_s, 4),
-                "pull": round(self.agent.pull_s, 4), "parked": round(self.agent.parked_s, 4), "train": round(self.train_s, 4)}
+        assert self.link is not None
+        push, pull, parked = self.link.totals
+        return {**{k: round(v, 4) for k, v in self.times.items()}, "push": round(push, 4),
+                "pull": round(pull, 4), "parked": round(parked, 4), "train": round(self.train_s, 4)}
 
     def _stopped_by_ps(self, exc: BaseException) -> None:
         """The agent thread heard that this stage must stop (its VW evicted, the run failed, pushes lost): say
@@ -392,17 +394,20 @@ class StageRunner:
             self._sync()  # the wave's queued device work: compute, as the blocks' own timers miss it
             self._timed("compute", started)
             self._read_losses()
-            if self._next_wait >= len(self.waits) and not self.push_staging.cuda:
+            copies = self.push_staging.copies
+            if self._next_wait >= len(self.waits) and not copies:
                 # no pull is due to hold this stage back, so a PS slower than the stage would let pushes (and
                 # their sums) pile up without bound: one push in flight at most (docs/memory.md#what-a-stage-keeps);
-                # on CUDA the two pinned buffers bound them at two (a push waits for its buffer's last push)
+                # staged into two host buffers (CUDA, or an agent process) they bound them at two (a push waits
+                # for its buffer's last push)
                 self._wait_for_pushes(lambda slot: True)
             started = time.perf_counter()
-            cuda = self.push_staging.cuda  # its staging copies the buffers itself, in stream order
-            arrays, ready = self.push_staging.stage(self.compute.wave_push(wave, copy_buffers=not cuda),
+            # staging copies the buffers itself (on CUDA in stream order)
+            arrays, ready = self.push_staging.stage(self.compute.wave_push(wave, copy_buffers=not copies),
                                                     self._wait_for_slot)
             self._timed("d2h", started)
-            self._pushes.append((self.push_staging.slot, self.agent.push(wave, arrays, ready, reused=cuda)))
+            slot = self.push_staging.slot
+            self._pushes.append((slot, self.link.push(wave, slot, arrays, ready, reused=copies)))
             self._pushed = wave + 1
         if self.compute.optimizer is not None or self.ledgers:
             # own sums the next pull will contain (or all, when no pull comes) are not needed any more
@@ -438,7 +443,7 @@ class StageRunner:
             return
         wave = self.waits[self._next_wait]
         if self._pushed >= gate_version(wave, self.config.wsp.staleness):  # own waves <= c - D - 2 are out
-            self._pull = (wave, self.agent.pull(wave))
+            self._pull = (wave, self.link.pull(wave))
 
     def wait(self, wave: int) -> None:
         if not self.pulls:

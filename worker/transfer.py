@@ -58,13 +58,18 @@ def _host_buffer(numel: int, pinned: bool) -> Tensor:
 
 
 class PushStaging:
-    """Host copies of what a stage pushes; `ready()` of a staged push blocks until its copy has landed."""
+    """Host copies of what a stage pushes; `ready()` of a staged push blocks until its copy has landed.
 
-    def __init__(self, layout: FlatLayout, device: torch.device) -> None:
+    `slots`: two host buffers to stage into (those the stage shares with its PS agent process); without them a
+    CUDA stage allocates two pinned ones, and a CPU stage's arrays are its tensors themselves (zero-copy)."""
+
+    def __init__(self, layout: FlatLayout, device: torch.device, slots: list[Tensor] | None = None) -> None:
         self.layout = layout
         self.device = device
         self.cuda = device.type == "cuda"
-        self._slots = [_host_buffer(layout.numel, True) for _ in range(2)] if self.cuda else []
+        self.copies = self.cuda or slots is not None  # the arrays are a copy the stage may change meanwhile
+        self._slots = slots if slots is not None else [_host_buffer(layout.numel, True) for _ in range(2)] \
+            if self.cuda else []
         self._arrays = [{k: v.numpy() for k, v in layout.views(host).items()} for host in self._slots]
         self._stream = torch.cuda.Stream(device) if self.cuda else None  # the copies, beside the compute
         self._turn = 0
@@ -73,15 +78,19 @@ class PushStaging:
             dict[str, np.ndarray], Callable[[], None]]:
         """Host arrays of `tensors` (float32, by key) and a function that returns once they hold the values.
         `wait_for_slot(slot)` blocks until the push that used that pinned buffer before is done."""
-        if not self.cuda:
+        if not self._slots:
             arrays = {k: t.detach().float().numpy() for k, t in tensors.items()}
             return arrays, lambda: None
         slot = self._turn
         self._turn = 1 - self._turn
         wait_for_slot(slot)
+        host = self._slots[slot]
+        if not self.cuda:  # into the shared slot, in one pass
+            with torch.no_grad():
+                torch.cat([_flat_float(tensors[k]) for k in self.layout.keys], out=host)
+            return dict(self._arrays[slot]), lambda: None
         with torch.no_grad():  # one call per tensor, not three: host time a plain loop does not spend
             flat = torch.cat([_flat_float(tensors[k]) for k in self.layout.keys])
-        host = self._slots[slot]
         assert self._stream is not None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the wave's updates and the cat
         with torch.cuda.stream(self._stream):
@@ -98,12 +107,13 @@ class PushStaging:
 
 
 class PullStaging:
-    """The host buffer a pull is copied into (by the agent thread) and its trip to the device."""
+    """The host buffer a pull is copied into (by the agent) and its trip to the device; `host`: a buffer to use
+    (the one the stage shares with its PS agent process), else one is allocated (pinned on CUDA)."""
 
-    def __init__(self, layout: FlatLayout, device: torch.device) -> None:
+    def __init__(self, layout: FlatLayout, device: torch.device, host: Tensor | None = None) -> None:
         self.layout = layout
         self.device = device
-        self.host = _host_buffer(layout.numel, device.type == "cuda")
+        self.host = host if host is not None else _host_buffer(layout.numel, device.type == "cuda")
         self.out = {k: v.numpy() for k, v in layout.views(self.host).items()}  # where the agent copies to
         self._copied: torch.cuda.Event | None = None  # CUDA: the last host-to-device copy out of self.host
 

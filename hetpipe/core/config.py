@@ -54,6 +54,7 @@ PsAuth = Literal["none", "curve"]
 OnNan = Literal["stop", "skip"]
 OnVwFailure = Literal["stop", "evict"]
 WireDtype = Literal["float32", "bfloat16"]
+PsAgent = Literal["auto", "thread", "process"]
 AllocationPolicy = Literal["explicit", "np", "ed", "hd", "dp"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -190,6 +191,10 @@ class PsConfig:
     # weights ("param" keys) in pushes and pulls on the wire: float32, or bfloat16 (half the bytes; the PS still
     # adds and keeps float32; docs/ps-protocol.md#frames): a run is then repeatable but not equal to a float32 one
     wire_dtype: WireDtype = "float32"
+    # where a stage's PS traffic runs beside its compute: a thread of the stage process, or a process of its own
+    # (shared buffers, no copies; an agent thread's GIL use slows a CUDA stage's issuing thread); auto: a process
+    # for a CUDA stage, a thread for a CPU one (docs/architecture.md#the-ps-path)
+    agent: PsAgent = "auto"
 
 
 @dataclass(frozen=True)
@@ -373,7 +378,7 @@ def _plain(value: Any) -> Any:
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "network": ("intra_node_gbps", "inter_node_gbps"),
     "ps": ("host", "port", "shards", "placement", "timeout_s", "aggregation", "buffers", "auth", "keys_dir",
-           "on_vw_failure", "heartbeat_s", "hung_after_s", "max_restarts", "wire_dtype"),
+           "on_vw_failure", "heartbeat_s", "hung_after_s", "max_restarts", "wire_dtype", "agent"),
     "wsp": ("staleness", "nm", "pull"),
     "checkpoint": ("dir", "every", "keep", "stages"),
     "model": ("name", "options"),
@@ -671,6 +676,7 @@ def _ps(t: _Table) -> PsConfig:
         hung_after_s=hung,
         max_restarts=t.integer("max_restarts", d.max_restarts, ge=0),
         wire_dtype=t.choice("wire_dtype", d.wire_dtype, get_args(WireDtype)),
+        agent=t.choice("agent", d.agent, get_args(PsAgent)),
     )
 
 
