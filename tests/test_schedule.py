@@ -27,6 +27,7 @@ from hetpipe.core.schedule import (
     simulate,
     stage_profile,
     steps,
+    unstashed_forwards,
     validate,
     validate_lists,
     wsp_schedule,
@@ -256,6 +257,31 @@ def test_gpipe_runs_every_forward_then_every_backward() -> None:
 def test_wsp_keeps_one_version_per_minibatch_in_flight() -> None:
     s = wsp_schedule(4, 4, 3, 0)
     assert [stage_profile(s, j) for j in range(4)] == [StageProfile(k, k) for k in (4, 3, 2, 1)]
+
+
+def test_unstashed_forwards_are_those_no_update_or_rebase_separates_from_their_backward() -> None:
+    wsp = wsp_schedule(2, 2, 2, 0)  # stage 0: F0 F1 B0 U0 F2 B1 U1 PUSH0 F3 B2 U2 B3 U3 PUSH1
+    assert [sorted(unstashed_forwards(actions)) for actions in wsp.stages] == [[0], [0, 1, 2, 3]]
+    one = parse_actions("F0 F1 F2 B0 U0 F3 B1 U1 B2 U2 B3 U3 PUSH0")  # wsp's one stage at Nm 3: ahead of its updates
+    assert unstashed_forwards(one) == {0}
+    assert unstashed_forwards(parse_actions("F0 B0 PUSH0 F1 B1 U1 WAIT1 F2 B2")) == {0, 1, 2}
+    assert unstashed_forwards(parse_actions("F0 WAIT1 B0 F1 U0 B1")) == set()  # a rebase, an update in between
+    flush = get_schedule("1f1b-flush")(3, 4, 2, 1)  # one update a wave, after every backward of it
+    assert all(unstashed_forwards(actions) == set(range(8)) for actions in flush.stages)
+
+
+@given(schedules())
+@settings(max_examples=60, deadline=None)
+def test_an_unstashed_forwards_weights_are_those_of_its_backward(s: Schedule) -> None:
+    for actions in s.stages:
+        versions, at_forward = 0, {}
+        for action in actions:
+            if action.kind in ("U", "WAIT"):
+                versions += 1
+            elif action.kind == "F":
+                at_forward[action.index] = versions
+            elif action.kind == "B" and action.index in unstashed_forwards(actions):
+                assert at_forward[action.index] == versions, (s.name, action)
 
 
 # --- registry --------------------------------------------------------------------------------

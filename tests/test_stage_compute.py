@@ -81,3 +81,33 @@ def test_push_copies_the_buffers_and_reads_them_where_they_are_now():
     uncopied = compute.wave_push(1, copy_buffers=False)  # CUDA staging copies them itself, in stream order
     assert all(uncopied[k] is b for k, b in compute.buffers().items())
     assert set(uncopied) == set(pushed)
+
+
+def test_forwards_no_update_separates_from_their_backward_run_unstashed_to_the_same_weights():
+    """StageRules.unstashed (hetpipe.core.schedule.unstashed_forwards): those forwards keep no stashed copy and
+    compute what they compute on one, bit for bit; the others still stash."""
+    from hetpipe.core.schedule import unstashed_forwards
+
+    spec = get_model("mnist-cnn", batch_norm=True)
+    gen = torch.Generator().manual_seed(2)
+    data = {p: (torch.randn(4, 1, 28, 28, generator=gen), torch.randint(0, 10, (4,), generator=gen))
+            for p in range(NM * 2)}
+    for schedule in ("pipedream", "wsp"):
+        actions = get_schedule(schedule)(1, NM, 2, 0).stages[0]
+        results = []
+        for unstashed in (frozenset(), unstashed_forwards(actions)):
+            torch.manual_seed(0)
+            compute = StageCompute(build_stage(spec, 0, spec.num_layers), "adam", 1e-3, 0.0, 0.0,
+                                   StageRules(nm=NM, unstashed=unstashed))
+            for action in actions:
+                p = action.index
+                if action.kind == "F":
+                    compute.forward(p, data[p][0], data[p][1], spec.loss, input_grad=False)
+                    assert (compute.in_flight[p].weights is None) == (p in unstashed)
+                elif action.kind == "B":
+                    compute.backward(p, None, data[p][1], spec.loss)
+                elif action.kind == "U":
+                    compute.update(p)
+            results.append({k: t.detach().clone() for k, t in compute.values().items()})
+        assert unstashed_forwards(actions) == (set(range(2 * NM)) if schedule == "pipedream" else {0})
+        assert all(torch.equal(results[0][k], results[1][k]) for k in results[0]), schedule

@@ -41,7 +41,7 @@ from hetpipe.core.metrics import STAGE_PARTS, TraceRecorder
 from hetpipe.core.mitigation import stage_lags
 from hetpipe.core.procs import child_entered_at, process_started_at
 from hetpipe.core.resume import cut_position, forwarded_before, rejoin_actions, snapshot_floor
-from hetpipe.core.schedule import WAIT, get_schedule, own_through_required
+from hetpipe.core.schedule import WAIT, get_schedule, own_through_required, unstashed_forwards
 from hetpipe.core.wsp import gate_version
 from hetpipe.models import build_stage
 from hetpipe.worker.jobs import StageJob
@@ -100,6 +100,7 @@ class StageRunner:
             aggregation=config.ps.aggregation, buffers=config.ps.buffers, precision=t.precision,
             mitigation=t.mitigations, num_vws=job.num_vws, warmup_waves=t.warmup_waves, staleness=wsp.staleness,
             lags=stage_lags(self.schedule.stages[job.stage]) if t.mitigations else None,
+            unstashed=unstashed_forwards(self.schedule.stages[job.stage]),
         )
         self.ledgers: dict[str, torch.Tensor] = {}
         if job.audit:

@@ -100,6 +100,9 @@ class StageRules:
     warmup_waves: int = 0  # warmup ramp and PipeMare T1 annealing, in waves
     staleness: int = 0  # D (spectrain with aggregation server predicts D + 1 versions ahead)
     lags: Mapping[int, Lag] | None = None  # per minibatch of this stage (hetpipe.core.mitigation.stage_lags)
+    unstashed: frozenset[int] = frozenset()  # minibatches whose weights no U or WAIT changes between F and B
+    #                                          (hetpipe.core.schedule.unstashed_forwards): forwards on the live
+    #                                          weights, no stashed copy (the same numbers, a copy less)
 
 
 @dataclass
@@ -203,7 +206,7 @@ class StageCompute:
 
     def _weights(self, p: int) -> dict[str, Tensor] | None:
         """The stashed copy of the current weight version (made at its first forward, p), or None (live)."""
-        if not self.rules.stashing:
+        if not self.rules.stashing or p in self.rules.unstashed:
             return None
         if self._stash is None:
             lag = self._lags[p].update if self._predict and p in self._lags else 0

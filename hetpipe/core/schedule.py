@@ -47,6 +47,7 @@ __all__ = [
     "simulate",
     "stage_profile",
     "steps",
+    "unstashed_forwards",
     "validate",
     "validate_lists",
     "wsp_schedule",
@@ -170,6 +171,24 @@ def needs(action: Action, stage: int, num_stages: int) -> tuple[tuple[int, Actio
     if action.kind == BACKWARD and stage < num_stages - 1:
         return ((stage + 1, action),)
     return ()
+
+
+def unstashed_forwards(actions: Sequence[Action]) -> frozenset[int]:
+    """Minibatches of one stage's list whose weights cannot change between their F and their B: no U (the
+    optimizer step) and no WAIT (the rebase rewrites the weights) lies between them. Their forward may run on
+    the live weights, without a stashed copy, and computes exactly what it computes on one (the last stage of
+    every schedule, and every stage of a one-stage VW, run each F p right before its B p)."""
+    opened: set[int] = set()
+    out: set[int] = set()
+    for action in actions:
+        if action.kind == FORWARD:
+            opened.add(action.index)
+        elif action.kind == BACKWARD and action.index in opened:
+            opened.discard(action.index)
+            out.add(action.index)
+        elif action.kind in (UPDATE, WAIT):
+            opened.clear()
+    return frozenset(out)
 
 
 def gate_of(action: Action, staleness: int) -> int | None:

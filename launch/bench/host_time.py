@@ -35,7 +35,7 @@ import gpu  # noqa: E402  (launch/bench is not a package)
 from hetpipe.compute import data as datalib  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.stage_compute import StageCompute, StageRules  # noqa: E402
-from hetpipe.core.schedule import PUSH, SCHEDULES, WAIT, get_schedule  # noqa: E402
+from hetpipe.core.schedule import PUSH, SCHEDULES, WAIT, get_schedule, unstashed_forwards  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
 
 NM = 4
@@ -116,7 +116,8 @@ def stage(config: Any, device: torch.device, batches: list, profile: bool) -> di
     kind = get_schedule(t.schedule)
     waves = len(batches) // NM
     actions = [a for a in kind(1, NM, waves, 0).stages[0] if a.kind != WAIT]  # one VW: no pulls
-    rules = StageRules(nm=NM, stashing=kind.stashing != "none", precision=t.precision)
+    rules = StageRules(nm=NM, stashing=kind.stashing != "none", precision=t.precision,
+                       unstashed=unstashed_forwards(actions))
     compute = StageCompute(build_stage(spec, 0, spec.num_layers, device), t.optimizer, t.lr, t.momentum,
                            t.weight_decay, rules)
     blocks: dict[str, Callable[[int], object]] = {
