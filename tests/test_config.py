@@ -153,6 +153,7 @@ ROUND_TRIPS = [
     ('[checkpoint]\ndir = ""\nevery = 5\nkeep = 1\nstages = false', "checkpoint", CheckpointConfig("", 5, 1, False)),
     ('[ps]\non_vw_failure = "evict"\nheartbeat_s = 0.5\nhung_after_s = 3\nmax_restarts = 0', "ps",
      PsConfig(on_vw_failure="evict", heartbeat_s=0.5, hung_after_s=3.0, max_restarts=0)),
+    ('[ps]\nagent = "process"', "ps", PsConfig(agent="process")),
     ('[ps]\nheartbeat_s = 0\nhung_after_s = 0', "ps", PsConfig(heartbeat_s=0.0, hung_after_s=0.0)),
     (
         '[model]\nname = "resnet-18"\noptions = { width = 64, blocks = [2, 2], act = { kind = "relu" } }',
@@ -354,6 +355,8 @@ ERRORS = [
      ["wsp.on_nan: unknown key", "(`on_nan` belongs under [train])"]),
     ("bad-on-vw-failure", MINIMAL + '[ps]\non_vw_failure = "evicted"\n',
      ['ps.on_vw_failure: unknown value "evicted"', 'choose one of: stop, evict (did you mean "evict"?)']),
+    ("bad-ps-agent", MINIMAL + '[ps]\nagent = "processes"\n',
+     ['ps.agent: unknown value "processes"', 'choose one of: auto, thread, process (did you mean "process"?)']),
     ("misplaced-on-vw-failure", MINIMAL + '[train]\non_vw_failure = "evict"\n',
      ["train.on_vw_failure: unknown key", "(`on_vw_failure` belongs under [ps])"]),
     ("hung-before-a-heartbeat", MINIMAL + "[ps]\nheartbeat_s = 5\nhung_after_s = 6\n",
