@@ -210,14 +210,14 @@ class StageRunner:
         })
 
     def totals(self) -> dict[str, float]:
-        """Seconds by part: this thread's (self.times), its PS thread's (push, pull, parked) and the training loop's."""
+        """Seconds by part: this thread's (self.times), its PS agent's (push, pull, parked) and the training loop's."""
         assert self.link is not None
         push, pull, parked = self.link.totals
         return {**{k: round(v, 4) for k, v in self.times.items()}, "push": round(push, 4),
                 "pull": round(pull, 4), "parked": round(parked, 4), "train": round(self.train_s, 4)}
 
     def _stopped_by_ps(self, exc: BaseException) -> None:
-        """The agent thread heard that this stage must stop (its VW evicted, the run failed, pushes lost): say
+        """The PS agent heard that this stage must stop (its VW evicted, the run failed, pushes lost): say
         so and end the process, whatever the stage thread is blocked on."""
         code = getattr(exc, "code", "")
         if code not in ("evicted", "vw_failed", "lost"):
