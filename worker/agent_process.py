@@ -26,7 +26,7 @@ import numpy as np
 from hetpipe.core.keys import ClientKeys
 from hetpipe.worker.agent_pipe import PipeWriter, read_message
 from hetpipe.worker.ps_agent import PSAgent, PushDone
-from hetpipe.worker.ps_client import Pulled, PSClient
+from hetpipe.worker.ps_client import PSClient, Pulled
 from hetpipe.worker.shared_host import SharedHost
 
 __all__ = ["describe_error", "flat_views", "main"]

@@ -8,6 +8,7 @@ for a CPU stage, whose arrays then go out zero-copy; docs/architecture.md#the-ps
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from hetpipe.core.keys import ClientKeys
 from hetpipe.core.metrics import TraceRecorder
 from hetpipe.worker.agent_pipe import PipeWriter, read_message
 from hetpipe.worker.ps_agent import PSAgent, PushDone
-from hetpipe.worker.ps_client import Pulled, PSClient, PSError, PSTimeout
+from hetpipe.worker.ps_client import PSClient, PSError, PSTimeout, Pulled
 from hetpipe.worker.shared_host import SharedHost
 from hetpipe.worker.transfer import FlatLayout
 
@@ -245,10 +246,8 @@ class ProcessLink:
             except Exception as exc:
                 self._fail(fields["id"], exc if isinstance(exc, HetpipeError) else HetpipeError(
                     f"could not hand the {op} to the PS agent process: {type(exc).__name__}: {exc}"))
-        try:
+        with contextlib.suppress(OSError):
             self.proc.stdin.close()  # type: ignore[union-attr]
-        except OSError:
-            pass
 
     def _fail(self, job: int, exc: BaseException) -> None:
         with self._lock:

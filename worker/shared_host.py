@@ -8,6 +8,7 @@ device-to-host and host-to-device copies run asynchronously, as they do into buf
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -81,10 +82,8 @@ class SharedHost:
 
     def unlink(self) -> None:
         """Remove the file (the mappings stay valid until closed)."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def pin(self) -> bool:
         """Page-lock the mapping for CUDA copies (cudaHostRegister); False, with a note on stderr, if the driver
@@ -111,7 +110,5 @@ class SharedHost:
             self._registered = []
         self.progress = self.pull = None  # type: ignore[assignment]
         self.slots = []
-        try:
+        with contextlib.suppress(BufferError):  # a view is still alive somewhere: the mapping goes with the process
             self._map.close()
-        except BufferError:  # a view is still alive somewhere: the mapping goes with the process
-            pass

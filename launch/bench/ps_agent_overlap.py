@@ -22,6 +22,7 @@ CPU ms; --out writes them as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -85,10 +86,8 @@ def pin_threads(issuing: int, others: set[int], pids: list[int]) -> bool:
     for pid in [os.getpid(), *pids]:
         for task in Path(f"/proc/{pid}/task").iterdir():
             tid = int(task.name)
-            try:
+            with contextlib.suppress(OSError):
                 os.sched_setaffinity(tid, {0} if tid == issuing else others)
-            except OSError:
-                pass
     return True
 
 
