@@ -138,3 +138,22 @@ def test_the_agent_process_ends_when_the_pipe_closes(children):
     assert one.proc.wait(timeout=20) == 0
     admin = PSClient([endpoint], "eof", 0, 0, 1, 1, {}, timeout_s=5, retry_s=1)
     admin.close()
+
+
+def test_shared_buffers_go_where_there_is_room(tmp_path, monkeypatch):
+    """A file bigger than its filesystem's free space kills whoever touches the missing pages (a container's
+    /dev/shm is often 64 MiB): such a folder is passed over, and with no room anywhere the error names the fixes."""
+    from hetpipe.worker import shared_host
+
+    roomy, cramped = tmp_path / "roomy", tmp_path / "cramped"
+    roomy.mkdir()
+    cramped.mkdir()
+    free = {str(roomy): 1 << 40, str(cramped): 32 << 20}
+    monkeypatch.setattr(shared_host, "_free_bytes", lambda folder: free.get(str(folder), 0))
+    monkeypatch.setattr(shared_host.tempfile, "gettempdir", lambda: str(roomy))
+    assert shared_host.shared_dir(100 << 20, (cramped,)) == roomy
+    free[str(cramped)] = 1 << 40
+    assert shared_host.shared_dir(100 << 20, (cramped,)) == cramped
+    free[str(cramped)] = free[str(roomy)] = 0
+    with pytest.raises(HetpipeError, match=r"--shm-size.*TMPDIR.*agent = \"thread\""):
+        shared_host.shared_dir(100 << 20, (cramped,))

@@ -1,6 +1,6 @@
 """Host buffers a stage shares with its PS agent process: two push slots, the pull buffer and a progress cell.
 
-One file in /dev/shm (the temp folder where there is none), mapped by both processes and unlinked as soon as
+One file in /dev/shm (the temp folder where it has no room), mapped by both processes and unlinked as soon as
 the agent has mapped it, so nothing is left behind when either process dies. Each buffer starts on a page
 boundary; on CUDA the stage registers the mapping with the driver (page-locked, as pinned memory is), so its
 device-to-host and host-to-device copies run asynchronously, as they do into buffers it allocates itself.
@@ -18,16 +18,30 @@ from pathlib import Path
 
 import numpy as np
 
+from hetpipe.core.errors import HetpipeError
+
 __all__ = ["SharedHost", "shared_dir"]
 
 PAGE = mmap.PAGESIZE
 PROGRESS_BYTES = PAGE  # one int64 cell: how many actions the stage has run (the agent's heartbeats report it)
 
 
-def shared_dir() -> Path:
-    """Where the buffer files go: /dev/shm (memory, not disk) where it exists and is writable."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+def _free_bytes(folder: Path) -> int:
+    stat = os.statvfs(folder)
+    return stat.f_bavail * stat.f_frsize
+
+
+def shared_dir(nbytes: int, candidates: tuple[Path, ...] = (Path("/dev/shm"),)) -> Path:
+    """Where a buffer file of `nbytes` goes: /dev/shm (memory, not disk) where it is writable and has room, else the
+    temp folder. A file bigger than its filesystem's free space would kill the process that touches the missing
+    pages (SIGBUS; a container's /dev/shm is often 64 MiB), so neither with too little room is used."""
+    for folder in (*candidates, Path(tempfile.gettempdir())):
+        if folder.is_dir() and os.access(folder, os.W_OK) and _free_bytes(folder) >= nbytes + (64 << 20):
+            return folder
+    raise HetpipeError(f"no room for the {nbytes >> 20} MiB a stage shares with its PS agent process in "
+                       f"{', '.join(str(c) for c in candidates)} or {tempfile.gettempdir()}: give the container a "
+                       "bigger /dev/shm (docker run --shm-size), point TMPDIR at a folder with room, or set "
+                       '`[ps] agent = "thread"`')
 
 
 def _pages(nbytes: int) -> int:
@@ -74,7 +88,8 @@ class SharedHost:
     def create(cls, numel: int, name: str) -> SharedHost:
         """A new file for `numel` float32 values a buffer (`name` makes it recognisable: run, VW, stage, pid)."""
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
-        return cls(shared_dir() / f"hetpipe-{safe}-{os.getpid()}", numel, create=True)
+        folder = shared_dir(_Layout(numel).size)
+        return cls(folder / f"hetpipe-{safe}-{os.getpid()}", numel, create=True)
 
     @classmethod
     def attach(cls, path: str | Path, numel: int) -> SharedHost:
