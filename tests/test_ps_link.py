@@ -157,3 +157,19 @@ def test_shared_buffers_go_where_there_is_room(tmp_path, monkeypatch):
     free[str(cramped)] = free[str(roomy)] = 0
     with pytest.raises(HetpipeError, match=r"--shm-size.*TMPDIR.*agent = \"thread\""):
         shared_host.shared_dir(100 << 20, (cramped,))
+
+
+@pytest.mark.slow
+def test_an_agent_process_that_stops_answering_is_named(children):
+    import signal
+
+    endpoint, _ = start_shard(children, ShardSettings("mute", 0, "tcp://127.0.0.1:0", 0, "exact"))
+    one = link(endpoint, "mute")
+    os.kill(one.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(HetpipeError, match=f"pid {one.proc.pid}.* did not answer its exit within 0 s"):
+            one._call("exit", 0.3)
+    finally:
+        os.kill(one.proc.pid, signal.SIGCONT)
+    one.shutdown()
+    assert one.proc.returncode == 0

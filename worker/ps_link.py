@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -181,7 +182,11 @@ class ProcessLink:
         return future
 
     def _call(self, op: str, wait_s: float | None = None, **fields: Any) -> dict[str, Any]:
-        return self._request(op, **fields).result(timeout=wait_s)
+        try:
+            return self._request(op, **fields).result(timeout=wait_s)
+        except FutureTimeout:
+            raise HetpipeError(f"the PS agent process (pid {self.proc.pid}) did not answer its {op} within "
+                               f"{wait_s:.0f} s; its log lines are in this stage's log") from None
 
     def register(self, values: Mapping[str, torch.Tensor], kinds: Mapping[str, str], num_waves: int,
                  start_wave: int, pulls: bool) -> dict[str, np.ndarray]:
