@@ -173,3 +173,26 @@ def test_an_agent_process_that_stops_answering_is_named(children):
         os.kill(one.proc.pid, signal.SIGCONT)
     one.shutdown()
     assert one.proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_an_agent_process_talks_curve_with_the_stages_keys(children, tmp_path):
+    """auth = "curve": the VW's key pair reaches the agent process through its setup message and the shard
+    admits it (a wrong key would leave the registration unanswered)."""
+    import zmq
+
+    from hetpipe.core.keys import client_keys, key_users, server_keys, write_keys
+
+    if not zmq.has("curve"):
+        pytest.skip("this libzmq has no CURVE support")
+    write_keys(tmp_path / "keys", key_users(1))
+    endpoint, _ = start_shard(children, ShardSettings("curved", 0, "tcp://127.0.0.1:0", 0,
+                                                      keys=server_keys(tmp_path / "keys", 1)))
+    keyed = ClientSpec([endpoint], "curved", 0, 0, 1, 1, dict.fromkeys(VALUES, 0), timeout_s=10, retry_s=2,
+                       curve=client_keys(tmp_path / "keys", "vw0"))
+    one = ProcessLink(keyed, FlatLayout.of(VALUES), torch.device("cpu"), TraceRecorder("vw0", 0), 1000, 0.0,
+                      lambda exc: None, "test-curved")
+    w0 = one.register(VALUES, KINDS, num_waves=2, start_wave=0, pulls=False)
+    np.testing.assert_array_equal(w0["w"], VALUES["w"].numpy())
+    one.close(timeout_s=5)
+    one.shutdown()
