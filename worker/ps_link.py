@@ -247,10 +247,14 @@ class ProcessLink:
             try:
                 if wait is not None:
                     wait()
-                self._out.send(op, **fields)
-            except Exception as exc:
+            except Exception as exc:  # this request's own wait failed (a device copy): only it fails
                 self._fail(fields["id"], exc if isinstance(exc, HetpipeError) else HetpipeError(
-                    f"could not hand the {op} to the PS agent process: {type(exc).__name__}: {exc}"))
+                    f"the {op} could not be handed to the PS agent: {type(exc).__name__}: {exc}"))
+                continue
+            try:
+                self._out.send(op, **fields)
+            except (OSError, ValueError):  # the pipe is gone: so is the agent process
+                self._break()
         with contextlib.suppress(OSError):
             self.proc.stdin.close()  # type: ignore[union-attr]
 
@@ -259,6 +263,18 @@ class ProcessLink:
             entry = self._open.pop(job, None)
         if entry is not None:
             entry[0].set_exception(exc)
+
+    def _break(self) -> None:
+        """The agent process is gone: every open request fails, and every later one raises at once."""
+        code = self.proc.poll()
+        broken = HetpipeError(f"the PS agent process ended{f' (exit code {code})' if code else ''} with requests "
+                              "open: its error is above in this stage's log")
+        with self._lock:
+            if self._broken is None:
+                self._broken = broken
+            still, self._open = list(self._open.values()), {}
+        for future, _, _ in still:
+            future.set_exception(self._broken)
 
     def _read_loop(self) -> None:
         try:
@@ -272,18 +288,14 @@ class ProcessLink:
                     self._fail(msg["id"], _error(msg["error"]))
                 else:
                     with self._lock:
-                        future, kind, wave = self._open.pop(msg["id"])
-                    future.set_result(self._result(kind, wave, msg))
+                        entry = self._open.pop(msg["id"], None)
+                    if entry is not None:  # None: its caller gave up waiting (a timed-out call)
+                        future, kind, wave = entry
+                        future.set_result(self._result(kind, wave, msg))
         except Exception as exc:  # a garbled pipe: the same as the process ending
             print(f"hetpipe: reading the PS agent's pipe failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        code = self.proc.poll()
-        broken = HetpipeError(f"the PS agent process ended{f' (exit code {code})' if code else ''} with requests "
-                              "open: its error is above in this stage's log")
-        with self._lock:
-            self._broken = broken
-            still, self._open = list(self._open.values()), {}
-        for future, _, _ in still:
-            future.set_exception(broken)
+        self.proc.wait()
+        self._break()
 
     @staticmethod
     def _result(kind: str, wave: int, msg: Mapping[str, Any]) -> Any:
