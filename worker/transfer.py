@@ -3,7 +3,7 @@
 Push: on CUDA the wave's tensors are packed into one flat device buffer and copied to host memory in one
 device-to-host copy into a pinned buffer (two, used in turn, so the next wave's copy need not wait for the
 last push to leave), on a stream of its own, so the copy overlaps the next wave's compute; on the CPU the
-tensors go out as they are, zero-copy. Pull: the agent thread copies the received frames into one flat host
+tensors go out as they are, zero-copy. Pull: the agent copies the received frames into one flat host
 buffer; on CUDA one host-to-device copy then brings it over, queued, and the agent copies the next pull into
 the buffer only once that copy has left it (`wait_free`), so the stage need not wait for it. The host buffers'
 per-key arrays are made once, and device buffers are cut into per-key views in one split: a few hundred slices
@@ -128,6 +128,7 @@ class PullStaging:
         return self.layout.views(flat)
 
     def wait_free(self) -> None:
-        """Block until the host buffer may be written again (the agent thread calls it before copying a pull in)."""
+        """Block until the host buffer may be written again (an agent thread calls it before copying a pull in;
+        an agent process is sent the pull only once it returns)."""
         if self._copied is not None:
             self._copied.synchronize()

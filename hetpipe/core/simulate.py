@@ -319,7 +319,7 @@ class _Run:
     def start(self, i: int, j: int, action: Action, now: float) -> None:
         vw = self.vws[i]
         end = free = now
-        if action.kind == PUSH:  # handed to the PS agent thread: the stage goes on at once
+        if action.kind == PUSH:  # handed to the PS agent: the stage goes on at once
             end = self.links.transfer(vw, j, push=True, now=now)  # the event spans the transfer
             vw.push_landed[action.index].append(end)
             vw.pushed[j] = action.index + 1
