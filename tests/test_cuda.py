@@ -97,8 +97,9 @@ def test_push_and_pull_staging_move_every_key_through_their_buffers(shared: bool
     pinned buffers in turn (a wave two back must have left before its buffer is written); PullStaging: the
     device views hold what the agent wrote into the host buffer, pull after pull. Shared: the buffers a stage
     shares with its agent process (worker/shared_host.py), registered with the driver as pinned memory."""
+    from hetpipe.worker.flat_layout import FlatLayout
     from hetpipe.worker.shared_host import SharedHost
-    from hetpipe.worker.transfer import FlatLayout, PullStaging, PushStaging
+    from hetpipe.worker.transfer import PullStaging, PushStaging
 
     device = torch.device("cuda:0")
     shapes = {"w": (3, 4), "b": (5,), "count": (), "k": (2, 3, 2)}

@@ -15,10 +15,10 @@ from hetpipe.core.errors import HetpipeError
 from hetpipe.core.metrics import TraceRecorder
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.agent_pipe import MAX_MESSAGE_BYTES, PipeWriter, read_message
-from hetpipe.worker.agent_process import flat_views
+from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.ps_client import PSClient
 from hetpipe.worker.ps_link import ClientSpec, ProcessLink, agent_kind
-from hetpipe.worker.transfer import FlatLayout, PushStaging
+from hetpipe.worker.transfer import PushStaging
 
 from conftest import start_shard
 
@@ -42,10 +42,10 @@ def test_auto_puts_the_agent_of_a_cuda_stage_in_a_process():
     assert agent_kind("process", torch.device("cpu")) == "process"
 
 
-def test_flat_views_cut_as_flat_layout_does():
+def test_array_views_cut_as_tensor_views_do():
     layout = FlatLayout.of(VALUES)
     flat = np.arange(layout.numel, dtype=np.float32)
-    ours = flat_views(flat, list(layout.keys), [list(s) for s in layout.shapes])
+    ours = layout.array_views(flat)
     theirs = layout.views(torch.from_numpy(flat))
     for key in VALUES:
         np.testing.assert_array_equal(ours[key], theirs[key].numpy())

@@ -25,21 +25,12 @@ import numpy as np
 
 from hetpipe.core.keys import ClientKeys
 from hetpipe.worker.agent_pipe import PipeWriter, read_message
+from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.ps_agent import PSAgent, PushDone
 from hetpipe.worker.ps_client import PSClient, Pulled
 from hetpipe.worker.shared_host import SharedHost
 
-__all__ = ["describe_error", "flat_views", "main"]
-
-
-def flat_views(flat: np.ndarray, keys: list[str], shapes: list[list[int]]) -> dict[str, np.ndarray]:
-    """Each key's slice of a flat float32 array, shaped (FlatLayout.views for numpy, without torch)."""
-    views, start = {}, 0
-    for key, shape in zip(keys, shapes, strict=True):
-        size = int(np.prod(shape, dtype=np.int64))
-        views[key] = flat[start:start + size].reshape(shape)
-        start += size
-    return views
+__all__ = ["describe_error", "main"]
 
 
 def describe_error(exc: BaseException) -> dict[str, str]:
@@ -84,9 +75,9 @@ def serve(stdin: Any, out: PipeWriter) -> int:
     if setup is None:
         return 0
     shared = SharedHost.attach(setup["path"], setup["numel"])
-    keys, shapes = setup["keys"], setup["shapes"]
-    slots = [flat_views(slot, keys, shapes) for slot in shared.slots]
-    pulled_into = flat_views(shared.pull, keys, shapes)
+    layout = FlatLayout(tuple(setup["keys"]), tuple(tuple(s) for s in setup["shapes"]))
+    slots = [layout.array_views(slot) for slot in shared.slots]
+    pulled_into = layout.array_views(shared.pull)
     curve = setup["curve"]
     client = PSClient(setup["endpoints"], setup["run"], setup["vw"], setup["stage"], setup["num_vws"],
                       setup["num_stages"], setup["placement"], timeout_s=setup["timeout_s"], retry_s=setup["retry_s"],

@@ -26,15 +26,12 @@ from hetpipe.core.errors import HetpipeError
 from hetpipe.core.keys import ClientKeys
 from hetpipe.core.metrics import TraceRecorder
 from hetpipe.worker.agent_pipe import PipeWriter, read_message
+from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.ps_agent import PSAgent, PushDone
 from hetpipe.worker.ps_client import PSClient, PSError, PSTimeout, Pulled
 from hetpipe.worker.shared_host import SharedHost
-from hetpipe.worker.transfer import FlatLayout
 
-__all__ = ["AGENT_KINDS", "ClientSpec", "ProcessLink", "ThreadLink", "agent_kind", "open_link"]
-
-AGENT_KINDS = ("auto", "thread", "process")
-
+__all__ = ["ClientSpec", "ProcessLink", "ThreadLink", "agent_kind", "open_link"]
 
 def agent_kind(setting: str, device: torch.device) -> str:
     """thread or process, for `[ps] agent` = `setting` on a stage computing on `device`."""

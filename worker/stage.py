@@ -44,11 +44,12 @@ from hetpipe.core.resume import cut_position, forwarded_before, rejoin_actions, 
 from hetpipe.core.schedule import WAIT, get_schedule, own_through_required, unstashed_forwards
 from hetpipe.core.wsp import gate_version
 from hetpipe.models import build_stage
+from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.jobs import StageJob
 from hetpipe.worker.p2p import P2P
 from hetpipe.worker.ps_link import ClientSpec, ProcessLink, ThreadLink, agent_kind, open_link
 from hetpipe.worker.snapshot import load_snapshot, save_snapshot, snapshot_dir
-from hetpipe.worker.transfer import FlatLayout, PullStaging, PushStaging
+from hetpipe.worker.transfer import PullStaging, PushStaging
 
 __all__ = ["EXIT_STOPPED_BY_PS", "NonFiniteLoss", "StageRunner", "run_stage"]
 

@@ -12,41 +12,15 @@ a wave, made one by one in Python, are host time a plain loop does not spend.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["FlatLayout", "PullStaging", "PushStaging"]
+from hetpipe.worker.flat_layout import FlatLayout
 
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Keys in a fixed order, each a slice of one flat float32 buffer."""
-
-    keys: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-
-    @classmethod
-    def of(cls, tensors: Mapping[str, Tensor]) -> FlatLayout:
-        return cls(tuple(tensors), tuple(tuple(t.shape) for t in tensors.values()))
-
-    @functools.cached_property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(int(np.prod(shape)) for shape in self.shapes)
-
-    @property
-    def numel(self) -> int:
-        return sum(self.sizes)
-
-    def views(self, flat: Tensor) -> dict[str, Tensor]:
-        """Each key's slice of `flat`, shaped (one split, then a view per key that is not flat already)."""
-        parts = flat.split_with_sizes(self.sizes)
-        return {key: part if len(shape) == 1 else part.view(shape)
-                for key, shape, part in zip(self.keys, self.shapes, parts, strict=True)}
+__all__ = ["PullStaging", "PushStaging"]
 
 
 def _flat_float(t: Tensor) -> Tensor:
@@ -70,7 +44,7 @@ class PushStaging:
         self.copies = self.cuda or slots is not None  # the arrays are a copy the stage may change meanwhile
         self._slots = slots if slots is not None else [_host_buffer(layout.numel, True) for _ in range(2)] \
             if self.cuda else []
-        self._arrays = [{k: v.numpy() for k, v in layout.views(host).items()} for host in self._slots]
+        self._arrays = [layout.array_views(host.numpy()) for host in self._slots]
         self._stream = torch.cuda.Stream(device) if self.cuda else None  # the copies, beside the compute
         self._turn = 0
 
@@ -114,7 +88,7 @@ class PullStaging:
         self.layout = layout
         self.device = device
         self.host = host if host is not None else _host_buffer(layout.numel, device.type == "cuda")
-        self.out = {k: v.numpy() for k, v in layout.views(self.host).items()}  # where the agent copies to
+        self.out = layout.array_views(self.host.numpy())  # where the agent copies to
         self._copied: torch.cuda.Event | None = None  # CUDA: the last host-to-device copy out of self.host
 
     def to_device(self) -> dict[str, Tensor]:
