@@ -16,8 +16,8 @@ from hetpipe.core.metrics import TraceRecorder
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.agent_pipe import MAX_MESSAGE_BYTES, PipeWriter, read_message
 from hetpipe.worker.flat_layout import FlatLayout
-from hetpipe.worker.ps_client import PSClient
-from hetpipe.worker.ps_link import ClientSpec, ProcessLink, agent_kind
+from hetpipe.worker.ps_client import ClientSpec, PSClient
+from hetpipe.worker.ps_link import ProcessLink, agent_kind
 from hetpipe.worker.transfer import PushStaging
 
 from conftest import start_shard
@@ -66,6 +66,18 @@ def test_pipe_messages_round_trip_and_refuse_garbage():
     with pytest.raises(ValueError, match="'op'"):
         body = b"\x91\x01"  # msgpack [1]
         read_message(io.BytesIO(len(body).to_bytes(4, "little") + body))
+
+
+def test_client_spec_crosses_the_pipe_whole():
+    from hetpipe.core.keys import ClientKeys
+
+    keyed = ClientSpec(["tcp://127.0.0.1:1"], "r", 1, 0, 2, 1, {"w": 0}, 5.0, 1.0,
+                       ClientKeys("vw1", b"pub", b"secret", b"server"), "bfloat16")
+    for one in (keyed, spec("tcp://127.0.0.1:1", "r")):
+        buf = io.BytesIO()
+        PipeWriter(buf).send("setup", client=one.fields())
+        buf.seek(0)
+        assert ClientSpec.of(read_message(buf)["client"]) == one
 
 
 @pytest.mark.slow

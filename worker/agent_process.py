@@ -23,11 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.core.keys import ClientKeys
 from hetpipe.worker.agent_pipe import PipeWriter, read_message
 from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.ps_agent import PSAgent, PushDone
-from hetpipe.worker.ps_client import PSClient, Pulled
+from hetpipe.worker.ps_client import ClientSpec, Pulled
 from hetpipe.worker.shared_host import SharedHost
 
 __all__ = ["describe_error", "main"]
@@ -78,10 +77,7 @@ def serve(stdin: Any, out: PipeWriter) -> int:
     layout = FlatLayout(tuple(setup["keys"]), tuple(tuple(s) for s in setup["shapes"]))
     slots = [layout.array_views(slot) for slot in shared.slots]
     pulled_into = layout.array_views(shared.pull)
-    curve = setup["curve"]
-    client = PSClient(setup["endpoints"], setup["run"], setup["vw"], setup["stage"], setup["num_vws"],
-                      setup["num_stages"], setup["placement"], timeout_s=setup["timeout_s"], retry_s=setup["retry_s"],
-                      curve=ClientKeys(**curve) if curve else None, wire_dtype=setup["wire_dtype"])
+    client = ClientSpec.of(setup["client"]).client()
     agent: PSAgent | None = None
     out.send("ready")
     try:

@@ -23,7 +23,7 @@ import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ from hetpipe.core.errors import HetpipeError
 from hetpipe.core.keys import ClientKeys
 from hetpipe.core.placement import keys_by_shard
 
-__all__ = ["Call", "PSClient", "PSError", "PSTimeout", "Pulled"]
+__all__ = ["Call", "ClientSpec", "PSClient", "PSError", "PSTimeout", "Pulled"]
 
 Request = tuple[str, dict[str, Any], Mapping[str, np.ndarray] | None]
 
@@ -86,6 +86,37 @@ class Call:
         if self.error is not None:
             raise self.error
         return [r for r in self.replies if r is not None]
+
+
+@dataclass(frozen=True)
+class ClientSpec:
+    """The PSClient a stage's agent talks through (its constructor's arguments)."""
+
+    endpoints: list[str]
+    run: str
+    vw: int
+    stage: int
+    num_vws: int
+    num_stages: int
+    placement: dict[str, int]
+    timeout_s: float
+    retry_s: float
+    curve: ClientKeys | None = None
+    wire_dtype: str = "float32"
+
+    def fields(self) -> dict[str, Any]:
+        """Its fields as plain values (the agent process gets them over its pipe, as msgpack)."""
+        return asdict(self)  # the keys too, as a map
+
+    @classmethod
+    def of(cls, fields: Mapping[str, Any]) -> ClientSpec:
+        """The spec `fields()` gave."""
+        curve = fields["curve"]
+        return cls(**{**fields, "curve": ClientKeys(**curve) if curve else None})
+
+    def client(self) -> PSClient:
+        return PSClient(self.endpoints, self.run, self.vw, self.stage, self.num_vws, self.num_stages, self.placement,
+                        timeout_s=self.timeout_s, retry_s=self.retry_s, curve=self.curve, wire_dtype=self.wire_dtype)
 
 
 class PSClient:

@@ -16,49 +16,27 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from hetpipe.core.errors import HetpipeError
-from hetpipe.core.keys import ClientKeys
 from hetpipe.core.metrics import TraceRecorder
 from hetpipe.worker.agent_pipe import PipeWriter, read_message
 from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.ps_agent import PSAgent, PushDone
-from hetpipe.worker.ps_client import PSClient, PSError, PSTimeout, Pulled
+from hetpipe.worker.ps_client import ClientSpec, PSError, PSTimeout, Pulled
 from hetpipe.worker.shared_host import SharedHost
 
-__all__ = ["ClientSpec", "ProcessLink", "ThreadLink", "agent_kind", "open_link"]
+__all__ = ["ProcessLink", "ThreadLink", "agent_kind", "open_link"]
+
 
 def agent_kind(setting: str, device: torch.device) -> str:
     """thread or process, for `[ps] agent` = `setting` on a stage computing on `device`."""
     if setting == "auto":
         return "process" if device.type == "cuda" else "thread"
     return setting
-
-
-@dataclass(frozen=True)
-class ClientSpec:
-    """The PSClient a stage's agent talks through (its constructor's arguments)."""
-
-    endpoints: list[str]
-    run: str
-    vw: int
-    stage: int
-    num_vws: int
-    num_stages: int
-    placement: dict[str, int]
-    timeout_s: float
-    retry_s: float
-    curve: ClientKeys | None = None
-    wire_dtype: str = "float32"
-
-    def client(self) -> PSClient:
-        return PSClient(self.endpoints, self.run, self.vw, self.stage, self.num_vws, self.num_stages, self.placement,
-                        timeout_s=self.timeout_s, retry_s=self.retry_s, curve=self.curve, wire_dtype=self.wire_dtype)
 
 
 class ThreadLink:
@@ -140,9 +118,8 @@ class ProcessLink:
                                          stdout=subprocess.PIPE)
             assert self.proc.stdin is not None and self.proc.stdout is not None
             self._out, self._in = PipeWriter(self.proc.stdin), self.proc.stdout
-            setup = {**asdict(spec), "curve": asdict(spec.curve) if spec.curve is not None else None}
-            self._out.send("setup", **setup, path=str(self.shared.path), numel=layout.numel, keys=list(layout.keys),
-                           shapes=[list(s) for s in layout.shapes], heartbeat_s=heartbeat_s)
+            self._out.send("setup", client=spec.fields(), path=str(self.shared.path), numel=layout.numel,
+                           keys=list(layout.keys), shapes=[list(s) for s in layout.shapes], heartbeat_s=heartbeat_s)
             ready = read_message(self._in)
         finally:
             self.shared.unlink()  # mapped by both (or the agent is gone): nothing is left behind either way

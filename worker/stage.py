@@ -47,7 +47,8 @@ from hetpipe.models import build_stage
 from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.jobs import StageJob
 from hetpipe.worker.p2p import P2P
-from hetpipe.worker.ps_link import ClientSpec, ProcessLink, ThreadLink, agent_kind, open_link
+from hetpipe.worker.ps_client import ClientSpec
+from hetpipe.worker.ps_link import ProcessLink, ThreadLink, agent_kind, open_link
 from hetpipe.worker.snapshot import load_snapshot, save_snapshot, snapshot_dir
 from hetpipe.worker.transfer import PullStaging, PushStaging
 

@@ -47,7 +47,8 @@ from hetpipe.models import build_stage  # noqa: E402
 from hetpipe.server.launch import serve_settings  # noqa: E402
 from hetpipe.server.shard import ShardSettings  # noqa: E402
 from hetpipe.worker.flat_layout import FlatLayout  # noqa: E402
-from hetpipe.worker.ps_link import ClientSpec, ProcessLink, ThreadLink  # noqa: E402
+from hetpipe.worker.ps_client import ClientSpec  # noqa: E402
+from hetpipe.worker.ps_link import ProcessLink, ThreadLink  # noqa: E402
 
 PEERS = ("none", "thread", "process")
 RUN = "agent-overlap"
