@@ -17,7 +17,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -89,9 +88,8 @@ def serve(stdin: Any, out: PipeWriter) -> int:
                                          start_wave=msg["start_wave"])
                     for key, value in w0.items():
                         np.copyto(pulled_into[key], value.reshape(pulled_into[key].shape), casting="unsafe")
-                    progress: Callable[[], int] = lambda: int(shared.progress[0])  # noqa: E731
                     agent = PSAgent(client, pulled_into if msg["pulls"] else None, _SpanRelay(out), 0,
-                                    heartbeat_s=setup["heartbeat_s"], progress=progress,
+                                    heartbeat_s=setup["heartbeat_s"], progress=lambda: int(shared.progress[0]),
                                     on_fatal=lambda exc: out.send("fatal", error=describe_error(exc)))
                     out.send("done", id=job, keys=sorted(w0))
                 elif op in ("push", "pull"):
