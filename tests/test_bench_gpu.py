@@ -108,3 +108,35 @@ def test_host_time_gives_a_plain_and_a_stage_row(tmp_path: Path):
         assert rows[name]["wall_ms"] > 0 and all(rows[name][f"{k}_ms"] > 0 for k in "FBU")
     assert rows["stage"]["PUSH_ms"] > 0 and "PUSH_ms" not in rows["plain"]
     assert (rows["model"], rows["schedule"], rows["device"]) == ("char-gpt", "wsp", "cpu")
+
+
+def test_runs_go_round_by_round_so_drift_reaches_the_plain_loop_and_every_system_alike():
+    assert gpu.run_order(2, 3) == [(-1, 0), (0, 0), (1, 0), (-1, 1), (0, 1), (1, 1), (-1, 2), (0, 2), (1, 2)]
+    assert gpu.run_order(0, 2) == [(-1, 0), (-1, 1)]
+
+
+def test_run_setting_interleaves_its_runs_takes_medians_and_stops_a_failed_system(monkeypatch, tmp_path: Path):
+    calls: list[str] = []
+    rates = iter([100.0, 90.0, 120.0, 99.0, 80.0, 95.0])  # plain, 1x1, plain, 1x1, plain, 1x1 (2x1 fails at once)
+
+    def plain(config, device, steps, warmup):
+        calls.append("plain")
+        return {"samples_per_s": next(rates), "loss_tail": 1.0, "host_ms": 1.0}
+
+    def hetpipe(config, run_dir):
+        calls.append(run_dir.name)
+        if config == (2, 1, 4, 1, "wsp"):
+            raise HetpipeError("out of memory")
+        return {"samples_per_s": next(rates), "loss_tail": 1.0, "host_ms": 1.0, "tail_s": 1.0, "wave_breakdown_ms": {}}
+
+    monkeypatch.setattr(gpu, "run_plain", plain)
+    monkeypatch.setattr(gpu, "run_hetpipe", hetpipe)
+    monkeypatch.setattr(gpu.Setting, "config", lambda self, *shape: shape)
+    setting = gpu.Setting("char-gpt", {}, ("shakespeare", {}), "fp32", "cpu", "cpu", 64, 24, 16.0, tmp_path)
+    rows: list[dict] = []
+    gpu.run_setting(setting, [("hetpipe", 1, 1, 4, 0, "wsp"), ("hetpipe", 2, 1, 4, 1, "wsp")], 3, 2, rows.append)
+    one, two = "char-gpt-fp32-1x1-nm4-d0-wsp", "char-gpt-fp32-2x1-nm4-d1-wsp"
+    assert calls == ["plain", f"{one}-0", f"{two}-0", "plain", f"{one}-1", "plain", f"{one}-2"]
+    assert [(r["system"], r.get("samples_per_s"), r.get("samples_per_s_runs")) for r in rows] == [
+        ("plain", 100.0, [100.0, 120.0, 80.0]), ("hetpipe", 95.0, [90.0, 99.0, 95.0]), ("hetpipe", None, None)]
+    assert rows[1]["ratio_to_plain"] == 0.95 and rows[2]["error"] == "HetpipeError: out of memory"

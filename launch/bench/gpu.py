@@ -1,6 +1,7 @@
 """hetpipe on one real device against a plain torch loop on it, in one run (issue 11).
 
-Systems, per model and precision, each measured --repeats times (median and spread reported):
+Systems, per model and precision, each measured --repeats times, round by round (the plain loop, then each
+system once a round, so the machine's drift reaches all alike), median and spread reported:
   plain          the whole model, one process: forward, loss, backward, Adam step; each minibatch copied to the
                  device from pinned memory, as a stage copies its own (since 2026-11-26, after the H200 run)
   hetpipe 1x1    1 VW x 1 stage at Nm 1 and at Nm 4 (PS + WSP on the same machine, `exact` pulls, D 0)
@@ -27,8 +28,8 @@ row is compared with the 1x1 row at the same Nm and schedule).
     python launch/bench/gpu.py --rows a.json --rows b.json --out gpu.json --table gpu.md   # merge split runs
 
 --table writes the README's Markdown table (naming the device) of the rows. A system whose run fails gets a row
-with its error (the other systems still run) and the script exits 1; --out is rewritten after every row, so
-what was measured survives a later failure or a timeout.
+with its error (the other systems still run) and the script exits 1; --out is rewritten after each model and
+precision, so what was measured survives a later failure or a timeout.
 """
 
 from __future__ import annotations
@@ -315,29 +316,47 @@ class Setting:
                             staleness, schedule, self.minibatches, self.batch, self.memory_gib, self.work)
 
 
+def run_order(systems: int, repeats: int) -> list[tuple[int, int]]:
+    """(system, repeat) in the order they run, system -1 the plain loop: round by round, the plain loop and then
+    each hetpipe system once a round, so a drift of the machine's speed during the run (seen on the device host:
+    a quarter between calls) reaches the plain loop and every system alike instead of whichever ran last."""
+    return [(system, repeat) for repeat in range(repeats) for system in range(-1, systems)]
+
+
 def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmup: int,
                 measured: Callable[[dict[str, Any]], None]) -> None:
-    """The plain loop, then every hetpipe system of `systems`, `repeats` times each; `measured` gets each row
-    as it is done. A system whose run fails gets a row with its error instead of figures, and the next runs."""
+    """The plain loop and every hetpipe system of `systems`, `repeats` times each, interleaved (run_order);
+    `measured` gets each row once its runs are done. A system whose run fails gets a row with its error
+    instead of figures and runs no more; the others go on."""
     base = {"device": setting.device_name, "model": setting.model, "precision": setting.precision,
             "batch": setting.batch, "minibatches": setting.minibatches}
-    plain = [run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup) for _ in range(repeats)]
-    plain_row = median_row({**base, "system": "plain", "nm": 1, "vws": 1, "stages": 1}, plain)
+    labels = [{**base, "system": system, "nm": nm, "vws": vws, "stages": stages, "staleness": staleness,
+               "schedule": schedule} for system, vws, stages, nm, staleness, schedule in systems]
+    runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(-1, len(systems))}
+    failed: dict[int, str] = {}
+    for i, repeat in run_order(len(systems), repeats):
+        if i < 0:
+            runs[i].append(run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup))
+            continue
+        if i in failed:
+            continue
+        _, vws, stages, nm, staleness, schedule = systems[i]
+        name = run_name(setting.model, setting.precision, vws, stages, nm, staleness, schedule)
+        try:
+            runs[i].append(run_hetpipe(setting.config(vws, stages, nm, staleness, schedule),
+                                       setting.work / f"{name}-{repeat}"))
+        except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
+            failed[i] = f"{type(e).__name__}: {e}"
+    plain_row = median_row({**base, "system": "plain", "nm": 1, "vws": 1, "stages": 1}, runs[-1])
     plain_row["ratio_to_plain"] = 1.0
     click.echo(f"{setting.model} {setting.precision} plain: {plain_row['samples_per_s']} samples/s", err=True)
     measured(plain_row)
-    for system, vws, stages, nm, staleness, schedule in systems:
-        labels = {**base, "system": system, "nm": nm, "vws": vws, "stages": stages, "staleness": staleness,
-                  "schedule": schedule}
-        try:
-            name = run_name(setting.model, setting.precision, vws, stages, nm, staleness, schedule)
-            runs = [run_hetpipe(setting.config(vws, stages, nm, staleness, schedule), setting.work / f"{name}-{i}")
-                    for i in range(repeats)]
-        except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
-            measured({**labels, "error": f"{type(e).__name__}: {e}"})
-            click.echo(f"{setting.model} {setting.precision} {system_label(labels)}: FAILED: {e}", err=True)
+    for i, row_labels in enumerate(labels):
+        if i in failed:
+            measured({**row_labels, "error": failed[i]})
+            click.echo(f"{setting.model} {setting.precision} {system_label(row_labels)}: FAILED: {failed[i]}", err=True)
             continue
-        row = median_row(labels, runs)
+        row = median_row(row_labels, runs[i])
         row["ratio_to_plain"] = round(row["samples_per_s"] / plain_row["samples_per_s"], 3)
         click.echo(f"{setting.model} {setting.precision} {system_label(row)}: {row['samples_per_s']} samples/s = "
                    f"{row['ratio_to_plain']}x plain, returned {row['tail_s']} s after its last minibatch", err=True)
