@@ -3,7 +3,7 @@
 # tests, gpu.py's acceptance systems against the plain loop, and host_time.py on the CPU-bound ones. The suite runs
 # first, on every core, and the benchmarks after it on the lower half of the cores with nothing beside them: the
 # host-bound rows (a step the device finishes faster than the CPU issues it) moved by a quarter when the suite ran
-# beside them, and the suite's PS fuzz test timed out there once (2026-11-26, H200). About 9 minutes on a
+# beside them, and the suite's PS fuzz test timed out there once (2026-11-26, H200). About 10 minutes on a
 # 16-core H100 or H200 machine. Everything lands in OUT (default runs/gpu-check): test and suite logs, a.json ...
 # e.json and their merge gpu.json and gpu.md, host-*.json.
 #
