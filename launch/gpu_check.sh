@@ -5,7 +5,7 @@
 # host-bound rows (a step the device finishes faster than the CPU issues it) moved by a quarter when the suite ran
 # beside them, and the suite's PS fuzz test timed out there once (2026-11-26, H200). About 10 minutes on a
 # 16-core H100 or H200 machine. Everything lands in OUT (default runs/gpu-check): test and suite logs, a.json ...
-# e.json and their merge gpu.json and gpu.md, host-*.json.
+# e.json and their merge gpu.json and gpu.md, host-*.json, machine.txt (the GPU, the cores and which share one).
 #
 #   bash launch/gpu_check.sh [OUT]                     # PYTHON=python3 to use another interpreter than .venv's
 #   REPEATS=1 MINIBATCHES=60 bash launch/gpu_check.sh  # a quicker, rougher pass
@@ -30,6 +30,9 @@ if command -v taskset >/dev/null && [ "$half" -ge 2 ]; then
 fi
 workers=()
 "$PY" -c "import xdist" 2>/dev/null && workers=(-n "$(( cores > 2 ? cores - 1 : 1 ))")
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; lscpu -e 2>/dev/null || true
+} >"$OUT/machine.txt" 2>&1  # which cores share a physical core (SMT) matters to the host-bound rows
 
 stamp "the suite, GPU visible"
 "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" --ignore tests/test_cuda.py tests >"$OUT/suite.log" 2>&1
