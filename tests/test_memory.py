@@ -141,3 +141,26 @@ def test_format_bytes() -> None:
     assert format_bytes(1023) == "1023 B"
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(7.1 * 2**30) == "7.10 GiB"
+
+
+def test_a_cuda_stage_counts_the_flat_device_copy_of_its_push() -> None:
+    layers = [layer(params=100, optimizer=100, output=10, saved=30, working=7),
+              layer(params=50, optimizer=50, output=20, saved=5, working=40)]
+    cpu = stage_memory_terms(layers, 1, 4, MemoryRule(nm=4), input_bytes=8)
+    cuda = stage_memory_terms(layers, 1, 4, MemoryRule(nm=4, staged_push=True), input_bytes=8)
+    assert cpu.push_staging == 0 and cuda.push_staging == 150 and cuda.total == cpu.total + 150
+    assert "push staging 150 B" in cuda.describe() and "push staging" not in cpu.describe()
+    no_ps = MemoryRule(nm=4, staged_push=True, ps=False)  # nothing pushed, nothing staged
+    assert stage_memory_terms(layers, 1, 4, no_ps, input_bytes=8).push_staging == 0
+
+
+def test_memory_rule_of_a_config_stages_pushes_unless_its_gpus_are_emulated_on_the_cpu() -> None:
+    from dataclasses import replace
+
+    from hetpipe.core.config import default_config_path, load_config
+
+    config = load_config(default_config_path())
+    assert config.emulation.enabled and not MemoryRule.of(config, 2).staged_push
+    real = replace(config, emulation=replace(config.emulation, enabled=False))
+    on_cuda = replace(config, emulation=replace(config.emulation, device="cuda"))
+    assert MemoryRule.of(real, 2).staged_push and MemoryRule.of(on_cuda, 2).staged_push

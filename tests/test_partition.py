@@ -183,6 +183,18 @@ def test_usage_errors() -> None:
         partition([profile, make_profile([1, 1, 1])], gpus(1, 1), [FAST], 1)
 
 
+def test_a_cuda_stage_needs_room_for_its_push_staging() -> None:
+    profile = make_profile([1.0, 1.0], params=[100, 50], outputs=[10, 10], saved=[5, 5])
+    plain = MemoryRule(nm=2)
+    need = stage_memory(profile.layers, 0, 1, plain, input_bytes=0)
+    assert partition([profile], gpus(need), [], 2, rule=plain).stages[0].memory_bytes == need
+    staged = MemoryRule(nm=2, staged_push=True)
+    assert stage_memory(profile.layers, 0, 1, staged, input_bytes=0) == need + 150
+    with pytest.raises(HetpipeError, match="add GPUs to the VW"):
+        partition([profile], gpus(need), [], 2, rule=staged)
+    assert partition([profile], gpus(need + 150), [], 2, rule=staged).stages[0].memory_bytes == need + 150
+
+
 # ---------------------------------------------------------------------------------------------- brute force
 
 

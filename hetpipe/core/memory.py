@@ -33,6 +33,7 @@ class Keeping:
     update_sums: int  # own update (or gradient) sums kept until a pull contains them
     baseline: bool  # a copy of the weights as of the last recorded update (aggregation sum/mean)
     optimizer: bool  # the optimizer state lives on the stage (not with aggregation "server")
+    push_staging: bool = False  # a push's flat device copy, read by its device-to-host copy (CUDA stages)
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,16 @@ class MemoryRule:
     pulls: bool = True  # WAITs pull (more than one VW, or aggregation "server")
     local_updates: bool = True  # aggregation sum or mean: updates are applied on the stage
     ps: bool = True  # the stage pushes to a PS (False: a plain replica, e.g. a baseline's)
+    staged_push: bool = False  # stages on CUDA: a push goes to the host through one flat device copy of it
 
     @classmethod
     def of(cls, config: ClusterConfig, num_vws: int) -> MemoryRule:
         """The rule a run of `config` with `num_vws` virtual workers follows."""
         t, server = config.train, config.ps.aggregation == "server"
+        on_cpu = config.emulation.enabled and config.emulation.device == "cpu"  # else CUDA where there is one
         return cls(nm=config.wsp.nm, schedule=t.schedule, weight_stashing=t.weight_stashing, recompute=t.recompute,
-                   staleness=config.wsp.staleness, pulls=num_vws > 1 or server, local_updates=not server)
+                   staleness=config.wsp.staleness, pulls=num_vws > 1 or server, local_updates=not server,
+                   staged_push=not on_cpu)
 
     def with_nm(self, nm: int) -> MemoryRule:
         return replace(self, nm=nm)
@@ -82,6 +86,7 @@ def _keeping(rule: MemoryRule, stage: int, num_stages: int) -> Keeping:
         update_sums=sums,
         baseline=rule.local_updates and rule.ps,
         optimizer=rule.local_updates,
+        push_staging=rule.ps and rule.staged_push,
     )
 
 
@@ -104,11 +109,12 @@ class StageMemory:
     outputs: int
     in_transit: int
     working: int
+    push_staging: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.optimizer + self.stashed + self.baseline + self.update_sums
-                + self.activations + self.inputs + self.outputs + self.in_transit + self.working)
+                + self.activations + self.inputs + self.outputs + self.in_transit + self.working + self.push_staging)
 
     def describe(self) -> str:
         """`weights 1.20 GiB + gradients ... = 7.10 GiB`, for error messages."""
@@ -116,7 +122,8 @@ class StageMemory:
             ("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
             ("stashed weights", self.stashed), ("update baseline", self.baseline), ("update sums", self.update_sums),
             ("saved activations", self.activations), ("input buffers", self.inputs), ("outputs", self.outputs),
-            ("gradients in transit", self.in_transit), ("working", self.working))
+            ("gradients in transit", self.in_transit), ("working", self.working),
+            ("push staging", self.push_staging))
             if value]
         return " + ".join(parts) + f" = {format_bytes(self.total)}"
 
@@ -162,6 +169,9 @@ def stage_memory_terms(
         in_transit=output_bytes + (0 if first else (rule.nm + 1) * input_bytes),
         # transient peak of one layer at a time (activation gradients, temporaries)
         working=max(layer.working_bytes for layer in layers),
+        # on CUDA, the wave's push as one flat float32 copy on the device, until its device-to-host copy has
+        # read it (worker/transfer.py PushStaging); made at the wave's end, beside the forwards already ahead
+        push_staging=weights if keep.push_staging else 0,
     )
 
 

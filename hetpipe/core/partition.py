@@ -271,7 +271,7 @@ class _Problem:
         """stage_memory_terms(...).total of every [s, e) at position j, as a table."""
         t, k = self.tables[j], len(self.gpus)
         keep = rule.keeping(j, k)
-        copies = 2 + keep.stashed + keep.update_sums + int(keep.baseline)  # weights, gradients and the rest
+        copies = 2 + keep.stashed + keep.update_sums + int(keep.baseline) + int(keep.push_staging)  # weights, gradients, ...
         boundary = keep.in_flight * t.inputs
         if j < k - 1:  # outputs kept as backward roots, and the output gradient received
             boundary = boundary + (keep.in_flight + 1) * t.outputs
