@@ -361,11 +361,10 @@ class _Search:
         return [self.link(a[0], b[0]) for a, b in zip(gpus, gpus[1:], strict=False)]
 
     def rule(self, schedule: str, staleness: int, num_vws: int) -> MemoryRule:
-        """What the stages keep under `schedule` (memory), from the config's training and PS settings."""
-        t, server = self.config.train, self.config.ps.aggregation == "server"
-        return MemoryRule(schedule=schedule, weight_stashing=t.weight_stashing,
-                          recompute=t.recompute and schedule in ("1f1b-flush", "gpipe"), staleness=staleness,
-                          pulls=num_vws > 1 or server, local_updates=not server)
+        """What the stages keep under `schedule` (memory), from the config's training and PS settings (Nm is set
+        per candidate)."""
+        return dataclasses.replace(MemoryRule.of(self.config, num_vws), nm=1, schedule=schedule, staleness=staleness,
+                                   recompute=self.config.train.recompute and schedule in ("1f1b-flush", "gpipe"))
 
     def with_memory(self, vw: VwPlan, rule: MemoryRule) -> VwPlan:
         """The VW's stages with their memory recomputed under `rule` (its D sets how many update sums a stage
