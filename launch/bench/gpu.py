@@ -335,18 +335,22 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(-1, len(systems))}
     failed: dict[int, str] = {}
     for i, repeat in run_order(len(systems), repeats):
-        if i < 0:
-            runs[i].append(run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup))
-            continue
         if i in failed:
             continue
-        _, vws, stages, nm, staleness, schedule = systems[i]
-        name = run_name(setting.model, setting.precision, vws, stages, nm, staleness, schedule)
-        try:
-            runs[i].append(run_hetpipe(setting.config(vws, stages, nm, staleness, schedule),
-                                       setting.work / f"{name}-{repeat}"))
-        except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
-            failed[i] = f"{type(e).__name__}: {e}"
+        if i < 0:
+            runs[i].append(run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup))
+        else:
+            _, vws, stages, nm, staleness, schedule = systems[i]
+            name = run_name(setting.model, setting.precision, vws, stages, nm, staleness, schedule)
+            try:
+                runs[i].append(run_hetpipe(setting.config(vws, stages, nm, staleness, schedule),
+                                           setting.work / f"{name}-{repeat}"))
+            except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
+                failed[i] = f"{type(e).__name__}: {e}"
+                continue
+        label = "plain torch loop" if i < 0 else system_label(labels[i])
+        click.echo(f"  run {repeat + 1}/{repeats} of {setting.model} {setting.precision} {label}: "
+                   f"{runs[i][-1]['samples_per_s']:.1f} samples/s", err=True)
     plain_row = median_row({**base, "system": "plain", "nm": 1, "vws": 1, "stages": 1}, runs[-1])
     plain_row["ratio_to_plain"] = 1.0
     click.echo(f"{setting.model} {setting.precision} plain: {plain_row['samples_per_s']} samples/s", err=True)
