@@ -71,11 +71,16 @@ def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
 
 
 def test_system_option_reads_vws_stages_and_nm_and_refuses_the_rest():
-    assert gpu.parse_system("1x2:4") == ("hetpipe", 1, 2, 4, 0, "wsp")
-    assert gpu.parse_system("2x1:4:1") == ("hetpipe", 2, 1, 4, 1, "wsp")
-    assert gpu.parse_system("1x2:4@1f1b-flush") == ("hetpipe", 1, 2, 4, 0, "1f1b-flush")
+    assert gpu.parse_system("1x2:4") == ("hetpipe", 1, 2, 4, 0, "wsp", ())
+    assert gpu.parse_system("2x1:4:1") == ("hetpipe", 2, 1, 4, 1, "wsp", ())
+    assert gpu.parse_system("1x2:4@1f1b-flush") == ("hetpipe", 1, 2, 4, 0, "1f1b-flush", ())
+    assert gpu.parse_system("1x1:4@1f1b-flush+ps.wire_dtype=bfloat16+ps.agent=thread") == (
+        "hetpipe", 1, 1, 4, 0, "1f1b-flush", ("ps.wire_dtype=bfloat16", "ps.agent=thread"))
     for bad in ("1x2", "12:4", "axb:c", "0x1:4", "2x1:4:-1", "2x1:4:1:1", "1x2:4@flush"):
         with pytest.raises(click.BadParameter, match="VWs|VWSxSTAGES|schedule"):
+            gpu.parse_system(bad)
+    for bad in ("1x1:4+", "1x1:4+ps.agent", "1x1:4+=thread", "1x1:4+ps.agent="):
+        with pytest.raises(click.BadParameter, match="is a config setting KEY=VALUE"):
             gpu.parse_system(bad)
 
 
@@ -131,12 +136,28 @@ def test_run_setting_interleaves_its_runs_takes_medians_and_stops_a_failed_syste
 
     monkeypatch.setattr(gpu, "run_plain", plain)
     monkeypatch.setattr(gpu, "run_hetpipe", hetpipe)
-    monkeypatch.setattr(gpu.Setting, "config", lambda self, *shape: shape)
+    monkeypatch.setattr(gpu.Setting, "config", lambda self, *shape: shape[:5])  # (vws, stages, nm, D, schedule)
     setting = gpu.Setting("char-gpt", {}, ("shakespeare", {}), "fp32", "cpu", "cpu", 64, 24, 16.0, tmp_path)
     rows: list[dict] = []
-    gpu.run_setting(setting, [("hetpipe", 1, 1, 4, 0, "wsp"), ("hetpipe", 2, 1, 4, 1, "wsp")], 3, 2, rows.append)
+    gpu.run_setting(setting, [("hetpipe", 1, 1, 4, 0, "wsp", ()), ("hetpipe", 2, 1, 4, 1, "wsp", ())], 3, 2,
+                    rows.append)
     one, two = "char-gpt-fp32-1x1-nm4-d0-wsp", "char-gpt-fp32-2x1-nm4-d1-wsp"
     assert calls == ["plain", f"{one}-0", f"{two}-0", "plain", f"{one}-1", "plain", f"{one}-2"]
     assert [(r["system"], r.get("samples_per_s"), r.get("samples_per_s_runs")) for r in rows] == [
         ("plain", 100.0, [100.0, 120.0, 80.0]), ("hetpipe", 95.0, [90.0, 99.0, 95.0]), ("hetpipe", None, None)]
     assert rows[1]["ratio_to_plain"] == 0.95 and rows[2]["error"] == "HetpipeError: out of memory"
+
+
+def test_a_system_with_settings_runs_beside_the_same_system_without_them(tmp_path: Path):
+    out = tmp_path / "gpu.json"
+    result = CliRunner().invoke(gpu.main, [
+        "--device", "cpu", "--quick", "--model", "char-gpt", "--precision", "fp32", "--repeats", "1",
+        "--minibatches", "16", "--warmup", "2", "--system", "1x1:4", "--system", "1x1:4+ps.wire_dtype=bfloat16",
+        "--system", "1x1:4+ps.no_such_key=1", "--keep", str(tmp_path / "runs"), "--out", str(out)])
+    assert result.exit_code == 1, result.output  # the bad setting's row is an error; the others ran
+    rows = json.loads(out.read_text())
+    assert [r.get("settings") for r in rows] == [None, None, ["ps.wire_dtype=bfloat16"], ["ps.no_such_key=1"]]
+    assert rows[1]["samples_per_s"] > 0 and rows[2]["samples_per_s"] > 0 and "no_such_key" in rows[3]["error"]
+    assert gpu.system_label(rows[2]) == "hetpipe 1 VW x 1 stage, Nm 4, ps.wire_dtype=bfloat16"
+    config = (tmp_path / "runs" / "char-gpt-fp32-1x1-nm4-d0-wsp+ps.wire_dtype=bfloat16-0" / "config.toml").read_text()
+    assert 'wire_dtype = "bfloat16"' in config

@@ -25,6 +25,7 @@ row is compared with the 1x1 row at the same Nm and schedule).
     python launch/bench/gpu.py --device cpu --quick                 # a smoke run on the CPU (tiny models)
     python launch/bench/gpu.py --model char-gpt --precision bf16 --repeats 3 --minibatches 300
     python launch/bench/gpu.py --model resnet50 --system 1x1:4 --keep runs/gpu  # one system; keep its run folders
+    python launch/bench/gpu.py --model resnet50 --system 1x1:4 --system 1x1:4+ps.wire_dtype=bfloat16  # a variant
     python launch/bench/gpu.py --rows a.json --rows b.json --out gpu.json --table gpu.md   # merge split runs
 
 --table writes the README's Markdown table (naming the device) of the rows. A system whose run fails gets a row
@@ -35,6 +36,7 @@ precision, so what was measured survives a later failure or a timeout.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -53,7 +55,7 @@ import throughput  # noqa: E402  (launch/bench is not a package)
 from hetpipe.compute import data as datalib  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.optim import make_optimizer  # noqa: E402
-from hetpipe.core.config import ClusterConfig, load_config  # noqa: E402
+from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.schedule import SCHEDULES  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
 
@@ -67,12 +69,12 @@ QUICK = {  # --quick: the same kinds of model, small enough for a CPU smoke run
                  ("shakespeare", {"block_size": 32})),
     "resnet50": ({"in_channels": 1, "num_classes": 10, "image_size": 32}, ("mnist", {"pad": 2})),
 }
-SYSTEMS = (  # (system, VWs, stages per VW, Nm, D, schedule)
-    ("hetpipe", 1, 1, 1, 0, "wsp"), ("hetpipe", 1, 1, 4, 0, "wsp"), ("hetpipe", 2, 1, 1, 0, "wsp"),
-    ("hetpipe", 2, 1, 4, 1, "wsp"), ("hetpipe", 1, 2, 4, 0, "wsp"),
-    ("hetpipe", 1, 1, 4, 0, "1f1b-flush"), ("hetpipe", 1, 2, 4, 0, "1f1b-flush"),
+SYSTEMS = (  # (system, VWs, stages per VW, Nm, D, schedule, config settings)
+    ("hetpipe", 1, 1, 1, 0, "wsp", ()), ("hetpipe", 1, 1, 4, 0, "wsp", ()), ("hetpipe", 2, 1, 1, 0, "wsp", ()),
+    ("hetpipe", 2, 1, 4, 1, "wsp", ()), ("hetpipe", 1, 2, 4, 0, "wsp", ()),
+    ("hetpipe", 1, 1, 4, 0, "1f1b-flush", ()), ("hetpipe", 1, 2, 4, 0, "1f1b-flush", ()),
 )
-System = tuple[str, int, int, int, int, str]
+System = tuple[str, int, int, int, int, str, tuple[str, ...]]
 HOST_STEPS = 10  # plain loop: steps after the timed ones, each issued onto an idle device, for its host time
 LOSS_TAIL = 20  # minibatches whose mean loss a row reports
 
@@ -226,16 +228,23 @@ def host_ms(trace_file: Path) -> float:
 
 
 def parse_system(text: str) -> System:
-    """`VWSxSTAGES:NM[:D][@SCHEDULE]` (as `--system` takes it, e.g. 1x2:4, 2x1:4:1 or 1x2:4@1f1b-flush; D 0 and
-    schedule wsp unless given) as a SYSTEMS entry."""
-    shape_part, _, schedule = text.partition("@")
+    """`VWSxSTAGES:NM[:D][@SCHEDULE][+KEY=VALUE...]` (as `--system` takes it, e.g. 1x2:4, 2x1:4:1,
+    1x2:4@1f1b-flush or 1x1:4+ps.wire_dtype=bfloat16; D 0 and schedule wsp unless given; each +KEY=VALUE a
+    config setting as `hetpipe train --set` takes it, for a side-by-side variant of a system) as a SYSTEMS entry."""
+    head, *settings = text.split("+")
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not (key.strip() and sep and value.strip()):
+            raise click.BadParameter(f"{text!r}: each +{item!r} is a config setting KEY=VALUE, e.g. "
+                                     "1x1:4+ps.wire_dtype=bfloat16 or 1x1:4+ps.agent=thread")
+    shape_part, _, schedule = head.partition("@")
     schedule = schedule or "wsp"
     try:
         shape, nm, *rest = shape_part.split(":")
         vws, stages = shape.split("x")
         if len(rest) > 1:
             raise ValueError(text)
-        system = ("hetpipe", int(vws), int(stages), int(nm), int(rest[0]) if rest else 0, schedule)
+        system = ("hetpipe", int(vws), int(stages), int(nm), int(rest[0]) if rest else 0, schedule, tuple(settings))
     except ValueError:
         raise click.BadParameter(f"{text!r}: write VWSxSTAGES:NM[:D][@SCHEDULE], e.g. 1x1:4 (1 VW of 1 stage at "
                                  "Nm 4), 2x1:4:1 (2 VWs at Nm 4, D 1) or 1x2:4@1f1b-flush") from None
@@ -264,7 +273,8 @@ def system_label(row: dict[str, Any]) -> str:
     stages = "stage" if row["stages"] == 1 else "stages"
     staleness = f", D {row['staleness']}" if row.get("staleness") else ""
     schedule = f", {row['schedule']}" if row.get("schedule", "wsp") != "wsp" else ""
-    return f"hetpipe {row['vws']} {vws} x {row['stages']} {stages}, Nm {row['nm']}{staleness}{schedule}"
+    settings = "".join(f", {item}" for item in row.get("settings", ()))
+    return f"hetpipe {row['vws']} {vws} x {row['stages']} {stages}, Nm {row['nm']}{staleness}{schedule}{settings}"
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
@@ -311,9 +321,11 @@ class Setting:
     memory_gib: float
     work: Path
 
-    def config(self, vws: int, stages: int, nm: int, staleness: int = 0, schedule: str = "wsp") -> ClusterConfig:
-        return bench_config(self.model, self.options, self.data, self.precision, self.device, vws, stages, nm,
-                            staleness, schedule, self.minibatches, self.batch, self.memory_gib, self.work)
+    def config(self, vws: int, stages: int, nm: int, staleness: int = 0, schedule: str = "wsp",
+               settings: Sequence[str] = ()) -> ClusterConfig:
+        return apply_overrides(bench_config(self.model, self.options, self.data, self.precision, self.device, vws,
+                                            stages, nm, staleness, schedule, self.minibatches, self.batch,
+                                            self.memory_gib, self.work), settings)
 
 
 def run_order(systems: int, repeats: int) -> list[tuple[int, int]]:
@@ -331,7 +343,8 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
     base = {"device": setting.device_name, "model": setting.model, "precision": setting.precision,
             "batch": setting.batch, "minibatches": setting.minibatches}
     labels = [{**base, "system": system, "nm": nm, "vws": vws, "stages": stages, "staleness": staleness,
-               "schedule": schedule} for system, vws, stages, nm, staleness, schedule in systems]
+               "schedule": schedule, **({"settings": list(settings)} if settings else {})}
+              for system, vws, stages, nm, staleness, schedule, settings in systems]
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(-1, len(systems))}
     failed: dict[int, str] = {}
     for i, repeat in run_order(len(systems), repeats):
@@ -340,10 +353,11 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
         if i < 0:
             runs[i].append(run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup))
         else:
-            _, vws, stages, nm, staleness, schedule = systems[i]
+            _, vws, stages, nm, staleness, schedule, settings = systems[i]
             name = run_name(setting.model, setting.precision, vws, stages, nm, staleness, schedule)
+            name += "".join("+" + re.sub(r"[^A-Za-z0-9._=-]", "_", item) for item in settings)
             try:
-                runs[i].append(run_hetpipe(setting.config(vws, stages, nm, staleness, schedule),
+                runs[i].append(run_hetpipe(setting.config(vws, stages, nm, staleness, schedule, settings),
                                            setting.work / f"{name}-{repeat}"))
             except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
                 failed[i] = f"{type(e).__name__}: {e}"
@@ -373,8 +387,9 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
 @click.option("--precision", "precisions", type=click.Choice(["fp32", "bf16"]), multiple=True,
               help="Repeatable; default both.")
 @click.option("--system", "systems", multiple=True, callback=lambda _c, _p, v: tuple(map(parse_system, v)),
-              help="VWSxSTAGES:NM[:D][@SCHEDULE], repeatable (default: 1x1:1 1x1:4 2x1:1 2x1:4:1 1x2:4 "
-                   "1x1:4@1f1b-flush 1x2:4@1f1b-flush); the plain loop always runs.")
+              help="VWSxSTAGES:NM[:D][@SCHEDULE][+KEY=VALUE...], repeatable (default: 1x1:1 1x1:4 2x1:1 2x1:4:1 "
+                   "1x2:4 1x1:4@1f1b-flush 1x2:4@1f1b-flush); +KEY=VALUE sets the config as `hetpipe train --set` "
+                   "does (1x1:4+ps.agent=thread beside 1x1:4 compares the two); the plain loop always runs.")
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--minibatches", type=int, default=300, show_default=True, help="Per VW and run.")
 @click.option("--warmup", type=int, default=20, show_default=True, help="Plain loop: untimed steps first.")
@@ -427,10 +442,10 @@ def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...
 def compare_stages(rows: list[dict[str, Any]]) -> None:
     """Each 2-stage VW's loss against 1 stage's at the same Nm and schedule, where both ran: under a flush
     schedule the same training, split (under wsp each stage's weights lag by its own count of updates)."""
-    ones = {(r["model"], r["precision"], r["nm"], r.get("schedule", "wsp")): r for r in rows
+    ones = {(r["model"], r["precision"], r["nm"], r.get("schedule", "wsp"), *r.get("settings", ())): r for r in rows
             if (r["system"], r["vws"], r["stages"]) == ("hetpipe", 1, 1) and "loss_tail" in r}
     for row in rows:
-        one = ones.get((row["model"], row["precision"], row["nm"], row.get("schedule", "wsp")))
+        one = ones.get((row["model"], row["precision"], row["nm"], row.get("schedule", "wsp"), *row.get("settings", ())))
         if row["stages"] == 2 and "loss_tail" in row and one is not None:
             row["loss_vs_one_stage"] = round(row["loss_tail"] / one["loss_tail"] - 1, 4)
 
