@@ -3,13 +3,15 @@
 # tests, gpu.py's acceptance systems against the plain loop, and host_time.py on the CPU-bound ones. The suite runs
 # first, on every core, and the benchmarks after it on the lower half of the cores with nothing beside them: the
 # host-bound rows (a step the device finishes faster than the CPU issues it) moved by a quarter when the suite ran
-# beside them, and the suite's PS fuzz test timed out there once (2026-11-26, H200). About 10 minutes on a
-# 16-core H100 or H200 machine. Everything lands in OUT (default runs/gpu-check): test and suite logs, a.json ...
-# e.json and their merge gpu.json and gpu.md, host-*.json, machine.txt (the GPU, the cores and which share one).
+# beside them, and the suite's PS fuzz test timed out there once (2026-11-26, H200). About 11 minutes on a
+# 16-core H100 or H200 machine, more than one device call may run: split it with BENCH=0 and SUITE=0 (below).
+# Everything lands in OUT (default runs/gpu-check): test and suite logs, a.json ... e.json and their merge
+# gpu.json and gpu.md, host-*.json, machine.txt (the GPU, the cores and which share one).
 #
 #   bash launch/gpu_check.sh [OUT]                     # PYTHON=python3 to use another interpreter than .venv's
 #   REPEATS=1 MINIBATCHES=60 bash launch/gpu_check.sh  # a quicker, rougher pass
 #   KEEP=runs/gpu-runs bash launch/gpu_check.sh         # keep every run folder (traces, logs) there
+#   BENCH=0 bash launch/gpu_check.sh; SUITE=0 bash launch/gpu_check.sh   # in two calls of ~3 and ~8 minutes
 #
 # The suite runs in parallel when pytest-xdist is installed, else serially.
 set -uo pipefail
@@ -34,13 +36,16 @@ workers=()
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; lscpu -e 2>/dev/null || true
 } >"$OUT/machine.txt" 2>&1  # which cores share a physical core (SMT) matters to the host-bound rows
 
-stamp "the suite, GPU visible"
-"$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" --ignore tests/test_cuda.py tests >"$OUT/suite.log" 2>&1
-echo "suite rc $? at $(( $(date +%s) - started )) s" >>"$OUT/suite.log"; tail -3 "$OUT/suite.log"
+if [ "${SUITE:-1}" != 0 ]; then
+  stamp "the suite, GPU visible"
+  "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" --ignore tests/test_cuda.py tests >"$OUT/suite.log" 2>&1
+  echo "suite rc $? at $(( $(date +%s) - started )) s" >>"$OUT/suite.log"; tail -3 "$OUT/suite.log"
 
-stamp "CUDA tests"
-"${low[@]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$OUT/test_cuda.log" 2>&1; echo "rc $?"
-tail -3 "$OUT/test_cuda.log"
+  stamp "CUDA tests"
+  "${low[@]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$OUT/test_cuda.log" 2>&1; echo "rc $?"
+  tail -3 "$OUT/test_cuda.log"
+fi
+[ "${BENCH:-1}" = 0 ] && { stamp done; exit 0; }
 
 G=("${low[@]}" "$PY" launch/bench/gpu.py --repeats "$REPEATS" --minibatches "$MINIBATCHES" ${KEEP:+--keep "$KEEP"})
 run() {  # NAME, then gpu.py's arguments: in order of what the issue's acceptance needs most
@@ -51,8 +56,11 @@ run() {  # NAME, then gpu.py's arguments: in order of what the issue's acceptanc
 run a --model char-gpt --precision fp32 --system 1x1:4 --system 2x1:4:1
 run b --model char-gpt --precision fp32 --repeats 1 --minibatches 200 --system 1x1:4@1f1b-flush \
   --system 1x2:4@1f1b-flush
-run c --model char-gpt --precision bf16 --system 1x1:4 --system 1x1:4@1f1b-flush
-run d --model resnet50 --precision fp32 --minibatches $(( 2 * MINIBATCHES )) --system 1x1:4  # the noisiest row
+# the host-bound rows also beside the same system with half the push's bytes (bfloat16 on the wire): whether
+# the PS's own CPU work (the agent process and the shard, busy the whole run) slows the stage's thread
+V=1x1:4+ps.wire_dtype=bfloat16
+run c --model char-gpt --precision bf16 --system 1x1:4 --system 1x1:4@1f1b-flush --system $V
+run d --model resnet50 --precision fp32 --minibatches $(( 2 * MINIBATCHES )) --system 1x1:4 --system $V  # the noisiest row
 run e --model resnet50 --precision bf16 --system 1x1:4 --system 1x1:4@1f1b-flush
 rows=()
 for f in "$OUT"/[a-e].json; do [ -f "$f" ] && rows+=(--rows "$f"); done
