@@ -3,8 +3,11 @@ run, and literal sums of the terms."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from hetpipe.core.config import default_config_path, load_config
 from hetpipe.core.errors import UsageError
 from hetpipe.core.memory import (
     PLAIN,
@@ -155,10 +158,6 @@ def test_a_cuda_stage_counts_the_flat_device_copy_of_its_push() -> None:
 
 
 def test_memory_rule_of_a_config_stages_pushes_unless_its_gpus_are_emulated_on_the_cpu() -> None:
-    from dataclasses import replace
-
-    from hetpipe.core.config import default_config_path, load_config
-
     config = load_config(default_config_path())
     assert config.emulation.enabled and not MemoryRule.of(config, 2).staged_push
     real = replace(config, emulation=replace(config.emulation, enabled=False))

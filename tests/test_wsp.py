@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetpipe.core import wire
 from hetpipe.core.aggregation import make_aggregation
 from hetpipe.core.wsp import ShardState, WspError, first_pulled_wave, gate_version, pending_bound
 
@@ -603,8 +604,6 @@ def test_evictions_and_rejoins_keep_every_update_exactly_once(num_vws, num_stage
 @pytest.mark.parametrize("aggregation", ["sum", "mean", "server"])
 def test_a_push_folded_straight_from_its_frames_builds_the_same_weights_as_from_arrays(aggregation: str):
     """One contributor's sum stays the received frames (several of them here); W + S is added from them."""
-    from hetpipe.core import wire
-
     n = 2 * wire.CHUNK_BYTES // 4 + 5
     rng = np.random.default_rng(3)
     w0 = {"w": rng.standard_normal(n).astype(np.float32), "bn": np.ones(3, np.float32),
