@@ -601,8 +601,9 @@ def test_evictions_and_rejoins_keep_every_update_exactly_once(num_vws, num_stage
             np.testing.assert_array_equal(got[final == 0.0], 0.0)
 
 
+@pytest.mark.parametrize("mode", ["exact", "latest"])
 @pytest.mark.parametrize("aggregation", ["sum", "mean", "server"])
-def test_a_push_folded_straight_from_its_frames_builds_the_same_weights_as_from_arrays(aggregation: str):
+def test_a_push_folded_straight_from_its_frames_builds_the_same_weights_as_from_arrays(aggregation: str, mode: str):
     """One contributor's sum stays the received frames (several of them here); W + S is added from them."""
     n = 2 * wire.CHUNK_BYTES // 4 + 5
     rng = np.random.default_rng(3)
@@ -613,7 +614,7 @@ def test_a_push_folded_straight_from_its_frames_builds_the_same_weights_as_from_
     fields = {"id": 1, "vw": 0, "stage": 0, "wave": 0, "run": "r"}
     built = []
     for as_frames in (False, True):
-        shard = ShardState(0, "exact", make_aggregation(aggregation, optimizer="adam", lr=0.1))
+        shard = ShardState(0, mode, make_aggregation(aggregation, optimizer="adam", lr=0.1))
         shard.register(0, 0, 1, 1, w0, kinds={"bn": "buffer", "audit": "ledger"})
         for wave, tensors in enumerate(pushes):
             if as_frames:

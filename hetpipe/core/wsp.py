@@ -447,6 +447,9 @@ class ShardState:
             if kind == "buffer":
                 self.latest_buffers.setdefault(vw, {})[key] = _copy(src)
                 continue
+            if self.aggregation.adds(kind):  # W += S straight from the received frames, not copied out first
+                _add(self._writable(key), src)
+                continue
             new = self.aggregation.add_now(key, kind, self._writable(key), _as_array(src), count)
             if new is not None:
                 self.weights[key] = new.astype(np.float32, copy=False)
