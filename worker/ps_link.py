@@ -170,8 +170,8 @@ class ProcessLink:
         self.push_slots[0].copy_(flat)
         keys = self._call("register", kinds=dict(kinds), num_waves=num_waves, start_wave=start_wave,
                           pulls=pulls)["keys"]
-        views = self.layout.views(self.pull_host)
-        return {k: views[k].numpy() for k in keys}
+        views = self.layout.array_views(self.shared.pull)
+        return {k: views[k] for k in keys}
 
     def start(self, pull_into: Mapping[str, np.ndarray] | None, pull_into_free: Callable[[], None] | None) -> None:
         """Pulls land in the shared pull buffer (pull_into is the stage's view of it); `pull_into_free` blocks

@@ -41,7 +41,6 @@ class PushStaging:
         self.layout = layout
         self.device = device
         self.cuda = device.type == "cuda"
-        self.copies = self.cuda or slots is not None  # the arrays are a copy the stage may change meanwhile
         self._slots = slots if slots is not None else [_host_buffer(layout.numel, True) for _ in range(2)] \
             if self.cuda else []
         self._arrays = [layout.array_views(host.numpy()) for host in self._slots]
@@ -73,6 +72,11 @@ class PushStaging:
             copied.record(self._stream)
         flat.record_stream(self._stream)  # its memory is not reused by the compute before the copy has read it
         return dict(self._arrays[slot]), copied.synchronize
+
+    @property
+    def copies(self) -> bool:
+        """Whether a push is staged into host buffers (a copy the stage may change meanwhile), not zero-copy."""
+        return bool(self._slots)
 
     @property
     def slot(self) -> int:
