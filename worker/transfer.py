@@ -7,7 +7,10 @@ tensors go out as they are, zero-copy. Pull: the agent copies the received frame
 buffer; on CUDA one host-to-device copy then brings it over, queued, and the agent copies the next pull into
 the buffer only once that copy has left it (`wait_free`), so the stage need not wait for it. The host buffers'
 per-key arrays are made once, and device buffers are cut into per-key views in one split: a few hundred slices
-a wave, made one by one in Python, are host time a plain loop does not spend.
+a wave, made one by one in Python, are host time a plain loop does not spend. Both copies signal blocking CUDA
+events: their waiter (a thread beside the stage's, or the agent's side) sleeps until the copy is done, where a
+default event's synchronize spins on a core, calling into the driver, for as long as the copy is queued behind
+the wave's compute.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class PushStaging:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the wave's updates and the cat
         with torch.cuda.stream(self._stream):
             host.copy_(flat, non_blocking=True)  # the one device-to-host copy of this wave
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(blocking=True)  # its waiter sleeps, not spins on a core beside the stage's
             copied.record(self._stream)
         flat.record_stream(self._stream)  # its memory is not reused by the compute before the copy has read it
         return dict(self._arrays[slot]), copied.synchronize
@@ -101,7 +104,7 @@ class PullStaging:
         if self.device.type != "cuda":
             return self.layout.views(self.host)
         flat = self.host.to(self.device, non_blocking=True)  # the one host-to-device copy of this pull
-        self._copied = torch.cuda.Event()
+        self._copied = torch.cuda.Event(blocking=True)  # waited for by the agent's side: sleep, do not spin
         self._copied.record()
         return self.layout.views(flat)
 
