@@ -112,12 +112,19 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Continue the stopped run in this run dir from the newest wave the PS and every stage "
                    "checkpointed (needs [checkpoint] every >= 1); its config.toml unless CONFIG is given.")
+@click.option("--profile", "profile_text", metavar="FIRST:COUNT", default=None,
+              help="Every stage runs torch.profiler from its forward of minibatch FIRST through the update of "
+                   "FIRST+COUNT-1 and writes which ops take its host's and device's time, per minibatch, to "
+                   "<run dir>/profile/vw<V>-s<S>.txt (and .json); e.g. 40:40. The profiled stretch runs slower.")
 @_set_option
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
-          tensorboard_dir: Path | None, quiet: bool, audit: bool, resume_dir: Path | None,
+          tensorboard_dir: Path | None, quiet: bool, audit: bool, resume_dir: Path | None, profile_text: str | None,
           settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
     from hetpipe.core.errors import UsageError
+    from hetpipe.core.profile_window import ProfileWindow
+
+    profile = ProfileWindow.parse(profile_text) if profile_text is not None else None
 
     if resume_dir is not None:
         if run_dir is not None and run_dir != resume_dir:
@@ -150,7 +157,8 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 
         check_board()
     options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit,
-                           tensorboard=tensorboard_dir, started_at=STARTED, resume=resume_dir is not None)
+                           tensorboard=tensorboard_dir, started_at=STARTED, resume=resume_dir is not None,
+                           profile=profile)
     summary = run_train(config, options)
     click.echo(format_summary(summary))
     if summary_path:

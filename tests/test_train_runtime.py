@@ -112,7 +112,7 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
     path = write_config(tmp_path, vws=[["n0:0", "n0:1"]], nm=2, staleness=0, waves=4)
     out = tmp_path / "summary.json"
     result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
-                             "--summary", str(out), "--set", "train.waves=3", "--set", "wsp.nm=3"],
+                             "--summary", str(out), "--set", "train.waves=3", "--set", "wsp.nm=3", "--profile", "2:4"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     summary = json.loads(out.read_text())
@@ -135,6 +135,21 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
         assert 0 < t["times_s"]["compute"] <= own <= t["times_s"]["train"]
     assert summary["wave_breakdown_ms"]["0"]["train"] == max(round(1000 * t["times_s"]["train"] / 3, 3)
                                                               for t in totals.values())
+    # --profile: each stage wrote its ops over minibatches 2 ... 5
+    for stage in (0, 1):
+        profile = json.loads((tmp_path / "r" / "profile" / f"vw0-s{stage}.json").read_text())
+        assert profile["window"] == [2, 5] and profile["aten_calls"] > 0 and profile["by_host"]
+        assert (tmp_path / "r" / "profile" / f"vw0-s{stage}.txt").read_text().startswith(f"vw0-s{stage}, minibatches 2-5")
+
+
+def test_a_profile_window_past_the_run_is_refused_before_anything_starts(tmp_path: Path):
+    from hetpipe.core.errors import UsageError
+    from hetpipe.core.profile_window import ProfileWindow
+
+    path = write_config(tmp_path, vws=[["n0:0"]], nm=2, staleness=0, waves=3)
+    with pytest.raises(UsageError, match=r"ends at minibatch 7, but each VW runs 6 .*FIRST \+ COUNT <= 6"):
+        train(load_config(path), TrainOptions(run_dir=tmp_path / "r", progress=False, profile=ProfileWindow(4, 4)))
+    assert not (tmp_path / "r").exists()
 
 
 def test_server_and_workers_as_separate_commands(tmp_path: Path):

@@ -12,6 +12,7 @@ from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
 from hetpipe.core.devices import stage_device
 from hetpipe.core.emulate import cpu_cores, slowdowns
 from hetpipe.core.keys import ClientKeys
+from hetpipe.core.profile_window import ProfileWindow
 
 __all__ = ["StageJob", "cuda_devices", "emulated_slowdowns", "stage_jobs"]
 
@@ -42,6 +43,7 @@ class StageJob:
     snapshot_every: int = 0  # > 0: save this stage's state every this many waves under <run_dir>/stages
     snapshot_keep: int = 3  # snapshots that may still match one of the PS's kept checkpoints
     first_vw: VwLayout | None = None  # the run's first VW: placement "local" puts each layer where it runs
+    profile: ProfileWindow | None = None  # hetpipe train --profile: torch.profiler over these minibatches
 
     @cached_property
     def config(self) -> ClusterConfig:
@@ -76,7 +78,7 @@ def cuda_devices() -> int:
 def stage_jobs(
     config: ClusterConfig, vws: tuple[VwLayout, ...], vw: int, *, run_dir: Path, ps_endpoints: tuple[str, ...],
     p2p_host: str, p2p_port: int, audit: bool = False, dump_weights: bool = False, ps_keys: ClientKeys | None = None,
-    start_wave: int = 0, resume_wave: int = 0, snapshots: bool = False,
+    start_wave: int = 0, resume_wave: int = 0, snapshots: bool = False, profile: ProfileWindow | None = None,
 ) -> list[StageJob]:
     """The jobs of every stage of virtual worker `vw` (of `vws`, all the run's VWs); `ps_keys` must be vw's.
     `snapshots`: the stages save their state at the PS's checkpoint waves ([checkpoint] every, stages)."""
@@ -92,7 +94,7 @@ def stage_jobs(
             slowdown=slow.get(lay.gpus[s], 1.0), time_scale=time_scale, device=devices[s],
             dump_weights=dump_weights, audit=audit, ps_keys=ps_keys, start_wave=start_wave, resume_wave=resume_wave,
             snapshot_every=config.checkpoint.every if snapshots and config.checkpoint.stages else 0,
-            snapshot_keep=config.checkpoint.keep, first_vw=vws[0],
+            snapshot_keep=config.checkpoint.keep, first_vw=vws[0], profile=profile,
         )
         for s in range(len(lay.split))
     ]

@@ -50,6 +50,7 @@ from hetpipe.worker.p2p import P2P
 from hetpipe.worker.ps_client import ClientSpec
 from hetpipe.worker.ps_link import ProcessLink, ThreadLink, agent_kind, open_link
 from hetpipe.worker.snapshot import load_snapshot, save_snapshot, snapshot_dir
+from hetpipe.worker.stage_profile import StageProfiler
 from hetpipe.worker.transfer import PullStaging, PushStaging
 
 __all__ = ["EXIT_STOPPED_BY_PS", "NonFiniteLoss", "StageRunner", "run_stage"]
@@ -126,6 +127,8 @@ class StageRunner:
             if 0 <= peer < job.num_stages
         }
         self.trace = TraceRecorder(f"vw{job.vw}", job.stage)
+        self.profiler = StageProfiler(job.profile, self.device, Path(job.run_dir) / "profile",
+                                      f"vw{job.vw}-s{job.stage}") if job.profile is not None else None
         self.trace.other_threads[PS_ROW + job.stage] = f"stage {job.stage} PS traffic"
         self.client_spec = ClientSpec(
             list(job.ps_endpoints), config.name, job.vw, job.stage, job.num_vws, job.num_stages,
@@ -180,11 +183,18 @@ class StageRunner:
                 self._send(resend[p], job.stage + 1)
             self._hand_over_pull()
             progress = link.progress  # what the agent's heartbeats report
+            profiler = self.profiler
             while self.position < len(self.actions):
                 action = self.actions[self.position]
+                if profiler is not None:
+                    profiler.before(action.kind, action.index)
                 self.dispatch[action.kind](action.index)
+                if profiler is not None:
+                    profiler.after(action.kind, action.index)
                 self.position += 1
                 progress[0] = self.position
+            if profiler is not None:
+                profiler.close()
             self._read_losses()  # a schedule that ends without a push (none of ours) still reports every loss
             self.train_s = time.monotonic() - self.started
             for _, future in self._pushes:  # every push acknowledged before the stage reports done

@@ -51,6 +51,7 @@ from hetpipe.core.keys import (
 from hetpipe.core.memory import MemoryRule
 from hetpipe.core.metrics import MetricsWriter, format_progress, merge_traces
 from hetpipe.core.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
+from hetpipe.core.profile_window import ProfileWindow
 from hetpipe.core.resume import common_cut
 from hetpipe.models import ModelSpec
 from hetpipe.server.checkpoint import list_clocks, list_manifests
@@ -75,6 +76,7 @@ class TrainOptions:
     tensorboard: Path | None = None  # also write TensorBoard event files here (the tensorboard extra)
     started_at: float | None = None  # Unix time `hetpipe train` started (the timeline's zero); default: train()'s call
     resume: bool = False  # continue the run in run_dir from its newest wave checkpointed by the PS and every stage
+    profile: ProfileWindow | None = None  # every stage runs torch.profiler over these minibatches (<run dir>/profile)
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,12 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     if options.audit and cut is not None and config.wsp.pull == "latest":
         raise UsageError('--resume with --audit needs wsp.pull = "exact": a latest-pull PS cannot forget the updates '
                          "of waves after the resume wave, which the VWs that were ahead then compute again")
+    minibatches = config.train.waves * config.wsp.nm
+    if options.profile is not None and not options.profile.fits(minibatches):
+        window = options.profile
+        raise UsageError(f"--profile {window.first}:{window.count} ends at minibatch {window.last}, but each VW runs "
+                         f"{minibatches} ({config.train.waves} waves x nm {config.wsp.nm}): choose FIRST + COUNT <= "
+                         f"{minibatches}, or more waves (--set train.waves=N)")
     check_writable_dir(run_dir, "--run-dir" if options.run_dir else f"the run dir (train.out_dir of {config.path})")
     if cut is None:
         (run_dir / "config.toml").write_text(config_toml(config))  # the effective config: `hetpipe export` reads it
@@ -273,7 +281,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                 jobs = stage_jobs(config, vws, v, run_dir=run_dir, ps_endpoints=tuple(endpoints),
                                   p2p_host="127.0.0.1", p2p_port=free_port(), audit=options.audit,
                                   dump_weights=options.dump_weights, ps_keys=keys.vws[v] if keys else None,
-                                  resume_wave=cut or 0, snapshots=snapshots)
+                                  resume_wave=cut or 0, snapshots=snapshots, profile=options.profile)
                 stages.update({(v, job.stage): group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs})
             launcher["stages_started"] = time.time()
 

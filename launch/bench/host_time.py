@@ -8,7 +8,8 @@ one stage's action list of `--schedule` at Nm 4 (one VW: no pulls; PUSH builds t
 Per minibatch, median over the timed ones: wall ms of F (forward and loss), B (backward) and U (update), and
 the wall ms a minibatch over the whole timed run (the device waited for at the end); `cpu_ms`: the issuing
 thread's CPU time (on CUDA the backward's kernels are issued by autograd's device thread, not counted there).
-With --profile, torch.profiler's table of the last 8 minibatches of each, by device (CUDA) or CPU time.
+With --profile, torch.profiler over 8 more minibatches of each: ms a minibatch of each op, by host time and (on
+CUDA) device time, as `hetpipe train --profile` writes them for a stage process (hetpipe/compute/op_profile.py).
 
     python launch/bench/host_time.py --model char-gpt --precision bf16          # on cuda:0
     python launch/bench/host_time.py --model resnet50 --schedule 1f1b-flush --profile
@@ -34,6 +35,7 @@ import gpu  # noqa: E402  (launch/bench is not a package)
 
 from hetpipe.compute import data as datalib  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
+from hetpipe.compute.op_profile import format_profile, op_profile, start_profiler, stop_profiler  # noqa: E402
 from hetpipe.compute.stage_compute import StageCompute, StageRules  # noqa: E402
 from hetpipe.core.schedule import PUSH, SCHEDULES, WAIT, get_schedule, unstashed_forwards  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
@@ -63,18 +65,13 @@ def _row(parts: dict[str, list[float]], cpu: list[float], minibatches: int, wall
     return row
 
 
-def _profiled(device: torch.device, run: Callable[[], None], minibatches: int) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        run()
-        _sync(device)
-    table = prof.key_averages()
-    calls = sum(e.count for e in table if e.key.startswith("aten::")) / minibatches
-    return (f"aten calls a minibatch: {calls:.0f}\n"
-            + table.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=20,
-                          max_name_column_width=40))
+def _profiled(device: torch.device, run: Callable[[], None], minibatches: int) -> dict[str, Any]:
+    """op_profile's summary of `run` (as `hetpipe train --profile` writes a stage process's)."""
+    prof = start_profiler(device)
+    started = time.perf_counter()
+    run()
+    stop_profiler(prof, device)
+    return op_profile(prof, minibatches, time.perf_counter() - started, device)
 
 
 def plain(config: Any, device: torch.device, batches: list, steps: int, profile: bool) -> dict[str, Any]:
@@ -178,7 +175,7 @@ def main(model: str, precision: str, schedule: str, device_name: str, steps: int
     for name, row in rows.items():
         click.echo(f"{name:6s} " + "  ".join(f"{k} {v}" for k, v in row.items() if k != "profile"))
         if "profile" in row:
-            click.echo(row["profile"])
+            click.echo(format_profile(row["profile"], f"{name}, in one process"))
     if out_path is not None:
         out_path.write_text(json.dumps({"model": model, "precision": precision, "schedule": schedule,
                                         "device": device_name, **rows}, indent=1))
