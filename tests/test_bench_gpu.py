@@ -124,7 +124,7 @@ def test_run_setting_interleaves_its_runs_takes_medians_and_stops_a_failed_syste
     calls: list[str] = []
     rates = iter([100.0, 90.0, 120.0, 99.0, 80.0, 95.0])  # plain, 1x1, plain, 1x1, plain, 1x1 (2x1 fails at once)
 
-    def plain(config, device, steps, warmup):
+    def plain(config, device, steps, warmup, profiled=0):
         calls.append("plain")
         return {"samples_per_s": next(rates), "loss_tail": 1.0, "host_ms": 1.0}
 
@@ -161,3 +161,48 @@ def test_a_system_with_settings_runs_beside_the_same_system_without_them(tmp_pat
     assert gpu.system_label(rows[2]) == "hetpipe 1 VW x 1 stage, Nm 4, ps.wire_dtype=bfloat16"
     config = (tmp_path / "runs" / "char-gpt-fp32-1x1-nm4-d0-wsp+ps.wire_dtype=bfloat16-0" / "config.toml").read_text()
     assert 'wire_dtype = "bfloat16"' in config
+
+
+def test_profile_adds_untimed_profiled_runs_and_a_table_of_them(monkeypatch, tmp_path: Path):
+    profiled: list[tuple[str, object]] = []
+    summary = {"wall_ms": 20.0, "ops_host_ms": 12.5, "ops_device_ms": None, "aten_calls": 900.0,
+               "by_host": [{"name": "aten::mm", "self_host_ms": 3.25}, {"name": "aten::add_", "self_host_ms": 1.0}]}
+
+    def plain(config, device, steps, warmup, profiled_steps=0):
+        profiled.append(("plain", profiled_steps))
+        row = {"samples_per_s": 100.0, "loss_tail": 1.0, "host_ms": 1.0}
+        return {**row, "profile": summary} if profiled_steps else row
+
+    def hetpipe(config, run_dir, profile=None):
+        profiled.append((run_dir.name, profile))
+        row = {"samples_per_s": 90.0, "loss_tail": 1.0, "host_ms": 1.0, "tail_s": 1.0, "wave_breakdown_ms": {}}
+        return {**row, "profile": summary} if profile else row
+
+    monkeypatch.setattr(gpu, "run_plain", plain)
+    monkeypatch.setattr(gpu, "run_hetpipe", hetpipe)
+    monkeypatch.setattr(gpu.Setting, "config", lambda self, *shape: shape[:5])
+    setting = gpu.Setting("char-gpt", {}, ("shakespeare", {}), "fp32", "cpu", "cpu", 64, 24, 16.0, tmp_path)
+    rows: list[dict] = []
+    window = gpu.ProfileWindow(8, 4)
+    gpu.run_setting(setting, [("hetpipe", 1, 1, 4, 0, "wsp", ())], 2, 2, rows.append, window)
+    one = "char-gpt-fp32-1x1-nm4-d0-wsp"
+    # the plain loop profiles after the timed steps of its last run; the system runs once more, profiled
+    assert profiled == [("plain", 0), (f"{one}-0", None), ("plain", 4), (f"{one}-1", None), (f"{one}-profile", window)]
+    assert [r["profile"] for r in rows] == [summary, summary] and rows[1]["samples_per_s"] == 90.0
+    table = gpu.markdown(rows).splitlines()
+    assert table[-1] == ("| char-gpt | fp32 | hetpipe 1 VW x 1 stage, Nm 4 | 20.00 | 12.50 | - | 900 "
+                         "| aten::mm 3.25, aten::add_ 1.00 |")
+
+
+def test_profile_on_the_cpu_writes_each_rows_op_profile(tmp_path: Path):
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--quick", "--model", "char-gpt", "--precision", "fp32", "--repeats", "1",
+            "--minibatches", "8", "--warmup", "2", "--system", "1x1:2", "--out", str(out)]
+    refused = CliRunner().invoke(gpu.main, [*args, "--profile", "6:4"])
+    assert refused.exit_code == 2 and "ends at minibatch 9, past the runs' 8" in refused.output
+    result = CliRunner().invoke(gpu.main, [*args, "--profile", "2:4"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    for row in rows:
+        assert row["profile"]["aten_calls"] > 0 and row["profile"]["by_host"], row["system"]
+    assert rows[0]["profile"]["minibatches"] == 4 and rows[1]["profile"]["window"][0] == 2

@@ -27,6 +27,11 @@ row is compared with the 1x1 row at the same Nm and schedule).
     python launch/bench/gpu.py --model resnet50 --system 1x1:4 --keep runs/gpu  # one system; keep its run folders
     python launch/bench/gpu.py --model resnet50 --system 1x1:4 --system 1x1:4+ps.wire_dtype=bfloat16  # a variant
     python launch/bench/gpu.py --rows a.json --rows b.json --out gpu.json --table gpu.md   # merge split runs
+    python launch/bench/gpu.py --model char-gpt --precision bf16 --system 1x1:4 --profile 40:40   # + op profiles
+
+--profile FIRST:COUNT: after the timed runs, the plain loop runs COUNT more steps under torch.profiler and each
+hetpipe system one more run with `hetpipe train --profile FIRST:COUNT` (not timed); each row gets `profile`, op_profile's
+summary (VW 0's first stage for hetpipe): where a minibatch's host and device time goes, op by op, side by side.
 
 --table writes the README's Markdown table (naming the device) of the rows. A system whose run fails gets a row
 with its error (the other systems still run) and the script exits 1; --out is rewritten after each model and
@@ -54,8 +59,11 @@ import throughput  # noqa: E402  (launch/bench is not a package)
 
 from hetpipe.compute import data as datalib  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
+from hetpipe.compute.op_profile import op_profile, start_profiler, stop_profiler  # noqa: E402
 from hetpipe.compute.optim import make_optimizer  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
+from hetpipe.core.errors import UsageError  # noqa: E402
+from hetpipe.core.profile_window import ProfileWindow  # noqa: E402
 from hetpipe.core.schedule import SCHEDULES  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
 
@@ -145,14 +153,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_plain(config: ClusterConfig, device_name: str, steps: int, warmup: int) -> dict[str, Any]:
-    """The whole model in this process on `device_name`: samples/s over the steps after `warmup`."""
+def run_plain(config: ClusterConfig, device_name: str, steps: int, warmup: int, profiled: int = 0) -> dict[str, Any]:
+    """The whole model in this process on `device_name`: samples/s over the steps after `warmup`; `profiled` > 0:
+    that many more steps under torch.profiler (op_profile's summary as `profile`)."""
     device = torch.device(device_name)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # as a hetpipe stage runs on the CPU
     try:
-        return _plain_steps(config, device, steps, warmup)
+        return _plain_steps(config, device, steps, warmup, profiled)
     finally:
         torch.set_num_threads(threads)  # hetpipe's runs in this process evaluate with every core, as the CLI does
 
@@ -166,16 +175,22 @@ def plain_model(config: ClusterConfig, device: torch.device) -> tuple[Any, torch
     return spec, model, optimizer, torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
 
 
-def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
+def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup: int, profiled: int = 0
+                 ) -> dict[str, Any]:
     spec, model, optimizer, autocast = plain_model(config, device)
     data, t = dataset_of(config), config.train
     indices = datalib.shard_indices(len(data.train.y), 1, 0, config.seed)
     losses, started, host = [], 0.0, []
-    for step in range(warmup + steps + HOST_STEPS):
+    profile_from = warmup + steps + HOST_STEPS
+    prof, profile = None, {}
+    for step in range(profile_from + profiled):
+        if step == profile_from:
+            _sync(device)
+            prof, profile_started = start_profiler(device), time.perf_counter()
         if step == warmup:
             _sync(device)
             started = time.perf_counter()
-        if step >= warmup + steps:  # the host time of a step: issued onto an idle device, not waited for
+        if warmup + steps <= step < profile_from:  # the host time of a step: issued onto an idle device, not waited for
             _sync(device)
             issued = time.perf_counter()
         x, y = datalib.on_device(*datalib.minibatch(data.train.x, data.train.y, indices, t.batch_size, config.seed,
@@ -189,21 +204,25 @@ def _plain_steps(config: ClusterConfig, device: torch.device, steps: int, warmup
         if step == warmup + steps - 1:
             _sync(device)
             elapsed = time.perf_counter() - started
-        elif step >= warmup + steps:
+        elif warmup + steps <= step < profile_from:
             host.append(time.perf_counter() - issued)
+    if prof is not None:
+        stop_profiler(prof, device)
+        profile = {"profile": op_profile(prof, profiled, time.perf_counter() - profile_started, device)}
     tail = [float(v) for v in losses[max(warmup, warmup + steps - LOSS_TAIL):warmup + steps]]
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"samples_per_s": steps * t.batch_size / elapsed, "loss_tail": sum(tail) / len(tail),
-            "host_ms": round(1000 * statistics.median(host), 2)}
+            "host_ms": round(1000 * statistics.median(host), 2), **profile}
 
 
-def run_hetpipe(config: ClusterConfig, run_dir: Path) -> dict[str, Any]:
-    """`hetpipe train` of `config` (progress off): steady samples/s, wave breakdown, tail after the last wave."""
+def run_hetpipe(config: ClusterConfig, run_dir: Path, profile: ProfileWindow | None = None) -> dict[str, Any]:
+    """`hetpipe train` of `config` (progress off): steady samples/s, wave breakdown, tail after the last wave;
+    with `profile`, VW 0's first stage's op profile too (`hetpipe train --profile`)."""
     from hetpipe.app.train import TrainOptions, train
 
-    summary = train(config, TrainOptions(run_dir=run_dir, progress=False))
+    summary = train(config, TrainOptions(run_dir=run_dir, progress=False, profile=profile))
     returned = time.time()
     rate = throughput.window_rate(throughput.trace_streams(run_dir), config.train.batch_size,
                                   throughput.WARMUP_WAVES * config.wsp.nm)
@@ -212,7 +231,8 @@ def run_hetpipe(config: ClusterConfig, run_dir: Path) -> dict[str, Any]:
     tail = [e["loss"] for e in sorted(minibatches, key=lambda e: (e["p"], e["vw"]))[-LOSS_TAIL:]]
     return {"samples_per_s": rate, "wave_breakdown_ms": summary.get("wave_breakdown_ms", {}),
             "tail_s": round(returned - max(e["t"] for e in minibatches), 2),
-            "loss_tail": sum(tail) / len(tail), "host_ms": host_ms(run_dir / "trace" / "vw0-s0.json")}
+            "loss_tail": sum(tail) / len(tail), "host_ms": host_ms(run_dir / "trace" / "vw0-s0.json"),
+            **({"profile": json.loads((run_dir / "profile" / "vw0-s0.json").read_text())} if profile else {})}
 
 
 def host_ms(trace_file: Path) -> float:
@@ -303,6 +323,17 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(f"| {r['model']} | {r['precision']} | {system_label(r)} | {r['samples_per_s']:.1f} "
                      f"({min(runs):.1f}-{max(runs):.1f}) | {r['ratio_to_plain']:.2f} | {host} | {wave} | {returned} "
                      f"| {loss} |")
+    profiled = [r for r in rows if isinstance(r.get("profile"), dict) and "wall_ms" in r["profile"]]
+    if profiled:
+        lines += ["", "Profiled (torch.profiler, untimed runs; hetpipe: VW 0's first stage), a minibatch:", "",
+                  "| model | precision | system | wall ms | host ms in torch ops | device ms | aten calls "
+                  "| costliest ops by host ms |", "|---|---|---|---:|---:|---:|---:|---|"]
+        for r in profiled:
+            p = r["profile"]
+            ops = ", ".join(f"{o['name']} {o['self_host_ms']:.2f}" for o in p["by_host"][:3])
+            device = f"{p['ops_device_ms']:.2f}" if p.get("ops_device_ms") is not None else "-"
+            lines.append(f"| {r['model']} | {r['precision']} | {system_label(r)} | {p['wall_ms']:.2f} "
+                         f"| {p['ops_host_ms']:.2f} | {device} | {p['aten_calls']:.0f} | {ops} |")
     return "\n".join(lines)
 
 
@@ -328,6 +359,14 @@ class Setting:
                                             self.memory_gib, self.work), settings)
 
 
+def system_run(setting: Setting, system: System, suffix: str) -> tuple[ClusterConfig, Path]:
+    """The config of one hetpipe system and the folder of its run `suffix` (a repeat's number, or "profile")."""
+    _, vws, stages, nm, staleness, schedule, settings = system
+    name = run_name(setting.model, setting.precision, vws, stages, nm, staleness, schedule)
+    name += "".join("+" + re.sub(r"[^A-Za-z0-9._=-]", "_", item) for item in settings)
+    return setting.config(vws, stages, nm, staleness, schedule, settings), setting.work / f"{name}-{suffix}"
+
+
 def run_order(systems: int, repeats: int) -> list[tuple[int, int]]:
     """(system, repeat) in the order they run, system -1 the plain loop: round by round, the plain loop and then
     each hetpipe system once a round, so a drift of the machine's speed during the run (seen on the device host:
@@ -336,10 +375,11 @@ def run_order(systems: int, repeats: int) -> list[tuple[int, int]]:
 
 
 def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmup: int,
-                measured: Callable[[dict[str, Any]], None]) -> None:
+                measured: Callable[[dict[str, Any]], None], profile: ProfileWindow | None = None) -> None:
     """The plain loop and every hetpipe system of `systems`, `repeats` times each, interleaved (run_order);
     `measured` gets each row once its runs are done. A system whose run fails gets a row with its error
-    instead of figures and runs no more; the others go on."""
+    instead of figures and runs no more; the others go on. With `profile`, the plain loop's last run profiles
+    profile.count steps after its timed ones and each system runs once more, profiled, untimed (rows' `profile`)."""
     base = {"device": setting.device_name, "model": setting.model, "precision": setting.precision,
             "batch": setting.batch, "minibatches": setting.minibatches}
     labels = [{**base, "system": system, "nm": nm, "vws": vws, "stages": stages, "staleness": staleness,
@@ -351,22 +391,29 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
         if i in failed:
             continue
         if i < 0:
-            runs[i].append(run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup))
+            profiled = profile.count if profile is not None and repeat == repeats - 1 else 0
+            runs[i].append(run_plain(setting.config(1, 1, 1), setting.device, setting.minibatches, warmup, profiled))
         else:
-            _, vws, stages, nm, staleness, schedule, settings = systems[i]
-            name = run_name(setting.model, setting.precision, vws, stages, nm, staleness, schedule)
-            name += "".join("+" + re.sub(r"[^A-Za-z0-9._=-]", "_", item) for item in settings)
             try:
-                runs[i].append(run_hetpipe(setting.config(vws, stages, nm, staleness, schedule, settings),
-                                           setting.work / f"{name}-{repeat}"))
+                runs[i].append(run_hetpipe(*system_run(setting, systems[i], str(repeat))))
             except Exception as e:  # noqa: BLE001  (recorded in the row and the exit status, not hidden)
                 failed[i] = f"{type(e).__name__}: {e}"
                 continue
         label = "plain torch loop" if i < 0 else system_label(labels[i])
         click.echo(f"  run {repeat + 1}/{repeats} of {setting.model} {setting.precision} {label}: "
                    f"{runs[i][-1]['samples_per_s']:.1f} samples/s", err=True)
+    profiles = {-1: runs[-1][-1].pop("profile", None)}
+    for i in range(len(systems)):
+        if profile is not None and i not in failed:
+            click.echo(f"  profiled run of {setting.model} {setting.precision} {system_label(labels[i])}", err=True)
+            try:
+                profiles[i] = run_hetpipe(*system_run(setting, systems[i], "profile"), profile=profile)["profile"]
+            except Exception as e:  # noqa: BLE001  (the timed runs stand; the row says why it has no profile)
+                profiles[i] = {"error": f"{type(e).__name__}: {e}"}
     plain_row = median_row({**base, "system": "plain", "nm": 1, "vws": 1, "stages": 1}, runs[-1])
     plain_row["ratio_to_plain"] = 1.0
+    if profiles[-1] is not None:
+        plain_row["profile"] = profiles[-1]
     click.echo(f"{setting.model} {setting.precision} plain: {plain_row['samples_per_s']} samples/s", err=True)
     measured(plain_row)
     for i, row_labels in enumerate(labels):
@@ -376,6 +423,8 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
             continue
         row = median_row(row_labels, runs[i])
         row["ratio_to_plain"] = round(row["samples_per_s"] / plain_row["samples_per_s"], 3)
+        if i in profiles:
+            row["profile"] = profiles[i]
         click.echo(f"{setting.model} {setting.precision} {system_label(row)}: {row['samples_per_s']} samples/s = "
                    f"{row['ratio_to_plain']}x plain, returned {row['tail_s']} s after its last minibatch", err=True)
         measured(row)
@@ -399,6 +448,9 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
 @click.option("--keep", "keep_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep every hetpipe run's folder (logs, traces, metrics) here instead of a temporary one.")
 @click.option("--quick", is_flag=True, help="Small models at batch 8, for a smoke run on the CPU.")
+@click.option("--profile", "profile_text", metavar="FIRST:COUNT", default=None,
+              help="Also profile (torch.profiler, untimed): the plain loop's COUNT steps after its last timed run, "
+                   "and one more run of each system with `hetpipe train --profile FIRST:COUNT`; rows get `profile`.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the rows as JSON here.")
 @click.option("--table", "table_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -408,7 +460,15 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
                    "over several calls) into --out and --table.")
 def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...], systems: tuple[System, ...],
          repeats: int, minibatches: int, warmup: int, batch: int, memory_gib: float | None, keep_dir: Path | None,
-         quick: bool, out_path: Path | None, table_path: Path | None, row_files: tuple[Path, ...]) -> None:
+         quick: bool, profile_text: str | None, out_path: Path | None, table_path: Path | None,
+         row_files: tuple[Path, ...]) -> None:
+    try:
+        profile = ProfileWindow.parse(profile_text) if profile_text is not None else None
+    except UsageError as e:
+        raise click.BadParameter(str(e), param_hint="--profile") from None
+    if profile is not None and not profile.fits(minibatches):
+        raise click.BadParameter(f"{profile_text} ends at minibatch {profile.last}, past the runs' {minibatches}: "
+                                 "lower FIRST or COUNT, or raise --minibatches", param_hint="--profile")
     if row_files:
         rows = [row for path in row_files for row in json.loads(path.read_text())]
         _write(rows, out_path, table_path)
@@ -433,7 +493,7 @@ def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...
             for precision in precisions or ("fp32", "bf16"):
                 setting = Setting(model, *table[model], precision, device, name, batch, minibatches, memory_gib,
                                   work)
-                run_setting(setting, systems or SYSTEMS, repeats, warmup, lambda row: save(rows, row))
+                run_setting(setting, systems or SYSTEMS, repeats, warmup, lambda row: save(rows, row), profile)
     _write(rows, out_path, table_path)
     if any("error" in row for row in rows):
         raise SystemExit(1)
