@@ -3,15 +3,20 @@
 # tests, gpu.py's acceptance systems against the plain loop, and host_time.py on the CPU-bound ones. The suite runs
 # first, on every core, and the benchmarks after it on the lower half of the cores with nothing beside them: the
 # host-bound rows (a step the device finishes faster than the CPU issues it) moved by a quarter when the suite ran
-# beside them, and the suite's PS fuzz test timed out there once (2026-11-26, H200). About 11 minutes on a
-# 16-core H100 or H200 machine, more than one device call may run: split it with BENCH=0 and SUITE=0 (below).
-# Everything lands in OUT (default runs/gpu-check): test and suite logs, a.json ... e.json and their merge
-# gpu.json and gpu.md, host-*.json, machine.txt (the GPU, the cores and which share one).
+# beside them, and the suite's PS fuzz test timed out there once (2026-11-26, H200). About 12 minutes on a
+# 16-core H100 or H200 machine, more than one device call may run: split it with BENCH=0, SUITE=0 and ROWS (below).
+# The two rows nearest their targets (c: char-gpt bf16, d: resnet50 fp32) also run profiled (gpu.py --profile
+# $PROFILE, untimed) and host_time.py profiles the same models in one process: where a stage process's host time
+# goes that one process's does not. Everything lands in OUT (default runs/gpu-check): test and suite logs,
+# a.json ... e.json and their merge gpu.json and gpu.md, host-*.json, machine.txt (the GPU, the cores and which
+# share one).
 #
 #   bash launch/gpu_check.sh [OUT]                     # PYTHON=python3 to use another interpreter than .venv's
 #   REPEATS=1 MINIBATCHES=60 bash launch/gpu_check.sh  # a quicker, rougher pass
 #   KEEP=runs/gpu-runs bash launch/gpu_check.sh         # keep every run folder (traces, logs) there
-#   BENCH=0 bash launch/gpu_check.sh; SUITE=0 bash launch/gpu_check.sh   # in two calls of ~3 and ~8 minutes
+#   BENCH=0 bash launch/gpu_check.sh                    # the suite and the CUDA tests only (~3 minutes)
+#   SUITE=0 ROWS="c d" bash launch/gpu_check.sh         # only those gpu.py rows (c, d: ~5 minutes; a, b, e: ~4)
+#   PROFILE=0 bash launch/gpu_check.sh                  # no profiled runs
 #
 # The suite runs in parallel when pytest-xdist is installed, else serially.
 set -uo pipefail
@@ -20,6 +25,8 @@ OUT=${1:-runs/gpu-check}
 PY=${PYTHON:-.venv/bin/python}
 REPEATS=${REPEATS:-3}
 MINIBATCHES=${MINIBATCHES:-120}
+ROWS=${ROWS:-a b c d e}
+PROFILE=${PROFILE:-40:40}
 mkdir -p "$OUT"
 started=$(date +%s)
 stamp() { echo "=== $1 at $(( $(date +%s) - started )) s"; }
@@ -50,6 +57,7 @@ fi
 G=("${low[@]}" "$PY" launch/bench/gpu.py --repeats "$REPEATS" --minibatches "$MINIBATCHES" ${KEEP:+--keep "$KEEP"})
 run() {  # NAME, then gpu.py's arguments: in order of what the issue's acceptance needs most
   local name=$1; shift
+  [[ " $ROWS " == *" $name "* ]] || return 0
   stamp "gpu.py $name: $*"
   "${G[@]}" "$@" --out "$OUT/$name.json" 2>&1 >/dev/null | grep -v '^|'
 }
@@ -59,17 +67,22 @@ run b --model char-gpt --precision fp32 --repeats 1 --minibatches 200 --system 1
 # the host-bound rows also beside the same system with half the push's bytes (bfloat16 on the wire): whether
 # the PS's own CPU work (the agent process and the shard, busy the whole run) slows the stage's thread
 V=1x1:4+ps.wire_dtype=bfloat16
-run c --model char-gpt --precision bf16 --system 1x1:4 --system 1x1:4@1f1b-flush --system $V
-run d --model resnet50 --precision fp32 --minibatches $(( 2 * MINIBATCHES )) --system 1x1:4 --system $V  # the noisiest row
+P=(); [ "$PROFILE" != 0 ] && P=(--profile "$PROFILE")
+run c --model char-gpt --precision bf16 --system 1x1:4 --system 1x1:4@1f1b-flush --system $V "${P[@]}"
+run d --model resnet50 --precision fp32 --minibatches $(( 2 * MINIBATCHES )) --system 1x1:4 --system $V "${P[@]}"  # the noisiest row
 run e --model resnet50 --precision bf16 --system 1x1:4 --system 1x1:4@1f1b-flush
 rows=()
 for f in "$OUT"/[a-e].json; do [ -f "$f" ] && rows+=(--rows "$f"); done
 [ ${#rows[@]} -gt 0 ] && "$PY" launch/bench/gpu.py "${rows[@]}" --out "$OUT/gpu.json" --table "$OUT/gpu.md" >/dev/null 2>&1
 [ -f "$OUT/gpu.md" ] && cat "$OUT/gpu.md"
 
-stamp "host time, in one process"  # where a CPU-bound row's host time goes: plain step against StageCompute
-for m in "char-gpt --precision bf16" "resnet50 --precision fp32"; do
-  "${low[@]}" "$PY" launch/bench/host_time.py --model $m --out "$OUT/host-${m%% *}.json" 2>&1 | grep -E '^(plain|stage) '
-done
+if [[ " $ROWS " == *" c "* || " $ROWS " == *" d "* ]]; then
+  stamp "host time, in one process"  # where a CPU-bound row's host time goes: plain step against StageCompute
+  HP=(); [ "$PROFILE" != 0 ] && HP=(--profile)
+  for m in "char-gpt --precision bf16" "resnet50 --precision fp32"; do
+    "${low[@]}" "$PY" launch/bench/host_time.py --model $m "${HP[@]}" --out "$OUT/host-${m%% *}.json" 2>&1 \
+      | grep -E '^(plain|stage) '
+  done
+fi
 
 stamp done
