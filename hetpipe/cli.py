@@ -14,6 +14,7 @@ from hetpipe.core.errors import HetpipeError
 
 if TYPE_CHECKING:
     from hetpipe.core.config import ClusterConfig
+    from hetpipe.core.profile_window import ProfileWindow
     from hetpipe.core.testbed import Topology
 
 __all__ = ["main", "cli"]
@@ -48,6 +49,25 @@ def _set_option(f):
         "--set", "settings", multiple=True, metavar="KEY.PATH=VALUE",
         help="Override one config field, validated like the file (repeatable), e.g. --set wsp.nm=4 "
              "--set train.schedule=gpipe --set model.options.hidden=[64,64].",
+    )(f)
+
+
+def _parse_profile(_ctx: click.Context, _param: click.Parameter, text: str | None) -> ProfileWindow | None:
+    from hetpipe.core.errors import UsageError
+    from hetpipe.core.profile_window import ProfileWindow
+
+    try:
+        return ProfileWindow.parse(text) if text is not None else None
+    except UsageError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _profile_option(f):
+    return click.option(
+        "--profile", metavar="FIRST:COUNT", default=None, callback=_parse_profile,
+        help="Every stage runs torch.profiler from its forward of minibatch FIRST through the update of FIRST+COUNT-1 "
+             "and writes which ops take its host's and device's time, per minibatch, to <run dir>/profile/"
+             "vw<V>-s<S>.txt (and .json); e.g. 40:40. The profiled stretch runs slower.",
     )(f)
 
 
@@ -112,19 +132,14 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Continue the stopped run in this run dir from the newest wave the PS and every stage "
                    "checkpointed (needs [checkpoint] every >= 1); its config.toml unless CONFIG is given.")
-@click.option("--profile", "profile_text", metavar="FIRST:COUNT", default=None,
-              help="Every stage runs torch.profiler from its forward of minibatch FIRST through the update of "
-                   "FIRST+COUNT-1 and writes which ops take its host's and device's time, per minibatch, to "
-                   "<run dir>/profile/vw<V>-s<S>.txt (and .json); e.g. 40:40. The profiled stretch runs slower.")
+@_profile_option
 @_set_option
 def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
-          tensorboard_dir: Path | None, quiet: bool, audit: bool, resume_dir: Path | None, profile_text: str | None,
+          tensorboard_dir: Path | None, quiet: bool, audit: bool, resume_dir: Path | None,
+          profile: ProfileWindow | None,
           settings: tuple[str, ...]) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
     from hetpipe.core.errors import UsageError
-    from hetpipe.core.profile_window import ProfileWindow
-
-    profile = ProfileWindow.parse(profile_text) if profile_text is not None else None
 
     if resume_dir is not None:
         if run_dir is not None and run_dir != resume_dir:
@@ -191,9 +206,10 @@ def export(run_dir: Path, out_path: Path | None) -> None:
               help="Where logs and traces go (default: runs/worker, or with --join a worker-vw<I>-<time> dir in it).")
 @click.option("--join", "join_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Join the running `hetpipe train` of this run dir (its PS, keys and config.toml unless --config).")
+@_profile_option
 @_set_option
 def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path | None, join_dir: Path | None,
-           settings: tuple[str, ...]) -> None:
+           profile: ProfileWindow | None, settings: tuple[str, ...]) -> None:
     """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines; a VW
     the PS evicted after a failure rejoins at the next wave boundary with the current global weights."""
     # the config before torch is imported
@@ -205,7 +221,7 @@ def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path |
     warm_forkserver(PRELOAD)  # its stages fork ready, as under `hetpipe train`
     from hetpipe.worker.run import run_worker
 
-    run_worker(config, vw, stage, run_dir, join_dir)
+    run_worker(config, vw, stage, run_dir, join_dir, profile)
 
 
 @cli.command()

@@ -145,11 +145,14 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
 def test_a_profile_window_past_the_run_is_refused_before_anything_starts(tmp_path: Path):
     from hetpipe.core.errors import UsageError
     from hetpipe.core.profile_window import ProfileWindow
+    from hetpipe.worker.run import run_worker
 
     path = write_config(tmp_path, vws=[["n0:0"]], nm=2, staleness=0, waves=3)
     with pytest.raises(UsageError, match=r"ends at minibatch 7, but each VW runs 6 .*FIRST \+ COUNT <= 6"):
         train(load_config(path), TrainOptions(run_dir=tmp_path / "r", progress=False, profile=ProfileWindow(4, 4)))
-    assert not (tmp_path / "r").exists()
+    with pytest.raises(UsageError, match=r"ends at minibatch 7, but each VW runs 6"):  # no PS runs: refused first
+        run_worker(load_config(path), 0, None, tmp_path / "w", profile=ProfileWindow(4, 4))
+    assert not (tmp_path / "r").exists() and not (tmp_path / "w").exists()
 
 
 def test_server_and_workers_as_separate_commands(tmp_path: Path):
@@ -161,11 +164,16 @@ def test_server_and_workers_as_separate_commands(tmp_path: Path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         workers = [subprocess.Popen([sys.executable, "-m", "hetpipe", "worker", "--config", str(path), "--vw", str(v),
-                                     "--run-dir", str(tmp_path / f"w{v}")], stderr=subprocess.PIPE, text=True)
+                                     "--run-dir", str(tmp_path / f"w{v}"), *(["--profile", "1:2"] if v else [])],
+                                    stderr=subprocess.PIPE, text=True)
                    for v in range(2)]
         outputs = [w.communicate(timeout=120)[1] for w in workers]
         assert [w.returncode for w in workers] == [0, 0], outputs
         assert all("finished 3 waves" in out for out in outputs)
+        # `hetpipe worker --profile` (VW 1 only): its stages' op profiles in its run dir, as under `hetpipe train`
+        assert sorted(p.name for p in (tmp_path / "w1" / "profile").iterdir()) == [
+            "vw1-s0.json", "vw1-s0.txt", "vw1-s1.json", "vw1-s1.txt"]
+        assert not (tmp_path / "w0" / "profile").exists()
     finally:
         server.terminate()
         _, log = server.communicate(timeout=30)

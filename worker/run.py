@@ -14,6 +14,7 @@ from hetpipe.core.config import ClusterConfig
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.keys import ClientKeys, client_keys, vw_user
 from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
+from hetpipe.core.profile_window import ProfileWindow
 from hetpipe.worker.jobs import StageJob, stage_jobs
 from hetpipe.worker.ps_client import PSClient, PSError
 from hetpipe.worker.stage import run_stage
@@ -46,7 +47,7 @@ def _endpoints(config: ClusterConfig, join: Path | None) -> list[str]:
 
 
 def worker_jobs(config: ClusterConfig, vw: int, run_dir: Path, join: Path | None = None,
-                start_wave: int = 0) -> list[StageJob]:
+                start_wave: int = 0, profile: ProfileWindow | None = None) -> list[StageJob]:
     """The stage jobs of VW `vw` for a multi-machine run: the PS at [ps] host:port+i, the VW's P2P
     rendezvous on its first GPU's node at ps.port + 100 + vw (open these ports between the machines). With
     `join`, the PS of that `hetpipe train` run and a free local port."""
@@ -58,7 +59,7 @@ def worker_jobs(config: ClusterConfig, vw: int, run_dir: Path, join: Path | None
     audit = bool(join and _joined(join).get("audit"))  # the run's stages carry ledgers: this VW's must too
     return stage_jobs(config, vws, vw, run_dir=run_dir, ps_endpoints=tuple(_endpoints(config, join)),
                       p2p_host=host, p2p_port=port, ps_keys=_keys(config, vw, join), start_wave=start_wave,
-                      audit=audit)
+                      audit=audit, profile=profile)
 
 
 def join_wave(config: ClusterConfig, vw: int, endpoints: list[str], keys: ClientKeys | None,
@@ -111,13 +112,17 @@ def _evict_self(config: ClusterConfig, vw: int, endpoints: list[str], keys: Clie
         pass  # the PS's heartbeat check evicts it anyway
 
 
-def run_worker(config: ClusterConfig, vw: int, stage: int | None, run_dir: Path | None, join: Path | None = None) -> None:
-    """Run one VW's stages (or one stage) against a running PS; owned children, logs in run_dir."""
+def run_worker(config: ClusterConfig, vw: int, stage: int | None, run_dir: Path | None, join: Path | None = None,
+               profile: ProfileWindow | None = None) -> None:
+    """Run one VW's stages (or one stage) against a running PS; owned children, logs in run_dir (and with `profile`
+    each stage's op profile in run_dir/profile, as `hetpipe train --profile` writes it)."""
+    if profile is not None:
+        profile.check_fits(config.train.waves, config.wsp.nm)
     run_dir = run_dir or (join / f"worker-vw{vw}-{time.strftime('%H%M%S')}" if join else Path("runs/worker"))
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     endpoints, keys = _endpoints(config, join), _keys(config, vw, join)
     start = join_wave(config, vw, endpoints, keys, say) if stage is None else 0
-    jobs = worker_jobs(config, vw, run_dir, join, start)
+    jobs = worker_jobs(config, vw, run_dir, join, start, profile)
     if stage is not None:
         if not 0 <= stage < len(jobs):
             raise UsageError(f"--stage {stage} is out of range: vw {vw} has {len(jobs)} stages (0..{len(jobs) - 1})")

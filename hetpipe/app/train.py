@@ -236,12 +236,8 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     if options.audit and cut is not None and config.wsp.pull == "latest":
         raise UsageError('--resume with --audit needs wsp.pull = "exact": a latest-pull PS cannot forget the updates '
                          "of waves after the resume wave, which the VWs that were ahead then compute again")
-    minibatches = config.train.waves * config.wsp.nm
-    if options.profile is not None and not options.profile.fits(minibatches):
-        window = options.profile
-        raise UsageError(f"--profile {window.first}:{window.count} ends at minibatch {window.last}, but each VW runs "
-                         f"{minibatches} ({config.train.waves} waves x nm {config.wsp.nm}): choose FIRST + COUNT <= "
-                         f"{minibatches}, or more waves (--set train.waves=N)")
+    if options.profile is not None:
+        options.profile.check_fits(config.train.waves, config.wsp.nm)
     check_writable_dir(run_dir, "--run-dir" if options.run_dir else f"the run dir (train.out_dir of {config.path})")
     if cut is None:
         (run_dir / "config.toml").write_text(config_toml(config))  # the effective config: `hetpipe export` reads it

@@ -51,3 +51,11 @@ class ProfileWindow:
     def fits(self, minibatches: int) -> bool:
         """Whether a run of that many minibatches a VW reaches the window's end."""
         return self.last < minibatches
+
+    def check_fits(self, waves: int, nm: int) -> None:
+        """Refuse a window past the end of a run of `waves` waves of `nm` minibatches (before anything starts)."""
+        minibatches = waves * nm
+        if not self.fits(minibatches):
+            raise UsageError(f"--profile {self.first}:{self.count} ends at minibatch {self.last}, but each VW runs "
+                             f"{minibatches} ({waves} waves x nm {nm}): choose FIRST + COUNT <= {minibatches}, or "
+                             "more waves (--set train.waves=N)")
