@@ -7,7 +7,8 @@
 # 16-core H100 or H200 machine, more than one device call may run: split it with BENCH=0, SUITE=0 and ROWS (below).
 # The two rows nearest their targets (c: char-gpt bf16, d: resnet50 fp32) also run profiled (gpu.py --profile
 # $PROFILE, untimed) and host_time.py profiles the same models in one process: where a stage process's host time
-# goes that one process's does not. Everything lands in OUT (default runs/gpu-check): test and suite logs,
+# goes that one process's does not; ps_agent_overlap.py then measures, on this host's CPU, how much a PS push
+# beside it (agent process and shard) slows a host-bound thread. Everything lands in OUT (default runs/gpu-check): test and suite logs,
 # a.json ... e.json and their merge gpu.json and gpu.md, host-*.json, machine.txt (the GPU, the cores and which
 # share one).
 #
@@ -83,6 +84,8 @@ if [[ " $ROWS " == *" c "* || " $ROWS " == *" d "* ]]; then
     "${low[@]}" "$PY" launch/bench/host_time.py --model $m "${HP[@]}" --out "$OUT/host-${m%% *}.json" 2>&1 \
       | grep -E '^(plain|stage) '
   done
+  stamp "a host-bound thread beside a 101.5 MB push (agent process + shard) every 4 minibatches, on this host"
+  "${low[@]}" "$PY" launch/bench/ps_agent_overlap.py --out "$OUT/overlap.json" 2>&1 | tail -4
 fi
 
 stamp done

@@ -13,8 +13,8 @@ small torch calls, F, B and U of one stage at Nm 4), and in the same run, block 
 Pushes carry char-GPT 8x512's keys (101.5 MB, what that model's stage pushes each wave) to a real PS shard on
 loopback, staged once beforehand (on CUDA the copy into them is the device's DMA, not this thread's work); at
 most two in flight, and the time waiting for one is left out. With two or more cores the issuing thread gets
-core 0 to itself and everything else the other cores, so only the agent's effect on it is measured, not a
-share of its core. Prints the median ms a minibatch of each (min-max over blocks) and the issuing thread's
+the first core it may run on (under taskset too) to itself and everything else the other cores, so only the
+agent's effect on it is measured, not a share of its core. Prints the median ms a minibatch of each (min-max over blocks) and the issuing thread's
 CPU ms; --out writes them as JSON.
 
     python launch/bench/ps_agent_overlap.py [--blocks 6] [--minibatches 48] [--every 4] [--out FILE]
@@ -80,15 +80,15 @@ def start_shard(group: ChildGroup) -> str:
     return f"tcp://127.0.0.1:{queue.get(timeout=60)}"
 
 
-def pin_threads(issuing: int, others: set[int], pids: list[int]) -> bool:
-    """The issuing thread alone on core 0, every other thread of this process and `pids` on `others`."""
+def pin_threads(issuing: int, core: int, others: set[int], pids: list[int]) -> bool:
+    """The issuing thread alone on `core`, every other thread of this process and `pids` on `others`."""
     if not others:
         return False
     for pid in [os.getpid(), *pids]:
         for task in Path(f"/proc/{pid}/task").iterdir():
             tid = int(task.name)
             with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, {0} if tid == issuing else others)
+                os.sched_setaffinity(tid, {core} if tid == issuing else others)
     return True
 
 
@@ -125,7 +125,7 @@ def main(blocks: int, minibatches: int, every: int, no_pin: bool, out_path: Path
             link.start(None, None)
         arrays = {k: t.numpy() for k, t in values.items()}
         cores = sorted(os.sched_getaffinity(0))
-        pinned = not no_pin and pin_threads(threading.get_native_id(), set(cores[1:]),
+        pinned = not no_pin and pin_threads(threading.get_native_id(), cores[0], set(cores[1:]),
                                             [c.process.pid for c in group.children] + [links["process"].proc.pid])
         waves = dict.fromkeys(links, 0)
         p = 0
@@ -169,7 +169,7 @@ def main(blocks: int, minibatches: int, every: int, no_pin: bool, out_path: Path
     base = statistics.median(rows["none"]["ms"])
     out = {"cores": len(cores), "pinned": pinned, "blocks": blocks, "minibatches": minibatches, "every": every,
            "push_mb": round(4 * layout.numel / 1e6, 1), "rows": []}
-    click.echo(f"{len(cores)} cores, issuing thread {'alone on core 0' if pinned else 'unpinned'}; a "
+    click.echo(f"{len(cores)} cores, issuing thread {f'alone on core {cores[0]}' if pinned else 'unpinned'}; a "
                f"{out['push_mb']} MB push every {every} minibatches; median of {blocks} blocks (min-max):")
     for peer, got in rows.items():
         ms = statistics.median(got["ms"])
