@@ -70,7 +70,7 @@ def test_a_stage_writes_its_ops_per_minibatch(tmp_path: Path):
     mm = next(op for op in summary["by_host"] if op["name"] == "aten::mm")
     assert mm["calls"] == pytest.approx(len(inside) / forwards, abs=0.01)  # one matmul an action, per forward
     text = (tmp_path / "profile" / "vw0-s0.txt").read_text()
-    assert text.startswith("vw0-s0, minibatches 2-5: ") and "aten::mm" in text
+    assert text.startswith("vw0-s0, from the forward of minibatch 2 through the update of 5: ") and "aten::mm" in text
 
 
 def test_a_run_that_ends_inside_the_window_still_writes_it_and_says_so(tmp_path: Path):

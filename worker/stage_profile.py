@@ -58,6 +58,6 @@ class StageProfiler:
         summary["window"] = [self._first, self._last]
         self._prof, self.done = None, True
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        title = f"{self.name}, minibatches {self._first}-{self._last}{note}"
+        title = f"{self.name}, from the forward of minibatch {self._first} through the update of {self._last}{note}"
         (self.out_dir / f"{self.name}.txt").write_text(format_profile(summary, title) + "\n")
         (self.out_dir / f"{self.name}.json").write_text(json.dumps(summary, indent=1))

@@ -53,7 +53,7 @@ def op_profile(prof: profile, minibatches: int, wall_s: float, device: torch.dev
 
 def format_profile(summary: dict[str, Any], title: str) -> str:
     """The summary as text: a head line, the ops by host time and (on CUDA) by device time, ms per minibatch."""
-    head = (f"{title}: {summary['minibatches']} minibatches on {summary['device']}; a minibatch: {summary['wall_ms']} "
+    head = (f"{title}: {summary['minibatches']} minibatches' work on {summary['device']}; a minibatch: {summary['wall_ms']} "
             f"ms wall, {summary['ops_host_ms']} ms of host time inside torch ops (all threads), "
             f"{summary['aten_calls']} aten calls")
     if summary["ops_device_ms"] is not None:
