@@ -46,6 +46,7 @@ from hetpipe.core.wsp import gate_version
 from hetpipe.models import build_stage
 from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.jobs import StageJob
+from hetpipe.worker.loss_reader import LossReader
 from hetpipe.worker.p2p import P2P
 from hetpipe.worker.ps_client import ClientSpec
 from hetpipe.worker.ps_link import ProcessLink, ThreadLink, agent_kind, open_link
@@ -117,7 +118,7 @@ class StageRunner:
         self.waits = [a.index for a in self.actions if a.kind == WAIT] if self.pulls else []
         self.dilator = device_dilator(job.slowdown, wall_clock=self.device.type == "cuda")
         # A CUDA block is timed to its end (a wait for the device) only where the dilator stretches it; else the
-        # CPU queues work ahead, as a plain loop does, and waits once a wave, at the push (docs/architecture.md#devices)
+        # CPU queues work ahead, as a plain loop does, and waits only for a wave's last loss, at the push (docs/architecture.md#devices)
         self._sync_blocks = self.device.type == "cuda" and job.slowdown > 1.0
         link = config.network.link_gbps
         emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
@@ -139,7 +140,7 @@ class StageRunner:
         self.link: ThreadLink | ProcessLink | None = None
         self.samples = 0
         self._targets: dict[int, torch.Tensor] = {}
-        self._unread: list[tuple[dict[str, Any], torch.Tensor]] = []  # last stage: (minibatch event, its loss)
+        self.losses = LossReader(self.device)  # last stage: each minibatch's loss, read once a wave
         self._pushes: deque[tuple[int, Future]] = deque()  # (pinned slot, its push) in hand-over order
         self._pull: tuple[int, Future] | None = None  # the pull handed over, for WAIT of that wave
         self._next_wait = 0  # index into self.waits of the next WAIT to run
@@ -196,6 +197,7 @@ class StageRunner:
             if profiler is not None:
                 profiler.close()
             self._read_losses()  # a schedule that ends without a push (none of ours) still reports every loss
+            self._sync()  # the device's last queued work is part of the run
             self.train_s = time.monotonic() - self.started
             for _, future in self._pushes:  # every push acknowledged before the stage reports done
                 self._note_push(future.result())
@@ -353,11 +355,15 @@ class StageRunner:
             grad = None if self.last else self._recv(job.stage + 1)
             skip = grad is P2P.SKIPPED
             target = self._targets.pop(p) if self.last else None
+            unread = None
             if self.last:
                 loss = self.compute.loss_of(p, target, self.spec.loss)
                 if self.config.train.on_nan == "skip":  # skipping needs the value before the backward
                     value = float(loss)
                     skip = not np.isfinite(value)
+                else:  # read at the wave's end: reading it now would make the CPU wait for the device
+                    unread = {"event": "minibatch", "vw": job.vw, "p": p, "loss": None}
+                    self.losses.add(unread, loss)  # (on CUDA its copy to the host goes before the backward's kernels)
             started = time.perf_counter()
             with self.dilator.compute(f"B{p}"):
                 if skip:  # train.on_nan = "skip": the minibatch adds nothing, at every stage
@@ -372,26 +378,22 @@ class StageRunner:
         self.samples += self.config.train.batch_size
         if self.last:
             elapsed = time.monotonic() - self.started
-            event = {"event": "minibatch", "vw": job.vw, "p": p, "loss": value, "time": time.time(),
-                     "samples_per_s": self.samples / max(elapsed, 1e-9), "skipped": skip}
-            if value is None:  # read at the wave's end: reading it now would make the CPU wait for the device
-                self._unread.append((event, loss))
+            fields = {"time": time.time(), "samples_per_s": self.samples / max(elapsed, 1e-9), "skipped": skip}
+            if unread is not None:
+                unread.update(fields)  # reported once its loss is read
             else:
-                self.report(event)
+                self.report({"event": "minibatch", "vw": job.vw, "p": p, "loss": value, **fields})
 
     def _read_losses(self) -> None:
-        """Report the wave's minibatch losses, read in one go (one wait for the device, not one per minibatch);
-        under train.on_nan = "stop" a NaN or inf stops the run here, before the wave's push carries it."""
-        if not self._unread:
-            return
-        values = torch.stack([loss.float() for _, loss in self._unread]).tolist()
-        for (event, _), value in zip(self._unread, values, strict=True):
+        """Report the wave's minibatch losses, read in one go (on CUDA one wait, for the copy of the last of them,
+        not one per minibatch and not for the whole queue); under train.on_nan = "stop" a NaN or inf stops the run
+        here, before the wave's push carries it."""
+        for event, value in self.losses.read():
             if not np.isfinite(value):
                 p, wave = event["p"], event["p"] // self.config.wsp.nm
                 raise NonFiniteLoss(f"vw {self.job.vw} stage {self.job.stage}: the loss of minibatch {p} (wave {wave}) "
                                     f"is {value}; lower the learning rate, or check the data", wave)
             self.report({**event, "loss": value})
-        self._unread = []
 
     def update(self, p: int) -> None:
         with self.trace.span(f"U{p}"):
@@ -404,9 +406,8 @@ class StageRunner:
     def push(self, wave: int) -> None:
         with self.trace.span(f"PUSH{wave}"):
             started = time.perf_counter()
-            self._sync()  # the wave's queued device work: compute, as the blocks' own timers miss it
+            self._read_losses()  # on CUDA a wait for the device's last loss of the wave: counted as compute
             self._timed("compute", started)
-            self._read_losses()
             copies = self.push_staging.copies
             if self._next_wait >= len(self.waits) and not copies:
                 # no pull is due to hold this stage back, so a PS slower than the stage would let pushes (and

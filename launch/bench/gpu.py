@@ -237,7 +237,7 @@ def run_hetpipe(config: ClusterConfig, run_dir: Path, profile: ProfileWindow | N
 
 def host_ms(trace_file: Path) -> float:
     """Host milliseconds of one minibatch's F, B and U at VW 0's first stage (the sum of their medians over the
-    last three quarters of the run): on CUDA the time to issue them (a stage waits for the device once a wave, at
+    last three quarters of the run): on CUDA the time to issue them (a stage waits for a wave's last loss, at
     PUSH; a stage with neighbours also waits in F and B for its transfers), on the CPU their compute."""
     spans: dict[str, list[float]] = {"F": [], "B": [], "U": []}
     for event in json.loads(trace_file.read_text())["traceEvents"]:
