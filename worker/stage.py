@@ -141,6 +141,7 @@ class StageRunner:
         self.samples = 0
         self._targets: dict[int, torch.Tensor] = {}
         self.losses = LossReader(self.device)  # last stage: each minibatch's loss, read once a wave
+        self._wave_queued: torch.cuda.Event | None = None  # CUDA: recorded at the last PUSH, behind its wave's work
         self._pushes: deque[tuple[int, Future]] = deque()  # (pinned slot, its push) in hand-over order
         self._pull: tuple[int, Future] | None = None  # the pull handed over, for WAIT of that wave
         self._next_wait = 0  # index into self.waits of the next WAIT to run
@@ -407,6 +408,8 @@ class StageRunner:
         with self.trace.span(f"PUSH{wave}"):
             started = time.perf_counter()
             self._read_losses()  # on CUDA a wait for the device's last loss of the wave: counted as compute
+            if self._wave_queued is not None:  # CUDA: the CPU runs at most a wave ahead of the device, not more
+                self._wave_queued.synchronize()
             self._timed("compute", started)
             copies = self.push_staging.copies
             if self._next_wait >= len(self.waits) and not copies:
@@ -423,6 +426,9 @@ class StageRunner:
             slot = self.push_staging.slot
             self._pushes.append((slot, self.link.push(wave, slot, arrays, ready, reused=copies)))
             self._pushed = wave + 1
+            if self.device.type == "cuda":
+                self._wave_queued = torch.cuda.Event(blocking=True)
+                self._wave_queued.record()  # waited for at the next PUSH
         if self.compute.optimizer is not None or self.ledgers:
             # own sums the next pull will contain (or all, when no pull comes) are not needed any more
             ahead = self.waits[self._next_wait] if self._next_wait < len(self.waits) else None
