@@ -8,9 +8,9 @@
 # The two rows nearest their targets (c: char-gpt bf16, d: resnet50 fp32) also run profiled (gpu.py --profile
 # $PROFILE, untimed) and host_time.py profiles the same models in one process: where a stage process's host time
 # goes that one process's does not; ps_agent_overlap.py then measures, on this host's CPU, how much a PS push
-# beside it (agent process and shard) slows a host-bound thread. Everything lands in OUT (default runs/gpu-check): test and suite logs,
-# a.json ... e.json and their merge gpu.json and gpu.md, host-*.json, machine.txt (the GPU, the cores and which
-# share one).
+# beside it (agent process and shard) slows a host-bound thread. Everything lands in OUT (default
+# runs/gpu-check): test and suite logs, a.json ... e.json and their merge gpu.json and gpu.md, host-*.json,
+# overlap.json, machine.txt (the GPU, the cores and which share one).
 #
 #   bash launch/gpu_check.sh [OUT]                     # PYTHON=python3 to use another interpreter than .venv's
 #   REPEATS=1 MINIBATCHES=60 bash launch/gpu_check.sh  # a quicker, rougher pass
