@@ -41,7 +41,7 @@ class LossReader:
                 self._host = grown
             self._host[slot].copy_(loss.detach().float(), non_blocking=True)
             assert self._copied is not None
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(loss.device))  # the stream the copy was queued on
         else:
             self._losses.append(loss.detach())
         self._events.append(event)
