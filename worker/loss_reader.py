@@ -1,7 +1,7 @@
 """The last stage's minibatch losses, read once a wave without draining the device (docs/architecture.md#devices).
 
-On CUDA each loss is copied into pinned host memory as soon as its backward is queued (the copy is queued too,
-before the backward's kernels, and nothing waits for it), and the wave's read waits only for the last of those
+On CUDA each loss is copied into pinned host memory just before its backward is queued (the copy is queued too,
+ahead of the backward's kernels, and nothing waits for it), and the wave's read waits only for the last of those
 copies: the device still has the last backward and update queued while the stage reads the values, checks them
 and stages its push, so it does not sit idle while the CPU catches up, as it would after a full synchronize.
 On the CPU the losses are values already and are read as they are.
