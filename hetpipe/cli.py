@@ -52,7 +52,8 @@ def _set_option(f):
     )(f)
 
 
-def _parse_profile(_ctx: click.Context, _param: click.Parameter, text: str | None) -> ProfileWindow | None:
+def parse_profile_option(_ctx: click.Context, _param: click.Parameter, text: str | None) -> ProfileWindow | None:
+    """click callback of a `--profile FIRST:COUNT` option (here and in launch/bench/gpu.py)."""
     from hetpipe.core.errors import UsageError
     from hetpipe.core.profile_window import ProfileWindow
 
@@ -64,7 +65,7 @@ def _parse_profile(_ctx: click.Context, _param: click.Parameter, text: str | Non
 
 def _profile_option(f):
     return click.option(
-        "--profile", metavar="FIRST:COUNT", default=None, callback=_parse_profile,
+        "--profile", metavar="FIRST:COUNT", default=None, callback=parse_profile_option,
         help="Every stage runs torch.profiler from its forward of minibatch FIRST through the update of FIRST+COUNT-1 "
              "and writes which ops take its host's and device's time, per minibatch, to <run dir>/profile/"
              "vw<V>-s<S>.txt (and .json); e.g. 40:40. The profiled stretch runs slower.",

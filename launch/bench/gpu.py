@@ -57,12 +57,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402  (launch/bench is not a package)
 
+from hetpipe.cli import parse_profile_option  # noqa: E402
 from hetpipe.compute import data as datalib  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.op_profile import op_profile, start_profiler, stop_profiler  # noqa: E402
 from hetpipe.compute.optim import make_optimizer  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
-from hetpipe.core.errors import UsageError  # noqa: E402
 from hetpipe.core.profile_window import ProfileWindow  # noqa: E402
 from hetpipe.core.schedule import SCHEDULES  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
@@ -448,7 +448,7 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
 @click.option("--keep", "keep_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep every hetpipe run's folder (logs, traces, metrics) here instead of a temporary one.")
 @click.option("--quick", is_flag=True, help="Small models at batch 8, for a smoke run on the CPU.")
-@click.option("--profile", "profile_text", metavar="FIRST:COUNT", default=None,
+@click.option("--profile", metavar="FIRST:COUNT", default=None, callback=parse_profile_option,
               help="Also profile (torch.profiler, untimed): the plain loop's COUNT steps after its last timed run, "
                    "and one more run of each system with `hetpipe train --profile FIRST:COUNT`; rows get `profile`.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -460,15 +460,11 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
                    "over several calls) into --out and --table.")
 def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...], systems: tuple[System, ...],
          repeats: int, minibatches: int, warmup: int, batch: int, memory_gib: float | None, keep_dir: Path | None,
-         quick: bool, profile_text: str | None, out_path: Path | None, table_path: Path | None,
+         quick: bool, profile: ProfileWindow | None, out_path: Path | None, table_path: Path | None,
          row_files: tuple[Path, ...]) -> None:
-    try:
-        profile = ProfileWindow.parse(profile_text) if profile_text is not None else None
-    except UsageError as e:
-        raise click.BadParameter(str(e), param_hint="--profile") from None
     if profile is not None and not profile.fits(minibatches):
-        raise click.BadParameter(f"{profile_text} ends at minibatch {profile.last}, past the runs' {minibatches}: "
-                                 "lower FIRST or COUNT, or raise --minibatches", param_hint="--profile")
+        raise click.BadParameter(f"{profile.first}:{profile.count} ends at minibatch {profile.last}, past the runs' "
+                                 f"{minibatches}: lower FIRST or COUNT, or raise --minibatches", param_hint="--profile")
     if row_files:
         rows = [row for path in row_files for row in json.loads(path.read_text())]
         _write(rows, out_path, table_path)
