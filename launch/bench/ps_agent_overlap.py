@@ -14,8 +14,8 @@ Pushes carry char-GPT 8x512's keys (101.5 MB, what that model's stage pushes eac
 loopback, staged once beforehand (on CUDA the copy into them is the device's DMA, not this thread's work); at
 most two in flight, and the time waiting for one is left out. With two or more cores the issuing thread gets
 the first core it may run on (under taskset too) to itself and everything else the other cores, so only the
-agent's effect on it is measured, not a share of its core. Prints the median ms a minibatch of each (min-max over blocks) and the issuing thread's
-CPU ms; --out writes them as JSON.
+agent's effect on it is measured, not a share of its core. Prints the median ms a minibatch of each (min-max
+over blocks) and the issuing thread's CPU ms; --out writes them as JSON.
 
     python launch/bench/ps_agent_overlap.py [--blocks 6] [--minibatches 48] [--every 4] [--out FILE]
 """
