@@ -118,7 +118,8 @@ class StageRunner:
         self.waits = [a.index for a in self.actions if a.kind == WAIT] if self.pulls else []
         self.dilator = device_dilator(job.slowdown, wall_clock=self.device.type == "cuda")
         # A CUDA block is timed to its end (a wait for the device) only where the dilator stretches it; else the
-        # CPU queues work ahead, as a plain loop does, and waits only for a wave's last loss, at the push (docs/architecture.md#devices)
+        # CPU queues work ahead, as a plain loop does, and at each push waits only for the wave's last loss and the
+        # previous wave's work (docs/architecture.md#devices)
         self._sync_blocks = self.device.type == "cuda" and job.slowdown > 1.0
         link = config.network.link_gbps
         emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
