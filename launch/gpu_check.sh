@@ -18,6 +18,7 @@
 #   BENCH=0 bash launch/gpu_check.sh                    # the suite and the CUDA tests only (~3 minutes)
 #   SUITE=0 ROWS="c d" bash launch/gpu_check.sh         # only those gpu.py rows (c, d: ~5 minutes; a, b, e: ~4)
 #   PROFILE=0 bash launch/gpu_check.sh                  # no profiled runs
+#   DIAG=0 bash launch/gpu_check.sh                     # no host_time.py or ps_agent_overlap.py after the rows
 #
 # The suite runs in parallel when pytest-xdist is installed, else serially.
 set -uo pipefail
@@ -77,7 +78,7 @@ for f in "$OUT"/[a-e].json; do [ -f "$f" ] && rows+=(--rows "$f"); done
 [ ${#rows[@]} -gt 0 ] && "$PY" launch/bench/gpu.py "${rows[@]}" --out "$OUT/gpu.json" --table "$OUT/gpu.md" >/dev/null 2>&1
 [ -f "$OUT/gpu.md" ] && cat "$OUT/gpu.md"
 
-if [[ " $ROWS " == *" c "* || " $ROWS " == *" d "* ]]; then
+if [ "${DIAG:-1}" != 0 ] && [[ " $ROWS " == *" c "* || " $ROWS " == *" d "* ]]; then
   stamp "host time, in one process"  # where a CPU-bound row's host time goes: plain step against StageCompute
   HP=(); [ "$PROFILE" != 0 ] && HP=(--profile)
   for m in "char-gpt --precision bf16" "resnet50 --precision fp32"; do
