@@ -46,7 +46,8 @@ ROWS = [
      "repeats": 3, "ratio_to_plain": 1.0, "host_ms": 20.25},
     {"device": "NVIDIA H100 80GB HBM3", "model": "char-gpt", "precision": "fp32", "batch": 64, "system": "hetpipe",
      "nm": 4, "staleness": 1, "vws": 2, "stages": 1, "samples_per_s": 1800.0, "samples_per_s_runs": [1790.0, 1800.0, 1812.5],
-     "repeats": 3, "ratio_to_plain": 0.923, "tail_s": 1.234, "loss_vs_one_stage": -0.0042,
+     "repeats": 3, "ratio_to_plain": 0.923, "ratio_by_round": [0.923, 0.951, 0.918], "tail_s": 1.234,
+     "loss_vs_one_stage": -0.0042,
      "wave_breakdown_ms": {"0": {"compute": 130.0, "d2h": 2.25, "push": 5.0, "gate_wait": 0.0, "pull": 4.0}}},
 ]
 
@@ -55,8 +56,8 @@ def test_the_table_names_the_device_and_gives_each_row_its_spread_ratio_and_wave
     lines = gpu.markdown(ROWS).splitlines()
     assert lines[0].startswith("On NVIDIA H100 80GB HBM3; batch 64, Adam; median of 3 runs")
     assert lines[-2] == "| char-gpt | fp32 | plain torch loop | 1950.0 (1940.0-1961.0) | 1.00 | 20.2 | - | - | - |"
-    assert lines[-1] == ("| char-gpt | fp32 | hetpipe 2 VWs x 1 stage, Nm 4, D 1 | 1800.0 (1790.0-1812.5) | 0.92 "
-                         "| - | 130.0 / 2.2 / 5.0 / 0.0 / 4.0 / - | 1.2 s | -0.4% |")
+    assert lines[-1] == ("| char-gpt | fp32 | hetpipe 2 VWs x 1 stage, Nm 4, D 1 | 1800.0 (1790.0-1812.5) "
+                         "| 0.92 (0.92-0.95) | - | 130.0 / 2.2 / 5.0 / 0.0 / 4.0 / - | 1.2 s | -0.4% |")
 
 
 def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
@@ -68,6 +69,23 @@ def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
                                            "--table", str(table)])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text()) == ROWS and table.read_text() == gpu.markdown(ROWS) + "\n"
+
+
+def test_merged_rows_written_before_ratio_by_round_get_it_from_their_own_files_plain_row(tmp_path: Path):
+    base = {"device": "cpu", "model": "resnet50", "precision": "bf16", "batch": 64, "nm": 4, "vws": 1, "stages": 1}
+    plain = {**base, "system": "plain", "samples_per_s": 100.0, "samples_per_s_runs": [100.0, 120.0, 80.0],
+             "ratio_to_plain": 1.0}
+    old = {**base, "system": "hetpipe", "samples_per_s": 95.0, "samples_per_s_runs": [90.0, 99.0, 95.0],
+           "ratio_to_plain": 0.95}
+    short = {**old, "precision": "fp32", "samples_per_s_runs": [95.0]}  # no plain row of its own: left alone
+    kept = {**old, "nm": 1, "ratio_by_round": [0.5, 0.5, 0.5]}
+    path, out = tmp_path / "e.json", tmp_path / "gpu.json"
+    path.write_text(json.dumps([plain, old, short, kept]))
+    result = CliRunner().invoke(gpu.main, ["--rows", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert rows[1]["ratio_by_round"] == [0.9, 0.825, 1.188] and "ratio_by_round" not in rows[0]
+    assert "ratio_by_round" not in rows[2] and rows[3] == kept  # one it already had is kept as it was
 
 
 def test_system_option_reads_vws_stages_and_nm_and_refuses_the_rest():
@@ -146,6 +164,8 @@ def test_run_setting_interleaves_its_runs_takes_medians_and_stops_a_failed_syste
     assert [(r["system"], r.get("samples_per_s"), r.get("samples_per_s_runs")) for r in rows] == [
         ("plain", 100.0, [100.0, 120.0, 80.0]), ("hetpipe", 95.0, [90.0, 99.0, 95.0]), ("hetpipe", None, None)]
     assert rows[1]["ratio_to_plain"] == 0.95 and rows[2]["error"] == "HetpipeError: out of memory"
+    assert rows[1]["ratio_by_round"] == [0.9, 0.825, 1.188]  # 90/100, 99/120, 95/80: each round's own plain run
+    assert rows[2]["error"] == "HetpipeError: out of memory"
 
 
 def test_a_system_with_settings_runs_beside_the_same_system_without_them(tmp_path: Path):

@@ -12,14 +12,14 @@ system once a round, so the machine's drift reaches all alike), median and sprea
 Models: char-gpt 8 blocks x 512 wide, 8 heads, 128 characters of context (Shakespeare), and resnet50 on
 32x32 images (MNIST padded, one channel, ten classes; the CIFAR-style stem), both at batch 64 with Adam.
 
-Rates are samples/s in the steady state: the plain loop's over its timed steps after --warmup, hetpipe's
-from its stage traces after two waves (throughput.py's window); ratio_to_plain divides each median by the
-plain loop's median of the same model and precision. Each hetpipe row also gives the wave breakdown (where a
-wave's time goes: compute, d2h, push_wait, gate_wait, h2d, push, pull, parked), how long `hetpipe train` took
-from its last minibatch to returning (tail_s), the host time of a minibatch (host_ms: the plain loop's step
-issued onto an idle device, hetpipe's F, B and U at VW 0's first stage; a system whose host time exceeds the
-plain loop's step is bound by the CPU, not the device), and the mean loss of the last 20 minibatches (the 1x2
-row is compared with the 1x1 row at the same Nm and schedule).
+Rates are samples/s in the steady state: the plain loop's over its timed steps after --warmup, hetpipe's from its
+stage traces after two waves (throughput.py's window); ratio_to_plain divides each median by the plain loop's
+median of the same model and precision, ratio_by_round each round's rate by the plain loop's in that round. Each
+hetpipe row also gives the wave breakdown (where a wave's time goes: compute, d2h, push_wait, gate_wait, h2d,
+push, pull, parked), how long `hetpipe train` took from its last minibatch to returning (tail_s), the host time
+of a minibatch (host_ms: the plain loop's step issued onto an idle device, hetpipe's F, B and U at VW 0's first
+stage; a system whose host time exceeds the plain loop's step is bound by the CPU, not the device), and the mean
+loss of the last 20 minibatches (the 1x2 row is compared with the 1x1 row at the same Nm and schedule).
 
     python launch/bench/gpu.py --out gpu.json                       # on the machine's first CUDA device
     python launch/bench/gpu.py --device cpu --quick                 # a smoke run on the CPU (tiny models)
@@ -283,6 +283,13 @@ def median_row(base: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str
             "samples_per_s_runs": [round(r, 1) for r in rates], "repeats": len(runs)}
 
 
+def round_ratios(system_runs: Sequence[dict[str, Any]], plain_runs: Sequence[dict[str, Any]]) -> list[float]:
+    """Each round's samples/s over the plain loop's in the same round (run_order pairs them): the spread of
+    the ratio itself, narrower than the two medians' spreads where the host drifts between rounds."""
+    return [round(run["samples_per_s"] / plain["samples_per_s"], 3)
+            for run, plain in zip(system_runs, plain_runs, strict=True)]
+
+
 BREAKDOWN = ("compute", "d2h", "push", "gate_wait", "pull", "h2d")  # the table's parts of a wave (VW 0), ms
 
 
@@ -306,7 +313,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     devices = sorted({r["device"] for r in rows})
     repeats = sorted({r["repeats"] for r in rows if "repeats" in r})
     lines = [f"On {', '.join(devices)}; batch {', '.join(sorted({str(r['batch']) for r in rows}))}, Adam; "
-             f"median of {'/'.join(map(str, repeats))} runs (min-max); wave parts of VW 0 in ms per wave:", "",
+             f"median of {'/'.join(map(str, repeats))} runs (min-max; x plain: the medians' ratio, and "
+             "each round's against the plain loop's in that round); wave parts of VW 0 in ms per wave:", "",
              f"| model | precision | system | samples/s | x plain | host ms per minibatch | {' / '.join(BREAKDOWN)} "
              "| returned after last minibatch | loss vs 1 stage |", "|---|---|---|---:|---:|---:|---|---:|---:|"]
     for r in rows:
@@ -320,8 +328,11 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         returned = f"{r['tail_s']:.1f} s" if "tail_s" in r else "-"
         loss = f"{100 * r['loss_vs_one_stage']:+.1f}%" if "loss_vs_one_stage" in r else "-"
         host = f"{r['host_ms']:.1f}" if "host_ms" in r else "-"
+        by_round = r.get("ratio_by_round", [])
+        spread = f" ({min(by_round):.2f}-{max(by_round):.2f})" if len(by_round) > 1 else ""
+        ratio = f"{r['ratio_to_plain']:.2f}{spread}"
         lines.append(f"| {r['model']} | {r['precision']} | {system_label(r)} | {r['samples_per_s']:.1f} "
-                     f"({min(runs):.1f}-{max(runs):.1f}) | {r['ratio_to_plain']:.2f} | {host} | {wave} | {returned} "
+                     f"({min(runs):.1f}-{max(runs):.1f}) | {ratio} | {host} | {wave} | {returned} "
                      f"| {loss} |")
     profiled = [r for r in rows if isinstance(r.get("profile"), dict) and "wall_ms" in r["profile"]]
     if profiled:
@@ -423,6 +434,7 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
             continue
         row = median_row(row_labels, runs[i])
         row["ratio_to_plain"] = round(row["samples_per_s"] / plain_row["samples_per_s"], 3)
+        row["ratio_by_round"] = round_ratios(runs[i], runs[-1])
         if i in profiles:
             row["profile"] = profiles[i]
         click.echo(f"{setting.model} {setting.precision} {system_label(row)}: {row['samples_per_s']} samples/s = "
@@ -466,7 +478,7 @@ def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...
         raise click.BadParameter(f"{profile.first}:{profile.count} ends at minibatch {profile.last}, past the runs' "
                                  f"{minibatches}: lower FIRST or COUNT, or raise --minibatches", param_hint="--profile")
     if row_files:
-        rows = [row for path in row_files for row in json.loads(path.read_text())]
+        rows = [row for path in row_files for row in with_round_ratios(json.loads(path.read_text()))]
         _write(rows, out_path, table_path)
         return
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -493,6 +505,20 @@ def main(device: str | None, models: tuple[str, ...], precisions: tuple[str, ...
     _write(rows, out_path, table_path)
     if any("error" in row for row in rows):
         raise SystemExit(1)
+
+
+def with_round_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One --out file's rows, each hetpipe row given ratio_by_round where it lacks one (files written before
+    gpu.py recorded it, 2026-11-26; their runs already alternated round by round) from its own file's plain row."""
+    plains = {(r["model"], r["precision"]): r for r in rows if r["system"] == "plain" and "samples_per_s_runs" in r}
+    for row in rows:
+        plain = plains.get((row["model"], row["precision"]))
+        runs = row.get("samples_per_s_runs")
+        if row["system"] != "plain" and "ratio_by_round" not in row and plain is not None and runs is not None \
+                and len(runs) == len(plain["samples_per_s_runs"]):
+            row["ratio_by_round"] = round_ratios([{"samples_per_s": r} for r in runs],
+                                                 [{"samples_per_s": r} for r in plain["samples_per_s_runs"]])
+    return rows
 
 
 def compare_stages(rows: list[dict[str, Any]]) -> None:
