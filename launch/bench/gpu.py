@@ -284,8 +284,8 @@ def median_row(base: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str
 
 
 def round_ratios(system_runs: Sequence[dict[str, Any]], plain_runs: Sequence[dict[str, Any]]) -> list[float]:
-    """Each round's samples/s over the plain loop's in the same round (run_order pairs them): the spread of
-    the ratio itself, narrower than the two medians' spreads where the host drifts between rounds."""
+    """Each round's samples/s over the plain loop's in the same round (run_order pairs them): how the ratio
+    itself moves from round to round, which the two medians' spreads do not show where the host drifts."""
     return [round(run["samples_per_s"] / plain["samples_per_s"], 3)
             for run, plain in zip(system_runs, plain_runs, strict=True)]
 
