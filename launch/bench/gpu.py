@@ -283,11 +283,11 @@ def median_row(base: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[str
             "samples_per_s_runs": [round(r, 1) for r in rates], "repeats": len(runs)}
 
 
-def round_ratios(system_runs: Sequence[dict[str, Any]], plain_runs: Sequence[dict[str, Any]]) -> list[float]:
-    """Each round's samples/s over the plain loop's in the same round (run_order pairs them): how the ratio
-    itself moves from round to round, which the two medians' spreads do not show where the host drifts."""
-    return [round(run["samples_per_s"] / plain["samples_per_s"], 3)
-            for run, plain in zip(system_runs, plain_runs, strict=True)]
+def round_ratios(system_rates: Sequence[float], plain_rates: Sequence[float]) -> list[float]:
+    """Each round's samples/s (a row's samples_per_s_runs, in run order) over the plain loop's in the same round
+    (run_order pairs them): how the ratio itself moves from round to round, which the two medians' spreads do not
+    show where the host drifts."""
+    return [round(rate / plain, 3) for rate, plain in zip(system_rates, plain_rates, strict=True)]
 
 
 BREAKDOWN = ("compute", "d2h", "push", "gate_wait", "pull", "h2d")  # the table's parts of a wave (VW 0), ms
@@ -434,7 +434,7 @@ def run_setting(setting: Setting, systems: Sequence[System], repeats: int, warmu
             continue
         row = median_row(row_labels, runs[i])
         row["ratio_to_plain"] = round(row["samples_per_s"] / plain_row["samples_per_s"], 3)
-        row["ratio_by_round"] = round_ratios(runs[i], runs[-1])
+        row["ratio_by_round"] = round_ratios(row["samples_per_s_runs"], plain_row["samples_per_s_runs"])
         if i in profiles:
             row["profile"] = profiles[i]
         click.echo(f"{setting.model} {setting.precision} {system_label(row)}: {row['samples_per_s']} samples/s = "
@@ -516,8 +516,7 @@ def with_round_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         runs = row.get("samples_per_s_runs")
         if row["system"] != "plain" and "ratio_by_round" not in row and plain is not None and runs is not None \
                 and len(runs) == len(plain["samples_per_s_runs"]):
-            row["ratio_by_round"] = round_ratios([{"samples_per_s": r} for r in runs],
-                                                 [{"samples_per_s": r} for r in plain["samples_per_s_runs"]])
+            row["ratio_by_round"] = round_ratios(runs, plain["samples_per_s_runs"])
     return rows
 
 
