@@ -20,8 +20,9 @@ __all__ = ["build"]
 
 def block(c_in: int, c_out: int) -> nn.Sequential:
     """Conv 3x3, BatchNorm, ReLU, then halve the image: one pipeline unit."""
-    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(),
-                         nn.MaxPool2d(2))
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)
+    )
 
 
 def build(width: int = 8, hidden: int = 64, num_classes: int = 10) -> list[nn.Module]:

@@ -46,13 +46,18 @@ def _config_option(f):
 
 def _set_option(f):
     return click.option(
-        "--set", "settings", multiple=True, metavar="KEY.PATH=VALUE",
+        "--set",
+        "settings",
+        multiple=True,
+        metavar="KEY.PATH=VALUE",
         help="Override one config field, validated like the file (repeatable), e.g. --set wsp.nm=4 "
-             "--set train.schedule=gpipe --set model.options.hidden=[64,64].",
+        "--set train.schedule=gpipe --set model.options.hidden=[64,64].",
     )(f)
 
 
-def parse_profile_option(_ctx: click.Context, _param: click.Parameter, text: str | None) -> ProfileWindow | None:
+def parse_profile_option(
+    _ctx: click.Context, _param: click.Parameter, text: str | None
+) -> ProfileWindow | None:
     """click callback of a `--profile FIRST:COUNT` option (here and in launch/bench/gpu.py)."""
     from hetpipe.core.errors import UsageError
     from hetpipe.core.profile_window import ProfileWindow
@@ -65,10 +70,13 @@ def parse_profile_option(_ctx: click.Context, _param: click.Parameter, text: str
 
 def _profile_option(f):
     return click.option(
-        "--profile", metavar="FIRST:COUNT", default=None, callback=parse_profile_option,
-        help="Every stage runs torch.profiler from its forward of minibatch FIRST through the update of FIRST+COUNT-1 "
-             "and writes which ops take its host's and device's time, per minibatch, to <run dir>/profile/"
-             "vw<V>-s<S>.txt (and .json); e.g. 40:40. The profiled stretch runs slower.",
+        "--profile",
+        metavar="FIRST:COUNT",
+        default=None,
+        callback=parse_profile_option,
+        help="Every stage runs torch.profiler from its forward of minibatch FIRST through the update of "
+        "FIRST+COUNT-1 and writes which ops take its host's and device's time, per minibatch, to "
+        "<run dir>/profile/vw<V>-s<S>.txt (and .json); e.g. 40:40. The profiled stretch runs slower.",
     )(f)
 
 
@@ -87,7 +95,9 @@ def _run_config(run_dir: Path, settings: tuple[str, ...]):
 @cli.command()
 @_config_option
 @_set_option
-@click.option("--shard", type=int, default=None, help="Serve only this shard (default: all, as child processes).")
+@click.option(
+    "--shard", type=int, default=None, help="Serve only this shard (default: all, as child processes)."
+)
 def server(config_path: Path | None, settings: tuple[str, ...], shard: int | None) -> None:
     """Run the parameter server of a cluster config (Ctrl-C or SIGTERM checkpoints, then stops)."""
     from hetpipe.core.config import pack_config
@@ -103,7 +113,9 @@ def server(config_path: Path | None, settings: tuple[str, ...], shard: int | Non
 
 @cli.command()
 @click.option("--stages", type=int, default=4, show_default=True, help="Stages (GPUs) of the virtual worker.")
-@click.option("--nm", type=int, default=4, show_default=True, help="Minibatches in flight (a wave is nm minibatches).")
+@click.option(
+    "--nm", type=int, default=4, show_default=True, help="Minibatches in flight (a wave is nm minibatches)."
+)
 @click.option("--waves", type=int, default=2, show_default=True, help="Waves to show.")
 @click.option("--staleness", "-D", type=int, default=0, show_default=True, help="Global staleness bound D.")
 @click.option("--name", default="wsp", show_default=True, help="Schedule name.")
@@ -119,26 +131,61 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
 
 @cli.command()
 @click.argument("config_path", required=False, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="A plan file from `hetpipe plan --out` (grouping and splits); default: the config's VWs.")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where metrics, traces, logs and the model go (default: <train.out_dir>/run-<time>).")
-@click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the summary as JSON here.")
-@click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Also write TensorBoard event files here (needs the tensorboard extra).")
+@click.option(
+    "--plan",
+    "plan_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A plan file from `hetpipe plan --out` (grouping and splits); default: the config's VWs.",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where metrics, traces, logs and the model go (default: <train.out_dir>/run-<time>).",
+)
+@click.option(
+    "--summary",
+    "summary_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the summary as JSON here.",
+)
+@click.option(
+    "--tensorboard",
+    "tensorboard_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also write TensorBoard event files here (needs the tensorboard extra).",
+)
 @click.option("--quiet", is_flag=True, help="No progress output; print only the summary.")
-@click.option("--audit", is_flag=True,
-              help="Carry a tagged-update ledger and check at every forward what it saw (guarantees L and G).")
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Continue the stopped run in this run dir from the newest wave the PS and every stage "
-                   "checkpointed (needs [checkpoint] every >= 1); its config.toml unless CONFIG is given.")
+@click.option(
+    "--audit",
+    is_flag=True,
+    help="Carry a tagged-update ledger and check at every forward what it saw (guarantees L and G).",
+)
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Continue the stopped run in this run dir from the newest wave the PS and every stage "
+    "checkpointed (needs [checkpoint] every >= 1); its config.toml unless CONFIG is given.",
+)
 @_profile_option
 @_set_option
-def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None, summary_path: Path | None,
-          tensorboard_dir: Path | None, quiet: bool, audit: bool, resume_dir: Path | None,
-          profile: ProfileWindow | None,
-          settings: tuple[str, ...]) -> None:
+def train(
+    config_path: Path | None,
+    plan_path: Path | None,
+    run_dir: Path | None,
+    summary_path: Path | None,
+    tensorboard_dir: Path | None,
+    quiet: bool,
+    audit: bool,
+    resume_dir: Path | None,
+    profile: ProfileWindow | None,
+    settings: tuple[str, ...],
+) -> None:
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
     from hetpipe.core.errors import UsageError
 
@@ -146,17 +193,25 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
         if run_dir is not None and run_dir != resume_dir:
             raise UsageError("--resume RUN_DIR continues that run in its own dir: leave out --run-dir")
         if plan_path:
-            raise UsageError("--resume uses the VWs the run was started with (saved in its dir): leave out --plan")
+            raise UsageError(
+                "--resume uses the VWs the run was started with (saved in its dir): leave out --plan"
+            )
         if not resume_dir.is_dir():
             raise UsageError(f"--resume {resume_dir}: no such run dir")
         run_dir = resume_dir
     # the config before torch is imported: a bad one fails in well under a second
-    config = _load(config_path, settings) if config_path or resume_dir is None else _run_config(resume_dir, settings)
+    config = (
+        _load(config_path, settings)
+        if config_path or resume_dir is None
+        else _run_config(resume_dir, settings)
+    )
 
     from hetpipe.app.startup import PRELOAD
     from hetpipe.core.procs import warm_forkserver
 
-    warm_forkserver(PRELOAD)  # imports torch and the stage code for the children while this process does the same
+    warm_forkserver(
+        PRELOAD
+    )  # imports torch and the stage code for the children while this process does the same
 
     from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
     from hetpipe.app.train import train as run_train
@@ -172,9 +227,16 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
         from hetpipe.app.board import check_board
 
         check_board()
-    options = TrainOptions(run_dir=run_dir, progress=not quiet, layouts=layouts, audit=audit,
-                           tensorboard=tensorboard_dir, started_at=STARTED, resume=resume_dir is not None,
-                           profile=profile)
+    options = TrainOptions(
+        run_dir=run_dir,
+        progress=not quiet,
+        layouts=layouts,
+        audit=audit,
+        tensorboard=tensorboard_dir,
+        started_at=STARTED,
+        resume=resume_dir is not None,
+        profile=profile,
+    )
     summary = run_train(config, options)
     click.echo(format_summary(summary))
     if summary_path:
@@ -186,8 +248,13 @@ def train(config_path: Path | None, plan_path: Path | None, run_dir: Path | None
 
 @cli.command()
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Where to write the rebuilt module (default: RUN_DIR/model-module.pt).")
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the rebuilt module (default: RUN_DIR/model-module.pt).",
+)
 def export(run_dir: Path, out_path: Path | None) -> None:
     """Rebuild the trained nn.Module of a run (its config.toml's model, model.pt's weights) and save it whole.
 
@@ -203,18 +270,38 @@ def export(run_dir: Path, out_path: Path | None) -> None:
 @_config_option
 @click.option("--vw", type=int, required=True, help="The virtual worker to run (0-based, in config order).")
 @click.option("--stage", type=int, default=None, help="Run only this stage of it (default: all its stages).")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where logs and traces go (default: runs/worker, or with --join a worker-vw<I>-<time> dir in it).")
-@click.option("--join", "join_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Join the running `hetpipe train` of this run dir (its PS, keys and config.toml unless --config).")
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where logs and traces go (default: runs/worker, or with --join a worker-vw<I>-<time> dir in it).",
+)
+@click.option(
+    "--join",
+    "join_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Join the running `hetpipe train` of this run dir (its PS, keys and config.toml unless --config).",
+)
 @_profile_option
 @_set_option
-def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path | None, join_dir: Path | None,
-           profile: ProfileWindow | None, settings: tuple[str, ...]) -> None:
-    """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines; a VW
-    the PS evicted after a failure rejoins at the next wave boundary with the current global weights."""
+def worker(
+    config_path: Path | None,
+    vw: int,
+    stage: int | None,
+    run_dir: Path | None,
+    join_dir: Path | None,
+    profile: ProfileWindow | None,
+    settings: tuple[str, ...],
+) -> None:
+    """Run one virtual worker (or one stage) against a running `hetpipe server`, for clusters of machines; a
+    VW the PS evicted after a failure rejoins at the next wave boundary with the current global weights."""
     # the config before torch is imported
-    config = _run_config(join_dir, settings) if join_dir is not None and config_path is None else _load(config_path, settings)
+    config = (
+        _run_config(join_dir, settings)
+        if join_dir is not None and config_path is None
+        else _load(config_path, settings)
+    )
 
     from hetpipe.app.startup import PRELOAD
     from hetpipe.core.procs import warm_forkserver
@@ -227,14 +314,27 @@ def worker(config_path: Path | None, vw: int, stage: int | None, run_dir: Path |
 
 @cli.command()
 @click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where to write the keys (default: the config's [ps] keys_dir, else <config>-keys beside it).")
-@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Make one key pair per VW of this plan (default: per VW of the config).")
-@click.option("--force", is_flag=True, help="Replace keys already there (processes using them are locked out).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the keys (default: the config's [ps] keys_dir, else <config>-keys beside it).",
+)
+@click.option(
+    "--plan",
+    "plan_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Make one key pair per VW of this plan (default: per VW of the config).",
+)
+@click.option(
+    "--force", is_flag=True, help="Replace keys already there (processes using them are locked out)."
+)
 @_set_option
-def keys(config_path: Path, out_dir: Path | None, plan_path: Path | None, force: bool,
-         settings: tuple[str, ...]) -> None:
+def keys(
+    config_path: Path, out_dir: Path | None, plan_path: Path | None, force: bool, settings: tuple[str, ...]
+) -> None:
     """Write the CurveZMQ keys of a cluster: the PS's pair, one pair per virtual worker, and an admin pair."""
     from hetpipe.core.keys import key_users, write_keys
 
@@ -249,41 +349,96 @@ def keys(config_path: Path, out_dir: Path | None, plan_path: Path | None, force:
         num_vws = len(vw_layouts(config, model_of(config)))
     directory = out_dir or Path(config.ps.keys_dir or config_path.with_name(f"{config_path.stem}-keys"))
     write_keys(directory, key_users(num_vws), force=force)
-    click.echo(f"wrote the PS's key pair, {num_vws} VW key pair{'s' * (num_vws != 1)} and an admin pair to "
-               f"{directory} (secret keys *.key_secret, mode 600)")
+    click.echo(
+        f"wrote the PS's key pair, {num_vws} VW key pair{'s' * (num_vws != 1)} and an admin pair to "
+        f"{directory} (secret keys *.key_secret, mode 600)"
+    )
     if config.ps.auth != "curve" or Path(config.ps.keys_dir or "") != directory:
-        click.echo(f'use them: set [ps] auth = "curve" and keys_dir = "{directory}" in {config_path}; the PS needs '
-                   "server.key_secret and the *.key files, a worker server.key and its own vw<I>.key_secret", err=True)
+        click.echo(
+            f'use them: set [ps] auth = "curve" and keys_dir = "{directory}" in {config_path}; the PS needs '
+            "server.key_secret and the *.key files, a worker server.key and its own vw<I>.key_secret",
+            err=True,
+        )
 
 
 @cli.command()
 @click.argument("model")
 @click.option("--batch", type=click.IntRange(min=1), required=True, help="Minibatch size to profile at.")
-@click.option("--gpu-type", default=None, help="Label the profile with this GPU type (default: the device, e.g. cpu).")
+@click.option(
+    "--gpu-type", default=None, help="Label the profile with this GPU type (default: the device, e.g. cpu)."
+)
 @click.option("--device", default=None, help="Where to measure: cpu, cuda or cuda:N.  [default: cpu]")
-@click.option("--like", type=click.Choice(["cpu", "cuda"]), default=None,
-              help="Measure nothing: derive --gpu-type's profile from a measured profile of this device kind (this "
-                   "machine's cached one, else the shipped one; for cpu, else measured now), by --speed.")
-@click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="With --like: the GPU type's FLOP rate over the measured device's; its times are theirs / RATIO, "
-                   "memory unchanged.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
-              help="Profile the model in this dtype (default: the model's own, float32 for the built-in ones).")
-@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="momentum", show_default=True,
-              help="Optimizer whose state the profile counts.")
-@click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
-              help="A model option, e.g. --option image_size=32 (repeatable).")
-@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True, help="Timed repeats per layer.")
-@click.option("--refresh", is_flag=True, help="Measure again even when the cache holds the profile, and replace it.")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the profile JSON here (e.g. DIR/<gpu-type>.json for `hetpipe plan --profile-dir DIR`).")
-@click.option("--cache", "cache_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Profile cache directory (default: ~/.cache/hetpipe/profiles).")
-def profile(model: str, batch: int, gpu_type: str | None, device: str | None, like: str | None, speed: float | None,
-            dtype: str | None, optimizer: str, options: tuple[str, ...], repeats: int, refresh: bool,
-            out_path: Path | None, cache_dir: Path | None) -> None:
-    """Measure MODEL per layer (forward/backward time, weights, optimizer state, activations) and cache it; or,
-    with --like, derive a profile for a GPU type this machine does not have."""
+@click.option(
+    "--like",
+    type=click.Choice(["cpu", "cuda"]),
+    default=None,
+    help="Measure nothing: derive --gpu-type's profile from a measured profile of this device kind (this "
+    "machine's cached one, else the shipped one; for cpu, else measured now), by --speed.",
+)
+@click.option(
+    "--speed",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="With --like: the GPU type's FLOP rate over the measured device's; its times are theirs / RATIO, "
+    "memory unchanged.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default=None,
+    help="Profile the model in this dtype (default: the model's own, float32 for the built-in ones).",
+)
+@click.option(
+    "--optimizer",
+    type=click.Choice(["sgd", "momentum", "adam"]),
+    default="momentum",
+    show_default=True,
+    help="Optimizer whose state the profile counts.",
+)
+@click.option(
+    "--option",
+    "options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A model option, e.g. --option image_size=32 (repeatable).",
+)
+@click.option(
+    "--repeats", type=click.IntRange(min=1), default=10, show_default=True, help="Timed repeats per layer."
+)
+@click.option(
+    "--refresh", is_flag=True, help="Measure again even when the cache holds the profile, and replace it."
+)
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the profile JSON here (e.g. DIR/<gpu-type>.json for `hetpipe plan --profile-dir DIR`).",
+)
+@click.option(
+    "--cache",
+    "cache_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Profile cache directory (default: ~/.cache/hetpipe/profiles).",
+)
+def profile(
+    model: str,
+    batch: int,
+    gpu_type: str | None,
+    device: str | None,
+    like: str | None,
+    speed: float | None,
+    dtype: str | None,
+    optimizer: str,
+    options: tuple[str, ...],
+    repeats: int,
+    refresh: bool,
+    out_path: Path | None,
+    cache_dir: Path | None,
+) -> None:
+    """Measure MODEL per layer (forward/backward time, weights, optimizer state, activations) and cache it;
+    or, with --like, derive a profile for a GPU type this machine does not have."""
     from hetpipe.app.plan_inputs import (
         default_profile_dir,
         like_profile,
@@ -295,29 +450,46 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
     from hetpipe.models import get_model
 
     if (like is None) != (speed is None) or (like is not None and gpu_type is None):
-        raise UsageError("--like, --speed and --gpu-type go together: e.g. --gpu-type titan-v --like cpu --speed 150 "
-                         "derives a titan-v profile with times / 150 from a measured cpu profile")
+        raise UsageError(
+            "--like, --speed and --gpu-type go together: e.g. --gpu-type titan-v --like cpu --speed 150 "
+            "derives a titan-v profile with times / 150 from a measured cpu profile"
+        )
     if like is not None and (device is not None or refresh):
-        raise UsageError("--like measures nothing on this machine: leave out --device and --refresh (to re-measure "
-                         f"the {like} profile it starts from, run `hetpipe profile {model} --batch {batch} --device "
-                         f"{like} --refresh` first)")
+        raise UsageError(
+            "--like measures nothing on this machine: leave out --device and --refresh (to re-measure "
+            f"the {like} profile it starts from, run `hetpipe profile {model} --batch {batch} --device "
+            f"{like} --refresh` first)"
+        )
     device = device or "cpu"
     if device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: no CUDA device here; profile on the machine with the GPU, use "
-                             "--device cpu (and --gpu-type to label it), or derive one: --like cuda --speed RATIO")
+            raise UsageError(
+                f"--device {device}: no CUDA device here; profile on the machine with the GPU, use "
+                "--device cpu (and --gpu-type to label it), or derive one: --like cuda --speed RATIO"
+            )
     elif device != "cpu":
         raise UsageError(f"--device {device!r}: use cpu, cuda or cuda:N")
     spec = get_model(model, **model_options(options))
     cache = cache_dir or default_profile_dir()
     if like is not None:
         assert gpu_type is not None and speed is not None
-        found = like_profile(spec, batch, gpu_type, cache, like=like, speed=speed, optimizer=optimizer, dtype=dtype)
+        found = like_profile(
+            spec, batch, gpu_type, cache, like=like, speed=speed, optimizer=optimizer, dtype=dtype
+        )
     else:
-        found = measure_profile(spec, batch, gpu_type or device, cache, optimizer=optimizer, device=device,
-                                repeats=repeats, dtype=dtype, refresh=refresh)
+        found = measure_profile(
+            spec,
+            batch,
+            gpu_type or device,
+            cache,
+            optimizer=optimizer,
+            device=device,
+            repeats=repeats,
+            dtype=dtype,
+            refresh=refresh,
+        )
     click.echo(profile_table(found))
     if out_path is not None:
         found.save(out_path)
@@ -326,46 +498,121 @@ def profile(model: str, batch: int, gpu_type: str | None, device: str | None, li
 
 @cli.command()
 @click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the best plan here, for `hetpipe train CONFIG --plan PLAN`.")
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the best plan here, for `hetpipe train CONFIG --plan PLAN`.",
+)
 @click.option("--explain", "show_why", is_flag=True, help="Say why each other candidate lost.")
 @click.option("--json", "as_json", is_flag=True, help="Print the candidates as JSON instead of tables.")
-@click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Profiles: the CPU profile cache under emulation; per-type files <type>.json (or `hetpipe profile` "
-                   "cache names) for real GPUs, else the model's shipped profile derived by FLOP rate. Default: "
-                   "~/.cache/hetpipe/profiles.")
-@click.option("--waves", type=click.IntRange(min=3), default=10, show_default=True,
-              help="Waves to simulate per candidate (the prediction leaves out fill and drain).")
-@click.option("-D", "--staleness", "d_values", type=click.IntRange(min=0), multiple=True,
-              help="Staleness bounds D to try (repeatable; default 0 1 2 4, plus the config's).")
-@click.option("--nm-max", type=click.IntRange(min=1), default=None,
-              help="Largest Nm to consider (default: the config's nm or the VW size, whichever is larger).")
-@click.option("--reserve-gib", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Memory per GPU kept free (CUDA context, allocator slack).")
-@click.option("--policy", "policies", type=click.Choice(["np", "ed", "hd", "dp", "explicit"]), multiple=True,
-              help="Only these allocation policies (repeatable; default np, ed, hd, dp and explicit when listed).")
-@click.option("--schedule", "schedules", type=click.Choice(["wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe"]),
-              multiple=True, help="Only these schedules (repeatable; default all, the config's train.schedule first).")
-@click.option("--refresh", is_flag=True, help="Emulated configs: measure this machine's CPU profile again first.")
-@click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Convergence calibration to rank by time to target (default: the shipped one of the config's "
-                   "model, batch, optimizer and lr, if any; launch/bench/staleness.py --calibrate writes them).")
-@click.option("--target", type=float, default=None,
-              help="Rank by time to this target (test accuracy, or validation loss for a language model): the shipped "
-                   "calibration measured to it (default: the model's default calibration, whatever its target).")
-@click.option("--search-rules/--no-search-rules", default=True, show_default=True,
-              help="With a calibration: also choose the training rule (the PS's aggregation, the mitigation) among "
-                   "those it measured, by predicted time to target; --out carries it. --no-search-rules: the config's.")
-@click.option("--batch", "batches", type=click.IntRange(min=1), multiple=True,
-              help="Also choose the minibatch size per GPU among these (repeatable), by predicted time to target: "
-                   "each batch is planned with its own profiles and the calibration at that batch (a batch without "
-                   "one is not ranked); --out carries it. Default: the config's train.batch_size.")
+@click.option(
+    "--profile-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Profiles: the CPU profile cache under emulation; per-type files <type>.json (or `hetpipe profile` "
+    "cache names) for real GPUs, else the model's shipped profile derived by FLOP rate. Default: "
+    "~/.cache/hetpipe/profiles.",
+)
+@click.option(
+    "--waves",
+    type=click.IntRange(min=3),
+    default=10,
+    show_default=True,
+    help="Waves to simulate per candidate (the prediction leaves out fill and drain).",
+)
+@click.option(
+    "-D",
+    "--staleness",
+    "d_values",
+    type=click.IntRange(min=0),
+    multiple=True,
+    help="Staleness bounds D to try (repeatable; default 0 1 2 4, plus the config's).",
+)
+@click.option(
+    "--nm-max",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Largest Nm to consider (default: the config's nm or the VW size, whichever is larger).",
+)
+@click.option(
+    "--reserve-gib",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Memory per GPU kept free (CUDA context, allocator slack).",
+)
+@click.option(
+    "--policy",
+    "policies",
+    type=click.Choice(["np", "ed", "hd", "dp", "explicit"]),
+    multiple=True,
+    help="Only these allocation policies (repeatable; default np, ed, hd, dp and explicit when listed).",
+)
+@click.option(
+    "--schedule",
+    "schedules",
+    type=click.Choice(["wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe"]),
+    multiple=True,
+    help="Only these schedules (repeatable; default all, the config's train.schedule first).",
+)
+@click.option(
+    "--refresh", is_flag=True, help="Emulated configs: measure this machine's CPU profile again first."
+)
+@click.option(
+    "--calibration",
+    "calibration_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Convergence calibration to rank by time to target (default: the shipped one of the config's "
+    "model, batch, optimizer and lr, if any; launch/bench/staleness.py --calibrate writes them).",
+)
+@click.option(
+    "--target",
+    type=float,
+    default=None,
+    help="Rank by time to this target (test accuracy, or validation loss for a language model): the shipped "
+    "calibration measured to it (default: the model's default calibration, whatever its target).",
+)
+@click.option(
+    "--search-rules/--no-search-rules",
+    default=True,
+    show_default=True,
+    help="With a calibration: also choose the training rule (the PS's aggregation, the mitigation) among "
+    "those it measured, by predicted time to target; --out carries it. --no-search-rules: the config's.",
+)
+@click.option(
+    "--batch",
+    "batches",
+    type=click.IntRange(min=1),
+    multiple=True,
+    help="Also choose the minibatch size per GPU among these (repeatable), by predicted time to target: "
+    "each batch is planned with its own profiles and the calibration at that batch (a batch without "
+    "one is not ranked); --out carries it. Default: the config's train.batch_size.",
+)
 @_set_option
-def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool, profile_dir: Path | None,
-         waves: int, d_values: tuple[int, ...], nm_max: int | None, reserve_gib: float,
-         policies: tuple[str, ...], schedules: tuple[str, ...], refresh: bool, calibration_path: Path | None,
-         target: float | None, search_rules: bool, batches: tuple[int, ...], settings: tuple[str, ...]) -> None:
-    """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the best."""
+def plan(
+    config_path: Path,
+    out_path: Path | None,
+    show_why: bool,
+    as_json: bool,
+    profile_dir: Path | None,
+    waves: int,
+    d_values: tuple[int, ...],
+    nm_max: int | None,
+    reserve_gib: float,
+    policies: tuple[str, ...],
+    schedules: tuple[str, ...],
+    refresh: bool,
+    calibration_path: Path | None,
+    target: float | None,
+    search_rules: bool,
+    batches: tuple[int, ...],
+    settings: tuple[str, ...],
+) -> None:
+    """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the
+    best."""
     import json
     import time
 
@@ -389,22 +636,35 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
 
     config = _load(config_path, settings)
     if calibration_path is not None and len(set(batches)) > 1:
-        raise click.UsageError(f"--calibration {calibration_path} holds one batch's samples, but --batch gives "
-                               f"{len(set(batches))}: drop --calibration to price each batch by its shipped calibration")
+        raise click.UsageError(
+            f"--calibration {calibration_path} holds one batch's samples, but --batch gives "
+            f"{len(set(batches))}: drop --calibration to price each batch by its shipped calibration"
+        )
     started = time.monotonic()
     inputs_of: dict[int, tuple[list[str], float]] = {}  # per batch: its notes, the PS's Gbit/s
 
     def at_batch(variant: ClusterConfig) -> tuple[list, ClusterConfig, int]:
         """plan_over_rules at the variant's batch, with that batch's profiles and calibration."""
-        profiles, ps_gbps, link, notes = plan_profiles(variant, profile_dir or default_profile_dir(), refresh=refresh)
+        profiles, ps_gbps, link, notes = plan_profiles(
+            variant, profile_dir or default_profile_dir(), refresh=refresh
+        )
         calibration, calibration_note = plan_calibration(variant, calibration_path, target=target)
         inputs_of[variant.train.batch_size] = ([*notes, calibration_note], ps_gbps)
 
         def planned(ruled: ClusterConfig) -> list:
-            return plan_candidates(ruled, profiles, ps_gbps=ps_gbps, link_gbps=link, d_values=d_values or D_VALUES,
-                                   nm_max=nm_max, waves=waves, reserve_bytes=int(reserve_gib * 2**30),
-                                   policies=policies or None, schedules=schedules or None,
-                                   slower_but_fewer=calibration is not None)
+            return plan_candidates(
+                ruled,
+                profiles,
+                ps_gbps=ps_gbps,
+                link_gbps=link,
+                d_values=d_values or D_VALUES,
+                nm_max=nm_max,
+                waves=waves,
+                reserve_bytes=int(reserve_gib * 2**30),
+                policies=policies or None,
+                schedules=schedules or None,
+                slower_but_fewer=calibration is not None,
+            )
 
         return plan_over_rules(variant, calibration, planned, best, search=search_rules)
 
@@ -414,22 +674,36 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
     if len(predicted) > 1:
         notes.append(batch_note(predicted, batch))
     if rule_of(ruled) != rule_of(config):
-        notes.append(f"training rule: {rule_of(ruled)}, the soonest to target of the {tried} rules the calibration "
-                     f"measured (the config's: {rule_of(config)}); --out carries it, or set [ps] aggregation = "
-                     f'"{ruled.ps.aggregation}" and [train] mitigation = "{ruled.train.mitigation}" in {config_path}')
+        notes.append(
+            f"training rule: {rule_of(ruled)}, the soonest to target of the {tried} rules the calibration "
+            f"measured (the config's: {rule_of(config)}); --out carries it, or set [ps] aggregation = "
+            f'"{ruled.ps.aggregation}" and [train] mitigation = "{ruled.train.mitigation}" in {config_path}'
+        )
     elif search_rules and tried > 1:
-        notes.append(f"training rule: the config's ({rule_of(config)}), the soonest to target of the {tried} rules "
-                     "the calibration measured")
+        notes.append(
+            f"training rule: the config's ({rule_of(config)}), the soonest to target of the {tried} rules "
+            "the calibration measured"
+        )
     elapsed = time.monotonic() - started
     chosen = best(candidates)
     if as_json:
-        inputs = {"config": str(config_path), "model": config.model.name, "batch_size": batch,
-                  "waves": waves, "ps_gbps": ps_gbps, "notes": notes, "planning_s": round(elapsed, 3),
-                  "aggregation": ruled.ps.aggregation, "mitigation": ruled.train.mitigation}
+        inputs = {
+            "config": str(config_path),
+            "model": config.model.name,
+            "batch_size": batch,
+            "waves": waves,
+            "ps_gbps": ps_gbps,
+            "notes": notes,
+            "planning_s": round(elapsed, 3),
+            "aggregation": ruled.ps.aggregation,
+            "mitigation": ruled.train.mitigation,
+        }
         click.echo(json.dumps(candidates_json(candidates, inputs), indent=1))
     else:
-        click.echo(f"{config.name}: {config.model.name} at batch {batch}, {len(config.all_gpus())} GPUs; "
-                   f"{len(candidates)} candidates planned in {elapsed:.2f} s ({waves} waves simulated each)")
+        click.echo(
+            f"{config.name}: {config.model.name} at batch {batch}, {len(config.all_gpus())} GPUs; "
+            f"{len(candidates)} candidates planned in {elapsed:.2f} s ({waves} waves simulated each)"
+        )
         for note in notes:
             click.echo(f"note: {note}")
         click.echo("")
@@ -443,29 +717,42 @@ def plan(config_path: Path, out_path: Path | None, show_why: bool, as_json: bool
         assert chosen.plan is not None
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(chosen.plan.to_json())
-        click.echo(f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}` "
-                   f"(its VWs, splits, nm={chosen.nm}, D={chosen.staleness}, schedule {chosen.plan.schedule}, "
-                   f"{rule_of(ruled)}, batch {batch})", err=True)
+        click.echo(
+            f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}` "
+            f"(its VWs, splits, nm={chosen.nm}, D={chosen.staleness}, schedule {chosen.plan.schedule}, "
+            f"{rule_of(ruled)}, batch {batch})",
+            err=True,
+        )
 
 
 @cli.group()
 def testbed() -> None:
-    """A shaped-network testbed: each node its own network namespace and address, its egress shaped with tbf at
-    inter_node_gbps x the link scale (needs root and iproute2; docs/testbed.md)."""
+    """A shaped-network testbed: each node its own network namespace and address, its egress shaped with tbf
+    at inter_node_gbps x the link scale (needs root and iproute2; docs/testbed.md)."""
 
 
 def _testbed_options(f):
-    f = click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Link scale: links run at inter_node_gbps x this. Default: derived from the model's CPU "
-                          "profile and FLOPs and the fastest GPU type's speed read as FP32 TFLOPS.")(f)
-    f = click.option("--run", "run_id", default=None, help="Run id in the names hp-<run>-... (default: from this PID).")(f)
-    f = click.option("--ps-node", default=None, help="Node whose namespace runs the PS (default: the node whose host "
-                     "is ps.host, else the first).")(f)
+    f = click.option(
+        "--scale",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        help="Link scale: links run at inter_node_gbps x this. Default: derived from the model's CPU "
+        "profile and FLOPs and the fastest GPU type's speed read as FP32 TFLOPS.",
+    )(f)
+    f = click.option(
+        "--run", "run_id", default=None, help="Run id in the names hp-<run>-... (default: from this PID)."
+    )(f)
+    f = click.option(
+        "--ps-node",
+        default=None,
+        help="Node whose namespace runs the PS (default: the node whose host is ps.host, else the first).",
+    )(f)
     return _set_option(f)
 
 
-def _testbed_plan(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
-                  ps_node: str | None):
+def _testbed_plan(
+    config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None, ps_node: str | None
+):
     import os
 
     from hetpipe.core.testbed import plan_topology
@@ -494,23 +781,37 @@ def _nodes_table(topology: Topology, probe: bool) -> str:
 @testbed.command("up")
 @click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
 @_testbed_options
-@click.option("--probe/--no-probe", default=True, show_default=True,
-              help="Measure every node's egress and inside rates once up.")
-def testbed_up(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
-               ps_node: str | None, probe: bool) -> None:
+@click.option(
+    "--probe/--no-probe",
+    default=True,
+    show_default=True,
+    help="Measure every node's egress and inside rates once up.",
+)
+def testbed_up(
+    config_path: Path,
+    settings: tuple[str, ...],
+    scale: float | None,
+    run_id: str | None,
+    ps_node: str | None,
+    probe: bool,
+) -> None:
     """Build the testbed of CONFIG_PATH and leave it up (until `hetpipe testbed down`)."""
     from hetpipe.app.testbed import up
 
     config, topology = _testbed_plan(config_path, settings, scale, run_id, ps_node)
     folder = up(topology, config, owner=False)
     click.echo(_nodes_table(topology, probe))
-    click.echo(f"testbed {topology.run} is up; effective config {folder / 'cluster.toml'}; run a command on a node "
-               f"with `ip netns exec {topology.nodes[0].netns} ...`; remove it with `hetpipe testbed down --run "
-               f"{topology.run}`")
+    click.echo(
+        f"testbed {topology.run} is up; effective config {folder / 'cluster.toml'}; run a command on a node "
+        f"with `ip netns exec {topology.nodes[0].netns} ...`; remove it with `hetpipe testbed down --run "
+        f"{topology.run}`"
+    )
 
 
 @testbed.command("down")
-@click.option("--run", "run_id", default=None, help="Only this run's testbed (default: every testbed, leftovers too).")
+@click.option(
+    "--run", "run_id", default=None, help="Only this run's testbed (default: every testbed, leftovers too)."
+)
 def testbed_down(run_id: str | None) -> None:
     """Remove testbed namespaces, bridges and state (idempotent)."""
     from hetpipe.app.testbed import remove
@@ -523,12 +824,18 @@ def testbed_down(run_id: str | None) -> None:
 @click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
 @_testbed_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def testbed_run(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
-                ps_node: str | None, command: tuple[str, ...]) -> None:
+def testbed_run(
+    config_path: Path,
+    settings: tuple[str, ...],
+    scale: float | None,
+    run_id: str | None,
+    ps_node: str | None,
+    command: tuple[str, ...],
+) -> None:
     """Build the testbed, run COMMAND (after --) with HETPIPE_TESTBED_CONFIG set, always tear it down.
 
-    COMMAND runs in the root namespace; it starts processes on a node with `ip netns exec hp-<run>-<node> ...`.
-    Exits with COMMAND's exit code."""
+    COMMAND runs in the root namespace; it starts processes on a node with
+    `ip netns exec hp-<run>-<node> ...`. Exits with COMMAND's exit code."""
     from hetpipe.app.testbed import run_command
     from hetpipe.core.testbed import format_nodes
 
@@ -542,12 +849,27 @@ def testbed_run(config_path: Path, settings: tuple[str, ...], scale: float | Non
 @testbed.command("train")
 @click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
 @_testbed_options
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where traces, logs and the effective config go (default: <train.out_dir>/testbed-<time>).")
-@click.option("--probe/--no-probe", default=True, show_default=True,
-              help="Measure every node's egress and inside rates first.")
-def testbed_train(config_path: Path, settings: tuple[str, ...], scale: float | None, run_id: str | None,
-                  ps_node: str | None, run_dir: Path | None, probe: bool) -> None:
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where traces, logs and the effective config go (default: <train.out_dir>/testbed-<time>).",
+)
+@click.option(
+    "--probe/--no-probe",
+    default=True,
+    show_default=True,
+    help="Measure every node's egress and inside rates first.",
+)
+def testbed_train(
+    config_path: Path,
+    settings: tuple[str, ...],
+    scale: float | None,
+    run_id: str | None,
+    ps_node: str | None,
+    run_dir: Path | None,
+    probe: bool,
+) -> None:
     """Train in the testbed as on several machines: `hetpipe server` and `hetpipe worker`s in their nodes'
     namespaces; the testbed is torn down after."""
     import time
@@ -560,8 +882,11 @@ def testbed_train(config_path: Path, settings: tuple[str, ...], scale: float | N
     with shaped(topology, config):
         click.echo(_nodes_table(topology, probe))
         run = train_in_testbed(config, topology, run_dir, say=click.echo)
-    click.echo(f"{config.train.waves} waves in {run.wall_s:.1f} s; bytes sent per node: "
-               + ", ".join(f"{n} {b}" for n, b in run.egress_bytes.items()) + f"; run dir {run.run_dir}")
+    click.echo(
+        f"{config.train.waves} waves in {run.wall_s:.1f} s; bytes sent per node: "
+        + ", ".join(f"{n} {b}" for n, b in run.egress_bytes.items())
+        + f"; run dir {run.run_dir}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

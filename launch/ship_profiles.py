@@ -1,13 +1,16 @@
-"""Measure the profiles shipped in hetpipe/profiles/<folder>/: every model of launch/clusters/*.toml at its batch and
-optimizer, plus VGG-19 (paper-16gpu.toml's other model); --all-models adds the other built-in image models.
+"""Measure the profiles shipped in hetpipe/profiles/<folder>/: every model of launch/clusters/*.toml at its
+batch and optimizer, plus VGG-19 (paper-16gpu.toml's other model); --all-models adds the other built-in image
+models.
 
-    .venv/bin/python launch/ship_profiles.py --folder cpu                      # this CPU, one thread (what ships now)
-    .venv/bin/python launch/ship_profiles.py --folder h100 --device cuda --dtype float32 --dtype bfloat16 --all-models
+    .venv/bin/python launch/ship_profiles.py --folder cpu  # this CPU, one thread (what ships now)
+    .venv/bin/python launch/ship_profiles.py --folder h100 --device cuda --dtype float32 --dtype bfloat16
+        --all-models
 
-On a CPU the big image models are measured at a smaller batch (CPU_BATCH: batch 32 at 224 px would take more than
-5 minutes per model on one core) and `hetpipe plan` rescales them by proportion (ModelProfile.at_batch); on CUDA
-every model is measured at its config's batch. Each profile is measured as `hetpipe profile` does (one thread,
-WARMUP + --repeats runs per layer, once more when noisy or busy) and records its origin; see hetpipe/profiles/README.md.
+On a CPU the big image models are measured at a smaller batch (CPU_BATCH: batch 32 at 224 px would take more
+than 5 minutes per model on one core) and `hetpipe plan` rescales them by proportion (ModelProfile.at_batch);
+on CUDA every model is measured at its config's batch. Each profile is measured as `hetpipe profile` does (one
+thread, WARMUP + --repeats runs per layer, once more when noisy or busy) and records its origin; see
+hetpipe/profiles/README.md.
 """
 
 from __future__ import annotations
@@ -41,12 +44,18 @@ def wanted(all_models: bool) -> list[tuple[str, dict, int, str]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--folder", required=True, help="hetpipe/profiles/<folder>: the device measured on, e.g. cpu, h100")
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument(
+        "--folder", required=True, help="hetpipe/profiles/<folder>: the device measured on, e.g. cpu, h100"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="repeatable; default float32")
+    parser.add_argument(
+        "--dtype", action="append", choices=["float32", "bfloat16"], help="repeatable; default float32"
+    )
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--all-models", action="store_true", help="also resnet18, resnet50 and vgg11 at 224 px")
+    parser.add_argument(
+        "--all-models", action="store_true", help="also resnet18, resnet50 and vgg11 at 224 px"
+    )
     parser.add_argument("--models", nargs="*", help="only these model names")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as every stage process does; on CUDA it only affects the host side
@@ -59,13 +68,24 @@ def main() -> None:
             started = time.monotonic()
             spec = get_model(model, **options)
             profile = profile_checked(
-                spec, at, optimizer=optimizer, repeats=args.repeats, device=args.device, dtype=dtype,
-                on_flagged=lambda p: print(f"  flagged ({'; '.join(p.origin.flags)}): once more", file=sys.stderr))
+                spec,
+                at,
+                optimizer=optimizer,
+                repeats=args.repeats,
+                device=args.device,
+                dtype=dtype,
+                on_flagged=lambda p: print(
+                    f"  flagged ({'; '.join(p.origin.flags)}): once more", file=sys.stderr
+                ),
+            )
             path = out / shipped_name(profile)
             profile.save(path)
             flags = "; ".join(profile.origin.flags) or "clean"
-            print(f"{path.relative_to(SHIPPED_DIR.parent)}: {model} {options or ''} batch {at} (config: {batch}) "
-                  f"{dtype} {optimizer} in {time.monotonic() - started:.0f} s, spread {profile.spread:.1%}, {flags}")
+            print(
+                f"{path.relative_to(SHIPPED_DIR.parent)}: {model} {options or ''} batch {at} "
+                f"(config: {batch}) {dtype} {optimizer} in {time.monotonic() - started:.0f} s, "
+                f"spread {profile.spread:.1%}, {flags}"
+            )
 
 
 if __name__ == "__main__":

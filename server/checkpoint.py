@@ -1,5 +1,5 @@
-"""Shard checkpoints on disk (the file format lives in hetpipe.core.checkpoint; stages write theirs with it too)
-and the thread that writes them while the shard goes on serving."""
+"""Shard checkpoints on disk (the file format lives in hetpipe.core.checkpoint; stages write theirs with it
+too) and the thread that writes them while the shard goes on serving."""
 
 from __future__ import annotations
 
@@ -22,8 +22,18 @@ from hetpipe.core.checkpoint import (
     write_checkpoint,
 )
 
-__all__ = ["BackgroundWriter", "Checkpoint", "CheckpointError", "discard_after", "list_clocks", "list_manifests",
-           "load_clock", "load_newest", "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "BackgroundWriter",
+    "Checkpoint",
+    "CheckpointError",
+    "discard_after",
+    "list_clocks",
+    "list_manifests",
+    "load_clock",
+    "load_newest",
+    "read_checkpoint",
+    "write_checkpoint",
+]
 
 Job = tuple[int, Mapping[str, Any], Mapping[str, np.ndarray], Callable[[Path], None]]
 
@@ -42,9 +52,15 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, clock: int, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-               done: Callable[[Path], None]) -> None:
-        """Queue a checkpoint (its arrays must not change any more); a newer one queued before it starts wins."""
+    def submit(
+        self,
+        clock: int,
+        meta: Mapping[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        done: Callable[[Path], None],
+    ) -> None:
+        """Queue a checkpoint (its arrays must not change any more); a newer one queued before it starts
+        wins."""
         with self._cond:
             self._waiting = (clock, meta, arrays, done)
             self._cond.notify_all()

@@ -21,15 +21,16 @@ _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROT
 _PROTOCOL_WHY = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: 'a client without CURVE keys (auth = "none" on its side?)',
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "a CURVE handshake that does not verify: the client holds another "
-                                           "server public key, or a secret key that does not match its public key",
+    "server public key, or a secret key that does not match its public key",
 }
 
 
 class CurveGate:
     """Makes a ROUTER a CURVE server that admits only `keys.clients`, and logs every refused client."""
 
-    def __init__(self, ctx: zmq.Context, keys: ServerKeys, log: Callable[[str], None], refusals: RefusalLog,
-                 label: str) -> None:
+    def __init__(
+        self, ctx: zmq.Context, keys: ServerKeys, log: Callable[[str], None], refusals: RefusalLog, label: str
+    ) -> None:
         self.keys, self.log, self.refusals, self.label = keys, log, refusals, label
         self.zap = ctx.socket(zmq.REP)
         self.zap.setsockopt(zmq.LINGER, 0)
@@ -78,7 +79,9 @@ class CurveGate:
         event = parse_monitor_message(frames)
         self.refused += 1
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            why = _PROTOCOL_WHY.get(event["value"], f"a client breaking the handshake protocol ({event['value']})")
+            why = _PROTOCOL_WHY.get(
+                event["value"], f"a client breaking the handshake protocol ({event['value']})"
+            )
         else:
             why = "a client whose handshake failed (libzmq gives no detail)"
         endpoint = event["endpoint"].decode("utf-8", "replace")

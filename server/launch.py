@@ -21,15 +21,19 @@ def shard_keys(config: ClusterConfig) -> ServerKeys | None:
         return None
     if not config.ps.keys_dir:
         raise UsageError(
-            f'{config.path}: [ps] auth = "curve" but keys_dir is empty: a PS started on its own needs the keys its '
-            "workers share; run `hetpipe keys CONFIG --out DIR` and set [ps] keys_dir = DIR"
+            f'{config.path}: [ps] auth = "curve" but keys_dir is empty: a PS started on its own needs the '
+            "keys its workers share; run `hetpipe keys CONFIG --out DIR` and set [ps] keys_dir = DIR"
         )
     return server_keys(Path(config.ps.keys_dir))
 
 
 def shard_settings(
-    config: ClusterConfig, shard: int, port: int | None = None, checkpoint_root: Path | None = None,
-    keys: ServerKeys | None = None, resume_clock: int | None = None,
+    config: ClusterConfig,
+    shard: int,
+    port: int | None = None,
+    checkpoint_root: Path | None = None,
+    keys: ServerKeys | None = None,
+    resume_clock: int | None = None,
 ) -> ShardSettings:
     """The settings of shard `shard`: it listens on ps.port + shard unless `port` is given (0: any) and
     checkpoints under [checkpoint] dir (or `checkpoint_root`) in shard-<i>, unless checkpoints are off.
@@ -72,9 +76,13 @@ def serve_all(config: ClusterConfig) -> None:
     shard_keys(config)  # a missing or bad key file: say so before any shard starts
     hosts = {config.shard_host(i) for i in range(config.ps.shards)}
     if len(hosts) > 1:
-        each = "; ".join(f"`hetpipe server --shard {i}` on {n.name} ({n.host})" for i, n in enumerate(config.nodes))
-        raise UsageError(f'{config.path}: [ps] placement = "local" runs one shard on each node, and the nodes have '
-                         f"different hosts, so no one machine can serve them all: run {each}")
+        each = "; ".join(
+            f"`hetpipe server --shard {i}` on {n.name} ({n.host})" for i, n in enumerate(config.nodes)
+        )
+        raise UsageError(
+            f'{config.path}: [ps] placement = "local" runs one shard on each node, and the nodes have '
+            f"different hosts, so no one machine can serve them all: run {each}"
+        )
     if config.ps.shards == 1:
         run_shard(pack_config(config), 0)
         return

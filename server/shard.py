@@ -44,7 +44,12 @@ from hetpipe.server.guard import CurveGate
 __all__ = ["ShardServer", "ShardSettings"]
 
 REQUEST_TYPES = ("register", "push", "pull", "status", "read", "heartbeat", "evict", "rejoin")
-STAGE_REQUESTS = ("register", "push", "pull", "heartbeat")  # refused once the run failed (on_vw_failure = "stop")
+STAGE_REQUESTS = (
+    "register",
+    "push",
+    "pull",
+    "heartbeat",
+)  # refused once the run failed (on_vw_failure = "stop")
 
 
 @dataclass(frozen=True)
@@ -66,8 +71,12 @@ class ShardSettings:
     keys: ServerKeys | None = None  # None: no authentication (auth = "none")
     on_vw_failure: str = "stop"  # a stage silent for hung_after_s: "stop" the run | "evict" its VW
     hung_after_s: float = 0.0  # 0: no heartbeat checks
-    resume_clock: int | None = None  # start from this clock's checkpoint, cut back to it (hetpipe train --resume)
-    wire_dtype: str = "float32"  # pulled weights on the wire: float32 | bfloat16 (pushes come as their sender chose)
+    resume_clock: int | None = (
+        None  # start from this clock's checkpoint, cut back to it (hetpipe train --resume)
+    )
+    wire_dtype: str = (
+        "float32"  # pulled weights on the wire: float32 | bfloat16 (pushes come as their sender chose)
+    )
 
     @property
     def recoverable(self) -> bool:
@@ -119,8 +128,11 @@ class ShardServer:
         self._writer: BackgroundWriter | None = None
         self._restore()
         if settings.checkpoint_dir is not None and settings.checkpoint_every > 0:
-            self._writer = BackgroundWriter(settings.checkpoint_dir, settings.checkpoint_keep,
-                                            lambda m: self.log(f"[shard {settings.shard}] {m}"))
+            self._writer = BackgroundWriter(
+                settings.checkpoint_dir,
+                settings.checkpoint_keep,
+                lambda m: self.log(f"[shard {settings.shard}] {m}"),
+            )
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -135,17 +147,20 @@ class ShardServer:
         meta = ckpt.meta
         if meta.get("run") != self.settings.run or meta["wsp"]["staleness"] != self.settings.staleness:
             self.log(
-                f"[shard {self.settings.shard}] note: checkpoint {ckpt.path.name} is of run {meta.get('run')!r} "
-                f"with D={meta['wsp']['staleness']}; resuming it as it was written"
+                f"[shard {self.settings.shard}] note: checkpoint {ckpt.path.name} is of run "
+                f"{meta.get('run')!r} with D={meta['wsp']['staleness']}; resuming it as it was written"
             )
         exact = meta["wsp"]["pull_mode"] == "exact"
         try:
-            self.state = ShardState.from_state(meta["wsp"], ckpt.arrays, self.settings.make_aggregation(),
-                                               cut=cut if exact else None)
+            self.state = ShardState.from_state(
+                meta["wsp"], ckpt.arrays, self.settings.make_aggregation(), cut=cut if exact else None
+            )
         except WspError as exc:
             from hetpipe.core.errors import HetpipeError
 
-            raise HetpipeError(f"shard {self.settings.shard}: cannot resume from {ckpt.path}: {exc}") from None
+            raise HetpipeError(
+                f"shard {self.settings.shard}: cannot resume from {ckpt.path}: {exc}"
+            ) from None
         if cut is not None:
             dropped = discard_after(directory, cut)
             if dropped:
@@ -153,7 +168,9 @@ class ShardServer:
         self._last_checkpoint = ckpt.clock
         self.durable = dict(self.state.pushed)
         now = time.monotonic()
-        self.beats = {sid: (now, 0) for sid in self.state.stage_keys}  # a restart gives every stage its full grace
+        self.beats = {
+            sid: (now, 0) for sid in self.state.stage_keys
+        }  # a restart gives every stage its full grace
         self.log(
             f"[shard {self.settings.shard}] resumed from {ckpt.path} at clock {ckpt.clock} "
             f"(c_local {self.state.status()['c_local']})"
@@ -166,7 +183,9 @@ class ShardServer:
         """Bind, then handle requests until stop() or SIGTERM (which checkpoints first)."""
         ctx = zmq.Context()
         if self.settings.keys is not None:
-            self.gate = CurveGate(ctx, self.settings.keys, self.log, self.refusals, f"[shard {self.settings.shard}]")
+            self.gate = CurveGate(
+                ctx, self.settings.keys, self.log, self.refusals, f"[shard {self.settings.shard}]"
+            )
         sock = self._sock = ctx.socket(zmq.ROUTER)
         wire.configure_socket(sock, router=True)
         if self.gate is not None:
@@ -216,7 +235,9 @@ class ShardServer:
         endpoint = self.settings.endpoint
         if endpoint.endswith(":0"):
             return sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
-        deadline = time.monotonic() + 10.0  # a restarted shard takes its predecessor's port: the OS may hold it briefly
+        deadline = (
+            time.monotonic() + 10.0
+        )  # a restarted shard takes its predecessor's port: the OS may hold it briefly
         while True:
             try:
                 sock.bind(endpoint)
@@ -241,7 +262,12 @@ class ShardServer:
             return None
         meta, arrays = self.state.to_state(detached=background)
         clock = self.state.c_global
-        full_meta = {"run": self.settings.run, "shard": self.settings.shard, "c_local": meta_clocks(self.state), "wsp": meta}
+        full_meta = {
+            "run": self.settings.run,
+            "shard": self.settings.shard,
+            "c_local": meta_clocks(self.state),
+            "wsp": meta,
+        }
         pushed = dict(self.state.pushed)
         self._last_checkpoint = clock
 
@@ -273,7 +299,10 @@ class ShardServer:
             if msg.fields["run"] != self.settings.run:
                 raise wire.WireError(
                     "run_mismatch",
-                    f"this shard serves run {self.settings.run!r}, not {msg.fields['run']!r}: check the config",
+                    (
+                        f"this shard serves run {self.settings.run!r}, not {msg.fields['run']!r}: "
+                        "check the config"
+                    ),
                 )
             if self.gate is not None:
                 self._access_check(body[0], msg)
@@ -289,17 +318,24 @@ class ShardServer:
             self._send(identity, wire.error_frames(request_id, "internal", f"internal error: {exc}"))
 
     def _access_check(self, header: zmq.Frame, msg: wire.Message) -> None:
-        """The key this connection was admitted with (its ZAP User-Id) must be allowed to act as the request's VW."""
-        user = frame_property(header, "User-Id")  # "" (no rights) if it was not admitted through the ZAP handler
+        """The key this connection was admitted with (its ZAP User-Id) must be allowed to act as the request's
+        VW."""
+        user = frame_property(
+            header, "User-Id"
+        )  # "" (no rights) if it was not admitted through the ZAP handler
         vw = msg.fields.get("vw")
         why = refusal(user, msg.type, vw)
         if why is None:
             return
         claim = f" claiming vw {vw} stage {msg.fields.get('stage')}" if vw is not None else ""
-        line = f"refused {msg.type}{claim} from key {user!r} at {frame_property(header, 'Peer-Address')}: {why}"
+        line = (
+            f"refused {msg.type}{claim} from key {user!r} at {frame_property(header, 'Peer-Address')}: {why}"
+        )
         for text in self.refusals.note(line, time.monotonic()):
             self.log(f"[shard {self.settings.shard}] {text}")
-        raise wire.WireError("forbidden", f"{msg.type}{claim} refused: {why}; each VW's stages must use that VW's key")
+        raise wire.WireError(
+            "forbidden", f"{msg.type}{claim} refused: {why}; each VW's stages must use that VW's key"
+        )
 
     def _finite_check(self, msg: wire.Message, what: str) -> None:
         """Refuse NaN and inf before the state sees them: one poisoned update would spread to every VW."""
@@ -308,19 +344,23 @@ class ShardServer:
                 nans, infs = view.non_finite_counts()
                 raise wire.WireError(
                     "non_finite",
-                    f"{what}: tensor {key!r} holds {nans} NaN and {infs} inf values; the PS refuses non-finite "
-                    "tensors (a diverged loss? lower train.lr, or set train.on_nan = \"skip\")",
+                    f"{what}: tensor {key!r} holds {nans} NaN and {infs} inf values; the PS refuses "
+                    'non-finite tensors (a diverged loss? lower train.lr, or set train.on_nan = "skip")',
                 )
 
     def _owner_check(self, identity: bytes, vw: int, stage: int) -> None:
         if identity in self.evicted_identities:
             gone = self.evicted_identities[identity]
-            raise WspError("evicted", f"vw {gone} was evicted: its stages must stop (`hetpipe worker --vw {gone}` "
-                                      "rejoins it at the next wave boundary)")
+            raise WspError(
+                "evicted",
+                f"vw {gone} was evicted: its stages must stop (`hetpipe worker --vw {gone}` "
+                "rejoins it at the next wave boundary)",
+            )
         owner = self.identities.get((vw, stage))
         if owner is None or owner != identity:
             raise WspError(
-                "not_registered", f"vw {vw} stage {stage} is not registered from this connection: register first"
+                "not_registered",
+                f"vw {vw} stage {stage} is not registered from this connection: register first",
             )
 
     def _keep_from(self, sid: tuple[int, int]) -> int:
@@ -334,20 +374,36 @@ class ShardServer:
         sid = (f["vw"], f["stage"])
         owner = self.identities.get(sid)
         if owner is not None and owner != identity:
-            raise WspError("conflict", f"vw {sid[0]} stage {sid[1]} is already registered from another connection")
+            raise WspError(
+                "conflict", f"vw {sid[0]} stage {sid[1]} is already registered from another connection"
+            )
         self._finite_check(msg, f"register of vw {sid[0]} stage {sid[1]}")
         kinds = {**dict.fromkeys(f["buffers"], "buffer"), **dict.fromkeys(f["ledgers"], "ledger")}
         again = sid in self.state.stage_keys
-        values = self.state.register(f["vw"], f["stage"], f["num_vws"], f["num_stages"], msg.tensors, kinds,
-                                     f["num_waves"] or None, f["start_wave"])
+        values = self.state.register(
+            f["vw"],
+            f["stage"],
+            f["num_vws"],
+            f["num_stages"],
+            msg.tensors,
+            kinds,
+            f["num_waves"] or None,
+            f["start_wave"],
+        )
         self.identities[sid] = identity
         self.beats[sid] = (time.monotonic(), self.beats.get(sid, (0.0, 0))[1])
         if again and owner is None:
-            self.log(f"[shard {self.settings.shard}] vw {sid[0]} stage {sid[1]} registered again "
-                     f"(it holds {self.state.pushed[sid]} of its waves)")
+            self.log(
+                f"[shard {self.settings.shard}] vw {sid[0]} stage {sid[1]} registered again "
+                f"(it holds {self.state.pushed[sid]} of its waves)"
+            )
         tensors = values if f["want_weights"] else {}
-        fields = {"id": f["id"], "c_global": self.state.c_global, "pushed": self.state.pushed[sid],
-                  "keep_from": self._keep_from(sid)}
+        fields = {
+            "id": f["id"],
+            "c_global": self.state.c_global,
+            "pushed": self.state.pushed[sid],
+            "keep_from": self._keep_from(sid),
+        }
         self._send(identity, wire.encode("registered", fields, tensors), lent=tensors)
 
     def _on_push(self, identity: bytes, msg: wire.Message) -> None:
@@ -356,8 +412,13 @@ class ShardServer:
         self._finite_check(msg, f"push of vw {f['vw']} stage {f['stage']} wave {f['wave']}")
         result = self.state.push(f["vw"], f["stage"], f["wave"], msg.tensors)
         sid = (f["vw"], f["stage"])
-        ack = {"id": f["id"], "wave": f["wave"], "applied": result.applied, "c_global": result.c_global,
-               "keep_from": self._keep_from(sid)}
+        ack = {
+            "id": f["id"],
+            "wave": f["wave"],
+            "applied": result.applied,
+            "c_global": result.c_global,
+            "keep_from": self._keep_from(sid),
+        }
         self._send(identity, wire.encode("ack", ack))
         if result.clock_advanced:
             self._on_clock()
@@ -373,8 +434,11 @@ class ShardServer:
 
     def _evict_policy(self, what: str) -> None:
         if self.settings.on_vw_failure != "evict":
-            raise WspError("conflict", f"{what} refused: this shard runs with [ps] on_vw_failure = \"stop\" (a failed "
-                                       "VW stops the run); with \"evict\" the others go on without it")
+            raise WspError(
+                "conflict",
+                f'{what} refused: this shard runs with [ps] on_vw_failure = "stop" (a failed '
+                'VW stops the run); with "evict" the others go on without it',
+            )
 
     def _on_evict(self, identity: bytes, msg: wire.Message) -> None:
         f = msg.fields
@@ -393,7 +457,10 @@ class ShardServer:
             self.identities.pop(sid, None)
             self.beats[sid] = (now, 0)
         if not was_live:
-            self.log(f"[shard {self.settings.shard}] vw {vw} rejoins at wave {start} (c_global {self.state.c_global})")
+            self.log(
+                f"[shard {self.settings.shard}] vw {vw} rejoins at wave {start} "
+                f"(c_global {self.state.c_global})"
+            )
             if self.settings.recoverable:
                 self.checkpoint(reason=f"vw {vw} rejoined")
         self._send(identity, wire.encode("rejoined", {"id": f["id"], "vw": vw, "start_wave": start}))
@@ -410,8 +477,10 @@ class ShardServer:
             self._send(p.identity, wire.error_frames(p.request_id, "evicted", f"vw {vw} was evicted ({why})"))
         for sid in [sid for sid in self.identities if sid[0] == vw]:
             self.evicted_identities[self.identities.pop(sid)] = vw
-        self.log(f"[shard {self.settings.shard}] evicted vw {vw} at wave {boundary} ({why}); live VWs now "
-                 f"{self.state.live_vws()}, c_global {self.state.c_global}")
+        self.log(
+            f"[shard {self.settings.shard}] evicted vw {vw} at wave {boundary} ({why}); live VWs now "
+            f"{self.state.live_vws()}, c_global {self.state.c_global}"
+        )
         if self.settings.recoverable:
             self.checkpoint(reason=f"vw {vw} evicted")
         if advanced:
@@ -419,7 +488,8 @@ class ShardServer:
         return boundary
 
     def _check_heartbeats(self, now: float) -> None:
-        """A registered stage of a live VW that has not finished and sent nothing for hung_after_s fails its VW."""
+        """A registered stage of a live VW that has not finished and sent nothing for hung_after_s fails its
+        VW."""
         limit = self.settings.hung_after_s
         if limit <= 0 or self.failed is not None or self.state.num_vws is None:
             return
@@ -436,7 +506,9 @@ class ShardServer:
             if self.settings.on_vw_failure == "evict":
                 self.evict(vw, why)
             else:
-                self.failed = f"{why}; [ps] on_vw_failure = \"stop\" ends the run (\"evict\" would go on without it)"
+                self.failed = (
+                    f'{why}; [ps] on_vw_failure = "stop" ends the run ("evict" would go on without it)'
+                )
                 self.log(f"[shard {self.settings.shard}] {self.failed}")
                 for p in list(self.parked.values()):
                     self._send(p.identity, wire.error_frames(p.request_id, "vw_failed", self.failed))
@@ -468,13 +540,23 @@ class ShardServer:
             self._send(p.identity, wire.error_frames(p.request_id, exc.code, str(exc)))
             return
         parked_ms = int(1000 * (time.monotonic() - p.since))
-        fields = {"id": p.request_id, "wave": p.wave, "version": result.version, "own_through": result.own_through,
-                  "parked_ms": parked_ms, "gaps": self.state.gaps()}
+        fields = {
+            "id": p.request_id,
+            "wave": p.wave,
+            "version": result.version,
+            "own_through": result.own_through,
+            "parked_ms": parked_ms,
+            "gaps": self.state.gaps(),
+        }
         pack = None if self.settings.wire_dtype == "float32" else self.settings.wire_dtype
         packed = {k for k in result.tensors if self.state.kinds[k] == "param"} if pack else set()
-        # packed weights go in new arrays; what goes as it is (all of it, unpacked) is the state's, lent to the send
-        self._send(p.identity, wire.encode("weights", fields, result.tensors, pack=pack, pack_only=packed),
-                   lent={k: v for k, v in result.tensors.items() if k not in packed})
+        # packed weights go in new arrays; what goes as it is (all of it, unpacked) is the state's, lent to
+        # the send
+        self._send(
+            p.identity,
+            wire.encode("weights", fields, result.tensors, pack=pack, pack_only=packed),
+            lent={k: v for k, v in result.tensors.items() if k not in packed},
+        )
 
     def _on_status(self, identity: bytes, msg: wire.Message) -> None:
         info = self.status_info()
@@ -498,10 +580,16 @@ class ShardServer:
             ],
             last_checkpoint=self._last_checkpoint,
             failed=self.failed,
-            heartbeat_age_s={f"{v}/{st}": round(now - t, 1) for (v, st), (t, _) in sorted(self.beats.items())},
-            # live stages with pushes a crash would lose: their clients keep them and wait, so the PS must serve on
-            not_durable=[f"{v}/{st}" for (v, st) in sorted(self.state.pushed)
-                         if v in live and self._keep_from((v, st)) < self.state.pushed[(v, st)]],
+            heartbeat_age_s={
+                f"{v}/{st}": round(now - t, 1) for (v, st), (t, _) in sorted(self.beats.items())
+            },
+            # live stages with pushes a crash would lose: their clients keep them and wait, so the PS must
+            # serve on
+            not_durable=[
+                f"{v}/{st}"
+                for (v, st) in sorted(self.state.pushed)
+                if v in live and self._keep_from((v, st)) < self.state.pushed[(v, st)]
+            ],
             progress={f"{v}/{st}": n for (v, st), (_, n) in sorted(self.beats.items())},
         )
         return info
@@ -517,13 +605,16 @@ class ShardServer:
         self._status_line()
         every, clock = self.settings.checkpoint_every, self.state.c_global
         if every and clock != self._last_checkpoint and (clock % every == 0 or clock == self.state.num_waves):
-            self.checkpoint(reason=f"every {every} clocks" if clock % every == 0 else "the last clock", background=True)
+            self.checkpoint(
+                reason=f"every {every} clocks" if clock % every == 0 else "the last clock", background=True
+            )
 
     def _status_line(self) -> None:
         t = self.traffic
         self.log(
             f"[shard {self.settings.shard}] clock {self.state.c_global}  c_local {meta_clocks(self.state)}  "
-            f"in {t.bytes_in / 1e6:.1f} MB  out {t.bytes_out / 1e6:.1f} MB  pulls waited {t.pull_wait_s:.2f} s"
+            f"in {t.bytes_in / 1e6:.1f} MB  out {t.bytes_out / 1e6:.1f} MB  "
+            f"pulls waited {t.pull_wait_s:.2f} s"
         )
         self.traffic = Traffic()
 

@@ -37,7 +37,9 @@ def start_shard(group: ChildGroup, settings: ShardSettings, name: str = "ps") ->
     try:
         port = queue.get(timeout=30)
     except Exception as exc:
-        raise AssertionError(f"shard {name} did not start: {child.log.read_text() if child.log else ''}") from exc
+        raise AssertionError(
+            f"shard {name} did not start: {child.log.read_text() if child.log else ''}"
+        ) from exc
     return f"tcp://127.0.0.1:{port}", child
 
 
@@ -62,9 +64,21 @@ def free_port_block(offsets: Iterable[int], host: str = "127.0.0.1") -> int:
 
 
 def write_config(
-    tmp_path: Path, *, vws: list[list[str]], nm: int, staleness: int, waves: int, optimizer: str = "momentum",
-    pull: str = "exact", speeds: list[float] | None = None, emulation: bool = False, time_scale: float = 1.0,
-    hidden: tuple[int, ...] = (24, 16), model: str = "mlp", batch_size: int = 16, device: str = "cpu",
+    tmp_path: Path,
+    *,
+    vws: list[list[str]],
+    nm: int,
+    staleness: int,
+    waves: int,
+    optimizer: str = "momentum",
+    pull: str = "exact",
+    speeds: list[float] | None = None,
+    emulation: bool = False,
+    time_scale: float = 1.0,
+    hidden: tuple[int, ...] = (24, 16),
+    model: str = "mlp",
+    batch_size: int = 16,
+    device: str = "cpu",
     extra: str = "",
 ) -> Path:
     """A cluster config for runtime tests: one node, one GPU type per entry of `speeds` (GPU i has type i
@@ -98,7 +112,7 @@ batch_size = {batch_size}
 waves = {waves}
 optimizer = "{optimizer}"
 lr = 0.05
-out_dir = "{tmp_path / 'runs'}"
+out_dir = "{tmp_path / "runs"}"
 [emulation]
 enabled = {str(emulation).lower()}
 time_scale = {time_scale}

@@ -42,12 +42,16 @@ def check_pull(spec: LedgerSpec, vw: int, wave: int, own_through: int, values: n
         expected = np.zeros((spec.num_vws, spec.num_waves), np.float32)
         expected[:, :need] = 1.0
         if not np.array_equal(values, expected):
-            raise AssertionError(f"vw {vw} pull of wave {wave}: got\n{values}\nexpected exactly W_{need}\n{expected}")
+            raise AssertionError(
+                f"vw {vw} pull of wave {wave}: got\n{values}\nexpected exactly W_{need}\n{expected}"
+            )
     else:
         if not (values[:, :need] == 1.0).all():
             raise AssertionError(f"vw {vw} pull of wave {wave} lacks updates of waves < {need}:\n{values}")
         if not (values[vw, : own_through + 1] == 1.0).all() or not np.isin(values, (0.0, 1.0)).all():
-            raise AssertionError(f"vw {vw} pull of wave {wave}: bad own updates or a slot counted twice:\n{values}")
+            raise AssertionError(
+                f"vw {vw} pull of wave {wave}: bad own updates or a slot counted twice:\n{values}"
+            )
 
 
 def ledger_stage(
@@ -60,7 +64,9 @@ def ledger_stage(
     rng = random.Random(seed * 1000 + vw * 10 + stage)
     keys = ledger_keys(spec, stage)
     counts = {"pulls": 0, "pushes": 0, "duplicates": 0}
-    with PSClient(endpoints, spec.run, vw, stage, spec.num_vws, spec.num_stages, placement, retry_s=1.0) as ps:
+    with PSClient(
+        endpoints, spec.run, vw, stage, spec.num_vws, spec.num_stages, placement, retry_s=1.0
+    ) as ps:
         ps.register({k: np.zeros(shape, np.float32) for k in keys})
 
         def push(wave: int) -> None:

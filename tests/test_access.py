@@ -62,13 +62,16 @@ def test_zap_refuses_an_unknown_key_and_says_which() -> None:
     assert "not one of this run's keys" in decision.reason
 
 
-@pytest.mark.parametrize(("request_frames", "code"), [
-    ([b"1.0", b"9", b"hetpipe", b"1.2.3.4", b"", b"NULL"], b"400"),
-    ([b"1.0", b"9", b"hetpipe", b"1.2.3.4", b"", b"PLAIN", b"user", b"pass"], b"400"),
-    ([b"1.0", b"9", b"hetpipe", b"1.2.3.4", b"", b"CURVE", b"short"], b"400"),
-    ([b"2.0", b"9", b"hetpipe", b"1.2.3.4", b"", b"CURVE", bytes(32)], b"500"),
-    ([b"1.0", b"9"], b"500"),
-])
+@pytest.mark.parametrize(
+    ("request_frames", "code"),
+    [
+        ([b"1.0", b"9", b"hetpipe", b"1.2.3.4", b"", b"NULL"], b"400"),
+        ([b"1.0", b"9", b"hetpipe", b"1.2.3.4", b"", b"PLAIN", b"user", b"pass"], b"400"),
+        ([b"1.0", b"9", b"hetpipe", b"1.2.3.4", b"", b"CURVE", b"short"], b"400"),
+        ([b"2.0", b"9", b"hetpipe", b"1.2.3.4", b"", b"CURVE", bytes(32)], b"500"),
+        ([b"1.0", b"9"], b"500"),
+    ],
+)
 def test_zap_refuses_anything_but_a_curve_key(request_frames: list[bytes], code: bytes) -> None:
     decision = zap_decide(request_frames, {zmq.curve_keypair()[0]: "vw0"})
     assert decision.user is None
@@ -85,6 +88,9 @@ def test_refusal_log_logs_each_line_once_per_window_and_counts_repeats() -> None
     assert log.note("c", now=2.0) == []  # over the budget of distinct lines
     assert log.note("d", now=59.0) == []
     assert log.note("b", now=61.0) == [
-        "a (and 2 more times in the last 61 s)", "2 more refusals were not logged in the last 61 s", "b"]
+        "a (and 2 more times in the last 61 s)",
+        "2 more refusals were not logged in the last 61 s",
+        "b",
+    ]
     assert log.note("e", now=62.0) == ["e"]
     assert log.note("f", now=200.0) == ["f"]  # nothing repeated or dropped: no count lines

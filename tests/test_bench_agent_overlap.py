@@ -17,8 +17,10 @@ pytestmark = pytest.mark.slow
 
 def test_smoke_run_measures_every_peer(tmp_path: Path):
     out = tmp_path / "overlap.json"
-    result = CliRunner().invoke(ps_agent_overlap.main, ["--blocks", "1", "--minibatches", "4", "--every", "2",
-                                                        "--no-pin", "--out", str(out)])
+    result = CliRunner().invoke(
+        ps_agent_overlap.main,
+        ["--blocks", "1", "--minibatches", "4", "--every", "2", "--no-pin", "--out", str(out)],
+    )
     assert result.exit_code == 0, result.output
     got = json.loads(out.read_text())
     assert [r["peer"] for r in got["rows"]] == ["none", "thread", "process"]

@@ -15,7 +15,9 @@ import dilation  # noqa: E402  (launch/bench is not a package)
 
 
 def test_report_gives_the_medians_and_the_ratios_the_planner_misses_by() -> None:
-    found = dilation.report(0.010, {"back_to_back": [0.011, 0.012, 0.013], "dilated": [0.015, 0.0135, 0.014]}, 10.0)
+    found = dilation.report(
+        0.010, {"back_to_back": [0.011, 0.012, 0.013], "dilated": [0.015, 0.0135, 0.014]}, 10.0
+    )
     assert (found["profile_ms"], found["back_to_back_ms"], found["dilated_ms"]) == (10.0, 12.0, 14.0)
     assert found["whole_over_profile"] == 1.2 and found["dilated_over_profile"] == 1.4
     assert found["dilated_over_whole"] == pytest.approx(14 / 12, abs=1e-3)

@@ -22,14 +22,38 @@ FIELDS = {"system", "model", "precision", "nm", "vws", "stages", "samples_per_s"
 
 def test_smoke_run_on_the_cpu_gives_every_row(tmp_path: Path):
     out = tmp_path / "gpu.json"
-    result = CliRunner().invoke(gpu.main, ["--device", "cpu", "--quick", "--model", "char-gpt", "--precision",
-                                           "fp32", "--repeats", "1", "--minibatches", "24", "--warmup", "2",
-                                           "--out", str(out)])
+    result = CliRunner().invoke(
+        gpu.main,
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--model",
+            "char-gpt",
+            "--precision",
+            "fp32",
+            "--repeats",
+            "1",
+            "--minibatches",
+            "24",
+            "--warmup",
+            "2",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
     assert [(r["system"], r["vws"], r["stages"], r["nm"]) for r in rows] == [
-        ("plain", 1, 1, 1), ("hetpipe", 1, 1, 1), ("hetpipe", 1, 1, 4), ("hetpipe", 2, 1, 1), ("hetpipe", 2, 1, 4),
-        ("hetpipe", 1, 2, 4), ("hetpipe", 1, 1, 4), ("hetpipe", 1, 2, 4)]
+        ("plain", 1, 1, 1),
+        ("hetpipe", 1, 1, 1),
+        ("hetpipe", 1, 1, 4),
+        ("hetpipe", 2, 1, 1),
+        ("hetpipe", 2, 1, 4),
+        ("hetpipe", 1, 2, 4),
+        ("hetpipe", 1, 1, 4),
+        ("hetpipe", 1, 2, 4),
+    ]
     assert [r.get("staleness") for r in rows] == [None, 0, 0, 0, 1, 0, 0, 0]
     assert [r.get("schedule") for r in rows][-3:] == ["wsp", "1f1b-flush", "1f1b-flush"]
     for row in rows:
@@ -41,23 +65,56 @@ def test_smoke_run_on_the_cpu_gives_every_row(tmp_path: Path):
 
 
 ROWS = [
-    {"device": "NVIDIA H100 80GB HBM3", "model": "char-gpt", "precision": "fp32", "batch": 64, "system": "plain",
-     "nm": 1, "vws": 1, "stages": 1, "samples_per_s": 1950.0, "samples_per_s_runs": [1940.0, 1950.0, 1961.0],
-     "repeats": 3, "ratio_to_plain": 1.0, "host_ms": 20.25},
-    {"device": "NVIDIA H100 80GB HBM3", "model": "char-gpt", "precision": "fp32", "batch": 64, "system": "hetpipe",
-     "nm": 4, "staleness": 1, "vws": 2, "stages": 1, "samples_per_s": 1800.0, "samples_per_s_runs": [1790.0, 1800.0, 1812.5],
-     "repeats": 3, "ratio_to_plain": 0.923, "ratio_by_round": [0.923, 0.951, 0.918], "tail_s": 1.234,
-     "loss_vs_one_stage": -0.0042,
-     "wave_breakdown_ms": {"0": {"compute": 130.0, "d2h": 2.25, "push": 5.0, "gate_wait": 0.0, "pull": 4.0}}},
+    {
+        "device": "NVIDIA H100 80GB HBM3",
+        "model": "char-gpt",
+        "precision": "fp32",
+        "batch": 64,
+        "system": "plain",
+        "nm": 1,
+        "vws": 1,
+        "stages": 1,
+        "samples_per_s": 1950.0,
+        "samples_per_s_runs": [1940.0, 1950.0, 1961.0],
+        "repeats": 3,
+        "ratio_to_plain": 1.0,
+        "host_ms": 20.25,
+    },
+    {
+        "device": "NVIDIA H100 80GB HBM3",
+        "model": "char-gpt",
+        "precision": "fp32",
+        "batch": 64,
+        "system": "hetpipe",
+        "nm": 4,
+        "staleness": 1,
+        "vws": 2,
+        "stages": 1,
+        "samples_per_s": 1800.0,
+        "samples_per_s_runs": [1790.0, 1800.0, 1812.5],
+        "repeats": 3,
+        "ratio_to_plain": 0.923,
+        "ratio_by_round": [0.923, 0.951, 0.918],
+        "tail_s": 1.234,
+        "loss_vs_one_stage": -0.0042,
+        "wave_breakdown_ms": {
+            "0": {"compute": 130.0, "d2h": 2.25, "push": 5.0, "gate_wait": 0.0, "pull": 4.0}
+        },
+    },
 ]
 
 
 def test_the_table_names_the_device_and_gives_each_row_its_spread_ratio_and_wave_parts():
     lines = gpu.markdown(ROWS).splitlines()
     assert lines[0].startswith("On NVIDIA H100 80GB HBM3; batch 64, Adam; median of 3 runs")
-    assert lines[-2] == "| char-gpt | fp32 | plain torch loop | 1950.0 (1940.0-1961.0) | 1.00 | 20.2 | - | - | - |"
-    assert lines[-1] == ("| char-gpt | fp32 | hetpipe 2 VWs x 1 stage, Nm 4, D 1 | 1800.0 (1790.0-1812.5) "
-                         "| 0.92 (0.92-0.95) | - | 130.0 / 2.2 / 5.0 / 0.0 / 4.0 / - | 1.2 s | -0.4% |")
+    assert (
+        lines[-2]
+        == "| char-gpt | fp32 | plain torch loop | 1950.0 (1940.0-1961.0) | 1.00 | 20.2 | - | - | - |"
+    )
+    assert lines[-1] == (
+        "| char-gpt | fp32 | hetpipe 2 VWs x 1 stage, Nm 4, D 1 | 1800.0 (1790.0-1812.5) "
+        "| 0.92 (0.92-0.95) | - | 130.0 / 2.2 / 5.0 / 0.0 / 4.0 / - | 1.2 s | -0.4% |"
+    )
 
 
 def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
@@ -65,18 +122,37 @@ def test_rows_of_split_runs_merge_into_one_file_and_table(tmp_path: Path):
     for path, row in zip(parts, ROWS, strict=True):
         path.write_text(json.dumps([row]))
     out, table = tmp_path / "gpu.json", tmp_path / "gpu.md"
-    result = CliRunner().invoke(gpu.main, ["--rows", str(parts[0]), "--rows", str(parts[1]), "--out", str(out),
-                                           "--table", str(table)])
+    result = CliRunner().invoke(
+        gpu.main, ["--rows", str(parts[0]), "--rows", str(parts[1]), "--out", str(out), "--table", str(table)]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text()) == ROWS and table.read_text() == gpu.markdown(ROWS) + "\n"
 
 
 def test_merged_rows_written_before_ratio_by_round_get_it_from_their_own_files_plain_row(tmp_path: Path):
-    base = {"device": "cpu", "model": "resnet50", "precision": "bf16", "batch": 64, "nm": 4, "vws": 1, "stages": 1}
-    plain = {**base, "system": "plain", "samples_per_s": 100.0, "samples_per_s_runs": [100.0, 120.0, 80.0],
-             "ratio_to_plain": 1.0}
-    old = {**base, "system": "hetpipe", "samples_per_s": 95.0, "samples_per_s_runs": [90.0, 99.0, 95.0],
-           "ratio_to_plain": 0.95}
+    base = {
+        "device": "cpu",
+        "model": "resnet50",
+        "precision": "bf16",
+        "batch": 64,
+        "nm": 4,
+        "vws": 1,
+        "stages": 1,
+    }
+    plain = {
+        **base,
+        "system": "plain",
+        "samples_per_s": 100.0,
+        "samples_per_s_runs": [100.0, 120.0, 80.0],
+        "ratio_to_plain": 1.0,
+    }
+    old = {
+        **base,
+        "system": "hetpipe",
+        "samples_per_s": 95.0,
+        "samples_per_s_runs": [90.0, 99.0, 95.0],
+        "ratio_to_plain": 0.95,
+    }
     short = {**old, "precision": "fp32", "samples_per_s_runs": [95.0]}  # no plain row of its own: left alone
     kept = {**old, "nm": 1, "ratio_by_round": [0.5, 0.5, 0.5]}
     path, out = tmp_path / "e.json", tmp_path / "gpu.json"
@@ -93,7 +169,14 @@ def test_system_option_reads_vws_stages_and_nm_and_refuses_the_rest():
     assert gpu.parse_system("2x1:4:1") == ("hetpipe", 2, 1, 4, 1, "wsp", ())
     assert gpu.parse_system("1x2:4@1f1b-flush") == ("hetpipe", 1, 2, 4, 0, "1f1b-flush", ())
     assert gpu.parse_system("1x1:4@1f1b-flush+ps.wire_dtype=bfloat16+ps.agent=thread") == (
-        "hetpipe", 1, 1, 4, 0, "1f1b-flush", ("ps.wire_dtype=bfloat16", "ps.agent=thread"))
+        "hetpipe",
+        1,
+        1,
+        4,
+        0,
+        "1f1b-flush",
+        ("ps.wire_dtype=bfloat16", "ps.agent=thread"),
+    )
     for bad in ("1x2", "12:4", "axb:c", "0x1:4", "2x1:4:-1", "2x1:4:1:1", "1x2:4@flush"):
         with pytest.raises(click.BadParameter, match="VWs|VWSxSTAGES|schedule"):
             gpu.parse_system(bad)
@@ -104,8 +187,12 @@ def test_system_option_reads_vws_stages_and_nm_and_refuses_the_rest():
 
 def test_a_failed_system_is_a_row_with_its_error_and_two_stages_compare_only_where_one_stage_ran():
     base = {"model": "char-gpt", "precision": "fp32", "system": "hetpipe", "vws": 1}
-    rows = [{**base, "stages": 1, "nm": 4, "loss_tail": 2.0}, {**base, "stages": 2, "nm": 4, "loss_tail": 2.1},
-            {**base, "stages": 2, "nm": 1, "loss_tail": 2.5}, {**base, "stages": 2, "nm": 8, "error": "E: boom"}]
+    rows = [
+        {**base, "stages": 1, "nm": 4, "loss_tail": 2.0},
+        {**base, "stages": 2, "nm": 4, "loss_tail": 2.1},
+        {**base, "stages": 2, "nm": 1, "loss_tail": 2.5},
+        {**base, "stages": 2, "nm": 8, "error": "E: boom"},
+    ]
     gpu.compare_stages(rows)
     assert rows[1]["loss_vs_one_stage"] == 0.05 and "loss_vs_one_stage" not in rows[2]
     line = gpu.markdown([{**ROWS[0]}, {**rows[3], "batch": 64, "device": "cpu"}]).splitlines()[-1]
@@ -124,7 +211,9 @@ def test_host_time_gives_a_plain_and_a_stage_row(tmp_path: Path):
     import host_time
 
     out = tmp_path / "host.json"
-    result = CliRunner().invoke(host_time.main, ["--device", "cpu", "--quick", "--steps", "12", "--out", str(out)])
+    result = CliRunner().invoke(
+        host_time.main, ["--device", "cpu", "--quick", "--steps", "12", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
     for name in ("plain", "stage"):
@@ -138,9 +227,13 @@ def test_runs_go_round_by_round_so_drift_reaches_the_plain_loop_and_every_system
     assert gpu.run_order(0, 2) == [(-1, 0), (-1, 1)]
 
 
-def test_run_setting_interleaves_its_runs_takes_medians_and_stops_a_failed_system(monkeypatch, tmp_path: Path):
+def test_run_setting_interleaves_its_runs_takes_medians_and_stops_a_failed_system(
+    monkeypatch, tmp_path: Path
+):
     calls: list[str] = []
-    rates = iter([100.0, 90.0, 120.0, 99.0, 80.0, 95.0])  # plain, 1x1, plain, 1x1, plain, 1x1 (2x1 fails at once)
+    rates = iter(
+        [100.0, 90.0, 120.0, 99.0, 80.0, 95.0]
+    )  # plain, 1x1, plain, 1x1, plain, 1x1 (2x1 fails at once)
 
     def plain(config, device, steps, warmup, profiled=0):
         calls.append("plain")
@@ -150,43 +243,90 @@ def test_run_setting_interleaves_its_runs_takes_medians_and_stops_a_failed_syste
         calls.append(run_dir.name)
         if config == (2, 1, 4, 1, "wsp"):
             raise HetpipeError("out of memory")
-        return {"samples_per_s": next(rates), "loss_tail": 1.0, "host_ms": 1.0, "tail_s": 1.0, "wave_breakdown_ms": {}}
+        return {
+            "samples_per_s": next(rates),
+            "loss_tail": 1.0,
+            "host_ms": 1.0,
+            "tail_s": 1.0,
+            "wave_breakdown_ms": {},
+        }
 
     monkeypatch.setattr(gpu, "run_plain", plain)
     monkeypatch.setattr(gpu, "run_hetpipe", hetpipe)
-    monkeypatch.setattr(gpu.Setting, "config", lambda self, *shape: shape[:5])  # (vws, stages, nm, D, schedule)
+    monkeypatch.setattr(
+        gpu.Setting, "config", lambda self, *shape: shape[:5]
+    )  # (vws, stages, nm, D, schedule)
     setting = gpu.Setting("char-gpt", {}, ("shakespeare", {}), "fp32", "cpu", "cpu", 64, 24, 16.0, tmp_path)
     rows: list[dict] = []
-    gpu.run_setting(setting, [("hetpipe", 1, 1, 4, 0, "wsp", ()), ("hetpipe", 2, 1, 4, 1, "wsp", ())], 3, 2,
-                    rows.append)
+    gpu.run_setting(
+        setting, [("hetpipe", 1, 1, 4, 0, "wsp", ()), ("hetpipe", 2, 1, 4, 1, "wsp", ())], 3, 2, rows.append
+    )
     one, two = "char-gpt-fp32-1x1-nm4-d0-wsp", "char-gpt-fp32-2x1-nm4-d1-wsp"
     assert calls == ["plain", f"{one}-0", f"{two}-0", "plain", f"{one}-1", "plain", f"{one}-2"]
     assert [(r["system"], r.get("samples_per_s"), r.get("samples_per_s_runs")) for r in rows] == [
-        ("plain", 100.0, [100.0, 120.0, 80.0]), ("hetpipe", 95.0, [90.0, 99.0, 95.0]), ("hetpipe", None, None)]
+        ("plain", 100.0, [100.0, 120.0, 80.0]),
+        ("hetpipe", 95.0, [90.0, 99.0, 95.0]),
+        ("hetpipe", None, None),
+    ]
     assert rows[1]["ratio_to_plain"] == 0.95 and rows[2]["error"] == "HetpipeError: out of memory"
-    assert rows[1]["ratio_by_round"] == [0.9, 0.825, 1.188]  # 90/100, 99/120, 95/80: each round's own plain run
+    assert rows[1]["ratio_by_round"] == [
+        0.9,
+        0.825,
+        1.188,
+    ]  # 90/100, 99/120, 95/80: each round's own plain run
     assert rows[2]["error"] == "HetpipeError: out of memory"
 
 
 def test_a_system_with_settings_runs_beside_the_same_system_without_them(tmp_path: Path):
     out = tmp_path / "gpu.json"
-    result = CliRunner().invoke(gpu.main, [
-        "--device", "cpu", "--quick", "--model", "char-gpt", "--precision", "fp32", "--repeats", "1",
-        "--minibatches", "16", "--warmup", "2", "--system", "1x1:4", "--system", "1x1:4+ps.wire_dtype=bfloat16",
-        "--system", "1x1:4+ps.no_such_key=1", "--keep", str(tmp_path / "runs"), "--out", str(out)])
+    result = CliRunner().invoke(
+        gpu.main,
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--model",
+            "char-gpt",
+            "--precision",
+            "fp32",
+            "--repeats",
+            "1",
+            "--minibatches",
+            "16",
+            "--warmup",
+            "2",
+            "--system",
+            "1x1:4",
+            "--system",
+            "1x1:4+ps.wire_dtype=bfloat16",
+            "--system",
+            "1x1:4+ps.no_such_key=1",
+            "--keep",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 1, result.output  # the bad setting's row is an error; the others ran
     rows = json.loads(out.read_text())
     assert [r.get("settings") for r in rows] == [None, None, ["ps.wire_dtype=bfloat16"], ["ps.no_such_key=1"]]
     assert rows[1]["samples_per_s"] > 0 and rows[2]["samples_per_s"] > 0 and "no_such_key" in rows[3]["error"]
     assert gpu.system_label(rows[2]) == "hetpipe 1 VW x 1 stage, Nm 4, ps.wire_dtype=bfloat16"
-    config = (tmp_path / "runs" / "char-gpt-fp32-1x1-nm4-d0-wsp+ps.wire_dtype=bfloat16-0" / "config.toml").read_text()
+    config = (
+        tmp_path / "runs" / "char-gpt-fp32-1x1-nm4-d0-wsp+ps.wire_dtype=bfloat16-0" / "config.toml"
+    ).read_text()
     assert 'wire_dtype = "bfloat16"' in config
 
 
 def test_profile_adds_untimed_profiled_runs_and_a_table_of_them(monkeypatch, tmp_path: Path):
     profiled: list[tuple[str, object]] = []
-    summary = {"wall_ms": 20.0, "ops_host_ms": 12.5, "ops_device_ms": None, "aten_calls": 900.0,
-               "by_host": [{"name": "aten::mm", "self_host_ms": 3.25}, {"name": "aten::add_", "self_host_ms": 1.0}]}
+    summary = {
+        "wall_ms": 20.0,
+        "ops_host_ms": 12.5,
+        "ops_device_ms": None,
+        "aten_calls": 900.0,
+        "by_host": [{"name": "aten::mm", "self_host_ms": 3.25}, {"name": "aten::add_", "self_host_ms": 1.0}],
+    }
 
     def plain(config, device, steps, warmup, profiled_steps=0):
         profiled.append(("plain", profiled_steps))
@@ -195,7 +335,13 @@ def test_profile_adds_untimed_profiled_runs_and_a_table_of_them(monkeypatch, tmp
 
     def hetpipe(config, run_dir, profile=None):
         profiled.append((run_dir.name, profile))
-        row = {"samples_per_s": 90.0, "loss_tail": 1.0, "host_ms": 1.0, "tail_s": 1.0, "wave_breakdown_ms": {}}
+        row = {
+            "samples_per_s": 90.0,
+            "loss_tail": 1.0,
+            "host_ms": 1.0,
+            "tail_s": 1.0,
+            "wave_breakdown_ms": {},
+        }
         return {**row, "profile": summary} if profile else row
 
     monkeypatch.setattr(gpu, "run_plain", plain)
@@ -207,17 +353,42 @@ def test_profile_adds_untimed_profiled_runs_and_a_table_of_them(monkeypatch, tmp
     gpu.run_setting(setting, [("hetpipe", 1, 1, 4, 0, "wsp", ())], 2, 2, rows.append, window)
     one = "char-gpt-fp32-1x1-nm4-d0-wsp"
     # the plain loop profiles after the timed steps of its last run; the system runs once more, profiled
-    assert profiled == [("plain", 0), (f"{one}-0", None), ("plain", 4), (f"{one}-1", None), (f"{one}-profile", window)]
+    assert profiled == [
+        ("plain", 0),
+        (f"{one}-0", None),
+        ("plain", 4),
+        (f"{one}-1", None),
+        (f"{one}-profile", window),
+    ]
     assert [r["profile"] for r in rows] == [summary, summary] and rows[1]["samples_per_s"] == 90.0
     table = gpu.markdown(rows).splitlines()
-    assert table[-1] == ("| char-gpt | fp32 | hetpipe 1 VW x 1 stage, Nm 4 | 20.00 | 12.50 | - | 900 "
-                         "| aten::mm 3.25, aten::add_ 1.00 |")
+    assert table[-1] == (
+        "| char-gpt | fp32 | hetpipe 1 VW x 1 stage, Nm 4 | 20.00 | 12.50 | - | 900 "
+        "| aten::mm 3.25, aten::add_ 1.00 |"
+    )
 
 
 def test_profile_on_the_cpu_writes_each_rows_op_profile(tmp_path: Path):
     out = tmp_path / "gpu.json"
-    args = ["--device", "cpu", "--quick", "--model", "char-gpt", "--precision", "fp32", "--repeats", "1",
-            "--minibatches", "8", "--warmup", "2", "--system", "1x1:2", "--out", str(out)]
+    args = [
+        "--device",
+        "cpu",
+        "--quick",
+        "--model",
+        "char-gpt",
+        "--precision",
+        "fp32",
+        "--repeats",
+        "1",
+        "--minibatches",
+        "8",
+        "--warmup",
+        "2",
+        "--system",
+        "1x1:2",
+        "--out",
+        str(out),
+    ]
     refused = CliRunner().invoke(gpu.main, [*args, "--profile", "6:4"])
     assert refused.exit_code == 2 and "ends at minibatch 9, past the runs' 8" in refused.output
     result = CliRunner().invoke(gpu.main, [*args, "--profile", "2:4"])

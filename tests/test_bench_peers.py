@@ -19,7 +19,8 @@ _GIB = 2**30
 
 
 def _config(tmp_path: Path, big_gib: float, small_gib: float) -> Path:
-    """3 emulated GPUs: two "big" ones (fast) and one "small" one (half as fast), a tiny MLP on random data."""
+    """3 emulated GPUs: two "big" ones (fast) and one "small" one (half as fast), a tiny MLP on random
+    data."""
     text = f"""name = "peers-test"
 seed = 1
 [gpu_types.big]
@@ -40,7 +41,7 @@ options = {{ input_shape = [1, 8, 8], num_classes = 10, n = 256 }}
 [train]
 batch_size = 8
 optimizer = "momentum"
-out_dir = "{tmp_path / 'runs'}"
+out_dir = "{tmp_path / "runs"}"
 [emulation]
 time_scale = 1.0
 [[virtual_workers]]
@@ -97,7 +98,11 @@ def test_steady_rate_counts_steps_after_warmup() -> None:
 
 
 def test_ddp_subsets_offer_the_fastest_types() -> None:
-    devs = [peers.Device(f"n0:{i}", t, s, 1, 1.0) for i, (t, s) in enumerate([("a", 3.0), ("b", 1.0), ("a", 3.0)])]
+    devs = [
+        peers.Device(f"n0:{i}", t, s, 1, 1.0) for i, (t, s) in enumerate([("a", 3.0), ("b", 1.0), ("a", 3.0)])
+    ]
     subsets = peers.ddp_subsets(devs)
-    assert {k: [d.gpu for d in v] for k, v in subsets.items()} == {"fit": ["n0:0", "n0:1", "n0:2"],
-                                                                  "speed>=3": ["n0:0", "n0:2"]}
+    assert {k: [d.gpu for d in v] for k, v in subsets.items()} == {
+        "fit": ["n0:0", "n0:1", "n0:2"],
+        "speed>=3": ["n0:0", "n0:2"],
+    }

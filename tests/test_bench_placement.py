@@ -1,4 +1,5 @@
-"""launch/bench/placement.py: the overrides each placement runs with, and the summary of interleaved repeats."""
+"""launch/bench/placement.py: the overrides each placement runs with, and the summary of interleaved
+repeats."""
 
 from __future__ import annotations
 
@@ -23,12 +24,20 @@ def test_local_runs_a_shard_per_node_and_balanced_keeps_the_configs_shards() -> 
 
 
 def test_summary_takes_medians_and_ratios_within_each_repeat() -> None:
-    rows = [{"placement": p, "repeat": r, "samples_per_s": v}
-            for r, (b, loc) in enumerate([(10.0, 30.0), (20.0, 30.0), (40.0, 20.0)])
-            for p, v in (("balanced", b), ("local", loc))]
+    rows = [
+        {"placement": p, "repeat": r, "samples_per_s": v}
+        for r, (b, loc) in enumerate([(10.0, 30.0), (20.0, 30.0), (40.0, 20.0)])
+        for p, v in (("balanced", b), ("local", loc))
+    ]
     result = placement.summarise(rows, {"balanced": 40.0, "local": 15.0})
-    assert result["placements"]["balanced"] == {"median": 20.0, "min": 10.0, "max": 40.0, "failed": 0,
-                                                "predicted": 40.0, "predicted_over_measured": 2.0}
+    assert result["placements"]["balanced"] == {
+        "median": 20.0,
+        "min": 10.0,
+        "max": 40.0,
+        "failed": 0,
+        "predicted": 40.0,
+        "predicted_over_measured": 2.0,
+    }
     assert result["placements"]["local"]["median"] == 30.0
     # 3.0, 1.5, 0.5 within the repeats: the median is 1.5, not 30 / 20 of the medians
     assert result["ratio_local_over_balanced"] == {"median": 1.5, "min": 0.5, "max": 3.0}
@@ -37,12 +46,16 @@ def test_summary_takes_medians_and_ratios_within_each_repeat() -> None:
 
 
 def test_a_failed_run_is_counted_and_left_out_of_the_ratios() -> None:
-    rows = [{"placement": "balanced", "repeat": 0, "samples_per_s": None, "error": "timed out"},
-            {"placement": "local", "repeat": 0, "samples_per_s": 80.0},
-            {"placement": "balanced", "repeat": 1, "samples_per_s": 20.0},
-            {"placement": "local", "repeat": 1, "samples_per_s": 90.0}]
+    rows = [
+        {"placement": "balanced", "repeat": 0, "samples_per_s": None, "error": "timed out"},
+        {"placement": "local", "repeat": 0, "samples_per_s": 80.0},
+        {"placement": "balanced", "repeat": 1, "samples_per_s": 20.0},
+        {"placement": "local", "repeat": 1, "samples_per_s": 90.0},
+    ]
     result = placement.summarise(rows, {"balanced": 70.0, "local": 90.0})
-    assert result["placements"]["balanced"]["failed"] == 1 and result["placements"]["balanced"]["median"] == 20.0
+    assert (
+        result["placements"]["balanced"]["failed"] == 1 and result["placements"]["balanced"]["median"] == 20.0
+    )
     assert result["ratio_local_over_balanced"] == {"median": 4.5, "min": 4.5, "max": 4.5}
     setups = {n: placement.throughput.HetpipeSetup((), 1, 0, "x", None) for n in ("balanced", "local")}
     assert "20.0 (20.0-20.0), 1 failed" in placement.format_table(result, setups)

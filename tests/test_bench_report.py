@@ -1,5 +1,5 @@
-"""launch/bench reports: the time-to-target rule for accuracy and loss, the verdict lines, every PNG figure, the
-scores time_to_accuracy.py reads from a run's PS checkpoints, and throughput.py's wave breakdown."""
+"""launch/bench reports: the time-to-target rule for accuracy and loss, the verdict lines, every PNG figure,
+the scores time_to_accuracy.py reads from a run's PS checkpoints, and throughput.py's wave breakdown."""
 
 from __future__ import annotations
 
@@ -47,17 +47,47 @@ def test_rows_summary_and_table_give_medians_spread_and_who_never_got_there() ->
     goal = tta.goal_for("classification", 0.9)
     scores = [{"t": 10.0, "clock": 1, "test_accuracy": 0.5}, {"t": 30.0, "clock": 3, "test_accuracy": 0.92}]
     unit = {"key": "clock", "samples": 1024}
-    hp = [tta.row("mnist", "hetpipe", seed, goal, start, scores, unit, lr=0.002, setting="2 VWs a | b",
-                  samples_per_s=100.0, predicted_time_to_target_s=24.0) for seed, start in ((0, 0.0), (1, 5.0), (2, 10.0))]
+    hp = [
+        tta.row(
+            "mnist",
+            "hetpipe",
+            seed,
+            goal,
+            start,
+            scores,
+            unit,
+            lr=0.002,
+            setting="2 VWs a | b",
+            samples_per_s=100.0,
+            predicted_time_to_target_s=24.0,
+        )
+        for seed, start in ((0, 0.0), (1, 5.0), (2, 10.0))
+    ]
     assert hp[0]["time_to_target_s"] == 30.0 and hp[0]["samples_to_target"] == 3072
     assert hp[0]["curve"][1] == {"s": 30.0, "test_accuracy": 0.92, "samples": 3072}
-    ddp = [tta.row("mnist", "ddp-fit", seed, goal, 0.0, [{"t": 40.0, "step": 8, "test_accuracy": value}],
-                   {"key": "step", "samples": 512}, lr=0.004, setting="6 GPUs", samples_per_s=90.0)
-           for seed, value in ((0, 0.95), (1, 0.8), (2, 0.91))]
+    ddp = [
+        tta.row(
+            "mnist",
+            "ddp-fit",
+            seed,
+            goal,
+            0.0,
+            [{"t": 40.0, "step": 8, "test_accuracy": value}],
+            {"key": "step", "samples": 512},
+            lr=0.004,
+            setting="6 GPUs",
+            samples_per_s=90.0,
+        )
+        for seed, value in ((0, 0.95), (1, 0.8), (2, 0.91))
+    ]
     assert ddp[1]["time_to_target_s"] is None and ddp[1]["samples_to_target"] is None
     found = tta.summary([*hp, *ddp], ["hetpipe", "ddp-fit"])
-    assert found["systems"]["hetpipe"]["time_to_target_s"] == {"median": 25.0, "min": 20.0, "max": 30.0,
-                                                               "reached": "3/3"}
+    assert found["systems"]["hetpipe"]["time_to_target_s"] == {
+        "median": 25.0,
+        "min": 20.0,
+        "max": 30.0,
+        "reached": "3/3",
+    }
     assert found["systems"]["ddp-fit"]["time_to_target_s"]["median"] == 40.0  # 40, 40 and one not reached
     assert found["hetpipe_over_best_ddp"] == 0.625 and found["predicted_over_measured"] == 0.96
     assert tta.summary(ddp[1:2], ["ddp-fit"])["systems"]["ddp-fit"]["time_to_target_s"]["median"] is None
@@ -66,25 +96,37 @@ def test_rows_summary_and_table_give_medians_spread_and_who_never_got_there() ->
     assert "hetpipe / best DDP, median time to target: 0.62" in text
 
 
-
 def test_each_system_takes_the_batch_it_reaches_the_target_soonest_at_by_its_own_rule(capsys) -> None:
     from types import SimpleNamespace
 
     class FakeBench:  # the planner predicts hetpipe's time; a peer's rate comes from a short run at the batch
         def __init__(self, predicted_s: float | None, plan_rate: float, probe_rate: float) -> None:
-            self.predicted_s, self.plan_rate, self.probe_rate, self.probed = predicted_s, plan_rate, probe_rate, []
+            self.predicted_s, self.plan_rate, self.probe_rate, self.probed = (
+                predicted_s,
+                plan_rate,
+                probe_rate,
+                [],
+            )
 
         def plan(self):
             samples = None if self.predicted_s is None else self.predicted_s * self.plan_rate
-            return None, SimpleNamespace(samples_per_s=self.plan_rate, time_to_target_s=self.predicted_s,
-                                         samples_to_target=samples), None
+            return (
+                None,
+                SimpleNamespace(
+                    samples_per_s=self.plan_rate, time_to_target_s=self.predicted_s, samples_to_target=samples
+                ),
+                None,
+            )
 
         def probe(self, system: str, lr: float, seconds: float) -> float:
             self.probed.append((system, lr, seconds))
             return self.probe_rate
 
     benches = {64: FakeBench(200.0, 230.0, 160.0), 16: FakeBench(150.0, 140.0, 60.0)}
-    info = {64: {"lr": 0.002, "reference_samples": 48_000.0}, 16: {"lr": 0.004, "reference_samples": 24_000.0}}
+    info = {
+        64: {"lr": 0.002, "reference_samples": 48_000.0},
+        16: {"lr": 0.004, "reference_samples": 24_000.0},
+    }
     assert tta._choose_batch("hetpipe", benches, info, 30.0) == 16  # 150 s predicted against 200
     assert info[16]["predicted_s"] == 150.0 and not benches[16].probed  # the planner's word, no run
     assert "16: 21000 samples / 140.0 samples/s = 150.0 s" in capsys.readouterr().out  # the plan's samples
@@ -98,17 +140,30 @@ def test_each_system_takes_the_batch_it_reaches_the_target_soonest_at_by_its_own
     info[16]["reference_samples"] = None
     assert tta._choose_batch("ddp-fit", benches, info, 30.0) == 64  # nothing priced: the first batch listed
 
+
 def test_every_figure_is_a_png_or_says_matplotlib_is_missing(tmp_path: Path) -> None:
     stats = {"median": 100.0, "min": 90.0, "max": 120.0}
-    curve_rows = [{"label": "hetpipe Nm=4 D=0, lr 0.02", "curve": [{"s": 1.0, "val_loss": 3.0},
-                                                                           {"s": 2.0, "val_loss": 2.5}]}]
+    curve_rows = [
+        {
+            "label": "hetpipe Nm=4 D=0, lr 0.02",
+            "curve": [{"s": 1.0, "val_loss": 3.0}, {"s": 2.0, "val_loss": 2.5}],
+        }
+    ]
     results = {
-        "throughput": plots.throughput_bars([{"system": "hetpipe", "samples_per_s": stats},
-                                             {"system": "ddp-fit", "samples_per_s": stats}], 150.0,
-                                            tmp_path / "throughput.png", "t"),
+        "throughput": plots.throughput_bars(
+            [{"system": "hetpipe", "samples_per_s": stats}, {"system": "ddp-fit", "samples_per_s": stats}],
+            150.0,
+            tmp_path / "throughput.png",
+            "t",
+        ),
         "curves": plots.metric_curves(curve_rows, "val_loss", 2.0, tmp_path / "curves.png"),
-        "bars": plots.paired_bars(["10 MB", "100 MB"], {"ps": [1.0, 2.0], "raw": [1.5, 2.5]}, "GB/s", "t",
-                                  tmp_path / "sub" / "bars.png"),
+        "bars": plots.paired_bars(
+            ["10 MB", "100 MB"],
+            {"ps": [1.0, 2.0], "raw": [1.5, 2.5]},
+            "GB/s",
+            "t",
+            tmp_path / "sub" / "bars.png",
+        ),
     }
     if not plots.available():
         assert set(results.values()) == {plots.MISSING}
@@ -122,7 +177,8 @@ def test_every_figure_is_a_png_or_says_matplotlib_is_missing(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("mode", ["exact", "latest"])
 def test_checkpoint_scores_read_the_weights_of_exact_and_latest_shards(tmp_path: Path, mode: str) -> None:
-    """An exact shard keeps versions W_t, a latest one running weights: both checkpoints score as the model."""
+    """An exact shard keeps versions W_t, a latest one running weights: both checkpoints score as the
+    model."""
     import numpy as np
     import torch
 
@@ -142,7 +198,9 @@ def test_checkpoint_scores_read_the_weights_of_exact_and_latest_shards(tmp_path:
     delta = {k: np.full_like(v, 0.01) for k, v in weights.items()}
     shard.push(0, 0, 0, delta)
     meta, arrays = shard.to_state()
-    write_checkpoint(tmp_path / "ps" / "shard-0", shard.c_global, {"run": "r", "shard": 0, "wsp": meta}, arrays, 3)
+    write_checkpoint(
+        tmp_path / "ps" / "shard-0", shard.c_global, {"run": "r", "shard": 0, "wsp": meta}, arrays, 3
+    )
     (score,) = tta.checkpoint_scores(config, tmp_path)
     pushed = {k: torch.from_numpy(v + delta[k]) for k, v in weights.items()}
     expected = evaluate(spec, pushed, dataset_of(config), max_samples=256)
@@ -152,16 +210,28 @@ def test_checkpoint_scores_read_the_weights_of_exact_and_latest_shards(tmp_path:
 
 def test_the_wave_breakdown_shows_each_stages_median_parts_and_the_rest() -> None:
     def run(compute: float, recv: float) -> dict:
-        return {"stage_breakdown_ms": {
-            "vw0-s0": {"compute": compute, "recv": 0.2, "send": 10.0, "push": 30.0, "pull": 40.0, "parked": 5.0,
-                       "train": 1000.0},
-            "vw0-s1": {"compute": 300.0, "recv": recv, "gate_wait": 100.0, "train": 1000.0}}}
+        return {
+            "stage_breakdown_ms": {
+                "vw0-s0": {
+                    "compute": compute,
+                    "recv": 0.2,
+                    "send": 10.0,
+                    "push": 30.0,
+                    "pull": 40.0,
+                    "parked": 5.0,
+                    "train": 1000.0,
+                },
+                "vw0-s1": {"compute": 300.0, "recv": recv, "gate_wait": 100.0, "train": 1000.0},
+            }
+        }
+
     text = throughput.format_breakdown([run(800.0, 500.0), run(900.0, 700.0), run(700.0, 600.0)])
     assert text.splitlines() == [
         "hetpipe: where each stage's waves went (ms per wave, median of the repeats)",
-        "  vw0-s0: wave 1000 = compute 800, send 10, other 190; PS thread: push 30, pull 40 (parked at the gate 5)",
-        "  vw0-s1: wave 1000 = compute 300, recv 600, gate_wait 100, other 0; PS thread: push 0, pull 0 (parked at the "
-        "gate 0)",
+        "  vw0-s0: wave 1000 = compute 800, send 10, other 190; "
+        "PS thread: push 30, pull 40 (parked at the gate 5)",
+        "  vw0-s1: wave 1000 = compute 300, recv 600, gate_wait 100, other 0; "
+        "PS thread: push 0, pull 0 (parked at the gate 0)",
     ]
     assert throughput.format_breakdown([]) == "hetpipe: no wave breakdown (no run)"
 

@@ -1,5 +1,5 @@
-"""launch/bench/staleness.py: refused splits, scores along a reference run on a tiny model, stopping at the target,
-the calibration file."""
+"""launch/bench/staleness.py: refused splits, scores along a reference run on a tiny model, stopping at the
+target, the calibration file."""
 
 from __future__ import annotations
 
@@ -73,19 +73,41 @@ def test_a_run_stops_at_the_first_score_that_meets_the_goal(tmp_path: Path) -> N
     assert stopped == full[: first + 1]
 
 
-def test_the_command_writes_a_calibration_the_planner_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_command_writes_a_calibration_the_planner_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "tiny.toml"
     path.write_text(_TINY)
     cal = tmp_path / "cal.json"
-    args = ["--config", str(path), "--settings", "1x1/1,2x2/2:1f1b-flush:mean", "--seeds", "0,1", "--samples", "256",
-            "--score-every", "64", "--target", "0.3", "--lrs", "0.05,0.2", "--set", 'train.optimizer="sgd"',
-            "--calibrate", str(cal)]
+    args = [
+        "--config",
+        str(path),
+        "--settings",
+        "1x1/1,2x2/2:1f1b-flush:mean",
+        "--seeds",
+        "0,1",
+        "--samples",
+        "256",
+        "--score-every",
+        "64",
+        "--target",
+        "0.3",
+        "--lrs",
+        "0.05,0.2",
+        "--set",
+        'train.optimizer="sgd"',
+        "--calibrate",
+        str(cal),
+    ]
     monkeypatch.setattr(sys, "argv", ["staleness.py", *args])
     result = CliRunner().invoke(staleness.main, args)
     assert result.exit_code == 0, result.output
     made = Calibration.load(cal)
     assert shlex.split(made.command)[2:] == args  # the recorded command pastes back into a shell as it ran
-    assert [m.setting.label for m in made.measurements] == ["1x1/1:wsp:sum:none:D0", "2x2/2:1f1b-flush:mean:none:D0"]
+    assert [m.setting.label for m in made.measurements] == [
+        "1x1/1:wsp:sum:none:D0",
+        "2x2/2:1f1b-flush:mean:none:D0",
+    ]
     assert made.seeds == (0, 1) and all(len(m.samples) == 2 for m in made.measurements)
     assert made.sequential is made.measurements[0] and made.lrs == (0.05, 0.2)
     for m in made.measurements:  # the first seed tried both rates; the kept one needed the fewest samples
@@ -94,14 +116,28 @@ def test_the_command_writes_a_calibration_the_planner_reads(tmp_path: Path, monk
         assert all(v is None or v >= m.samples[0] for v in tried.values())
 
 
-def test_calibrate_to_another_target_writes_beside_the_default_file(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibrate_to_another_target_writes_beside_the_default_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "tiny.toml"
     path.write_text(_TINY)
     monkeypatch.setattr(staleness, "CALIBRATION_DIR", tmp_path / "cals")
     for target in ("0.3", "0.2", "0.3"):
-        args = ["--config", str(path), "--settings", "1x1/1", "--samples", "128", "--score-every", "64",
-                "--target", target, "--set", 'train.optimizer="sgd"', "--calibrate"]
+        args = [
+            "--config",
+            str(path),
+            "--settings",
+            "1x1/1",
+            "--samples",
+            "128",
+            "--score-every",
+            "64",
+            "--target",
+            target,
+            "--set",
+            'train.optimizer="sgd"',
+            "--calibrate",
+        ]
         monkeypatch.setattr(sys, "argv", ["staleness.py", *args])
         result = CliRunner().invoke(staleness.main, args)
         assert result.exit_code == 0, result.output
@@ -112,17 +148,26 @@ def test_calibrate_to_another_target_writes_beside_the_default_file(tmp_path: Pa
     assert default.command.count("--target 0.3") == 2  # the third run merged into the default file
 
 
-@pytest.mark.parametrize("group", [
-    ["2x2/2:wsp:server", "2x2/1:1f1b-flush:server", "2x2/2:pipedream-2bw:server", "2x2/3:gpipe:server"],
-    ["2x2/2:gpipe:sum", "2x2/1:1f1b-flush:sum", "2x2/3:1f1b-flush:sum:spectrain"],
-    ["1x2/2:wsp:mean:warmup:D1", "1x2/2:wsp:sum"],
-    ["1x1/2:pipedream-2bw:mean:spectrain", "1x1/1:wsp:sum"],
-    ["2x1/1:pipedream:sum", "2x1/1:wsp:sum"],
-    ["2x2/2:pipedream:mean:pipemare:D1", "2x2/2:wsp:mean:pipemare:D1"],
-    ["2x1/1:wsp:mean:warmup", "2x1/2:1f1b-flush:mean:warmup", "2x1/3:gpipe:mean:warmup", "2x1/2:pipedream:mean:warmup"],
-])
+@pytest.mark.parametrize(
+    "group",
+    [
+        ["2x2/2:wsp:server", "2x2/1:1f1b-flush:server", "2x2/2:pipedream-2bw:server", "2x2/3:gpipe:server"],
+        ["2x2/2:gpipe:sum", "2x2/1:1f1b-flush:sum", "2x2/3:1f1b-flush:sum:spectrain"],
+        ["1x2/2:wsp:mean:warmup:D1", "1x2/2:wsp:sum"],
+        ["1x1/2:pipedream-2bw:mean:spectrain", "1x1/1:wsp:sum"],
+        ["2x1/1:pipedream:sum", "2x1/1:wsp:sum"],
+        ["2x2/2:pipedream:mean:pipemare:D1", "2x2/2:wsp:mean:pipemare:D1"],
+        [
+            "2x1/1:wsp:mean:warmup",
+            "2x1/2:1f1b-flush:mean:warmup",
+            "2x1/3:gpipe:mean:warmup",
+            "2x1/2:pipedream:mean:warmup",
+        ],
+    ],
+)
 def test_settings_with_one_canonical_form_train_the_same_weights(tmp_path: Path, group: list[str]) -> None:
-    """hetpipe.core.convergence.canonical's claims, checked in the reference: one run stands for each group."""
+    """hetpipe.core.convergence.canonical's claims, checked in the reference: one run stands for each
+    group."""
     path = tmp_path / "tiny.toml"
     path.write_text(_TINY)
     config = apply_overrides(load_config(path), ['train.optimizer="adam"', "train.lr=0.01"])

@@ -43,22 +43,35 @@ def test_missing_config_and_bad_shard(tmp_path: Path):
 
 def test_a_local_placement_over_several_hosts_says_which_shard_to_start_where(tmp_path: Path):
     body = GOOD_HEAD.replace('name = "n0"', 'name = "n0"\nhost = "10.0.0.5"') + (
-        '[[nodes]]\nname = "n1"\nhost = "10.0.0.6"\ngpus = ["a"]\n[ps]\nshards = 2\nplacement = "local"\n')
+        '[[nodes]]\nname = "n1"\nhost = "10.0.0.6"\ngpus = ["a"]\n[ps]\nshards = 2\nplacement = "local"\n'
+    )
     path = tmp_path / "two.toml"
     path.write_text(body)
     result = hetpipe("server", "--config", str(path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "`hetpipe server --shard 0` on n0 (10.0.0.5); `hetpipe server --shard 1` on n1 (10.0.0.6)" in result.stderr
+    assert (
+        "`hetpipe server --shard 0` on n0 (10.0.0.5); `hetpipe server --shard 1` on n1 (10.0.0.6)"
+        in result.stderr
+    )
 
 
 def test_schedule_grid_and_unknown_schedule():
     result = hetpipe("schedule", "--stages", "2", "--nm", "2", "--waves", "1", "--lists")
     assert result.returncode == 0
-    assert result.stdout.splitlines()[1:] == ["stage 0: F0 F1 B0 U0 B1 U1 PUSH0", "stage 1: F0 B0 U0 F1 B1 U1 PUSH0"]
+    assert result.stdout.splitlines()[1:] == [
+        "stage 0: F0 F1 B0 U0 B1 U1 PUSH0",
+        "stage 1: F0 B0 U0 F1 B1 U1 PUSH0",
+    ]
     result = hetpipe("schedule", "--stages", "2", "--nm", "2", "--waves", "1", "--lists", "--name", "gpipe")
-    assert result.stdout.splitlines()[1:] == ["stage 0: F0 F1 B0 B1 U1 PUSH0", "stage 1: F0 F1 B0 B1 U1 PUSH0"]
+    assert result.stdout.splitlines()[1:] == [
+        "stage 0: F0 F1 B0 B1 U1 PUSH0",
+        "stage 1: F0 F1 B0 B1 U1 PUSH0",
+    ]
     result = hetpipe("schedule", "--name", "gpip")
-    assert result.returncode == 2 and "known schedules: 1f1b-flush, gpipe, pipedream, pipedream-2bw, wsp" in result.stderr
+    assert (
+        result.returncode == 2
+        and "known schedules: 1f1b-flush, gpipe, pipedream, pipedream-2bw, wsp" in result.stderr
+    )
     assert 'did you mean "gpipe"' in result.stderr
 
 
@@ -86,31 +99,51 @@ def test_set_is_validated_like_the_file_on_every_command(tmp_path: Path, command
 
 
 @pytest.mark.parametrize("command", ["train", "plan", "server", "worker"])
-@pytest.mark.parametrize(("setting", "says"), [
-    ('train.schedule="1f1b"', 'did you mean "1f1b-flush"'),
-    ("train.recompute=true", "choose a schedule that flushes"),
-    ('ps.buffers="avg"', "choose one of: average, local"),
-    ('ps.aggregation="avg"', "choose one of: sum, mean, server"),
-])
-def test_training_settings_fail_at_load_before_torch_is_imported(tmp_path: Path, command: str, setting: str,
-                                                                  says: str):
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ('train.schedule="1f1b"', 'did you mean "1f1b-flush"'),
+        ("train.recompute=true", "choose a schedule that flushes"),
+        ('ps.buffers="avg"', "choose one of: average, local"),
+        ('ps.aggregation="avg"', "choose one of: sum, mean, server"),
+    ],
+)
+def test_training_settings_fail_at_load_before_torch_is_imported(
+    tmp_path: Path, command: str, setting: str, says: str
+):
     # issue 13: these errors come at load, exit 2, naming the field; torch's import alone takes seconds
     path = tmp_path / "ok.toml"
     path.write_text(GOOD_HEAD)
     where = [str(path)] if command in ("train", "plan") else ["--config", str(path)]
     extra = ["--vw", "0"] if command == "worker" else []
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "hetpipe", command, *where, *extra,
-                             "--set", setting], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hetpipe", command, *where, *extra, "--set", setting],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
     assert f"--set {setting}: {setting.split('=')[0]}:" in result.stderr and says in result.stderr
-    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+    imported = [
+        line.rsplit("|", 1)[-1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    ]
     assert "click" in imported and "torch" not in imported
 
 
 def test_train_refuses_a_cluster_whose_memory_cannot_hold_the_model(tmp_path: Path):
     # the issue's case: memory_gib = 0.001 cannot hold the default config's CNN; nothing may start
-    result = hetpipe("train", "--run-dir", str(tmp_path / "run"), "--quiet",
-                     "--set", "gpu_types.fast.memory_gib=0.001", "--set", "gpu_types.slow.memory_gib=0.001")
+    result = hetpipe(
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--quiet",
+        "--set",
+        "gpu_types.fast.memory_gib=0.001",
+        "--set",
+        "gpu_types.slow.memory_gib=0.001",
+    )
     assert result.returncode == 2, result.stderr
     err = result.stderr
     # the fullest GPU: stage 1 holds the fc layers' weights, their stashes, update sums and Adam state
@@ -142,19 +175,28 @@ def test_train_refuses_an_unwritable_run_dir_naming_it(tmp_path: Path, where: st
 
 def test_train_refuses_an_unwritable_summary_before_training(tmp_path: Path):
     (tmp_path / "file").write_text("")
-    result = hetpipe("train", "--run-dir", str(tmp_path / "run"), "--quiet", "--summary",
-                     str(tmp_path / "file" / "s.json"))
+    result = hetpipe(
+        "train", "--run-dir", str(tmp_path / "run"), "--quiet", "--summary", str(tmp_path / "file" / "s.json")
+    )
     assert result.returncode == 2 and f"--summary {tmp_path / 'file'}: cannot write there" in result.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_keys_writes_a_set_and_keeps_it(tmp_path: Path):
     config = tmp_path / "lab.toml"
-    config.write_text(GOOD_HEAD.replace('gpus = ["a"]', 'gpus = ["a", "a", "a"]') + '[allocation]\npolicy = "ed"\n')
+    config.write_text(
+        GOOD_HEAD.replace('gpus = ["a"]', 'gpus = ["a", "a", "a"]') + '[allocation]\npolicy = "ed"\n'
+    )
     result = hetpipe("keys", str(config))
     assert result.returncode == 0, result.stderr
     out = tmp_path / "lab-keys"
-    assert sorted(p.name for p in out.glob("*.key")) == ["admin.key", "server.key", "vw0.key", "vw1.key", "vw2.key"]
+    assert sorted(p.name for p in out.glob("*.key")) == [
+        "admin.key",
+        "server.key",
+        "vw0.key",
+        "vw1.key",
+        "vw2.key",
+    ]
     assert f'set [ps] auth = "curve" and keys_dir = "{out}"' in result.stderr
     again = hetpipe("keys", str(config))
     assert again.returncode == 2 and "already holds keys" in again.stderr and "Traceback" not in again.stderr
@@ -167,7 +209,12 @@ def test_server_and_worker_with_curve_need_a_keys_dir(tmp_path: Path):
     for command, extra in (("server", []), ("worker", ["--vw", "0"])):
         result = hetpipe(command, "--config", str(config), *extra)
         assert result.returncode == 2, result.stderr
-        assert '[ps] auth = "curve" but keys_dir is empty' in result.stderr and "hetpipe keys" in result.stderr
+        assert (
+            '[ps] auth = "curve" but keys_dir is empty' in result.stderr and "hetpipe keys" in result.stderr
+        )
     config.write_text(GOOD_HEAD + f'[ps]\nauth = "curve"\nkeys_dir = "{tmp_path / "none"}"\n')
     result = hetpipe("server", "--config", str(config))
-    assert result.returncode == 2 and f"{tmp_path / 'none' / 'server.key_secret'}: no such key file" in result.stderr
+    assert (
+        result.returncode == 2
+        and f"{tmp_path / 'none' / 'server.key_secret'}: no such key file" in result.stderr
+    )

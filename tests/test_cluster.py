@@ -62,13 +62,23 @@ def test_two_nodes_of_two(cluster, policy: str, expected: list[str]) -> None:
 
 def test_paper_cluster_np_gives_homogeneous_node_workers() -> None:
     vws = allocate(PAPER, "np")
-    assert table(vws) == ["n0:0 n0:1 n0:2 n0:3", "n1:0 n1:1 n1:2 n1:3", "n2:0 n2:1 n2:2 n2:3", "n3:0 n3:1 n3:2 n3:3"]
+    assert table(vws) == [
+        "n0:0 n0:1 n0:2 n0:3",
+        "n1:0 n1:1 n1:2 n1:3",
+        "n2:0 n2:1 n2:2 n2:3",
+        "n3:0 n3:1 n3:2 n3:3",
+    ]
     assert [vw_capacity(PAPER, vw) for vw in vws] == pytest.approx([59.6, 65.2, 26.0, 21.2])
 
 
 def test_paper_cluster_ed_gives_one_gpu_of_each_type() -> None:
     vws = allocate(PAPER, "ed")
-    assert table(vws) == ["n0:0 n1:0 n2:0 n3:0", "n0:1 n1:1 n2:1 n3:1", "n0:2 n1:2 n2:2 n3:2", "n0:3 n1:3 n2:3 n3:3"]
+    assert table(vws) == [
+        "n0:0 n1:0 n2:0 n3:0",
+        "n0:1 n1:1 n2:1 n3:1",
+        "n0:2 n1:2 n2:2 n3:2",
+        "n0:3 n1:3 n2:3 n3:3",
+    ]
     assert [vw_capacity(PAPER, vw) for vw in vws] == pytest.approx([43.0] * 4)
 
 
@@ -76,7 +86,12 @@ def test_paper_cluster_hd_pairs_fastest_with_slowest_node() -> None:
     # Ranked by speed: n1 (titan-rtx) > n0 (titan-v) > n2 (rtx-2060) > n3 (p4000); pairs (n1, n3), (n0, n2);
     # each pair makes two VWs of half a fast node + half a slow node, one network crossing each.
     vws = allocate(PAPER, "hd")
-    assert table(vws) == ["n1:0 n1:2 n3:0 n3:2", "n1:1 n1:3 n3:1 n3:3", "n0:0 n0:2 n2:0 n2:2", "n0:1 n0:3 n2:1 n2:3"]
+    assert table(vws) == [
+        "n1:0 n1:2 n3:0 n3:2",
+        "n1:1 n1:3 n3:1 n3:3",
+        "n0:0 n0:2 n2:0 n2:2",
+        "n0:1 n0:3 n2:1 n2:3",
+    ]
     assert [vw_capacity(PAPER, vw) for vw in vws] == pytest.approx([43.2, 43.2, 42.8, 42.8])
 
 
@@ -87,7 +102,10 @@ def test_ed_with_unequal_type_counts_gives_the_same_mix_to_each() -> None:
 
 
 def test_hd_with_odd_node_count_leaves_the_middle_node_whole() -> None:
-    cluster = (TYPES, (Node("a", "h", ("slow",) * 2), Node("b", "h", ("fast",) * 2), Node("c", "h", ("fast", "slow"))))
+    cluster = (
+        TYPES,
+        (Node("a", "h", ("slow",) * 2), Node("b", "h", ("fast",) * 2), Node("c", "h", ("fast", "slow"))),
+    )
     # speeds: b 4, c 3, a 2 -> pair (b, a), c alone
     assert table(allocate(cluster, "hd")) == ["a:0 b:0", "a:1 b:1", "c:0 c:1"]
 
@@ -119,7 +137,12 @@ def test_packaged_config_allocates() -> None:
         (PAPER, "explicit", None, "add \\[\\[virtual_workers\\]\\]"),
         (PAPER, "hdd", None, 'did you mean "hd"'),
         (PAPER, "np", 0, "num_vws must be >= 1"),
-        (PAPER, "dp", 4, 'one virtual worker per GPU: 16 GPUs, but num_vws=4; use num_vws=16, or policy "ed"'),
+        (
+            PAPER,
+            "dp",
+            4,
+            'one virtual worker per GPU: 16 GPUs, but num_vws=4; use num_vws=16, or policy "ed"',
+        ),
         ((TYPES, (Node("a", "h", ("fastt",)),)), "np", None, 'unknown type "fastt"'),
     ],
 )
@@ -149,5 +172,3 @@ def test_every_policy_uses_every_gpu_once(node_types: list[list[str]]) -> None:
 
 def stage(gpu: str, start: int, stop: int) -> StagePlan:
     return StagePlan(gpu, "g", start, stop, 1.0, 2.0, 0.0, 0.0, 0, 0)
-
-

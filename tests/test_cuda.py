@@ -14,7 +14,10 @@ from hetpipe.core.config import apply_overrides, load_config
 
 from conftest import write_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:
@@ -29,8 +32,16 @@ def first_and_last_loss(run_dir: Path) -> tuple[float, float]:
 
 def test_two_stages_of_one_vw_share_one_gpu(tmp_path: Path):
     # NCCL refuses two ranks on one device; co-located stages go over gloo with pinned staging
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1"]], nm=2, staleness=0, waves=20, device="cuda:0",
-                        model="mnist-cnn", batch_size=32)
+    path = write_config(
+        tmp_path,
+        vws=[["n0:0", "n0:1"]],
+        nm=2,
+        staleness=0,
+        waves=20,
+        device="cuda:0",
+        model="mnist-cnn",
+        batch_size=32,
+    )
     summary = train(load_config(path), TrainOptions(run_dir=tmp_path / "run", progress=False))
     first, last = first_and_last_loss(tmp_path / "run")
     assert summary["waves"] == 20 and last < first
@@ -38,17 +49,37 @@ def test_two_stages_of_one_vw_share_one_gpu(tmp_path: Path):
 
 def test_two_vws_with_batchnorm_share_one_gpu(tmp_path: Path):
     # the BN crash of issue 13 on a GPU: ResNet-18 with BatchNorm, 2 VWs, Nm 2, D 1
-    path = write_config(tmp_path, vws=[["n0:0"], ["n0:1"]], nm=2, staleness=1, waves=6, device="cuda:0",
-                        model="resnet18", batch_size=16)
-    config = apply_overrides(load_config(path), ["model.options={ in_channels = 1, num_classes = 10, image_size = 32 }",
-                                                 "data.options={ pad = 2 }"])
+    path = write_config(
+        tmp_path,
+        vws=[["n0:0"], ["n0:1"]],
+        nm=2,
+        staleness=1,
+        waves=6,
+        device="cuda:0",
+        model="resnet18",
+        batch_size=16,
+    )
+    config = apply_overrides(
+        load_config(path),
+        ["model.options={ in_channels = 1, num_classes = 10, image_size = 32 }", "data.options={ pad = 2 }"],
+    )
     summary = train(config, TrainOptions(run_dir=tmp_path / "run", progress=False))
     assert summary["waves"] == 6 and summary["test_accuracy"] >= 0.0
 
 
 def test_emulated_speeds_slow_a_stage_on_cuda(tmp_path: Path):
-    path = write_config(tmp_path, vws=[["n0:0"], ["n0:1"]], nm=2, staleness=0, waves=6, speeds=[4.0, 1.0],
-                        emulation=True, time_scale=1.0, model="mnist-cnn", device="cuda:0")
+    path = write_config(
+        tmp_path,
+        vws=[["n0:0"], ["n0:1"]],
+        nm=2,
+        staleness=0,
+        waves=6,
+        speeds=[4.0, 1.0],
+        emulation=True,
+        time_scale=1.0,
+        model="mnist-cnn",
+        device="cuda:0",
+    )
     config = apply_overrides(load_config(path), ['emulation.device="cuda"'])
     train(config, TrainOptions(run_dir=tmp_path / "run", progress=False))
     slept = {e["vw"]: e["slept_s"] for e in events(tmp_path / "run", "stage_done")}
@@ -56,45 +87,63 @@ def test_emulated_speeds_slow_a_stage_on_cuda(tmp_path: Path):
 
 
 def test_bf16_trains_with_float32_weights_at_the_ps(tmp_path: Path):
-    path = write_config(tmp_path, vws=[["n0:0"]], nm=4, staleness=0, waves=10, device="cuda:0", model="mnist-cnn",
-                        batch_size=32)
+    path = write_config(
+        tmp_path,
+        vws=[["n0:0"]],
+        nm=4,
+        staleness=0,
+        waves=10,
+        device="cuda:0",
+        model="mnist-cnn",
+        batch_size=32,
+    )
     # a flush schedule: Nm 4 of local async updates at this lr diverges in fp32 too (the staleness, not bf16)
     config = apply_overrides(load_config(path), ["train.precision=bf16", "train.schedule=1f1b-flush"])
     train(config, TrainOptions(run_dir=tmp_path / "run", progress=False))
     first, last = first_and_last_loss(tmp_path / "run")
     state = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert last < first
-    assert all(t.dtype == torch.float32 for t in state.values() if torch.is_floating_point(torch.as_tensor(t)))
+    assert all(
+        t.dtype == torch.float32 for t in state.values() if torch.is_floating_point(torch.as_tensor(t))
+    )
 
 
 @pytest.mark.parametrize("agent", ["process", "thread"])
 def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: str):
     """The PS path on CUDA (pushes copied on a side stream, pulls copied and rebased without a wait) computes
-    what the CPU reference computes, to float tolerance: a pull overwritten while its copy was still reading it,
-    or a push read before its wave's updates, would be off by whole updates. With the agent in a process (the
-    CUDA default) and in a thread."""
+    what the CPU reference computes, to float tolerance: a pull overwritten while its copy was still reading
+    it, or a push read before its wave's updates, would be off by whole updates. With the agent in a process
+    (the CUDA default) and in a thread."""
     from test_train_equivalence import run
 
     from hetpipe.compute.reference import run_reference
 
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=1, waves=8,
-                        device="cuda:0")
+    path = write_config(
+        tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=1, waves=8, device="cuda:0"
+    )
     config = apply_overrides(load_config(path), [f'ps.agent="{agent}"'])
     splits = [(2, 2), (3, 1)]
     _, stage_weights, ps_weights = run(tmp_path, config, splits)
     ref = run_reference(config, splits, order_seed=1)
     for sid, weights in stage_weights.items():
         for key, value in weights.items():
-            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, sid=sid, key=key: f"stage {sid} {key}: {m}")
+            torch.testing.assert_close(
+                value.cpu(),
+                ref.stage_weights[sid][key].cpu(),
+                rtol=1e-4,
+                atol=1e-5,
+                msg=lambda m, sid=sid, key=key: f"stage {sid} {key}: {m}",
+            )
     for key, value in ps_weights.items():
-        torch.testing.assert_close(torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-pinned", "shared-with-agent-process"])
 def test_push_and_pull_staging_move_every_key_through_their_buffers(shared: bool):
-    """PushStaging: each wave's arrays hold its tensors once ready() returns, integer buffers converted, the two
-    pinned buffers in turn (a wave two back must have left before its buffer is written); PullStaging: the
+    """PushStaging: each wave's arrays hold its tensors once ready() returns, integer buffers converted, the
+    two pinned buffers in turn (a wave two back must have left before its buffer is written); PullStaging: the
     device views hold what the agent wrote into the host buffer, pull after pull. Shared: the buffers a stage
     shares with its agent process (worker/shared_host.py), registered with the driver as pinned memory."""
     from hetpipe.worker.flat_layout import FlatLayout
@@ -113,8 +162,11 @@ def test_push_and_pull_staging_move_every_key_through_their_buffers(shared: bool
         assert all(t.is_pinned() for t in [*slots, pull_host])
     push, waited = PushStaging(layout, device, slots), []
     for wave in range(4):
-        tensors = {k: torch.arange(float(torch.tensor(s).prod()), device=device).view(s) + wave
-                   for k, s in shapes.items() if k != "count"}
+        tensors = {
+            k: torch.arange(float(torch.tensor(s).prod()), device=device).view(s) + wave
+            for k, s in shapes.items()
+            if k != "count"
+        }
         tensors["count"] = torch.tensor(wave + 7, device=device)  # int64, as BatchNorm's batch counter
         arrays, ready = push.stage(tensors, waited.append)
         ready()

@@ -1,4 +1,5 @@
-"""Tests for hetpipe.compute.data: real datasets from installed packages, shards, seeded minibatches, baselines."""
+"""Tests for hetpipe.compute.data: real datasets from installed packages, shards, seeded minibatches,
+baselines."""
 
 from __future__ import annotations
 
@@ -62,13 +63,18 @@ def test_mnist_split_depends_on_seed_only(mnist: data.DatasetSplit) -> None:
 def test_shakespeare_vocab_and_positional_split(shakespeare: data.DatasetSplit) -> None:
     train, test = shakespeare.train, shakespeare.test
     assert shakespeare.task == "language" and 60 <= shakespeare.vocab_size <= 100
-    assert shakespeare.vocab == "".join(sorted(shakespeare.vocab)) and shakespeare.num_classes == shakespeare.vocab_size
+    assert (
+        shakespeare.vocab == "".join(sorted(shakespeare.vocab))
+        and shakespeare.num_classes == shakespeare.vocab_size
+    )
     assert train.tokens.numel() + test.tokens.numel() > 5_000_000
     assert test.tokens.numel() == round(0.1 * (train.tokens.numel() + test.tokens.numel()))
     assert train.x.shape[1:] == (32,) and train.x.dtype == torch.int64
     # y is x shifted by one; every window lies inside its own side's stream, so no overlap
     assert torch.equal(train.x[5, 1:], train.y[5, :-1])
-    assert torch.equal(test.x[0], test.tokens[:32]) and torch.equal(test.y[-1, -1:], test.tokens[len(test) * 32:][:1])
+    assert torch.equal(test.x[0], test.tokens[:32]) and torch.equal(
+        test.y[-1, -1:], test.tokens[len(test) * 32 :][:1]
+    )
     assert len(train) == (train.tokens.numel() - 1) // 32
     assert "ROMEO" in decode(torch.cat([train.tokens, test.tokens]), shakespeare.vocab)
     check_model_fits(get_model("char-gpt", vocab_size=shakespeare.vocab_size, block_size=32), shakespeare)
@@ -80,7 +86,9 @@ def test_unigram_baseline(shakespeare: data.DatasetSplit) -> None:
     loss = unigram_loss(shakespeare.train.tokens, shakespeare.test.tokens, shakespeare.vocab_size)
     assert 0 < loss < math.log(shakespeare.vocab_size)
     # literal: train "aab" (add-one over vocab 3 gives 3/6, 2/6, 1/6), val "ab"
-    assert math.isclose(unigram_loss(np.array([0, 0, 1]), np.array([0, 1]), 3), -(math.log(.5) + math.log(2 / 6)) / 2)
+    assert math.isclose(
+        unigram_loss(np.array([0, 0, 1]), np.array([0, 1]), 3), -(math.log(0.5) + math.log(2 / 6)) / 2
+    )
 
 
 def test_encode_windows_round_trip() -> None:
@@ -107,9 +115,9 @@ def test_shards_are_disjoint_equal_and_cover(n: int, vws: int) -> None:
 
 def test_minibatch_p_is_the_same_by_iterator_and_random_access() -> None:
     x, y = synthetic((3,), 4, 50, seed=1)
-    idx = shard_indices(50, 2, 1, seed=0)                      # 25 samples, 3 batches of 8 per epoch
+    idx = shard_indices(50, 2, 1, seed=0)  # 25 samples, 3 batches of 8 per epoch
     it = minibatches(x, y, idx, 8, seed=9)
-    batches = [next(it) for _ in range(7)]                     # crosses two epoch boundaries
+    batches = [next(it) for _ in range(7)]  # crosses two epoch boundaries
     for p, (bx, by) in enumerate(batches):
         rx, ry = minibatch(x, y, idx, 8, 9, p)
         assert torch.equal(bx, rx) and torch.equal(by, ry) and bx.shape == (8, 3)
@@ -127,8 +135,9 @@ def test_minibatch_p_is_the_same_by_iterator_and_random_access() -> None:
 def test_synthetic_datasets() -> None:
     d = load_dataset("synthetic", test_fraction=0.25, seed=0, input_shape=(2, 4, 4), num_classes=3, n=40)
     assert d.train.x.shape == (30, 2, 4, 4) and len(d.test) == 10 and d.num_classes == 3
-    tokens = load_dataset("synthetic", test_fraction=0.25, seed=0, input_shape=(6,), num_classes=7, n=8,
-                          dtype=torch.int64)
+    tokens = load_dataset(
+        "synthetic", test_fraction=0.25, seed=0, input_shape=(6,), num_classes=7, n=8, dtype=torch.int64
+    )
     assert tokens.task == "language" and tokens.train.y.shape == (6, 6)
     with pytest.raises(UsageError, match='did you mean "num_classes"'):
         load_dataset("synthetic", num_class=3)
@@ -142,13 +151,15 @@ def test_users_arrays_and_functions(tmp_path, monkeypatch) -> None:
     d = load_dataset(str(tmp_path), test_fraction=0.5, seed=0)
     assert d.num_classes == 2 and len(d.train) == 10 and d.train.x.dtype == torch.float32
     np.savez(tmp_path / "z.npz", x=x)
-    (tmp_path / "mydata.py").write_text(textwrap.dedent("""
+    (tmp_path / "mydata.py").write_text(
+        textwrap.dedent("""
         import torch
 
         def pairs(n=6, seed=0):
             g = torch.Generator().manual_seed(seed)
             return [(torch.randn(2, generator=g), i % 3) for i in range(n)]
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         f = load_dataset("mydata:pairs", test_fraction=0.0, seed=0, n=9)

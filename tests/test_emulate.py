@@ -1,4 +1,5 @@
-"""Tests of hetpipe.core.emulate: slowdowns worked out by hand, the dilator on a fake clock, a real-time check."""
+"""Tests of hetpipe.core.emulate: slowdowns worked out by hand, the dilator on a fake clock, a real-time
+check."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ SPEEDS = {"n0:0": 2.0, "n0:1": 1.0, "n1:0": 2.0, "n1:1": 1.0}
 
 
 class FakeTime:
-    """A clock that only moves when the block under test or a sleep moves it; sleeps wake `late` seconds late."""
+    """A clock that only moves when the block under test or a sleep moves it; sleeps wake `late` seconds
+    late."""
 
     def __init__(self, late: float = 0.0) -> None:
         self.now = 0.0
@@ -72,8 +74,9 @@ def test_auto_on_two_cores() -> None:
         ({}, 2, None, {}),
     ],
 )
-def test_slowdowns_cases(speeds: dict[str, float], cores: int, time_scale: float | None,
-                         expected: dict[str, float]) -> None:
+def test_slowdowns_cases(
+    speeds: dict[str, float], cores: int, time_scale: float | None, expected: dict[str, float]
+) -> None:
     assert slowdowns(speeds, cores, time_scale) == pytest.approx(expected)
 
 
@@ -91,12 +94,15 @@ def test_auto_fits_the_cores_and_is_smallest(speeds: list[float], cores: int) ->
     assert time_scale == 1.0 or busy == pytest.approx(CORE_SHARE * cores)
 
 
-@pytest.mark.parametrize(("speeds", "cores", "time_scale"), [
-    (SPEEDS, 2, 0.5),
-    (SPEEDS, 2, float("inf")),
-    ({"n0:0": 0.0}, 2, None),
-    (SPEEDS, 0, None),
-])
+@pytest.mark.parametrize(
+    ("speeds", "cores", "time_scale"),
+    [
+        (SPEEDS, 2, 0.5),
+        (SPEEDS, 2, float("inf")),
+        ({"n0:0": 0.0}, 2, None),
+        (SPEEDS, 0, None),
+    ],
+)
 def test_slowdowns_rejects(speeds: dict[str, float], cores: int, time_scale: float | None) -> None:
     with pytest.raises(EmulationError, match=r"set|give|pass"):
         slowdowns(speeds, cores, time_scale)

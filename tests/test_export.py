@@ -1,4 +1,5 @@
-"""Tests of hetpipe.app.export and `hetpipe export`: a run directory's model rebuilt whole, dtypes restored."""
+"""Tests of hetpipe.app.export and `hetpipe export`: a run directory's model rebuilt whole, dtypes
+restored."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def fake_run(tmp_path: Path, seed: int = 5) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A run dir as `hetpipe train` leaves it: config.toml and model.pt holding what the PS holds (every tensor
-    float32), here the example model's weights as built with another seed, BatchNorm counters at 7."""
+    """A run dir as `hetpipe train` leaves it: config.toml and model.pt holding what the PS holds (every
+    tensor float32), here the example model's weights as built with another seed, BatchNorm counters at 7."""
     config = load_config(ROOT / "examples" / "tiny_convnet.toml")
     other = build_stage(model_of(replace(config, seed=seed)), 0, 5, "cpu")
-    state = {k: (torch.full_like(v, 7.0) if k.endswith("num_batches_tracked") else v).float()
-             for k, v in other.state_dict().items()}
+    state = {
+        k: (torch.full_like(v, 7.0) if k.endswith("num_batches_tracked") else v).float()
+        for k, v in other.state_dict().items()
+    }
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text(config_toml(config))
@@ -35,7 +38,8 @@ def fake_run(tmp_path: Path, seed: int = 5) -> tuple[Path, dict[str, torch.Tenso
 
 @pytest.fixture
 def in_repo(monkeypatch):
-    """Run from the repository root, as the example's README says (examples.tiny_convnet imports from there)."""
+    """Run from the repository root, as the example's README says (examples.tiny_convnet imports from
+    there)."""
     monkeypatch.chdir(ROOT)
     yield
     for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
@@ -50,7 +54,9 @@ def test_load_model_restores_weights_and_dtypes(tmp_path: Path, in_repo) -> None
     assert loaded.keys() == state.keys()
     for key, value in loaded.items():
         assert torch.equal(value.float(), state[key]), key
-    assert loaded["0.1.num_batches_tracked"].dtype == torch.int64 and int(loaded["0.1.num_batches_tracked"]) == 7
+    assert (
+        loaded["0.1.num_batches_tracked"].dtype == torch.int64 and int(loaded["0.1.num_batches_tracked"]) == 7
+    )
     assert model(torch.randn(2, 1, 28, 28)).shape == (2, 10)
 
 

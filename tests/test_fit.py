@@ -1,4 +1,5 @@
-"""Tests for hetpipe/core/fit.py: every stage's memory against its GPU, and the message when one does not fit."""
+"""Tests for hetpipe/core/fit.py: every stage's memory against its GPU, and the message when one does not
+fit."""
 
 from __future__ import annotations
 
@@ -10,15 +11,31 @@ MIB = 2**20
 
 
 def layer(name: str, param: int, output: int, saved: int, working: int) -> LayerProfile:
-    return LayerProfile(name, 0.0, 0.0, param_bytes=param, optimizer_bytes=2 * param, output_bytes=output,
-                        saved_bytes=saved, working_bytes=working)
+    return LayerProfile(
+        name,
+        0.0,
+        0.0,
+        param_bytes=param,
+        optimizer_bytes=2 * param,
+        output_bytes=output,
+        saved_bytes=saved,
+        working_bytes=working,
+    )
 
 
-SIZES = ModelProfile("toy", 8, "sizes", "float32", "x", input_bytes=100, layers=(
-    layer("a", param=1000, output=10, saved=20, working=30),
-    layer("b", param=2000, output=40, saved=50, working=60),
-    layer("c", param=4000, output=70, saved=80, working=90),
-))
+SIZES = ModelProfile(
+    "toy",
+    8,
+    "sizes",
+    "float32",
+    "x",
+    input_bytes=100,
+    layers=(
+        layer("a", param=1000, output=10, saved=20, working=30),
+        layer("b", param=2000, output=40, saved=50, working=60),
+        layer("c", param=4000, output=70, saved=80, working=90),
+    ),
+)
 MEMORY = {"n0:0": ("big", 10 * MIB), "n0:1": ("small", 10 * MIB), "n1:0": ("tiny", 1000)}
 
 
@@ -28,19 +45,30 @@ def test_stage_needs_follow_the_memory_model() -> None:
     first, second = needs
     # stage 0: layers a, b; 3 minibatches in flight on 3 stashed versions; a baseline and 2 update sums
     assert (first.vw, first.stage, first.gpu, first.gpu_type, first.first_layer, first.last_layer) == (
-        0, 0, "n0:0", "big", 0, 1)
+        0,
+        0,
+        "n0:0",
+        "big",
+        0,
+        1,
+    )
     # ... and its 3 outputs (backward roots) plus the output gradient it receives
-    assert first.need.total == (3000 + 3000 + 6000 + 3 * 3000 + 3000 + 2 * 3000 + 3 * (20 + 50) + 3 * 100
-                                + 3 * 40 + 40 + 60)
+    assert first.need.total == (
+        3000 + 3000 + 6000 + 3 * 3000 + 3000 + 2 * 3000 + 3 * (20 + 50) + 3 * 100 + 3 * 40 + 40 + 60
+    )
     # stage 1: layer c; 2 in flight; its input is layer b's output
     # (the last stage keeps no output; it holds nm + 1 = 4 input gradients sent back in the P2P window)
-    assert second.need.total == 4000 + 4000 + 8000 + 2 * 4000 + 4000 + 2 * 4000 + 2 * 80 + 2 * 40 + 4 * 40 + 90
+    assert (
+        second.need.total == 4000 + 4000 + 8000 + 2 * 4000 + 4000 + 2 * 4000 + 2 * 80 + 2 * 40 + 4 * 40 + 90
+    )
     assert second.available == 10 * MIB and all(n.fits for n in needs)
     assert memory_error(needs, model="toy", batch_size=8, rule=rule) is None
 
 
 def test_without_stashing_no_stashed_copies() -> None:
-    (need,) = stage_needs(SIZES, [(("n0:0",), (3,))], MEMORY, MemoryRule(nm=2, weight_stashing=False, pulls=False))
+    (need,) = stage_needs(
+        SIZES, [(("n0:0",), (3,))], MEMORY, MemoryRule(nm=2, weight_stashing=False, pulls=False)
+    )
     assert need.need.stashed == 0
     # the backward recomputes the forward: one minibatch's saved activations, every input kept
     assert need.need.total == 7000 + 7000 + 14000 + 7000 + 2 * 7000 + (20 + 50 + 80) + 2 * 100 + 90
@@ -54,11 +82,14 @@ def test_error_names_the_fullest_gpu_the_bytes_and_the_fix() -> None:
     message = memory_error(needs, model="toy", batch_size=8, rule=rule)
     need = needs[1].need.total
     assert message.startswith(
-        f"stage 0 of virtual worker 1 on GPU n1:0 (tiny) needs {need:,} bytes ({need / 1024:.2f} KiB) for layer 0 "
-        "of toy at batch 8 with nm=2, but the GPU has 1,000 bytes (1000 B): weights")
+        f"stage 0 of virtual worker 1 on GPU n1:0 (tiny) needs {need:,} bytes ({need / 1024:.2f} KiB) "
+        "for layer 0 of toy at batch 8 with nm=2, but the GPU has 1,000 bytes (1000 B): weights"
+    )
     fix = message.splitlines()[1]
-    assert fix.startswith('  lower train.batch_size or wsp.nm (or set train.weight_stashing = false, or '
-                          'train.schedule = "1f1b-flush")')
+    assert fix.startswith(
+        "  lower train.batch_size or wsp.nm (or set train.weight_stashing = false, or "
+        'train.schedule = "1f1b-flush")'
+    )
     assert "hetpipe plan CONFIG --out PLAN" in fix and "--plan PLAN" in fix
 
 

@@ -18,10 +18,12 @@ from hetpipe.core.imports import import_target
 def project(tmp_path: Path, monkeypatch) -> Path:
     """A user's project directory holding mypkg/models.py, as the working directory, and not on sys.path."""
     (tmp_path / "mypkg").mkdir()
-    (tmp_path / "mypkg" / "models.py").write_text(textwrap.dedent("""
+    (tmp_path / "mypkg" / "models.py").write_text(
+        textwrap.dedent("""
         def build(width=3):
             return ["layer"] * width
-    """))
+    """)
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
     yield tmp_path

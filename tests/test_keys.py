@@ -31,8 +31,19 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-@pytest.mark.parametrize(("user", "vw"), [("vw0", 0), ("vw12", 12), ("admin", None), ("server", None),
-                                          ("vw", None), ("vw01", None), ("vw-1", None), ("xvw1", None)])
+@pytest.mark.parametrize(
+    ("user", "vw"),
+    [
+        ("vw0", 0),
+        ("vw12", 12),
+        ("admin", None),
+        ("server", None),
+        ("vw", None),
+        ("vw01", None),
+        ("vw-1", None),
+        ("xvw1", None),
+    ],
+)
 def test_vw_of_user(user: str, vw: int | None) -> None:
     assert vw_of_user(user) == vw
     if vw is not None:
@@ -112,12 +123,17 @@ def test_a_secret_readable_by_others_is_refused(tmp_path: Path) -> None:
     assert f"chmod 600 {secret_path(tmp_path, 'vw0')}" in str(err.value)
 
 
-@pytest.mark.parametrize(("edit", "fragment"), [
-    (lambda text: text.replace("secret-key", "secret-kee"), "no secret-key line"),
-    (lambda text: text.replace('public-key = "', 'public-key = "x'), "not a 40-character Z85 CURVE key"),
-    (lambda text: text[: text.index("secret-key")] + 'secret-key = "' + "0" * 40 + '"\n',
-     "its secret key does not belong to its public key"),
-])
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (lambda text: text.replace("secret-key", "secret-kee"), "no secret-key line"),
+        (lambda text: text.replace('public-key = "', 'public-key = "x'), "not a 40-character Z85 CURVE key"),
+        (
+            lambda text: text[: text.index("secret-key")] + 'secret-key = "' + "0" * 40 + '"\n',
+            "its secret key does not belong to its public key",
+        ),
+    ],
+)
 def test_damaged_key_files_are_refused_with_the_file_named(tmp_path: Path, edit, fragment: str) -> None:
     write_keys(tmp_path, key_users(1))
     path = secret_path(tmp_path, "vw0")

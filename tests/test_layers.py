@@ -23,7 +23,9 @@ LAYERS = {  # package prefix -> (rank, layer name); the longest matching prefix 
     "hetpipe": (0, "core"),  # hetpipe/__init__.py: the version only
 }
 PEERS = ("hetpipe.server", "hetpipe.worker")  # the two runtimes never import each other
-NOT_IN_CORE = ("torch",)  # core is pure: plain data and numpy (wire.py also names ZeroMQ frames and socket options)
+NOT_IN_CORE = (
+    "torch",
+)  # core is pure: plain data and numpy (wire.py also names ZeroMQ frames and socket options)
 
 
 def module_name(path: Path) -> str:
@@ -60,19 +62,26 @@ def violations() -> list[str]:
     for path in package_files():
         me = module_name(path)
         mine = layer_of(me)
-        assert mine is not None, f"{path}: module {me} belongs to no layer; add it to LAYERS (and docs/architecture.md)"
+        assert mine is not None, (
+            f"{path}: module {me} belongs to no layer; add it to LAYERS (and docs/architecture.md)"
+        )
         for line, target in imports(path):
             where = f"{path.relative_to(ROOT)}:{line}"
             top = target.split(".")[0]
             if mine[1] == "core" and top in NOT_IN_CORE:
-                problems.append(f"{where}: core module {me} imports {top}; core stays pure (move it to compute or runtime)")
+                problems.append(
+                    f"{where}: core module {me} imports {top}; "
+                    "core stays pure (move it to compute or runtime)"
+                )
             theirs = layer_of(target) if top == "hetpipe" else None
             if theirs is None:
                 continue
             if theirs[0] > mine[0]:
                 problems.append(f"{where}: {me} ({mine[1]}) imports {target} ({theirs[1]}), a layer above it")
             elif mine[2] in PEERS and theirs[2] in PEERS and mine[2] != theirs[2]:
-                problems.append(f"{where}: {me} imports {target}: server and worker must not import each other")
+                problems.append(
+                    f"{where}: {me} imports {target}: server and worker must not import each other"
+                )
     return problems
 
 
@@ -86,9 +95,16 @@ def test_the_walk_sees_imports_inside_functions(tmp_path: Path) -> None:
     assert (2, "hetpipe.app.train.train") in imports(source) and (3, "torch") in imports(source)
 
 
-@pytest.mark.parametrize(("module", "layer"), [
-    ("hetpipe.core.wsp", "core"), ("hetpipe.models.gpt", "compute"), ("hetpipe.compute.reference", "compute"),
-    ("hetpipe.worker.stage", "runtime"), ("hetpipe.app.train", "app"), ("hetpipe.cli", "app"),
-])
+@pytest.mark.parametrize(
+    ("module", "layer"),
+    [
+        ("hetpipe.core.wsp", "core"),
+        ("hetpipe.models.gpt", "compute"),
+        ("hetpipe.compute.reference", "compute"),
+        ("hetpipe.worker.stage", "runtime"),
+        ("hetpipe.app.train", "app"),
+        ("hetpipe.cli", "app"),
+    ],
+)
 def test_layer_of(module: str, layer: str) -> None:
     assert layer_of(module)[1] == layer

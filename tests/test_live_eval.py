@@ -1,5 +1,5 @@
-"""Tests of hetpipe.app.live_eval's timing rule: which c_global values start an evaluation of the global weights
-(the evaluation itself reads a live PS: tests/test_train_runtime.py runs it end to end)."""
+"""Tests of hetpipe.app.live_eval's timing rule: which c_global values start an evaluation of the global
+weights (the evaluation itself reads a live PS: tests/test_train_runtime.py runs it end to end)."""
 
 from __future__ import annotations
 

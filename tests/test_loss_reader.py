@@ -9,7 +9,10 @@ import torch
 
 from hetpipe.worker.loss_reader import LossReader
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -21,16 +21,29 @@ from hetpipe.core.profile import LayerProfile
 from hetpipe.core.schedule import BACKWARD, FORWARD, SCHEDULES, simulate, wsp_schedule
 
 
-def layer(params: int = 0, optimizer: int = 0, output: int = 0, saved: int = 0, working: int = 0) -> LayerProfile:
+def layer(
+    params: int = 0, optimizer: int = 0, output: int = 0, saved: int = 0, working: int = 0
+) -> LayerProfile:
     return LayerProfile("l", 1.0, 2.0, params, optimizer, output, saved, working)
 
 
-@pytest.mark.parametrize(("stage", "k", "nm", "expected"), [
-    (0, 1, 1, 1), (0, 4, 4, 4), (1, 4, 4, 3), (3, 4, 4, 1), (4, 8, 4, 1), (7, 8, 2, 1), (2, 8, 8, 6),
-])
+@pytest.mark.parametrize(
+    ("stage", "k", "nm", "expected"),
+    [
+        (0, 1, 1, 1),
+        (0, 4, 4, 4),
+        (1, 4, 4, 3),
+        (3, 4, 4, 1),
+        (4, 8, 4, 1),
+        (7, 8, 2, 1),
+        (2, 8, 8, 6),
+    ],
+)
 def test_wsp_in_flight_is_nm_minus_stage(stage: int, k: int, nm: int, expected: int) -> None:
     keep = MemoryRule(nm=nm).keeping(stage, k)
-    assert keep.in_flight == keep.saved == keep.stashed == expected  # one stashed version per minibatch in flight
+    assert (
+        keep.in_flight == keep.saved == keep.stashed == expected
+    )  # one stashed version per minibatch in flight
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
@@ -59,8 +72,10 @@ def test_in_flight_matches_a_timed_simulation(k: int, nm: int) -> None:
     """Same count from the simulated timeline with unequal stage times (F started, B not finished)."""
     timeline = simulate(wsp_schedule(k, nm, 5, 5), [1.0, 3.0, 0.5, 2.0][:k], [2.0, 1.0, 4.0, 0.7][:k])
     for j in range(k):
-        changes = sorted([(e.start, 1) for e in timeline.events if e.stage == j and e.action.kind == FORWARD]
-                         + [(e.end, -1) for e in timeline.events if e.stage == j and e.action.kind == BACKWARD])
+        changes = sorted(
+            [(e.start, 1) for e in timeline.events if e.stage == j and e.action.kind == FORWARD]
+            + [(e.end, -1) for e in timeline.events if e.stage == j and e.action.kind == BACKWARD]
+        )
         count = most = 0
         for _, delta in changes:  # at equal times -1 sorts first: a B ending frees its slot for an F starting
             count += delta
@@ -72,12 +87,17 @@ def test_what_each_schedule_keeps() -> None:
     """Stage 0 of 4 at Nm 4, D 1: wsp stashes a version per minibatch; 2BW two (and one more when a rebase
     falls between); the flushing schedules keep no stash, gpipe all Nm minibatches' activations, or one with
     recompute."""
+
     def keep(schedule: str, **kw):
         return MemoryRule(nm=4, schedule=schedule, staleness=1, **kw).keeping(0, 4)
 
     assert keep("wsp") == keep("wsp")
-    assert (keep("wsp").stashed, keep("pipedream-2bw").stashed, keep("1f1b-flush").stashed, keep("gpipe").stashed) \
-        == (4, 3, 0, 0)
+    assert (
+        keep("wsp").stashed,
+        keep("pipedream-2bw").stashed,
+        keep("1f1b-flush").stashed,
+        keep("gpipe").stashed,
+    ) == (4, 3, 0, 0)
     assert keep("pipedream-2bw", pulls=False).stashed == 3  # the lists still carry the gates
     assert (keep("gpipe").in_flight, keep("gpipe").saved, keep("gpipe", recompute=True).saved) == (4, 4, 1)
     assert keep("wsp", weight_stashing=False).stashed == 0 and keep("wsp", weight_stashing=False).saved == 1
@@ -88,19 +108,26 @@ def test_what_each_schedule_keeps() -> None:
 
 
 def test_pipedream_keeps_what_the_pipes_depth_needs_whatever_the_wave() -> None:
-    """wsp keeps Nm minibatches at stage 0 (each with its stashed version); pipedream at most k, so a one-stage VW
-    keeps one minibatch at any Nm."""
+    """wsp keeps Nm minibatches at stage 0 (each with its stashed version); pipedream at most k, so a
+    one-stage VW keeps one minibatch at any Nm."""
+
     def keep(schedule: str, nm: int, k: int):
         return MemoryRule(nm=nm, schedule=schedule, staleness=1).keeping(0, k)
 
     assert keep("pipedream", 4, 4) == keep("wsp", 4, 4)
     assert (keep("wsp", 8, 4).stashed, keep("pipedream", 8, 4).stashed) == (8, 4)
-    assert (keep("wsp", 8, 1).in_flight, keep("pipedream", 8, 1).in_flight, keep("pipedream", 8, 1).stashed) == (8, 1, 1)
+    assert (
+        keep("wsp", 8, 1).in_flight,
+        keep("pipedream", 8, 1).in_flight,
+        keep("pipedream", 8, 1).stashed,
+    ) == (8, 1, 1)
 
 
 def test_stage_memory_literal_sum() -> None:
-    layers = [layer(params=100, optimizer=100, output=10, saved=30, working=7),
-              layer(params=50, optimizer=50, output=20, saved=5, working=40)]
+    layers = [
+        layer(params=100, optimizer=100, output=10, saved=30, working=7),
+        layer(params=50, optimizer=50, output=20, saved=5, working=40),
+    ]
     # stage 1 of 4 with wsp, nm=4, D=0: 3 in flight, 3 stashed copies, a baseline, 2 update sums
     terms = stage_memory_terms(layers, 1, 4, MemoryRule(nm=4), input_bytes=8)
     assert terms.weights == terms.gradients == terms.optimizer == terms.baseline == 150
@@ -109,7 +136,9 @@ def test_stage_memory_literal_sum() -> None:
     assert terms.activations == 3 * 35
     assert terms.inputs == 3 * 8
     assert terms.outputs == 3 * 20  # kept as the roots of their backwards
-    assert terms.in_transit == 20 + 5 * 8  # the output gradient received, the input gradients in the P2P window
+    assert (
+        terms.in_transit == 20 + 5 * 8
+    )  # the output gradient received, the input gradients in the P2P window
     assert terms.working == 40
     total = 150 * 9 + 105 + 24 + 60 + 60 + 40
     assert stage_memory(layers, 1, 4, MemoryRule(nm=4), input_bytes=8) == total == terms.total
@@ -118,9 +147,12 @@ def test_stage_memory_literal_sum() -> None:
 
 
 def test_stage_memory_describe_names_the_terms() -> None:
-    text = stage_memory_terms([layer(params=2**30, saved=2**20)], 0, 2, MemoryRule(nm=2, pulls=False),
-                              input_bytes=0).describe()
-    assert text.startswith("weights 1.00 GiB + gradients 1.00 GiB + stashed weights 2.00 GiB + update baseline")
+    text = stage_memory_terms(
+        [layer(params=2**30, saved=2**20)], 0, 2, MemoryRule(nm=2, pulls=False), input_bytes=0
+    ).describe()
+    assert text.startswith(
+        "weights 1.00 GiB + gradients 1.00 GiB + stashed weights 2.00 GiB + update baseline"
+    )
     assert "saved activations 2.00 MiB" in text and text.endswith("= 7.00 GiB")
 
 
@@ -147,8 +179,10 @@ def test_format_bytes() -> None:
 
 
 def test_a_cuda_stage_counts_the_flat_device_copy_of_its_push() -> None:
-    layers = [layer(params=100, optimizer=100, output=10, saved=30, working=7),
-              layer(params=50, optimizer=50, output=20, saved=5, working=40)]
+    layers = [
+        layer(params=100, optimizer=100, output=10, saved=30, working=7),
+        layer(params=50, optimizer=50, output=20, saved=5, working=40),
+    ]
     cpu = stage_memory_terms(layers, 1, 4, MemoryRule(nm=4), input_bytes=8)
     cuda = stage_memory_terms(layers, 1, 4, MemoryRule(nm=4, staged_push=True), input_bytes=8)
     assert cpu.push_staging == 0 and cuda.push_staging == 150 and cuda.total == cpu.total + 150

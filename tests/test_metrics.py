@@ -1,4 +1,5 @@
-"""Tests of hetpipe.core.metrics: JSONL parses, merged traces hold the expected events, text equals literals."""
+"""Tests of hetpipe.core.metrics: JSONL parses, merged traces hold the expected events, text equals
+literals."""
 
 from __future__ import annotations
 
@@ -71,7 +72,9 @@ def test_metrics_t_is_the_events_own_time(tmp_path: Path) -> None:
         writer.write("minibatch", at=1_700_000_002.25, vw=1, p=4)
         writer.write("push", vw=1)
     assert [(r["event"], r["t"]) for r in read_jsonl(path)] == [
-        ("minibatch", 1_700_000_002.25), ("push", 1_700_000_010.0)]
+        ("minibatch", 1_700_000_002.25),
+        ("push", 1_700_000_010.0),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- traces
@@ -115,8 +118,16 @@ def test_merge_two_vws(tmp_path: Path) -> None:
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert spans == [
         {"name": "WAIT2", "cat": "wait", "ph": "X", "ts": 0.0, "dur": 125_000.0, "pid": 1, "tid": 1},
-        {"name": "F0", "cat": "f", "ph": "X", "ts": 250_000.0, "dur": 250_000.0, "pid": 2, "tid": 0,
-         "args": {"minibatch": 0}},
+        {
+            "name": "F0",
+            "cat": "f",
+            "ph": "X",
+            "ts": 250_000.0,
+            "dur": 250_000.0,
+            "pid": 2,
+            "tid": 0,
+            "args": {"minibatch": 0},
+        },
         {"name": "PUSH1", "cat": "push", "ph": "X", "ts": 750_000.0, "dur": 0.0, "pid": 1, "tid": 1},
     ]
 
@@ -144,16 +155,27 @@ def test_a_long_trace_keeps_its_first_and_newest_events_and_says_what_it_left_ou
 def test_stage_totals_come_back_from_the_traces_and_break_down_per_vw_by_its_slowest_stage(tmp_path) -> None:
     """What a stage writes into its trace (hetpipe worker runs leave nothing else) is what wave_breakdown_ms
     reads: per VW the most any stage spent in each part, in ms per wave; traces without totals are skipped."""
-    totals = {(0, 0): {"compute": 2.0, "recv": 0.5, "train": 4.0}, (0, 1): {"compute": 1.0, "recv": 3.0, "train": 4.1},
-              (1, 0): {"compute": 3.0, "gate_wait": 0.25, "train": 4.0}}
+    totals = {
+        (0, 0): {"compute": 2.0, "recv": 0.5, "train": 4.0},
+        (0, 1): {"compute": 1.0, "recv": 3.0, "train": 4.1},
+        (1, 0): {"compute": 3.0, "gate_wait": 0.25, "train": 4.0},
+    }
     for (vw, stage), times in totals.items():
-        TraceRecorder(f"vw{vw}", stage).dump(tmp_path / f"vw{vw}-s{stage}.json", other={"times_s": times, "waves": 10})
+        TraceRecorder(f"vw{vw}", stage).dump(
+            tmp_path / f"vw{vw}-s{stage}.json", other={"times_s": times, "waves": 10}
+        )
     TraceRecorder("vw2", 0).dump(tmp_path / "vw2-s0.json")  # an older trace: no totals
     (tmp_path / "merged.json").write_text('{"traceEvents": []}')
     found = stage_totals(tmp_path)
-    assert sorted(found) == [(0, 0), (0, 1), (1, 0)] and found[(0, 1)] == {"times_s": totals[(0, 1)], "waves": 10}
+    assert sorted(found) == [(0, 0), (0, 1), (1, 0)] and found[(0, 1)] == {
+        "times_s": totals[(0, 1)],
+        "waves": 10,
+    }
     assert stage_breakdown_ms({k: v["times_s"] for k, v in found.items()}, 10)[(0, 1)] == {
-        "compute": 100.0, "recv": 300.0, "train": 410.0}
+        "compute": 100.0,
+        "recv": 300.0,
+        "train": 410.0,
+    }
     assert wave_breakdown_ms({k: v["times_s"] for k, v in found.items()}, 10) == {
         "0": {"compute": 200.0, "recv": 300.0, "train": 410.0},
         "1": {"compute": 300.0, "gate_wait": 25.0, "train": 400.0},
@@ -177,7 +199,9 @@ def test_progress_two_equal_vws() -> None:
 
 def test_progress_aligns_columns() -> None:
     rows = [
-        VwProgress(vw=2, gpus="titan-v,rtx-2060", wave=3, loss=None, samples_per_s=95.0, lead=0, gate_wait_s=12.54),
+        VwProgress(
+            vw=2, gpus="titan-v,rtx-2060", wave=3, loss=None, samples_per_s=95.0, lead=0, gate_wait_s=12.54
+        ),
         VwProgress(vw=10, gpus="p4000", wave=12, loss=1.5, samples_per_s=1234.0, lead=9, gate_wait_s=0.0),
     ]
     assert format_progress(rows, 20, 60, elapsed_s=200.0) == (
@@ -189,7 +213,10 @@ def test_progress_aligns_columns() -> None:
 
 def test_progress_start_and_end() -> None:
     start = [VwProgress(vw=0, gpus="fast", wave=0, loss=None, samples_per_s=0.0, lead=0, gate_wait_s=0.0)]
-    assert format_progress(start, 5, elapsed_s=0.0).splitlines()[1] == "[" + "." * 74 + "]  0%  elapsed 0 s  eta -"
+    assert (
+        format_progress(start, 5, elapsed_s=0.0).splitlines()[1]
+        == "[" + "." * 74 + "]  0%  elapsed 0 s  eta -"
+    )
     end = [VwProgress(vw=0, gpus="fast", wave=5, loss=0.1, samples_per_s=10.0, lead=0, gate_wait_s=0.0)]
     assert format_progress(end, 5, 30, elapsed_s=7300.0).splitlines()[1] == (
         "[##########] 100%  elapsed 2 h 01 min  eta 0 s"  # the bar never drops below 10 cells
@@ -198,8 +225,15 @@ def test_progress_start_and_end() -> None:
 
 # ---------------------------------------------------------------------------------------------- summary
 
-SUMMARY = {"waves": 20, "loss": 0.41234567, "vws": {"vw0": {"samples_per_s": 312.5}}, "pull": "exact",
-           "emulated": True, "gpus": ["n0:0", "n0:1"], "accuracy": None}
+SUMMARY = {
+    "waves": 20,
+    "loss": 0.41234567,
+    "vws": {"vw0": {"samples_per_s": 312.5}},
+    "pull": "exact",
+    "emulated": True,
+    "gpus": ["n0:0", "n0:1"],
+    "accuracy": None,
+}
 
 
 def test_write_summary(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Tests for hetpipe.models: layer lists build, chain, split without changing weights, and name tensors globally."""
+"""Tests for hetpipe.models: layer lists build, chain, split without changing weights, and name tensors
+globally."""
 
 from __future__ import annotations
 
@@ -92,7 +93,11 @@ def test_keys_are_global_and_equal_across_splits() -> None:
     spec = get_model("resnet18", **SMALL)
     whole = stage_state_keys(spec, 0, spec.num_layers)
     assert len(whole) == len(set(whole))
-    assert "0.0.weight" in whole and "1.body.1.running_mean" in whole and f"{spec.num_layers - 1}.2.bias" in whole
+    assert (
+        "0.0.weight" in whole
+        and "1.body.1.running_mean" in whole
+        and f"{spec.num_layers - 1}.2.bias" in whole
+    )
     for cuts in ([0, 3, 10], [0, 1, 5, 9, 10]):
         keys = [k for a, b in zip(cuts, cuts[1:], strict=False) for k in stage_state_keys(spec, a, b)]
         assert keys == whole
@@ -113,8 +118,9 @@ def test_param_counts_match_real_layers_and_known_totals() -> None:
 
 
 def test_vgg_fc_defaults_hold_most_parameters_in_fc_layers_far_above_their_activations() -> None:
-    """vgg-fc on MNIST: 1x28x28 -> conv groups 32 | 64 64 | 128, each ending in a 2x2 max-pool (28 -> 14 -> 7 -> 3),
-    then fc 1152 -> 512 -> 512 -> 10. Parameter counts from those shapes (3x3 convs with bias, linears with bias)."""
+    """vgg-fc on MNIST: 1x28x28 -> conv groups 32 | 64 64 | 128, each ending in a 2x2 max-pool
+    (28 -> 14 -> 7 -> 3), then fc 1152 -> 512 -> 512 -> 10. Parameter counts from those shapes (3x3 convs
+    with bias, linears with bias)."""
     spec = get_model("vgg-fc")
     assert spec.layer_names == ("conv1", "conv2", "conv3", "fc1", "fc2", "head")
     conv = [9 * 1 * 32 + 32, (9 * 32 * 64 + 64) + (9 * 64 * 64 + 64), 9 * 64 * 128 + 128]
@@ -145,8 +151,8 @@ def test_vgg_fc_refuses_more_pools_than_the_image_allows() -> None:
         ([1, 1, 1, 1], 4, [1, 1, 1, 1]),
         ([5], 1, [1]),
         ([10, 1, 1, 1, 1, 10], 3, [1, 4, 1]),
-        ([1, 2, 3, 4, 5, 6], 2, [4, 2]),            # 10 | 11 beats 15 | 6
-        ([0, 0, 9, 0, 0], 2, [1, 4]),               # all tie: earlier stages end earliest
+        ([1, 2, 3, 4, 5, 6], 2, [4, 2]),  # 10 | 11 beats 15 | 6
+        ([0, 0, 9, 0, 0], 2, [1, 4]),  # all tie: earlier stages end earliest
         ([8, 1, 1, 1, 1, 1, 1, 1, 1], 2, [1, 8]),
         ([3, 3, 3, 3, 3, 3], 4, [1, 1, 2, 2]),
         ([1, 1, 1, 1, 1, 1, 1], 3, [2, 2, 3]),
@@ -176,12 +182,14 @@ def test_unknown_names_and_options_say_what_exists() -> None:
 
 
 def test_user_model_from_function(tmp_path, monkeypatch) -> None:
-    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
+    (tmp_path / "mymodels.py").write_text(
+        textwrap.dedent("""
         from torch import nn
 
         def tiny(width=4):
             return [nn.Flatten(), nn.Linear(6, width), nn.ReLU(), nn.Linear(width, 3)]
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         spec = get_model("mymodels:tiny", width=5, input_shape=(2, 3), seed=7)

@@ -53,5 +53,7 @@ def test_a_rendezvous_port_in_use_names_the_port_and_the_remedy() -> None:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with pytest.raises(HetpipeError, match=rf"rendezvous on 127\.0\.0\.1:{port}: the port is in use.*ps\.port \+ 100"):
+        with pytest.raises(
+            HetpipeError, match=rf"rendezvous on 127\.0\.0\.1:{port}: the port is in use.*ps\.port \+ 100"
+        ):
             P2P.rendezvous_store(0, 2, "127.0.0.1", port, timeout_s=5)

@@ -1,4 +1,5 @@
-"""The partitioner (hetpipe/partition.py): hand-computed cases, brute force on random instances, errors, speed."""
+"""The partitioner (hetpipe/partition.py): hand-computed cases, brute force on random instances, errors,
+speed."""
 
 from __future__ import annotations
 
@@ -22,21 +23,37 @@ from hetpipe.models import get_model, param_counts
 FAST = 8.0e9  # Gbit/s: transfers of a few bytes take ~nothing
 
 
-
 def rule_of(stashing: bool, nm: int = 1) -> MemoryRule:
-    """wsp without a PS (no baseline, no update sums), so the literal sums below are about the pipeline alone."""
+    """wsp without a PS (no baseline, no update sums), so the literal sums below are about the pipeline
+    alone."""
     return MemoryRule(nm=nm, weight_stashing=stashing, ps=False)
 
 
-def make_profile(times: Sequence[float], *, params: Sequence[int] | None = None, outputs: Sequence[int] | None = None,
-                 saved: Sequence[int] | None = None, working: Sequence[int] | None = None,
-                 optimizer: Sequence[int] | None = None, input_bytes: int = 0, gpu_type: str = "t") -> ModelProfile:
+def make_profile(
+    times: Sequence[float],
+    *,
+    params: Sequence[int] | None = None,
+    outputs: Sequence[int] | None = None,
+    saved: Sequence[int] | None = None,
+    working: Sequence[int] | None = None,
+    optimizer: Sequence[int] | None = None,
+    input_bytes: int = 0,
+    gpu_type: str = "t",
+) -> ModelProfile:
     """A profile whose layer i takes times[i] (forward a third, backward two thirds)."""
     n = len(times)
     params = params or [0] * n
     layers = tuple(
-        LayerProfile(f"l{i}", times[i] / 3, times[i] * 2 / 3, params[i], (optimizer or [0] * n)[i],
-                     (outputs or [0] * n)[i], (saved or [0] * n)[i], (working or [0] * n)[i])
+        LayerProfile(
+            f"l{i}",
+            times[i] / 3,
+            times[i] * 2 / 3,
+            params[i],
+            (optimizer or [0] * n)[i],
+            (outputs or [0] * n)[i],
+            (saved or [0] * n)[i],
+            (working or [0] * n)[i],
+        )
         for i in range(n)
     )
     return ModelProfile("toy", 4, gpu_type, "float32", "x", input_bytes, layers)
@@ -78,7 +95,9 @@ def test_memory_binds_the_split() -> None:
     assert [s.memory_bytes for s in vw.stages] == [600, 600]
     assert [s.memory_limit_bytes for s in vw.stages] == [600, 10**9]
     # a reserve of 1 byte leaves room for 2 layers only: 2 + 12 s
-    assert partition([fast, slow], gpus(600, 10**9), [FAST], 1, rule=rule_of(False), reserve_bytes=1).split == (2, 4)
+    assert partition(
+        [fast, slow], gpus(600, 10**9), [FAST], 1, rule=rule_of(False), reserve_bytes=1
+    ).split == (2, 4)
 
 
 def test_transfers_count_on_both_sides_of_a_cut() -> None:
@@ -132,7 +151,9 @@ def test_single_gpu() -> None:
 def test_nothing_fits_names_the_gpu_its_need_and_the_fix() -> None:
     profile = make_profile([1, 1], params=[100, 100])
     with pytest.raises(HetpipeError) as info:
-        partition([profile, profile], [("n0:0", "small", 150), ("n1:0", "big", 180)], [FAST], 2, rule=rule_of(True))
+        partition(
+            [profile, profile], [("n0:0", "small", 150), ("n1:0", "big", 180)], [FAST], 2, rule=rule_of(True)
+        )
     text = str(info.value)
     # best case: one layer each; stage 0 (2 in flight): 100 + 100 + 2 x 100 stashed = 400 B, stage 1 300 B
     assert "GPU n0:0 (small, 150 B)" in text
@@ -144,8 +165,11 @@ def test_nothing_fits_names_the_gpu_its_need_and_the_fix() -> None:
 
 def test_nothing_fits_with_a_reserve_says_so() -> None:
     profile = make_profile([1], params=[2**30])
-    with pytest.raises(HetpipeError, match=r"GPU n0:0 \(t, 3.00 GiB minus a reserve of 1.50 GiB\) needs 2.00 GiB "
-                                           r"for layer 0 but has 1.50 GiB usable"):
+    with pytest.raises(
+        HetpipeError,
+        match=r"GPU n0:0 \(t, 3.00 GiB minus a reserve of 1.50 GiB\) needs 2.00 GiB "
+        r"for layer 0 but has 1.50 GiB usable",
+    ):
         partition([profile], gpus(3 * 2**30), [], 1, rule=rule_of(False), reserve_bytes=3 * 2**29)
 
 
@@ -155,8 +179,11 @@ def test_fixed_split_overrides_and_reports_memory() -> None:
     assert vw.split == (1, 3)
     assert [s.memory_bytes for s in vw.stages] == [20, 180]
     assert vw.bottleneck_s == pytest.approx(3.0)
-    with pytest.raises(HetpipeError, match=r"with the fixed split \[1, 3\], stage 1 on GPU n1:0 .* needs 180 B "
-                                           r"for layers 1-3 but has 100 B usable.*move layers off that stage"):
+    with pytest.raises(
+        HetpipeError,
+        match=r"with the fixed split \[1, 3\], stage 1 on GPU n1:0 .* needs 180 B "
+        r"for layers 1-3 but has 100 B usable.*move layers off that stage",
+    ):
         partition([profile, profile], gpus(10**6, 100), [FAST], 1, rule=rule_of(False), fixed_split=[1, 3])
 
 
@@ -198,8 +225,9 @@ def test_a_cuda_stage_needs_room_for_its_push_staging() -> None:
 # ---------------------------------------------------------------------------------------------- brute force
 
 
-def brute_force(profiles: Sequence[ModelProfile], caps: Sequence[int], links: Sequence[float], nm: int,
-                stash: bool) -> tuple[float, float] | None:
+def brute_force(
+    profiles: Sequence[ModelProfile], caps: Sequence[int], links: Sequence[float], nm: int, stash: bool
+) -> tuple[float, float] | None:
     """Every split, its stage times and memory computed directly: (least bottleneck, least peak use at it)."""
     n, k = profiles[0].num_layers, len(profiles)
     results = []
@@ -226,7 +254,9 @@ def brute_force(profiles: Sequence[ModelProfile], caps: Sequence[int], links: Se
     return best, min(u for t, u in results if t <= best * (1 + 1e-9))
 
 
-def random_instance(rng: random.Random) -> tuple[list[ModelProfile], list[tuple[str, str, int]], list[float], int, bool]:
+def random_instance(
+    rng: random.Random,
+) -> tuple[list[ModelProfile], list[tuple[str, str, int]], list[float], int, bool]:
     k = rng.randint(1, 4)
     n = rng.randint(k, 12)
     whole = rng.random() < 0.3  # small integer times: many exact ties
@@ -284,8 +314,9 @@ def test_large_memory_gpu_goes_first() -> None:
     # balanced (2, 2) with nm = 2: stage 0 needs 4 x 200 = 800 B (weights, gradients, 2 stashed versions),
     # stage 1 3 x 200 = 600 B
     gpus_small_first = [("n0:0", "small", 700), ("n0:1", "big", 900)]
-    vw = best_order_and_nm({"small": profile, "big": profile}, gpus_small_first, lambda a, b: FAST, 2,
-                           rule=rule_of(True))
+    vw = best_order_and_nm(
+        {"small": profile, "big": profile}, gpus_small_first, lambda a, b: FAST, 2, rule=rule_of(True)
+    )
     assert vw.gpus == ("n0:1", "n0:0")
     assert vw.split == (2, 2) and vw.nm == 2
     # given in that order, the small GPU first can only take one layer (400 B); 3 layers after it need 900 B
@@ -305,24 +336,38 @@ def test_nm_is_the_largest_that_fits_without_slowing_the_split() -> None:
 def test_nm_below_k_only_when_nothing_else_fits() -> None:
     profile = make_profile([1, 1], params=[100, 100])
     # nm = 2 puts 4 x 100 B on stage 0 even with one layer (2 stashed versions); 350 B fits only nm = 1
-    vw = best_order_and_nm({"t": profile}, [("n0:0", "t", 350), ("n0:1", "t", 350)], lambda a, b: FAST, 4,
-                           rule=rule_of(True))
+    vw = best_order_and_nm(
+        {"t": profile}, [("n0:0", "t", 350), ("n0:1", "t", 350)], lambda a, b: FAST, 4, rule=rule_of(True)
+    )
     assert (vw.nm, vw.split) == (1, (1, 1))
     assert minibatch_time_s(vw) == pytest.approx(2.0)  # nothing overlaps: both stages in turn
 
 
 def test_best_order_error_when_no_order_fits() -> None:
     profile = make_profile([1, 1], params=[100, 100])
-    with pytest.raises(HetpipeError, match=r"needs 200 B for layer .* but has 150 B usable.*\n  lower batch_size "
-                                           r"or add GPUs to the VW"):
-        best_order_and_nm({"t": profile}, [("n0:0", "t", 150), ("n1:0", "t", 150)], lambda a, b: FAST, 4,
-                          rule=rule_of(False))
+    with pytest.raises(
+        HetpipeError,
+        match=r"needs 200 B for layer .* but has 150 B usable.*\n  lower batch_size "
+        r"or add GPUs to the VW",
+    ):
+        best_order_and_nm(
+            {"t": profile},
+            [("n0:0", "t", 150), ("n1:0", "t", 150)],
+            lambda a, b: FAST,
+            4,
+            rule=rule_of(False),
+        )
     with pytest.raises(UsageError, match="no profile for GPU type"):
         best_order_and_nm({"t": profile}, [("n0:0", "u", 150)], lambda a, b: FAST, 4)
 
 
-def best_over_orders(by_type: dict[str, ModelProfile], devices: list[tuple[str, str, int]],
-                     link: Callable[[str, str], float], nm: int, stash: bool) -> float:
+def best_over_orders(
+    by_type: dict[str, ModelProfile],
+    devices: list[tuple[str, str, int]],
+    link: Callable[[str, str], float],
+    nm: int,
+    stash: bool,
+) -> float:
     """The least minibatch_time_s over every permutation of `devices` at this Nm (inf when none fits)."""
     best = math.inf
     for order in itertools.permutations(devices):
@@ -376,7 +421,8 @@ def test_too_many_orders_falls_back_to_large_memory_first() -> None:
 
 
 def test_minibatch_time_below_k_follows_the_schedule() -> None:
-    """k = 4, F = 1, B = 2 everywhere: Nm = 2 gives 1/0.111 = 9 per minibatch (docs/schedules.md#unit-time-figures), Nm >= 4 gives 3."""
+    """k = 4, F = 1, B = 2 everywhere: Nm = 2 gives 1/0.111 = 9 per minibatch
+    (docs/schedules.md#unit-time-figures), Nm >= 4 gives 3."""
     stages = tuple(StagePlan(f"n0:{j}", "t", j, j + 1, 1.0, 2.0, 0.0, 0.0, 0, 1) for j in range(4))
     assert minibatch_time_s(VwPlan(stages, 2, 0)) == pytest.approx(9.0)
     assert minibatch_time_s(VwPlan(stages, 4, 0)) == pytest.approx(3.0)
@@ -406,9 +452,20 @@ def resnet152_profile(batch: int = 32) -> ModelProfile:
         x = spec.build_layer(i, "meta")(x)
         out = x.numel() * 4
         forward = 2e-12 * count * batch + 2e-11 * out
-        layers.append(LayerProfile(spec.layer_names[i], forward, 2 * forward, 4 * count, 4 * count, out, 3 * out, 2 * out))
-    return ModelProfile("resnet152", batch, "titan-rtx", "float32", torch.__version__,
-                        batch * 3 * 224 * 224 * 4, tuple(layers))
+        layers.append(
+            LayerProfile(
+                spec.layer_names[i], forward, 2 * forward, 4 * count, 4 * count, out, 3 * out, 2 * out
+            )
+        )
+    return ModelProfile(
+        "resnet152",
+        batch,
+        "titan-rtx",
+        "float32",
+        torch.__version__,
+        batch * 3 * 224 * 224 * 4,
+        tuple(layers),
+    )
 
 
 def test_resnet152_partitions_quickly() -> None:
@@ -431,15 +488,22 @@ def test_resnet152_partitions_quickly() -> None:
     fits = {}
     for name, (_, gib) in PAPER_TYPES.items():  # NP: one node of 4 GPUs of one type each
         try:
-            fits[name] = best_order_and_nm(profiles, [(f"{name}:{i}", name, gib * 2**30) for i in range(4)], links, 8).nm
+            fits[name] = best_order_and_nm(
+                profiles, [(f"{name}:{i}", name, gib * 2**30) for i in range(4)], links, 8
+            ).nm
         except HetpipeError as exc:
             fits[name] = str(exc).splitlines()[-1]
     homogeneous = time.perf_counter() - start
 
-    print(f"\nResNet-152 (52 layers), 4 GPUs: partition {one * 1e3:.1f} ms; best_order_and_nm over 24 orders x "
-          f"nm 1..8 {ordered * 1e3:.1f} ms; 4 homogeneous VWs {homogeneous * 1e3:.1f} ms")
+    print(
+        f"\nResNet-152 (52 layers), 4 GPUs: partition {one * 1e3:.1f} ms; best_order_and_nm over 24 orders x "
+        f"nm 1..8 {ordered * 1e3:.1f} ms; 4 homogeneous VWs {homogeneous * 1e3:.1f} ms"
+    )
     print(f"  one order nm=4: split {vw.split}, bottleneck {vw.bottleneck_s * 1e3:.1f} ms")
-    print(f"  best: {best.gpus} nm={best.nm} split {best.split} bottleneck {best.bottleneck_s * 1e3:.1f} ms, memory "
-          f"{[round(s.memory_bytes / 2**30, 2) for s in best.stages]} GiB")
+    print(
+        f"  best: {best.gpus} nm={best.nm} split {best.split} "
+        f"bottleneck {best.bottleneck_s * 1e3:.1f} ms, memory "
+        f"{[round(s.memory_bytes / 2**30, 2) for s in best.stages]} GiB"
+    )
     print(f"  NP VWs: {fits}")
     assert sum(best.split) == 52

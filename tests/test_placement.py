@@ -1,4 +1,5 @@
-"""Tests of hetpipe.core.placement: balanced by bytes, deterministic, independent of how a model is split; local by node."""
+"""Tests of hetpipe.core.placement: balanced by bytes, deterministic, independent of how a model is split;
+local by node."""
 
 from __future__ import annotations
 
@@ -51,8 +52,13 @@ def test_local_puts_each_layer_on_the_shard_of_the_node_that_runs_it():
     shards = layer_shards(("n2:0", "n1:0", "n0:0"), (2, 2, 6), ("n0", "n1", "n2"))
     assert shards == (2, 2, 1, 1, 0, 0, 0, 0, 0, 0)
     keys = ["0.weight", "1.bias", "3.attn.qkv.weight", "9.weight", "audit/2"]
-    assert local_placement(keys, shards) == {"0.weight": 2, "1.bias": 2, "3.attn.qkv.weight": 1, "9.weight": 0,
-                                             "audit/2": 1}
+    assert local_placement(keys, shards) == {
+        "0.weight": 2,
+        "1.bias": 2,
+        "3.attn.qkv.weight": 1,
+        "9.weight": 0,
+        "audit/2": 1,
+    }
     # two stages on one node: both on its shard
     assert layer_shards(("n1:0", "n1:1"), (1, 2), ("n0", "n1")) == (1, 1, 1)
 
@@ -80,8 +86,18 @@ def test_a_run_with_local_placement_places_the_models_keys_by_its_first_vw(tmp_p
     path.write_text(path.read_text() + '\n[[nodes]]\nname = "n1"\ngpus = ["g0"]\n')
     config = apply_overrides(load_config(path), ['ps.placement="local"', "ps.shards=2"])
     spec = get_model("mlp", hidden=[8, 8, 8])  # a flatten, then 4 linear layers: "1.0.weight" ... "4.bias"
-    place = ps_placement(config, spec, first_vw=VwLayout(("n1:0", "n0:0"), (2, 3)))  # layers 0-1 on n1, 2-4 on n0
-    assert place == {"1.0.weight": 1, "1.0.bias": 1, "2.0.weight": 0, "2.0.bias": 0, "3.0.weight": 0, "3.0.bias": 0,
-                     "4.weight": 0, "4.bias": 0}
+    place = ps_placement(
+        config, spec, first_vw=VwLayout(("n1:0", "n0:0"), (2, 3))
+    )  # layers 0-1 on n1, 2-4 on n0
+    assert place == {
+        "1.0.weight": 1,
+        "1.0.bias": 1,
+        "2.0.weight": 0,
+        "2.0.bias": 0,
+        "3.0.weight": 0,
+        "3.0.bias": 0,
+        "4.weight": 0,
+        "4.bias": 0,
+    }
     with pytest.raises(UsageError, match="follows the first VW"):
         ps_placement(config, spec)

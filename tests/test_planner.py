@@ -38,24 +38,43 @@ GIB = 2**30
 PAPER = Path(__file__).parent.parent / "launch" / "clusters" / "paper-16gpu.toml"
 
 
-def cluster(nodes: Sequence[Sequence[str]], types: dict[str, tuple[float, float]], *, batch: int = 4,
-            nm: int = 2, staleness: int = 0, extra: dict | None = None) -> ClusterConfig:
+def cluster(
+    nodes: Sequence[Sequence[str]],
+    types: dict[str, tuple[float, float]],
+    *,
+    batch: int = 4,
+    nm: int = 2,
+    staleness: int = 0,
+    extra: dict | None = None,
+) -> ClusterConfig:
     data = {
-        "name": "t", "gpu_types": {name: {"speed": s, "memory_gib": m} for name, (s, m) in types.items()},
+        "name": "t",
+        "gpu_types": {name: {"speed": s, "memory_gib": m} for name, (s, m) in types.items()},
         "nodes": [{"name": f"n{i}", "gpus": list(gpus)} for i, gpus in enumerate(nodes)],
         "network": {"intra_node_gbps": 100.0, "inter_node_gbps": 10.0},
-        "wsp": {"nm": nm, "staleness": staleness}, "train": {"batch_size": batch, "optimizer": "momentum"},
+        "wsp": {"nm": nm, "staleness": staleness},
+        "train": {"batch_size": batch, "optimizer": "momentum"},
         **(extra or {}),
     }
     return parse_config(data, Path("t.toml"))
 
 
-def toy_profile(gpu_type: str, time_factor: float, *, layers: int = 6, batch: int = 4, param_mib: float = 1.0,
-                saved_mib: float = 1.0) -> ModelProfile:
-    """Equal layers: each 30 ms x time_factor (a third forward), param_mib of weights, saved_mib of activations."""
+def toy_profile(
+    gpu_type: str,
+    time_factor: float,
+    *,
+    layers: int = 6,
+    batch: int = 4,
+    param_mib: float = 1.0,
+    saved_mib: float = 1.0,
+) -> ModelProfile:
+    """Equal layers: each 30 ms x time_factor (a third forward), param_mib of weights, saved_mib of
+    activations."""
     p, a = int(param_mib * 2**20), int(saved_mib * 2**20)
-    out = tuple(LayerProfile(f"l{i}", 0.01 * time_factor, 0.02 * time_factor, p, p, a // 4, a, a // 4)
-                for i in range(layers))
+    out = tuple(
+        LayerProfile(f"l{i}", 0.01 * time_factor, 0.02 * time_factor, p, p, a // 4, a, a // 4)
+        for i in range(layers)
+    )
     return ModelProfile("toy", batch, gpu_type, "float32", "x", a // 4, out)
 
 
@@ -72,9 +91,12 @@ def test_candidates_cover_policies_d_and_baselines() -> None:
     config, profiles = small()
     found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0, 2))
     labels = [c.label for c in found]
-    per_schedule = [f"{p} {s} D={d}" for s in ("wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe")
-                    for p in ("np", "ed", "hd", "dp")
-                    for d in (0, 2)]
+    per_schedule = [
+        f"{p} {s} D={d}"
+        for s in ("wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe")
+        for p in ("np", "ed", "hd", "dp")
+        for d in (0, 2)
+    ]
     # the config's schedule (wsp) first; each policy's grouping, then the same with only its fastest VWs
     assert list(dict.fromkeys(labels)) == [*per_schedule, ALLREDUCE, SYNC_PIPELINE]
     for c in found:
@@ -97,8 +119,11 @@ def test_best_is_the_max_prediction_and_a_larger_d_must_buy_more_than_the_tolera
     top = max(c.samples_per_s for c in found if c.runnable)
     chosen = best(found)
     assert chosen.samples_per_s >= top * (1 - D_TOLERANCE)
-    assert all((c.staleness or 0) >= (chosen.staleness or 0)
-               for c in found if c.runnable and c.samples_per_s >= top * (1 - D_TOLERANCE))
+    assert all(
+        (c.staleness or 0) >= (chosen.staleness or 0)
+        for c in found
+        if c.runnable and c.samples_per_s >= top * (1 - D_TOLERANCE)
+    )
 
 
 def test_balanced_policies_beat_node_partition_on_a_mixed_cluster() -> None:
@@ -107,8 +132,8 @@ def test_balanced_policies_beat_node_partition_on_a_mixed_cluster() -> None:
     rate: dict[str, float] = {}
     for c in found:  # each policy's whole grouping (listed before the same with fewer VWs)
         rate.setdefault(c.policy, c.samples_per_s)
-    # np: a fast VW (6 x 30 ms over 2 GPUs) and a slow one (twice that): WSP holds the fast one to the slow one.
-    # ed/hd: two equal fast+slow VWs; the fast GPU takes 4 layers, the slow one 2 (120 ms each)
+    # np: a fast VW (6 x 30 ms over 2 GPUs) and a slow one (twice that): WSP holds the fast one to the slow
+    # one. ed/hd: two equal fast+slow VWs; the fast GPU takes 4 layers, the slow one 2 (120 ms each)
     assert rate["ed"] > rate["np"] * 1.2 and rate["hd"] > rate["np"] * 1.2
 
 
@@ -136,7 +161,9 @@ def test_vw_that_cannot_hold_the_model_is_left_out_with_a_reason() -> None:
 
 def test_infeasible_everywhere_reports_every_reason() -> None:
     config = cluster([["tiny", "tiny"]], {"tiny": (1.0, 1 / 64)})
-    found = plan_candidates(config, {"tiny": toy_profile("tiny", 1.0, saved_mib=8.0)}, ps_gbps=10.0, d_values=(0,))
+    found = plan_candidates(
+        config, {"tiny": toy_profile("tiny", 1.0, saved_mib=8.0)}, ps_gbps=10.0, d_values=(0,)
+    )
     assert not any(c.feasible for c in found)
     for c in found:
         assert c.samples_per_s == 0.0 and c.reason
@@ -150,31 +177,44 @@ def test_infeasible_everywhere_reports_every_reason() -> None:
 def test_policy_that_cannot_group_is_infeasible_with_its_remedy() -> None:
     # explicit: the config lists no VWs
     config, profiles = small()
-    found = plan_candidates(config, profiles, ps_gbps=10.0, policies=["explicit", "ed"], d_values=(0,),
-                            baselines=False)
+    found = plan_candidates(
+        config, profiles, ps_gbps=10.0, policies=["explicit", "ed"], d_values=(0,), baselines=False
+    )
     assert not found[0].feasible and "[[virtual_workers]]" in found[0].reason
     assert found[1].feasible
 
 
 def test_explicit_vws_keep_their_order_and_split() -> None:
     extra = {"virtual_workers": [{"gpus": ["n1:0", "n0:0"], "layers": [1, 5]}, {"gpus": ["n0:1", "n1:1"]}]}
-    config = cluster([["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 4.0)}, extra=extra)
+    config = cluster(
+        [["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 4.0)}, extra=extra
+    )
     _, profiles = small()
-    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), policies=["explicit"], baselines=False)
+    found = plan_candidates(
+        config, profiles, ps_gbps=10.0, d_values=(0,), policies=["explicit"], baselines=False
+    )
     vws = found[0].plan.vws
     assert vws[0].gpus == ("n1:0", "n0:0") and vws[0].split == (1, 5)
     assert vws[1].gpus == ("n0:1", "n1:1") and vws[1].split == (4, 2)
 
 
 def test_a_vw_beside_the_ps_is_priced_at_its_nodes_loopback_with_a_ps_network() -> None:
-    # one GPU on each node; 6 MiB of weights pushed per wave: 5 s over a 0.01 Gbit/s egress, 5 ms over 10 Gbit/s
+    # one GPU on each node; 6 MiB of weights pushed per wave: 5 s over a 0.01 Gbit/s egress, 5 ms over
+    # 10 Gbit/s
     network = PsNetwork("n0", {"n0": 0.01, "n1": 0.01}, {"n0": 10.0, "n1": 10.0})
 
     def rate(gpu: str, ps_network: PsNetwork | None) -> float:
         extra = {"virtual_workers": [{"gpus": [gpu]}]}
         config = cluster([["fast"], ["fast"]], {"fast": (2.0, 8.0)}, extra=extra)
-        found = plan_candidates(config, {"fast": toy_profile("fast", 1.0)}, ps_gbps=10.0, d_values=(0,),
-                                policies=["explicit"], baselines=False, ps_network=ps_network)
+        found = plan_candidates(
+            config,
+            {"fast": toy_profile("fast", 1.0)},
+            ps_gbps=10.0,
+            d_values=(0,),
+            policies=["explicit"],
+            baselines=False,
+            ps_network=ps_network,
+        )
         return found[0].samples_per_s
 
     assert rate("n0:0", None) == rate("n1:0", None)  # one PS link for all: where a VW sits does not matter
@@ -184,15 +224,27 @@ def test_a_vw_beside_the_ps_is_priced_at_its_nodes_loopback_with_a_ps_network() 
 
 
 def test_local_placement_keeps_ed_vws_ps_traffic_inside_their_nodes() -> None:
-    # two VWs, each a GPU on both nodes: with every shard on n0 the n1 stages push and pull over the slow links;
-    # with placement "local" each stage's layers sit on its own node's shard, reached over its loopback
+    # two VWs, each a GPU on both nodes: with every shard on n0 the n1 stages push and pull over the slow
+    # links; with placement "local" each stage's layers sit on its own node's shard, reached over its loopback
     network = PsNetwork("n0", {"n0": 0.01, "n1": 0.01}, {"n0": 10.0, "n1": 10.0})
-    vws = {"virtual_workers": [{"gpus": ["n0:0", "n1:0"], "layers": [3, 3]}, {"gpus": ["n0:1", "n1:1"], "layers": [3, 3]}]}
+    vws = {
+        "virtual_workers": [
+            {"gpus": ["n0:0", "n1:0"], "layers": [3, 3]},
+            {"gpus": ["n0:1", "n1:1"], "layers": [3, 3]},
+        ]
+    }
 
     def rate(ps: dict) -> float:
         config = cluster([["fast", "fast"], ["fast", "fast"]], {"fast": (2.0, 8.0)}, extra={**vws, "ps": ps})
-        found = plan_candidates(config, {"fast": toy_profile("fast", 1.0)}, ps_gbps=10.0, d_values=(0,),
-                                policies=["explicit"], baselines=False, ps_network=network)
+        found = plan_candidates(
+            config,
+            {"fast": toy_profile("fast", 1.0)},
+            ps_gbps=10.0,
+            d_values=(0,),
+            policies=["explicit"],
+            baselines=False,
+            ps_network=network,
+        )
         return found[0].samples_per_s
 
     one_node = rate({"shards": 1})
@@ -201,32 +253,56 @@ def test_local_placement_keeps_ed_vws_ps_traffic_inside_their_nodes() -> None:
 
 
 def test_with_slow_links_off_the_ps_node_the_best_is_data_parallelism_on_the_gpus_beside_it() -> None:
-    """dp makes a one-GPU VW of every GPU; the slow GPUs' VWs on n1 would hold the fast ones to their pace and push
-    6 MiB a wave over a 0.01 Gbit/s egress, so the search's fewer-VWs groupings leave them out. Among plans of the
-    same rate the one whose VWs lag no own update wins: pipedream (a one-stage VW trains sequentially and pushes
-    every Nm), not wsp at the same Nm (three own updates late)."""
+    """dp makes a one-GPU VW of every GPU; the slow GPUs' VWs on n1 would hold the fast ones to their pace and
+    push 6 MiB a wave over a 0.01 Gbit/s egress, so the search's fewer-VWs groupings leave them out. Among
+    plans of the same rate the one whose VWs lag no own update wins: pipedream (a one-stage VW trains
+    sequentially and pushes every Nm), not wsp at the same Nm (three own updates late)."""
     network = PsNetwork("n0", {"n0": 0.01, "n1": 0.01}, {"n0": 10.0, "n1": 10.0})
     config = cluster([["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)}, nm=4)
     profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
-    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0, 1), ps_network=network,
-                            link_gbps=lambda a, b: 10.0 if a.split(":")[0] == b.split(":")[0] else 0.01)
+    found = plan_candidates(
+        config,
+        profiles,
+        ps_gbps=10.0,
+        d_values=(0, 1),
+        ps_network=network,
+        link_gbps=lambda a, b: 10.0 if a.split(":")[0] == b.split(":")[0] else 0.01,
+    )
     top = best(found)
     assert (top.policy, top.schedule, top.staleness) == ("dp", "pipedream", 0)
-    assert [vw.gpus for vw in top.plan.vws] == [("n0:0",), ("n0:1",)] and top.nm == 4 and own_lag(top.plan) == 0
+    assert (
+        [vw.gpus for vw in top.plan.vws] == [("n0:0",), ("n0:1",)] and top.nm == 4 and own_lag(top.plan) == 0
+    )
     every_gpu = next(c for c in found if c.policy == "dp" and c.schedule == "pipedream" and c.staleness == 0)
     assert len(every_gpu.plan.vws) == 4 and every_gpu.samples_per_s < top.samples_per_s / 5
-    wsp = next(c for c in found if c.policy == "dp" and c.schedule == "wsp" and c.staleness == 0
-               and [vw.gpus for vw in c.plan.vws] == [("n0:0",), ("n0:1",)])
-    assert wsp.nm == 4 and wsp.plan.vws[0].stages[0].memory_bytes > top.plan.vws[0].stages[0].memory_bytes  # 4 stashed
+    wsp = next(
+        c
+        for c in found
+        if c.policy == "dp"
+        and c.schedule == "wsp"
+        and c.staleness == 0
+        and [vw.gpus for vw in c.plan.vws] == [("n0:0",), ("n0:1",)]
+    )
+    assert (
+        wsp.nm == 4 and wsp.plan.vws[0].stages[0].memory_bytes > top.plan.vws[0].stages[0].memory_bytes
+    )  # 4 stashed
     assert wsp.samples_per_s == pytest.approx(top.samples_per_s) and own_lag(wsp.plan) == 3
     assert "lags fewer own updates (0 vs 3)" in explain([top, wsp])
 
 
 def test_own_lag_is_read_off_each_schedules_lists() -> None:
     config, profiles = small()
-    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), policies=["np"], nm_max=2, baselines=False)
+    found = plan_candidates(
+        config, profiles, ps_gbps=10.0, d_values=(0,), policies=["np"], nm_max=2, baselines=False
+    )
     lag = {c.schedule: own_lag(c.plan) for c in found if len(c.plan.vws) == 2 and c.nm == 2}
-    assert lag == {"wsp": 1, "pipedream": 1, "pipedream-2bw": 2, "1f1b-flush": 0, "gpipe": 0}  # 2-stage VWs, Nm 2
+    assert lag == {
+        "wsp": 1,
+        "pipedream": 1,
+        "pipedream-2bw": 2,
+        "1f1b-flush": 0,
+        "gpipe": 0,
+    }  # 2-stage VWs, Nm 2
     assert own_lag(None) == 0
 
 
@@ -262,9 +338,22 @@ def test_emulated_profiles_follow_the_runtime_slowdowns() -> None:
     assert derived["fast"].layers[0].forward_s == pytest.approx(cpu.layers[0].forward_s * slow["n0:0"])
     assert derived["slow"].layers[0].backward_s == pytest.approx(cpu.layers[0].backward_s * slow["n1:0"])
     assert derived["slow"].layers[0].saved_bytes == cpu.layers[0].saved_bytes
-    # a CPU profile that measured what a whole emulated step costs beyond its layers: every type's times x that
-    origin = ProfileOrigin("2026-11-25T00:00:00+00:00", "cpu", "x", "0" * 16, 7, "momentum", "abc", 10, 4, 1.0,
-                           None, emulation_cost=1.4)
+    # a CPU profile that measured what a whole emulated step costs beyond its layers: every type's
+    # times x that
+    origin = ProfileOrigin(
+        "2026-11-25T00:00:00+00:00",
+        "cpu",
+        "x",
+        "0" * 16,
+        7,
+        "momentum",
+        "abc",
+        10,
+        4,
+        1.0,
+        None,
+        emulation_cost=1.4,
+    )
     costly = emulated_profiles(config, dataclasses.replace(cpu, origin=origin), cores=2)
     for name in derived:
         assert costly[name].layers[0].forward_s == pytest.approx(1.4 * derived[name].layers[0].forward_s)
@@ -307,17 +396,33 @@ def resnet152(counts: list[int], gpu_type: str, tflops: float, batch: int = 32) 
     for i, (channels, side, conv_side, saved) in enumerate(shapes):
         out = 4 * batch * channels * side * side
         forward = 2 * counts[i] * conv_side * conv_side * batch / rate
-        layers.append(LayerProfile(f"l{i}", forward, 2 * forward, 4 * counts[i], 4 * counts[i], out,
-                                   int(saved * out), 2 * out))
+        layers.append(
+            LayerProfile(
+                f"l{i}", forward, 2 * forward, 4 * counts[i], 4 * counts[i], out, int(saved * out), 2 * out
+            )
+        )
     forward = 2 * counts[-1] * batch / rate
-    layers.append(LayerProfile("head", forward, 2 * forward, 4 * counts[-1], 4 * counts[-1], 4 * batch * 1000,
-                               4 * batch * 2048, 8 * batch * 1000))
+    layers.append(
+        LayerProfile(
+            "head",
+            forward,
+            2 * forward,
+            4 * counts[-1],
+            4 * counts[-1],
+            4 * batch * 1000,
+            4 * batch * 2048,
+            8 * batch * 1000,
+        )
+    )
     assert len(layers) == len(counts) == 52
-    return ModelProfile("resnet152", batch, gpu_type, "float32", "x", 4 * batch * 3 * 224 * 224, tuple(layers))
+    return ModelProfile(
+        "resnet152", batch, gpu_type, "float32", "x", 4 * batch * 3 * 224 * 224, tuple(layers)
+    )
 
 
-def paper_plan(counts: list[int], *, drop: str | None = None, baselines: bool = True,
-               d_values: Sequence[int] = D_VALUES) -> list[Candidate]:
+def paper_plan(
+    counts: list[int], *, drop: str | None = None, baselines: bool = True, d_values: Sequence[int] = D_VALUES
+) -> list[Candidate]:
     from hetpipe.core.config import load_config
 
     config = load_config(PAPER)
@@ -327,19 +432,28 @@ def paper_plan(counts: list[int], *, drop: str | None = None, baselines: bool = 
         config = dataclasses.replace(config, nodes=tuple(n for n in config.nodes if drop not in n.gpus))
     used = {t for n in config.nodes for t in n.gpus}
     profiles = {t: resnet152(counts, t, config.gpu_types[t].speed) for t in used}
-    return plan_candidates(config, profiles, ps_gbps=config.network.inter_node_gbps, baselines=baselines,
-                           schedules=[config.train.schedule], d_values=d_values)
+    return plan_candidates(
+        config,
+        profiles,
+        ps_gbps=config.network.inter_node_gbps,
+        baselines=baselines,
+        schedules=[config.train.schedule],
+        d_values=d_values,
+    )
 
 
 def test_paper_cluster_partitions_once_whatever_the_ds(resnet152_counts: list[int], monkeypatch) -> None:
-    """What keeps planning cheap, counted rather than timed: each grouping is partitioned once, and every D tried
-    reuses it (only the memory terms and the simulation are redone per D)."""
+    """What keeps planning cheap, counted rather than timed: each grouping is partitioned once, and every D
+    tried reuses it (only the memory terms and the simulation are redone per D)."""
     from hetpipe.core import partition as partition_module
 
     problems: list[int] = []
     build = partition_module._Problem.build.__func__
-    monkeypatch.setattr(partition_module._Problem, "build",
-                        classmethod(lambda cls, *args, **kw: problems.append(1) or build(cls, *args, **kw)))
+    monkeypatch.setattr(
+        partition_module._Problem,
+        "build",
+        classmethod(lambda cls, *args, **kw: problems.append(1) or build(cls, *args, **kw)),
+    )
     one_d = paper_plan(resnet152_counts, d_values=(0,))
     with_one_d = len(problems)
     problems.clear()
@@ -372,7 +486,9 @@ def test_paper_cluster_properties(resnet152_counts: list[int]) -> None:
 
 
 def hetpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetpipe", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hetpipe", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 SMALL_TOML = """
@@ -405,7 +521,9 @@ def test_cli_plan_prints_a_table_and_writes_a_loadable_plan(tmp_path: Path) -> N
     config = tmp_path / "small.toml"
     config.write_text(SMALL_TOML)
     out = tmp_path / "plan.json"
-    result = hetpipe("plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--out", str(out), "--explain")
+    result = hetpipe(
+        "plan", str(config), "--profile-dir", str(tmp_path / "profiles"), "--out", str(out), "--explain"
+    )
     assert result.returncode == 0, result.stderr
     assert "policy" in result.stdout and "samples/s" in result.stdout and "\n*  " in result.stdout
     assert "best: " in result.stdout and "allreduce" in result.stdout and "sync-pipeline" in result.stdout
@@ -413,15 +531,25 @@ def test_cli_plan_prints_a_table_and_writes_a_loadable_plan(tmp_path: Path) -> N
     plan = Plan.from_json(out.read_text())
     planned, layouts = apply_plan(load_config(config), out)
     assert [lay.gpus for lay in layouts] == [vw.gpus for vw in plan.vws]
-    assert (planned.wsp.nm, planned.wsp.staleness) == (plan.vws[0].nm, plan.staleness)  # --plan runs the plan's Nm and D
+    assert (planned.wsp.nm, planned.wsp.staleness) == (
+        plan.vws[0].nm,
+        plan.staleness,
+    )  # --plan runs the plan's Nm and D
     # and its training rule: the config's when planned without a calibration; a file from before has none
-    assert (plan.aggregation, plan.mitigation) == ("sum", "none") == (planned.ps.aggregation, planned.train.mitigation)
+    assert (
+        (plan.aggregation, plan.mitigation)
+        == ("sum", "none")
+        == (planned.ps.aggregation, planned.train.mitigation)
+    )
     data = json.loads(out.read_text())
     out.write_text(json.dumps({**data, "aggregation": "mean", "mitigation": "average"}))
     planned, _ = apply_plan(load_config(config), out)
     assert (planned.ps.aggregation, planned.train.mitigations) == ("mean", ("average",))
     out.write_text(json.dumps({**data, "aggregation": "server", "mitigation": "pipemare"}))
-    with pytest.raises(UsageError, match=r"(?s)plan.json: its training rule .* does not fit: .*pipemare.*plan again for this config"):
+    with pytest.raises(
+        UsageError,
+        match=r"(?s)plan.json: its training rule .* does not fit: .*pipemare.*plan again for this config",
+    ):
         apply_plan(load_config(config), out)
     out.write_text(json.dumps({k: v for k, v in data.items() if k not in ("aggregation", "mitigation")}))
     assert apply_plan(load_config(config), out)[0].ps.aggregation == "sum"
@@ -447,16 +575,31 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path: Path, args: list[str]
     (tmp_path / "small.toml").write_text(SMALL_TOML)
     (tmp_path / "unknown_option.toml").write_text(SMALL_TOML.replace("hidden = [32, 32]", "widht = 3"))
     paths = {name: str(tmp_path / f"{name}.toml") for name in ("bad", "small", "unknown_option")}
-    result = hetpipe(*[a.format(**paths) for a in args], "--profile-dir" if args[0] == "plan" else "--cache",
-                     str(tmp_path / "profiles"))
+    result = hetpipe(
+        *[a.format(**paths) for a in args],
+        "--profile-dir" if args[0] == "plan" else "--cache",
+        str(tmp_path / "profiles"),
+    )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_cli_profile_prints_layers_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "cpu.json"
-    result = hetpipe("profile", "mlp", "--batch", "4", "--option", "hidden=[16]", "--repeats", "1",
-                     "--cache", str(tmp_path / "cache"), "--out", str(out))
+    result = hetpipe(
+        "profile",
+        "mlp",
+        "--batch",
+        "4",
+        "--option",
+        "hidden=[16]",
+        "--repeats",
+        "1",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("mlp at batch 4 on cpu") and "forward ms" in lines[1]
@@ -464,11 +607,12 @@ def test_cli_profile_prints_layers_and_writes_json(tmp_path: Path) -> None:
     assert ModelProfile.load(out).num_layers == 3
 
 
-# ---------------------------------------------------------------------------------------------- profile inputs
+# ------------------------------------------------------------------------------------------ profile inputs
 
 
 def small_profile(batch: int, **origin_changes: object) -> ModelProfile:
-    """SMALL_TOML's model and optimizer (the default, sgd) measured here (one repeat), its origin changed as given."""
+    """SMALL_TOML's model and optimizer (the default, sgd) measured here (one repeat), its origin changed as
+    given."""
     import dataclasses
 
     from hetpipe.compute.profiler import profile_model
@@ -486,8 +630,10 @@ def test_plan_warns_about_a_flagged_stale_foreign_cpu_profile_until_refreshed(tm
     config.write_text(SMALL_TOML)
     cache = tmp_path / "profiles"
     long_ago = (datetime.now(UTC) - timedelta(days=60)).isoformat(timespec="seconds")
-    write_profile(profile_cache_path(get_model("mlp", hidden=[32, 32]), 8, "cpu", cache, optimizer="sgd"),
-                  small_profile(8, measured_at=long_ago, host="0" * 16, flags=("busy: load average 3.00 per core",)))
+    write_profile(
+        profile_cache_path(get_model("mlp", hidden=[32, 32]), 8, "cpu", cache, optimizer="sgd"),
+        small_profile(8, measured_at=long_ago, host="0" * 16, flags=("busy: load average 3.00 per core",)),
+    )
     result = hetpipe("plan", str(config), "--profile-dir", str(cache), "-D", "0")
     assert result.returncode == 0, result.stderr
     notes = [line for line in result.stdout.splitlines() if line.startswith("note: cpu profile: ")]
@@ -505,8 +651,9 @@ def test_plan_warns_about_a_flagged_stale_foreign_cpu_profile_until_refreshed(tm
 REAL_TOML = SMALL_TOML.replace("[train]", "[emulation]\nenabled = false\n[train]")
 
 
-def test_real_gpus_without_profiles_are_derived_from_the_shipped_one(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_real_gpus_without_profiles_are_derived_from_the_shipped_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import dataclasses
 
     from hetpipe.app.plan_inputs import plan_profiles, shipped_name
@@ -526,8 +673,9 @@ def test_real_gpus_without_profiles_are_derived_from_the_shipped_one(tmp_path: P
     assert "shipped cpu/mlp-" in notes[0] and "measured at batch 4 and scaled to 8" in notes[0]
     assert "times x 0.5 / speed read as TFLOPS (fast 2, slow 1)" in notes[1]
     # a profile measured on a GPU is preferred, at the planned batch
-    gpu = dataclasses.replace(small_profile(8, device="cuda", device_name="Some GPU", device_tflops=50.0),
-                              gpu_type="cuda")
+    gpu = dataclasses.replace(
+        small_profile(8, device="cuda", device_name="Some GPU", device_tflops=50.0), gpu_type="cuda"
+    )
     gpu.save(shipped / "h100" / shipped_name(gpu))
     profiles, _, _, notes = plan_profiles(config, tmp_path / "empty")
     assert profiles["fast"].layers[1].forward_s == pytest.approx(gpu.layers[1].forward_s * 50.0 / 2.0)
@@ -553,9 +701,21 @@ def test_cli_profile_like_derives_a_gpu_type(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr("hetpipe.app.plan_inputs.SHIPPED_DIR", tmp_path / "nothing")
     spec = get_model("mlp", hidden=[32, 32])
     cpu = small_profile(8)
-    cpu.save(profile_cache_path(spec, 8, "cpu", tmp_path, optimizer="sgd"))  # this machine's measured cpu profile
-    args = ["profile", "mlp", "--batch", "8", "--option", "hidden=[32, 32]", "--optimizer", "sgd", "--cache",
-            str(tmp_path)]
+    cpu.save(
+        profile_cache_path(spec, 8, "cpu", tmp_path, optimizer="sgd")
+    )  # this machine's measured cpu profile
+    args = [
+        "profile",
+        "mlp",
+        "--batch",
+        "8",
+        "--option",
+        "hidden=[32, 32]",
+        "--optimizer",
+        "sgd",
+        "--cache",
+        str(tmp_path),
+    ]
     result = CliRunner().invoke(cli, [*args, "--gpu-type", "big", "--like", "cpu", "--speed", "4"])
     assert result.exit_code == 0, result.output
     big = ModelProfile.load(profile_cache_path(spec, 8, "big", tmp_path, optimizer="sgd"))
@@ -563,9 +723,11 @@ def test_cli_profile_like_derives_a_gpu_type(tmp_path: Path, monkeypatch: pytest
     assert big.layers[2].saved_bytes == cpu.layers[2].saved_bytes
     assert (big.origin.derived_from, big.origin.speed_ratio) == ("cpu", pytest.approx(4.0))
     assert "derived from the cpu profile: times / 4" in result.output
-    for extra, message in ((["--gpu-type", "big", "--like", "cpu"], "go together"),
-                           (["--gpu-type", "big", "--like", "cuda", "--speed", "40"], "--device cuda"),
-                           (["--gpu-type", "big", "--like", "cpu", "--speed", "4", "--refresh"], "measures nothing")):
+    for extra, message in (
+        (["--gpu-type", "big", "--like", "cpu"], "go together"),
+        (["--gpu-type", "big", "--like", "cuda", "--speed", "40"], "--device cuda"),
+        (["--gpu-type", "big", "--like", "cpu", "--speed", "4", "--refresh"], "measures nothing"),
+    ):
         failed = CliRunner().invoke(cli, [*args, *extra])
         assert isinstance(failed.exception, UsageError) and message in str(failed.exception), failed.output
 
@@ -582,7 +744,9 @@ def test_shipped_profiles_are_measured_named_and_small() -> None:
         p = ModelProfile.load(path)
         o = p.origin
         assert o is not None and o.derived_from == "" and o.device_tflops > 0 and len(o.host) == 16, path
-        assert o.device == ("cpu" if path.parent.name == "cpu" else "cuda"), path  # a CPU never passes for a GPU
+        assert o.device == ("cpu" if path.parent.name == "cpu" else "cuda"), (
+            path
+        )  # a CPU never passes for a GPU
         assert path.name == shipped_name(p) and p.batch_size == o.measured_batch, path
         assert path.stat().st_size < 64 * 1024, path
 
@@ -602,13 +766,19 @@ def test_every_config_has_a_shipped_profile(config: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CLUSTERS, ids=[p.stem for p in CLUSTERS])
 def test_every_shipped_config_plans_on_a_fresh_cache(config: Path, tmp_path: Path) -> None:
-    """A fresh machine: no cache; emulated configs measure this CPU once, real ones derive from shipped profiles."""
+    """A fresh machine: no cache; emulated configs measure this CPU once, real ones derive from shipped
+    profiles."""
     import os
 
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    # a guard against a hang, not a speed bound: bench-shakespeare (678 candidates, its profile measured first)
-    # took 28 s of a former 30 s under a suite on 15 workers (H100 host, 2026-11-26)
-    result = subprocess.run([sys.executable, "-m", "hetpipe", "plan", str(config)], capture_output=True, text=True,
-                            timeout=120, env=env)
+    # a guard against a hang, not a speed bound: bench-shakespeare (678 candidates, its profile measured
+    # first) took 28 s of a former 30 s under a suite on 15 workers (H100 host, 2026-11-26)
+    result = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "plan", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert "\nbest: " in result.stdout

@@ -50,7 +50,8 @@ from hetpipe.core.procs import ChildGroup, child_entered_at, warm_forkserver
 def report(queue):
     parent = os.getppid()
     queue.put({"torch_loaded": "torch" in sys.modules, "threads": len(os.listdir("/proc/self/task")),
-               "parent_threads": len(os.listdir(f"/proc/{parent}/task")), "entered": child_entered_at() is not None})
+               "parent_threads": len(os.listdir(f"/proc/{parent}/task")), \
+"entered": child_entered_at() is not None})
 
 
 if __name__ == "__main__":
@@ -66,15 +67,18 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not HAS_PROC or start_method() != "forkserver", reason="needs a fork server and Linux /proc")
+@pytest.mark.skipif(
+    not HAS_PROC or start_method() != "forkserver", reason="needs a fork server and Linux /proc"
+)
 def test_children_fork_from_a_server_holding_no_threads(tmp_path: Path) -> None:
     """The fork server imported torch and numpy and started no thread (not even OpenBLAS's): what it forks is
     one thread with torch already loaded."""
     script = tmp_path / "children.py"
     script.write_text(textwrap.dedent(CHILDREN))
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env,
-                            cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     reports = json.loads(result.stdout.strip().splitlines()[-1])
     assert reports == [{"torch_loaded": True, "threads": 1, "parent_threads": 1, "entered": True}] * 2

@@ -1,4 +1,5 @@
-"""Profile data and rules (hetpipe/core/profile.py): origin round trip, repeat spread, noise flags, warnings, scaling."""
+"""Profile data and rules (hetpipe/core/profile.py): origin round trip, repeat spread, noise flags, warnings,
+scaling."""
 
 from __future__ import annotations
 
@@ -26,17 +27,30 @@ HOST = "0123456789abcdef"
 
 
 def origin(**changes: object) -> ProfileOrigin:
-    base = ProfileOrigin(measured_at=NOW.isoformat(timespec="seconds"), device="cpu", device_name="Some CPU",
-                         host=HOST, profiler_version=6, optimizer="momentum", options_digest="abc", repeats=10,
-                         measured_batch=8, device_tflops=0.1, load_per_core=0.2)
+    base = ProfileOrigin(
+        measured_at=NOW.isoformat(timespec="seconds"),
+        device="cpu",
+        device_name="Some CPU",
+        host=HOST,
+        profiler_version=6,
+        optimizer="momentum",
+        options_digest="abc",
+        repeats=10,
+        measured_batch=8,
+        device_tflops=0.1,
+        load_per_core=0.2,
+    )
     return replace(base, **changes)
 
 
-def profile(spreads: tuple[float, ...] = (0.0, 0.0), times: tuple[float, ...] = (0.01, 0.03), **origin_changes: object
-            ) -> ModelProfile:
+def profile(
+    spreads: tuple[float, ...] = (0.0, 0.0), times: tuple[float, ...] = (0.01, 0.03), **origin_changes: object
+) -> ModelProfile:
     """Layers with forward = backward = times[i] / 2, 1 KiB of everything per sample at batch 8."""
-    layers = tuple(LayerProfile(f"l{i}", t / 2, t / 2, 4096, 4096, 8192, 16384, 8192, s)
-                   for i, (t, s) in enumerate(zip(times, spreads, strict=True)))
+    layers = tuple(
+        LayerProfile(f"l{i}", t / 2, t / 2, 4096, 4096, 8192, 16384, 8192, s)
+        for i, (t, s) in enumerate(zip(times, spreads, strict=True))
+    )
     return ModelProfile("toy", 8, "cpu", "float32", "2.x", 8 * 1024, layers, origin(**origin_changes))
 
 
@@ -44,25 +58,33 @@ def test_origin_round_trips_through_json() -> None:
     p = profile((0.1, 0.2), flags=("busy: load 3.00 per core",), derived_from="cpu", speed_ratio=150.0)
     back = ModelProfile.from_json(p.to_json())
     assert back == p
-    assert back.origin is not None and back.origin.flags == ("busy: load 3.00 per core",) and back.origin.flagged
+    assert (
+        back.origin is not None and back.origin.flags == ("busy: load 3.00 per core",) and back.origin.flagged
+    )
 
 
 def test_a_profile_written_before_origins_loads_without_one() -> None:
-    old = ('{"model": "toy", "batch_size": 2, "gpu_type": "cpu", "dtype": "float32", "torch_version": "2.x", '
-           '"input_bytes": 8, "layers": [{"name": "l0", "forward_s": 0.1, "backward_s": 0.2, "param_bytes": 4, '
-           '"optimizer_bytes": 4, "output_bytes": 8, "saved_bytes": 8, "working_bytes": 8}]}')
+    old = (
+        '{"model": "toy", "batch_size": 2, "gpu_type": "cpu", "dtype": "float32", "torch_version": "2.x", '
+        '"input_bytes": 8, "layers": [{"name": "l0", "forward_s": 0.1, "backward_s": 0.2, "param_bytes": 4, '
+        '"optimizer_bytes": 4, "output_bytes": 8, "saved_bytes": 8, "working_bytes": 8}]}'
+    )
     p = ModelProfile.from_json(old)
     assert p.origin is None and p.layers[0].spread == 0.0
     assert origin_warnings(p, now=NOW, host=HOST) == [
-        "no record of when, where or how noisily it was measured (made by hand or by an older hetpipe)"]
+        "no record of when, where or how noisily it was measured (made by hand or by an older hetpipe)"
+    ]
 
 
-@pytest.mark.parametrize(("times", "spread"), [
-    ([1.0, 1.0, 1.0, 1.0], 0.0),
-    ([1.0, 2.0], 0.0),  # fewer than 3 repeats: too few to judge
-    ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0], 0.1),  # p90 = 1 + 0.1 x (2 - 1) by interpolation
-    ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 8.0 / 5.0),  # (9 - 1) / 5
-])
+@pytest.mark.parametrize(
+    ("times", "spread"),
+    [
+        ([1.0, 1.0, 1.0, 1.0], 0.0),
+        ([1.0, 2.0], 0.0),  # fewer than 3 repeats: too few to judge
+        ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0], 0.1),  # p90 = 1 + 0.1 x (2 - 1) by interpolation
+        ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 8.0 / 5.0),  # (9 - 1) / 5
+    ],
+)
 def test_repeat_spread(times: list[float], spread: float) -> None:
     assert repeat_spread(times) == pytest.approx(spread)
 
@@ -101,11 +123,18 @@ def test_origin_warnings_stale_foreign_flagged() -> None:
 def test_at_batch_scales_per_minibatch_quantities_only() -> None:
     p = profile()
     q = p.at_batch(32)
-    assert (q.batch_size, q.input_bytes, q.origin) == (32, 4 * p.input_bytes, p.origin)  # origin keeps batch 8
+    assert (q.batch_size, q.input_bytes, q.origin) == (
+        32,
+        4 * p.input_bytes,
+        p.origin,
+    )  # origin keeps batch 8
     for a, b in zip(p.layers, q.layers, strict=True):
         assert (b.forward_s, b.backward_s) == pytest.approx((4 * a.forward_s, 4 * a.backward_s))
-        assert (b.output_bytes, b.saved_bytes, b.working_bytes) == (4 * a.output_bytes, 4 * a.saved_bytes,
-                                                                    4 * a.working_bytes)
+        assert (b.output_bytes, b.saved_bytes, b.working_bytes) == (
+            4 * a.output_bytes,
+            4 * a.saved_bytes,
+            4 * a.working_bytes,
+        )
         assert (b.param_bytes, b.optimizer_bytes) == (a.param_bytes, a.optimizer_bytes)
     with pytest.raises(UsageError, match="batch_size"):
         p.at_batch(0)

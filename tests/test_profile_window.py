@@ -40,7 +40,8 @@ def profiled_actions(name: str, window: ProfileWindow, nm: int = 4, waves: int =
 
 
 def test_the_window_runs_from_the_first_forward_to_the_update_of_the_last():
-    # wsp at Nm 4 runs forwards ahead: B and U of minibatches before FIRST and F of some after LAST fall inside
+    # wsp at Nm 4 runs forwards ahead: B and U of minibatches before FIRST and F of some after LAST fall
+    # inside
     inside = profiled_actions("wsp", ProfileWindow(8, 4))
     assert inside[0] == "F8" and inside[-1] == "U11"
     assert [a for a in inside if a[0] == "F"] == ["F8", "F9", "F10", "F11", "F12", "F13", "F14"]
@@ -64,13 +65,16 @@ def test_a_stage_writes_its_ops_per_minibatch(tmp_path: Path):
     run_actions(profiler, actions)
     summary = json.loads((tmp_path / "profile" / "vw0-s0.json").read_text())
     names = [f"{a.kind}{a.index}" for a in actions]
-    inside = actions[names.index("F2"):names.index("U5") + 1]
+    inside = actions[names.index("F2") : names.index("U5") + 1]
     forwards = sum(1 for a in inside if a.kind == "F")
     assert summary["window"] == [2, 5] and summary["minibatches"] == forwards
     mm = next(op for op in summary["by_host"] if op["name"] == "aten::mm")
     assert mm["calls"] == pytest.approx(len(inside) / forwards, abs=0.01)  # one matmul an action, per forward
     text = (tmp_path / "profile" / "vw0-s0.txt").read_text()
-    assert text.startswith("vw0-s0, from the forward of minibatch 2 through the update of 5: ") and "aten::mm" in text
+    assert (
+        text.startswith("vw0-s0, from the forward of minibatch 2 through the update of 5: ")
+        and "aten::mm" in text
+    )
 
 
 def test_a_run_that_ends_inside_the_window_still_writes_it_and_says_so(tmp_path: Path):

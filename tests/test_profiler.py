@@ -1,5 +1,5 @@
-"""Measuring profiles (hetpipe/compute/profiler.py): fields of real measurements, where and how noisily they were
-taken, the JSON cache and --refresh, emulated types."""
+"""Measuring profiles (hetpipe/compute/profiler.py): fields of real measurements, where and how noisily they
+were taken, the JSON cache and --refresh, emulated types."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ BATCH = 8
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
-    """As every stage process does (docs/architecture.md#conventions): profile_model leaves the thread count to its caller."""
+    """As every stage process does (docs/architecture.md#conventions): profile_model leaves the thread count
+    to its caller."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -53,13 +54,20 @@ def cnn_profile() -> ModelProfile:
 
 def test_mlp_fields_follow_the_layers(mlp_profile: ModelProfile) -> None:
     p = mlp_profile
-    assert (p.model, p.batch_size, p.gpu_type, p.dtype, p.torch_version) == ("mlp", BATCH, "cpu", "float32",
-                                                                             torch.__version__)
+    assert (p.model, p.batch_size, p.gpu_type, p.dtype, p.torch_version) == (
+        "mlp",
+        BATCH,
+        "cpu",
+        "float32",
+        torch.__version__,
+    )
     assert [layer.name for layer in p.layers] == ["flatten", "fc1", "head"]
     assert p.input_bytes == BATCH * 64 * 4
     flatten, fc1, head = p.layers
     assert [layer.param_bytes for layer in p.layers] == [0, (64 * 16 + 16) * 4, (16 * 10 + 10) * 4]
-    assert [layer.optimizer_bytes for layer in p.layers] == [layer.param_bytes for layer in p.layers]  # momentum
+    assert [layer.optimizer_bytes for layer in p.layers] == [
+        layer.param_bytes for layer in p.layers
+    ]  # momentum
     assert [layer.output_bytes for layer in p.layers] == [BATCH * 64 * 4, BATCH * 16 * 4, BATCH * 10 * 4]
     # flatten saves nothing (a view); fc1's Linear saves its input (the flattened batch), its ReLU its output;
     # the head's Linear saves that same ReLU output (counted once, in fc1) and the loss saves its own
@@ -95,7 +103,9 @@ def test_optimizer_state_multiplier() -> None:
     sgd = profile_model(spec, 2, optimizer="sgd", repeats=1)
     adam = profile_model(spec, 2, optimizer="adam", repeats=1)
     assert [layer.optimizer_bytes for layer in sgd.layers] == [0, 0, 0]
-    assert [layer.optimizer_bytes for layer in adam.layers] == [2 * layer.param_bytes for layer in adam.layers]
+    assert [layer.optimizer_bytes for layer in adam.layers] == [
+        2 * layer.param_bytes for layer in adam.layers
+    ]
 
 
 def test_language_model_profiles() -> None:
@@ -105,10 +115,14 @@ def test_language_model_profiles() -> None:
     assert all(layer.saved_bytes > 0 and layer.param_bytes > 0 for layer in p.layers)
 
 
-@pytest.mark.parametrize(("options", "match"), [
-    ({"batch_size": 0}, "batch_size"), ({"optimizer": "rmsprop"}, "choose one of: sgd, momentum, adam"),
-    ({"repeats": 0}, "repeats"),
-])
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"optimizer": "rmsprop"}, "choose one of: sgd, momentum, adam"),
+        ({"repeats": 0}, "repeats"),
+    ],
+)
 def test_bad_options(options: dict, match: str) -> None:
     kwargs = {"batch_size": 2, **options}
     with pytest.raises(UsageError, match=match):
@@ -150,7 +164,11 @@ def test_cache_key_sensitivity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr("hetpipe.compute.profiler._model_dtype", lambda spec: "bfloat16")
     others.append(profile_cache_path(spec, 2, "titan-v", tmp_path))
     assert len({base, *others}) == len(others) + 1
-    assert base.parent == tmp_path and base.name.startswith("mlp-") and "-b2-titan-v-float32-momentum-" in base.name
+    assert (
+        base.parent == tmp_path
+        and base.name.startswith("mlp-")
+        and "-b2-titan-v-float32-momentum-" in base.name
+    )
 
 
 def test_cache_refuses_or_remeasures_a_wrong_file(tmp_path: Path) -> None:
@@ -173,8 +191,9 @@ def test_cache_refuses_or_remeasures_a_wrong_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("budget_s", "dilated"), [(0.0, 1), (1e9, 15)])
-def test_emulation_cost_times_the_steps_its_wall_budget_begins(budget_s: float, dilated: int,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_emulation_cost_times_the_steps_its_wall_budget_begins(
+    budget_s: float, dilated: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """At least one dilated step, and at most 15 (a large model's one step can take the whole budget)."""
     from hetpipe.compute.stage_compute import StageCompute
 
@@ -196,7 +215,11 @@ def test_derive_profile_scales_times_only(mlp_profile: ModelProfile) -> None:
         assert b.forward_s == pytest.approx(6 * a.forward_s)
         assert b.backward_s == pytest.approx(6 * a.backward_s)
         assert (b.param_bytes, b.saved_bytes, b.output_bytes, b.working_bytes) == (
-            a.param_bytes, a.saved_bytes, a.output_bytes, a.working_bytes)
+            a.param_bytes,
+            a.saved_bytes,
+            a.output_bytes,
+            a.working_bytes,
+        )
     same = derive_profile(mlp_profile, 10.0, 10.0, 1.0)
     assert same.layers == mlp_profile.layers and same.gpu_type == mlp_profile.gpu_type
     assert same.origin == replace(mlp_profile.origin, derived_from="cpu")
@@ -206,7 +229,7 @@ def test_derive_profile_scales_times_only(mlp_profile: ModelProfile) -> None:
         derive_profile(mlp_profile, 1.0, 10.0, float("inf"))
 
 
-# ---------------------------------------------------------------------------------------------- origin and noise
+# ---------------------------------------------------------------------------------------- origin and noise
 
 
 def test_origin_says_when_where_and_how(mlp_profile: ModelProfile) -> None:
@@ -216,13 +239,18 @@ def test_origin_says_when_where_and_how(mlp_profile: ModelProfile) -> None:
     assert timedelta(0) <= age < timedelta(hours=1)
     assert (o.device, o.device_name, o.host) == ("cpu", cpu_model(), host_fingerprint())
     assert len(o.host) == 16 and int(o.host, 16) >= 0
-    assert (o.profiler_version, o.optimizer, o.repeats, o.measured_batch) == (PROFILER_VERSION, "momentum", 2, BATCH)
+    assert (o.profiler_version, o.optimizer, o.repeats, o.measured_batch) == (
+        PROFILER_VERSION,
+        "momentum",
+        2,
+        BATCH,
+    )
     assert o.options_digest == options_digest(get_model("mlp", image_size=8, hidden=(16,)))
     assert o.device_tflops > 0 and (o.load_per_core is None or o.load_per_core >= 0)
     assert (o.derived_from, o.speed_ratio) == ("", 1.0)
-    # measured (not the default 1.0): the whole step dilated over its layers. This MLP's blocks take ~0.1 ms, and
-    # on a 2-core VM each one after a sleep ran 1-100x slower (cold caches and clocks; 0.8-135 seen): no bound on
-    # a timing here, only that it was measured
+    # measured (not the default 1.0): the whole step dilated over its layers. This MLP's blocks take ~0.1 ms,
+    # and on a 2-core VM each one after a sleep ran 1-100x slower (cold caches and clocks; 0.8-135 seen): no
+    # bound on a timing here, only that it was measured
     assert 0 < o.emulation_cost < math.inf and o.emulation_cost != 1.0
     assert all(layer.spread == 0.0 for layer in mlp_profile.layers)  # 2 repeats: too few to judge
     hostname = socket.gethostname()
@@ -237,13 +265,16 @@ def test_bfloat16_profile_halves_the_weights() -> None:
     bf16 = profile_model(spec, 2, repeats=1, dtype="bfloat16")
     assert (fp32.dtype, bf16.dtype) == ("float32", "bfloat16")
     assert [2 * layer.param_bytes for layer in bf16.layers] == [layer.param_bytes for layer in fp32.layers]
-    assert profile_cache_path(spec, 2, "cpu", "c", dtype="bfloat16") != profile_cache_path(spec, 2, "cpu", "c")
+    assert profile_cache_path(spec, 2, "cpu", "c", dtype="bfloat16") != profile_cache_path(
+        spec, 2, "cpu", "c"
+    )
     with pytest.raises(UsageError, match="choose one of: float32, bfloat16"):
         profile_model(spec, 2, dtype="float16")
 
 
 def steady_steps(monkeypatch: pytest.MonkeyPatch, times: Iterator[tuple[float, float]] | None = None) -> None:
-    """Every timed forward+backward takes what `times` says (default 1 ms + 2 ms): the repeats are injected."""
+    """Every timed forward+backward takes what `times` says (default 1 ms + 2 ms): the repeats are
+    injected."""
     from hetpipe.compute import profiler
 
     real = profiler._Step.__call__
@@ -257,7 +288,8 @@ def steady_steps(monkeypatch: pytest.MonkeyPatch, times: Iterator[tuple[float, f
 
 
 def loads(monkeypatch: pytest.MonkeyPatch, *values: float) -> None:
-    """load_per_core returns `values` in turn (two per measurement: before and after), then the last forever."""
+    """load_per_core returns `values` in turn (two per measurement: before and after), then the last
+    forever."""
     sequence = itertools.chain(values, itertools.repeat(values[-1]))
     monkeypatch.setattr("hetpipe.compute.profiler.load_per_core", lambda: next(sequence))
 
@@ -286,9 +318,13 @@ def test_busy_machine_is_measured_again_then_flagged(monkeypatch: pytest.MonkeyP
     loads(monkeypatch, 3 * BUSY_LOAD)  # busy throughout: measured twice, kept flagged
     busy = profile_checked(spec, 2, repeats=3, on_flagged=heard.append)
     assert len(measured) == 2 and heard == [measured[0]]
-    assert busy.origin.flags == (f"busy: load average {3 * BUSY_LOAD:.2f} per core while measuring (limit {BUSY_LOAD:g})",)
+    assert busy.origin.flags == (
+        f"busy: load average {3 * BUSY_LOAD:.2f} per core while measuring (limit {BUSY_LOAD:g})",
+    )
     measured.clear()
-    loads(monkeypatch, 3 * BUSY_LOAD, 3 * BUSY_LOAD, 0.1)  # quiet again for the second measurement: that one is kept
+    loads(
+        monkeypatch, 3 * BUSY_LOAD, 3 * BUSY_LOAD, 0.1
+    )  # quiet again for the second measurement: that one is kept
     quiet = profile_checked(spec, 2, repeats=3)
     assert len(measured) == 2 and quiet is measured[1] and not quiet.origin.flagged
     measured.clear()
@@ -315,8 +351,20 @@ def test_cli_profile_refresh_replaces_the_entry(tmp_path: Path, monkeypatch: pyt
     from hetpipe.cli import cli
 
     steady_steps(monkeypatch)
-    args = ["profile", "mlp", "--batch", "2", "--option", "image_size=4", "--option", "hidden=[8]", "--repeats", "3",
-            "--cache", str(tmp_path)]
+    args = [
+        "profile",
+        "mlp",
+        "--batch",
+        "2",
+        "--option",
+        "image_size=4",
+        "--option",
+        "hidden=[8]",
+        "--repeats",
+        "3",
+        "--cache",
+        str(tmp_path),
+    ]
     loads(monkeypatch, 3 * BUSY_LOAD)
     first = CliRunner().invoke(cli, args)
     assert first.exit_code == 0, first.output
@@ -328,5 +376,7 @@ def test_cli_profile_refresh_replaces_the_entry(tmp_path: Path, monkeypatch: pyt
     refreshed = CliRunner().invoke(cli, [*args, "--refresh"])
     assert refreshed.exit_code == 0, refreshed.output
     assert "profiled in" in refreshed.output and "flagged" not in refreshed.output
-    path = profile_cache_path(get_model("mlp", image_size=4, hidden=[8]), 2, "cpu", tmp_path)  # a list, as parsed
+    path = profile_cache_path(
+        get_model("mlp", image_size=4, hidden=[8]), 2, "cpu", tmp_path
+    )  # a list, as parsed
     assert not ModelProfile.load(path).origin.flagged

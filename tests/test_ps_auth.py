@@ -18,7 +18,10 @@ from hetpipe.worker.ps_client import PSClient, PSError
 
 from conftest import start_shard
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support"),
+]
 
 RUN = "guarded"
 PLACE = {"k": 0}
@@ -35,8 +38,19 @@ def start(children, keys: Path) -> tuple[str, object]:
 
 
 def client(endpoint: str, keys: Path, user: str, vw: int, **kw) -> PSClient:
-    return PSClient([endpoint], RUN, vw, 0, 2, 1, PLACE, timeout_s=kw.pop("timeout_s", 10), retry_s=1,
-                    curve=client_keys(keys, user), **kw)
+    return PSClient(
+        [endpoint],
+        RUN,
+        vw,
+        0,
+        2,
+        1,
+        PLACE,
+        timeout_s=kw.pop("timeout_s", 10),
+        retry_s=1,
+        curve=client_keys(keys, user),
+        **kw,
+    )
 
 
 def wait_for_log(child, text: str, timeout_s: float = 10.0) -> str:
@@ -96,9 +110,22 @@ def test_five_unauthorised_clients_are_refused_and_logged(children, keys: Path, 
                 sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
             monitor = sock.get_monitor_socket()
             sock.connect(endpoint)
-            register = {"id": 1, "run": RUN, "vw": 0, "stage": 0, "num_vws": 2, "num_stages": 1, "want_weights": True,
-                        "num_waves": 0, "buffers": [], "ledgers": [], "start_wave": 0}
-            sock.send_multipart(wire.encode("register", register, {"k": np.zeros(3, np.float32)}), flags=zmq.NOBLOCK)
+            register = {
+                "id": 1,
+                "run": RUN,
+                "vw": 0,
+                "stage": 0,
+                "num_vws": 2,
+                "num_stages": 1,
+                "want_weights": True,
+                "num_waves": 0,
+                "buffers": [],
+                "ledgers": [],
+                "start_wave": 0,
+            }
+            sock.send_multipart(
+                wire.encode("register", register, {"k": np.zeros(3, np.float32)}), flags=zmq.NOBLOCK
+            )
             socks[name] = (sock, monitor)
         time.sleep(2.0)
         for name, (sock, _) in socks.items():
@@ -106,9 +133,13 @@ def test_five_unauthorised_clients_are_refused_and_logged(children, keys: Path, 
         # the clients the ZAP handler refused were told so in their handshake
         for name in ("unknown key", "the server's key pair as a client"):
             assert "HANDSHAKE_FAILED_AUTH" in handshake_events(socks[name][1]), name
-        # a client without CURVE fails its handshake too: as a protocol error when it reads the server's greeting
-        # (mechanism CURVE) before the server hangs up on its own, else with no detail (seen on a loaded machine)
-        assert handshake_events(socks["plain"][1]) & {"HANDSHAKE_FAILED_PROTOCOL", "HANDSHAKE_FAILED_NO_DETAIL"}
+        # a client without CURVE fails its handshake too: as a protocol error when it reads the server's
+        # greeting (mechanism CURVE) before the server hangs up on its own, else with no detail (seen on a
+        # loaded machine)
+        assert handshake_events(socks["plain"][1]) & {
+            "HANDSHAKE_FAILED_PROTOCOL",
+            "HANDSHAKE_FAILED_NO_DETAIL",
+        }
     finally:
         for sock, monitor in socks.values():
             sock.disable_monitor()
@@ -118,8 +149,13 @@ def test_five_unauthorised_clients_are_refused_and_logged(children, keys: Path, 
     with client(endpoint, keys, "admin", 0) as admin:
         assert admin.status()[0]["registered"] == 0  # none of them got in
     log = wait_for_log(shard, f"with key {stranger_public.decode()}")
-    assert f"refused a CURVE key that is not one of this run's keys from 127.0.0.1 with key {server.public.decode()}" in log
-    assert "refused a CURVE handshake that does not verify" in log  # another run's server key; a forged secret
+    assert (
+        "refused a CURVE key that is not one of this run's keys from 127.0.0.1 "
+        f"with key {server.public.decode()}" in log
+    )
+    assert (
+        "refused a CURVE handshake that does not verify" in log
+    )  # another run's server key; a forged secret
     assert "refused a client without CURVE keys" in log or "refused a client whose handshake failed" in log
     assert log.count("refused a CURVE handshake that does not verify") < 5  # retries are counted, not logged
 
@@ -145,4 +181,6 @@ def test_a_vw_cannot_push_as_another(children, keys: Path):
     with client(endpoint, keys, "admin", 0) as admin:
         info = admin.status()[0]
         assert info["registered"] == 2 and info["c_local"] == [1, 1]
-        np.testing.assert_array_equal(admin.read()["k"], [2.0, 2.0, 2.0])  # W_1: the impostor's 100s never landed
+        np.testing.assert_array_equal(
+            admin.read()["k"], [2.0, 2.0, 2.0]
+        )  # W_1: the impostor's 100s never landed

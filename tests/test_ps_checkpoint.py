@@ -57,7 +57,9 @@ def wait_for(path: Path, timeout: float = 10.0) -> None:
 @pytest.mark.slow
 def test_sigkill_restart_resumes_bit_for_bit(children, tmp_path: Path):
     ckdir = tmp_path / "ckpt"
-    settings = ShardSettings("ck", 0, "tcp://127.0.0.1:0", 1, "exact", ckdir, checkpoint_every=1, checkpoint_keep=5)
+    settings = ShardSettings(
+        "ck", 0, "tcp://127.0.0.1:0", 1, "exact", ckdir, checkpoint_every=1, checkpoint_keep=5
+    )
     endpoint, server = start_shard(children, settings, name="ps-a")
     rng = np.random.default_rng(0)
     shape = (64, 33)

@@ -1,5 +1,6 @@
-"""A stage's PS link with its agent in a process of its own (worker/ps_link.py, worker/agent_process.py), against a
-real shard: registration, pushes and pulls through the shared buffers, the agent's end, and its pipe."""
+"""A stage's PS link with its agent in a process of its own (worker/ps_link.py, worker/agent_process.py),
+against a real shard: registration, pushes and pulls through the shared buffers, the agent's end, and its
+pipe."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from hetpipe.worker.transfer import PushStaging
 
 from conftest import start_shard
 
-VALUES = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([0.5, -1.0]),
-          "bn.count": torch.tensor(7, dtype=torch.int64)}
+VALUES = {
+    "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+    "b": torch.tensor([0.5, -1.0]),
+    "bn.count": torch.tensor(7, dtype=torch.int64),
+}
 KINDS = {"w": "param", "b": "param", "bn.count": "buffer"}
 
 
@@ -32,8 +36,16 @@ def spec(endpoint: str, run: str, vw: int = 0, num_vws: int = 1) -> ClientSpec:
 
 
 def link(endpoint: str, run: str, on_fatal=lambda exc: None, vw: int = 0, num_vws: int = 1) -> ProcessLink:
-    return ProcessLink(spec(endpoint, run, vw, num_vws), FlatLayout.of(VALUES), torch.device("cpu"),
-                       TraceRecorder(f"vw{vw}", 0), 1000, 0.0, on_fatal, f"test-{run}-vw{vw}")
+    return ProcessLink(
+        spec(endpoint, run, vw, num_vws),
+        FlatLayout.of(VALUES),
+        torch.device("cpu"),
+        TraceRecorder(f"vw{vw}", 0),
+        1000,
+        0.0,
+        on_fatal,
+        f"test-{run}-vw{vw}",
+    )
 
 
 def test_auto_puts_the_agent_of_a_cuda_stage_in_a_process():
@@ -71,8 +83,19 @@ def test_pipe_messages_round_trip_and_refuse_garbage():
 def test_client_spec_crosses_the_pipe_whole():
     from hetpipe.core.keys import ClientKeys
 
-    keyed = ClientSpec(["tcp://127.0.0.1:1"], "r", 1, 0, 2, 1, {"w": 0}, 5.0, 1.0,
-                       ClientKeys("vw1", b"pub", b"secret", b"server"), "bfloat16")
+    keyed = ClientSpec(
+        ["tcp://127.0.0.1:1"],
+        "r",
+        1,
+        0,
+        2,
+        1,
+        {"w": 0},
+        5.0,
+        1.0,
+        ClientKeys("vw1", b"pub", b"secret", b"server"),
+        "bfloat16",
+    )
     for one in (keyed, spec("tcp://127.0.0.1:1", "r")):
         buf = io.BytesIO()
         PipeWriter(buf).send("setup", client=one.fields())
@@ -87,8 +110,12 @@ def test_process_link_registers_pushes_and_pulls_through_shared_buffers(children
     assert not a.shared.path.exists(), "the shared file is unlinked once both processes map it"
     w0 = {}
     for one in (a, b):  # concurrently: a shard answers the registrations once every VW has registered
-        threading.Thread(target=lambda one=one: w0.setdefault(id(one), one.register(
-            VALUES, KINDS, num_waves=4, start_wave=0, pulls=True)), daemon=True).start()
+        threading.Thread(
+            target=lambda one=one: w0.setdefault(
+                id(one), one.register(VALUES, KINDS, num_waves=4, start_wave=0, pulls=True)
+            ),
+            daemon=True,
+        ).start()
     for _ in range(200):
         if len(w0) == 2:
             break
@@ -154,7 +181,8 @@ def test_the_agent_process_ends_when_the_pipe_closes(children):
 
 def test_shared_buffers_go_where_there_is_room(tmp_path, monkeypatch):
     """A file bigger than its filesystem's free space kills whoever touches the missing pages (a container's
-    /dev/shm is often 64 MiB): such a folder is passed over, and with no room anywhere the error names the fixes."""
+    /dev/shm is often 64 MiB): such a folder is passed over, and with no room anywhere the error names the
+    fixes."""
     from hetpipe.worker import shared_host
 
     roomy, cramped = tmp_path / "roomy", tmp_path / "cramped"
@@ -198,12 +226,31 @@ def test_an_agent_process_talks_curve_with_the_stages_keys(children, tmp_path):
     if not zmq.has("curve"):
         pytest.skip("this libzmq has no CURVE support")
     write_keys(tmp_path / "keys", key_users(1))
-    endpoint, _ = start_shard(children, ShardSettings("curved", 0, "tcp://127.0.0.1:0", 0,
-                                                      keys=server_keys(tmp_path / "keys", 1)))
-    keyed = ClientSpec([endpoint], "curved", 0, 0, 1, 1, dict.fromkeys(VALUES, 0), timeout_s=10, retry_s=2,
-                       curve=client_keys(tmp_path / "keys", "vw0"))
-    one = ProcessLink(keyed, FlatLayout.of(VALUES), torch.device("cpu"), TraceRecorder("vw0", 0), 1000, 0.0,
-                      lambda exc: None, "test-curved")
+    endpoint, _ = start_shard(
+        children, ShardSettings("curved", 0, "tcp://127.0.0.1:0", 0, keys=server_keys(tmp_path / "keys", 1))
+    )
+    keyed = ClientSpec(
+        [endpoint],
+        "curved",
+        0,
+        0,
+        1,
+        1,
+        dict.fromkeys(VALUES, 0),
+        timeout_s=10,
+        retry_s=2,
+        curve=client_keys(tmp_path / "keys", "vw0"),
+    )
+    one = ProcessLink(
+        keyed,
+        FlatLayout.of(VALUES),
+        torch.device("cpu"),
+        TraceRecorder("vw0", 0),
+        1000,
+        0.0,
+        lambda exc: None,
+        "test-curved",
+    )
     w0 = one.register(VALUES, KINDS, num_waves=2, start_wave=0, pulls=False)
     np.testing.assert_array_equal(w0["w"], VALUES["w"].numpy())
     one.close(timeout_s=5)

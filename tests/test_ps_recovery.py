@@ -1,5 +1,5 @@
-"""Exactly-once pushes across PS crashes: shards killed with SIGKILL mid-run and restarted from their checkpoints
-while the stages go on; every stage's update lands exactly once (docs/recovery.md)."""
+"""Exactly-once pushes across PS crashes: shards killed with SIGKILL mid-run and restarted from their
+checkpoints while the stages go on; every stage's update lands exactly once (docs/recovery.md)."""
 
 from __future__ import annotations
 
@@ -31,14 +31,24 @@ def test_shards_killed_and_restarted_lose_and_repeat_nothing(children, tmp_path:
     spec = LedgerSpec(run="chaos", num_vws=2, num_stages=2, num_waves=24, staleness=1, pull_mode=mode)
     settings, endpoints, servers = [], [], []
     for s in range(2):
-        first = ShardSettings(spec.run, s, "tcp://127.0.0.1:0", spec.staleness, mode, tmp_path / f"shard-{s}",
-                              checkpoint_every=1)
+        first = ShardSettings(
+            spec.run,
+            s,
+            "tcp://127.0.0.1:0",
+            spec.staleness,
+            mode,
+            tmp_path / f"shard-{s}",
+            checkpoint_every=1,
+        )
         endpoint, child = start_shard(children, first, name=f"ps{s}-0")
         settings.append(replace(first, endpoint=endpoint))  # a restart takes the same port
         endpoints.append(endpoint)
         servers.append(child)
-    stages = [children.start(f"vw{v}-s{j}", ledger_stage, endpoints, spec, v, j, 0.05, 7)
-              for v in range(spec.num_vws) for j in range(spec.num_stages)]
+    stages = [
+        children.start(f"vw{v}-s{j}", ledger_stage, endpoints, spec, v, j, 0.05, 7)
+        for v in range(spec.num_vws)
+        for j in range(spec.num_stages)
+    ]
     rng = random.Random(3)
     for kill in range(4):  # at random moments: mid-push, mid-checkpoint, while a pull is parked
         time.sleep(rng.uniform(0.2, 0.8))

@@ -1,4 +1,5 @@
-"""Multi-process tests of the PS: real shards and clients on 127.0.0.1 (hetpipe.server, hetpipe.worker.ps_client)."""
+"""Multi-process tests of the PS: real shards and clients on 127.0.0.1 (hetpipe.server,
+hetpipe.worker.ps_client)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def admin(endpoints: list[str], run: str) -> PSClient:
 def test_three_vws_ledger_every_slot_exactly_once(children, staleness, mode, shards):
     spec = LedgerSpec(run="ledger", num_vws=3, num_stages=2, num_waves=8, staleness=staleness, pull_mode=mode)
     endpoints = [
-        start_shard(children, ShardSettings(spec.run, s, "tcp://127.0.0.1:0", staleness, mode), name=f"ps{s}")[0]
+        start_shard(
+            children, ShardSettings(spec.run, s, "tcp://127.0.0.1:0", staleness, mode), name=f"ps{s}"
+        )[0]
         for s in range(shards)
     ]
     pauses = [0.0, 0.01, 0.04]  # VW 2 is the slow one; VW 0 runs as fast as the bound lets it
@@ -79,7 +82,8 @@ def test_pull_timeout_names_the_vw_everyone_waits_for(children):
 
 def test_placement_spreads_keys_and_every_shard_gets_its_part(children):
     endpoints = [
-        start_shard(children, ShardSettings("spread", s, "tcp://127.0.0.1:0", 0), name=f"ps{s}")[0] for s in range(3)
+        start_shard(children, ShardSettings("spread", s, "tcp://127.0.0.1:0", 0), name=f"ps{s}")[0]
+        for s in range(3)
     ]
     sizes = {f"k{i}": 4 * (i + 1) for i in range(9)}
     place = balanced_placement(sizes, 3)
@@ -110,7 +114,9 @@ def test_non_finite_pushes_and_registrations_are_refused(children, bad: float):
             ps.push(1, {"k": np.ones(2, np.float32), "j": poisoned[2:]})
         nans, infs = (1, 0) if np.isnan(bad) else (0, 1)
         assert err.value.code == "non_finite"
-        assert f"push of vw 0 stage 0 wave 1: tensor 'j' holds {nans} NaN and {infs} inf values" in str(err.value)
+        assert f"push of vw 0 stage 0 wave 1: tensor 'j' holds {nans} NaN and {infs} inf values" in str(
+            err.value
+        )
         assert ps.status()[0]["c_global"] == 1  # the refused wave did not count
         ps.push(1, {"k": np.ones(2, np.float32), "j": np.ones(2, np.float32)})  # a clean retry does
         assert ps.read()["j"].tolist() == [2.0, 2.0]
@@ -123,13 +129,17 @@ def test_a_stage_parks_one_pull_at_a_time(children):
 
     endpoint, _ = start_shard(children, ShardSettings("park", 0, "tcp://127.0.0.1:0", 0))
     place = {"k": 0}
-    with PSClient([endpoint], "park", 0, 0, 2, 1, place, timeout_s=5, retry_s=1) as fast, \
-            PSClient([endpoint], "park", 1, 0, 2, 1, place, timeout_s=5, retry_s=1) as slow:
+    with (
+        PSClient([endpoint], "park", 0, 0, 2, 1, place, timeout_s=5, retry_s=1) as fast,
+        PSClient([endpoint], "park", 1, 0, 2, 1, place, timeout_s=5, retry_s=1) as slow,
+    ):
         fast.register({"k": np.zeros(2, np.float32)})
         slow.register({"k": np.zeros(2, np.float32)})
         sock = fast.sockets[0]  # the registered connection, driven by hand
         for request_id in (101, 102, 102, 103):  # 102 twice: a retry keeps its place
-            sock.send_multipart(wire.encode("pull", {"id": request_id, "run": "park", "vw": 0, "stage": 0, "wave": 2}))
+            sock.send_multipart(
+                wire.encode("pull", {"id": request_id, "run": "park", "vw": 0, "stage": 0, "wave": 2})
+            )
         replies = [wire.decode(sock.recv_multipart()) for _ in range(2)]
         assert [(r.fields["id"], r.fields["code"]) for r in replies] == [(101, "conflict"), (102, "conflict")]
         assert "replaced by pull 102 of wave 2" in replies[0].fields["message"]
@@ -143,12 +153,15 @@ def test_a_stage_parks_one_pull_at_a_time(children):
 
 
 def test_a_client_facing_no_server_times_out_and_says_so(children):
-    """Nothing listens: the request and its status probe time out (once each), the message says the PS is silent."""
+    """Nothing listens: the request and its status probe time out (once each), the message says the PS is
+    silent."""
     from hetpipe.core.procs import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    with PSClient([endpoint], "none", 0, 0, 1, 1, {"k": 0}, timeout_s=1, retry_s=0.25) as ps, \
-            pytest.raises(PSTimeout) as err:
+    with (
+        PSClient([endpoint], "none", 0, 0, 1, 1, {"k": 0}, timeout_s=1, retry_s=0.25) as ps,
+        pytest.raises(PSTimeout) as err,
+    ):
         ps.register({"k": np.zeros(2, np.float32)})
     assert "register by vw 0 stage 0 got no answer" in str(err.value)
     assert "does not answer either: is it running?" in str(err.value)
@@ -165,14 +178,17 @@ def test_a_curve_client_facing_a_plain_shard_times_out_naming_its_key(children, 
     write_keys(tmp_path / "keys", key_users(1))
     endpoint, _ = start_shard(children, ShardSettings("plain", 0, "tcp://127.0.0.1:0", 0))
     curve = client_keys(tmp_path / "keys", "vw0")
-    with PSClient([endpoint], "plain", 0, 0, 1, 1, {"k": 0}, timeout_s=1, retry_s=0.25, curve=curve) as ps, \
-            pytest.raises(PSTimeout) as err:
+    with (
+        PSClient([endpoint], "plain", 0, 0, 1, 1, {"k": 0}, timeout_s=1, retry_s=0.25, curve=curve) as ps,
+        pytest.raises(PSTimeout) as err,
+    ):
         ps.register({"k": np.zeros(2, np.float32)})
     assert "Or it refuses this client's CURVE key (vw0)" in str(err.value)
 
 
 def test_bfloat16_on_the_wire_both_ways_while_the_ps_adds_in_float32(children):
-    """[ps] wire_dtype = "bfloat16": pushes and pulls go packed (half the bytes), the PS keeps float32 weights."""
+    """[ps] wire_dtype = "bfloat16": pushes and pulls go packed (half the bytes), the PS keeps float32
+    weights."""
     from hetpipe.core.wire import from_bfloat16_bits, to_bfloat16_bits
 
     def bf16(x: np.ndarray) -> np.ndarray:
@@ -181,7 +197,9 @@ def test_bfloat16_on_the_wire_both_ways_while_the_ps_adds_in_float32(children):
     endpoint, _ = start_shard(children, ShardSettings("bf", 0, "tcp://127.0.0.1:0", 0, wire_dtype="bfloat16"))
     rng = np.random.default_rng(0)
     w0, d0, d1 = (rng.standard_normal(1000).astype(np.float32) * s for s in (1.0, 1e-3, 1e-3))
-    with PSClient([endpoint], "bf", 0, 0, 1, 1, {"k": 0}, timeout_s=10, retry_s=1, wire_dtype="bfloat16") as ps:
+    with PSClient(
+        [endpoint], "bf", 0, 0, 1, 1, {"k": 0}, timeout_s=10, retry_s=1, wire_dtype="bfloat16"
+    ) as ps:
         np.testing.assert_array_equal(ps.register({"k": w0})["k"], w0)  # W_0 goes as it is
         ps.push(0, {"k": d0})
         ps.push(1, {"k": d1})

@@ -10,7 +10,9 @@ from hetpipe.core.schedule import BACKWARD, SCHEDULES, get_schedule, needs, pars
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
-@pytest.mark.parametrize(("stages", "nm", "staleness"), [(1, 1, 0), (2, 2, 0), (3, 2, 1), (4, 4, 0), (3, 5, 2)])
+@pytest.mark.parametrize(
+    ("stages", "nm", "staleness"), [(1, 1, 0), (2, 2, 0), (3, 2, 1), (4, 4, 0), (3, 5, 2)]
+)
 def test_the_cut_after_push_c_minus_1_is_one_only_activations_cross(name, stages, nm, staleness):
     """After its PUSH c-1 every stage has run the backwards of exactly the waves < c, and has forwarded at
     least what the next stage has: no gradient crosses the cut, and the activations that do are the
@@ -22,8 +24,9 @@ def test_the_cut_after_push_c_minus_1_is_one_only_activations_cross(name, stages
             done = {a.index for a in schedule.stages[j][: positions[j]] if a.kind == BACKWARD}
             assert done == set(range(wave * nm)), (name, j, wave)
         for j in range(stages - 1):
-            assert forwarded_before(schedule.stages[j], positions[j]) >= forwarded_before(schedule.stages[j + 1],
-                                                                                          positions[j + 1])
+            assert forwarded_before(schedule.stages[j], positions[j]) >= forwarded_before(
+                schedule.stages[j + 1], positions[j + 1]
+            )
 
 
 def test_cut_position_names_the_action_after_the_push():
@@ -48,12 +51,15 @@ def test_a_rejoining_vw_runs_the_rest_of_every_list_without_deadlock(name):
     while any(position[j] < len(rest[j]) for j in range(len(rest))):
         moved = False
         for j, actions in enumerate(rest):
-            while position[j] < len(actions) and all(other in done[peer] for peer, other in
-                                                     needs(actions[position[j]], j, len(rest))):
+            while position[j] < len(actions) and all(
+                other in done[peer] for peer, other in needs(actions[position[j]], j, len(rest))
+            ):
                 done[j].add(actions[position[j]])
                 position[j] += 1
                 moved = True
-        assert moved, f"deadlock at {[str(rest[j][position[j]]) for j in range(len(rest)) if position[j] < len(rest[j])]}"
+        assert moved, "deadlock at " + str(
+            [str(rest[j][position[j]]) for j in range(len(rest)) if position[j] < len(rest[j])]
+        )
 
 
 def test_snapshot_floor_keeps_what_the_ps_may_still_hold():

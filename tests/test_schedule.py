@@ -1,4 +1,5 @@
-"""Tests for hetpipe/schedule.py: literal tables derived by hand from docs/schedules.md and docs/wsp.md#gate, properties, the validator."""
+"""Tests for hetpipe/schedule.py: literal tables derived by hand from docs/schedules.md and docs/wsp.md#gate,
+properties, the validator."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def test_action_rejects_bad_kind_and_index() -> None:
     assert issubclass(ScheduleError, HetpipeError)
 
 
-# --- the wsp generator against literal tables (derived by hand from docs/schedules.md#wsp and docs/wsp.md#gate) ---------
+# --- the wsp generator against literal tables ------------------------------------------------
+# (derived by hand from docs/schedules.md#wsp and docs/wsp.md#gate)
 
 
 def test_one_stage_one_in_flight_is_sequential_with_gate_from_wave_2() -> None:
@@ -109,19 +111,40 @@ def test_two_stages_nm_2_two_waves() -> None:
 def test_four_stages_nm_4_three_waves() -> None:
     s = wsp_schedule(4, 4, 3, 0)
     assert s.stages == lists(
-        "F0 F1 F2 F3 B0 U0 F4 B1 U1 F5 B2 U2 F6 B3 U3 PUSH0 F7 B4 U4 WAIT2 F8 B5 U5 F9 B6 U6 F10 B7 U7 PUSH1 F11 B8 U8 B9 U9 B10 U10 B11 U11 PUSH2",
-        "F0 F1 F2 B0 U0 F3 B1 U1 F4 B2 U2 F5 B3 U3 PUSH0 F6 B4 U4 F7 B5 U5 WAIT2 F8 B6 U6 F9 B7 U7 PUSH1 F10 B8 U8 F11 B9 U9 B10 U10 B11 U11 PUSH2",
-        "F0 F1 B0 U0 F2 B1 U1 F3 B2 U2 F4 B3 U3 PUSH0 F5 B4 U4 F6 B5 U5 F7 B6 U6 WAIT2 F8 B7 U7 PUSH1 F9 B8 U8 F10 B9 U9 F11 B10 U10 B11 U11 PUSH2",
-        "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3 PUSH0 F4 B4 U4 F5 B5 U5 F6 B6 U6 F7 B7 U7 PUSH1 WAIT2 F8 B8 U8 F9 B9 U9 F10 B10 U10 F11 B11 U11 PUSH2",
+        (
+            "F0 F1 F2 F3 B0 U0 F4 B1 U1 F5 B2 U2 F6 B3 U3 PUSH0 F7 B4 U4 "
+            "WAIT2 F8 B5 U5 F9 B6 U6 F10 B7 U7 PUSH1 F11 B8 U8 B9 U9 B10 U10 B11 U11 PUSH2"
+        ),
+        (
+            "F0 F1 F2 B0 U0 F3 B1 U1 F4 B2 U2 F5 B3 U3 PUSH0 F6 B4 U4 F7 B5 U5 "
+            "WAIT2 F8 B6 U6 F9 B7 U7 PUSH1 F10 B8 U8 F11 B9 U9 B10 U10 B11 U11 PUSH2"
+        ),
+        (
+            "F0 F1 B0 U0 F2 B1 U1 F3 B2 U2 F4 B3 U3 PUSH0 F5 B4 U4 F6 B5 U5 F7 B6 U6 "
+            "WAIT2 F8 B7 U7 PUSH1 F9 B8 U8 F10 B9 U9 F11 B10 U10 B11 U11 PUSH2"
+        ),
+        (
+            "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3 PUSH0 F4 B4 U4 F5 B5 U5 F6 B6 U6 F7 B7 U7 PUSH1 "
+            "WAIT2 F8 B8 U8 F9 B9 U9 F10 B10 U10 F11 B11 U11 PUSH2"
+        ),
     )
 
 
 def test_three_stages_nm_3_staleness_1_gates_from_wave_3() -> None:
     s = wsp_schedule(3, 3, 4, 1)
     assert s.stages == lists(
-        "F0 F1 F2 B0 U0 F3 B1 U1 F4 B2 U2 PUSH0 F5 B3 U3 F6 B4 U4 F7 B5 U5 PUSH1 F8 B6 U6 WAIT3 F9 B7 U7 F10 B8 U8 PUSH2 F11 B9 U9 B10 U10 B11 U11 PUSH3",
-        "F0 F1 B0 U0 F2 B1 U1 F3 B2 U2 PUSH0 F4 B3 U3 F5 B4 U4 F6 B5 U5 PUSH1 F7 B6 U6 F8 B7 U7 WAIT3 F9 B8 U8 PUSH2 F10 B9 U9 F11 B10 U10 B11 U11 PUSH3",
-        "F0 B0 U0 F1 B1 U1 F2 B2 U2 PUSH0 F3 B3 U3 F4 B4 U4 F5 B5 U5 PUSH1 F6 B6 U6 F7 B7 U7 F8 B8 U8 PUSH2 WAIT3 F9 B9 U9 F10 B10 U10 F11 B11 U11 PUSH3",
+        (
+            "F0 F1 F2 B0 U0 F3 B1 U1 F4 B2 U2 PUSH0 F5 B3 U3 F6 B4 U4 F7 B5 U5 PUSH1 "
+            "F8 B6 U6 WAIT3 F9 B7 U7 F10 B8 U8 PUSH2 F11 B9 U9 B10 U10 B11 U11 PUSH3"
+        ),
+        (
+            "F0 F1 B0 U0 F2 B1 U1 F3 B2 U2 PUSH0 F4 B3 U3 F5 B4 U4 F6 B5 U5 PUSH1 "
+            "F7 B6 U6 F8 B7 U7 WAIT3 F9 B8 U8 PUSH2 F10 B9 U9 F11 B10 U10 B11 U11 PUSH3"
+        ),
+        (
+            "F0 B0 U0 F1 B1 U1 F2 B2 U2 PUSH0 F3 B3 U3 F4 B4 U4 F5 B5 U5 PUSH1 "
+            "F6 B6 U6 F7 B7 U7 F8 B8 U8 PUSH2 WAIT3 F9 B9 U9 F10 B10 U10 F11 B11 U11 PUSH3"
+        ),
     )
 
 
@@ -169,7 +192,9 @@ def test_generated_schedule_invariants(s: Schedule) -> None:
         if s.name == "pipedream":  # as deep as the pipe, whatever the wave
             assert peak == max(1, min(min(s.nm, s.num_stages) - j, total))
         updates = [a.index for a in actions if a.kind == "U"]
-        assert updates == ([c * s.nm + s.nm - 1 for c in range(s.num_waves)] if per_wave else list(range(total)))
+        assert updates == (
+            [c * s.nm + s.nm - 1 for c in range(s.num_waves)] if per_wave else list(range(total))
+        )
         for i, a in enumerate(actions):
             if a.kind == "PUSH":
                 assert actions[i - 1] == Action("U", a.index * s.nm + s.nm - 1)
@@ -188,9 +213,14 @@ def test_dropping_any_action_is_rejected(s: Schedule, data: st.DataObject) -> No
     """Any action but an update that a later update of the same wave can take over (one U per two
     backwards is a valid list too)."""
     j = data.draw(st.integers(0, s.num_stages - 1))
-    droppable = [i for i, a in enumerate(s.stages[j])
-                 if a.kind != "U" or not any(b.kind == "U" and b.index // s.nm == a.index // s.nm and b.index > a.index
-                                             for b in s.stages[j])]
+    droppable = [
+        i
+        for i, a in enumerate(s.stages[j])
+        if a.kind != "U"
+        or not any(
+            b.kind == "U" and b.index // s.nm == a.index // s.nm and b.index > a.index for b in s.stages[j]
+        )
+    ]
     i = data.draw(st.sampled_from(droppable))
     broken = list(s.stages)
     broken[j] = s.stages[j][:i] + s.stages[j][i + 1 :]
@@ -211,9 +241,11 @@ def test_generator_rejects_bad_parameters() -> None:
 def test_2bw_is_1f1b_with_one_update_per_wave() -> None:
     s = get_schedule("pipedream-2bw")(3, 3, 3, 0)
     assert s.stages[0] == parse_actions(
-        "F0 F1 F2 B0 F3 B1 F4 B2 U2 PUSH0 F5 B3 WAIT2 F6 B4 F7 B5 U5 PUSH1 F8 B6 B7 B8 U8 PUSH2")
+        "F0 F1 F2 B0 F3 B1 F4 B2 U2 PUSH0 F5 B3 WAIT2 F6 B4 F7 B5 U5 PUSH1 F8 B6 B7 B8 U8 PUSH2"
+    )
     assert s.stages[2] == parse_actions(
-        "F0 B0 F1 B1 F2 B2 U2 PUSH0 F3 B3 F4 B4 F5 B5 U5 PUSH1 WAIT2 F6 B6 F7 B7 F8 B8 U8 PUSH2")
+        "F0 B0 F1 B1 F2 B2 U2 PUSH0 F3 B3 F4 B4 F5 B5 U5 PUSH1 WAIT2 F6 B6 F7 B7 F8 B8 U8 PUSH2"
+    )
     # F6 (wave 2) runs before wave 1's update: one update of delay. Two weight versions live from the
     # updates, and a third here because the rebase at WAIT2 makes one while F4 (version 0) is in flight.
     assert s.own_through(0, 6) == 2 and stage_profile(s, 0) == StageProfile(in_flight=3, versions=3)
@@ -250,7 +282,9 @@ def test_1f1b_flush_warms_up_k_minus_j_and_drains_every_wave() -> None:
 
 def test_gpipe_runs_every_forward_then_every_backward() -> None:
     s = get_schedule("gpipe")(2, 2, 2, 0)
-    assert s.stages == lists("F0 F1 B0 B1 U1 PUSH0 F2 F3 B2 B3 U3 PUSH1", "F0 F1 B0 B1 U1 PUSH0 F2 F3 B2 B3 U3 PUSH1")
+    assert s.stages == lists(
+        "F0 F1 B0 B1 U1 PUSH0 F2 F3 B2 B3 U3 PUSH1", "F0 F1 B0 B1 U1 PUSH0 F2 F3 B2 B3 U3 PUSH1"
+    )
     assert [stage_profile(s, j) for j in range(2)] == [StageProfile(2, 1)] * 2
 
 
@@ -262,10 +296,14 @@ def test_wsp_keeps_one_version_per_minibatch_in_flight() -> None:
 def test_unstashed_forwards_are_those_no_update_or_rebase_separates_from_their_backward() -> None:
     wsp = wsp_schedule(2, 2, 2, 0)  # stage 0: F0 F1 B0 U0 F2 B1 U1 PUSH0 F3 B2 U2 B3 U3 PUSH1
     assert [sorted(unstashed_forwards(actions)) for actions in wsp.stages] == [[0], [0, 1, 2, 3]]
-    one = parse_actions("F0 F1 F2 B0 U0 F3 B1 U1 B2 U2 B3 U3 PUSH0")  # wsp's one stage at Nm 3: ahead of its updates
+    one = parse_actions(
+        "F0 F1 F2 B0 U0 F3 B1 U1 B2 U2 B3 U3 PUSH0"
+    )  # wsp's one stage at Nm 3: ahead of its updates
     assert unstashed_forwards(one) == {0}
     assert unstashed_forwards(parse_actions("F0 B0 PUSH0 F1 B1 U1 WAIT1 F2 B2")) == {0, 1, 2}
-    assert unstashed_forwards(parse_actions("F0 WAIT1 B0 F1 U0 B1")) == set()  # a rebase, an update in between
+    assert (
+        unstashed_forwards(parse_actions("F0 WAIT1 B0 F1 U0 B1")) == set()
+    )  # a rebase, an update in between
     flush = get_schedule("1f1b-flush")(3, 4, 2, 1)  # one update a wave, after every backward of it
     assert all(unstashed_forwards(actions) == set(range(8)) for actions in flush.stages)
 
@@ -300,9 +338,14 @@ def test_unknown_schedule_lists_known_names_and_suggests() -> None:
 
 
 def test_register_schedule_adds_a_kind_and_refuses_duplicates() -> None:
-    kind = ScheduleKind("test-fill-drain", SCHEDULES["gpipe"].order, "wave", "wave", "none", True, "for the test")
+    kind = ScheduleKind(
+        "test-fill-drain", SCHEDULES["gpipe"].order, "wave", "wave", "none", True, "for the test"
+    )
     try:
-        assert register_schedule(kind) is kind and get_schedule("test-fill-drain")(2, 2, 1, 0).name == "test-fill-drain"
+        assert (
+            register_schedule(kind) is kind
+            and get_schedule("test-fill-drain")(2, 2, 1, 0).name == "test-fill-drain"
+        )
         with pytest.raises(ValueError, match="registered twice"):
             register_schedule(kind)
     finally:
@@ -373,20 +416,34 @@ def test_forward_before_the_backward_nm_earlier() -> None:
 def test_wave_guarantee_needs_the_whole_previous_wave() -> None:
     # a 1f1b-flush order whose F2 runs before wave 0's update
     stages = lists("F0 F1 B0 F2 B1 U1 PUSH0 B2 F3 B3 U3 PUSH1")
-    with pytest.raises(ScheduleError, match=r"position 3 \(F2\): comes before B0 and its update; guarantee L \(wave\)"):
+    with pytest.raises(
+        ScheduleError, match=r"position 3 \(F2\): comes before B0 and its update; guarantee L \(wave\)"
+    ):
         validate_lists(stages, nm=2, num_waves=2, staleness=0, guarantee="wave", stashing="none")
 
 
 def test_update_rules() -> None:
-    with pytest.raises(ScheduleError, match=r"position 3 \(U0\): an update names the last backward it applies, but "
-                                            r"the last backward before it is B1"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"position 3 \(U0\): an update names the last backward it applies, but "
+        r"the last backward before it is B1",
+    ):
         validate_lists([parse_actions("F0 F1 B1 U0 B0 U1 PUSH0")], nm=2, num_waves=1, staleness=0)
     with pytest.raises(ScheduleError, match=r"applies backwards of waves \[0, 1\]; .* put a U after B0"):
-        validate_lists([parse_actions("F0 B0 F1 B1 U1 PUSH0 PUSH1")], nm=1, num_waves=2, staleness=0,
-                       guarantee="previous-wave")
+        validate_lists(
+            [parse_actions("F0 B0 F1 B1 U1 PUSH0 PUSH1")],
+            nm=1,
+            num_waves=2,
+            staleness=0,
+            guarantee="previous-wave",
+        )
     with pytest.raises(ScheduleError, match=r"F1 is in flight and this schedule keeps no stashed weights"):
-        validate_lists([parse_actions("F0 F1 B0 U0 B1 U1 PUSH0")], nm=2, num_waves=1, staleness=0, stashing="none")
-    with pytest.raises(ScheduleError, match=r"wave 0's update is not complete, B1's update \(U\) has not run"):
+        validate_lists(
+            [parse_actions("F0 F1 B0 U0 B1 U1 PUSH0")], nm=2, num_waves=1, staleness=0, stashing="none"
+        )
+    with pytest.raises(
+        ScheduleError, match=r"wave 0's update is not complete, B1's update \(U\) has not run"
+    ):
         validate_lists([parse_actions("F0 B0 U0 F1 B1 PUSH0")], nm=2, num_waves=1, staleness=0)
     with pytest.raises(ScheduleError, match=r"stage 0: B1 is never applied; put a U after it"):
         validate_lists([parse_actions("F0 B0 U0 F1 B1")], nm=2, num_waves=1, staleness=0)
@@ -514,7 +571,9 @@ def test_simulate_matches_the_figures_of_docs_schedules() -> None:
     assert round(simulate(wsp_schedule(4, 2, 100, 0)).throughput, 2) == 0.11
     assert round(simulate(wsp_schedule(4, 4, 100, 0)).throughput, 2) == 0.33
     # a flush per wave costs the fill and drain every wave: (m + k - 1) slots of 3 per m minibatches
-    assert simulate(get_schedule("1f1b-flush")(4, 4, 100, 0)).throughput == pytest.approx(4 / (7 * 3), rel=0.01)
+    assert simulate(get_schedule("1f1b-flush")(4, 4, 100, 0)).throughput == pytest.approx(
+        4 / (7 * 3), rel=0.01
+    )
 
 
 def test_simulate_rejects_bad_times() -> None:

@@ -14,8 +14,16 @@ from hetpipe.server.shard import ShardServer, ShardSettings
 
 
 def shard(tmp_path: Path | None = None, **changes) -> ShardServer:
-    settings = ShardSettings("r", 0, "tcp://127.0.0.1:0", 0, "exact", checkpoint_dir=tmp_path,
-                             checkpoint_every=1 if tmp_path else 0, **changes)
+    settings = ShardSettings(
+        "r",
+        0,
+        "tcp://127.0.0.1:0",
+        0,
+        "exact",
+        checkpoint_dir=tmp_path,
+        checkpoint_every=1 if tmp_path else 0,
+        **changes,
+    )
     server = ShardServer(settings, log=lambda line: None)
     for vw in range(2):
         for stage in range(2):

@@ -26,7 +26,13 @@ GB = 1e9  # 8 Gbit/s moves GB bytes per second
 
 
 def stage(
-    forward: float, backward: float, *, recv: float = 0.0, send: float = 0.0, params: int = 0, layers: int = 1,
+    forward: float,
+    backward: float,
+    *,
+    recv: float = 0.0,
+    send: float = 0.0,
+    params: int = 0,
+    layers: int = 1,
     gpu: str = "n0:0",
 ) -> StagePlan:
     return StagePlan(gpu, "g", 0, layers, forward, backward, recv, send, 0, 0, params)
@@ -82,15 +88,22 @@ def test_push_and_pull_timed_on_the_shared_ps_link_by_hand() -> None:
     assert result.vws[0].wave_done_s == (4.0, 8.0, 10.0) and result.vws[1].wave_done_s == (5.0, 9.0, 11.0)
     assert result.vws[0].pull_s == 1.0 and result.vws[1].pull_s == 2.0  # vw1's queued behind vw0's
     assert result.vws[0].gate_wait_s == 0.0 and result.vws[1].gate_wait_s == 1.0
-    assert [(g.time_s, g.vw, g.wave, g.completed) for g in result.gates] == [(6.0, 0, 2, (1, 1)), (7.0, 1, 2, (1, 1))]
+    assert [(g.time_s, g.vw, g.wave, g.completed) for g in result.gates] == [
+        (6.0, 0, 2, (1, 1)),
+        (7.0, 1, 2, (1, 1)),
+    ]
 
 
 def test_transfers_split_between_forward_and_backward() -> None:
-    three = vw(stage(1.0, 2.0, recv=0.2, send=0.4), stage(1.0, 2.0, recv=0.4, send=0.6), stage(1.0, 2.0, recv=0.6))
+    three = vw(
+        stage(1.0, 2.0, recv=0.2, send=0.4), stage(1.0, 2.0, recv=0.4, send=0.6), stage(1.0, 2.0, recv=0.6)
+    )
     forward, backward = stage_times(three)
     # stage 0 sends its activation forward and receives a gradient backward; the last stage the reverse
     assert forward == pytest.approx([1.4, 1.5, 1.6]) and backward == pytest.approx([2.2, 2.5, 2.0])
-    assert [f + b for f, b in zip(forward, backward, strict=True)] == pytest.approx([s.time_s for s in three.stages])
+    assert [f + b for f, b in zip(forward, backward, strict=True)] == pytest.approx(
+        [s.time_s for s in three.stages]
+    )
 
 
 def test_full_pipeline_approaches_batch_over_bottleneck() -> None:
@@ -107,18 +120,25 @@ def test_full_pipeline_approaches_batch_over_bottleneck() -> None:
 @pytest.mark.parametrize("staleness", [0, 1, 100])
 def test_agrees_with_the_schedule_timeline_when_ps_is_free(nm: int, staleness: int) -> None:
     three = vw(
-        stage(1.0, 2.0, send=0.25), stage(1.5, 2.5, recv=0.25, send=0.5), stage(0.5, 1.0, recv=0.5),
-        nm=nm, param_bytes=10**6,
+        stage(1.0, 2.0, send=0.25),
+        stage(1.5, 2.5, recv=0.25, send=0.5),
+        stage(0.5, 1.0, recv=0.5),
+        nm=nm,
+        param_bytes=10**6,
     )
     result = simulate(plan(three, staleness=staleness), waves=6, ps_gbps=math.inf)
     timeline = simulate_schedule(wsp_schedule(3, nm, 6, staleness), *stage_times(three))
-    compute = {(e.stage, e.action, e.start, e.end) for e in result.events if e.action.kind in (FORWARD, BACKWARD)}
-    assert compute == {(e.stage, e.action, e.start, e.end) for e in timeline.events if e.action.kind in (FORWARD, BACKWARD)}
+    compute = {
+        (e.stage, e.action, e.start, e.end) for e in result.events if e.action.kind in (FORWARD, BACKWARD)
+    }
+    assert compute == {
+        (e.stage, e.action, e.start, e.end) for e in timeline.events if e.action.kind in (FORWARD, BACKWARD)
+    }
     assert result.makespan_s == timeline.makespan
     assert result.samples_per_s == BATCH * timeline.throughput
 
 
-# ---------------------------------------------------------------------------------------------- WSP across VWs
+# ------------------------------------------------------------------------------------------ WSP across VWs
 
 
 def two_speeds(staleness: int, params: int = 0) -> Plan:
@@ -150,12 +170,15 @@ def test_larger_d_lets_the_fast_worker_run_ahead_and_raises_throughput() -> None
     finish = [free[d].vws[0].finish_s for d in (0, 1, 3, 20)]
     assert finish[0] > finish[1] > finish[2] > finish[3]
     assert free[20].vws[0].wave_s == pytest.approx(2 * 3.0)  # unbounded: its own pace
-    # Fixed waves per VW, free PS: the slow VW never waits, so the run's length and throughput do not depend on D.
+    # Fixed waves per VW, free PS: the slow VW never waits, so the run's length and throughput do not depend
+    # on D.
     assert len({r.samples_per_s for r in free.values()}) == 1
     # With a shared PS link the slow VW's own pushes queue behind the fast one's; a larger D waits for
     # older waves, so it blocks less and the whole run goes faster.
     # (At 1 Gbit/s the pushes hide behind compute entirely; at 0.1 they queue.)
-    loaded = [simulate(two_speeds(d, params=10**8), waves=12, ps_gbps=0.1).samples_per_s for d in (0, 1, 3, 20)]
+    loaded = [
+        simulate(two_speeds(d, params=10**8), waves=12, ps_gbps=0.1).samples_per_s for d in (0, 1, 3, 20)
+    ]
     assert loaded[0] < loaded[1] < loaded[2] < loaded[3]
 
 
@@ -169,14 +192,25 @@ def test_pushes_leave_over_their_own_nodes_egress_and_pulls_share_the_ps_nodes()
     # The shared-link case above, with vw0 on n1 and vw1 on n2: PUSH0 at 3 crosses n1's and n2's egress at
     # once (both land at 4, not 4 and 5). The gate opens at 4; both pulls leave over n0's egress: vw0's 4-5,
     # vw1's 5-6. F1 3-4, B1 4-6, PUSH1 6-7 each; both pulls are in by 6: F2 6-7, B2 7-9, PUSH2 9-10.
-    result = simulate(plan(vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")),
-                           vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))), waves=3, ps_gbps=math.inf, network=NETWORK)
+    result = simulate(
+        plan(
+            vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")), vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))
+        ),
+        waves=3,
+        ps_gbps=math.inf,
+        network=NETWORK,
+    )
     assert result.makespan_s == 10.0
     assert result.vws[0].wave_done_s == result.vws[1].wave_done_s == (4.0, 7.0, 10.0)
     assert (result.vws[0].pull_s, result.vws[1].pull_s) == (1.0, 2.0)
     assert result.ps_utilisation == pytest.approx(3 / 10)  # each egress carried 3 pushes; n0's 2 pulls
-    shared = simulate(plan(vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")),
-                           vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))), waves=3, ps_gbps=8.0)
+    shared = simulate(
+        plan(
+            vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")), vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))
+        ),
+        waves=3,
+        ps_gbps=8.0,
+    )
     assert shared.makespan_s == 11.0  # without the network: one link for everything, as worked out above
 
 
@@ -191,21 +225,39 @@ def test_a_vw_on_the_ps_node_crosses_its_loopback_and_the_ps_rate_still_caps_it(
 
 
 def test_local_placement_keeps_a_vws_traffic_on_the_node_holding_its_layers() -> None:
-    # The layer lives on n1's shard. vw0 (on n1) reaches it over n1's loopback: each push and pull 0.1 s. vw1 (on
-    # n2) pushes over n2's egress (1 s) and pulls over n1's (1 s): PUSH0 3-4, so the gate opens at 4; vw1's pull
-    # 4-5, vw0's 4-4.1. F1 3-4, B1 4-6; PUSH1 6-6.1 and 6-7; F2 6-7, B2 7-9; PUSH2 9-9.1 and 9-10.
+    # The layer lives on n1's shard. vw0 (on n1) reaches it over n1's loopback: each push and pull 0.1 s. vw1
+    # (on n2) pushes over n2's egress (1 s) and pulls over n1's (1 s): PUSH0 3-4, so the gate opens at 4;
+    # vw1's pull 4-5, vw0's 4-4.1. F1 3-4, B1 4-6; PUSH1 6-6.1 and 6-7; F2 6-7, B2 7-9; PUSH2 9-9.1 and 9-10.
     local = PsNetwork("n0", NETWORK.egress_gbps, NETWORK.inside_gbps, layer_nodes=("n1",))
-    result = simulate(plan(vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")),
-                           vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))), waves=3, ps_gbps=math.inf, network=local)
+    result = simulate(
+        plan(
+            vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")), vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))
+        ),
+        waves=3,
+        ps_gbps=math.inf,
+        network=local,
+    )
     assert result.makespan_s == 10.0
-    assert result.vws[0].wave_done_s == pytest.approx((3.1, 6.1, 9.1)) and result.vws[1].wave_done_s == (4.0, 7.0, 10.0)
+    assert result.vws[0].wave_done_s == pytest.approx((3.1, 6.1, 9.1)) and result.vws[1].wave_done_s == (
+        4.0,
+        7.0,
+        10.0,
+    )
     assert (result.vws[0].pull_s, result.vws[1].pull_s) == pytest.approx((0.1, 1.0))
 
 
 def test_a_stage_spanning_shards_splits_its_bytes_by_layer() -> None:
-    split = PsNetwork("n0", NETWORK.egress_gbps, NETWORK.inside_gbps, layer_nodes=("n1", "n2"), layer_bytes=(3.0, 1.0))
-    assert split.parts("n1:0", 0, 2, 100.0, push=True) == [("n1 loopback", 80.0, 75.0), ("n1 egress", 8.0, 25.0)]
-    assert split.parts("n1:0", 0, 2, 100.0, push=False) == [("n1 loopback", 80.0, 75.0), ("n2 egress", 8.0, 25.0)]
+    split = PsNetwork(
+        "n0", NETWORK.egress_gbps, NETWORK.inside_gbps, layer_nodes=("n1", "n2"), layer_bytes=(3.0, 1.0)
+    )
+    assert split.parts("n1:0", 0, 2, 100.0, push=True) == [
+        ("n1 loopback", 80.0, 75.0),
+        ("n1 egress", 8.0, 25.0),
+    ]
+    assert split.parts("n1:0", 0, 2, 100.0, push=False) == [
+        ("n1 loopback", 80.0, 75.0),
+        ("n2 egress", 8.0, 25.0),
+    ]
     even = PsNetwork("n0", NETWORK.egress_gbps, NETWORK.inside_gbps, layer_nodes=("n1", "n2"))
     assert [p[2] for p in even.parts("n2:0", 0, 2, 100.0, push=True)] == [50.0, 50.0]
     with pytest.raises(UsageError, match=r"layers \[1, 3\) of 'n1:0' are outside the 2 layers"):
@@ -235,7 +287,9 @@ def test_ps_bandwidth_towards_zero_drops_throughput() -> None:
     bandwidths = [math.inf, 10.0, 1.0, 0.1, 0.01]
     runs = [simulate(two_speeds(1, params=10**8), waves=8, ps_gbps=gbps) for gbps in bandwidths]
     rates = [r.samples_per_s for r in runs]
-    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # pushes overlap compute while they can
+    assert all(
+        a >= b for a, b in zip(rates, rates[1:], strict=False)
+    )  # pushes overlap compute while they can
     assert rates[2] > 2 * rates[3] > 4 * rates[4]
     assert runs[0].ps_utilisation == 0.0 and runs[-1].ps_utilisation > 0.95
 
@@ -259,8 +313,11 @@ def test_per_stage_param_bytes_survive_json() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"waves": 0, "ps_gbps": 1.0}, "waves must be >= 1"), ({"waves": 1, "ps_gbps": 0.0}, "ps_gbps must be > 0"),
-     ({"waves": 1, "ps_gbps": 1.0, "ps_shards": 0}, "ps_shards must be >= 1")],
+    [
+        ({"waves": 0, "ps_gbps": 1.0}, "waves must be >= 1"),
+        ({"waves": 1, "ps_gbps": 0.0}, "ps_gbps must be > 0"),
+        ({"waves": 1, "ps_gbps": 1.0, "ps_shards": 0}, "ps_shards must be >= 1"),
+    ],
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(UsageError, match=match):

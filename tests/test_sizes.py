@@ -13,13 +13,18 @@ from hetpipe.models import get_model
 SIZE_FIELDS = ("param_bytes", "optimizer_bytes", "output_bytes", "saved_bytes", "working_bytes")
 
 
-@pytest.mark.parametrize(("name", "options", "batch", "optimizer"), [
-    ("mlp", {"hidden": [32, 16]}, 5, "adam"),
-    ("mnist-cnn", {}, 3, "momentum"),
-    ("char-gpt", {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 8}, 4, "sgd"),
-    ("resnet18", {"image_size": 32, "num_classes": 10}, 3, "momentum"),
-])
-def test_sizes_equal_the_profilers_at_that_batch(name: str, options: dict, batch: int, optimizer: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "options", "batch", "optimizer"),
+    [
+        ("mlp", {"hidden": [32, 16]}, 5, "adam"),
+        ("mnist-cnn", {}, 3, "momentum"),
+        ("char-gpt", {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 8}, 4, "sgd"),
+        ("resnet18", {"image_size": 32, "num_classes": 10}, 3, "momentum"),
+    ],
+)
+def test_sizes_equal_the_profilers_at_that_batch(
+    name: str, options: dict, batch: int, optimizer: str
+) -> None:
     torch.set_num_threads(1)
     spec = get_model(name, **options)
     sizes = model_sizes(spec, batch, optimizer)
@@ -27,7 +32,9 @@ def test_sizes_equal_the_profilers_at_that_batch(name: str, options: dict, batch
     assert sizes.input_bytes == measured.input_bytes and sizes.batch_size == batch
     assert [layer.name for layer in sizes.layers] == [layer.name for layer in measured.layers]
     for mine, theirs in zip(sizes.layers, measured.layers, strict=True):
-        assert {f: getattr(mine, f) for f in SIZE_FIELDS} == {f: getattr(theirs, f) for f in SIZE_FIELDS}, mine.name
+        assert {f: getattr(mine, f) for f in SIZE_FIELDS} == {f: getattr(theirs, f) for f in SIZE_FIELDS}, (
+            mine.name
+        )
         assert mine.forward_s == mine.backward_s == 0.0
 
 

@@ -13,18 +13,22 @@ NM, WAVES = 4, 5
 
 
 def train(reuse: bool) -> tuple[dict[str, torch.Tensor], set[int]]:
-    """One stage on the wsp schedule at Nm 4: final weights and the storages its stashed copies used. Checks at
-    every backward that the minibatch's stashed copy still holds the weights its forward saw."""
+    """One stage on the wsp schedule at Nm 4: final weights and the storages its stashed copies used. Checks
+    at every backward that the minibatch's stashed copy still holds the weights its forward saw."""
     torch.manual_seed(0)
     spec = get_model("mlp", hidden=[16, 8])
-    compute = StageCompute(build_stage(spec, 0, spec.num_layers), "momentum", 0.05, 0.9, 0.0, StageRules(nm=NM))
+    compute = StageCompute(
+        build_stage(spec, 0, spec.num_layers), "momentum", 0.05, 0.9, 0.0, StageRules(nm=NM)
+    )
     if not reuse:
         compute._retire = lambda weights: None  # type: ignore[method-assign]
     seen_at_forward: dict[int, dict[str, torch.Tensor]] = {}
     storages: set[int] = set()
     gen = torch.Generator().manual_seed(1)
-    data = {p: (torch.randn(8, 784, generator=gen), torch.randint(0, 10, (8,), generator=gen))
-            for p in range(NM * WAVES)}
+    data = {
+        p: (torch.randn(8, 784, generator=gen), torch.randint(0, 10, (8,), generator=gen))
+        for p in range(NM * WAVES)
+    }
     for action in get_schedule("wsp")(1, NM, WAVES, 0).stages[0]:
         p = action.index
         if action.kind == "F":
@@ -53,8 +57,9 @@ def test_retired_stashes_are_reused_and_change_nothing():
 
 
 def test_push_copies_the_buffers_and_reads_them_where_they_are_now():
-    """wave_push's buffers are float32 copies as of the push (a later forward moves the running statistics, not
-    the push); the stage reads its buffers through slots found once, which follow an out-of-place replacement."""
+    """wave_push's buffers are float32 copies as of the push (a later forward moves the running statistics,
+    not the push); the stage reads its buffers through slots found once, which follow an out-of-place
+    replacement."""
     torch.manual_seed(0)
     spec = get_model("mnist-cnn", batch_norm=True)
     compute = StageCompute(build_stage(spec, 0, spec.num_layers), "sgd", 0.1, 0.0, 0.0, StageRules(nm=1))
@@ -71,7 +76,9 @@ def test_push_copies_the_buffers_and_reads_them_where_they_are_now():
         assert pushed[key].dtype == torch.float32 and torch.equal(pushed[key], at_push[key])
         assert pushed[key].data_ptr() != b.data_ptr()
     compute.forward(1, x, y, spec.loss, input_grad=False)
-    assert all(not torch.equal(b.float(), at_push[k]) for k, b in live.items())  # the forward moved every buffer
+    assert all(
+        not torch.equal(b.float(), at_push[k]) for k, b in live.items()
+    )  # the forward moved every buffer
     assert all(torch.equal(pushed[k], at_push[k]) for k in live)  # and none of the pushed ones
     pulled = {k: v + 1.0 for k, v in compute.values().items()}
     compute.rebase(pulled, own_through=0)
@@ -84,21 +91,29 @@ def test_push_copies_the_buffers_and_reads_them_where_they_are_now():
 
 
 def test_forwards_no_update_separates_from_their_backward_run_unstashed_to_the_same_weights():
-    """StageRules.unstashed (hetpipe.core.schedule.unstashed_forwards): those forwards keep no stashed copy and
-    compute what they compute on one, bit for bit; the others still stash."""
+    """StageRules.unstashed (hetpipe.core.schedule.unstashed_forwards): those forwards keep no stashed copy
+    and compute what they compute on one, bit for bit; the others still stash."""
     from hetpipe.core.schedule import unstashed_forwards
 
     spec = get_model("mnist-cnn", batch_norm=True)
     gen = torch.Generator().manual_seed(2)
-    data = {p: (torch.randn(4, 1, 28, 28, generator=gen), torch.randint(0, 10, (4,), generator=gen))
-            for p in range(NM * 2)}
+    data = {
+        p: (torch.randn(4, 1, 28, 28, generator=gen), torch.randint(0, 10, (4,), generator=gen))
+        for p in range(NM * 2)
+    }
     for schedule in ("pipedream", "wsp"):
         actions = get_schedule(schedule)(1, NM, 2, 0).stages[0]
         results = []
         for unstashed in (frozenset(), unstashed_forwards(actions)):
             torch.manual_seed(0)
-            compute = StageCompute(build_stage(spec, 0, spec.num_layers), "adam", 1e-3, 0.0, 0.0,
-                                   StageRules(nm=NM, unstashed=unstashed))
+            compute = StageCompute(
+                build_stage(spec, 0, spec.num_layers),
+                "adam",
+                1e-3,
+                0.0,
+                0.0,
+                StageRules(nm=NM, unstashed=unstashed),
+            )
             for action in actions:
                 p = action.index
                 if action.kind == "F":

@@ -1,6 +1,6 @@
-"""The shaped-network testbed for real: namespaces, shaped veths, `hetpipe server` + `hetpipe worker`s on their
-nodes' addresses, the bench peers across namespaces, and teardown whichever way a run ends. Needs root, `ip
-netns` and `tc`; skipped (naming what is missing) elsewhere."""
+"""The shaped-network testbed for real: namespaces, shaped veths, `hetpipe server` + `hetpipe worker`s on
+their nodes' addresses, the bench peers across namespaces, and teardown whichever way a run ends. Needs root,
+`ip netns` and `tc`; skipped (naming what is missing) elsewhere."""
 
 from __future__ import annotations
 
@@ -87,13 +87,20 @@ def leftovers(run: str) -> list[str]:
 
 
 def hetpipe(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hetpipe", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=as_from_a_terminal, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hetpipe", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_from_a_terminal,
+        **kwargs,
+    )
 
 
 @pytest.fixture
 def reaper():
-    """Processes a test starts outside hetpipe's own launchers; any still alive at teardown is killed by PID."""
+    """Processes a test starts outside hetpipe's own launchers; any still alive at teardown is killed by
+    PID."""
     started: list[subprocess.Popen] = []
     yield started
     for proc in started:
@@ -120,16 +127,30 @@ def test_local_placement_runs_a_shard_in_every_nodes_namespace(tmp_path: Path, r
     """ED-local in the testbed: `hetpipe server --shard I` in node I's namespace on its address, two VWs each
     spanning both nodes; 3 waves on both shards."""
     text = TWO_NODES.replace("[ps]\n", '[ps]\nshards = 2\nplacement = "local"\n').replace(
-        'gpus = ["n1:1"]', 'gpus = ["n0:1", "n1:1"]')
+        'gpus = ["n1:1"]', 'gpus = ["n0:1", "n1:1"]'
+    )
     path = tmp_path / "tb2.toml"
     path.write_text(text.replace("OUT", str(tmp_path / "runs")))
     run, run_dir = run_id("l"), tmp_path / "run"
-    proc = hetpipe("testbed", "train", str(path), "--scale", "0.01", "--run", run, "--run-dir", str(run_dir),
-                   "--no-probe")
+    proc = hetpipe(
+        "testbed",
+        "train",
+        str(path),
+        "--scale",
+        "0.01",
+        "--run",
+        run,
+        "--run-dir",
+        str(run_dir),
+        "--no-probe",
+    )
     reaper.append(proc)
     out, err = proc.communicate(timeout=280)
     assert proc.returncode == 0, err + out
-    assert load_config(run_dir / "cluster.toml").ps_endpoints() == ["tcp://10.77.0.2:7700", "tcp://10.77.0.3:7701"]
+    assert load_config(run_dir / "cluster.toml").ps_endpoints() == [
+        "tcp://10.77.0.2:7700",
+        "tcp://10.77.0.3:7701",
+    ]
     assert "n0 (10.77.0.2): -m hetpipe server" in out and "n1 (10.77.0.3): -m hetpipe server" in out
     for shard in (0, 1):
         assert "clock 3  c_local [3, 3]" in (run_dir / "logs" / f"server-{shard}.log").read_text()
@@ -143,8 +164,18 @@ def test_server_and_workers_train_three_waves_on_distinct_addresses(tmp_path: Pa
     """The acceptance test of the several-machines flow: a 2-node testbed, `hetpipe server` in n0's namespace,
     VW 0 spanning both nodes (`hetpipe worker --vw 0 --stage J` in each), VW 1 on n1; 3 waves; torn down."""
     run, run_dir = run_id("a"), tmp_path / "run"
-    proc = hetpipe("testbed", "train", str(two_nodes(tmp_path)), "--scale", "0.01", "--run", run,
-                   "--run-dir", str(run_dir), "--no-probe")
+    proc = hetpipe(
+        "testbed",
+        "train",
+        str(two_nodes(tmp_path)),
+        "--scale",
+        "0.01",
+        "--run",
+        run,
+        "--run-dir",
+        str(run_dir),
+        "--no-probe",
+    )
     reaper.append(proc)
     out, err = proc.communicate(timeout=280)
     assert proc.returncode == 0, err + out
@@ -189,14 +220,17 @@ def test_traffic_inside_a_node_is_shaped_to_its_gpus_links(tmp_path: Path) -> No
     for node, net in zip(config.nodes, topology.nodes, strict=True):  # plan_topology keeps the config's order
         want = len(node.gpus) * 0.002
         assert net.inside_gbps == pytest.approx(want)
-        assert within(inside[net.node], want, 0.15), f"{net.node}: {inside[net.node] * 1e3:.3f} Mbit/s, configured {want * 1e3:g}"
+        assert within(inside[net.node], want, 0.15), (
+            f"{net.node}: {inside[net.node] * 1e3:.3f} Mbit/s, configured {want * 1e3:g}"
+        )
     assert leftovers(topology.run) == []
 
 
 @pytest.mark.slow
 @needs_testbed
 def test_a_node_receiving_from_two_nodes_gets_its_rate_not_twice(tmp_path: Path) -> None:
-    """Ingress is shaped too: n1 and n2 both stream to n0; n0 takes in its link's rate, not the sum of theirs."""
+    """Ingress is shaped too: n1 and n2 both stream to n0; n0 takes in its link's rate, not the sum of
+    theirs."""
     import socket
     import threading
 
@@ -250,7 +284,9 @@ def test_a_node_receiving_from_two_nodes_gets_its_rate_not_twice(tmp_path: Path)
 
 def _start_run(tmp_path: Path, run: str, reaper: list) -> tuple[subprocess.Popen, int]:
     """`hetpipe testbed run ... -- sleep 120`, once its namespaces exist; (it, the sleep's pid)."""
-    proc = hetpipe("testbed", "run", str(two_nodes(tmp_path)), "--scale", "0.01", "--run", run, "--", "sleep", "120")
+    proc = hetpipe(
+        "testbed", "run", str(two_nodes(tmp_path)), "--scale", "0.01", "--run", run, "--", "sleep", "120"
+    )
     reaper.append(proc)
     deadline = time.monotonic() + 60
     while True:  # the set-up's own short-lived children (ip, tc) come and go before the sleep starts
@@ -336,11 +372,14 @@ def test_ddp_and_the_pipeline_cross_the_shaped_links(tmp_path: Path) -> None:
         ddp = peers.run_ddp(config, devs, 16, steps, tmp_path / "ddp", testbed=topology, timeout_s=240)
         after_ddp = tb.egress_bytes(topology)
         layout = peers.pipeline_layout(devs, peers.model_profile(config, 8, tmp_path / "profiles"))
-        pipe = peers.run_pipeline(config, layout, 8, 2, steps, tmp_path / "pipe", testbed=topology, timeout_s=240)
+        pipe = peers.run_pipeline(
+            config, layout, 8, 2, steps, tmp_path / "pipe", testbed=topology, timeout_s=240
+        )
         after_pipe = tb.egress_bytes(topology)
     assert len(ddp.ends) == steps and len(pipe.ends) == steps
     for node in ("n0", "n1"):
-        # a 2-rank all-reduce sends each rank's half of the gradients and receives the other: P/2 each way a step
+        # a 2-rank all-reduce sends each rank's half of the gradients and receives the other: P/2 each way a
+        # step
         assert after_ddp[node] - before[node] > steps * PARAM_BYTES / 2
         assert after_pipe[node] - after_ddp[node] > 0  # activations one way, gradients the other
     assert leftovers(topology.run) == []

@@ -42,8 +42,13 @@ def test_plan_of_the_bench_cluster() -> None:
     assert topology.ps_node == "n0"  # the first node whose host is ps.host
     assert topology.shaped_gbps == pytest.approx(0.004)
     assert all(n.tbf == tbf_for(0.004) for n in topology.nodes)
-    assert topology.overrides() == ("nodes.0.host=10.77.0.2", "nodes.1.host=10.77.0.3", "nodes.2.host=10.77.0.4",
-                                    "ps.host=10.77.0.2", "emulation.link_bandwidth=false")
+    assert topology.overrides() == (
+        "nodes.0.host=10.77.0.2",
+        "nodes.1.host=10.77.0.3",
+        "nodes.2.host=10.77.0.4",
+        "ps.host=10.77.0.2",
+        "emulation.link_bandwidth=false",
+    )
     # inside a node: its two GPUs' 100 Gbit/s (intra_node_gbps' default) links x the scale, on its loopback
     assert topology.intra_node_gbps == 100.0 and topology.shaped_intra_gbps == pytest.approx(0.04)
     assert all(n.inside_tbf == tbf_for(0.08) for n in topology.nodes)
@@ -58,7 +63,10 @@ def test_the_ps_network_routes_each_gpu_over_its_nodes_links() -> None:
     name, gbps = network.route("n0:1", push=True)
     assert name == "n0 loopback" and gbps == pytest.approx(0.2)  # 2 GPUs x 100 Gbit/s x 0.001
     assert network.route("n1:0", push=True) == ("n1 egress", pytest.approx(0.01))
-    assert network.route("n2:1", push=False) == ("n0 egress", pytest.approx(0.01))  # pulls leave the PS's node
+    assert network.route("n2:1", push=False) == (
+        "n0 egress",
+        pytest.approx(0.01),
+    )  # pulls leave the PS's node
 
 
 def test_effective_config_puts_every_node_and_the_ps_on_its_address() -> None:
@@ -70,7 +78,9 @@ def test_effective_config_puts_every_node_and_the_ps_on_its_address() -> None:
 
 
 def test_ps_node_follows_ps_host_or_is_named() -> None:
-    config = apply_overrides(load_config(BENCH), ["nodes.0.host=a", "nodes.1.host=b", "nodes.2.host=c", "ps.host=c"])
+    config = apply_overrides(
+        load_config(BENCH), ["nodes.0.host=a", "nodes.1.host=b", "nodes.2.host=c", "ps.host=c"]
+    )
     assert plan_topology(config, "x", 1.0).ps_node == "n2"
     assert plan_topology(config, "x", 1.0, ps_node="n1").ps_node == "n1"
     with pytest.raises(UsageError, match="--ps-node 'n9'.*nodes n0, n1, n2"):
@@ -90,24 +100,40 @@ def test_interface_names_fit_linux_limit() -> None:
 
 def test_addresses() -> None:
     assert [node_address(i) for i in (0, 1, 253, 254, 65532)] == [
-        "10.77.0.2", "10.77.0.3", "10.77.0.255", "10.77.1.0", "10.77.255.254"]
+        "10.77.0.2",
+        "10.77.0.3",
+        "10.77.0.255",
+        "10.77.1.0",
+        "10.77.255.254",
+    ]
     with pytest.raises(UsageError):
         node_address(65533)
 
 
-@pytest.mark.parametrize(("gbps", "expected"), [
-    # rate in bit/s; burst max(4096, 1 ms of rate); limit = burst + max(16384, 50 ms of rate), in bytes
-    (0.004, Tbf(4_000_000, 4096, 4096 + 25_000)),
-    (0.001, Tbf(1_000_000, 4096, 4096 + 16384)),
-    (1.0, Tbf(1_000_000_000, 125_000, 125_000 + 6_250_000)),
-    (10.0, Tbf(10_000_000_000, 1_250_000, 1_250_000 + 62_500_000)),
-])
+@pytest.mark.parametrize(
+    ("gbps", "expected"),
+    [
+        # rate in bit/s; burst max(4096, 1 ms of rate); limit = burst + max(16384, 50 ms of rate), in bytes
+        (0.004, Tbf(4_000_000, 4096, 4096 + 25_000)),
+        (0.001, Tbf(1_000_000, 4096, 4096 + 16384)),
+        (1.0, Tbf(1_000_000_000, 125_000, 125_000 + 6_250_000)),
+        (10.0, Tbf(10_000_000_000, 1_250_000, 1_250_000 + 62_500_000)),
+    ],
+)
 def test_tbf_parameters(gbps: float, expected: Tbf) -> None:
     assert tbf_for(gbps) == expected
 
 
 def test_tbf_words_for_tc_and_too_slow_a_link() -> None:
-    assert Tbf(4_000_000, 4096, 29096).tc_args() == ("tbf", "rate", "4000000bit", "burst", "4096", "limit", "29096")
+    assert Tbf(4_000_000, 4096, 29096).tc_args() == (
+        "tbf",
+        "rate",
+        "4000000bit",
+        "burst",
+        "4096",
+        "limit",
+        "29096",
+    )
     with pytest.raises(UsageError, match="at least 8 kbit/s"):
         tbf_for(1e-6)
 
@@ -136,18 +162,26 @@ def test_compute_communication_ratio_is_kept() -> None:
 
 def test_worker_places() -> None:
     vws = [["n0:0", "n1:0"], ["n1:1", "n1:2"], ["n2:0"]]
-    assert worker_places(vws) == [WorkerPlace(0, 0, "n0"), WorkerPlace(0, 1, "n1"), WorkerPlace(1, None, "n1"),
-                                  WorkerPlace(2, None, "n2")]
+    assert worker_places(vws) == [
+        WorkerPlace(0, 0, "n0"),
+        WorkerPlace(0, 1, "n1"),
+        WorkerPlace(1, None, "n1"),
+        WorkerPlace(2, None, "n2"),
+    ]
     assert WorkerPlace(0, 1, "n1").args() == ("--vw", "0", "--stage", "1")
     assert WorkerPlace(1, None, "n1").args() == ("--vw", "1")
 
 
 def test_layout_overrides_list_the_virtual_workers() -> None:
     config = apply_overrides(load_config(BENCH), ["allocation.policy=np", "virtual_workers=[]"])
-    config = apply_overrides(config, layout_overrides([(("n0:0", "n1:0", "n2:0"), (4, 3, 3)), (("n0:1",), (10,))]))
+    config = apply_overrides(
+        config, layout_overrides([(("n0:0", "n1:0", "n2:0"), (4, 3, 3)), (("n0:1",), (10,))])
+    )
     assert config.allocation.policy == "explicit"
     assert [([str(g) for g in vw.gpus], vw.layers) for vw in config.virtual_workers] == [
-        (["n0:0", "n1:0", "n2:0"], (4, 3, 3)), (["n0:1"], (10,))]
+        (["n0:0", "n1:0", "n2:0"], (4, 3, 3)),
+        (["n0:1"], (10,)),
+    ]
 
 
 def test_run_of_names() -> None:

@@ -29,7 +29,10 @@ def layout(vws: int, stages: int) -> list[list[str]]:
 
 
 def run(tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]]):
-    lays = tuple(VwLayout(tuple(str(g) for g in vw.gpus), s) for vw, s in zip(config.virtual_workers, splits, strict=True))
+    lays = tuple(
+        VwLayout(tuple(str(g) for g in vw.gpus), s)
+        for vw, s in zip(config.virtual_workers, splits, strict=True)
+    )
     run_dir = tmp_path / "run"
     summary = train(config, TrainOptions(run_dir=run_dir, progress=False, dump_weights=True, layouts=lays))
     stage_weights = {}
@@ -47,7 +50,9 @@ def assert_bitwise(a: dict, b: dict, what: str) -> None:
         assert torch.equal(x, y), f"{what}: {key} differs by up to {float((x - y).abs().max())}"
 
 
-def assert_equals_reference(tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]], order: int = 0):
+def assert_equals_reference(
+    tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]], order: int = 0
+):
     summary, stage_weights, ps_weights = run(tmp_path, config, splits)
     ref = run_reference(config, splits, order_seed=order)
     for sid, weights in stage_weights.items():
@@ -64,7 +69,9 @@ def plain_training(config: ClusterConfig, steps: int, accumulate: int) -> dict[s
     opt = torch.optim.SGD(model.parameters(), lr=config.train.lr, momentum=config.train.momentum)
     indices = datalib.shard_indices(len(dataset.train.y), 1, 0, config.seed)
     for p in range(steps):
-        x, y = datalib.minibatch(dataset.train.x, dataset.train.y, indices, config.train.batch_size, config.seed, p)
+        x, y = datalib.minibatch(
+            dataset.train.x, dataset.train.y, indices, config.train.batch_size, config.seed, p
+        )
         spec.loss(model(x), y).backward()
         if p % accumulate == accumulate - 1:
             if accumulate > 1:
@@ -83,11 +90,16 @@ def test_wsp_one_vw_three_stages_nm1_equals_plain_training(tmp_path: Path):
     assert summary["test_accuracy"] > 0.2  # it learned something in 12 steps
 
 
-@pytest.mark.parametrize(("schedule", "recompute"), [("1f1b-flush", False), ("gpipe", False), ("gpipe", True)])
-def test_flush_schedules_equal_plain_training_with_gradient_accumulation(tmp_path: Path, schedule: str,
-                                                                          recompute: bool):
-    config = apply_overrides(load_config(write_config(tmp_path, vws=layout(1, 3), nm=3, staleness=0, waves=3)),
-                             [f"train.schedule={schedule}", f"train.recompute={str(recompute).lower()}"])
+@pytest.mark.parametrize(
+    ("schedule", "recompute"), [("1f1b-flush", False), ("gpipe", False), ("gpipe", True)]
+)
+def test_flush_schedules_equal_plain_training_with_gradient_accumulation(
+    tmp_path: Path, schedule: str, recompute: bool
+):
+    config = apply_overrides(
+        load_config(write_config(tmp_path, vws=layout(1, 3), nm=3, staleness=0, waves=3)),
+        [f"train.schedule={schedule}", f"train.recompute={str(recompute).lower()}"],
+    )
     _, stage_weights, _ = run(tmp_path, config, [(1, 2, 1)])
     merged = {k: v for w in stage_weights.values() for k, v in w.items()}
     assert_bitwise(merged, plain_training(config, 9, 3), f"{schedule} vs plain with accumulation over 3")
@@ -96,20 +108,29 @@ def test_flush_schedules_equal_plain_training_with_gradient_accumulation(tmp_pat
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize(("vws", "stages"), [(1, 1), (1, 3), (2, 1), (2, 3)])
 def test_every_schedule_equals_its_reference(tmp_path: Path, schedule: str, vws: int, stages: int):
-    config = apply_overrides(load_config(write_config(tmp_path, vws=layout(vws, stages), nm=2, staleness=0, waves=3)),
-                             [f"train.schedule={schedule}"])
+    config = apply_overrides(
+        load_config(write_config(tmp_path, vws=layout(vws, stages), nm=2, staleness=0, waves=3)),
+        [f"train.schedule={schedule}"],
+    )
     assert_equals_reference(tmp_path, config, SPLITS[stages][:vws], order=vws + stages)
 
 
-def test_pipedream_beyond_the_pipes_depth_equals_its_reference_and_one_vw_trains_as_wsp_at_the_depth(tmp_path: Path):
-    """Nm 4 on 2 stages: 2 VWs equal the reference; one VW trains the weights wsp trains at Nm 2 (the same F, B and
-    U; only its pushes, which it never pulls back, fall elsewhere: hetpipe.core.convergence.canonical)."""
-    deep = apply_overrides(load_config(write_config(tmp_path, vws=layout(2, 2), nm=4, staleness=1, waves=3)),
-                           ['train.schedule="pipedream"'])
+def test_pipedream_beyond_the_pipes_depth_equals_its_reference_and_one_vw_trains_as_wsp_at_the_depth(
+    tmp_path: Path,
+):
+    """Nm 4 on 2 stages: 2 VWs equal the reference; one VW trains the weights wsp trains at Nm 2 (the same F,
+    B and U; only its pushes, which it never pulls back, fall elsewhere:
+    hetpipe.core.convergence.canonical)."""
+    deep = apply_overrides(
+        load_config(write_config(tmp_path, vws=layout(2, 2), nm=4, staleness=1, waves=3)),
+        ['train.schedule="pipedream"'],
+    )
     assert_equals_reference(tmp_path, deep, [(2, 2), (3, 1)], order=1)
     (tmp_path / "one").mkdir()
-    one = apply_overrides(load_config(write_config(tmp_path / "one", vws=layout(1, 2), nm=4, staleness=0, waves=3)),
-                          ['train.schedule="pipedream"'])
+    one = apply_overrides(
+        load_config(write_config(tmp_path / "one", vws=layout(1, 2), nm=4, staleness=0, waves=3)),
+        ['train.schedule="pipedream"'],
+    )
     _, pipedream, _ = run(tmp_path / "one", one, [(2, 2)])
     wsp = apply_overrides(one, ["wsp.nm=2", "train.waves=6", 'train.schedule="wsp"'])
     _, at_depth, _ = run(tmp_path / "wsp", wsp, [(2, 2)])
@@ -117,10 +138,17 @@ def test_pipedream_beyond_the_pipes_depth_equals_its_reference_and_one_vw_trains
         assert_bitwise(pipedream[sid], at_depth[sid], f"stage {sid}: pipedream at Nm 4 vs wsp at Nm 2")
 
 
-@pytest.mark.parametrize(("setting", "staleness"), [
-    ("ps.aggregation=mean", 1), ("ps.aggregation=server", 0), ("train.weight_stashing=false", 0),
-])
-def test_aggregation_rules_and_unstashed_wsp_equal_the_reference(tmp_path: Path, setting: str, staleness: int):
+@pytest.mark.parametrize(
+    ("setting", "staleness"),
+    [
+        ("ps.aggregation=mean", 1),
+        ("ps.aggregation=server", 0),
+        ("train.weight_stashing=false", 0),
+    ],
+)
+def test_aggregation_rules_and_unstashed_wsp_equal_the_reference(
+    tmp_path: Path, setting: str, staleness: int
+):
     path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=staleness, waves=4)
     config = apply_overrides(load_config(path), [setting])
     assert_equals_reference(tmp_path, config, [(2, 2), (3, 1)], order=staleness)
@@ -131,18 +159,22 @@ def test_batchnorm_model_equals_the_reference(tmp_path: Path, staleness: int, bu
     """The rebase after a pull replaced BatchNorm statistics in place (a crash in the next backward);
     now buffers are averaged at the PS and replaced out of place, or kept per VW."""
     path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=staleness, waves=4, model="mnist-cnn")
-    config = apply_overrides(load_config(path), ["model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }",
-                                                 f"ps.buffers={buffers}"])
+    config = apply_overrides(
+        load_config(path),
+        ["model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }", f"ps.buffers={buffers}"],
+    )
     summary, stage_weights = assert_equals_reference(tmp_path, config, [(3, 3), (2, 4)], order=staleness)
     first = {k: v for k, v in stage_weights[(0, 0)].items() if "running_mean" in k}
     assert first and all(v.abs().sum() > 0 for v in first.values())  # the statistics did move
 
 
 def test_bfloat16_on_the_wire_equals_its_reference_and_rounds(tmp_path: Path):
-    """[ps] wire_dtype = "bfloat16": weights cross the wire rounded, BatchNorm statistics do not; the run is the
-    reference's with the same rounding, bit for bit, and not the float32 run."""
+    """[ps] wire_dtype = "bfloat16": weights cross the wire rounded, BatchNorm statistics do not; the run is
+    the reference's with the same rounding, bit for bit, and not the float32 run."""
     path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=1, waves=4, model="mnist-cnn")
-    fp32 = apply_overrides(load_config(path), ["model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }"])
+    fp32 = apply_overrides(
+        load_config(path), ["model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }"]
+    )
     bf16 = apply_overrides(fp32, ['ps.wire_dtype="bfloat16"'])
     _, stage_weights = assert_equals_reference(tmp_path, bf16, [(3, 3), (2, 4)])
     unrounded = run_reference(fp32, [(3, 3), (2, 4)]).stage_weights[(0, 0)]
@@ -150,20 +182,26 @@ def test_bfloat16_on_the_wire_equals_its_reference_and_rounds(tmp_path: Path):
     assert any("running" not in k for k in differs), "bfloat16 on the wire changed no weight"
 
 
-@pytest.mark.parametrize(("model", "options"), [
-    ("resnet18", "{ in_channels = 1, num_classes = 10, image_size = 32 }"),
-    ("vgg11", "{ in_channels = 1, num_classes = 10, image_size = 32, batch_norm = true }"),
-])
+@pytest.mark.parametrize(
+    ("model", "options"),
+    [
+        ("resnet18", "{ in_channels = 1, num_classes = 10, image_size = 32 }"),
+        ("vgg11", "{ in_channels = 1, num_classes = 10, image_size = 32, batch_norm = true }"),
+    ],
+)
 def test_the_papers_batchnorm_models_equal_the_reference(tmp_path: Path, model: str, options: str):
     """Issue 13's crash: ResNet (BN in the blocks and the shortcuts) and VGG-BN, 2 VWs x 2 stages, Nm 2, D 1;
     launch/bench/batchnorm.py runs the whole matrix (Nm 2 and 4, D 0 and 1, exact and latest) on the
     emulated cluster."""
     path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=1, waves=2, model=model, batch_size=4)
     config = apply_overrides(load_config(path), [f"model.options={options}", "data.options={ pad = 2 }"])
-    _, stage_weights = assert_equals_reference(tmp_path, config, [(6, 4), (4, 6)] if model == "resnet18"
-                                               else [(5, 4), (4, 5)], order=1)
+    _, stage_weights = assert_equals_reference(
+        tmp_path, config, [(6, 4), (4, 6)] if model == "resnet18" else [(5, 4), (4, 5)], order=1
+    )
     stats = [v for sid in stage_weights for k, v in stage_weights[sid].items() if k.endswith("running_var")]
-    assert stats and all(not torch.equal(v, torch.ones_like(v)) for v in stats)  # every BN layer's statistics moved
+    assert stats and all(
+        not torch.equal(v, torch.ones_like(v)) for v in stats
+    )  # every BN layer's statistics moved
 
 
 def test_reference_is_independent_of_the_global_order(tmp_path: Path):
@@ -178,29 +216,50 @@ def test_reference_is_independent_of_the_global_order(tmp_path: Path):
 
 # Each staleness mitigation (hetpipe.core.mitigation) in the runtime equals the reference's independent
 # arithmetic, 1 and 2 VWs; each case also differs from the same run without it (the mitigation acted).
-@pytest.mark.parametrize(("vws", "settings"), [
-    (2, ['train.mitigation="spectrain"']),  # momentum's buffer predicts the stash, wsp
-    (1, ['train.mitigation="spectrain"', 'train.optimizer="sgd"']),  # plain SGD: the last update
-    (2, ['train.mitigation="pipemare+warmup"', "train.weight_stashing=false", "train.warmup_waves=2"]),  # T1+T2
-    (2, ['train.mitigation="average"', 'ps.aggregation="mean"']),
-    (1, ['train.mitigation="spectrain"', 'ps.aggregation="server"', 'train.optimizer="adam"']),  # pulls predicted
-])
+@pytest.mark.parametrize(
+    ("vws", "settings"),
+    [
+        (2, ['train.mitigation="spectrain"']),  # momentum's buffer predicts the stash, wsp
+        (1, ['train.mitigation="spectrain"', 'train.optimizer="sgd"']),  # plain SGD: the last update
+        (
+            2,
+            ['train.mitigation="pipemare+warmup"', "train.weight_stashing=false", "train.warmup_waves=2"],
+        ),  # T1+T2
+        (2, ['train.mitigation="average"', 'ps.aggregation="mean"']),
+        (
+            1,
+            ['train.mitigation="spectrain"', 'ps.aggregation="server"', 'train.optimizer="adam"'],
+        ),  # pulls predicted
+    ],
+)
 def test_each_mitigation_equals_the_reference(tmp_path: Path, vws: int, settings: list[str]):
     path = write_config(tmp_path, vws=layout(vws, 2), nm=3, staleness=0, waves=4)
     config = apply_overrides(load_config(path), settings)
     splits = [(2, 2), (3, 1)][:vws]
     _, stage_weights = assert_equals_reference(tmp_path, config, splits, order=vws)
     plain = run_reference(apply_overrides(config, ['train.mitigation="none"']), splits, order_seed=vws)
-    assert any(not torch.equal(stage_weights[sid][k], plain.stage_weights[sid][k])
-               for sid in stage_weights for k in stage_weights[sid]), "the mitigation changed nothing"
+    assert any(
+        not torch.equal(stage_weights[sid][k], plain.stage_weights[sid][k])
+        for sid in stage_weights
+        for k in stage_weights[sid]
+    ), "the mitigation changed nothing"
 
 
 @pytest.mark.parametrize(("staleness", "buffers"), [(1, "average"), (0, "local")])
 def test_ps_agent_in_a_process_equals_the_reference(tmp_path: Path, staleness: int, buffers: str):
-    """[ps] agent = "process" (a CUDA stage's default, here on the CPU): pushes staged into buffers shared with the
-    agent process, pulls and W_0 back through them; the run is the reference's bit for bit, as the thread's is."""
+    """[ps] agent = "process" (a CUDA stage's default, here on the CPU): pushes staged into buffers shared
+    with the agent process, pulls and W_0 back through them; the run is the reference's bit for bit, as the
+    thread's is."""
     path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=staleness, waves=4, model="mnist-cnn")
-    config = apply_overrides(load_config(path), ["model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }",
-                                                 f"ps.buffers={buffers}", 'ps.agent="process"'])
+    config = apply_overrides(
+        load_config(path),
+        [
+            "model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }",
+            f"ps.buffers={buffers}",
+            'ps.agent="process"',
+        ],
+    )
     summary, _ = assert_equals_reference(tmp_path, config, [(3, 3), (2, 4)], order=staleness)
-    assert all(part["push"] > 0 for part in summary["wave_breakdown_ms"].values()), summary["wave_breakdown_ms"]
+    assert all(part["push"] > 0 for part in summary["wave_breakdown_ms"].values()), summary[
+        "wave_breakdown_ms"
+    ]

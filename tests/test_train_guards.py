@@ -41,8 +41,16 @@ def test_a_fresh_key_set_per_run_and_each_stage_gets_its_own_vws(tmp_path: Path)
     assert all(k.server_public == keys.server.public for k in (*keys.vws, keys.admin))
     vws = vw_layouts(config, model_of(config))
     for v in range(2):
-        jobs = stage_jobs(config, vws, v, run_dir=tmp_path, ps_endpoints=("tcp://127.0.0.1:1",), p2p_host="h",
-                          p2p_port=1, ps_keys=keys.vws[v])
+        jobs = stage_jobs(
+            config,
+            vws,
+            v,
+            run_dir=tmp_path,
+            ps_endpoints=("tcp://127.0.0.1:1",),
+            p2p_host="h",
+            p2p_port=1,
+            ps_keys=keys.vws[v],
+        )
         assert {job.ps_keys.user for job in jobs} == {f"vw{v}"}
         assert all(job.ps_keys.secret == keys.vws[v].secret for job in jobs)
     again = run_keys(config, tmp_path / "run2", 2)
@@ -55,7 +63,9 @@ def test_a_shared_keys_dir_must_cover_every_vw(tmp_path: Path) -> None:
     config = config_of(tmp_path, "ps.auth=curve", f"ps.keys_dir={tmp_path / 'keys'}")
     with pytest.raises(UsageError) as err:
         run_keys(config, tmp_path / "run", 2)
-    assert f"{tmp_path / 'keys' / 'vw1.key'}: no such key file, but the run has 2 virtual workers" in str(err.value)
+    assert f"{tmp_path / 'keys' / 'vw1.key'}: no such key file, but the run has 2 virtual workers" in str(
+        err.value
+    )
     write_keys(tmp_path / "keys", key_users(2), force=True)
     keys = run_keys(config, tmp_path / "run", 2)
     assert keys.vws[1].public == read_public(tmp_path / "keys", "vw1")

@@ -1,5 +1,6 @@
 """`hetpipe train --resume`: a run stopped by a killed stage continues from the newest wave the PS and every
-stage checkpointed, and with exact pulls ends bit for bit where an uninterrupted run ends (docs/recovery.md)."""
+stage checkpointed, and with exact pulls ends bit for bit where an uninterrupted run ends
+(docs/recovery.md)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,35 @@ SETTINGS = ["checkpoint.every=2", "checkpoint.keep=2", 'checkpoint.dir="ps"']  #
 def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(tmp_path: Path):
     """The uninterrupted run is the single-process reference, which the runtime equals bit for bit
     (tests/test_train_equivalence.py)."""
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=1, waves=10,
-                        emulation=True, time_scale=15.0, speeds=[1.0, 1.0, 1.0, 1.0])
+    path = write_config(
+        tmp_path,
+        vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]],
+        nm=2,
+        staleness=1,
+        waves=10,
+        emulation=True,
+        time_scale=15.0,
+        speeds=[1.0, 1.0, 1.0, 1.0],
+    )
     config = apply_overrides(load_config(path), SETTINGS)
     cut = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(cut), "--quiet",
-                             "--audit", *[a for s in SETTINGS for a in ("--set", s)]],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hetpipe",
+            "train",
+            str(path),
+            "--run-dir",
+            str(cut),
+            "--quiet",
+            "--audit",
+            *[a for s in SETTINGS for a in ("--set", s)],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         stages = [(v, j) for v in range(2) for j in range(2)]
@@ -52,8 +75,10 @@ def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(tmp_path: Path
     assert proc.returncode == 1 and "vw1-s0" in err, err
     assert not (cut / "model.pt").exists()
 
-    resumed = train(run_dir_config(cut), TrainOptions(run_dir=cut, progress=False, dump_weights=True, audit=True,
-                                                   resume=True))
+    resumed = train(
+        run_dir_config(cut),
+        TrainOptions(run_dir=cut, progress=False, dump_weights=True, audit=True, resume=True),
+    )
     assert 4 <= resumed["resumed_from"] < 10 and resumed["audit_final_ledgers_exact"] is True
     splits = [lay.split for lay in vw_layouts(config, model_of(config))]
     assert all(len(split) == 2 for split in splits)

@@ -25,12 +25,26 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 def start_long_training(tmp_path: Path) -> tuple[subprocess.Popen, dict[str, int]]:
-    """`hetpipe train` of a long run as a subprocess; returns once it is training, with its children's PIDs."""
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=3000,
-                        speeds=[2.0, 1.0, 2.0, 1.0], emulation=True, time_scale=1.0)
+    """`hetpipe train` of a long run as a subprocess; returns once it is training, with its children's
+    PIDs."""
+    path = write_config(
+        tmp_path,
+        vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]],
+        nm=2,
+        staleness=0,
+        waves=3000,
+        speeds=[2.0, 1.0, 2.0, 1.0],
+        emulation=True,
+        time_scale=1.0,
+    )
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(run_dir), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(run_dir), "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_from_a_terminal,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 60
     while not ((run_dir / "pids.json").exists() and metrics.exists() and '"push"' in metrics.read_text()):
@@ -66,9 +80,19 @@ def test_audit_holds_with_one_vw_four_times_slower(tmp_path: Path, pull: str, st
     # time_scale 1 the fast GPUs ran undilated, so when 4 stages shared 2 busy cores their wall time grew with
     # the contention while the slow ones' sleeps absorbed it: both VWs ran alike and VW 0 never waited (the
     # flaky failure). At 8 every stage sleeps most of its time, and the 4x ratio holds on a loaded machine.
-    path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=staleness, waves=8,
-                        pull=pull, speeds=[4.0, 4.0, 1.0, 1.0], emulation=True, time_scale=8.0, model="mnist-cnn",
-                        batch_size=32)
+    path = write_config(
+        tmp_path,
+        vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]],
+        nm=2,
+        staleness=staleness,
+        waves=8,
+        pull=pull,
+        speeds=[4.0, 4.0, 1.0, 1.0],
+        emulation=True,
+        time_scale=8.0,
+        model="mnist-cnn",
+        batch_size=32,
+    )
     summary = train(load_config(path), TrainOptions(run_dir=tmp_path / "run", progress=False, audit=True))
     # every forward of every stage checked each of its layers' ledgers: 2 VWs x 16 minibatches x 6 layers
     assert summary["audit_checks"] == 2 * 8 * 2 * 6
@@ -111,9 +135,28 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
     # --set reaches the stage processes: they receive the parsed config, never the file to re-read
     path = write_config(tmp_path, vws=[["n0:0", "n0:1"]], nm=2, staleness=0, waves=4)
     out = tmp_path / "summary.json"
-    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
-                             "--summary", str(out), "--set", "train.waves=3", "--set", "wsp.nm=3", "--profile", "2:4"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetpipe",
+            "train",
+            str(path),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--summary",
+            str(out),
+            "--set",
+            "train.waves=3",
+            "--set",
+            "wsp.nm=3",
+            "--profile",
+            "2:4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads(out.read_text())
     assert {"test_accuracy", "samples_per_s", "wall_s"} <= set(summary)
@@ -133,13 +176,18 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
     for t in totals.values():
         own = sum(t["times_s"][part] for part in STAGE_PARTS)
         assert 0 < t["times_s"]["compute"] <= own <= t["times_s"]["train"]
-    assert summary["wave_breakdown_ms"]["0"]["train"] == max(round(1000 * t["times_s"]["train"] / 3, 3)
-                                                              for t in totals.values())
+    assert summary["wave_breakdown_ms"]["0"]["train"] == max(
+        round(1000 * t["times_s"]["train"] / 3, 3) for t in totals.values()
+    )
     # --profile: each stage wrote its ops over minibatches 2 ... 5
     for stage in (0, 1):
         profile = json.loads((tmp_path / "r" / "profile" / f"vw0-s{stage}.json").read_text())
         assert profile["window"] == [2, 5] and profile["aten_calls"] > 0 and profile["by_host"]
-        assert (tmp_path / "r" / "profile" / f"vw0-s{stage}.txt").read_text().startswith(f"vw0-s{stage}, from the forward of minibatch 2")
+        assert (
+            (tmp_path / "r" / "profile" / f"vw0-s{stage}.txt")
+            .read_text()
+            .startswith(f"vw0-s{stage}, from the forward of minibatch 2")
+        )
 
 
 def test_a_profile_window_past_the_run_is_refused_before_anything_starts(tmp_path: Path):
@@ -149,8 +197,13 @@ def test_a_profile_window_past_the_run_is_refused_before_anything_starts(tmp_pat
 
     path = write_config(tmp_path, vws=[["n0:0"]], nm=2, staleness=0, waves=3)
     with pytest.raises(UsageError, match=r"ends at minibatch 7, but each VW runs 6 .*FIRST \+ COUNT <= 6"):
-        train(load_config(path), TrainOptions(run_dir=tmp_path / "r", progress=False, profile=ProfileWindow(4, 4)))
-    with pytest.raises(UsageError, match=r"ends at minibatch 7, but each VW runs 6"):  # no PS runs: refused first
+        train(
+            load_config(path),
+            TrainOptions(run_dir=tmp_path / "r", progress=False, profile=ProfileWindow(4, 4)),
+        )
+    with pytest.raises(
+        UsageError, match=r"ends at minibatch 7, but each VW runs 6"
+    ):  # no PS runs: refused first
         run_worker(load_config(path), 0, None, tmp_path / "w", profile=ProfileWindow(4, 4))
     assert not (tmp_path / "r").exists() and not (tmp_path / "w").exists()
 
@@ -160,19 +213,44 @@ def test_server_and_workers_as_separate_commands(tmp_path: Path):
     path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=3)
     port = free_port_block([0, 100, 101])  # the PS's one shard, then each VW's rendezvous
     path.write_text(path.read_text() + f"\n[ps]\nport = {port}\n")
-    server = subprocess.Popen([sys.executable, "-m", "hetpipe", "server", "--config", str(path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "hetpipe", "server", "--config", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        workers = [subprocess.Popen([sys.executable, "-m", "hetpipe", "worker", "--config", str(path), "--vw", str(v),
-                                     "--run-dir", str(tmp_path / f"w{v}"), *(["--profile", "1:2"] if v else [])],
-                                    stderr=subprocess.PIPE, text=True)
-                   for v in range(2)]
+        workers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hetpipe",
+                    "worker",
+                    "--config",
+                    str(path),
+                    "--vw",
+                    str(v),
+                    "--run-dir",
+                    str(tmp_path / f"w{v}"),
+                    *(["--profile", "1:2"] if v else []),
+                ],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for v in range(2)
+        ]
         outputs = [w.communicate(timeout=120)[1] for w in workers]
         assert [w.returncode for w in workers] == [0, 0], outputs
         assert all("finished 3 waves" in out for out in outputs)
-        # `hetpipe worker --profile` (VW 1 only): its stages' op profiles in its run dir, as under `hetpipe train`
+        # `hetpipe worker --profile` (VW 1 only): its stages' op profiles in its run dir, as under
+        # `hetpipe train`
         assert sorted(p.name for p in (tmp_path / "w1" / "profile").iterdir()) == [
-            "vw1-s0.json", "vw1-s0.txt", "vw1-s1.json", "vw1-s1.txt"]
+            "vw1-s0.json",
+            "vw1-s0.txt",
+            "vw1-s1.json",
+            "vw1-s1.txt",
+        ]
         assert not (tmp_path / "w0" / "profile").exists()
     finally:
         server.terminate()
@@ -193,8 +271,23 @@ def test_a_diverging_run_stops_naming_the_stage_and_wave(tmp_path: Path):
     # lr = 1e30: the first steps overflow, the loss and the updates turn NaN; the run must end with the cause
     # (the stage's own NaN check, or the PS refusing the non-finite push), exit 1 and no traceback
     path = write_config(tmp_path, vws=[["n0:0"]], nm=2, staleness=0, waves=6)
-    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
-                             "--quiet", "--set", "train.lr=1e30"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetpipe",
+            "train",
+            str(path),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--quiet",
+            "--set",
+            "train.lr=1e30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stderr
     assert "stage 0 of virtual worker 0 (vw0-s0) stopped the run" in result.stderr
     assert "wave" in result.stderr and 'train.on_nan = "skip"' in result.stderr
@@ -203,9 +296,25 @@ def test_a_diverging_run_stops_naming_the_stage_and_wave(tmp_path: Path):
 
 def test_train_with_curve_auth(tmp_path: Path):
     path = write_config(tmp_path, vws=[["n0:0"], ["n0:1"]], nm=2, staleness=0, waves=3)
-    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
-                             "--quiet", "--set", "ps.auth=curve", "--set", "ps.timeout_s=5"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetpipe",
+            "train",
+            str(path),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--quiet",
+            "--set",
+            "ps.auth=curve",
+            "--set",
+            "ps.timeout_s=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     keys = tmp_path / "r" / "keys"
     assert sorted(p.name for p in keys.glob("*.key")) == ["admin.key", "server.key", "vw0.key", "vw1.key"]
@@ -224,9 +333,25 @@ def test_on_nan_skip_drops_the_bad_minibatches_and_trains_on(tmp_path: Path):
     np.save(data / "x.npy", x)
     np.save(data / "y.npy", rng.integers(0, 10, 400))
     path = write_config(tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=0, waves=6)
-    result = subprocess.run([sys.executable, "-m", "hetpipe", "train", str(path), "--run-dir", str(tmp_path / "r"),
-                             "--quiet", "--set", "train.on_nan=skip", "--set", f"data.name={json.dumps(str(data))}"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetpipe",
+            "train",
+            str(path),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--quiet",
+            "--set",
+            "train.on_nan=skip",
+            "--set",
+            f"data.name={json.dumps(str(data))}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if m["event"] == "minibatch"]
@@ -249,21 +374,49 @@ def test_example_model_trains_evaluates_live_and_exports(tmp_path: Path):
     with_board = ["--tensorboard", str(board)] if HAS_TENSORBOARD else []
     cpu = '["cpu", "cpu"]'  # every emulated GPU on the CPU, also on a machine with CUDA
     result = subprocess.run(
-        [sys.executable, "-m", "hetpipe", "train", "examples/tiny_convnet.toml", "--run-dir", str(run_dir),
-         "--summary", str(tmp_path / "s.json"), *with_board, "--set", "train.waves=12", "--set", "train.eval_every=3",
-         "--set", "train.eval_samples=200", "--set", "ps.auth=curve", "--set", f"nodes.0.devices={cpu}",
-         "--set", f"nodes.1.devices={cpu}", "--set", f"train.out_dir={json.dumps(str(tmp_path / 'runs'))}"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "hetpipe",
+            "train",
+            "examples/tiny_convnet.toml",
+            "--run-dir",
+            str(run_dir),
+            "--summary",
+            str(tmp_path / "s.json"),
+            *with_board,
+            "--set",
+            "train.waves=12",
+            "--set",
+            "train.eval_every=3",
+            "--set",
+            "train.eval_samples=200",
+            "--set",
+            "ps.auth=curve",
+            "--set",
+            f"nodes.0.devices={cpu}",
+            "--set",
+            f"nodes.1.devices={cpu}",
+            "--set",
+            f"train.out_dir={json.dumps(str(tmp_path / 'runs'))}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert "start-up: launcher_ready" in result.stderr
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # live evaluations of W_t while training (t >= 3: at least the first due point is always taken), then the final
+    # live evaluations of W_t while training (t >= 3: at least the first due point is always taken), then the
+    # final
     live = [m for m in metrics if m["event"] == "eval" and not m.get("final")]
     final = [m for m in metrics if m["event"] == "eval" and m.get("final")]
     assert live and all(3 <= m["wave"] <= 12 and 0 <= m["test_accuracy"] <= 1 for m in live)
     assert len(final) == 1 and final[0]["wave"] == 12
     assert not [m for m in metrics if m["event"] == "eval_failed"]
-    # every line carries its event's own time: none before the launcher started, pulls carry their weights' age
+    # every line carries its event's own time: none before the launcher started, pulls carry their weights'
+    # age
     start = metrics[0]
     assert start["event"] == "run_start" and all(m["t"] >= start["t"] for m in metrics)
     assert {m["age_waves"] for m in metrics if m["event"] == "pull"} == {1}  # exact pulls, D = 0: W_{c-1}
@@ -274,8 +427,12 @@ def test_example_model_trains_evaluates_live_and_exports(tmp_path: Path):
         points = [m["points"][s] for s in steps if s in m["points"]]
         assert points == sorted(points) and start["t"] - 1 <= points[0]
     summary = json.loads((tmp_path / "s.json").read_text())
-    assert 0 < summary["startup_s"]["launcher_ready"] <= summary["startup_s"]["ps_ready"] \
+    assert (
+        0
+        < summary["startup_s"]["launcher_ready"]
+        <= summary["startup_s"]["ps_ready"]
         <= summary["startup_s"]["first_minibatch"]
+    )
     # our own warnings are fixed at their cause: none in any process's log
     for log in (run_dir / "logs").glob("*.log"):
         assert "Warning" not in log.read_text(), log
@@ -284,10 +441,21 @@ def test_example_model_trains_evaluates_live_and_exports(tmp_path: Path):
 
         acc = EventAccumulator(str(board))
         acc.Reload()
-        assert {"vw0/loss", "vw1/samples_per_s", "vw0/gate_wait_s", "vw1/lead_waves", "vw0/pulled_age_waves",
-                "eval/test_accuracy"} <= set(acc.Tags()["scalars"])
-    exported = subprocess.run([sys.executable, "-m", "hetpipe", "export", str(run_dir), "--out", str(tmp_path / "m.pt")],
-                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert {
+            "vw0/loss",
+            "vw1/samples_per_s",
+            "vw0/gate_wait_s",
+            "vw1/lead_waves",
+            "vw0/pulled_age_waves",
+            "eval/test_accuracy",
+        } <= set(acc.Tags()["scalars"])
+    exported = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "export", str(run_dir), "--out", str(tmp_path / "m.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert exported.returncode == 0, exported.stderr
     import torch
 
@@ -303,19 +471,24 @@ def test_example_model_trains_evaluates_live_and_exports(tmp_path: Path):
 
 
 def test_local_placement_keeps_each_nodes_layers_on_its_own_shard(tmp_path: Path):
-    """ED-local: two nodes, two VWs each with a GPU on both; shard i (node i) holds exactly node i's layers and the
-    audited WSP guarantees hold."""
+    """ED-local: two nodes, two VWs each with a GPU on both; shard i (node i) holds exactly node i's layers
+    and the audited WSP guarantees hold."""
     from hetpipe.compute.build import model_of
     from hetpipe.server.checkpoint import load_newest
 
-    path = write_config(tmp_path, vws=[["n0:0", "n1:0"], ["n0:1", "n1:1"]], nm=2, staleness=0, waves=3,
-                        hidden=(24, 16, 16))
-    text = path.read_text().replace('[checkpoint]\ndir = ""', f'[checkpoint]\ndir = "{tmp_path / "unused"}"\nevery = 1')
+    path = write_config(
+        tmp_path, vws=[["n0:0", "n1:0"], ["n0:1", "n1:1"]], nm=2, staleness=0, waves=3, hidden=(24, 16, 16)
+    )
+    text = path.read_text().replace(
+        '[checkpoint]\ndir = ""', f'[checkpoint]\ndir = "{tmp_path / "unused"}"\nevery = 1'
+    )
     text = text.replace("[wsp]", '[ps]\nshards = 2\nplacement = "local"\n[wsp]')
     path.write_text(text + '\n[[nodes]]\nname = "n1"\ngpus = ["g0", "g0"]\ndevices = ["cpu", "cpu"]\n')
     text = path.read_text()
     for v in (0, 1):  # layers 0-1 (a flatten and a linear layer) on n0, 2-4 on n1, in both VWs
-        text = text.replace(f'gpus = ["n0:{v}", "n1:{v}"]\n', f'gpus = ["n0:{v}", "n1:{v}"]\nlayers = [2, 3]\n')
+        text = text.replace(
+            f'gpus = ["n0:{v}", "n1:{v}"]\n', f'gpus = ["n0:{v}", "n1:{v}"]\nlayers = [2, 3]\n'
+        )
     path.write_text(text)
     config = load_config(path)
     summary = train(config, TrainOptions(run_dir=tmp_path / "run", progress=False, audit=True))

@@ -1,4 +1,5 @@
-"""WeightSwap: a module computes on given tensors in place of its parameters, as torch.func.functional_call."""
+"""WeightSwap: a module computes on given tensors in place of its parameters, as
+torch.func.functional_call."""
 
 from __future__ import annotations
 

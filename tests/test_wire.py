@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hetpipe.core import wire
 from hetpipe.core.wire import CHUNK_BYTES, DTYPES, PROTOCOL_VERSION, Message, WireError, decode, encode
 
-BIG = int(2.5 * CHUNK_BYTES) // 4 + 3          # float32 elements: 3 frames, the last one partial
+BIG = int(2.5 * CHUNK_BYTES) // 4 + 3  # float32 elements: 3 frames, the last one partial
 
 
 def _tensors() -> dict[str, np.ndarray]:
@@ -27,8 +27,19 @@ def _tensors() -> dict[str, np.ndarray]:
 
 
 FIELDS: dict[str, dict] = {
-    "register": {"id": 1, "run": "r", "vw": 0, "stage": 2, "num_vws": 3, "num_stages": 4, "want_weights": True,
-                 "num_waves": 10, "buffers": ["2.bn.running_mean"], "ledgers": [], "start_wave": 0},
+    "register": {
+        "id": 1,
+        "run": "r",
+        "vw": 0,
+        "stage": 2,
+        "num_vws": 3,
+        "num_stages": 4,
+        "want_weights": True,
+        "num_waves": 10,
+        "buffers": ["2.bn.running_mean"],
+        "ledgers": [],
+        "start_wave": 0,
+    },
     "push": {"id": 2**63 - 1, "run": "r" * 128, "vw": 1, "stage": 0, "wave": 2**31 - 1},
     "pull": {"id": 3, "run": "run-7", "vw": 1, "stage": 0, "wave": 5},
     "status": {"id": 4, "run": "r"},
@@ -38,7 +49,14 @@ FIELDS: dict[str, dict] = {
     "rejoin": {"id": 13, "run": "r", "vw": 1, "start_wave": 9},
     "registered": {"id": 6, "c_global": 0, "pushed": 0, "keep_from": 0},
     "ack": {"id": 7, "wave": 3, "applied": False, "c_global": 2, "keep_from": 1},
-    "weights": {"id": 8, "wave": 3, "version": 9, "own_through": -1, "parked_ms": 12, "gaps": [[1, 2, -1], [0, 1, 4]]},
+    "weights": {
+        "id": 8,
+        "wave": 3,
+        "version": 9,
+        "own_through": -1,
+        "parked_ms": 12,
+        "gaps": [[1, 2, -1], [0, 1, 4]],
+    },
     "beat": {"id": 14, "c_global": 3, "keep_from": 2},
     "evicted": {"id": 15, "vw": 1, "at_wave": 3},
     "rejoined": {"id": 16, "vw": 1, "start_wave": 9},
@@ -74,7 +92,7 @@ def test_round_trip_tensors(msg_type: str) -> None:
     for frame in frames[1:]:
         assert isinstance(frame, memoryview)
         assert len(frame) <= CHUNK_BYTES
-        assert any(frame.obj is a for a in arrays.values())   # zero-copy: a view of the caller's array
+        assert any(frame.obj is a for a in arrays.values())  # zero-copy: a view of the caller's array
     msg = decode([bytes(f) for f in frames])
     assert msg.type == msg_type and msg.fields == FIELDS[msg_type]
     assert list(msg.tensors) == list(arrays)
@@ -120,7 +138,7 @@ def test_round_trip_over_configured_tcp_sockets_and_maxmsgsize_is_per_frame() ->
         identity, *frames = router.recv_multipart(copy=False)
         assert sum(len(f.buffer) for f in frames) > router.getsockopt(zmq.MAXMSGSIZE)
         np.testing.assert_array_equal(decode(frames).tensors["w"].to_array(), arr)
-        with pytest.raises(zmq.ZMQError):        # ROUTER_MANDATORY: unknown peer raises, no silent drop
+        with pytest.raises(zmq.ZMQError):  # ROUTER_MANDATORY: unknown peer raises, no silent drop
             router.send_multipart([b"nobody", *wire.error_frames(None, "internal", "x")])
         dealer.send_multipart([b"x" * (router.getsockopt(zmq.MAXMSGSIZE) + 1)])
         assert not router.poll(300)
@@ -181,27 +199,54 @@ REJECTIONS = [
     ("zero num_vws", _msg(_header("register", [], num_vws=0)), "bad_message", "register.num_vws"),
     ("own_through -2", _msg(_header("weights", [], own_through=-2)), "bad_message", "own_through"),
     ("buffers not names", _msg(_header("register", [], buffers=[1])), "bad_message", "register.buffers"),
-    ("ledgers not a list", _msg(_header("register", [], ledgers="audit/0")), "bad_message", "register.ledgers"),
+    (
+        "ledgers not a list",
+        _msg(_header("register", [], ledgers="audit/0")),
+        "bad_message",
+        "register.ledgers",
+    ),
     ("empty run", _msg(_header(run="")), "bad_message", "pull.run must be a str of 1..128"),
     ("long run", _msg(_header(run="r" * 129)), "bad_message", "pull.run must be a str"),
     ("bad error code", _msg(_header("error", code="oops")), "bad_message", "error.code must be one of"),
     ("info not map", _msg(_header("status_reply", info=[1])), "bad_message", "status_reply.info"),
     ("info too deep", _msg(_header("status_reply", info={"a": [[[{"b": 1}]]]})), "bad_message", "depth <= 4"),
-    ("info int key", _msg(_header("status_reply", info={"a": {1: 2}})), "bad_message", "not allowed for map key"),
+    (
+        "info int key",
+        _msg(_header("status_reply", info={"a": {1: 2}})),
+        "bad_message",
+        "not allowed for map key",
+    ),
     ("info bytes key", _msg(_header("status_reply", info={"a": {b"k": 2}})), "bad_message", "str keys"),
     ("duplicate key", _msg(_header("push", _F32 * 2), _W24, _W24), "bad_message", "duplicate tensor key 'w'"),
-    ("bad dtype", _msg(_header("push", [{**_F32[0], "dtype": "uint8"}]), b"\0" * 6), "bad_message",
-     "dtype 'uint8' (str) is not allowed"),
+    (
+        "bad dtype",
+        _msg(_header("push", [{**_F32[0], "dtype": "uint8"}]), b"\0" * 6),
+        "bad_message",
+        "dtype 'uint8' (str) is not allowed",
+    ),
     ("empty key", _msg(_header("push", [{**_F32[0], "key": ""}]), _W24), "bad_message", "key must be a str"),
     ("extra spec field", _msg(_header("push", [{**_F32[0], "x": 1}]), _W24), "bad_message", "exactly key"),
     ("negative dim", _msg(_header("push", [{**_F32[0], "shape": [-2, -3]}]), _W24), "bad_message", "shape"),
     ("bool dim", _msg(_header("push", [{**_F32[0], "shape": [True]}]), b"\0" * 4), "bad_message", "shape"),
-    ("too many dims", _msg(_header("push", [{**_F32[0], "shape": [1] * 9}]), b"\0" * 4), "bad_message",
-     "<= 8 ints"),
-    ("tensor too big", _msg(_header("push", [{**_F32[0], "shape": [2**31, 2]}])), "bad_message",
-     "exceeds 8589934592 bytes"),
+    (
+        "too many dims",
+        _msg(_header("push", [{**_F32[0], "shape": [1] * 9}]), b"\0" * 4),
+        "bad_message",
+        "<= 8 ints",
+    ),
+    (
+        "tensor too big",
+        _msg(_header("push", [{**_F32[0], "shape": [2**31, 2]}])),
+        "bad_message",
+        "exceeds 8589934592 bytes",
+    ),
     ("frame length", _msg(_header("push", _F32), b"\0" * 20), "bad_message", "has 20 bytes, expected 24"),
-    ("too few frames", _msg(_header("push", _F32)), "bad_message", "needing 1 data frames but the message has 0"),
+    (
+        "too few frames",
+        _msg(_header("push", _F32)),
+        "bad_message",
+        "needing 1 data frames but the message has 0",
+    ),
     ("too many frames", _msg(_header("push", _F32), _W24, b""), "bad_message", "needing 1 data frames"),
     ("frames on pull", _msg(_header(), b"x"), "bad_message", "carries no data frames"),
     ("non-map header", _msg([1, "pull"]), "bad_message", "header must be a msgpack map"),
@@ -209,14 +254,21 @@ REJECTIONS = [
     ("trailing bytes", [msgpack.packb(_header()) + b"\x00"], "bad_message", "1 bytes after its msgpack map"),
     ("repeated map key", [b"\x82\xa1v\x01\xa1v\x01"], "bad_message", "repeated key"),
     ("ext type", [msgpack.packb(msgpack.ExtType(1, b"x"))], "bad_message", "not valid msgpack"),
-    ("oversize header", [b"\x00" * (wire.MAX_HEADER_BYTES + 1)], "bad_message", "over the 1048576-byte limit"),
+    (
+        "oversize header",
+        [b"\x00" * (wire.MAX_HEADER_BYTES + 1)],
+        "bad_message",
+        "over the 1048576-byte limit",
+    ),
     ("huge array claim", [b"\xdd\xff\xff\xff\xff"], "bad_message", "not valid msgpack"),
     ("no frames", [], "bad_message", "non-empty sequence"),
     ("frame of wrong type", [msgpack.packb(_header()), 3], "bad_message", "frame 1 must be"),
 ]
 
 
-@pytest.mark.parametrize(("frames", "code", "text"), [r[1:] for r in REJECTIONS], ids=[r[0] for r in REJECTIONS])
+@pytest.mark.parametrize(
+    ("frames", "code", "text"), [r[1:] for r in REJECTIONS], ids=[r[0] for r in REJECTIONS]
+)
 def test_decode_rejects(frames: list, code: str, text: str) -> None:
     with pytest.raises(WireError) as caught:
         decode(frames)
@@ -245,7 +297,9 @@ ENCODE_REJECTIONS = [
 ]
 
 
-@pytest.mark.parametrize(("args", "text"), [r[1:] for r in ENCODE_REJECTIONS], ids=[r[0] for r in ENCODE_REJECTIONS])
+@pytest.mark.parametrize(
+    ("args", "text"), [r[1:] for r in ENCODE_REJECTIONS], ids=[r[0] for r in ENCODE_REJECTIONS]
+)
 def test_encode_rejects_sender_bugs(args: tuple, text: str) -> None:
     with pytest.raises(WireError) as caught:
         encode(*args)
@@ -256,20 +310,40 @@ def test_encode_rejects_sender_bugs(args: tuple, text: str) -> None:
 # Fuzzing: decode returns a Message that encodes again, or raises WireError; nothing else.
 
 _u31 = st.integers(0, 2**31 - 1)
-_info = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-    max_leaves=8,
-).map(lambda v: {"v": v}).filter(lambda info: wire.FIELDS["status_reply"]["info"](info) is None)
+_info = (
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        max_leaves=8,
+    )
+    .map(lambda v: {"v": v})
+    .filter(lambda info: wire.FIELDS["status_reply"]["info"](info) is None)
+)
 FIELD_STRATEGIES = {
-    "id": st.integers(0, 2**63 - 1), "run": st.text(min_size=1, max_size=128), "vw": _u31, "stage": _u31,
-    "wave": _u31, "num_vws": st.integers(1, 2**31 - 1), "num_stages": st.integers(1, 2**31 - 1),
-    "want_weights": st.booleans(), "applied": st.booleans(), "c_global": _u31, "version": _u31,
-    "own_through": st.integers(-1, 2**31 - 1), "info": _info, "code": st.sampled_from(sorted(wire.ERROR_CODES)),
-    "message": st.text(max_size=50), "num_waves": _u31, "parked_ms": _u31,
+    "id": st.integers(0, 2**63 - 1),
+    "run": st.text(min_size=1, max_size=128),
+    "vw": _u31,
+    "stage": _u31,
+    "wave": _u31,
+    "num_vws": st.integers(1, 2**31 - 1),
+    "num_stages": st.integers(1, 2**31 - 1),
+    "want_weights": st.booleans(),
+    "applied": st.booleans(),
+    "c_global": _u31,
+    "version": _u31,
+    "own_through": st.integers(-1, 2**31 - 1),
+    "info": _info,
+    "code": st.sampled_from(sorted(wire.ERROR_CODES)),
+    "message": st.text(max_size=50),
+    "num_waves": _u31,
+    "parked_ms": _u31,
     "buffers": st.lists(st.text(min_size=1, max_size=8), max_size=3),
     "ledgers": st.lists(st.text(min_size=1, max_size=8), max_size=3),
-    "start_wave": _u31, "pushed": _u31, "keep_from": _u31, "progress": _u31, "at_wave": _u31,
+    "start_wave": _u31,
+    "pushed": _u31,
+    "keep_from": _u31,
+    "progress": _u31,
+    "at_wave": _u31,
     "gaps": st.lists(st.tuples(_u31, _u31, st.integers(-1, 2**31 - 1)).map(list), max_size=3),
 }
 
@@ -283,8 +357,13 @@ def valid_messages(draw: st.DrawFn) -> list[bytes]:
     tensors = None
     if msg_type in WITH_TENSORS:
         shapes = st.lists(st.integers(0, 3), max_size=3)
-        specs = draw(st.dictionaries(st.text(min_size=1, max_size=4), st.tuples(st.sampled_from(sorted(DTYPES)), shapes),
-                                     max_size=3))
+        specs = draw(
+            st.dictionaries(
+                st.text(min_size=1, max_size=4),
+                st.tuples(st.sampled_from(sorted(DTYPES)), shapes),
+                max_size=3,
+            )
+        )
         tensors = {k: np.arange(int(np.prod(s)), dtype=d).reshape(s) for k, (d, s) in specs.items()}
     return [bytes(f) for f in encode(msg_type, fields, tensors)]
 
@@ -317,8 +396,10 @@ def _mutate(data: st.DataObject, frames: list[bytes]) -> list[bytes]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(original=st.one_of(valid_messages(), st.just("multi-chunk push")), data=st.data())
-def test_mutated_messages_decode_or_raise_wire_error(original: list[bytes] | str, data: st.DataObject) -> None:
-    if original == "multi-chunk push":          # prebuilt: a 2.5 MiB example would flood hypothesis' report
+def test_mutated_messages_decode_or_raise_wire_error(
+    original: list[bytes] | str, data: st.DataObject
+) -> None:
+    if original == "multi-chunk push":  # prebuilt: a 2.5 MiB example would flood hypothesis' report
         original = _MULTI_CHUNK
     assert decode(original).type
     frames = _mutate(data, original)
@@ -328,8 +409,8 @@ def test_mutated_messages_decode_or_raise_wire_error(original: list[bytes] | str
         assert err.code in wire.ERROR_CODES
         return
     arrays = {k: v.to_array() for k, v in msg.tensors.items()}
-    again = decode(encode(msg.type, msg.fields, arrays))     # what decode accepts, encode accepts too
-    assert msgpack.packb(again.fields) == msgpack.packb(msg.fields)   # bytes, since NaN != NaN
+    again = decode(encode(msg.type, msg.fields, arrays))  # what decode accepts, encode accepts too
+    assert msgpack.packb(again.fields) == msgpack.packb(msg.fields)  # bytes, since NaN != NaN
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -338,7 +419,7 @@ def test_mutated_messages_decode_or_raise_wire_error(original: list[bytes] | str
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_copy_into_and_add_into_across_chunk_boundaries(dtype: str) -> None:
-    n = 2 * CHUNK_BYTES // np.dtype(dtype).itemsize + 7        # two full chunks and a partial one
+    n = 2 * CHUNK_BYTES // np.dtype(dtype).itemsize + 7  # two full chunks and a partial one
     rng = np.random.default_rng(1)
     src = (rng.standard_normal(n) * 1000).astype(dtype).reshape(1, n)
     view = decode(encode("push", FIELDS["push"], {"w": src})).tensors["w"]
@@ -348,8 +429,8 @@ def test_copy_into_and_add_into_across_chunk_boundaries(dtype: str) -> None:
     base = dst.copy()
     added = view.added_to(base)
     assert added.dtype == np.dtype(dtype) and added.shape == (1, n)
-    np.testing.assert_array_equal(added, expected)   # the same sums as base + to_array(), bit for bit
-    np.testing.assert_array_equal(base, dst)         # the base is read, not changed
+    np.testing.assert_array_equal(added, expected)  # the same sums as base + to_array(), bit for bit
+    np.testing.assert_array_equal(base, dst)  # the base is read, not changed
     view.add_into(dst)
     np.testing.assert_array_equal(dst, expected)
     view.copy_into(dst)
@@ -372,10 +453,16 @@ def test_copy_into_and_add_into_reject_mismatched_destinations(dst: object, text
         with pytest.raises(WireError) as caught:
             method(dst)
         assert caught.value.code == "bad_message" and text in caught.value.message
-    if isinstance(dst, np.ndarray) and dst.flags.c_contiguous:   # added_to reads its base: any layout of the right shape
-        with pytest.raises(WireError, match=r"the base is float\d\d\[\d, \d\]; the sender and this side disagree"):
+    if (
+        isinstance(dst, np.ndarray) and dst.flags.c_contiguous
+    ):  # added_to reads its base: any layout of the right shape
+        with pytest.raises(
+            WireError, match=r"the base is float\d\d\[\d, \d\]; the sender and this side disagree"
+        ):
             view.added_to(dst)
-    np.testing.assert_array_equal(view.added_to(np.ones((3, 2), np.float32).T), np.full((2, 3), 2.0, np.float32))
+    np.testing.assert_array_equal(
+        view.added_to(np.ones((3, 2), np.float32).T), np.full((2, 3), 2.0, np.float32)
+    )
 
 
 def test_scalar_and_empty_tensors_copy_and_add() -> None:
@@ -390,7 +477,7 @@ def test_scalar_and_empty_tensors_copy_and_add() -> None:
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_finite_check_finds_nan_and_inf_in_any_chunk(dtype: str) -> None:
-    n = 2 * CHUNK_BYTES // np.dtype(dtype).itemsize + 5        # the bad values go into the third chunk
+    n = 2 * CHUNK_BYTES // np.dtype(dtype).itemsize + 5  # the bad values go into the third chunk
     clean = np.ones(n, dtype)
     view = decode(encode("push", FIELDS["push"], {"w": clean})).tensors["w"]
     assert view.all_finite() and view.non_finite_counts() == (0, 0)
@@ -418,8 +505,8 @@ def test_new_error_codes_are_on_the_wire() -> None:
     ("value", "bits"),
     [
         (1.0, 0x3F80),
-        (1.0 + 2**-8, 0x3F80),          # halfway: to the even neighbour, down
-        (1.0 + 3 * 2**-8, 0x3F82),      # halfway: to the even neighbour, up
+        (1.0 + 2**-8, 0x3F80),  # halfway: to the even neighbour, down
+        (1.0 + 3 * 2**-8, 0x3F82),  # halfway: to the even neighbour, up
         (1.0 + 2**-8 + 2**-20, 0x3F81),  # just past halfway: up
         (-2.5, 0xC020),
         (0.0, 0x0000),
@@ -427,7 +514,7 @@ def test_new_error_codes_are_on_the_wire() -> None:
         (np.inf, 0x7F80),
         (-np.inf, 0xFF80),
         (np.finfo(np.float32).max, 0x7F80),  # past the largest bfloat16: inf
-        (1e-45, 0x0000),                # the smallest float32 subnormal rounds to zero
+        (1e-45, 0x0000),  # the smallest float32 subnormal rounds to zero
     ],
 )
 def test_bfloat16_bits_round_to_nearest_even(value: float, bits: int) -> None:
@@ -449,16 +536,19 @@ def test_bfloat16_rounding_equals_torch() -> None:
 
 
 def test_packed_push_reads_as_float32_in_half_the_bytes() -> None:
-    n = 2 * CHUNK_BYTES // 2 + 7                     # bfloat16: two full frames and a partial one
+    n = 2 * CHUNK_BYTES // 2 + 7  # bfloat16: two full frames and a partial one
     rng = np.random.default_rng(5)
     src = rng.standard_normal((1, n)).astype(np.float32)
     counts = np.arange(4, dtype=np.int64)
     frames = encode("push", FIELDS["push"], {"w": src, "counts": counts}, pack="bfloat16")
     plain = encode("push", FIELDS["push"], {"w": src, "counts": counts})
     data = sum(memoryview(f).nbytes for f in frames[1:])
-    assert data == 2 * n + counts.nbytes and sum(memoryview(f).nbytes for f in plain[1:]) == 4 * n + counts.nbytes
+    assert (
+        data == 2 * n + counts.nbytes
+        and sum(memoryview(f).nbytes for f in plain[1:]) == 4 * n + counts.nbytes
+    )
     header = msgpack.unpackb(frames[0])
-    assert [t["dtype"] for t in header["tensors"]] == ["bfloat16", "int64"]   # only float32 is packed
+    assert [t["dtype"] for t in header["tensors"]] == ["bfloat16", "int64"]  # only float32 is packed
     msg = decode([bytes(f) for f in frames])
     view, rounded = msg.tensors["w"], wire.from_bfloat16_bits(wire.to_bfloat16_bits(src))
     assert view.dtype == np.float32 and view.packed and len(view.chunks) == 3
@@ -472,14 +562,16 @@ def test_packed_push_reads_as_float32_in_half_the_bytes() -> None:
     np.testing.assert_array_equal(msg.tensors["counts"].to_array(), counts)
     assert view.all_finite() and view.non_finite_counts() == (0, 0)
     src[0, -1], src[0, 0] = np.inf, np.nan
-    dirty = decode([bytes(f) for f in encode("push", FIELDS["push"], {"w": src}, pack="bfloat16")]).tensors["w"]
+    dirty = decode([bytes(f) for f in encode("push", FIELDS["push"], {"w": src}, pack="bfloat16")]).tensors[
+        "w"
+    ]
     assert not dirty.all_finite() and dirty.non_finite_counts() == (1, 1)
 
 
 def test_a_packed_tensor_with_float32_sized_frames_is_refused() -> None:
     frames = [bytes(f) for f in encode("push", FIELDS["push"], {"w": np.ones(8, np.float32)})]
     header = msgpack.unpackb(frames[0])
-    header["tensors"][0]["dtype"] = "bfloat16"      # 32 bytes of data for 8 bfloat16 values (16 bytes)
+    header["tensors"][0]["dtype"] = "bfloat16"  # 32 bytes of data for 8 bfloat16 values (16 bytes)
     with pytest.raises(WireError) as caught:
         decode([msgpack.packb(header), frames[1]])
     assert caught.value.code == "bad_message" and "expected 16" in caught.value.message

@@ -1,4 +1,5 @@
-"""Tests of hetpipe.core.wsp: the WSP rules of docs/wsp.md on a ledger where each (vw, stage, wave) adds 1.0."""
+"""Tests of hetpipe.core.wsp: the WSP rules of docs/wsp.md on a ledger where each (vw, stage, wave) adds
+1.0."""
 
 from __future__ import annotations
 
@@ -106,7 +107,11 @@ def test_registration_conflicts():
     cases = [
         (lambda: shard.register(0, 1, 3, 2, {"b": np.ones(1, np.float32)}), "conflict", "3 VWs"),
         (lambda: shard.register(0, 1, 2, 3, {"b": np.ones(1, np.float32)}), "conflict", "stages"),
-        (lambda: shard.register(0, 1, 2, 2, {"a": np.ones(3, np.float32)}), "conflict", "owned by its stage 0"),
+        (
+            lambda: shard.register(0, 1, 2, 2, {"a": np.ones(3, np.float32)}),
+            "conflict",
+            "owned by its stage 0",
+        ),
         (lambda: shard.register(1, 0, 2, 2, {"a": np.ones(4, np.float32)}), "conflict", "shape"),
         (lambda: shard.register(2, 0, 2, 2, {"c": np.ones(1, np.float32)}), "bad_message", "out of range"),
         (lambda: shard.register(0, 0, 2, 2, {"z": np.ones(3, np.float32)}), "conflict", "other keys"),
@@ -210,7 +215,9 @@ def test_wsp_invariants_over_random_orders(num_vws, num_stages, num_waves, stale
     rng = random.Random(seed)
     speeds = [rng.choice([1, 1, 2, 4, 8]) for _ in range(num_vws)]
     shard = make_shard(num_vws, num_stages, num_waves, staleness, mode)
-    programs = {(v, j): stage_program(num_waves, staleness, rng) for v in range(num_vws) for j in range(num_stages)}
+    programs = {
+        (v, j): stage_program(num_waves, staleness, rng) for v in range(num_vws) for j in range(num_stages)
+    }
     pos = dict.fromkeys(programs, 0)
     pushed = dict.fromkeys(programs, 0)  # the test's own ledger, independent of ShardState
 
@@ -284,8 +291,14 @@ def test_stages_that_never_reach_a_gate_keep_memory_flat():
 def two_vw_shard(aggregation: str, mode: str = "exact", optimizer: str = "sgd") -> ShardState:
     shard = ShardState(0, mode, make_aggregation(aggregation, optimizer=optimizer, lr=0.5))
     for vw in range(2):
-        shard.register(vw, 0, 2, 1, {"w": np.array([1.0, 2.0], np.float32), "bn": np.zeros(2, np.float32)},
-                       kinds={"bn": "buffer"})
+        shard.register(
+            vw,
+            0,
+            2,
+            1,
+            {"w": np.array([1.0, 2.0], np.float32), "bn": np.zeros(2, np.float32)},
+            kinds={"bn": "buffer"},
+        )
     return shard
 
 
@@ -483,8 +496,8 @@ def test_snapshot_round_trip_keeps_epochs_and_half_waves():
 )
 def test_a_background_snapshot_is_the_moment_it_was_taken(num_vws, num_stages, staleness, mode, seed):
     """A shard's checkpoint writer encodes a detached snapshot while later pushes change the state. Restored
-    afterwards (as after a crash) and given again the pushes it lacks (as the clients resend them), it must hold
-    every update exactly once: nothing of what came after it may leak into it."""
+    afterwards (as after a crash) and given again the pushes it lacks (as the clients resend them), it must
+    hold every update exactly once: nothing of what came after it may leak into it."""
     num_waves = 6
     rng = random.Random(seed)
     shard = make_shard(num_vws, num_stages, num_waves, staleness, mode)
@@ -528,7 +541,9 @@ def test_evictions_and_rejoins_keep_every_update_exactly_once(num_vws, num_stage
     num_waves = 8
     rng = random.Random(seed)
     shard = make_shard(num_vws, num_stages, num_waves, staleness, mode)
-    programs = {(v, j): stage_program(num_waves, staleness, rng) for v in range(num_vws) for j in range(num_stages)}
+    programs = {
+        (v, j): stage_program(num_waves, staleness, rng) for v in range(num_vws) for j in range(num_stages)
+    }
     pos = dict.fromkeys(programs, 0)
     spans = {v: [[0, None]] for v in range(num_vws)}  # the test's own record of what each VW contributes
 
@@ -536,7 +551,7 @@ def test_evictions_and_rejoins_keep_every_update_exactly_once(num_vws, num_stage
         w = np.zeros((num_vws, num_waves), np.float32)
         for v, vs in spans.items():
             for start, end in vs:
-                w[v, start:min(through, num_waves if end is None else end)] = 1.0
+                w[v, start : min(through, num_waves if end is None else end)] = 1.0
         return w
 
     steps = 0
@@ -597,20 +612,31 @@ def test_evictions_and_rejoins_keep_every_update_exactly_once(num_vws, num_stage
         else:  # complete waves of every VW are in, nothing of a gap
             for v, vs in spans.items():
                 for start, end in vs:
-                    assert (got[v, start:shard.c_local(v) if end is None else end] == 1.0).all()
+                    assert (got[v, start : shard.c_local(v) if end is None else end] == 1.0).all()
             np.testing.assert_array_equal(got[final == 0.0], 0.0)
 
 
 @pytest.mark.parametrize("mode", ["exact", "latest"])
 @pytest.mark.parametrize("aggregation", ["sum", "mean", "server"])
-def test_a_push_folded_straight_from_its_frames_builds_the_same_weights_as_from_arrays(aggregation: str, mode: str):
+def test_a_push_folded_straight_from_its_frames_builds_the_same_weights_as_from_arrays(
+    aggregation: str, mode: str
+):
     """One contributor's sum stays the received frames (several of them here); W + S is added from them."""
     n = 2 * wire.CHUNK_BYTES // 4 + 5
     rng = np.random.default_rng(3)
-    w0 = {"w": rng.standard_normal(n).astype(np.float32), "bn": np.ones(3, np.float32),
-          "audit": np.zeros(4, np.float32)}
-    pushes = [{"w": rng.standard_normal(n).astype(np.float32), "bn": rng.standard_normal(3).astype(np.float32),
-               "audit": np.ones(4, np.float32)} for _ in range(3)]
+    w0 = {
+        "w": rng.standard_normal(n).astype(np.float32),
+        "bn": np.ones(3, np.float32),
+        "audit": np.zeros(4, np.float32),
+    }
+    pushes = [
+        {
+            "w": rng.standard_normal(n).astype(np.float32),
+            "bn": rng.standard_normal(3).astype(np.float32),
+            "audit": np.ones(4, np.float32),
+        }
+        for _ in range(3)
+    ]
     fields = {"id": 1, "vw": 0, "stage": 0, "wave": 0, "run": "r"}
     built = []
     for as_frames in (False, True):

@@ -1,4 +1,5 @@
-"""Messages between a stage and its PS agent process: msgpack maps, each behind a 4-byte length, over a pipe."""
+"""Messages between a stage and its PS agent process: msgpack maps, each behind a 4-byte length, over a
+pipe."""
 
 from __future__ import annotations
 

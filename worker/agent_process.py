@@ -7,8 +7,9 @@ it back, hundreds of times a minibatch (docs/architecture.md#the-ps-path). Here 
 of its own: the stage and it share the push slots and the pull buffer (worker/shared_host.py) and exchange
 small control messages over a pipe (worker/agent_pipe.py); no tensor is pickled or copied between them.
 
-Started by worker/ps_link.py as `python -m hetpipe.worker.agent_process`; stdin and stdout are the pipe, stderr
-is the stage's log. It ends when the stage says so, when the pipe closes, or when the stage process is gone.
+Started by worker/ps_link.py as `python -m hetpipe.worker.agent_process`; stdin and stdout are the pipe,
+stderr is the stage's log. It ends when the stage says so, when the pipe closes, or when the stage process is
+gone.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class _SpanRelay:
 
 
 def _watch_parent(parent: int) -> None:
-    """End this process once the stage that started it is gone (it may be blocked where it cannot read EOF)."""
+    """End this process once the stage that started it is gone (it may be blocked where it cannot read
+    EOF)."""
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(0)
@@ -63,8 +65,14 @@ def _reply(out: PipeWriter, job: int, future: Future) -> None:
         out.send("done", id=job, c_global=result.c_global, seconds=result.seconds)
     else:
         assert isinstance(result, Pulled)
-        out.send("done", id=job, version=result.version, own_through=result.own_through, parked_s=result.parked_s,
-                 gaps=result.gaps)
+        out.send(
+            "done",
+            id=job,
+            version=result.version,
+            own_through=result.own_through,
+            parked_s=result.parked_s,
+            gaps=result.gaps,
+        )
 
 
 def serve(stdin: Any, out: PipeWriter) -> int:
@@ -84,18 +92,28 @@ def serve(stdin: Any, out: PipeWriter) -> int:
             op, job = msg["op"], msg.get("id", -1)
             try:
                 if op == "register":
-                    w0 = client.register(slots[0], kinds=msg["kinds"], num_waves=msg["num_waves"],
-                                         start_wave=msg["start_wave"])
+                    w0 = client.register(
+                        slots[0], kinds=msg["kinds"], num_waves=msg["num_waves"], start_wave=msg["start_wave"]
+                    )
                     for key, value in w0.items():
                         np.copyto(pulled_into[key], value.reshape(pulled_into[key].shape), casting="unsafe")
-                    agent = PSAgent(client, pulled_into if msg["pulls"] else None, _SpanRelay(out), 0,
-                                    heartbeat_s=setup["heartbeat_s"], progress=lambda: int(shared.progress[0]),
-                                    on_fatal=lambda exc: out.send("fatal", error=describe_error(exc)))
+                    agent = PSAgent(
+                        client,
+                        pulled_into if msg["pulls"] else None,
+                        _SpanRelay(out),
+                        0,
+                        heartbeat_s=setup["heartbeat_s"],
+                        progress=lambda: int(shared.progress[0]),
+                        on_fatal=lambda exc: out.send("fatal", error=describe_error(exc)),
+                    )
                     out.send("done", id=job, keys=sorted(w0))
                 elif op in ("push", "pull"):
                     assert agent is not None, "push or pull before register"
-                    future = (agent.push(msg["wave"], slots[msg["slot"]], None, reused=True) if op == "push"
-                              else agent.pull(msg["wave"]))
+                    future = (
+                        agent.push(msg["wave"], slots[msg["slot"]], None, reused=True)
+                        if op == "push"
+                        else agent.pull(msg["wave"])
+                    )
                     future.add_done_callback(lambda f, job=job: _reply(out, job, f))
                 elif op == "close":
                     totals = (0.0, 0.0, 0.0)
@@ -104,7 +122,9 @@ def serve(stdin: Any, out: PipeWriter) -> int:
                         totals, agent = (agent.push_s, agent.pull_s, agent.parked_s), None
                     out.send("done", id=job, push_s=totals[0], pull_s=totals[1], parked_s=totals[2])
                 elif op == "durable":
-                    out.send("done", id=job, ok=client.wait_durable(msg["timeout_s"], progress=msg["progress"]))
+                    out.send(
+                        "done", id=job, ok=client.wait_durable(msg["timeout_s"], progress=msg["progress"])
+                    )
                 elif op == "exit":
                     out.send("done", id=job)
                     break

@@ -34,7 +34,9 @@ class StageJob:
     slowdown: float = 1.0  # emulation: compute runs this many times slower
     time_scale: float = 1.0  # emulation: the global slowdown, also applied to emulated link delays
     device: str = "cpu"
-    devices: tuple[str, ...] = ()  # every stage's device in this VW (the transport between them depends on it)
+    devices: tuple[
+        str, ...
+    ] = ()  # every stage's device in this VW (the transport between them depends on it)
     dump_weights: bool = False  # write the stage's final live weights (for equivalence tests)
     audit: bool = False  # carry a tagged-update ledger and check guarantees L and G at every forward
     ps_keys: ClientKeys | None = None  # auth = "curve": this VW's key pair (only this VW's) and the PS's key
@@ -60,7 +62,8 @@ class StageJob:
 
 
 def emulated_slowdowns(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> tuple[dict[str, float], float]:
-    """Each GPU's slowdown under emulation (empty when off) and the time scale (the fastest GPU's slowdown)."""
+    """Each GPU's slowdown under emulation (empty when off) and the time scale (the fastest GPU's
+    slowdown)."""
     if not config.emulation.enabled:
         return {}, 1.0
     speeds = {g: config.gpu(g).speed for lay in vws for g in lay.gpus}
@@ -76,9 +79,21 @@ def cuda_devices() -> int:
 
 
 def stage_jobs(
-    config: ClusterConfig, vws: tuple[VwLayout, ...], vw: int, *, run_dir: Path, ps_endpoints: tuple[str, ...],
-    p2p_host: str, p2p_port: int, audit: bool = False, dump_weights: bool = False, ps_keys: ClientKeys | None = None,
-    start_wave: int = 0, resume_wave: int = 0, snapshots: bool = False, profile: ProfileWindow | None = None,
+    config: ClusterConfig,
+    vws: tuple[VwLayout, ...],
+    vw: int,
+    *,
+    run_dir: Path,
+    ps_endpoints: tuple[str, ...],
+    p2p_host: str,
+    p2p_port: int,
+    audit: bool = False,
+    dump_weights: bool = False,
+    ps_keys: ClientKeys | None = None,
+    start_wave: int = 0,
+    resume_wave: int = 0,
+    snapshots: bool = False,
+    profile: ProfileWindow | None = None,
 ) -> list[StageJob]:
     """The jobs of every stage of virtual worker `vw` (of `vws`, all the run's VWs); `ps_keys` must be vw's.
     `snapshots`: the stages save their state at the PS's checkpoint waves ([checkpoint] every, stages)."""
@@ -89,12 +104,29 @@ def stage_jobs(
     devices = tuple(stage_device(config, g, cuda) for g in lay.gpus)
     return [
         StageJob(
-            packed_config=packed, run_dir=str(run_dir), vw=vw, stage=s, num_vws=len(vws), gpus=lay.gpus,
-            split=lay.split, ps_endpoints=ps_endpoints, p2p_port=p2p_port, p2p_host=p2p_host, devices=devices,
-            slowdown=slow.get(lay.gpus[s], 1.0), time_scale=time_scale, device=devices[s],
-            dump_weights=dump_weights, audit=audit, ps_keys=ps_keys, start_wave=start_wave, resume_wave=resume_wave,
+            packed_config=packed,
+            run_dir=str(run_dir),
+            vw=vw,
+            stage=s,
+            num_vws=len(vws),
+            gpus=lay.gpus,
+            split=lay.split,
+            ps_endpoints=ps_endpoints,
+            p2p_port=p2p_port,
+            p2p_host=p2p_host,
+            devices=devices,
+            slowdown=slow.get(lay.gpus[s], 1.0),
+            time_scale=time_scale,
+            device=devices[s],
+            dump_weights=dump_weights,
+            audit=audit,
+            ps_keys=ps_keys,
+            start_wave=start_wave,
+            resume_wave=resume_wave,
             snapshot_every=config.checkpoint.every if snapshots and config.checkpoint.stages else 0,
-            snapshot_keep=config.checkpoint.keep, first_vw=vws[0], profile=profile,
+            snapshot_keep=config.checkpoint.keep,
+            first_vw=vws[0],
+            profile=profile,
         )
         for s in range(len(lay.split))
     ]

@@ -1,10 +1,11 @@
-"""The last stage's minibatch losses, read once a wave without draining the device (docs/architecture.md#devices).
+"""The last stage's minibatch losses, read once a wave without draining the device
+(docs/architecture.md#devices).
 
-On CUDA each loss is copied into pinned host memory just before its backward is queued (the copy is queued too,
-ahead of the backward's kernels, and nothing waits for it), and the wave's read waits only for the last of those
-copies: the device still has the last backward and update queued while the stage reads the values, checks them
-and stages its push, so it does not sit idle while the CPU catches up, as it would after a full synchronize.
-On the CPU the losses are values already and are read as they are.
+On CUDA each loss is copied into pinned host memory just before its backward is queued (the copy is queued
+too, ahead of the backward's kernels, and nothing waits for it), and the wave's read waits only for the last
+of those copies: the device still has the last backward and update queued while the stage reads the values,
+checks them and stages its push, so it does not sit idle while the CPU catches up, as it would after a full
+synchronize. On the CPU the losses are values already and are read as they are.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ __all__ = ["LossReader"]
 
 
 class LossReader:
-    """add() each minibatch's loss (a 0-d tensor on `device`) with its event; read() gives the (event, value) pairs
-    added since the last read, in order."""
+    """add() each minibatch's loss (a 0-d tensor on `device`) with its event; read() gives the (event, value)
+    pairs added since the last read, in order."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -52,7 +53,7 @@ class LossReader:
             return []
         if self.cuda:
             self._wait()
-            values = self._host[:len(self._events)].tolist()
+            values = self._host[: len(self._events)].tolist()
         else:
             values = torch.stack([loss.float() for loss in self._losses]).tolist()
         pairs = list(zip(self._events, values, strict=True))

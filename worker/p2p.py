@@ -47,7 +47,9 @@ class P2P:
     bytes_sent: int = 0
 
     @staticmethod
-    def rendezvous_store(rank: int, world_size: int, host: str, port: int, timeout_s: float = 300) -> dist.Store:
+    def rendezvous_store(
+        rank: int, world_size: int, host: str, port: int, timeout_s: float = 300
+    ) -> dist.Store:
         """The VW's rendezvous store: rank 0 (stage 0) serves it on host:port, the others connect to it.
 
         Stage 0 makes its store as soon as it starts, before its data and its PS registration: a stage that
@@ -55,23 +57,34 @@ class P2P:
         timeout = datetime.timedelta(seconds=timeout_s)
         if rank == 0:
             try:
-                return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+                return dist.TCPStore(
+                    host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+                )
             except dist.DistNetworkError as exc:
                 if "EADDRINUSE" not in str(exc):
                     raise
                 raise HetpipeError(
-                    f"stage 0 cannot serve its virtual worker's rendezvous on {host}:{port}: the port is in use on "
-                    "this machine. `hetpipe worker` uses ps.port + 100 + vw: choose another [ps] port, or stop "
-                    "what holds this one") from exc
+                    f"stage 0 cannot serve its virtual worker's rendezvous on {host}:{port}: the port is in "
+                    "use on this machine. `hetpipe worker` uses ps.port + 100 + vw: choose another [ps] "
+                    "port, or stop what holds this one"
+                ) from exc
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
     @classmethod
     def connect(
-        cls, rank: int, world_size: int, host: str, port: int, device: torch.device, timeout_s: float = 300,
-        max_in_flight: int = 8, backend: str = "gloo", store: dist.Store | None = None,
+        cls,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        device: torch.device,
+        timeout_s: float = 300,
+        max_in_flight: int = 8,
+        backend: str = "gloo",
+        store: dist.Store | None = None,
     ) -> P2P:
-        """Join the VW's process group; stage 0 hosts the rendezvous on host:port (`store`: one made earlier by
-        rendezvous_store)."""
+        """Join the VW's process group; stage 0 hosts the rendezvous on host:port (`store`: one made earlier
+        by rendezvous_store)."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}: pass Nm + 1")
         if backend not in ("gloo", "nccl"):
@@ -90,7 +103,9 @@ class P2P:
             )
         return cls(rank, world_size, device, backend, max_in_flight)
 
-    SKIPPED: ClassVar[object] = object()  # what recv returns for a minibatch the sender skipped (train.on_nan)
+    SKIPPED: ClassVar[object] = (
+        object()
+    )  # what recv returns for a minibatch the sender skipped (train.on_nan)
 
     def send_skip(self, dst: int) -> None:
         """Tell `dst` that this minibatch is skipped: a header alone, with ndim = SKIP_NDIM."""

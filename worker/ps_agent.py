@@ -58,12 +58,19 @@ class _Job:
 class PSAgent:
     """Runs PSClient requests for one stage in a thread; push() and pull() return futures."""
 
-    def __init__(self, client: PSClient, pull_into: Mapping[str, np.ndarray] | None = None,
-                 trace: TraceRecorder | None = None, trace_tid: int = 0, heartbeat_s: float = 0.0,
-                 progress: Callable[[], int] | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None,
-                 pull_into_free: Callable[[], None] | None = None) -> None:
-        """`pull_into_free()` blocks until `pull_into` may be overwritten (the stage's last read of it is done)."""
+    def __init__(
+        self,
+        client: PSClient,
+        pull_into: Mapping[str, np.ndarray] | None = None,
+        trace: TraceRecorder | None = None,
+        trace_tid: int = 0,
+        heartbeat_s: float = 0.0,
+        progress: Callable[[], int] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        pull_into_free: Callable[[], None] | None = None,
+    ) -> None:
+        """`pull_into_free()` blocks until `pull_into` may be overwritten (the stage's last read of it is
+        done)."""
         self.client = client
         self.pull_into, self.pull_into_free = pull_into, pull_into_free
         self.trace, self.trace_tid = trace, trace_tid
@@ -84,10 +91,16 @@ class PSAgent:
         self._thread.start()
 
     # ---- the stage thread's side --------------------------------------------------------------------
-    def push(self, wave: int, tensors: Mapping[str, np.ndarray], ready: Callable[[], None] | None = None,
-             reused: bool = False) -> Future:
-        """Push `tensors` as wave `wave` once ready() returns; the future gives a PushDone. `reused`: the stage
-        writes into the arrays again once the future is done (they are copied if the client must keep them)."""
+    def push(
+        self,
+        wave: int,
+        tensors: Mapping[str, np.ndarray],
+        ready: Callable[[], None] | None = None,
+        reused: bool = False,
+    ) -> Future:
+        """Push `tensors` as wave `wave` once ready() returns; the future gives a PushDone. `reused`: the
+        stage writes into the arrays again once the future is done (they are copied if the client must keep
+        them)."""
         return self._hand_over(_Job("push", wave, Future(), tensors, ready, reused))
 
     def pull(self, wave: int) -> Future:
@@ -176,7 +189,9 @@ class PSAgent:
                 if job.kind == "push":
                     self.push_s += now - job.sent
                     self._span(f"PUSH{job.wave}", job, now)
-                    result: object = PushDone(job.wave, min(r.fields["c_global"] for r in replies), now - job.handed)
+                    result: object = PushDone(
+                        job.wave, min(r.fields["c_global"] for r in replies), now - job.handed
+                    )
                 else:
                     if self.pull_into_free is not None:
                         self.pull_into_free()
@@ -194,4 +209,3 @@ class PSAgent:
     def _span(self, name: str, job: _Job, now: float, **args: object) -> None:
         if self.trace is not None:
             self.trace.add(name, job.sent_wall * 1e6, (now - job.sent) * 1e6, tid=self.trace_tid, **args)
-

@@ -57,7 +57,9 @@ class Pulled:
     own_through: int  # own waves <= this are contained (max over shards is not needed: all agree)
     tensors: dict[str, np.ndarray]
     parked_s: float = 0.0  # how long the request waited at the PS for its gate (the longest shard)
-    gaps: list[list[int]] = field(default_factory=list)  # [vw, from, to): waves a VW added nothing to (any shard)
+    gaps: list[list[int]] = field(
+        default_factory=list
+    )  # [vw, from, to): waves a VW added nothing to (any shard)
 
 
 _NOT_ASKED = wire.Message("none", {}, {})  # the reply slot of a shard a call does not go to
@@ -115,8 +117,19 @@ class ClientSpec:
         return cls(**{**fields, "curve": ClientKeys(**curve) if curve else None})
 
     def client(self) -> PSClient:
-        return PSClient(self.endpoints, self.run, self.vw, self.stage, self.num_vws, self.num_stages, self.placement,
-                        timeout_s=self.timeout_s, retry_s=self.retry_s, curve=self.curve, wire_dtype=self.wire_dtype)
+        return PSClient(
+            self.endpoints,
+            self.run,
+            self.vw,
+            self.stage,
+            self.num_vws,
+            self.num_stages,
+            self.placement,
+            timeout_s=self.timeout_s,
+            retry_s=self.retry_s,
+            curve=self.curve,
+            wire_dtype=self.wire_dtype,
+        )
 
 
 class PSClient:
@@ -163,10 +176,16 @@ class PSClient:
         self._open: dict[tuple[int, int], Call] = {}  # (shard, request id) -> the call waiting for it
         self.keys: list[str] = []
         # recovery from a shard's restart
-        self._registration: list[tuple[dict[str, Any], dict[str, np.ndarray]]] = []  # per shard: fields, copies
+        self._registration: list[
+            tuple[dict[str, Any], dict[str, np.ndarray]]
+        ] = []  # per shard: fields, copies
         self.keep_from = [0] * len(endpoints)  # per shard: pushes of earlier waves are in its checkpoint
-        self.retained: dict[int, tuple[Mapping[str, np.ndarray], Call]] = {}  # wave -> its push, until durable
-        self._copy_on_retain: set[int] = set()  # waves whose arrays the caller will reuse (copy before keeping)
+        self.retained: dict[
+            int, tuple[Mapping[str, np.ndarray], Call]
+        ] = {}  # wave -> its push, until durable
+        self._copy_on_retain: set[int] = (
+            set()
+        )  # waves whose arrays the caller will reuse (copy before keeping)
         self._rejoining: dict[int, int] = {}  # shard -> id of the registration sent to it again
         self._next_wave = 0  # pushes handed over so far (the next wave to push)
         self._heartbeat: Call | None = None
@@ -196,27 +215,43 @@ class PSClient:
         try:
             parts = keys_by_shard(self.placement, list(tensors), len(self.sockets))
         except KeyError as exc:
-            raise HetpipeError(f"key {exc} has no shard in the placement: place the whole model's keys") from None
+            raise HetpipeError(
+                f"key {exc} has no shard in the placement: place the whole model's keys"
+            ) from None
         return [{k: tensors[k] for k in part} for part in parts]
 
-    def register(self, tensors: Mapping[str, np.ndarray], want_weights: bool = True,
-                 kinds: Mapping[str, str] | None = None, num_waves: int = 0, start_wave: int = 0,
-                 ) -> dict[str, np.ndarray]:
+    def register(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        want_weights: bool = True,
+        kinds: Mapping[str, str] | None = None,
+        num_waves: int = 0,
+        start_wave: int = 0,
+    ) -> dict[str, np.ndarray]:
         """Declare this stage's keys with their initial values and kinds ("param", "buffer", "ledger"; default
-        param), the run's length (0: unknown) and the wave this stage starts at (> 0: its VW rejoined); returns
-        the PS's W_0 for them. A copy of the registration is kept, to register again with a restarted shard."""
+        param), the run's length (0: unknown) and the wave this stage starts at (> 0: its VW rejoined);
+        returns the PS's W_0 for them. A copy of the registration is kept, to register again with a restarted
+        shard."""
         self.keys = list(tensors)
         kinds = kinds or {}
         self.packed_keys = {k for k in tensors if kinds.get(k, "param") == "param"}
         requests: list[Request] = []
         self._registration = []
         for part in self._split(tensors):
-            fields = {**self._stage_fields(), "num_vws": self.num_vws, "num_stages": self.num_stages,
-                      "want_weights": want_weights, "num_waves": num_waves, "start_wave": start_wave,
-                      "buffers": [k for k in part if kinds.get(k) == "buffer"],
-                      "ledgers": [k for k in part if kinds.get(k) == "ledger"]}
+            fields = {
+                **self._stage_fields(),
+                "num_vws": self.num_vws,
+                "num_stages": self.num_stages,
+                "want_weights": want_weights,
+                "num_waves": num_waves,
+                "start_wave": start_wave,
+                "buffers": [k for k in part if kinds.get(k) == "buffer"],
+                "ledgers": [k for k in part if kinds.get(k) == "ledger"],
+            }
             requests.append(("register", fields, part))
-            self._registration.append(({**fields, "want_weights": False}, {k: np.array(v) for k, v in part.items()}))
+            self._registration.append(
+                ({**fields, "want_weights": False}, {k: np.array(v) for k, v in part.items()})
+            )
         replies = self.wait(self.send(requests, what="register"))
         self._next_wave = max(start_wave, min(r.fields["pushed"] for r in replies))
         self.keep_from = [r.fields["keep_from"] for r in replies]
@@ -230,8 +265,9 @@ class PSClient:
         every shard has it in a checkpoint; `reused`: the caller will change the arrays once the call is done
         (they are copied first if they must be kept)."""
         fields = {**self._stage_fields(), "wave": wave}
-        call = self.send([("push", fields, part) for part in self._split(tensors)], what=f"push of wave {wave}",
-                         wave=wave)
+        call = self.send(
+            [("push", fields, part) for part in self._split(tensors)], what=f"push of wave {wave}", wave=wave
+        )
         self._next_wave = max(self._next_wave, wave + 1)
         self.retained[wave] = (tensors, call)
         if reused:
@@ -248,8 +284,9 @@ class PSClient:
         if self._heartbeat is not None and not self._heartbeat.done:
             return
         fields = {**self._stage_fields(), "progress": progress}
-        self._heartbeat = self.send([("heartbeat", fields, None)] * len(self.sockets), what="heartbeat",
-                                    background="heartbeat")
+        self._heartbeat = self.send(
+            [("heartbeat", fields, None)] * len(self.sockets), what="heartbeat", background="heartbeat"
+        )
 
     def send_pull(self, wave: int) -> Call:
         fields = {**self._stage_fields(), "wave": wave}
@@ -257,7 +294,8 @@ class PSClient:
 
     @staticmethod
     def pulled(replies: Sequence[wire.Message], out: Mapping[str, np.ndarray] | None = None) -> Pulled:
-        """The weights of a pull's replies, copied into `out` where it has the key (else views of the frames)."""
+        """The weights of a pull's replies, copied into `out` where it has the key (else views of the
+        frames)."""
         tensors: dict[str, np.ndarray] = {}
         for reply in replies:
             for key, view in reply.tensors.items():
@@ -267,9 +305,13 @@ class PSClient:
                 else:
                     tensors[key] = view.to_array()
         gaps = sorted({tuple(g) for r in replies for g in r.fields["gaps"]})
-        return Pulled(version=min(r.fields["version"] for r in replies),
-                      own_through=min(r.fields["own_through"] for r in replies), tensors=tensors,
-                      parked_s=max(r.fields["parked_ms"] for r in replies) / 1000, gaps=[list(g) for g in gaps])
+        return Pulled(
+            version=min(r.fields["version"] for r in replies),
+            own_through=min(r.fields["own_through"] for r in replies),
+            tensors=tensors,
+            parked_s=max(r.fields["parked_ms"] for r in replies) / 1000,
+            gaps=[list(g) for g in gaps],
+        )
 
     def pull(self, wave: int, out: Mapping[str, np.ndarray] | None = None) -> Pulled:
         """Wait for the gate of `wave` and return the global weights (copied into `out` when given)."""
@@ -284,25 +326,31 @@ class PSClient:
         return self.snapshot()[1]
 
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
-        """Admin read with its version: (the oldest shard's t of W_t, or c_global for latest; every key, copied)."""
+        """Admin read with its version: (the oldest shard's t of W_t, or c_global for latest; every key,
+        copied)."""
         replies = self._read_replies()
-        return (min(r.fields["version"] for r in replies),
-                {k: np.array(v.to_array()) for r in replies for k, v in r.tensors.items()})
+        return (
+            min(r.fields["version"] for r in replies),
+            {k: np.array(v.to_array()) for r in replies for k, v in r.tensors.items()},
+        )
 
     def read_each(self) -> tuple[list[dict[str, np.ndarray]], list[dict[str, Any]]]:
         """Admin read, shard by shard: the keys each holds (newest complete version) and its status then."""
         replies = self._read_replies()
-        return ([{k: np.array(v.to_array()) for k, v in r.tensors.items()} for r in replies],
-                [r.fields["info"] for r in replies])
+        return (
+            [{k: np.array(v.to_array()) for k, v in r.tensors.items()} for r in replies],
+            [r.fields["info"] for r in replies],
+        )
 
     def _read_replies(self) -> list[wire.Message]:
         return self.wait(self.send([("read", {"run": self.run}, None)] * len(self.sockets), what="read"))
 
     # ---- calls --------------------------------------------------------------------------------------
-    def send(self, requests: list[Request | None], what: str, gate: int = -1, wave: int = -1,
-             background: str = "") -> Call:
-        """Send one request per shard (None: nothing to that shard); the returned Call completes as `poll` reads
-        the replies."""
+    def send(
+        self, requests: list[Request | None], what: str, gate: int = -1, wave: int = -1, background: str = ""
+    ) -> Call:
+        """Send one request per shard (None: nothing to that shard); the returned Call completes as `poll`
+        reads the replies."""
         frames: list[list[Any]] = []
         ids: list[int] = []
         for request in requests:
@@ -313,10 +361,25 @@ class PSClient:
             msg_type, fields, tensors = request
             rid = next(self._ids)
             ids.append(rid)
-            frames.append(wire.encode(msg_type, {"id": rid, **fields}, tensors,
-                                      pack=self.pack if msg_type == "push" else None, pack_only=self.packed_keys))
-        call = Call(what, frames, ids, gate, [None if r is not None else _NOT_ASKED for r in requests],
-                    [-1e9] * len(requests), wave=wave, background=background)
+            frames.append(
+                wire.encode(
+                    msg_type,
+                    {"id": rid, **fields},
+                    tensors,
+                    pack=self.pack if msg_type == "push" else None,
+                    pack_only=self.packed_keys,
+                )
+            )
+        call = Call(
+            what,
+            frames,
+            ids,
+            gate,
+            [None if r is not None else _NOT_ASKED for r in requests],
+            [-1e9] * len(requests),
+            wave=wave,
+            background=background,
+        )
         for shard, rid in enumerate(ids):
             if rid >= 0:
                 self._open[(shard, rid)] = call
@@ -340,7 +403,9 @@ class PSClient:
                 with contextlib.suppress(zmq.Again):
                     self.sockets[shard].send_multipart(call.frames[shard], copy=False, flags=zmq.NOBLOCK)
                 call.sent_at[shard] = now
-        for call in expired:  # closed first: the message below asks the PS for its status with a call of its own
+        for (
+            call
+        ) in expired:  # closed first: the message below asks the PS for its status with a call of its own
             call.error = PSTimeout(f"{call.what} timed out")
             self._forget(call)
         for call in expired:
@@ -378,11 +443,16 @@ class PSClient:
             if call is None or call.replies[shard] is not None:
                 continue  # an answer to an earlier try of an earlier request
             if msg.type == "error":
-                if msg.fields["code"] == "not_registered" and self._registration and \
-                        self._rejoining.get(shard) != msg.fields["id"]:
+                if (
+                    msg.fields["code"] == "not_registered"
+                    and self._registration
+                    and self._rejoining.get(shard) != msg.fields["id"]
+                ):
                     self._rejoin(shard)  # the shard restarted: the call stays open and goes again afterwards
                     continue
-                call.error = PSError(msg.fields["code"], f"{call.what} refused by shard {shard}: {msg.fields['message']}")
+                call.error = PSError(
+                    msg.fields["code"], f"{call.what} refused by shard {shard}: {msg.fields['message']}"
+                )
                 self._forget(call)
                 self._background_failed(call)
                 continue
@@ -396,7 +466,8 @@ class PSClient:
     # ---- recovery ---------------------------------------------------------------------------------------
     def wait_durable(self, timeout_s: float, progress: int = 0) -> bool:
         """Block until every shard has this stage's pushes in a checkpoint (a shard restarting now would lose
-        none), asking with heartbeats; False after timeout_s. Immediate when the shards keep no checkpoints."""
+        none), asking with heartbeats; False after timeout_s. Immediate when the shards keep no
+        checkpoints."""
         deadline = time.monotonic() + timeout_s
         while min(self.keep_from, default=0) < self._next_wave and self._registration:
             if time.monotonic() > deadline:
@@ -406,7 +477,8 @@ class PSClient:
         return True
 
     def _acknowledged(self, shard: int, keep_from: int, call: Call) -> None:
-        """Drop the pushes every shard has in a checkpoint; copy one about to be kept whose arrays get reused."""
+        """Drop the pushes every shard has in a checkpoint; copy one about to be kept whose arrays get
+        reused."""
         self.keep_from[shard] = max(self.keep_from[shard], keep_from)
         oldest = min(self.keep_from)
         for wave in [w for w in self.retained if w < oldest]:
@@ -437,10 +509,15 @@ class PSClient:
         self.keep_from[shard] = keep_from
         kept = sorted(self.retained)
         if pushed < self._next_wave and (not kept or kept[0] > pushed):
-            self.fatal = PSError("lost", (
-                f"shard {shard} restarted holding {pushed} waves of vw {self.vw} stage {self.stage}, but this stage "
-                f"pushed {self._next_wave} and kept only waves {kept[:1] + kept[-1:]}: the shard's newest checkpoint "
-                "is older than it said (corrupted?); the pushes in between are gone. Restart the run with --resume"))
+            self.fatal = PSError(
+                "lost",
+                (
+                    f"shard {shard} restarted holding {pushed} waves of vw {self.vw} stage {self.stage}, "
+                    f"but this stage pushed {self._next_wave} and kept only waves {kept[:1] + kept[-1:]}: "
+                    "the shard's newest checkpoint is older than it said (corrupted?); the pushes in between "
+                    "are gone. Restart the run with --resume"
+                ),
+            )
             return
         for wave in kept:
             tensors, call = self.retained[wave]
@@ -448,8 +525,12 @@ class PSClient:
                 continue  # in the shard's state, or still open (it goes again below)
             requests: list[Request | None] = [None] * len(self.sockets)
             requests[shard] = ("push", {**self._stage_fields(), "wave": wave}, self._split(tensors)[shard])
-            self.send(requests, what=f"push of wave {wave} again to restarted shard {shard}", wave=wave,
-                      background="resend")
+            self.send(
+                requests,
+                what=f"push of wave {wave} again to restarted shard {shard}",
+                wave=wave,
+                background="resend",
+            )
         for (s, _), call in self._open.items():
             if s == shard:
                 call.sent_at[shard] = -1e9
@@ -485,9 +566,16 @@ class PSClient:
             saved, self.timeout_s, self._probing = self.timeout_s, min(5.0, self.retry_s * 2), True
             infos = self.status()
         except HetpipeError:
-            refused = (f" Or it refuses this client's CURVE key ({self.curve.user}): both sides need the same "
-                       "[ps] keys_dir, and the shard logs every client it refuses." if self.curve else "")
-            return f"{text}; the PS at {', '.join(self.endpoints)} does not answer either: is it running?{refused}"
+            refused = (
+                f" Or it refuses this client's CURVE key ({self.curve.user}): both sides need the same "
+                "[ps] keys_dir, and the shard logs every client it refuses."
+                if self.curve
+                else ""
+            )
+            return (
+                f"{text}; the PS at {', '.join(self.endpoints)} does not answer either: "
+                f"is it running?{refused}"
+            )
         finally:
             self.timeout_s, self._probing = saved, False
         info = min(infos, key=lambda i: i["c_global"])

@@ -45,26 +45,48 @@ class ThreadLink:
     push_slots: list[torch.Tensor] | None = None  # the stage stages pushes its own way (pinned, or zero-copy)
     pull_host: torch.Tensor | None = None
 
-    def __init__(self, spec: ClientSpec, trace: TraceRecorder, trace_tid: int, heartbeat_s: float,
-                 on_fatal: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        spec: ClientSpec,
+        trace: TraceRecorder,
+        trace_tid: int,
+        heartbeat_s: float,
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
         self.client = spec.client()
         self.trace, self.trace_tid, self.heartbeat_s, self.on_fatal = trace, trace_tid, heartbeat_s, on_fatal
         self.progress = np.zeros(1, np.int64)
         self.agent: PSAgent | None = None
 
-    def register(self, values: Mapping[str, torch.Tensor], kinds: Mapping[str, str], num_waves: int,
-                 start_wave: int, pulls: bool) -> dict[str, np.ndarray]:
+    def register(
+        self,
+        values: Mapping[str, torch.Tensor],
+        kinds: Mapping[str, str],
+        num_waves: int,
+        start_wave: int,
+        pulls: bool,
+    ) -> dict[str, np.ndarray]:
         """Declare the stage's keys and initial values; returns the PS's W_0 of them (PSClient.register)."""
         mine = {k: t.detach().float().cpu().numpy() for k, t in values.items()}
         return self.client.register(mine, kinds=kinds, num_waves=num_waves, start_wave=start_wave)
 
-    def start(self, pull_into: Mapping[str, np.ndarray] | None, pull_into_free: Callable[[], None] | None) -> None:
-        self.agent = PSAgent(self.client, pull_into, self.trace, self.trace_tid, heartbeat_s=self.heartbeat_s,
-                             progress=lambda: int(self.progress[0]), on_fatal=self.on_fatal,
-                             pull_into_free=pull_into_free)
+    def start(
+        self, pull_into: Mapping[str, np.ndarray] | None, pull_into_free: Callable[[], None] | None
+    ) -> None:
+        self.agent = PSAgent(
+            self.client,
+            pull_into,
+            self.trace,
+            self.trace_tid,
+            heartbeat_s=self.heartbeat_s,
+            progress=lambda: int(self.progress[0]),
+            on_fatal=self.on_fatal,
+            pull_into_free=pull_into_free,
+        )
 
-    def push(self, wave: int, slot: int, arrays: Mapping[str, np.ndarray], ready: Callable[[], None],
-             reused: bool) -> Future:
+    def push(
+        self, wave: int, slot: int, arrays: Mapping[str, np.ndarray], ready: Callable[[], None], reused: bool
+    ) -> Future:
         assert self.agent is not None
         return self.agent.push(wave, arrays, ready, reused=reused)
 
@@ -109,24 +131,45 @@ class ProcessLink:
     its device-to-host copy has landed, and for a pull, until the pull buffer's last host-to-device copy has
     left it; a reader thread completes the futures from the replies and records the agent's trace spans."""
 
-    def __init__(self, spec: ClientSpec, layout: FlatLayout, device: torch.device, trace: TraceRecorder,
-                 trace_tid: int, heartbeat_s: float, on_fatal: Callable[[BaseException], None], name: str) -> None:
+    def __init__(
+        self,
+        spec: ClientSpec,
+        layout: FlatLayout,
+        device: torch.device,
+        trace: TraceRecorder,
+        trace_tid: int,
+        heartbeat_s: float,
+        on_fatal: Callable[[BaseException], None],
+        name: str,
+    ) -> None:
         self.layout, self.trace, self.trace_tid, self.on_fatal = layout, trace, trace_tid, on_fatal
         self.shared = SharedHost.create(layout.numel, name)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "hetpipe.worker.agent_process"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hetpipe.worker.agent_process"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
             assert self.proc.stdin is not None and self.proc.stdout is not None
             self._out, self._in = PipeWriter(self.proc.stdin), self.proc.stdout
-            self._out.send("setup", client=spec.fields(), path=str(self.shared.path), numel=layout.numel,
-                           keys=list(layout.keys), shapes=[list(s) for s in layout.shapes], heartbeat_s=heartbeat_s)
+            self._out.send(
+                "setup",
+                client=spec.fields(),
+                path=str(self.shared.path),
+                numel=layout.numel,
+                keys=list(layout.keys),
+                shapes=[list(s) for s in layout.shapes],
+                heartbeat_s=heartbeat_s,
+            )
             ready = read_message(self._in)
         finally:
             self.shared.unlink()  # mapped by both (or the agent is gone): nothing is left behind either way
         if ready is None or ready["op"] != "ready":
             code = self.proc.wait(timeout=30)
-            raise HetpipeError(f"the PS agent process of vw {spec.vw} stage {spec.stage} ended at start (exit code "
-                               f"{code}): its error is above in this log; `[ps] agent = \"thread\"` runs it in the stage")
+            raise HetpipeError(
+                f"the PS agent process of vw {spec.vw} stage {spec.stage} ended at start (exit code "
+                f'{code}): its error is above in this log; `[ps] agent = "thread"` runs it in the stage'
+            )
         if device.type == "cuda":
             self.shared.pin()
         self.push_slots = [torch.from_numpy(a) for a in self.shared.slots]
@@ -137,7 +180,9 @@ class ProcessLink:
         self._open: dict[int, tuple[Future, str, int]] = {}  # id -> (future, op, wave)
         self._lock = threading.Lock()
         self._broken: HetpipeError | None = None
-        self._outbox: queue.SimpleQueue[tuple[Callable[[], None] | None, str, dict[str, Any]] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[Callable[[], None] | None, str, dict[str, Any]] | None] = (
+            queue.SimpleQueue()
+        )
         self._totals = (0.0, 0.0, 0.0)
         self._sender = threading.Thread(target=self._send_loop, name="ps-link-send", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="ps-link-read", daemon=True)
@@ -145,7 +190,9 @@ class ProcessLink:
         self._reader.start()
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def _request(self, op: str, wait: Callable[[], None] | None = None, wave: int = -1, **fields: Any) -> Future:
+    def _request(
+        self, op: str, wait: Callable[[], None] | None = None, wave: int = -1, **fields: Any
+    ) -> Future:
         future: Future = Future()
         with self._lock:
             if self._broken is not None:
@@ -159,27 +206,39 @@ class ProcessLink:
         try:
             return self._request(op, **fields).result(timeout=wait_s)
         except FutureTimeout:
-            raise HetpipeError(f"the PS agent process (pid {self.proc.pid}) did not answer its {op} within "
-                               f"{wait_s:.0f} s; its log lines are in this stage's log") from None
+            raise HetpipeError(
+                f"the PS agent process (pid {self.proc.pid}) did not answer its {op} within "
+                f"{wait_s:.0f} s; its log lines are in this stage's log"
+            ) from None
 
-    def register(self, values: Mapping[str, torch.Tensor], kinds: Mapping[str, str], num_waves: int,
-                 start_wave: int, pulls: bool) -> dict[str, np.ndarray]:
+    def register(
+        self,
+        values: Mapping[str, torch.Tensor],
+        kinds: Mapping[str, str],
+        num_waves: int,
+        start_wave: int,
+        pulls: bool,
+    ) -> dict[str, np.ndarray]:
         """The values go over in push slot 0, W_0 comes back in the pull buffer (views of it are returned)."""
         with torch.no_grad():
             flat = torch.cat([values[k].detach().float().reshape(-1) for k in self.layout.keys]).cpu()
         self.push_slots[0].copy_(flat)
-        keys = self._call("register", kinds=dict(kinds), num_waves=num_waves, start_wave=start_wave,
-                          pulls=pulls)["keys"]
+        keys = self._call(
+            "register", kinds=dict(kinds), num_waves=num_waves, start_wave=start_wave, pulls=pulls
+        )["keys"]
         views = self.layout.array_views(self.shared.pull)
         return {k: views[k] for k in keys}
 
-    def start(self, pull_into: Mapping[str, np.ndarray] | None, pull_into_free: Callable[[], None] | None) -> None:
+    def start(
+        self, pull_into: Mapping[str, np.ndarray] | None, pull_into_free: Callable[[], None] | None
+    ) -> None:
         """Pulls land in the shared pull buffer (pull_into is the stage's view of it); `pull_into_free` blocks
         until the stage's last copy out of it has left."""
         self._pull_free = pull_into_free or (lambda: None)
 
-    def push(self, wave: int, slot: int, arrays: Mapping[str, np.ndarray], ready: Callable[[], None],
-             reused: bool) -> Future:
+    def push(
+        self, wave: int, slot: int, arrays: Mapping[str, np.ndarray], ready: Callable[[], None], reused: bool
+    ) -> Future:
         return self._request("push", ready, wave, slot=slot)
 
     def pull(self, wave: int) -> Future:
@@ -222,8 +281,14 @@ class ProcessLink:
                 if wait is not None:
                     wait()
             except Exception as exc:  # this request's own wait failed (a device copy): only it fails
-                self._fail(fields["id"], exc if isinstance(exc, HetpipeError) else HetpipeError(
-                    f"the {op} could not be handed to the PS agent: {type(exc).__name__}: {exc}"))
+                self._fail(
+                    fields["id"],
+                    exc
+                    if isinstance(exc, HetpipeError)
+                    else HetpipeError(
+                        f"the {op} could not be handed to the PS agent: {type(exc).__name__}: {exc}"
+                    ),
+                )
                 continue
             try:
                 self._out.send(op, **fields)
@@ -241,8 +306,10 @@ class ProcessLink:
     def _break(self) -> None:
         """The agent process is gone: every open request fails, and every later one raises at once."""
         code = self.proc.poll()
-        broken = HetpipeError(f"the PS agent process ended{f' (exit code {code})' if code else ''} with requests "
-                              "open: its error is above in this stage's log")
+        broken = HetpipeError(
+            f"the PS agent process ended{f' (exit code {code})' if code else ''} with requests "
+            "open: its error is above in this stage's log"
+        )
         with self._lock:
             if self._broken is None:
                 self._broken = broken
@@ -267,7 +334,9 @@ class ProcessLink:
                         future, kind, wave = entry
                         future.set_result(self._result(kind, wave, msg))
         except Exception as exc:  # a garbled pipe: the same as the process ending
-            print(f"hetpipe: reading the PS agent's pipe failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(
+                f"hetpipe: reading the PS agent's pipe failed: {type(exc).__name__}: {exc}", file=sys.stderr
+            )
         self.proc.wait()
         self._break()
 
@@ -276,13 +345,23 @@ class ProcessLink:
         if kind == "push":
             return PushDone(wave, msg["c_global"], msg["seconds"])
         if kind == "pull":
-            return Pulled(msg["version"], msg["own_through"], {}, msg["parked_s"], [list(g) for g in msg["gaps"]])
+            return Pulled(
+                msg["version"], msg["own_through"], {}, msg["parked_s"], [list(g) for g in msg["gaps"]]
+            )
         return msg
 
 
-def open_link(kind: str, spec: ClientSpec, layout: FlatLayout, device: torch.device, trace: TraceRecorder,
-              trace_tid: int, heartbeat_s: float, on_fatal: Callable[[BaseException], None],
-              name: str) -> ThreadLink | ProcessLink:
+def open_link(
+    kind: str,
+    spec: ClientSpec,
+    layout: FlatLayout,
+    device: torch.device,
+    trace: TraceRecorder,
+    trace_tid: int,
+    heartbeat_s: float,
+    on_fatal: Callable[[BaseException], None],
+    name: str,
+) -> ThreadLink | ProcessLink:
     """The link of `kind` (thread or process, agent_kind's answer)."""
     if kind == "process":
         return ProcessLink(spec, layout, device, trace, trace_tid, heartbeat_s, on_fatal, name)

@@ -32,16 +32,19 @@ def _free_bytes(folder: Path) -> int:
 
 
 def shared_dir(nbytes: int, candidates: tuple[Path, ...] = (Path("/dev/shm"),)) -> Path:
-    """Where a buffer file of `nbytes` goes: /dev/shm (memory, not disk) where it is writable and has room, else the
-    temp folder. A file bigger than its filesystem's free space would kill the process that touches the missing
-    pages (SIGBUS; a container's /dev/shm is often 64 MiB), so neither with too little room is used."""
+    """Where a buffer file of `nbytes` goes: /dev/shm (memory, not disk) where it is writable and has room,
+    else the temp folder. A file bigger than its filesystem's free space would kill the process that touches
+    the missing pages (SIGBUS; a container's /dev/shm is often 64 MiB), so neither with too little room is
+    used."""
     for folder in (*candidates, Path(tempfile.gettempdir())):
         if folder.is_dir() and os.access(folder, os.W_OK) and _free_bytes(folder) >= nbytes + (64 << 20):
             return folder
-    raise HetpipeError(f"no room for the {nbytes >> 20} MiB a stage shares with its PS agent process in "
-                       f"{', '.join(str(c) for c in candidates)} or {tempfile.gettempdir()}: give the container a "
-                       "bigger /dev/shm (docker run --shm-size), point TMPDIR at a folder with room, or set "
-                       '`[ps] agent = "thread"`')
+    raise HetpipeError(
+        f"no room for the {nbytes >> 20} MiB a stage shares with its PS agent process in "
+        f"{', '.join(str(c) for c in candidates)} or {tempfile.gettempdir()}: give the container a "
+        "bigger /dev/shm (docker run --shm-size), point TMPDIR at a folder with room, or set "
+        '`[ps] agent = "thread"`'
+    )
 
 
 def _pages(nbytes: int) -> int:
@@ -66,7 +69,8 @@ class _Layout:
 
 
 class SharedHost:
-    """The mapped file: `slots` (two float32 arrays), `pull` (one) and `progress` (an int64 cell), all numpy views."""
+    """The mapped file: `slots` (two float32 arrays), `pull` (one) and `progress` (an int64 cell), all numpy
+    views."""
 
     def __init__(self, path: Path, numel: int, create: bool) -> None:
         self.path, self.numel = path, numel
@@ -86,7 +90,8 @@ class SharedHost:
 
     @classmethod
     def create(cls, numel: int, name: str) -> SharedHost:
-        """A new file for `numel` float32 values a buffer (`name` makes it recognisable: run, VW, stage, pid)."""
+        """A new file for `numel` float32 values a buffer (`name` makes it recognisable: run, VW, stage,
+        pid)."""
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
         folder = shared_dir(_Layout(numel).size)
         return cls(folder / f"hetpipe-{safe}-{os.getpid()}", numel, create=True)
@@ -101,16 +106,20 @@ class SharedHost:
             os.unlink(self.path)
 
     def pin(self) -> bool:
-        """Page-lock the mapping for CUDA copies (cudaHostRegister); False, with a note on stderr, if the driver
-        refuses (a locked-memory limit): the copies then still work, synchronously."""
+        """Page-lock the mapping for CUDA copies (cudaHostRegister); False, with a note on stderr, if the
+        driver refuses (a locked-memory limit): the copies then still work, synchronously."""
         import torch
 
         view = torch.frombuffer(self._map, dtype=torch.uint8)
         code = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 0)
         if int(code) != 0:
-            print(f"hetpipe: cudaHostRegister of the PS buffers ({view.numel() >> 20} MiB) failed ({code}); the "
-                  "stage's copies to and from them will wait for the device. Raise `ulimit -l` to let them overlap",
-                  file=sys.stderr, flush=True)
+            print(
+                f"hetpipe: cudaHostRegister of the PS buffers ({view.numel() >> 20} MiB) failed ({code}); "
+                "the stage's copies to and from them will wait for the device. Raise `ulimit -l` to let "
+                "them overlap",
+                file=sys.stderr,
+                flush=True,
+            )
             return False
         self._registered.append(view.data_ptr())
         return True
@@ -125,5 +134,7 @@ class SharedHost:
             self._registered = []
         self.progress = self.pull = None  # type: ignore[assignment]
         self.slots = []
-        with contextlib.suppress(BufferError):  # a view is still alive somewhere: the mapping goes with the process
+        with contextlib.suppress(
+            BufferError
+        ):  # a view is still alive somewhere: the mapping goes with the process
             self._map.close()

@@ -24,8 +24,9 @@ def list_snapshots(run_dir: Path | str, vw: int, stage: int) -> list[int]:
     return list_clocks(snapshot_dir(run_dir, vw, stage))
 
 
-def save_snapshot(directory: Path, wave: int, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-                  keep_from: int) -> Path:
+def save_snapshot(
+    directory: Path, wave: int, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], keep_from: int
+) -> Path:
     """Write the snapshot of `wave` (atomic, sha256 manifest) and drop those older than `keep_from`."""
     arrays, bf16 = {}, []
     for key, t in tensors.items():

@@ -83,8 +83,11 @@ class StageRunner:
             torch.cuda.set_device(self.device)
         self.spec = model_of(config)
         self.first, self.last = job.stage == 0, job.stage == job.num_stages - 1
-        self.store = (P2P.rendezvous_store(0, job.num_stages, job.p2p_host, job.p2p_port)
-                      if self.first and job.num_stages > 1 else None)  # listening before any peer asks
+        self.store = (
+            P2P.rendezvous_store(0, job.num_stages, job.p2p_host, job.p2p_port)
+            if self.first and job.num_stages > 1
+            else None
+        )  # listening before any peer asks
         dataset = dataset_of(config)
         self.x, self.y = dataset.train.x, dataset.train.y
         self.startup["data"] = time.time()
@@ -99,50 +102,81 @@ class StageRunner:
             self.actions = rejoin_actions(self.actions, job.start_wave, wsp.nm)
         self.position = 0  # index of the next action to run (the heartbeats report it)
         rules = StageRules(
-            nm=wsp.nm, stashing=kind.stashing != "none" and t.weight_stashing,
+            nm=wsp.nm,
+            stashing=kind.stashing != "none" and t.weight_stashing,
             recompute=t.recompute or (kind.stashing == "optional" and not t.weight_stashing),
-            aggregation=config.ps.aggregation, buffers=config.ps.buffers, precision=t.precision,
-            mitigation=t.mitigations, num_vws=job.num_vws, warmup_waves=t.warmup_waves, staleness=wsp.staleness,
+            aggregation=config.ps.aggregation,
+            buffers=config.ps.buffers,
+            precision=t.precision,
+            mitigation=t.mitigations,
+            num_vws=job.num_vws,
+            warmup_waves=t.warmup_waves,
+            staleness=wsp.staleness,
             lags=stage_lags(self.schedule.stages[job.stage]) if t.mitigations else None,
             unstashed=unstashed_forwards(self.schedule.stages[job.stage]),
         )
         self.ledgers: dict[str, torch.Tensor] = {}
         if job.audit:
             shape = audit_shape(config, job.num_vws)
-            self.ledgers = {audit_key(layer): torch.zeros(shape, device=self.device) for layer in range(start, stop)}
+            self.ledgers = {
+                audit_key(layer): torch.zeros(shape, device=self.device) for layer in range(start, stop)
+            }
         self.audit_checks = 0
-        self.compute = StageCompute(module, t.optimizer, t.lr, t.momentum, t.weight_decay, rules,
-                                    ledgers=self.ledgers, on_update=self._tag_updates)
+        self.compute = StageCompute(
+            module,
+            t.optimizer,
+            t.lr,
+            t.momentum,
+            t.weight_decay,
+            rules,
+            ledgers=self.ledgers,
+            on_update=self._tag_updates,
+        )
         # One VW that applies its own updates needs no pull: its global weights hold only what it holds.
         self.pulls = not (job.num_vws == 1 and config.ps.aggregation != "server")
         self.waits = [a.index for a in self.actions if a.kind == WAIT] if self.pulls else []
         self.dilator = device_dilator(job.slowdown, wall_clock=self.device.type == "cuda")
-        # A CUDA block is timed to its end (a wait for the device) only where the dilator stretches it; else the
-        # CPU queues work ahead, as a plain loop does, and at each push waits only for the wave's last loss and the
-        # previous wave's work (docs/architecture.md#devices)
+        # A CUDA block is timed to its end (a wait for the device) only where the dilator stretches it; else
+        # the CPU queues work ahead, as a plain loop does, and at each push waits only for the wave's last
+        # loss and the previous wave's work (docs/architecture.md#devices)
         self._sync_blocks = self.device.type == "cuda" and job.slowdown > 1.0
         link = config.network.link_gbps
         emulate_links = config.emulation.enabled and config.emulation.link_bandwidth
         self.links = {
-            peer: LinkEmulator.for_link(emulate_links, link(job.gpus[job.stage], job.gpus[peer]), job.time_scale)
+            peer: LinkEmulator.for_link(
+                emulate_links, link(job.gpus[job.stage], job.gpus[peer]), job.time_scale
+            )
             for peer in (job.stage - 1, job.stage + 1)
             if 0 <= peer < job.num_stages
         }
         self.trace = TraceRecorder(f"vw{job.vw}", job.stage)
-        self.profiler = StageProfiler(job.profile, self.device, Path(job.run_dir) / "profile",
-                                      f"vw{job.vw}-s{job.stage}") if job.profile is not None else None
+        self.profiler = (
+            StageProfiler(job.profile, self.device, Path(job.run_dir) / "profile", f"vw{job.vw}-s{job.stage}")
+            if job.profile is not None
+            else None
+        )
         self.trace.other_threads[PS_ROW + job.stage] = f"stage {job.stage} PS traffic"
         self.client_spec = ClientSpec(
-            list(job.ps_endpoints), config.name, job.vw, job.stage, job.num_vws, job.num_stages,
-            ps_placement(config, self.spec, job.num_vws if job.audit else 0, job.first_vw), timeout_s=config.ps.timeout_s,
-            retry_s=min(5.0, config.ps.timeout_s / 4), curve=job.ps_keys, wire_dtype=config.ps.wire_dtype,
+            list(job.ps_endpoints),
+            config.name,
+            job.vw,
+            job.stage,
+            job.num_vws,
+            job.num_stages,
+            ps_placement(config, self.spec, job.num_vws if job.audit else 0, job.first_vw),
+            timeout_s=config.ps.timeout_s,
+            retry_s=min(5.0, config.ps.timeout_s / 4),
+            curve=job.ps_keys,
+            wire_dtype=config.ps.wire_dtype,
         )
         self.p2p: P2P | None = None
         self.link: ThreadLink | ProcessLink | None = None
         self.samples = 0
         self._targets: dict[int, torch.Tensor] = {}
         self.losses = LossReader(self.device)  # last stage: each minibatch's loss, read once a wave
-        self._wave_queued: torch.cuda.Event | None = None  # CUDA: recorded at the last PUSH, behind its wave's work
+        self._wave_queued: torch.cuda.Event | None = (
+            None  # CUDA: recorded at the last PUSH, behind its wave's work
+        )
         self._pushes: deque[tuple[int, Future]] = deque()  # (pinned slot, its push) in hand-over order
         self._pull: tuple[int, Future] | None = None  # the pull handed over, for WAIT of that wave
         self._next_wait = 0  # index into self.waits of the next WAIT to run
@@ -154,7 +188,11 @@ class StageRunner:
         self.times = dict.fromkeys(STAGE_PARTS, 0.0)
         self.train_s = 0.0
         self.dispatch: dict[str, Callable[[int], None]] = {
-            "F": self.forward, "B": self.backward, "U": self.update, "PUSH": self.push, "WAIT": self.wait,
+            "F": self.forward,
+            "B": self.backward,
+            "U": self.update,
+            "PUSH": self.push,
+            "WAIT": self.wait,
         }
         self.startup["built"] = time.time()
 
@@ -164,25 +202,51 @@ class StageRunner:
         values = self.compute.values()
         layout = FlatLayout.of(values)
         self.link = link = open_link(
-            agent_kind(self.config.ps.agent, self.device), self.client_spec, layout, self.device, self.trace,
-            PS_ROW + job.stage, self.config.ps.heartbeat_s, self._stopped_by_ps, f"{self.config.name}-vw{job.vw}-s{job.stage}")
+            agent_kind(self.config.ps.agent, self.device),
+            self.client_spec,
+            layout,
+            self.device,
+            self.trace,
+            PS_ROW + job.stage,
+            self.config.ps.heartbeat_s,
+            self._stopped_by_ps,
+            f"{self.config.name}-vw{job.vw}-s{job.stage}",
+        )
         w0 = link.register(values, self.compute.kinds(), self.config.train.waves, job.start_wave, self.pulls)
         self.compute.load({k: torch.from_numpy(np.array(v)).to(self.device) for k, v in w0.items()})
         self.startup["registered"] = time.time()
         resend = self._resume() if job.resume_wave else {}
         self.push_staging = PushStaging(layout, self.device, link.push_slots)
         self.pull_staging = PullStaging(layout, self.device, link.pull_host) if self.pulls else None
-        link.start(self.pull_staging.out if self.pull_staging else None,
-                   self.pull_staging.wait_free if self.pull_staging else None)
-        self.p2p = P2P.connect(job.stage, job.num_stages, job.p2p_host, job.p2p_port, self.device,
-                               max_in_flight=self.config.wsp.nm + 1, backend=p2p_backend(job.devices or (job.device,)),
-                               store=self.store)
+        link.start(
+            self.pull_staging.out if self.pull_staging else None,
+            self.pull_staging.wait_free if self.pull_staging else None,
+        )
+        self.p2p = P2P.connect(
+            job.stage,
+            job.num_stages,
+            job.p2p_host,
+            job.p2p_port,
+            self.device,
+            max_in_flight=self.config.wsp.nm + 1,
+            backend=p2p_backend(job.devices or (job.device,)),
+            store=self.store,
+        )
         self.startup["rendezvous"] = time.time()
-        self.report({"event": "startup", "vw": job.vw, "stage": job.stage, "time": self.startup["rendezvous"],
-                     "points": {k: round(v, 3) for k, v in self.startup.items() if v is not None}})
+        self.report(
+            {
+                "event": "startup",
+                "vw": job.vw,
+                "stage": job.stage,
+                "time": self.startup["rendezvous"],
+                "points": {k: round(v, 3) for k, v in self.startup.items() if v is not None},
+            }
+        )
         self.started = time.monotonic()
         try:
-            for p in sorted(resend):  # sent before the checkpoint, not received by the next stage before its own
+            for p in sorted(
+                resend
+            ):  # sent before the checkpoint, not received by the next stage before its own
                 self._send(resend[p], job.stage + 1)
             self._hand_over_pull()
             progress = link.progress  # what the agent's heartbeats report
@@ -208,29 +272,50 @@ class StageRunner:
             self.p2p.close()
         try:
             if not link.wait_durable(self.config.ps.timeout_s, progress=self.position):
-                print(f"vw {job.vw} stage {job.stage}: the PS did not put the last pushes in a checkpoint within "
-                      f"{self.config.ps.timeout_s:.0f} s; finishing anyway", file=sys.stderr, flush=True)
+                print(
+                    f"vw {job.vw} stage {job.stage}: the PS did not put the last pushes in a checkpoint "
+                    f"within {self.config.ps.timeout_s:.0f} s; finishing anyway",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             link.shutdown()
         run_dir = Path(job.run_dir)
         totals = self.totals()
-        self.trace.dump(run_dir / "trace" / f"vw{job.vw}-s{job.stage}.json",
-                        other={"times_s": totals, "waves": self.config.train.waves - job.start_wave})
+        self.trace.dump(
+            run_dir / "trace" / f"vw{job.vw}-s{job.stage}.json",
+            other={"times_s": totals, "waves": self.config.train.waves - job.start_wave},
+        )
         if job.dump_weights:
-            state = {k: t.detach().cpu().clone() for k, t in self.compute.values().items() if k not in self.ledgers}
+            state = {
+                k: t.detach().cpu().clone() for k, t in self.compute.values().items() if k not in self.ledgers
+            }
             torch.save(state, run_dir / f"final-vw{job.vw}-s{job.stage}.pt")
-        self.report({
-            "event": "stage_done", "vw": job.vw, "stage": job.stage, "time": time.time(), "audit_checks": self.audit_checks,
-            "compute_s": round(self.dilator.compute_s, 3), "slept_s": round(self.dilator.slept_s, 3),
-            "times_s": totals,
-        })
+        self.report(
+            {
+                "event": "stage_done",
+                "vw": job.vw,
+                "stage": job.stage,
+                "time": time.time(),
+                "audit_checks": self.audit_checks,
+                "compute_s": round(self.dilator.compute_s, 3),
+                "slept_s": round(self.dilator.slept_s, 3),
+                "times_s": totals,
+            }
+        )
 
     def totals(self) -> dict[str, float]:
-        """Seconds by part: this thread's (self.times), its PS agent's (push, pull, parked) and the training loop's."""
+        """Seconds by part: this thread's (self.times), its PS agent's (push, pull, parked) and the training
+        loop's."""
         assert self.link is not None
         push, pull, parked = self.link.totals
-        return {**{k: round(v, 4) for k, v in self.times.items()}, "push": round(push, 4),
-                "pull": round(pull, 4), "parked": round(parked, 4), "train": round(self.train_s, 4)}
+        return {
+            **{k: round(v, 4) for k, v in self.times.items()},
+            "push": round(push, 4),
+            "pull": round(pull, 4),
+            "parked": round(parked, 4),
+            "train": round(self.train_s, 4),
+        }
 
     def _stopped_by_ps(self, exc: BaseException) -> None:
         """The PS agent heard that this stage must stop (its VW evicted, the run failed, pushes lost): say
@@ -240,8 +325,17 @@ class StageRunner:
             return  # anything else reaches the stage thread through its futures
         job = self.job
         print(f"vw {job.vw} stage {job.stage} stops: {exc}", file=sys.stderr, flush=True)
-        self.report({"event": "stage_failed", "vw": job.vw, "stage": job.stage, "pid": os.getpid(),
-                     "error": f"{type(exc).__name__}: {exc}", "traceback": "", "code": code})
+        self.report(
+            {
+                "event": "stage_failed",
+                "vw": job.vw,
+                "stage": job.stage,
+                "pid": os.getpid(),
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": "",
+                "code": code,
+            }
+        )
         time.sleep(0.3)  # let the event queue's feeder thread hand the report over
         os._exit(EXIT_STOPPED_BY_PS)
 
@@ -250,23 +344,42 @@ class StageRunner:
         """Save this stage's state at wave `wave` (just after PUSH wave-1), for a resume from there."""
         job = self.job
         meta, tensors = self.compute.state_dict()
-        runner = {"position": self.position + 1, "next_wait": self._next_wait, "pushed": self._pushed,
-                  "c_global": self.c_global, "samples": self.samples}
+        runner = {
+            "position": self.position + 1,
+            "next_wait": self._next_wait,
+            "pushed": self._pushed,
+            "c_global": self.c_global,
+            "samples": self.samples,
+        }
         keep_from = snapshot_floor(self.c_global, job.snapshot_every, job.snapshot_keep)
-        save_snapshot(snapshot_dir(job.run_dir, job.vw, job.stage), wave,
-                      {"vw": job.vw, "stage": job.stage, "run": self.config.name, "wave": wave, "compute": meta,
-                       "runner": runner}, tensors, keep_from)
+        save_snapshot(
+            snapshot_dir(job.run_dir, job.vw, job.stage),
+            wave,
+            {
+                "vw": job.vw,
+                "stage": job.stage,
+                "run": self.config.name,
+                "wave": wave,
+                "compute": meta,
+                "runner": runner,
+            },
+            tensors,
+            keep_from,
+        )
 
     def _resume(self) -> dict[int, torch.Tensor]:
-        """Load this stage's snapshot of job.resume_wave; returns the activations to send the next stage again."""
+        """Load this stage's snapshot of job.resume_wave; returns the activations to send the next stage
+        again."""
         job, wave = self.job, self.job.resume_wave
         meta, tensors = load_snapshot(snapshot_dir(job.run_dir, job.vw, job.stage), wave)
         runner = meta["runner"]
         self.position = runner["position"]
         if self.position != cut_position(self.actions, wave):
-            raise HetpipeError(f"vw {job.vw} stage {job.stage}: its snapshot of wave {wave} is at action "
-                               f"{self.position}, this run's schedule cuts there at {cut_position(self.actions, wave)}: "
-                               "resume with the config the run was started with")
+            raise HetpipeError(
+                f"vw {job.vw} stage {job.stage}: its snapshot of wave {wave} is at action "
+                f"{self.position}, this run's schedule cuts there at {cut_position(self.actions, wave)}: "
+                "resume with the config the run was started with"
+            )
         self._next_wait, self._pushed = runner["next_wait"], runner["pushed"]
         self.c_global, self.samples = runner["c_global"], runner["samples"]
         in_flight = [entry["p"] for entry in meta["compute"]["in_flight"]]
@@ -277,11 +390,18 @@ class StageRunner:
             following = self.schedule.stages[job.stage + 1]
             received = forwarded_before(following, cut_position(following, wave))
             resend = frozenset(p for p in in_flight if p not in received)
-        return self.compute.load_state_dict(meta["compute"], {k: t.to(self.device) for k, t in tensors.items()},
-                                            targets=self._targets, loss_fn=self.spec.loss, resend=resend)
+        return self.compute.load_state_dict(
+            meta["compute"],
+            {k: t.to(self.device) for k, t in tensors.items()},
+            targets=self._targets,
+            loss_fn=self.spec.loss,
+            resend=resend,
+        )
 
     def _batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = datalib.minibatch(self.x, self.y, self.indices, self.config.train.batch_size, self.config.seed, p)
+        x, y = datalib.minibatch(
+            self.x, self.y, self.indices, self.config.train.batch_size, self.config.seed, p
+        )
         return datalib.on_device(x, y, self.device)
 
     def _send(self, tensor: Any, peer: int) -> None:
@@ -321,11 +441,21 @@ class StageRunner:
         wsp = self.config.wsp
         own = own_through_required(self.schedule.guarantee, p, wsp.nm)
         for key, ledger in self.ledgers.items():
-            problems = ledger_violations(ledger.cpu().numpy(), self.job.vw, p, wsp.nm, wsp.staleness, own, self.gaps,
-                                         own_from=self.job.start_wave * wsp.nm)
+            problems = ledger_violations(
+                ledger.cpu().numpy(),
+                self.job.vw,
+                p,
+                wsp.nm,
+                wsp.staleness,
+                own,
+                self.gaps,
+                own_from=self.job.start_wave * wsp.nm,
+            )
             if problems:
-                raise AuditError(f"vw {self.job.vw} stage {self.job.stage}, forward of minibatch {p}, {key}: "
-                                 + "; ".join(problems))
+                raise AuditError(
+                    f"vw {self.job.vw} stage {self.job.stage}, forward of minibatch {p}, {key}: "
+                    + "; ".join(problems)
+                )
             self.audit_checks += 1
 
     # ---- actions --------------------------------------------------------------------------------------
@@ -341,8 +471,9 @@ class StageRunner:
                 target = self._batch(p)[1] if self.last else None
             started = time.perf_counter()
             with self.dilator.compute(f"F{p}"):
-                output = self.compute.forward(p, inputs, target if self.last else None, self.spec.loss,
-                                              input_grad=not self.first)
+                output = self.compute.forward(
+                    p, inputs, target if self.last else None, self.spec.loss, input_grad=not self.first
+                )
                 self._sync_block()
             self._timed("compute", started)
             if not self.last:
@@ -365,7 +496,9 @@ class StageRunner:
                     skip = not np.isfinite(value)
                 else:  # read at the wave's end: reading it now would make the CPU wait for the device
                     unread = {"event": "minibatch", "vw": job.vw, "p": p, "loss": None}
-                    self.losses.add(unread, loss)  # (on CUDA its copy to the host goes before the backward's kernels)
+                    self.losses.add(
+                        unread, loss
+                    )  # (on CUDA its copy to the host goes before the backward's kernels)
             started = time.perf_counter()
             with self.dilator.compute(f"B{p}"):
                 if skip:  # train.on_nan = "skip": the minibatch adds nothing, at every stage
@@ -380,21 +513,28 @@ class StageRunner:
         self.samples += self.config.train.batch_size
         if self.last:
             elapsed = time.monotonic() - self.started
-            fields = {"time": time.time(), "samples_per_s": self.samples / max(elapsed, 1e-9), "skipped": skip}
+            fields = {
+                "time": time.time(),
+                "samples_per_s": self.samples / max(elapsed, 1e-9),
+                "skipped": skip,
+            }
             if unread is not None:
                 unread.update(fields)  # reported once its loss is read
             else:
                 self.report({"event": "minibatch", "vw": job.vw, "p": p, "loss": value, **fields})
 
     def _read_losses(self) -> None:
-        """Report the wave's minibatch losses, read in one go (on CUDA one wait, for the copy of the last of them,
-        not one per minibatch and not for the whole queue); under train.on_nan = "stop" a NaN or inf stops the run
-        here, before the wave's push carries it."""
+        """Report the wave's minibatch losses, read in one go (on CUDA one wait, for the copy of the last of
+        them, not one per minibatch and not for the whole queue); under train.on_nan = "stop" a NaN or inf
+        stops the run here, before the wave's push carries it."""
         for event, value in self.losses.read():
             if not np.isfinite(value):
                 p, wave = event["p"], event["p"] // self.config.wsp.nm
-                raise NonFiniteLoss(f"vw {self.job.vw} stage {self.job.stage}: the loss of minibatch {p} (wave {wave}) "
-                                    f"is {value}; lower the learning rate, or check the data", wave)
+                raise NonFiniteLoss(
+                    f"vw {self.job.vw} stage {self.job.stage}: the loss of minibatch {p} (wave {wave}) "
+                    f"is {value}; lower the learning rate, or check the data",
+                    wave,
+                )
             self.report({**event, "loss": value})
 
     def update(self, p: int) -> None:
@@ -409,20 +549,23 @@ class StageRunner:
         with self.trace.span(f"PUSH{wave}"):
             started = time.perf_counter()
             self._read_losses()  # on CUDA a wait for the device's last loss of the wave: counted as compute
-            if self._wave_queued is not None:  # CUDA: the CPU runs at most a wave ahead of the device, not more
+            if (
+                self._wave_queued is not None
+            ):  # CUDA: the CPU runs at most a wave ahead of the device, not more
                 self._wave_queued.synchronize()
             self._timed("compute", started)
             copies = self.push_staging.copies
             if self._next_wait >= len(self.waits) and not copies:
                 # no pull is due to hold this stage back, so a PS slower than the stage would let pushes (and
-                # their sums) pile up without bound: one push in flight at most (docs/memory.md#what-a-stage-keeps);
-                # staged into two host buffers (CUDA, or an agent process) they bound them at two (a push waits
-                # for its buffer's last push)
+                # their sums) pile up without bound: one push in flight at most
+                # (docs/memory.md#what-a-stage-keeps); staged into two host buffers (CUDA, or an agent
+                # process) they bound them at two (a push waits for its buffer's last push)
                 self._wait_for_pushes(lambda slot: True)
             started = time.perf_counter()
             # staging copies the buffers itself (on CUDA in stream order)
-            arrays, ready = self.push_staging.stage(self.compute.wave_push(wave, copy_buffers=not copies),
-                                                    self._wait_for_slot)
+            arrays, ready = self.push_staging.stage(
+                self.compute.wave_push(wave, copy_buffers=not copies), self._wait_for_slot
+            )
             self._timed("d2h", started)
             slot = self.push_staging.slot
             self._pushes.append((slot, self.link.push(wave, slot, arrays, ready, reused=copies)))
@@ -433,12 +576,23 @@ class StageRunner:
         if self.compute.optimizer is not None or self.ledgers:
             # own sums the next pull will contain (or all, when no pull comes) are not needed any more
             ahead = self.waits[self._next_wait] if self._next_wait < len(self.waits) else None
-            self.compute.forget(wave if ahead is None else min(wave, gate_version(ahead, self.config.wsp.staleness) - 1))
+            self.compute.forget(
+                wave if ahead is None else min(wave, gate_version(ahead, self.config.wsp.staleness) - 1)
+            )
         while self._pushes and self._pushes[0][1].done():
             self._note_push(self._pushes.popleft()[1].result())
         self._hand_over_pull()
-        self.report({"event": "push", "vw": self.job.vw, "stage": self.job.stage, "wave": wave, "time": time.time(),
-                     "c_global": self.c_global, "gate_wait_s": round(self.times["gate_wait"], 3)})
+        self.report(
+            {
+                "event": "push",
+                "vw": self.job.vw,
+                "stage": self.job.stage,
+                "wave": wave,
+                "time": time.time(),
+                "c_global": self.c_global,
+                "gate_wait_s": round(self.times["gate_wait"], 3),
+            }
+        )
         every = self.job.snapshot_every
         if every and (wave + 1) % every == 0 and wave + 1 < self.config.train.waves:
             self._snapshot(wave + 1)
@@ -451,7 +605,8 @@ class StageRunner:
         self._wait_for_pushes(lambda used: used == slot)
 
     def _wait_for_pushes(self, which: Callable[[int], bool]) -> None:
-        """Block until every push handed over whose pinned slot `which` picks is acknowledged ("push_wait")."""
+        """Block until every push handed over whose pinned slot `which` picks is acknowledged
+        ("push_wait")."""
         started = time.perf_counter()
         for used, future in self._pushes:
             if which(used):
@@ -476,10 +631,23 @@ class StageRunner:
             pulled = self._pull[1].result()
             self.gaps = pulled.gaps
             self._timed("gate_wait", started)
-            self.report({"event": "pull", "vw": self.job.vw, "stage": self.job.stage, "wave": wave, "time": time.time(),
-                         "version": pulled.version, "age_waves": wave - pulled.version})
-            started = time.perf_counter()  # on CUDA the copy and the rebase are queued, not waited for (the agent
-            self.compute.rebase(self.pull_staging.to_device(), pulled.own_through)  # waits for the copy instead),
+            self.report(
+                {
+                    "event": "pull",
+                    "vw": self.job.vw,
+                    "stage": self.job.stage,
+                    "wave": wave,
+                    "time": time.time(),
+                    "version": pulled.version,
+                    "age_waves": wave - pulled.version,
+                }
+            )
+            started = (
+                time.perf_counter()
+            )  # on CUDA the copy and the rebase are queued, not waited for (the agent
+            self.compute.rebase(
+                self.pull_staging.to_device(), pulled.own_through
+            )  # waits for the copy instead),
             self._sync_block()  # unless emulation stretches blocks: then the next F must not carry this work
             self._timed("h2d", started)
         self._pull = None
@@ -495,7 +663,16 @@ def run_stage(job: StageJob, events: Any = None) -> None:
     try:
         StageRunner(job, report).run()
     except BaseException as exc:
-        report({"event": "stage_failed", "vw": job.vw, "stage": job.stage, "pid": os.getpid(), "time": time.time(),
-                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-                **({"wave": exc.wave} if isinstance(exc, NonFiniteLoss) else {})})
+        report(
+            {
+                "event": "stage_failed",
+                "vw": job.vw,
+                "stage": job.stage,
+                "pid": os.getpid(),
+                "time": time.time(),
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+                **({"wave": exc.wave} if isinstance(exc, NonFiniteLoss) else {}),
+            }
+        )
         raise

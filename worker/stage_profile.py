@@ -1,4 +1,5 @@
-"""A stage's `hetpipe train --profile` window: torch.profiler around those actions, written to <run>/profile/."""
+"""A stage's `hetpipe train --profile` window: torch.profiler around those actions, written to
+<run>/profile/."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ __all__ = ["StageProfiler"]
 
 class StageProfiler:
     """Call before() and after() around every action; close() at the end writes a window the run cut short.
-    Writes <out_dir>/<name>.txt (the tables) and <name>.json (op_profile's summary). Per-minibatch figures divide
-    by the forwards run inside the window (with Nm in flight some are of minibatches past its last; as many
-    backwards and updates of earlier ones are inside it too)."""
+    Writes <out_dir>/<name>.txt (the tables) and <name>.json (op_profile's summary). Per-minibatch figures
+    divide by the forwards run inside the window (with Nm in flight some are of minibatches past its last; as
+    many backwards and updates of earlier ones are inside it too)."""
 
     def __init__(self, window: ProfileWindow, device: torch.device, out_dir: Path, name: str) -> None:
         self.window, self.device, self.out_dir, self.name = window, device, out_dir, name
@@ -48,7 +49,9 @@ class StageProfiler:
     def close(self) -> None:
         """The run ended inside the window: write what was profiled, saying so."""
         if self._prof is not None:
-            self._finish(f" (the run ended at minibatch {self._last} before the window's end, {self.window.last})")
+            self._finish(
+                f" (the run ended at minibatch {self._last} before the window's end, {self.window.last})"
+            )
 
     def _finish(self, note: str) -> None:
         assert self._prof is not None
@@ -58,6 +61,9 @@ class StageProfiler:
         summary["window"] = [self._first, self._last]
         self._prof, self.done = None, True
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        title = f"{self.name}, from the forward of minibatch {self._first} through the update of {self._last}{note}"
+        title = (
+            f"{self.name}, from the forward of minibatch {self._first} through the update of "
+            f"{self._last}{note}"
+        )
         (self.out_dir / f"{self.name}.txt").write_text(format_profile(summary, title) + "\n")
         (self.out_dir / f"{self.name}.json").write_text(json.dumps(summary, indent=1))

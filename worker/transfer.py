@@ -44,14 +44,20 @@ class PushStaging:
         self.layout = layout
         self.device = device
         self.cuda = device.type == "cuda"
-        self._slots = slots if slots is not None else [_host_buffer(layout.numel, True) for _ in range(2)] \
-            if self.cuda else []
+        self._slots = (
+            slots
+            if slots is not None
+            else [_host_buffer(layout.numel, True) for _ in range(2)]
+            if self.cuda
+            else []
+        )
         self._arrays = [layout.array_views(host.numpy()) for host in self._slots]
         self._stream = torch.cuda.Stream(device) if self.cuda else None  # the copies, beside the compute
         self._turn = 0
 
-    def stage(self, tensors: Mapping[str, Tensor], wait_for_slot: Callable[[int], None]) -> tuple[
-            dict[str, np.ndarray], Callable[[], None]]:
+    def stage(
+        self, tensors: Mapping[str, Tensor], wait_for_slot: Callable[[int], None]
+    ) -> tuple[dict[str, np.ndarray], Callable[[], None]]:
         """Host arrays of `tensors` (float32, by key) and a function that returns once they hold the values.
         `wait_for_slot(slot)` blocks until the push that used that pinned buffer before is done."""
         if not self._slots:
@@ -68,17 +74,24 @@ class PushStaging:
         with torch.no_grad():  # one call per tensor, not three: host time a plain loop does not spend
             flat = torch.cat([_flat_float(tensors[k]) for k in self.layout.keys])
         assert self._stream is not None
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the wave's updates and the cat
+        self._stream.wait_stream(
+            torch.cuda.current_stream(self.device)
+        )  # after the wave's updates and the cat
         with torch.cuda.stream(self._stream):
             host.copy_(flat, non_blocking=True)  # the one device-to-host copy of this wave
-            copied = torch.cuda.Event(blocking=True)  # its waiter sleeps, not spins on a core beside the stage's
+            copied = torch.cuda.Event(
+                blocking=True
+            )  # its waiter sleeps, not spins on a core beside the stage's
             copied.record(self._stream)
-        flat.record_stream(self._stream)  # its memory is not reused by the compute before the copy has read it
+        flat.record_stream(
+            self._stream
+        )  # its memory is not reused by the compute before the copy has read it
         return dict(self._arrays[slot]), copied.synchronize
 
     @property
     def copies(self) -> bool:
-        """Whether a push is staged into host buffers (a copy the stage may change meanwhile), not zero-copy."""
+        """Whether a push is staged into host buffers (a copy the stage may change meanwhile), not
+        zero-copy."""
         return bool(self._slots)
 
     @property
@@ -88,8 +101,8 @@ class PushStaging:
 
 
 class PullStaging:
-    """The host buffer a pull is copied into (by the agent) and its trip to the device; `host`: a buffer to use
-    (the one the stage shares with its PS agent process), else one is allocated (pinned on CUDA)."""
+    """The host buffer a pull is copied into (by the agent) and its trip to the device; `host`: a buffer to
+    use (the one the stage shares with its PS agent process), else one is allocated (pinned on CUDA)."""
 
     def __init__(self, layout: FlatLayout, device: torch.device, host: Tensor | None = None) -> None:
         self.layout = layout
@@ -99,8 +112,8 @@ class PullStaging:
         self._copied: torch.cuda.Event | None = None  # CUDA: the last host-to-device copy out of self.host
 
     def to_device(self) -> dict[str, Tensor]:
-        """The pulled tensors on the stage's device: views of the host buffer (CPU) or of one device copy (queued,
-        not waited for)."""
+        """The pulled tensors on the stage's device: views of the host buffer (CPU) or of one device copy
+        (queued, not waited for)."""
         if self.device.type != "cuda":
             return self.layout.views(self.host)
         flat = self.host.to(self.device, non_blocking=True)  # the one host-to-device copy of this pull
@@ -109,7 +122,7 @@ class PullStaging:
         return self.layout.views(flat)
 
     def wait_free(self) -> None:
-        """Block until the host buffer may be written again (an agent thread calls it before copying a pull in;
-        an agent process is sent the pull only once it returns)."""
+        """Block until the host buffer may be written again (an agent thread calls it before copying a pull
+        in; an agent process is sent the pull only once it returns)."""
         if self._copied is not None:
             self._copied.synchronize()

@@ -21,11 +21,15 @@ INSTALL = "pip install 'hetpipe[tensorboard]'"
 def check_board() -> None:
     """UsageError in one line when the tensorboard extra is missing (checked before anything starts)."""
     if importlib.util.find_spec("tensorboard") is None:
-        raise UsageError(f"--tensorboard needs the tensorboard package, which is not installed: {INSTALL} "
-                         "(or leave out --tensorboard; metrics.jsonl has the same figures)")
+        raise UsageError(
+            f"--tensorboard needs the tensorboard package, which is not installed: {INSTALL} "
+            "(or leave out --tensorboard; metrics.jsonl has the same figures)"
+        )
 
 
-def scalars(event: Mapping[str, Any], progress: Progress, logged_waves: dict[int, int]) -> list[tuple[str, float, int]]:
+def scalars(
+    event: Mapping[str, Any], progress: Progress, logged_waves: dict[int, int]
+) -> list[tuple[str, float, int]]:
     """(tag, value, step) of one event, read after `progress` took it in. Steps: the VW's minibatch p for
     loss and samples/s, waves completed for gate wait and lead, the wave started for the pull's age, W_t's t
     for evaluations. `logged_waves` (VW -> waves logged) makes each completed wave log once, when the last of
@@ -42,8 +46,10 @@ def scalars(event: Mapping[str, Any], progress: Progress, logged_waves: dict[int
             return []
         logged_waves[vw] = done
         wait = max((w for (v, _), w in progress.gate_wait.items() if v == vw), default=0.0)
-        return [(f"vw{vw}/gate_wait_s", float(wait), done),
-                (f"vw{vw}/lead_waves", float(done - progress.c_global()), done)]
+        return [
+            (f"vw{vw}/gate_wait_s", float(wait), done),
+            (f"vw{vw}/lead_waves", float(done - progress.c_global()), done),
+        ]
     if kind == "pull" and event.get("stage") == 0:
         return [(f"vw{vw}/pulled_age_waves", float(event["age_waves"]), event["wave"])]
     if kind == "eval":
@@ -59,8 +65,9 @@ class Board:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise UsageError(f"--tensorboard: the tensorboard package does not load ({exc}); reinstall it: "
-                             f"{INSTALL}") from None
+            raise UsageError(
+                f"--tensorboard: the tensorboard package does not load ({exc}); reinstall it: {INSTALL}"
+            ) from None
         self.directory = directory
         self.writer = SummaryWriter(log_dir=str(directory))
         self._logged: dict[int, int] = {}

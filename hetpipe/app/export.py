@@ -29,19 +29,24 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu") -> nn.Se
     config_path, weights = run_dir / "config.toml", run_dir / "model.pt"
     for path, what in ((config_path, "its effective config"), (weights, "its final weights")):
         if not path.is_file():
-            raise UsageError(f"{run_dir} is not a finished `hetpipe train` run directory: {path.name} "
-                             f"({what}) is missing; give the run dir a finished run wrote")
+            raise UsageError(
+                f"{run_dir} is not a finished `hetpipe train` run directory: {path.name} "
+                f"({what}) is missing; give the run dir a finished run wrote"
+            )
     spec = model_of(load_config(config_path))
     model = build_stage(spec, 0, spec.num_layers, device)
     try:
         load_ps_state(model, torch.load(weights, map_location=device, weights_only=True), spec.name)
     except ValueError as exc:
-        raise HetpipeError(f"{weights}: {exc}; was the model's builder or its options changed since the run?") from None
+        raise HetpipeError(
+            f"{weights}: {exc}; was the model's builder or its options changed since the run?"
+        ) from None
     return model.eval()
 
 
 def export_model(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Save `load_model(run_dir)` whole (torch.save of the module) to `out` (default RUN_DIR/model-module.pt)."""
+    """Save `load_model(run_dir)` whole (torch.save of the module) to `out` (default
+    RUN_DIR/model-module.pt)."""
     path = Path(out) if out is not None else Path(run_dir) / "model-module.pt"
     model = load_model(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)

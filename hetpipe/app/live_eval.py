@@ -36,9 +36,22 @@ class LiveEvaluator:
     NICE, so it takes what CPU the stages leave rather than slowing them.
     """
 
-    def __init__(self, config: ClusterConfig, spec: ModelSpec, endpoints: list[str], num_vws: int, device: str,
-                 admin_keys: ClientKeys | None = None) -> None:
-        self.config, self.spec, self.endpoints, self.num_vws, self.device = config, spec, endpoints, num_vws, device
+    def __init__(
+        self,
+        config: ClusterConfig,
+        spec: ModelSpec,
+        endpoints: list[str],
+        num_vws: int,
+        device: str,
+        admin_keys: ClientKeys | None = None,
+    ) -> None:
+        self.config, self.spec, self.endpoints, self.num_vws, self.device = (
+            config,
+            spec,
+            endpoints,
+            num_vws,
+            device,
+        )
         self.admin_keys = admin_keys
         self.every = config.train.eval_every
         self.results: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -60,21 +73,46 @@ class LiveEvaluator:
         with contextlib.suppress(AttributeError, OSError):  # Linux: this thread only, below the stages
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         try:
-            with PSClient(self.endpoints, self.config.name, 0, 0, self.num_vws, 1, {}, timeout_s=60, retry_s=5,
-                          curve=self.admin_keys) as ps:
+            with PSClient(
+                self.endpoints,
+                self.config.name,
+                0,
+                0,
+                self.num_vws,
+                1,
+                {},
+                timeout_s=60,
+                retry_s=5,
+                curve=self.admin_keys,
+            ) as ps:
                 version, weights = ps.snapshot()
             read_at = time.time()
             started = time.perf_counter()
             if self._data is None:
                 self._data = dataset_of(self.config)
             state = {k: torch.from_numpy(v) for k, v in weights.items() if not k.startswith("audit/")}
-            scores = evaluate(self.spec, state, self._data, device=self.device,
-                              max_samples=self.config.train.eval_samples)
-            self.results.put({"event": "eval", "wave": version, "c_global": c_global, "time": read_at,
-                              "eval_s": round(time.perf_counter() - started, 3), **scores})
+            scores = evaluate(
+                self.spec, state, self._data, device=self.device, max_samples=self.config.train.eval_samples
+            )
+            self.results.put(
+                {
+                    "event": "eval",
+                    "wave": version,
+                    "c_global": c_global,
+                    "time": read_at,
+                    "eval_s": round(time.perf_counter() - started, 3),
+                    **scores,
+                }
+            )
         except Exception as exc:  # a failed evaluation must not stop training; say so in the metrics
-            self.results.put({"event": "eval_failed", "wave": c_global, "time": time.time(),
-                              "error": f"{type(exc).__name__}: {exc}"})
+            self.results.put(
+                {
+                    "event": "eval_failed",
+                    "wave": c_global,
+                    "time": time.time(),
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
 
     def join(self, timeout_s: float = 30.0) -> None:
         if self._busy is not None:

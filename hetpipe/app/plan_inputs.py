@@ -1,6 +1,6 @@
-"""Inputs of `hetpipe profile` and `hetpipe plan`: cached measurements with progress, the profiles shipped in the
-package, profiles derived for GPUs this machine lacks, warnings about profiles not to trust, the table a user
-reads. The CLI calls these; the planner itself stays pure."""
+"""Inputs of `hetpipe profile` and `hetpipe plan`: cached measurements with progress, the profiles shipped in
+the package, profiles derived for GPUs this machine lacks, warnings about profiles not to trust, the table a
+user reads. The CLI calls these; the planner itself stays pure."""
 
 from __future__ import annotations
 
@@ -54,8 +54,18 @@ def _say(message: str) -> None:
     click.echo(message, err=True)
 
 
-def measure_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, optimizer: str, device: str = "cpu",
-                    repeats: int = 10, dtype: str | None = None, refresh: bool = False):
+def measure_profile(
+    spec,
+    batch: int,
+    gpu_type: str,
+    cache_dir: Path,
+    *,
+    optimizer: str,
+    device: str = "cpu",
+    repeats: int = 10,
+    dtype: str | None = None,
+    refresh: bool = False,
+):
     """cached_profile with progress lines on stderr (measuring a large model takes minutes); refresh=True
     measures again and replaces the cache entry."""
     import time
@@ -67,33 +77,60 @@ def measure_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, optimiz
     path = profile_cache_path(spec, batch, gpu_type, cache_dir, optimizer=optimizer, dtype=dtype)
     cached = path.exists() and not refresh
     if not cached:
-        torch.set_num_threads(1)  # as every stage process does (docs/architecture.md#conventions), so times match what stages see
-        _say(f"profiling {spec.name} ({spec.num_layers} layers) at batch {batch} on {device}, one thread, "
-             f"{repeats} timed repeats per layer ...")
+        torch.set_num_threads(
+            1
+        )  # as every stage process does (docs/architecture.md#conventions), so times match what stages see
+        _say(
+            f"profiling {spec.name} ({spec.num_layers} layers) at batch {batch} on {device}, one thread, "
+            f"{repeats} timed repeats per layer ..."
+        )
 
     def again(first) -> None:
         _say(f"  not trusted ({'; '.join(first.origin.flags)}): measuring once more ...")
 
     started = time.monotonic()
-    profile = cached_profile(spec, batch, gpu_type, cache_dir, optimizer=optimizer, repeats=repeats, device=device,
-                             dtype=dtype, refresh=refresh, on_flagged=again)
-    _say(f"profile from the cache: {path}" if cached and path.exists()
-         else f"profiled in {time.monotonic() - started:.1f} s; cached at {path}")
+    profile = cached_profile(
+        spec,
+        batch,
+        gpu_type,
+        cache_dir,
+        optimizer=optimizer,
+        repeats=repeats,
+        device=device,
+        dtype=dtype,
+        refresh=refresh,
+        on_flagged=again,
+    )
+    _say(
+        f"profile from the cache: {path}"
+        if cached and path.exists()
+        else f"profiled in {time.monotonic() - started:.1f} s; cached at {path}"
+    )
     return profile
 
 
 def shipped_name(profile) -> str:
-    """The file name a shipped profile has under its device folder: model, options digest, batch, dtype, optimizer."""
-    return (f"{profile.model}-{profile.origin.options_digest}-b{profile.batch_size}-{profile.dtype}-"
-            f"{profile.origin.optimizer}.json")
+    """The file name a shipped profile has under its device folder: model, options digest, batch, dtype,
+    optimizer."""
+    return (
+        f"{profile.model}-{profile.origin.options_digest}-b{profile.batch_size}-{profile.dtype}-"
+        f"{profile.origin.optimizer}.json"
+    )
 
 
-def shipped_profile(spec, batch: int, *, optimizer: str, dtype: str | None = None, device: str | None = None,
-                    root: Path | None = None):
-    """(file, profile) of the measured profile shipped for this model variant, optimizer and dtype (default: the
-    model's), or None. Among several: measured on CUDA before CPU, at `batch` before others, then the nearest
-    batch; one measured at another batch comes rescaled to `batch` by ModelProfile.at_batch. `device`: only
-    profiles measured on that kind ("cpu" or "cuda"). `root`: default SHIPPED_DIR."""
+def shipped_profile(
+    spec,
+    batch: int,
+    *,
+    optimizer: str,
+    dtype: str | None = None,
+    device: str | None = None,
+    root: Path | None = None,
+):
+    """(file, profile) of the measured profile shipped for this model variant, optimizer and dtype (default:
+    the model's), or None. Among several: measured on CUDA before CPU, at `batch` before others, then the
+    nearest batch; one measured at another batch comes rescaled to `batch` by ModelProfile.at_batch. `device`:
+    only profiles measured on that kind ("cpu" or "cuda"). `root`: default SHIPPED_DIR."""
     import math
 
     from hetpipe.compute.profiler import options_digest, profile_dtype
@@ -107,10 +144,16 @@ def shipped_profile(spec, batch: int, *, optimizer: str, dtype: str | None = Non
         except (OSError, ValueError, TypeError, KeyError):
             continue  # the shipping test names broken files; a user's plan goes on with the others
         o = p.origin
-        if o is None or (p.model, o.options_digest, p.dtype, o.optimizer) != want or p.num_layers != spec.num_layers:
+        if (
+            o is None
+            or (p.model, o.options_digest, p.dtype, o.optimizer) != want
+            or p.num_layers != spec.num_layers
+        ):
             continue
         if device is None or o.device == device:
-            found.append((o.device != "cuda", p.batch_size != batch, abs(math.log(p.batch_size / batch)), str(path), p))
+            found.append(
+                (o.device != "cuda", p.batch_size != batch, abs(math.log(p.batch_size / batch)), str(path), p)
+            )
     if not found:
         return None
     *_, path, p = min(found)
@@ -121,8 +164,17 @@ def _shipped_label(path: Path) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
-def like_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, like: str, speed: float, optimizer: str,
-                 dtype: str | None = None):
+def like_profile(
+    spec,
+    batch: int,
+    gpu_type: str,
+    cache_dir: Path,
+    *,
+    like: str,
+    speed: float,
+    optimizer: str,
+    dtype: str | None = None,
+):
     """A profile for a GPU type this machine does not have: a measured profile of device kind `like` (this
     machine's cached one, else the shipped one, else for "cpu" one measured now) with times / `speed` (the
     type's FLOP rate over the measured device's), memory unchanged; stored in the cache under `gpu_type`."""
@@ -141,10 +193,11 @@ def like_profile(spec, batch: int, gpu_type: str, cache_dir: Path, *, like: str,
             source = measure_profile(spec, batch, "cpu", cache_dir, optimizer=optimizer, dtype=dtype)
             where = "this machine's cpu profile"
         else:
-            raise UsageError(f"no measured {like} profile of {spec.name} at batch {batch} ({optimizer}) here or "
-                             f"shipped: measure one on a machine with a GPU (`hetpipe profile {spec.name} --batch "
-                             f"{batch} --device cuda`) and copy its cache file to {cache_dir}, or use --like cpu"
-                             ) from None
+            raise UsageError(
+                f"no measured {like} profile of {spec.name} at batch {batch} ({optimizer}) here or "
+                f"shipped: measure one on a machine with a GPU (`hetpipe profile {spec.name} --batch "
+                f"{batch} --device cuda`) and copy its cache file to {cache_dir}, or use --like cpu"
+            ) from None
     derived = derive_profile(source, speed, 1.0, 1.0, gpu_type=gpu_type)
     path = profile_cache_path(spec, batch, gpu_type, cache_dir, optimizer=optimizer, dtype=dtype)
     write_profile(path, derived)
@@ -156,18 +209,46 @@ def profile_table(profile) -> str:
     from hetpipe.core.memory import format_bytes
 
     header = ("#", "layer", "forward ms", "backward ms", "weights", "optimizer", "output", "saved", "working")
-    rows = [(str(i), layer.name, f"{layer.forward_s * 1e3:.3f}", f"{layer.backward_s * 1e3:.3f}",
-             format_bytes(layer.param_bytes), format_bytes(layer.optimizer_bytes), format_bytes(layer.output_bytes),
-             format_bytes(layer.saved_bytes), format_bytes(layer.working_bytes)) for i, layer in enumerate(profile.layers)]
+    rows = [
+        (
+            str(i),
+            layer.name,
+            f"{layer.forward_s * 1e3:.3f}",
+            f"{layer.backward_s * 1e3:.3f}",
+            format_bytes(layer.param_bytes),
+            format_bytes(layer.optimizer_bytes),
+            format_bytes(layer.output_bytes),
+            format_bytes(layer.saved_bytes),
+            format_bytes(layer.working_bytes),
+        )
+        for i, layer in enumerate(profile.layers)
+    ]
     layers = profile.layers
-    rows.append(("", "total", f"{sum(x.forward_s for x in layers) * 1e3:.3f}", f"{sum(x.backward_s for x in layers) * 1e3:.3f}",
-                 format_bytes(sum(x.param_bytes for x in layers)), format_bytes(sum(x.optimizer_bytes for x in layers)),
-                 "", format_bytes(sum(x.saved_bytes for x in layers)), format_bytes(max(x.working_bytes for x in layers))))
+    rows.append(
+        (
+            "",
+            "total",
+            f"{sum(x.forward_s for x in layers) * 1e3:.3f}",
+            f"{sum(x.backward_s for x in layers) * 1e3:.3f}",
+            format_bytes(sum(x.param_bytes for x in layers)),
+            format_bytes(sum(x.optimizer_bytes for x in layers)),
+            "",
+            format_bytes(sum(x.saved_bytes for x in layers)),
+            format_bytes(max(x.working_bytes for x in layers)),
+        )
+    )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i not in (1,) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in [header, *rows]]
-    title = (f"{profile.model} at batch {profile.batch_size} on {profile.gpu_type} ({profile.dtype}, torch "
-             f"{profile.torch_version}); input {format_bytes(profile.input_bytes)} per minibatch")
+    lines = [
+        "  ".join(
+            c.rjust(w) if i not in (1,) else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in [header, *rows]
+    ]
+    title = (
+        f"{profile.model} at batch {profile.batch_size} on {profile.gpu_type} ({profile.dtype}, torch "
+        f"{profile.torch_version}); input {format_bytes(profile.input_bytes)} per minibatch"
+    )
     return "\n".join([title, *lines, *origin_lines(profile)])
 
 
@@ -176,11 +257,16 @@ def origin_lines(profile) -> list[str]:
     o = profile.origin
     if o is None:
         return ["origin: unknown (made by hand or by an older hetpipe)"]
-    lines = [f"measured {o.measured_at} on {o.device} ({o.device_name}, host {o.host}, {o.device_tflops:.3g} TFLOPS "
-             f"matmul) at batch {o.measured_batch}, {o.repeats} repeats per layer, spread {profile.spread:.1%}, load "
-             + ("unknown" if o.load_per_core is None else f"{o.load_per_core:.2f} per core")]
+    lines = [
+        f"measured {o.measured_at} on {o.device} ({o.device_name}, host {o.host}, "
+        f"{o.device_tflops:.3g} TFLOPS matmul) at batch {o.measured_batch}, {o.repeats} repeats per layer, "
+        f"spread {profile.spread:.1%}, load "
+        + ("unknown" if o.load_per_core is None else f"{o.load_per_core:.2f} per core")
+    ]
     if o.derived_from:
-        lines.append(f"derived from the {o.derived_from} profile: times / {o.speed_ratio:.4g}, memory unchanged")
+        lines.append(
+            f"derived from the {o.derived_from} profile: times / {o.speed_ratio:.4g}, memory unchanged"
+        )
     lines += [f"flagged: {flag}" for flag in o.flags]
     return lines
 
@@ -192,21 +278,27 @@ def _load_profile(path: Path, model: str, batch: int, num_layers: int | None):
     try:
         p = ModelProfile.load(path)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise UsageError(f"{path}: not a readable profile ({type(exc).__name__}: {exc}); write one with "
-                         "`hetpipe profile --out`") from None
+        raise UsageError(
+            f"{path}: not a readable profile ({type(exc).__name__}: {exc}); write one with "
+            "`hetpipe profile --out`"
+        ) from None
     if (p.model, p.batch_size) != (model, batch) or num_layers not in (None, p.num_layers):
         layers = f" ({num_layers} layers)" if num_layers is not None else ""
-        raise UsageError(f"{path}: a profile of {p.model} ({p.num_layers} layers) at batch {p.batch_size}, but the "
-                         f"config trains {model}{layers} at batch {batch}: profile again with matching settings")
+        raise UsageError(
+            f"{path}: a profile of {p.model} ({p.num_layers} layers) at batch {p.batch_size}, but the "
+            f"config trains {model}{layers} at batch {batch}: profile again with matching settings"
+        )
     return p
 
 
-def plan_profiles(config, profile_dir: Path, *, refresh: bool = False) -> tuple[dict, float, object, list[str]]:
+def plan_profiles(
+    config, profile_dir: Path, *, refresh: bool = False
+) -> tuple[dict, float, object, list[str]]:
     """Profiles per GPU type, PS Gbit/s, the link function and notes, for emulated or real GPUs.
 
-    Emulated: this machine's CPU profile (measured once, cached; refresh=True measures again). Real GPUs: files
-    <type>.json or `hetpipe profile` cache names in profile_dir, types without one scaled by speed from one
-    with it; with none at all, every type derived from the model's shipped profile by FLOP rate. The notes
+    Emulated: this machine's CPU profile (measured once, cached; refresh=True measures again). Real GPUs:
+    files <type>.json or `hetpipe profile` cache names in profile_dir, types without one scaled by speed from
+    one with it; with none at all, every type derived from the model's shipped profile by FLOP rate. The notes
     warn about profiles not to trust: flagged when measured, stale, from another machine where it matters.
     """
     from datetime import UTC, datetime
@@ -231,16 +323,25 @@ def plan_profiles(config, profile_dir: Path, *, refresh: bool = False) -> tuple[
         spec = get_model(config.model.name, **config.model.options.to_dict())
         cpu = measure_profile(spec, batch, "cpu", profile_dir, optimizer=optimizer, refresh=refresh)
         profiles = emulated_profiles(config, cpu, cpu_cores())
-        notes = [f"emulated on this CPU ({cpu_cores()} cores): times are the CPU profile x each type's slowdown, links "
-                 f"this machine's loopback ({EMULATED_P2P_GBPS:g} Gbit/s between stages, {EMULATED_PS_GBPS:g} to each "
-                 "PS shard); samples/s are wall-clock of `hetpipe train` here"]
-        notes += [f"cpu profile: {w}; measure it again (when the machine is quiet): hetpipe plan {config.path} --refresh"
-                  for w in origin_warnings(cpu, now=now, host=host_fingerprint())]
+        notes = [
+            f"emulated on this CPU ({cpu_cores()} cores): times are the CPU profile x each type's slowdown, "
+            f"links this machine's loopback ({EMULATED_P2P_GBPS:g} Gbit/s between stages, "
+            f"{EMULATED_PS_GBPS:g} to each PS shard); samples/s are wall-clock of `hetpipe train` here"
+        ]
+        notes += [
+            (
+                f"cpu profile: {w}; measure it again (when the machine is quiet): "
+                f"hetpipe plan {config.path} --refresh"
+            )
+            for w in origin_warnings(cpu, now=now, host=host_fingerprint())
+        ]
         return profiles, EMULATED_PS_GBPS, (lambda a, b: EMULATED_P2P_GBPS), notes
     if refresh:
-        raise UsageError(f"--refresh re-measures this machine's CPU profile, but {config.path} has emulation off: "
-                         f"measure its GPUs on their machines (`hetpipe profile {config.model.name} --batch {batch} "
-                         "--device cuda --refresh`) and pass --profile-dir")
+        raise UsageError(
+            f"--refresh re-measures this machine's CPU profile, but {config.path} has emulation off: "
+            f"measure its GPUs on their machines (`hetpipe profile {config.model.name} --batch {batch} "
+            "--device cuda --refresh`) and pass --profile-dir"
+        )
     # Files named <type>.json are read first and checked against the config's model name and batch; the model
     # itself (and torch, ~2 s to import) is loaded only to look for `hetpipe profile` cache names.
     found = {}
@@ -261,17 +362,26 @@ def plan_profiles(config, profile_dir: Path, *, refresh: bool = False) -> tuple[
             path, measured = shipped
             profiles, notes = derived_profiles(config, measured)
             o = measured.origin
-            rescaled = (f", measured at batch {o.measured_batch} and scaled to {batch} by proportion"
-                        if o.measured_batch != batch else "")
-            notes.insert(0, f"real GPUs, none measured: profiles from the shipped {_shipped_label(path)} "
-                            f"(measured {o.measured_at[:10]} on {o.device_name}{rescaled}); measure yours with "
-                            f"`hetpipe profile {spec.name} --batch {batch} --device cuda --gpu-type TYPE` on each GPU "
-                            f"type, or derive one with `--gpu-type TYPE --like cpu --speed RATIO`; links from "
-                            f"[network], each PS shard at {config.network.inter_node_gbps:g} Gbit/s")
+            rescaled = (
+                f", measured at batch {o.measured_batch} and scaled to {batch} by proportion"
+                if o.measured_batch != batch
+                else ""
+            )
+            notes.insert(
+                0,
+                f"real GPUs, none measured: profiles from the shipped {_shipped_label(path)} "
+                f"(measured {o.measured_at[:10]} on {o.device_name}{rescaled}); measure yours with "
+                f"`hetpipe profile {spec.name} --batch {batch} --device cuda --gpu-type TYPE` on each GPU "
+                f"type, or derive one with `--gpu-type TYPE --like cpu --speed RATIO`; links from "
+                f"[network], each PS shard at {config.network.inter_node_gbps:g} Gbit/s",
+            )
             notes += [f"shipped profile: {w}" for w in origin_warnings(measured)]
             return profiles, config.network.inter_node_gbps, config.network.link_gbps, notes
     profiles, notes = supplied_profiles(config, found)
-    notes.insert(0, f"real GPUs: profiles from {profile_dir}; links from [network], each PS shard at "
-                    f"{config.network.inter_node_gbps:g} Gbit/s")
+    notes.insert(
+        0,
+        f"real GPUs: profiles from {profile_dir}; links from [network], each PS shard at "
+        f"{config.network.inter_node_gbps:g} Gbit/s",
+    )
     notes += [f"{name} profile: {w}" for name in sorted(found) for w in origin_warnings(found[name], now=now)]
     return profiles, config.network.inter_node_gbps, config.network.link_gbps, notes

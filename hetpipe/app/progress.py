@@ -25,9 +25,13 @@ class Progress:
     gate_wait: dict[tuple[int, int], float] = field(default_factory=dict)
     pushed: dict[tuple[int, int], int] = field(default_factory=dict)
     audit_checks: int = 0
-    times: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)  # (vw, stage) -> seconds by part
+    times: dict[tuple[int, int], dict[str, float]] = field(
+        default_factory=dict
+    )  # (vw, stage) -> seconds by part
     evals: list[dict[str, Any]] = field(default_factory=list)
-    startup: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)  # (vw, stage) -> its start-up points
+    startup: dict[tuple[int, int], dict[str, float]] = field(
+        default_factory=dict
+    )  # (vw, stage) -> its start-up points
     max_lead: int = 0
     steps: int = 0  # minibatches finished, over all VWs
     first_step: float | None = None  # when the first and the last of them finished (the stages' clock)
@@ -38,7 +42,9 @@ class Progress:
         vw = event.get("vw")
         if event["event"] == "minibatch":
             self.steps += 1
-            self.first_step = event["time"] if self.first_step is None else min(self.first_step, event["time"])
+            self.first_step = (
+                event["time"] if self.first_step is None else min(self.first_step, event["time"])
+            )
             self.last_step = event["time"] if self.last_step is None else max(self.last_step, event["time"])
         if event["event"] == "stage_done":
             self.audit_checks += event.get("audit_checks", 0)
@@ -61,8 +67,9 @@ class Progress:
         return min((self.completed(v) for v in live), default=0)
 
     def breakdown_ms(self, waves: int) -> dict[str, dict[str, float]]:
-        """Per VW, ms per wave spent in each part (compute, recv, d2h, push, gate_wait, pull, h2d, ...): the most
-        any of its stages spent there (wave_breakdown_ms); a VW none of whose stages reported has none."""
+        """Per VW, ms per wave spent in each part (compute, recv, d2h, push, gate_wait, pull, h2d, ...): the
+        most any of its stages spent there (wave_breakdown_ms); a VW none of whose stages reported has
+        none."""
         found = wave_breakdown_ms(self.times, waves)
         return {str(v): found.get(str(v), {}) for v in range(len(self.layouts))}
 
@@ -73,8 +80,12 @@ class Progress:
         c_global = min(self.completed(v) for v in range(len(self.layouts)))
         return [
             VwProgress(
-                vw=v, gpus=",".join(lay.gpus), wave=self.completed(v), loss=self.loss.get(v),
-                samples_per_s=self.speed.get(v, 0.0), lead=self.completed(v) - c_global,
+                vw=v,
+                gpus=",".join(lay.gpus),
+                wave=self.completed(v),
+                loss=self.loss.get(v),
+                samples_per_s=self.speed.get(v, 0.0),
+                lead=self.completed(v) - c_global,
                 gate_wait_s=max((w for (vv, _), w in self.gate_wait.items() if vv == v), default=0.0),
             )
             for v, lay in enumerate(self.layouts)

@@ -8,12 +8,18 @@ from collections.abc import Iterable, Mapping
 
 __all__ = ["LAUNCHER_STEPS", "PRELOAD", "STAGE_STEPS", "format_timeline", "startup_timeline"]
 
-# what the fork server imports once, so stage and PS processes fork ready (hetpipe.core.procs.warm_forkserver):
-# the stage and PS code with torch, and what they would import later on their own: numpy.random (the data's
-# split and order) and torch's symbolic shapes with sympy, which torch.autograd.grad imports at a stage's first
-# backward with an output gradient (~0.35 s, else paid by every stage but the last inside its first wave)
-PRELOAD = ("hetpipe.worker.stage", "hetpipe.server.launch", "hetpipe.cli", "numpy.random",
-           "torch.fx.experimental.symbolic_shapes")
+# what the fork server imports once, so stage and PS processes fork ready
+# (hetpipe.core.procs.warm_forkserver): the stage and PS code with torch, and what they would import later on
+# their own: numpy.random (the data's split and order) and torch's symbolic shapes with sympy, which
+# torch.autograd.grad imports at a stage's first backward with an output gradient (~0.35 s, else paid by every
+# stage but the last inside its first wave)
+PRELOAD = (
+    "hetpipe.worker.stage",
+    "hetpipe.server.launch",
+    "hetpipe.cli",
+    "numpy.random",
+    "torch.fx.experimental.symbolic_shapes",
+)
 
 LAUNCHER_STEPS = ("launcher_ready", "checks_done", "ps_ready", "stages_started")
 # a stage's points (worker/stage.py): process started, its imports done, data loaded, stage built, registered
@@ -21,8 +27,12 @@ LAUNCHER_STEPS = ("launcher_ready", "checks_done", "ps_ready", "stages_started")
 STAGE_STEPS = ("process", "imported", "data", "built", "registered", "rendezvous")
 
 
-def startup_timeline(started: float, launcher: Mapping[str, float], stages: Iterable[Mapping[str, float]],
-                     first_minibatch: float | None) -> dict[str, float]:
+def startup_timeline(
+    started: float,
+    launcher: Mapping[str, float],
+    stages: Iterable[Mapping[str, float]],
+    first_minibatch: float | None,
+) -> dict[str, float]:
     """Seconds after `started` (Unix time of `hetpipe train`) at which each step was done: the launcher's own
     steps, each stage step by its slowest stage ("stage_<step>"), and the first minibatch's end."""
     out = {step: round(launcher[step] - started, 3) for step in LAUNCHER_STEPS if step in launcher}
@@ -37,6 +47,7 @@ def startup_timeline(started: float, launcher: Mapping[str, float], stages: Iter
 
 
 def format_timeline(timeline: Mapping[str, float]) -> str:
-    """One line in time order: `start-up: launcher_ready 1.62 s, ps_ready 1.80 s, ..., first_minibatch 3.41 s`."""
+    """One line in time order:
+    `start-up: launcher_ready 1.62 s, ps_ready 1.80 s, ..., first_minibatch 3.41 s`."""
     steps = sorted(timeline.items(), key=lambda item: item[1])
     return "start-up: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in steps)

@@ -1,5 +1,5 @@
-"""What `hetpipe train` does when one of its children dies (docs/recovery.md): a PS shard is restarted from its
-newest checkpoint on the same port (the stages resend what it lost); a stage's VW stops the run or, with
+"""What `hetpipe train` does when one of its children dies (docs/recovery.md): a PS shard is restarted from
+its newest checkpoint on the same port (the stages resend what it lost); a stage's VW stops the run or, with
 [ps] on_vw_failure = "evict", is evicted and the other VWs go on. The decisions are pure (`on_exit`); the
 Supervisor carries them out on the launcher's ChildGroup."""
 
@@ -28,22 +28,33 @@ __all__ = ["Decision", "Supervisor", "on_exit"]
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # "restart" (a shard) | "evict" (a stage's VW) | "gone" (its VW is out already) | "stop" (the run)
+    # "restart" (a shard) | "evict" (a stage's VW) | "gone" (its VW is out already) | "stop" (the run)
+    action: str
     why: str
 
 
-def on_exit(config: ClusterConfig, name: str, exitcode: int, restarts: int, evicted: bool, live_vws: int) -> Decision:
+def on_exit(
+    config: ClusterConfig, name: str, exitcode: int, restarts: int, evicted: bool, live_vws: int
+) -> Decision:
     """What to do about child `name` (ps-shard-<i> or vw<I>-s<J>) that ended with `exitcode` != 0."""
     how = describe_exit(exitcode)
     if name.startswith("ps-shard-"):
         if config.checkpoint.every < 1 or not config.checkpoint.enabled:
-            return Decision("stop", f"{name} {how}; with [checkpoint] every = 0 it cannot be restarted without losing "
-                                    "updates (set every >= 1 to let `hetpipe train` restart it)")
+            return Decision(
+                "stop",
+                f"{name} {how}; with [checkpoint] every = 0 it cannot be restarted without losing "
+                "updates (set every >= 1 to let `hetpipe train` restart it)",
+            )
         if restarts >= config.ps.max_restarts:
-            return Decision("stop", f"{name} {how} after {restarts} restarts ([ps] max_restarts = "
-                                    f"{config.ps.max_restarts})")
-        return Decision("restart", f"{name} {how}; restarting it from its newest checkpoint "
-                                   f"(restart {restarts + 1} of at most {config.ps.max_restarts})")
+            return Decision(
+                "stop",
+                f"{name} {how} after {restarts} restarts ([ps] max_restarts = {config.ps.max_restarts})",
+            )
+        return Decision(
+            "restart",
+            f"{name} {how}; restarting it from its newest checkpoint "
+            f"(restart {restarts + 1} of at most {config.ps.max_restarts})",
+        )
     if evicted:
         return Decision("gone", f"{name} {how}; its VW is evicted already")
     if config.ps.on_vw_failure != "evict":
@@ -51,7 +62,9 @@ def on_exit(config: ClusterConfig, name: str, exitcode: int, restarts: int, evic
     if live_vws <= 1:
         return Decision("stop", f"{name} {how}, and its VW was the last one live: nothing can go on")
     why = "the PS evicted its VW" if exitcode == EXIT_STOPPED_BY_PS else how
-    return Decision("evict", f"{name} {why}; evicting its VW, the others go on ([ps] on_vw_failure = \"evict\")")
+    return Decision(
+        "evict", f'{name} {why}; evicting its VW, the others go on ([ps] on_vw_failure = "evict")'
+    )
 
 
 @dataclass
@@ -74,7 +87,9 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         self.restarts = [0] * len(self.shards)
-        self.shard_settings = [replace(s, resume_clock=None) for s in self.shard_settings]  # a restart takes the newest
+        self.shard_settings = [
+            replace(s, resume_clock=None) for s in self.shard_settings
+        ]  # a restart takes the newest
 
     @property
     def num_vws(self) -> int:
@@ -87,7 +102,9 @@ class Supervisor:
         """Handle every child that ended badly since the last tick; ChildFailed when the run must stop."""
         for i, child in enumerate(self.shards):
             code = child.process.exitcode
-            if code is None:  # a shard that ends during the run, even with 0 (someone stopped it), is restarted
+            if (
+                code is None
+            ):  # a shard that ends during the run, even with 0 (someone stopped it), is restarted
                 continue
             decision = on_exit(self.config, child.name, code, self.restarts[i], False, len(self.live_vws()))
             self._log(decision, child)
@@ -118,33 +135,45 @@ class Supervisor:
             return None
 
     def live_at_ps(self) -> int:
-        """How many VWs are live as the PS sees them: a VW this launcher lost that rejoined through `hetpipe worker
-        --join` counts again (the launcher does not see it come back). Its own count if the PS cannot say now."""
+        """How many VWs are live as the PS sees them: a VW this launcher lost that rejoined through
+        `hetpipe worker --join` counts again (the launcher does not see it come back). Its own count if the
+        PS cannot say now."""
         infos = self.ps_status()
         if infos is None:
             return len(self.live_vws())
         return len(set().union(*(info["live"] for info in infos)))
 
     def all_live_done(self, waves: int) -> bool:
-        """The launcher's own stages are done; has every live VW (one that rejoined through `hetpipe worker` too)
-        finished at the PS, its last pushes in a checkpoint (its stages wait for that, so the PS serves on)?"""
+        """The launcher's own stages are done; has every live VW (one that rejoined through `hetpipe worker`
+        too) finished at the PS, its last pushes in a checkpoint (its stages wait for that, so the PS serves
+        on)?"""
         if not self.evicted:
             return True  # no VW can have rejoined
         infos = self.ps_status()
-        return infos is not None and all(info["c_global"] >= waves and not info["not_durable"] for info in infos)
+        return infos is not None and all(
+            info["c_global"] >= waves and not info["not_durable"] for info in infos
+        )
 
     def stages_running(self) -> bool:
         return any(c.process.exitcode is None for (vw, _), c in self.stages.items() if vw not in self.evicted)
 
     def _log(self, decision: Decision, child: Child) -> None:
         self.say(f"hetpipe train: {decision.why}")
-        self.record("child_exit", name=child.name, pid=child.process.pid, exitcode=child.process.exitcode,
-                    action=decision.action, why=decision.why)
+        self.record(
+            "child_exit",
+            name=child.name,
+            pid=child.process.pid,
+            exitcode=child.process.exitcode,
+            action=decision.action,
+            why=decision.why,
+        )
 
     def _restart_shard(self, i: int) -> None:
         self.restarts[i] += 1
-        queue = self._port_queues[i] = self.group.ctx.Queue()  # (a queue collected before the child unpickles it
-        self.group.children.remove(self.shards[i])                # takes its semaphore along)
+        queue = self._port_queues[i] = (
+            self.group.ctx.Queue()
+        )  # (a queue collected before the child unpickles it
+        self.group.children.remove(self.shards[i])  # takes its semaphore along)
         self.shards[i] = self.group.start(f"ps-shard-{i}", serve_settings, self.shard_settings[i], queue)
         self.write_pids()
 
@@ -153,11 +182,15 @@ class Supervisor:
         self.evicted.add(vw)
         try:
             with self.admin() as ps:
-                calls = ps.send([("evict", {"run": self.config.name, "vw": vw}, None)] * len(ps.sockets),
-                                what=f"evict of vw {vw}")
+                calls = ps.send(
+                    [("evict", {"run": self.config.name, "vw": vw}, None)] * len(ps.sockets),
+                    what=f"evict of vw {vw}",
+                )
                 waves = [r.fields["at_wave"] for r in ps.wait(calls)]
         except Exception as exc:  # the PS may be restarting; its heartbeat check evicts the VW in time anyway
-            self.say(f"hetpipe train: could not tell the PS to evict vw {vw} now ({exc}); its heartbeats will")
+            self.say(
+                f"hetpipe train: could not tell the PS to evict vw {vw} now ({exc}); its heartbeats will"
+            )
             waves = []
         for (v, _), child in self.stages.items():
             if v == vw and child.process.exitcode is None:
@@ -166,7 +199,10 @@ class Supervisor:
                 child.process.join(5)
             if v == vw:
                 self._handled.add(child.name)
-        self.say(f"hetpipe train: vw {vw} evicted at wave {min(waves) if waves else '?'}; live VWs {self.live_vws()}")
+        self.say(
+            f"hetpipe train: vw {vw} evicted at wave {min(waves) if waves else '?'}; "
+            f"live VWs {self.live_vws()}"
+        )
         self.record("vw_evicted", vw=vw, at_wave=waves)
 
     def write_pids(self) -> None:

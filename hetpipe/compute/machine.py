@@ -1,4 +1,5 @@
-"""This machine as a profile records it: its CPU model, a host fingerprint and its load. No torch, no raw hostname."""
+"""This machine as a profile records it: its CPU model, a host fingerprint and its load. No torch, no raw
+hostname."""
 
 from __future__ import annotations
 

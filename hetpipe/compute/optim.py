@@ -19,8 +19,16 @@ __all__ = ["LocalOptimizer", "current_lr", "make_optimizer", "predicted_step", "
 class LocalOptimizer:
     """torch.optim's SGD (with momentum) and Adam updates for CPU parameters, without torch.optim."""
 
-    def __init__(self, params: list[nn.Parameter], name: str, lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        name: str,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
         if name not in ("sgd", "momentum", "adam"):
             raise ValueError(f"unknown optimizer {name!r}: use sgd, momentum or adam")
         self.params = params
@@ -34,14 +42,18 @@ class LocalOptimizer:
             p.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's shape: {"state": {param index: {name: tensor}}, "param_groups": [...]} (what a checkpoint
-        of the stage keeps; the settings come from the config)."""
+        """torch.optim's shape: {"state": {param index: {name: tensor}}, "param_groups": [...]} (what a
+        checkpoint of the stage keeps; the settings come from the config)."""
         return {"state": self.state, "param_groups": [{"params": list(range(len(self.params)))}]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.state = {int(i): {name: t.detach().clone().to(self.params[int(i)].device if t.dim() else "cpu")
-                               for name, t in entry.items()}
-                      for i, entry in state_dict["state"].items()}
+        self.state = {
+            int(i): {
+                name: t.detach().clone().to(self.params[int(i)].device if t.dim() else "cpu")
+                for name, t in entry.items()
+            }
+            for i, entry in state_dict["state"].items()
+        }
 
     @torch.no_grad()
     def step(self) -> None:
@@ -69,8 +81,11 @@ class LocalOptimizer:
     def _adam(self, i: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         state = self.state.get(i)
         if state is None:
-            state = self.state[i] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
-                                     "exp_avg_sq": torch.zeros_like(param)}
+            state = self.state[i] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(param),
+                "exp_avg_sq": torch.zeros_like(param),
+            }
         beta1, beta2 = self.betas
         step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
         step_t += 1
@@ -116,9 +131,9 @@ def current_lr(optimizer) -> float:
 
 @torch.no_grad()
 def predicted_step(optimizer, index: int, param: torch.Tensor) -> torch.Tensor | None:
-    """The optimizer's own estimate of its next step for parameter `index` (new - old weights), from its state:
-    momentum -lr * buffer (SpecTrain), Adam -lr * m_hat / (sqrt(v_hat) + eps) (XPipe); None without state (plain
-    SGD, or before the first step). Weight decay is left out."""
+    """The optimizer's own estimate of its next step for parameter `index` (new - old weights), from its
+    state: momentum -lr * buffer (SpecTrain), Adam -lr * m_hat / (sqrt(v_hat) + eps) (XPipe); None without
+    state (plain SGD, or before the first step). Weight decay is left out."""
     if isinstance(optimizer, LocalOptimizer):
         name, lr, state = optimizer.name, optimizer.lr, optimizer.state.get(index)
         beta1, beta2, eps = *optimizer.betas, optimizer.eps

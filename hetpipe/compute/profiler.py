@@ -1,8 +1,9 @@
 """Measuring a model's per-layer profile (times, weights, activations) on one device, with a JSON cache.
 
-Not pure: it builds and runs the model. The caller sets torch.set_num_threads(1) first, as every stage
-process does (docs/architecture.md#conventions), so that the times match what a stage will see. Each profile records where, when
-and how noisily it was measured (hetpipe.core.profile.ProfileOrigin); a noisy one is measured once more.
+Not pure: it builds and runs the model. The caller sets torch.set_num_threads(1) first, as every stage process
+does (docs/architecture.md#conventions), so that the times match what a stage will see. Each profile records
+where, when and how noisily it was measured (hetpipe.core.profile.ProfileOrigin); a noisy one is measured once
+more.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ DTYPES = ("float32", "bfloat16")  # what a model may be profiled in besides its 
 WARMUP = 3  # untimed forward+backward runs per layer before the timed ones
 PROFILER_VERSION = 7  # part of the cache key: bump when what a profile measures changes (7: emulation_cost)
 COST_SLOWDOWN = 10.0  # the dilation emulation_cost is measured at: bench.toml's fastest type's on 2 cores
-COST_BUDGET_S = 2.0  # wall seconds of dilated steps emulation_cost times (1 to 15 steps; each sleeps ~slowdown x)
+COST_BUDGET_S = (
+    2.0  # wall seconds of dilated steps emulation_cost times (1 to 15 steps; each sleeps ~slowdown x)
+)
 
 
 def profile_model(
@@ -65,7 +68,8 @@ def profile_model(
     gpu_type: str | None = None,
     dtype: str | None = None,
 ) -> ModelProfile:
-    """Measure every layer of `spec` at `batch_size` on `device`; label the result `gpu_type` (default: device).
+    """Measure every layer of `spec` at `batch_size` on `device`; label the result `gpu_type` (default:
+    device).
 
     dtype: one of DTYPES to convert the weights and floating-point inputs to (default: the model's own).
 
@@ -110,9 +114,15 @@ def profile_model(
     profiles = []
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
-        x = x0 if i == 0 else traced.outputs[i - 1].detach().requires_grad_(traced.outputs[i - 1].is_floating_point())
+        x = (
+            x0
+            if i == 0
+            else traced.outputs[i - 1].detach().requires_grad_(traced.outputs[i - 1].is_floating_point())
+        )
         grad_out = None if last else torch.ones_like(traced.outputs[i])
-        step = _Step(i, layer, x, grad_out, spec.loss if last else None, target if last else None, dev, optimizer)
+        step = _Step(
+            i, layer, x, grad_out, spec.loss if last else None, target if last else None, dev, optimizer
+        )
         for _ in range(WARMUP):  # lazy initialisation, allocator caches, kernel selection
             step()
         trainable = sum(tensor_bytes(p) for p in layer.parameters() if p.requires_grad)
@@ -121,43 +131,67 @@ def profile_model(
         if dev.type == "cuda":
             working = max(working, _measured_working(step, dev, traced.raw_saved[i] + trainable))
         times = [step() for _ in range(repeats)]
-        profiles.append(LayerProfile(
-            name=spec.layer_names[i],
-            forward_s=statistics.median(t[0] for t in times),
-            backward_s=statistics.median(t[1] for t in times),
-            param_bytes=sum(tensor_bytes(t) for t in _own_tensors(layer)),
-            optimizer_bytes=OPTIMIZER_STATE[optimizer] * trainable,
-            output_bytes=tensor_bytes(traced.outputs[i]),
-            saved_bytes=traced.saved[i],
-            working_bytes=working,
-            spread=round(repeat_spread([f + b for f, b in times]), 4),
-        ))
+        profiles.append(
+            LayerProfile(
+                name=spec.layer_names[i],
+                forward_s=statistics.median(t[0] for t in times),
+                backward_s=statistics.median(t[1] for t in times),
+                param_bytes=sum(tensor_bytes(t) for t in _own_tensors(layer)),
+                optimizer_bytes=OPTIMIZER_STATE[optimizer] * trainable,
+                output_bytes=tensor_bytes(traced.outputs[i]),
+                saved_bytes=traced.saved[i],
+                working_bytes=working,
+                spread=round(repeat_spread([f + b for f, b in times]), 4),
+            )
+        )
     profile = ModelProfile(
-        model=spec.name, batch_size=batch_size, gpu_type=gpu_type or str(dev), dtype=dtype_name,
-        torch_version=torch.__version__, input_bytes=tensor_bytes(x0), layers=tuple(profiles),
+        model=spec.name,
+        batch_size=batch_size,
+        gpu_type=gpu_type or str(dev),
+        dtype=dtype_name,
+        torch_version=torch.__version__,
+        input_bytes=tensor_bytes(x0),
+        layers=tuple(profiles),
     )
     cost = emulation_cost(spec, layers, x0, target, optimizer, profile.step_s) if dev.type == "cpu" else 1.0
     loads = [load for load in (load_before, load_per_core()) if load is not None]
     load = round(max(loads), 3) if loads else None
     origin = ProfileOrigin(
-        measured_at=datetime.now(UTC).isoformat(timespec="seconds"), device=dev.type,
+        measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        device=dev.type,
         device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
-        host=host_fingerprint(), profiler_version=PROFILER_VERSION, optimizer=optimizer,
-        options_digest=options_digest(spec), repeats=repeats, measured_batch=batch_size,
-        device_tflops=round(device_tflops(dev, cast), 4), load_per_core=load, flags=noise_flags(profile, load),
-        emulation_cost=round(cost, 3))
+        host=host_fingerprint(),
+        profiler_version=PROFILER_VERSION,
+        optimizer=optimizer,
+        options_digest=options_digest(spec),
+        repeats=repeats,
+        measured_batch=batch_size,
+        device_tflops=round(device_tflops(dev, cast), 4),
+        load_per_core=load,
+        flags=noise_flags(profile, load),
+        emulation_cost=round(cost, 3),
+    )
     return replace(profile, origin=origin)
 
 
-def emulation_cost(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, target: Tensor, optimizer: str,
-                   step_s: float, slowdown: float = COST_SLOWDOWN, budget_s: float = COST_BUDGET_S) -> float:
+def emulation_cost(
+    spec: ModelSpec,
+    layers: Sequence[nn.Module],
+    x0: Tensor,
+    target: Tensor,
+    optimizer: str,
+    step_s: float,
+    slowdown: float = COST_SLOWDOWN,
+    budget_s: float = COST_BUDGET_S,
+) -> float:
     """The CPU time of the whole model's training step run as an emulated device runs it, over `step_s` (the
     layers' sum): forward, backward and update each a block in the emulation's own Dilator at `slowdown`, as a
-    stage runs them (worker/stage.py), so the step pays what emulation costs beyond the profile (caches and clocks
-    cold after each sleep, the whole step's own overheads). The median of the steps begun within `budget_s` of wall
-    time, 1 to 15, after WARMUP undilated ones: a dilated step sleeps about slowdown x its CPU time, so a large
-    model's one step (where cold caches weigh little) can take the whole budget, a small one's takes a few ms
-    (where they weigh most, and the median of many is needed); on one thread, like the profile."""
+    stage runs them (worker/stage.py), so the step pays what emulation costs beyond the profile (caches and
+    clocks cold after each sleep, the whole step's own overheads). The median of the steps begun within
+    `budget_s` of wall time, 1 to 15, after WARMUP undilated ones: a dilated step sleeps about slowdown x its
+    CPU time, so a large model's one step (where cold caches weigh little) can take the whole budget, a small
+    one's takes a few ms (where they weigh most, and the median of many is needed); on one thread, like the
+    profile."""
     from hetpipe.compute.stage_compute import StageCompute, StageRules
     from hetpipe.core.emulate import device_dilator
 
@@ -166,8 +200,11 @@ def emulation_cost(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, tar
 
     def step(dilated: bool) -> float:
         spent = dilator.compute_s
-        blocks = (lambda: compute.forward(0, x0, target, spec.loss, input_grad=False),
-                  lambda: compute.backward(0, None, target, spec.loss), lambda: compute.update(0))
+        blocks = (
+            lambda: compute.forward(0, x0, target, spec.loss, input_grad=False),
+            lambda: compute.backward(0, None, target, spec.loss),
+            lambda: compute.update(0),
+        )
         for name, block in zip("FBU", blocks, strict=True):
             if dilated:
                 with dilator.compute(name):
@@ -180,7 +217,9 @@ def emulation_cost(spec: ModelSpec, layers: Sequence[nn.Module], x0: Tensor, tar
     for _ in range(WARMUP):
         step(dilated=False)
     costs: list[float] = []
-    deadline = time.perf_counter() + budget_s  # wall time, measured: a costly emulation takes far over slowdown x
+    deadline = (
+        time.perf_counter() + budget_s
+    )  # wall time, measured: a costly emulation takes far over slowdown x
     while len(costs) < 15 and (not costs or time.perf_counter() < deadline):
         costs.append(step(dilated=True))
     return statistics.median(costs) / max(step_s, 1e-12)
@@ -197,11 +236,20 @@ def profile_checked(
     dtype: str | None = None,
     on_flagged: Callable[[ModelProfile], None] | None = None,
 ) -> ModelProfile:
-    """profile_model; when its origin is flagged (noisy or busy), measured once more and the quieter of the two
-    kept (the second on a tie), still flagged if it is. `on_flagged(first)` is called before measuring again."""
+    """profile_model; when its origin is flagged (noisy or busy), measured once more and the quieter of the
+    two kept (the second on a tie), still flagged if it is. `on_flagged(first)` is called before measuring
+    again."""
+
     def measure() -> ModelProfile:
-        return profile_model(spec, batch_size, optimizer=optimizer, repeats=repeats, device=device,
-                             gpu_type=gpu_type, dtype=dtype)
+        return profile_model(
+            spec,
+            batch_size,
+            optimizer=optimizer,
+            repeats=repeats,
+            device=device,
+            gpu_type=gpu_type,
+            dtype=dtype,
+        )
 
     first = measure()
     if not _flags(first):
@@ -238,8 +286,10 @@ def _check_options(spec: ModelSpec, batch_size: int, optimizer: str, repeats: in
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UsageError(f"profiling {spec.name}: batch_size must be an integer >= 1, got {batch_size!r}")
     if optimizer not in OPTIMIZER_STATE:
-        raise UsageError(f'profiling {spec.name}: unknown optimizer "{optimizer}"; '
-                         f"choose one of: {', '.join(OPTIMIZER_STATE)}")
+        raise UsageError(
+            f'profiling {spec.name}: unknown optimizer "{optimizer}"; '
+            f"choose one of: {', '.join(OPTIMIZER_STATE)}"
+        )
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"profiling {spec.name}: repeats must be an integer >= 1, got {repeats!r}")
 
@@ -249,7 +299,9 @@ def profile_dtype(spec: ModelSpec, dtype: str | None) -> str:
     if dtype is None:
         return _model_dtype(spec)
     if dtype not in DTYPES:
-        raise UsageError(f'profiling {spec.name}: dtype "{dtype}" is not supported; choose one of: {", ".join(DTYPES)}')
+        raise UsageError(
+            f'profiling {spec.name}: dtype "{dtype}" is not supported; choose one of: {", ".join(DTYPES)}'
+        )
     return dtype
 
 
@@ -304,9 +356,17 @@ class _Step:
     like the kernels under emulation; leaving them out made small models look twice as fast as they run.
     """
 
-    def __init__(self, index: int, layer: nn.Module, x: Tensor, grad_out: Tensor | None,
-                 loss: Callable[[Tensor, Tensor], Tensor] | None, target: Tensor | None, device: torch.device,
-                 optimizer: str) -> None:
+    def __init__(
+        self,
+        index: int,
+        layer: nn.Module,
+        x: Tensor,
+        grad_out: Tensor | None,
+        loss: Callable[[Tensor, Tensor], Tensor] | None,
+        target: Tensor | None,
+        device: torch.device,
+        optimizer: str,
+    ) -> None:
         from hetpipe.compute.stage_compute import StageCompute, StageRules
 
         module = nn.Sequential()
@@ -387,19 +447,39 @@ def _model_dtype(spec: ModelSpec) -> str:
 
 def options_digest(spec: ModelSpec) -> str:
     """12 hex digits naming the model's variant: its options, input shape and input dtype."""
-    options = json.dumps({"options": [[k, repr(v)] for k, v in spec.options],
-                          "input_shape": list(spec.input_shape), "input_dtype": str(spec.input_dtype)},
-                         sort_keys=True)
+    options = json.dumps(
+        {
+            "options": [[k, repr(v)] for k, v in spec.options],
+            "input_shape": list(spec.input_shape),
+            "input_dtype": str(spec.input_dtype),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(options.encode()).hexdigest()[:12]
 
 
-def profile_cache_path(spec: ModelSpec, batch_size: int, gpu_type: str, cache_dir: str | Path, *,
-                       optimizer: str = "momentum", dtype: str | None = None) -> Path:
+def profile_cache_path(
+    spec: ModelSpec,
+    batch_size: int,
+    gpu_type: str,
+    cache_dir: str | Path,
+    *,
+    optimizer: str = "momentum",
+    dtype: str | None = None,
+) -> Path:
     """Where cached_profile keeps (or looks for) this profile: one JSON file per model, options, batch,
     GPU type, dtype, optimizer, torch version and PROFILER_VERSION. Copy a profile measured elsewhere to this
     path to use it."""
-    parts = (spec.name, options_digest(spec), f"b{batch_size}", gpu_type, dtype or _model_dtype(spec), optimizer,
-             f"torch{torch.__version__}", f"p{PROFILER_VERSION}")
+    parts = (
+        spec.name,
+        options_digest(spec),
+        f"b{batch_size}",
+        gpu_type,
+        dtype or _model_dtype(spec),
+        optimizer,
+        f"torch{torch.__version__}",
+        f"p{PROFILER_VERSION}",
+    )
     return Path(cache_dir) / ("-".join(_safe(p) for p in parts) + ".json")
 
 
@@ -419,8 +499,8 @@ def cached_profile(
 ) -> ModelProfile:
     """The profile from the cache when there, else measured on `device` (labelled `gpu_type`) and stored.
 
-    Measuring is profile_checked's: a flagged measurement is taken once more (`on_flagged` hears of it) and the
-    quieter one stored, its flags kept. refresh=True measures even when the cache holds the profile and
+    Measuring is profile_checked's: a flagged measurement is taken once more (`on_flagged` hears of it) and
+    the quieter one stored, its flags kept. refresh=True measures even when the cache holds the profile and
     replaces the entry. measure=False only reads: a GPU type this machine does not have needs a profile file
     measured there (or one made with derive_profile); HetpipeError names the path it looked for.
     """
@@ -435,17 +515,34 @@ def cached_profile(
             problem = f"unreadable ({type(exc).__name__}: {exc})"
         else:
             expected = (spec.name, batch_size, gpu_type, dtype, torch.__version__, spec.num_layers)
-            actual = (found.model, found.batch_size, found.gpu_type, found.dtype, found.torch_version, found.num_layers)
+            actual = (
+                found.model,
+                found.batch_size,
+                found.gpu_type,
+                found.dtype,
+                found.torch_version,
+                found.num_layers,
+            )
             if actual == expected:
                 return found
             problem = f"holds model/batch/gpu/dtype/torch/layers {actual}, expected {expected}"
     if not measure:
-        raise HetpipeError(f"no usable profile of {spec.name} at batch {batch_size} for GPU type {gpu_type}: "
-                           f"{path}: {problem}\n  profile on a machine with that GPU and copy the file there, "
-                           f"or derive one: hetpipe profile {spec.name} --batch {batch_size} --gpu-type {gpu_type} "
-                           "--like cuda --speed RATIO")
-    profile = profile_checked(spec, batch_size, optimizer=optimizer, repeats=repeats, device=device, gpu_type=gpu_type,
-                              dtype=dtype, on_flagged=on_flagged)
+        raise HetpipeError(
+            f"no usable profile of {spec.name} at batch {batch_size} for GPU type {gpu_type}: "
+            f"{path}: {problem}\n  profile on a machine with that GPU and copy the file there, "
+            f"or derive one: hetpipe profile {spec.name} --batch {batch_size} --gpu-type {gpu_type} "
+            "--like cuda --speed RATIO"
+        )
+    profile = profile_checked(
+        spec,
+        batch_size,
+        optimizer=optimizer,
+        repeats=repeats,
+        device=device,
+        gpu_type=gpu_type,
+        dtype=dtype,
+        on_flagged=on_flagged,
+    )
     write_profile(path, profile)
     return profile
 

@@ -17,7 +17,8 @@ schedule (hetpipe.core.schedule) and the PS's fold (hetpipe.core.aggregation). I
 A single VW skips WAIT when its own updates are applied locally (aggregation sum or mean).
 Mitigations (train.mitigation, hetpipe.core.mitigation), each written here again:
   warmup/pipemare: lr of U p = lr * (warm-up factor * PipeMare T1 factor), set before the step
-  pipemare T2:     an unstashed backward recomputes on w - dc * s; dc = dc * gamma + Δ * (1 - gamma) after each U
+  pipemare T2:     an unstashed backward recomputes on w - dc * s; dc = dc * gamma + Δ * (1 - gamma) after
+                   each U
   spectrain:       a stashed forward runs on w + predicted step * s, s the lag of its version's first forward;
                    aggregation server: WAIT sets w = W + (W - last pulled W) * (D + 1)
   average:         WAIT adds own sums / VWs
@@ -57,7 +58,9 @@ class RefStage:
     baseline: dict[str, Tensor]
     sums: dict[int, dict[str, Tensor]] = field(default_factory=dict)
     gsums: dict[int, dict[str, Tensor]] = field(default_factory=dict)
-    saved: dict[int, tuple] = field(default_factory=dict)  # p -> (inputs, output/loss or None, stashed weights)
+    saved: dict[int, tuple] = field(
+        default_factory=dict
+    )  # p -> (inputs, output/loss or None, stashed weights)
     covered: int = 0  # backwards since the last update
     pos: int = 0
     lags: dict[int, Lag] = field(default_factory=dict)
@@ -70,7 +73,9 @@ class RefStage:
 
 @dataclass
 class ReferenceResult:
-    stage_weights: dict[tuple[int, int], dict[str, Tensor]]  # live parameters and buffers of every stage at the end
+    stage_weights: dict[
+        tuple[int, int], dict[str, Tensor]
+    ]  # live parameters and buffers of every stage at the end
     ps_weights: dict[str, np.ndarray]  # W_{waves}, buffers averaged
 
 
@@ -78,8 +83,12 @@ def _tracked(st: RefStage, local: bool) -> dict[str, Tensor]:
     return dict(st.module.named_parameters()) if local else {}
 
 
-def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_seed: int = 0,
-                  on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None) -> ReferenceResult:
+def run_reference(
+    config: ClusterConfig,
+    splits: list[tuple[int, ...]],
+    order_seed: int = 0,
+    on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None,
+) -> ReferenceResult:
     """Train every VW of `splits` (layers per stage) by the config; `on_version(t, W_t)` sees each global
     version as the PS builds it (e.g. to score the weights wave by wave)."""
     torch.set_num_threads(1)
@@ -96,7 +105,11 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
     predict_pulls = "spectrain" in mit and not local
     correct = "pipemare" in mit and local and not stashing and recompute
     rule = make_aggregation(config.ps.aggregation, t.optimizer, t.lr, t.momentum, t.weight_decay)
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if t.precision == "bf16" else contextlib.nullcontext
+    autocast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        if t.precision == "bf16"
+        else contextlib.nullcontext
+    )
     num_vws = len(splits)
     packed = config.ps.wire_dtype == "bfloat16"
 
@@ -115,7 +128,11 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
         for j in range(len(split)):
             start = sum(split[:j])
             module = build_stage(spec, start, start + split[j])
-            opt = make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay) if local else None
+            opt = (
+                make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
+                if local
+                else None
+            )
             st = stages[(v, j)] = RefStage(module, opt, list(schedule.stages[j]), {})
             st.baseline = {k: w.detach().clone() for k, w in _tracked(st, local).items()}
             st.lags = stage_lags(schedule.stages[j])
@@ -129,7 +146,8 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
 
     @torch.no_grad()
     def fold(st: RefStage, params: dict[str, Tensor]) -> None:
-        """The updates since the baseline into their wave's sum: Δ = t - baseline; sums[wave] += Δ; baseline = t."""
+        """The updates since the baseline into their wave's sum: Δ = t - baseline; sums[wave] += Δ;
+        baseline = t."""
         if st.open_wave is None:
             return
         sums = st.sums.setdefault(st.open_wave, {})
@@ -145,11 +163,19 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
         st.open_wave = None
 
     def state_of(st: RefStage) -> dict[str, Tensor]:
-        return {**dict(st.module.named_parameters()), **{k: b.float() for k, b in stage_buffers(st.module).items()}}
+        return {
+            **dict(st.module.named_parameters()),
+            **{k: b.float() for k, b in stage_buffers(st.module).items()},
+        }
 
-    kinds = {k: ("param" if k in dict(st.module.named_parameters()) else "buffer")
-             for st in stages.values() for k in state_of(st)}
-    history = [{k: w.detach().numpy().copy() for st in stages.values() for k, w in state_of(st).items()}]  # W_0
+    kinds = {
+        k: ("param" if k in dict(st.module.named_parameters()) else "buffer")
+        for st in stages.values()
+        for k in state_of(st)
+    }
+    history = [
+        {k: w.detach().numpy().copy() for st in stages.values() for k, w in state_of(st).items()}
+    ]  # W_0
     pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> what was pushed
     pushed = dict.fromkeys(stages, 0)
     acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
@@ -185,7 +211,11 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
 
     def forward(st: RefStage, inputs: Tensor, weights: dict[str, Tensor] | None) -> Tensor:
         with autocast():
-            return st.module(inputs) if weights is None else functional_call(st.module, weights, (inputs,), strict=False)
+            return (
+                st.module(inputs)
+                if weights is None
+                else functional_call(st.module, weights, (inputs,), strict=False)
+            )
 
     def step(sid: tuple[int, int]) -> None:
         v, j = sid
@@ -206,7 +236,11 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                 for i, (k, w) in enumerate(params.items()):
                     ahead = None
                     if st.version_lag:
-                        ahead = st.last_step.get(k) if st.last_step is not None else predicted_step(st.optimizer, i, w)
+                        ahead = (
+                            st.last_step.get(k)
+                            if st.last_step is not None
+                            else predicted_step(st.optimizer, i, w)
+                        )
                     copy = w.detach().clone() if ahead is None else w.detach() + ahead * float(st.version_lag)
                     weights[k] = copy.requires_grad_(True)
             if recompute:
@@ -223,7 +257,10 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
             if root is None:  # recompute, leaving the running statistics as the first forward left them
                 lag = st.lags[a.index].backward
                 if weights is None and st.dc is not None and lag > 0:  # PipeMare T2
-                    weights = {k: (w.detach() - st.dc[k] * float(lag)).requires_grad_(True) for k, w in params.items()}
+                    weights = {
+                        k: (w.detach() - st.dc[k] * float(lag)).requires_grad_(True)
+                        for k, w in params.items()
+                    }
                 kept = {k: b.detach().clone() for k, b in stage_buffers(st.module).items()}
                 out = forward(st, inputs, weights)
                 for key, value in kept.items():
@@ -281,8 +318,12 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                 out.update({k: d.detach().numpy().copy() for k, d in sums.items()})
             else:
                 gsum = st.gsums.pop(a.index, {})
-                out.update({k: (gsum[k] / nm if k in gsum else torch.zeros_like(w)).detach().numpy().copy()
-                            for k, w in params.items()})
+                out.update(
+                    {
+                        k: (gsum[k] / nm if k in gsum else torch.zeros_like(w)).detach().numpy().copy()
+                        for k, w in params.items()
+                    }
+                )
             out = {k: on_wire(arr) for k, arr in out.items()}
             out.update({k: b.detach().float().numpy().copy() for k, b in stage_buffers(st.module).items()})
             pushes.setdefault(a.index, {}).setdefault(v, {}).update(out)
@@ -300,7 +341,11 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                     w.copy_(torch.from_numpy(pulled[k]))
                     if local:
                         for wave in sorted(st.sums):
-                            w += st.sums[wave][k] / num_vws if "average" in mit and num_vws > 1 else st.sums[wave][k]
+                            w += (
+                                st.sums[wave][k] / num_vws
+                                if "average" in mit and num_vws > 1
+                                else st.sums[wave][k]
+                            )
                         st.baseline[k].copy_(w)
                     elif predict_pulls:  # SpecTrain with the PS's optimizer: D + 1 versions ahead of the pull
                         now = torch.from_numpy(pulled[k]).clone()
@@ -310,7 +355,9 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
                 if config.ps.buffers == "average":
                     for k, b in stage_buffers(st.module).items():
                         value = torch.from_numpy(pulled[k].copy())
-                        set_buffer(st.module, k, value.round().to(b.dtype) if not b.is_floating_point() else value)
+                        set_buffer(
+                            st.module, k, value.round().to(b.dtype) if not b.is_floating_point() else value
+                        )
 
     rng = random.Random(order_seed)
     while any(s.pos < len(s.actions) for s in stages.values()):
@@ -319,6 +366,8 @@ def run_reference(config: ClusterConfig, splits: list[tuple[int, ...]], order_se
             raise RuntimeError("reference deadlocked: the schedules are invalid")
         step(rng.choice(runnable))
     return ReferenceResult(
-        stage_weights={sid: {k: w.detach().clone() for k, w in state_of(s).items()} for sid, s in stages.items()},
+        stage_weights={
+            sid: {k: w.detach().clone() for k, w in state_of(s).items()} for sid, s in stages.items()
+        },
         ps_weights=history[-1],
     )

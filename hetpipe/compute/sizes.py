@@ -24,7 +24,8 @@ __all__ = ["model_sizes"]
 
 
 def model_sizes(spec: ModelSpec, batch_size: int, optimizer: str) -> ModelProfile:
-    """Sizes of every layer of `spec` at `batch_size` as hetpipe.compute.profiler defines them; times are 0."""
+    """Sizes of every layer of `spec` at `batch_size` as hetpipe.compute.profiler defines them; times are
+    0."""
     if optimizer not in OPTIMIZER_STATE:
         raise UsageError(f'unknown optimizer "{optimizer}"; choose one of: {", ".join(OPTIMIZER_STATE)}')
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -43,16 +44,35 @@ def model_sizes(spec: ModelSpec, batch_size: int, optimizer: str) -> ModelProfil
 
     layers = tuple(
         LayerProfile(
-            name=a.name, forward_s=0.0, backward_s=0.0, param_bytes=a.param_bytes, optimizer_bytes=a.optimizer_bytes,
-            output_bytes=at_batch(a.output_bytes, b.output_bytes), saved_bytes=at_batch(a.saved_bytes, b.saved_bytes),
+            name=a.name,
+            forward_s=0.0,
+            backward_s=0.0,
+            param_bytes=a.param_bytes,
+            optimizer_bytes=a.optimizer_bytes,
+            output_bytes=at_batch(a.output_bytes, b.output_bytes),
+            saved_bytes=at_batch(a.saved_bytes, b.saved_bytes),
             working_bytes=at_batch(a.working_bytes, b.working_bytes),
         )
         for a, b in zip(one, two, strict=True)
     )
-    dtype = next((str(p.dtype).removeprefix("torch.") for i in range(spec.num_layers)
-                  for p in spec.build_layer(i, "meta").parameters() if p.is_floating_point()), "float32")
-    return ModelProfile(model=spec.name, batch_size=batch_size, gpu_type="sizes", dtype=dtype,
-                        torch_version=torch.__version__, input_bytes=at_batch(input_one, input_two), layers=layers)
+    dtype = next(
+        (
+            str(p.dtype).removeprefix("torch.")
+            for i in range(spec.num_layers)
+            for p in spec.build_layer(i, "meta").parameters()
+            if p.is_floating_point()
+        ),
+        "float32",
+    )
+    return ModelProfile(
+        model=spec.name,
+        batch_size=batch_size,
+        gpu_type="sizes",
+        dtype=dtype,
+        torch_version=torch.__version__,
+        input_bytes=at_batch(input_one, input_two),
+        layers=layers,
+    )
 
 
 def _sizes_at(spec: ModelSpec, optimizer: str, batch_size: int) -> tuple[list[LayerProfile], int]:
@@ -82,14 +102,18 @@ def _sizes_at(spec: ModelSpec, optimizer: str, batch_size: int) -> tuple[list[La
                 spec.loss(out, target)
         trainable = sum(tensor_bytes(p) for p in layer.parameters() if p.requires_grad)
         input_grad = tensor_bytes(x) if x.requires_grad else 0
-        out_layers.append(LayerProfile(
-            name=spec.layer_names[i], forward_s=0.0, backward_s=0.0,
-            param_bytes=sum(tensor_bytes(t) for t in own_tensors),
-            optimizer_bytes=OPTIMIZER_STATE[optimizer] * trainable,
-            output_bytes=tensor_bytes(out),
-            saved_bytes=sum(t.untyped_storage().nbytes() for key, t in found.items() if key not in seen),
-            working_bytes=tensor_bytes(out) + input_grad,
-        ))
+        out_layers.append(
+            LayerProfile(
+                name=spec.layer_names[i],
+                forward_s=0.0,
+                backward_s=0.0,
+                param_bytes=sum(tensor_bytes(t) for t in own_tensors),
+                optimizer_bytes=OPTIMIZER_STATE[optimizer] * trainable,
+                output_bytes=tensor_bytes(out),
+                saved_bytes=sum(t.untyped_storage().nbytes() for key, t in found.items() if key not in seen),
+                working_bytes=tensor_bytes(out) + input_grad,
+            )
+        )
         seen.update(found)
         kept.extend(found.values())
         x = out.detach().requires_grad_(out.is_floating_point())  # drops the graph, and with it the weights
@@ -110,6 +134,8 @@ def _materialise(layer: nn.Module) -> nn.Module:
                     continue
                 if id(t) not in made:
                     fresh = torch.zeros(t.shape, dtype=t.dtype)  # not empty: garbage may be denormals (slow)
-                    made[id(t)] = nn.Parameter(fresh, t.requires_grad) if isinstance(t, nn.Parameter) else fresh
+                    made[id(t)] = (
+                        nn.Parameter(fresh, t.requires_grad) if isinstance(t, nn.Parameter) else fresh
+                    )
                 table[name] = made[id(t)]
     return layer

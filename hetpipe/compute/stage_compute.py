@@ -4,7 +4,7 @@ push sums, and the rebase after a pull.
 
 Order of floating-point operations is fixed here (and written independently in hetpipe.compute.reference),
 so runs are reproducible bit for bit:
-  backward of p:           acc += grad(p)                        (per parameter; the first grad is taken as is)
+  backward of p:           acc += grad(p)                       (per parameter; the first grad is taken as is)
   U (n backwards applied): grad = acc / n (n > 1, in place); optimizer step; for aggregation sum/mean the
                            update is recorded by wave, lazily: the updates of one wave since the baseline
                            are folded in at once, Δ = t - baseline; sums[wave] += Δ; baseline = t, when a
@@ -16,11 +16,11 @@ so runs are reproducible bit for bit:
                            (aggregation server: t = pulled); buffers are replaced out of place
 Mitigations (train.mitigation, hetpipe.core.mitigation; "none" leaves all of the above untouched):
   warmup, pipemare (T1):   before U p's step: optimizer lr = lr * factor (warm-up factor x PipeMare factor)
-  pipemare (T2):           after U: dc = dc * gamma + Δ * (1 - gamma); an unstashed backward of p recomputes on
-                           w - dc * s (s: updates since F p) instead of the live w
-  spectrain:               a new weight version's stashed copy is w + step * s (step: the optimizer's predicted
-                           next step, plain SGD its last update; s: updates between F p and p's U); aggregation
-                           server: the rebase sets t = pulled + (pulled - last pulled) * (D + 1)
+  pipemare (T2):           after U: dc = dc * gamma + Δ * (1 - gamma); an unstashed backward of p recomputes
+                           on w - dc * s (s: updates since F p) instead of the live w
+  spectrain:               a new weight version's stashed copy is w + step * s (step: the optimizer's
+                           predicted next step, plain SGD its last update; s: updates between F p and p's U);
+                           aggregation server: the rebase sets t = pulled + (pulled - last pulled) * (D + 1)
   average:                 the rebase adds own parameter sums as sums[w] / VWs (ledgers whole)
 """
 
@@ -60,15 +60,16 @@ def set_buffer(module: nn.Module, name: str, value: Tensor) -> None:
 
 
 def buffer_slots(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """Where each of stage_buffers(module) lives (owning module, attribute), found once: reading a buffer through
-    its slot is a dict lookup, not a walk of the module tree (state_dict: ~0.6 ms for resnet50, per call)."""
+    """Where each of stage_buffers(module) lives (owning module, attribute), found once: reading a buffer
+    through its slot is a dict lookup, not a walk of the module tree (state_dict: ~0.6 ms for resnet50, per
+    call)."""
     return {name: _slot(module, name) for name in stage_buffers(module)}
 
 
 def _float_copies(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """float32 copies of `tensors`, by key: the float32 ones copied in one multi-tensor op (x * 1.0: bit for bit x,
-    -0.0 and NaN too, unless torch.set_flush_denormal is on; _foreach_clone is too new to rely on), the others
-    converted."""
+    """float32 copies of `tensors`, by key: the float32 ones copied in one multi-tensor op (x * 1.0: bit for
+    bit x, -0.0 and NaN too, unless torch.set_flush_denormal is on; _foreach_clone is too new to rely on), the
+    others converted."""
     same = [k for k, t in tensors.items() if t.dtype == torch.float32]
     copied = dict(zip(same, torch._foreach_mul([tensors[k] for k in same], 1.0), strict=True)) if same else {}
     return {k: copied[k] if k in copied else t.float() for k, t in tensors.items()}
@@ -101,8 +102,8 @@ class StageRules:
     staleness: int = 0  # D (spectrain with aggregation server predicts D + 1 versions ahead)
     lags: Mapping[int, Lag] | None = None  # per minibatch of this stage (hetpipe.core.mitigation.stage_lags)
     unstashed: frozenset[int] = frozenset()  # minibatches whose weights no U or WAIT changes between F and B
-    #                                          (hetpipe.core.schedule.unstashed_forwards): forwards on the live
-    #                                          weights, no stashed copy (the same numbers, a copy less)
+    #                                          (hetpipe.core.schedule.unstashed_forwards): forwards on the
+    #                                          live weights, no stashed copy (the same numbers, a copy less)
 
 
 @dataclass
@@ -119,8 +120,15 @@ class StageCompute:
     """One stage's layers, optimizer and update bookkeeping."""
 
     def __init__(
-        self, module: nn.Module, optimizer_name: str, lr: float, momentum: float, weight_decay: float,
-        rules: StageRules, *, ledgers: Mapping[str, Tensor] | None = None,
+        self,
+        module: nn.Module,
+        optimizer_name: str,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        rules: StageRules,
+        *,
+        ledgers: Mapping[str, Tensor] | None = None,
         on_update: Callable[[list[int]], None] | None = None,
     ) -> None:
         """`ledgers`: audit counters that `on_update(minibatches)` may change at each update, before its
@@ -133,8 +141,11 @@ class StageCompute:
         self.ledgers = dict(ledgers or {})
         self.on_update = on_update
         local = rules.aggregation != "server"
-        self.optimizer = make_optimizer(list(self.params.values()), optimizer_name, lr, momentum, weight_decay) \
-            if local else None
+        self.optimizer = (
+            make_optimizer(list(self.params.values()), optimizer_name, lr, momentum, weight_decay)
+            if local
+            else None
+        )
         self.tracked = {**(self.params if local else {}), **self.ledgers}  # what updates are recorded for
         self.baseline = {k: t.detach().clone() for k, t in self.tracked.items()}
         self.sums: dict[int, dict[str, Tensor]] = {}  # own update sums per wave, until a pull contains them
@@ -144,9 +155,13 @@ class StageCompute:
         self.pending: list[int] = []  # those backwards' minibatches
         self._stash: dict[str, Tensor] | None = None  # the current weight version's stashed copy
         self._open_wave: int | None = None  # the wave whose updates since the baseline are not in sums yet
-        self._spare: list[dict[str, Tensor]] = []  # stashed copies no forward needs any more, reused by new versions
+        self._spare: list[
+            dict[str, Tensor]
+        ] = []  # stashed copies no forward needs any more, reused by new versions
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
-        self._autocast = torch.autocast(device.type, dtype=torch.bfloat16) if rules.precision == "bf16" else None
+        self._autocast = (
+            torch.autocast(device.type, dtype=torch.bfloat16) if rules.precision == "bf16" else None
+        )
         self.base_lr = lr
         mit = rules.mitigation
         self._lags = dict(rules.lags or {})
@@ -172,8 +187,11 @@ class StageCompute:
 
     def kinds(self) -> dict[str, str]:
         """Every key this stage syncs with the PS and its kind (hetpipe.core.aggregation)."""
-        return {**dict.fromkeys(self.params, "param"), **dict.fromkeys(self.ledgers, "ledger"),
-                **dict.fromkeys(self._buffer_slots, "buffer")}
+        return {
+            **dict.fromkeys(self.params, "param"),
+            **dict.fromkeys(self.ledgers, "ledger"),
+            **dict.fromkeys(self._buffer_slots, "buffer"),
+        }
 
     def values(self) -> dict[str, Tensor]:
         """The current value of every synced key, buffers as float32 (what registration sends)."""
@@ -222,13 +240,18 @@ class StageCompute:
                     with torch.no_grad():  # into leaves that require grad: not a step autograd may see
                         torch._foreach_copy_(copies, live)
             else:
-                self._stash = {k: self._predicted(i, k, w, lag).requires_grad_(w.requires_grad)
-                               for i, (k, w) in enumerate(self.params.items())}
+                self._stash = {
+                    k: self._predicted(i, k, w, lag).requires_grad_(w.requires_grad)
+                    for i, (k, w) in enumerate(self.params.items())
+                }
         return self._stash
 
     def _predicted(self, index: int, key: str, w: Tensor, lag: int) -> Tensor:
-        """spectrain: w + step * lag, the weights `lag` (> 0) updates ahead; a plain copy without a step yet."""
-        step = predicted_step(self.optimizer, index, w) if self._last_step is None else self._last_step.get(key)
+        """spectrain: w + step * lag, the weights `lag` (> 0) updates ahead; a plain copy without a step
+        yet."""
+        step = (
+            predicted_step(self.optimizer, index, w) if self._last_step is None else self._last_step.get(key)
+        )
         return w.detach().clone() if step is None else w.detach() + step * float(lag)
 
     def _corrected(self, p: int) -> dict[str, Tensor] | None:
@@ -237,7 +260,10 @@ class StageCompute:
         s = self._lags[p].backward if self._dc is not None and p in self._lags else 0
         if s == 0:
             return None
-        return {k: (w.detach() - self._dc[k] * float(s)).requires_grad_(w.requires_grad) for k, w in self.params.items()}
+        return {
+            k: (w.detach() - self._dc[k] * float(s)).requires_grad_(w.requires_grad)
+            for k, w in self.params.items()
+        }
 
     def _recompute(self, p: int, flight: InFlight) -> None:
         if flight.weights is None:
@@ -252,8 +278,9 @@ class StageCompute:
             with self._swap.using(weights):
                 return self.module(inputs)
 
-    def forward(self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None,
-                input_grad: bool = True) -> Tensor:
+    def forward(
+        self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None, input_grad: bool = True
+    ) -> Tensor:
         """Forward of minibatch p; returns its output (what goes to the next stage). `input_grad`: the
         backward must produce the gradient w.r.t. the input (every stage but the first)."""
         if input_grad and inputs.is_floating_point():
@@ -319,16 +346,23 @@ class StageCompute:
         self._retire(self.in_flight.pop(p).weights)
 
     def _new_version(self) -> None:
-        """The weights just changed: the next forward stashes a new copy (the old one is retired if unused)."""
+        """The weights just changed: the next forward stashes a new copy (the old one is retired if
+        unused)."""
         old, self._stash = self._stash, None
         self._retire(old)
 
     def _retire(self, weights: dict[str, Tensor] | None) -> None:
-        """Keep a stashed copy for the next weight version once no forward in flight needs it: a new version then
-        costs one multi-tensor copy, not an allocation per tensor (on CUDA, host time a plain loop does not spend).
-        On a device the copy into it is queued after the backward that read it, so it cannot overtake."""
-        if (weights is None or not self.rules.stashing or weights is self._stash or len(self._spare) >= 2
-                or any(f.weights is weights for f in self.in_flight.values())):
+        """Keep a stashed copy for the next weight version once no forward in flight needs it: a new version
+        then costs one multi-tensor copy, not an allocation per tensor (on CUDA, host time a plain loop does
+        not spend). On a device the copy into it is queued after the backward that read it, so it cannot
+        overtake."""
+        if (
+            weights is None
+            or not self.rules.stashing
+            or weights is self._stash
+            or len(self._spare) >= 2
+            or any(f.weights is weights for f in self.in_flight.values())
+        ):
             return
         self._spare.append(weights)
 
@@ -371,9 +405,9 @@ class StageCompute:
         return factor
 
     def _record_update(self, wave: int) -> None:
-        """Note an update of `wave`: folded into the sums with the wave's other updates (one subtraction, add and
-        copy for all of them, since on CUDA a stage's host time per minibatch is what it must keep under the
-        device's), or at once where a mitigation needs each update's change."""
+        """Note an update of `wave`: folded into the sums with the wave's other updates (one subtraction, add
+        and copy for all of them, since on CUDA a stage's host time per minibatch is what it must keep under
+        the device's), or at once where a mitigation needs each update's change."""
         if self._open_wave is not None and self._open_wave != wave:
             self._fold()
         self._open_wave = wave
@@ -382,8 +416,8 @@ class StageCompute:
 
     @torch.no_grad()
     def _fold(self) -> None:
-        """Add what the updates since the baseline changed (tracked - baseline) to their wave's sums and move the
-        baseline, over all tensors at once (torch._foreach_*)."""
+        """Add what the updates since the baseline changed (tracked - baseline) to their wave's sums and move
+        the baseline, over all tensors at once (torch._foreach_*)."""
         wave, self._open_wave = self._open_wave, None
         keys = list(self.tracked)
         if wave is None or not keys:
@@ -407,7 +441,9 @@ class StageCompute:
         themselves, for a caller that copies them before the next forward moves them, as CUDA staging does in
         stream order)."""
         self._fold()
-        if wave not in self.sums:  # a wave without an update (not setdefault: its zeros would be made every time)
+        if (
+            wave not in self.sums
+        ):  # a wave without an update (not setdefault: its zeros would be made every time)
             self.sums[wave] = {k: torch.zeros_like(t) for k, t in self.tracked.items()}
         sums = self.sums[wave]
         out = {k: sums[k] for k in self.tracked}
@@ -437,7 +473,9 @@ class StageCompute:
             for wave in sorted(self.sums):
                 own = [self.sums[wave][k] for k in keys]
                 if self._average:
-                    own = [t / self._average if k in self.params else t for k, t in zip(keys, own, strict=True)]
+                    own = [
+                        t / self._average if k in self.params else t for k, t in zip(keys, own, strict=True)
+                    ]
                 torch._foreach_add_(now, own)
             torch._foreach_copy_([self.baseline[k] for k in keys], now)
         if self.optimizer is None:
@@ -461,8 +499,12 @@ class StageCompute:
         gradients, and each forward in flight (its input and the weight version it ran on; the outputs are
         recomputed on load)."""
         tensors: dict[str, Tensor] = {}
-        meta: dict[str, Any] = {"in_flight": [], "pending": list(self.pending), "stash": None,
-                                "open_wave": self._open_wave}  # its updates are in the weights, not yet in sums
+        meta: dict[str, Any] = {
+            "in_flight": [],
+            "pending": list(self.pending),
+            "stash": None,
+            "open_wave": self._open_wave,
+        }  # its updates are in the weights, not yet in sums
         for key, t in {**self.params, **self.ledgers}.items():
             tensors[f"w/{key}"] = t.detach()
         for key, b in self.buffers().items():
@@ -491,15 +533,26 @@ class StageCompute:
         meta["stash"] = None if self._stash is None else order.index(id(self._stash))
         for p, flight in sorted(self.in_flight.items()):
             tensors[f"x/{p}"] = flight.inputs.detach()
-            meta["in_flight"].append({"p": p, "weights": None if flight.weights is None else order.index(id(flight.weights)),
-                                      "output": flight.output is not None, "loss": flight.loss is not None,
-                                      "input_grad": flight.inputs.requires_grad})
+            meta["in_flight"].append(
+                {
+                    "p": p,
+                    "weights": None if flight.weights is None else order.index(id(flight.weights)),
+                    "output": flight.output is not None,
+                    "loss": flight.loss is not None,
+                    "input_grad": flight.inputs.requires_grad,
+                }
+            )
         return meta, tensors
 
     @torch.no_grad()
-    def load_state_dict(self, meta: Mapping[str, Any], tensors: Mapping[str, Tensor],
-                        targets: Mapping[int, Tensor] | None = None, loss_fn=None,
-                        resend: frozenset[int] = frozenset()) -> dict[int, Tensor]:
+    def load_state_dict(
+        self,
+        meta: Mapping[str, Any],
+        tensors: Mapping[str, Tensor],
+        targets: Mapping[int, Tensor] | None = None,
+        loss_fn=None,
+        resend: frozenset[int] = frozenset(),
+    ) -> dict[int, Tensor]:
         """Restore what state_dict saved (tensors on any device); each forward in flight whose backward needs
         its graph runs again on its input and weights (running statistics untouched), the loss too on the last
         stage (`targets`, `loss_fn`). Returns the outputs of the minibatches in `resend`: what this stage had
@@ -510,19 +563,36 @@ class StageCompute:
         for key, old in self.buffers().items():
             self._set_buffer(key, tensors[f"b/{key}"].to(old.device, old.dtype, copy=True))
         self.baseline = {k: tensors[f"base/{k}"].to(device, copy=True) for k in self.tracked}
-        self.acc = {k[len("acc/"):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith("acc/")}
+        self.acc = {
+            k[len("acc/") :]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith("acc/")
+        }
         self.pending = list(meta["pending"])
         self._open_wave = meta.get("open_wave")
-        self.sums = {int(w): {k: tensors[f"sums/{w}/{k}"].to(device, copy=True) for k in self.tracked}
-                     for w in meta["sums"]}
-        self.gsums = {int(w): {k[len(f"gsums/{w}/"):]: t.to(device, copy=True) for k, t in tensors.items()
-                               if k.startswith(f"gsums/{w}/")} for w in meta["gsums"]}
+        self.sums = {
+            int(w): {k: tensors[f"sums/{w}/{k}"].to(device, copy=True) for k in self.tracked}
+            for w in meta["sums"]
+        }
+        self.gsums = {
+            int(w): {
+                k[len(f"gsums/{w}/") :]: t.to(device, copy=True)
+                for k, t in tensors.items()
+                if k.startswith(f"gsums/{w}/")
+            }
+            for w in meta["gsums"]
+        }
         if self.optimizer is not None:
-            state = {int(i): {name: tensors[f"opt/{i}/{name}"] for name in names}
-                     for i, names in meta.get("optimizer", {}).items()}
+            state = {
+                int(i): {name: tensors[f"opt/{i}/{name}"] for name in names}
+                for i, names in meta.get("optimizer", {}).items()
+            }
             self.optimizer.load_state_dict({**self.optimizer.state_dict(), "state": state})
-        stashes = [{k: tensors[f"stash/{n}/{k}"].to(device, copy=True).requires_grad_(w.requires_grad)
-                    for k, w in self.params.items()} for n in range(meta["stashes"])]
+        stashes = [
+            {
+                k: tensors[f"stash/{n}/{k}"].to(device, copy=True).requires_grad_(w.requires_grad)
+                for k, w in self.params.items()
+            }
+            for n in range(meta["stashes"])
+        ]
         self._stash = None if meta["stash"] is None else stashes[meta["stash"]]
         self.in_flight, outputs = {}, {}
         for entry in meta["in_flight"]:

@@ -1,1 +1,2 @@
-"""Core: pure logic and plain data (config, schedules, WSP, protocol, planning, simulation). No torch, no processes of its own."""
+"""Core: pure logic and plain data (config, schedules, WSP, protocol, planning, simulation). No torch, no
+processes of its own."""

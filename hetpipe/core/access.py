@@ -15,14 +15,25 @@ import zmq.utils.z85
 
 from hetpipe.core.keys import ADMIN, vw_of_user
 
-__all__ = ["ADMIN_REQUESTS", "VW_REQUESTS", "ZAP_DOMAIN", "ZAP_ENDPOINT", "RefusalLog", "ZapDecision", "refusal",
-           "zap_decide"]
+__all__ = [
+    "ADMIN_REQUESTS",
+    "VW_REQUESTS",
+    "ZAP_DOMAIN",
+    "ZAP_ENDPOINT",
+    "RefusalLog",
+    "ZapDecision",
+    "refusal",
+    "zap_decide",
+]
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"hetpipe"
-# a VW's key, for that VW only (evict and rejoin: a VW's worker takes its own VW out after a failure, and back)
+# a VW's key, for that VW only (evict and rejoin: a VW's worker takes its own VW out after a failure, and
+# back)
 VW_REQUESTS = frozenset({"register", "push", "pull", "status", "heartbeat", "evict", "rejoin"})
-ADMIN_REQUESTS = frozenset({"status", "read", "evict"})  # the launcher's key: it reads, and evicts a failed VW
+ADMIN_REQUESTS = frozenset(
+    {"status", "read", "evict"}
+)  # the launcher's key: it reads, and evicts a failed VW
 
 
 def refusal(user: str | None, msg_type: str, vw: int | None) -> str | None:
@@ -71,26 +82,42 @@ def zap_decide(request: Sequence[bytes], clients: Mapping[bytes, str]) -> ZapDec
     request_id = frames[1] if len(frames) > 1 else b""
     address = frames[3].decode("utf-8", "replace") if len(frames) > 3 else "?"
     if len(frames) < 6 or frames[0] != b"1.0":
-        return ZapDecision(_reply(request_id, b"500", "malformed ZAP request"), None, address, "",
-                           f"a malformed ZAP request of {len(frames)} frames")
+        return ZapDecision(
+            _reply(request_id, b"500", "malformed ZAP request"),
+            None,
+            address,
+            "",
+            f"a malformed ZAP request of {len(frames)} frames",
+        )
     mechanism = frames[5]
     if mechanism != b"CURVE" or len(frames) != 7 or len(frames[6]) != 32:
         shown = mechanism.decode("ascii", "replace")[:20]
-        return ZapDecision(_reply(request_id, b"400", "CURVE only"), None, address, "",
-                           f"a client using the {shown} mechanism instead of CURVE")
+        return ZapDecision(
+            _reply(request_id, b"400", "CURVE only"),
+            None,
+            address,
+            "",
+            f"a client using the {shown} mechanism instead of CURVE",
+        )
     key = zmq.utils.z85.encode(frames[6])
     user = clients.get(key)
     if user is None:
-        return ZapDecision(_reply(request_id, b"400", "unknown key"), None, address, key.decode(),
-                           "a CURVE key that is not one of this run's keys")
+        return ZapDecision(
+            _reply(request_id, b"400", "unknown key"),
+            None,
+            address,
+            key.decode(),
+            "a CURVE key that is not one of this run's keys",
+        )
     return ZapDecision(_reply(request_id, b"200", "OK", user), user, address, key.decode(), "admitted")
 
 
 @dataclass
 class RefusalLog:
-    """Refusals to log: each distinct line once per `window_s`, at most `budget` distinct lines per window; repeats
-    (a client retrying a bad handshake every 100 ms) and lines over the budget (a flood) are counted, and the
-    counts logged when a refusal arrives after the window ended. Bounded memory: at most `budget` lines kept."""
+    """Refusals to log: each distinct line once per `window_s`, at most `budget` distinct lines per window;
+    repeats (a client retrying a bad handshake every 100 ms) and lines over the budget (a flood) are counted,
+    and the counts logged when a refusal arrives after the window ended. Bounded memory: at most `budget`
+    lines kept."""
 
     budget: int = 20
     window_s: float = 60.0
@@ -115,8 +142,11 @@ class RefusalLog:
         return out
 
     def _summary(self, elapsed: float) -> list[str]:
-        out = [f"{line} (and {n} more time{'s' * (n > 1)} in the last {elapsed:.0f} s)"
-               for line, n in self._repeats.items() if n]
+        out = [
+            f"{line} (and {n} more time{'s' * (n > 1)} in the last {elapsed:.0f} s)"
+            for line, n in self._repeats.items()
+            if n
+        ]
         if self._over_budget:
             out.append(f"{self._over_budget} more refusals were not logged in the last {elapsed:.0f} s")
         return out

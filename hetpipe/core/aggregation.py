@@ -64,7 +64,10 @@ class ServerOptimizer:
         return w - _F32(self.lr) * m_hat / (np.sqrt(v_hat) + _F32(self.eps))
 
     def to_state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        meta = {key: {"step": st["step"], "arrays": [k for k in st if k != "step"]} for key, st in self.state.items()}
+        meta = {
+            key: {"step": st["step"], "arrays": [k for k in st if k != "step"]}
+            for key, st in self.state.items()
+        }
         arrays = {f"{key}/{k}": st[k] for key, st in self.state.items() for k in st if k != "step"}
         return meta, arrays
 
@@ -106,9 +109,11 @@ class Aggregation:
         assert self.optimizer is not None
         return self.optimizer.step(key, w, s / _F32(num_vws))
 
-    def add_now(self, key: str, kind: KeyKind, w: np.ndarray, src: np.ndarray, num_vws: int) -> np.ndarray | None:
-        """Latest pulls: fold one VW's push into the running weights as it arrives; returns new weights when the
-        rule cannot add in place (server), None after adding `src` (scaled) into `w` in place."""
+    def add_now(
+        self, key: str, kind: KeyKind, w: np.ndarray, src: np.ndarray, num_vws: int
+    ) -> np.ndarray | None:
+        """Latest pulls: fold one VW's push into the running weights as it arrives; returns new weights when
+        the rule cannot add in place (server), None after adding `src` (scaled) into `w` in place."""
         if kind == "ledger" or self.name == "sum":
             np.add(w, src, out=w)
             return None
@@ -119,8 +124,9 @@ class Aggregation:
         return np.asarray(self.optimizer.step(key, w, src / _F32(num_vws)), dtype=_F32)
 
 
-def make_aggregation(name: str, optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9,
-                     weight_decay: float = 0.0) -> Aggregation:
+def make_aggregation(
+    name: str, optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0
+) -> Aggregation:
     """The rule `name`; for "server", with the PS-side optimizer built from the training settings."""
     server = ServerOptimizer(optimizer, lr, momentum, weight_decay) if name == "server" else None
     return Aggregation(name, server)

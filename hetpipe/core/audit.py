@@ -1,4 +1,5 @@
-"""Audit of what each forward saw: a tagged-update ledger checked against guarantees L and G (docs/schedules.md#guarantee-l, docs/wsp.md#guarantee-g).
+"""Audit of what each forward saw: a tagged-update ledger checked against guarantees L and G
+(docs/schedules.md#guarantee-l, docs/wsp.md#guarantee-g).
 
 With auditing on, every layer gets an extra synced tensor of shape (num_vws, num_minibatches); the
 backward of minibatch p of VW i adds exactly 1.0 at [i, p], and that update travels like any other
@@ -33,7 +34,9 @@ def gap_mask(shape: tuple[int, int], nm: int, gaps: Sequence[Sequence[int]]) -> 
     return mask
 
 
-def expected_ledger(shape: tuple[int, int], nm: int, gaps: Sequence[Sequence[int]], through_wave: int) -> np.ndarray:
+def expected_ledger(
+    shape: tuple[int, int], nm: int, gaps: Sequence[Sequence[int]], through_wave: int
+) -> np.ndarray:
     """The final ledger of a run whose waves < through_wave are folded: 1 at every slot outside the gaps."""
     want = np.zeros(shape, dtype=np.float32)
     want[:, : through_wave * nm] = 1.0
@@ -41,8 +44,16 @@ def expected_ledger(shape: tuple[int, int], nm: int, gaps: Sequence[Sequence[int
     return want
 
 
-def ledger_violations(ledger: np.ndarray, vw: int, p: int, nm: int, staleness: int, own_through: int | None = None,
-                      gaps: Sequence[Sequence[int]] = (), own_from: int = 0) -> list[str]:
+def ledger_violations(
+    ledger: np.ndarray,
+    vw: int,
+    p: int,
+    nm: int,
+    staleness: int,
+    own_through: int | None = None,
+    gaps: Sequence[Sequence[int]] = (),
+    own_from: int = 0,
+) -> list[str]:
     """What is wrong with the ledger the forward of minibatch p of VW `vw` sees (empty: nothing).
 
     L: the VW's own updates of every minibatch <= own_through are in (the schedule's guarantee; default
@@ -60,7 +71,9 @@ def ledger_violations(ledger: np.ndarray, vw: int, p: int, nm: int, staleness: i
     skip = gap_mask(ledger.shape, nm, gaps)
     if (ledger[skip] != 0.0).any():
         v, q = np.argwhere(skip & (ledger != 0.0))[0]
-        problems.append(f"slot [vw {v}, minibatch {q}] is in a wave vw {v} was evicted for, yet holds {ledger[v, q]}")
+        problems.append(
+            f"slot [vw {v}, minibatch {q}] is in a wave vw {v} was evicted for, yet holds {ledger[v, q]}"
+        )
     present = (ledger == 1.0) | skip
     through = p - nm if own_through is None else own_through
     if through >= own_from and not present[vw, own_from : through + 1].all():
@@ -76,6 +89,7 @@ def ledger_violations(ledger: np.ndarray, vw: int, p: int, nm: int, staleness: i
         if len(missing):
             v, q = missing[0]
             problems.append(
-                f"G: vw {v}'s update of minibatch {q} (wave {q // nm} <= c - D - 2 = {wave - staleness - 2}) is missing"
+                f"G: vw {v}'s update of minibatch {q} (wave {q // nm} <= c - D - 2 = "
+                f"{wave - staleness - 2}) is missing"
             )
     return problems

@@ -24,8 +24,18 @@ import numpy as np
 
 from hetpipe.core.errors import HetpipeError
 
-__all__ = ["Checkpoint", "CheckpointError", "discard_after", "discard_before", "list_clocks", "list_manifests", "load_clock", "load_newest",
-           "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "discard_after",
+    "discard_before",
+    "list_clocks",
+    "list_manifests",
+    "load_clock",
+    "load_newest",
+    "read_checkpoint",
+    "write_checkpoint",
+]
 
 MAGIC = b"HETPIPE-CKPT-1\n"
 FORMAT_VERSION = 1
@@ -118,7 +128,8 @@ def _clock_of(manifest: Path) -> int:
 
 
 def list_clocks(directory: Path) -> list[int]:
-    """The clocks of the checkpoints that have a manifest, oldest first (not verified: load_clock does that)."""
+    """The clocks of the checkpoints that have a manifest, oldest first (not verified: load_clock does
+    that)."""
     return [_clock_of(m) for m in list_manifests(directory)]
 
 
@@ -143,7 +154,9 @@ def load_clock(directory: Path, clock: int) -> Checkpoint:
     """Checkpoint `clock` of `directory`, verified; CheckpointError saying what is missing or wrong."""
     manifest = directory / f"ckpt-{clock:08d}.json"
     if not manifest.exists():
-        raise CheckpointError(f"{directory} holds no checkpoint of clock {clock} (it has {list_clocks(directory)})")
+        raise CheckpointError(
+            f"{directory} holds no checkpoint of clock {clock} (it has {list_clocks(directory)})"
+        )
     return read_checkpoint(manifest)
 
 
@@ -160,9 +173,13 @@ def read_checkpoint(manifest_path: Path) -> Checkpoint:
     except OSError as exc:
         raise CheckpointError(f"{data_path.name}: cannot read ({exc.strerror})") from None
     if len(data) != expected_bytes:
-        raise CheckpointError(f"{data_path.name}: {len(data)} bytes, the manifest says {expected_bytes} (truncated)")
+        raise CheckpointError(
+            f"{data_path.name}: {len(data)} bytes, the manifest says {expected_bytes} (truncated)"
+        )
     if hashlib.sha256(data).hexdigest() != expected_sha:
-        raise CheckpointError(f"{data_path.name}: sha256 does not match its manifest (the file changed after it was written)")
+        raise CheckpointError(
+            f"{data_path.name}: sha256 does not match its manifest (the file changed after it was written)"
+        )
     if not data.startswith(MAGIC):
         raise CheckpointError(f"{data_path.name}: not a hetpipe checkpoint")
     start = len(MAGIC) + 8

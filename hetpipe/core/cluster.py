@@ -55,7 +55,8 @@ class _Parts:
 
 
 def allocate(cluster: Cluster, policy: str, num_vws: int | None = None) -> list[list[GpuRef]]:
-    """The virtual workers `policy` makes from the cluster's GPUs (docs/planning.md#allocation-policies), deterministically.
+    """The virtual workers `policy` makes from the cluster's GPUs (docs/planning.md#allocation-policies),
+    deterministically.
 
     np        one VW per node (nodes without GPUs are skipped), GPUs in index order.
     ed        every VW gets the same mix of GPU types: each type's GPUs, in cluster order, are cut
@@ -68,8 +69,9 @@ def allocate(cluster: Cluster, policy: str, num_vws: int | None = None) -> list[
               has about half a fast node and half a slow node, crosses the network once, and the
               two VWs of a pair have nearly equal capacity. With an odd number of nodes the middle
               one in the ranking forms a VW on its own. Always one VW per node.
-    dp        data parallelism through the PS: every GPU its own one-stage VW, in cluster order (each must hold
-              the whole model; the planner leaves out those that cannot, and those that would slow the rest).
+    dp        data parallelism through the PS: every GPU its own one-stage VW, in cluster order (each
+              must hold the whole model; the planner leaves out those that cannot, and those that would
+              slow the rest).
     explicit  the config's [[virtual_workers]], GPUs in the listed (stage) order.
 
     Except for explicit, each VW lists its GPUs in cluster order (config node order, then index);
@@ -95,7 +97,8 @@ def _np(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
     vws = [parts.gpus(node) for node in parts.nodes if node.gpus]
     if num_vws is not None and num_vws != len(vws):
         raise UsageError(
-            f'policy "np" makes one virtual worker per node: {len(vws)} nodes with GPUs, but num_vws={num_vws}; '
+            f'policy "np" makes one virtual worker per node: {len(vws)} nodes with GPUs, '
+            f"but num_vws={num_vws}; "
             f'use num_vws={len(vws)}, or policy "ed" or "explicit" for another number of virtual workers'
         )
     return vws
@@ -113,8 +116,8 @@ def _ed(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
         name, have = uneven[0]
         choices = [str(d) for d in range(1, common + 1) if common % d == 0]
         raise UsageError(
-            f'policy "ed" gives every virtual worker the same mix of GPU types, so each type\'s GPU count must '
-            f'be a multiple of num_vws={count}, but type "{name}" has {have}; use num_vws in '
+            'policy "ed" gives every virtual worker the same mix of GPU types, so each type\'s GPU count '
+            f'must be a multiple of num_vws={count}, but type "{name}" has {have}; use num_vws in '
             f'{{{", ".join(choices)}}}, or policy "hd" or "np"'
         )
     vws: list[list[GpuRef]] = [[] for _ in range(count)]
@@ -129,8 +132,8 @@ def _hd(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
     nodes = [node for node in parts.nodes if node.gpus]
     if num_vws is not None and num_vws != len(nodes):
         raise UsageError(
-            f'policy "hd" makes one virtual worker per node (two per fast/slow node pair): {len(nodes)} nodes with '
-            f'GPUs, but num_vws={num_vws}; use num_vws={len(nodes)}, or policy "ed" or "explicit"'
+            f'policy "hd" makes one virtual worker per node (two per fast/slow node pair): {len(nodes)} '
+            f'nodes with GPUs, but num_vws={num_vws}; use num_vws={len(nodes)}, or policy "ed" or "explicit"'
         )
 
     def capacity(refs: Sequence[GpuRef]) -> float:
@@ -154,8 +157,10 @@ def _hd(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
 def _dp(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
     vws = [[ref] for node in parts.nodes for ref in parts.gpus(node)]
     if num_vws is not None and num_vws != len(vws):
-        raise UsageError(f'policy "dp" makes one virtual worker per GPU: {len(vws)} GPUs, but num_vws={num_vws}; '
-                         f'use num_vws={len(vws)}, or policy "ed" or "explicit" for another number of virtual workers')
+        raise UsageError(
+            f'policy "dp" makes one virtual worker per GPU: {len(vws)} GPUs, but num_vws={num_vws}; '
+            f'use num_vws={len(vws)}, or policy "ed" or "explicit" for another number of virtual workers'
+        )
     return vws
 
 
@@ -175,5 +180,9 @@ def _explicit(parts: _Parts, num_vws: int | None) -> list[list[GpuRef]]:
 
 
 _POLICY_FUNCTIONS: dict[str, Callable[[_Parts, int | None], list[list[GpuRef]]]] = {
-    "np": _np, "ed": _ed, "hd": _hd, "dp": _dp, "explicit": _explicit,
+    "np": _np,
+    "ed": _ed,
+    "hd": _hd,
+    "dp": _dp,
+    "explicit": _explicit,
 }

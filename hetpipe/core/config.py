@@ -1,4 +1,5 @@
-"""Cluster config: one TOML file per cluster -> frozen dataclasses; every error names file, field, bad value, fix."""
+"""Cluster config: one TOML file per cluster -> frozen dataclasses; every error names file, field, bad value,
+fix."""
 
 from __future__ import annotations
 
@@ -178,22 +179,26 @@ class PsConfig:
     placement: Placement = "balanced"
     timeout_s: float = 60.0
     aggregation: Aggregation = "sum"  # how a wave's pushes fold into the weights (docs/wsp.md)
-    buffers: BufferPolicy = "average"  # BatchNorm statistics: averaged at the PS, or kept per VW (docs/buffers.md)
+    buffers: BufferPolicy = (
+        "average"  # BatchNorm statistics: averaged at the PS, or kept per VW (docs/buffers.md)
+    )
     auth: PsAuth = "none"
     keys_dir: str = ""
-    # failures (docs/recovery.md): a VW whose stage died or hung stops the run, or is evicted and the others go
-    # on; stages send heartbeats every heartbeat_s, a stage silent for hung_after_s (0: never) has failed;
-    # `hetpipe train` restarts a dead shard from its checkpoint up to max_restarts times (checkpoint.every >= 1)
+    # failures (docs/recovery.md): a VW whose stage died or hung stops the run, or is evicted and the others
+    # go on; stages send heartbeats every heartbeat_s, a stage silent for hung_after_s (0: never) has failed;
+    # `hetpipe train` restarts a dead shard from its checkpoint up to max_restarts times
+    # (checkpoint.every >= 1)
     on_vw_failure: OnVwFailure = "stop"
     heartbeat_s: float = 2.0
     hung_after_s: float = 60.0
     max_restarts: int = 10
-    # weights ("param" keys) in pushes and pulls on the wire: float32, or bfloat16 (half the bytes; the PS still
-    # adds and keeps float32; docs/ps-protocol.md#frames): a run is then repeatable but not equal to a float32 one
+    # weights ("param" keys) in pushes and pulls on the wire: float32, or bfloat16 (half the bytes; the PS
+    # still adds and keeps float32; docs/ps-protocol.md#frames): a run is then repeatable but not equal to a
+    # float32 one
     wire_dtype: WireDtype = "float32"
-    # where a stage's PS traffic runs beside its compute: a thread of the stage process, or a process of its own
-    # (shared buffers, no copies; an agent thread's GIL use slows a CUDA stage's issuing thread); auto: a process
-    # for a CUDA stage, a thread for a CPU one (docs/architecture.md#the-ps-path)
+    # where a stage's PS traffic runs beside its compute: a thread of the stage process, or a process of its
+    # own (shared buffers, no copies; an agent thread's GIL use slows a CUDA stage's issuing thread); auto: a
+    # process for a CUDA stage, a thread for a CPU one (docs/architecture.md#the-ps-path)
     agent: PsAgent = "auto"
 
 
@@ -253,11 +258,15 @@ class TrainConfig:
     schedule: str = "wsp"
     recompute: bool = False  # activation recomputation (flush schedules only)
     precision: Precision = "fp32"
-    eval_every: int = 0  # waves between evaluations of the global weights during training (0: only at the end)
+    eval_every: int = (
+        0  # waves between evaluations of the global weights during training (0: only at the end)
+    )
     eval_samples: int = 4096  # held-out samples an evaluation scores (0: all of them)
     out_dir: str = "runs/local"
     on_nan: OnNan = "stop"  # a NaN or inf loss: "stop" the run naming stage and wave, or "skip" the minibatch
-    mitigation: str = "none"  # staleness mitigations, "+"-joined (hetpipe.core.mitigation, docs/convergence.md)
+    mitigation: str = (
+        "none"  # staleness mitigations, "+"-joined (hetpipe.core.mitigation, docs/convergence.md)
+    )
     warmup_waves: int = 10  # waves of the "warmup" ramp and of PipeMare's learning-rate annealing
 
     @property
@@ -335,7 +344,8 @@ class ClusterConfig:
         return [GpuRef(node.name, index) for node in self.nodes for index in range(len(node.gpus))]
 
     def shard_host(self, shard: int) -> str:
-        """Where shard `shard` listens: ps.host, or with placement "local" the host of node `shard` (one shard a node)."""
+        """Where shard `shard` listens: ps.host, or with placement "local" the host of node `shard` (one shard
+        a node)."""
         return self.nodes[shard].host if self.ps.placement == "local" else self.ps.host
 
     def ps_endpoints(self) -> list[str]:
@@ -347,13 +357,24 @@ class ClusterConfig:
         doc: dict[str, Any] = {
             "name": self.name,
             "seed": self.seed,
-            "gpu_types": {n: {"speed": t.speed, "memory_gib": t.memory_gib} for n, t in self.gpu_types.items()},
-            "nodes": [{"name": n.name, "host": n.host, "gpus": list(n.gpus),
-                       **({"devices": list(n.devices)} if n.devices else {})} for n in self.nodes],
+            "gpu_types": {
+                n: {"speed": t.speed, "memory_gib": t.memory_gib} for n, t in self.gpu_types.items()
+            },
+            "nodes": [
+                {
+                    "name": n.name,
+                    "host": n.host,
+                    "gpus": list(n.gpus),
+                    **({"devices": list(n.devices)} if n.devices else {}),
+                }
+                for n in self.nodes
+            ],
         }
         for section in _SECTIONS:
-            doc[section] = {f.name: _plain(getattr(getattr(self, section), f.name))
-                            for f in fields(getattr(self, section))}
+            doc[section] = {
+                f.name: _plain(getattr(getattr(self, section), f.name))
+                for f in fields(getattr(self, section))
+            }
         if self.emulation.time_scale is None:
             doc["emulation"]["time_scale"] = "auto"
         if self.virtual_workers:
@@ -377,16 +398,44 @@ def _plain(value: Any) -> Any:
 
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "network": ("intra_node_gbps", "inter_node_gbps"),
-    "ps": ("host", "port", "shards", "placement", "timeout_s", "aggregation", "buffers", "auth", "keys_dir",
-           "on_vw_failure", "heartbeat_s", "hung_after_s", "max_restarts", "wire_dtype", "agent"),
+    "ps": (
+        "host",
+        "port",
+        "shards",
+        "placement",
+        "timeout_s",
+        "aggregation",
+        "buffers",
+        "auth",
+        "keys_dir",
+        "on_vw_failure",
+        "heartbeat_s",
+        "hung_after_s",
+        "max_restarts",
+        "wire_dtype",
+        "agent",
+    ),
     "wsp": ("staleness", "nm", "pull"),
     "checkpoint": ("dir", "every", "keep", "stages"),
     "model": ("name", "options"),
     "data": ("name", "options", "test_fraction"),
     "train": (
-        "batch_size", "waves", "optimizer", "lr", "momentum", "weight_decay",
-        "weight_stashing", "schedule", "recompute", "precision", "eval_every", "eval_samples", "out_dir", "on_nan",
-        "mitigation", "warmup_waves",
+        "batch_size",
+        "waves",
+        "optimizer",
+        "lr",
+        "momentum",
+        "weight_decay",
+        "weight_stashing",
+        "schedule",
+        "recompute",
+        "precision",
+        "eval_every",
+        "eval_samples",
+        "out_dir",
+        "on_nan",
+        "mitigation",
+        "warmup_waves",
     ),
     "emulation": ("enabled", "time_scale", "link_bandwidth", "device"),
     "allocation": ("policy",),
@@ -412,13 +461,16 @@ def load_config(path: str | Path) -> ClusterConfig:
 
 
 def run_dir_config(run_dir: Path, settings: Sequence[str] = ()) -> ClusterConfig:
-    """The config a `hetpipe train` run in `run_dir` was started with (its config.toml), `settings` applied."""
+    """The config a `hetpipe train` run in `run_dir` was started with (its config.toml), `settings`
+    applied."""
     from hetpipe.core.errors import UsageError
 
     path = Path(run_dir) / "config.toml"
     if not path.exists():
-        raise UsageError(f"{run_dir}: no config.toml there; is it the run dir of a `hetpipe train` run? "
-                         "Give the cluster config too (the CONFIG argument)")
+        raise UsageError(
+            f"{run_dir}: no config.toml there; is it the run dir of a `hetpipe train` run? "
+            "Give the cluster config too (the CONFIG argument)"
+        )
     return apply_overrides(load_config(path), settings)
 
 
@@ -436,7 +488,9 @@ def apply_overrides(config: ClusterConfig, settings: Sequence[str]) -> ClusterCo
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            raise ConfigError(f"--set {item!r}: write KEY.PATH=VALUE, e.g. --set wsp.nm=4 or --set train.lr=0.01")
+            raise ConfigError(
+                f"--set {item!r}: write KEY.PATH=VALUE, e.g. --set wsp.nm=4 or --set train.lr=0.01"
+            )
         _set_path(doc, parts, _override_value(text.strip()), item)
     shown = " ".join(f"--set {item}" for item in settings)
     return parse_config(doc, config.path, source=f"{config.path} with {shown}")
@@ -469,8 +523,10 @@ def _set_path(doc: dict[str, Any], parts: list[str], value: Any, item: str) -> N
 
 def _index(items: list[Any], part: str, where: list[str], item: str) -> int:
     if not part.isdigit() or int(part) >= len(items):
-        raise ConfigError(f"--set {item!r}: {'.'.join(where)} has {len(items)} entries; "
-                          f"index them 0..{len(items) - 1}, e.g. {'.'.join(where)}.0")
+        raise ConfigError(
+            f"--set {item!r}: {'.'.join(where)} has {len(items)} entries; "
+            f"index them 0..{len(items) - 1}, e.g. {'.'.join(where)}.0"
+        )
     return int(part)
 
 
@@ -550,7 +606,8 @@ def _syntax_hint(message: str, text: str) -> str:
 
 
 def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = None) -> ClusterConfig:
-    """Validate a decoded TOML document; `path` names the file in errors (or `source`, e.g. "x.toml with --set")."""
+    """Validate a decoded TOML document; `path` names the file in errors (or `source`, e.g.
+    "x.toml with --set")."""
     top = _Table(source or str(path), "", "at the top of the file", data)
     top.only(_TOP_KEYS)
     name = top.name("name")
@@ -569,16 +626,34 @@ def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = No
     allocation = _allocation(sections["allocation"], listed=bool(data.get("virtual_workers")))
     virtual_workers = _virtual_workers(top, allocation, nodes)
     if ps.placement == "local" and ps.shards != len(nodes):
-        sections["ps"].fail("shards", f'is {ps.shards} but placement = "local" runs one shard on each of the '
-                            f"{len(nodes)} nodes", f'set shards = {len(nodes)}, or placement = "balanced"')
-    for what, fix in mitigation_conflicts(train.mitigations, aggregation=ps.aggregation,
-                                          schedule_stashing=SCHEDULES[train.schedule].stashing,
-                                          weight_stashing=train.weight_stashing):
+        sections["ps"].fail(
+            "shards",
+            f'is {ps.shards} but placement = "local" runs one shard on each of the {len(nodes)} nodes',
+            f'set shards = {len(nodes)}, or placement = "balanced"',
+        )
+    for what, fix in mitigation_conflicts(
+        train.mitigations,
+        aggregation=ps.aggregation,
+        schedule_stashing=SCHEDULES[train.schedule].stashing,
+        weight_stashing=train.weight_stashing,
+    ):
         sections["train"].fail("mitigation", what, fix)
     return ClusterConfig(
-        path=path, name=name, seed=seed, gpu_types=gpu_types, nodes=nodes, network=network, ps=ps,
-        wsp=wsp, checkpoint=checkpoint, model=model, data=data_config, train=train, emulation=emulation,
-        allocation=allocation, virtual_workers=virtual_workers,
+        path=path,
+        name=name,
+        seed=seed,
+        gpu_types=gpu_types,
+        nodes=nodes,
+        network=network,
+        ps=ps,
+        wsp=wsp,
+        checkpoint=checkpoint,
+        model=model,
+        data=data_config,
+        train=train,
+        emulation=emulation,
+        allocation=allocation,
+        virtual_workers=virtual_workers,
     )
 
 
@@ -616,26 +691,38 @@ def _nodes(top: _Table, gpu_types: Mapping[str, GpuType]) -> tuple[Node, ...]:
         table.only(_NODE_KEYS)
         name = table.name("name")
         if name in seen:
-            table.fail("name", f'duplicate node name "{name}" (also nodes[{seen[name]}].name)',
-                       "give each node a unique name")
+            table.fail(
+                "name",
+                f'duplicate node name "{name}" (also nodes[{seen[name]}].name)',
+                "give each node a unique name",
+            )
         seen[name] = i
         host = table.string("host", "127.0.0.1", nonempty=True)
         gpus = table.strings("gpus", placeholder=f'["{first_type}", ...]', nonempty=True)
         for j, gpu in enumerate(gpus):
             if gpu not in gpu_types:
                 known = list(gpu_types)
-                table.fail(f"gpus[{j}]", f'unknown GPU type "{gpu}"',
-                           f"known types: {', '.join(known)}{did_you_mean(gpu, known)}")
+                table.fail(
+                    f"gpus[{j}]",
+                    f'unknown GPU type "{gpu}"',
+                    f"known types: {', '.join(known)}{did_you_mean(gpu, known)}",
+                )
         devices = None
         if "devices" in table.data:
             devices = table.strings("devices", placeholder='["cuda:0", "cuda:0", ...]')
             if len(devices) != len(gpus):
-                table.fail("devices", f"has {len(devices)} entries but gpus has {len(gpus)}",
-                           "give one device per GPU, in the same order (drop devices for GPU i = cuda:i)")
+                table.fail(
+                    "devices",
+                    f"has {len(devices)} entries but gpus has {len(gpus)}",
+                    "give one device per GPU, in the same order (drop devices for GPU i = cuda:i)",
+                )
             for j, device in enumerate(devices):
                 if not _DEVICE.fullmatch(device):
-                    table.fail(f"devices[{j}]", f"unknown device {_show(device)}",
-                               'write "cuda:<index>" (a CUDA device of this node) or "cpu"')
+                    table.fail(
+                        f"devices[{j}]",
+                        f"unknown device {_show(device)}",
+                        'write "cuda:<index>" (a CUDA device of this node) or "cpu"',
+                    )
         nodes.append(Node(name=name, host=host, gpus=gpus, devices=devices))
     return tuple(nodes)
 
@@ -655,16 +742,24 @@ def _ps(t: _Table) -> PsConfig:
     shards = t.integer("shards", d.shards, ge=1)
     last = port + shards - 1
     if last > _MAX_PORT:
-        t.fail("port", f"{shards} shards from port {port} need ports up to {last}, above {_MAX_PORT}",
-               f"set port to at most {_MAX_PORT + 1 - shards}, or use fewer shards")
+        t.fail(
+            "port",
+            f"{shards} shards from port {port} need ports up to {last}, above {_MAX_PORT}",
+            f"set port to at most {_MAX_PORT + 1 - shards}, or use fewer shards",
+        )
     heartbeat = t.number("heartbeat_s", d.heartbeat_s, ge=0)
     hung = t.number("hung_after_s", d.hung_after_s, ge=0)
     if hung and (not heartbeat or hung < 2 * heartbeat):
-        t.fail("hung_after_s", f"{hung:g} s with heartbeat_s = {heartbeat:g}: a stage would be declared hung "
-               "between two heartbeats", "set hung_after_s to at least twice heartbeat_s (or 0 to never declare a "
-               "stage hung)")
+        t.fail(
+            "hung_after_s",
+            f"{hung:g} s with heartbeat_s = {heartbeat:g}: a stage would be declared hung "
+            "between two heartbeats",
+            "set hung_after_s to at least twice heartbeat_s (or 0 to never declare a stage hung)",
+        )
     return PsConfig(
-        host=host, port=port, shards=shards,
+        host=host,
+        port=port,
+        shards=shards,
         placement=t.choice("placement", d.placement, get_args(Placement)),
         timeout_s=t.number("timeout_s", d.timeout_s, gt=0),
         aggregation=t.choice("aggregation", d.aggregation, AGGREGATIONS),
@@ -739,13 +834,19 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         t.fail("mitigation", f"cannot read {_show(train.mitigation)}", str(exc))
     kind = SCHEDULES[train.schedule]
     if kind.stashing == "required" and not train.weight_stashing:
-        t.fail("weight_stashing", f'is false, but schedule "{train.schedule}" keeps two weight versions by design',
-               f'set weight_stashing = true {t.under}, or choose schedule = "wsp" (stashing optional)')
+        t.fail(
+            "weight_stashing",
+            f'is false, but schedule "{train.schedule}" keeps two weight versions by design',
+            f'set weight_stashing = true {t.under}, or choose schedule = "wsp" (stashing optional)',
+        )
     if train.recompute and not kind.recompute:
         able = ", ".join(n for n, k in SCHEDULES.items() if k.recompute)
-        t.fail("recompute", f'is true, but schedule "{train.schedule}" updates weights between a forward and its '
-               "backward, so a recomputed forward would not match the first",
-               f"set recompute = false {t.under}, or choose a schedule that flushes: {able}")
+        t.fail(
+            "recompute",
+            f'is true, but schedule "{train.schedule}" updates weights between a forward and its '
+            "backward, so a recomputed forward would not match the first",
+            f"set recompute = false {t.under}, or choose a schedule that flushes: {able}",
+        )
     return train
 
 
@@ -755,13 +856,20 @@ def _emulation(t: _Table) -> EmulationConfig:
     raw = t.data.get("time_scale", "auto")
     if isinstance(raw, str):
         if raw != "auto":
-            t.fail("time_scale", f"unknown value {_show(raw)}",
-                   f'write time_scale = "auto" or a number > 0{did_you_mean(raw, ["auto"])}')
+            t.fail(
+                "time_scale",
+                f"unknown value {_show(raw)}",
+                f'write time_scale = "auto" or a number > 0{did_you_mean(raw, ["auto"])}',
+            )
         time_scale = None
     else:
-        time_scale = t.number("time_scale", placeholder='"auto" or <float > 0>', kind='"auto" or a number', gt=0)
+        time_scale = t.number(
+            "time_scale", placeholder='"auto" or <float > 0>', kind='"auto" or a number', gt=0
+        )
     return EmulationConfig(
-        enabled=enabled, time_scale=time_scale, link_bandwidth=t.boolean("link_bandwidth", d.link_bandwidth),
+        enabled=enabled,
+        time_scale=time_scale,
+        link_bandwidth=t.boolean("link_bandwidth", d.link_bandwidth),
         device=t.choice("device", d.device, get_args(EmulatedDevice)),
     )
 
@@ -769,8 +877,12 @@ def _emulation(t: _Table) -> EmulationConfig:
 def _allocation(t: _Table, listed: bool) -> AllocationConfig:
     policy = t.choice("policy", "explicit" if listed else "np", get_args(AllocationPolicy))
     if policy == "explicit" and not listed:
-        t.fail("policy", 'is "explicit" but no [[virtual_workers]] are listed',
-               'add [[virtual_workers]] tables with gpus = ["n0:0", ...], or set policy = "np", "ed", "hd" or "dp"')
+        t.fail(
+            "policy",
+            'is "explicit" but no [[virtual_workers]] are listed',
+            'add [[virtual_workers]] tables with gpus = ["n0:0", ...], or set policy = "np", "ed", "hd" '
+            'or "dp"',
+        )
     return AllocationConfig(policy=policy)
 
 
@@ -779,8 +891,11 @@ def _virtual_workers(
 ) -> tuple[VirtualWorkerSpec, ...]:
     tables = top.array("virtual_workers")
     if tables and allocation.policy != "explicit":
-        top.fail("virtual_workers", f'listed, but allocation.policy = "{allocation.policy}" builds its own',
-                 'remove the [[virtual_workers]] tables, or set policy = "explicit" under [allocation]')
+        top.fail(
+            "virtual_workers",
+            f'listed, but allocation.policy = "{allocation.policy}" builds its own',
+            'remove the [[virtual_workers]] tables, or set policy = "explicit" under [allocation]',
+        )
     by_name = {node.name: node for node in nodes}
     owner: dict[GpuRef, str] = {}
     specs = []
@@ -793,17 +908,26 @@ def _virtual_workers(
             if ref in owner:
                 where = owner[ref]
                 if where == f"virtual_workers[{i}]":
-                    table.fail(f"gpus[{j}]", f'GPU "{ref}" appears twice in this virtual worker',
-                               "list each GPU once")
-                table.fail(f"gpus[{j}]", f'GPU "{ref}" is already in {where}',
-                           "a GPU can belong to only one virtual worker: remove it from one of them")
+                    table.fail(
+                        f"gpus[{j}]",
+                        f'GPU "{ref}" appears twice in this virtual worker',
+                        "list each GPU once",
+                    )
+                table.fail(
+                    f"gpus[{j}]",
+                    f'GPU "{ref}" is already in {where}',
+                    "a GPU can belong to only one virtual worker: remove it from one of them",
+                )
             owner[ref] = f"virtual_workers[{i}]"
             refs.append(ref)
         layers = table.ints("layers", None, placeholder="[<int >= 1>, ...]", ge=1)
         if layers is not None and len(layers) != len(refs):
-            table.fail("layers", f"has {len(layers)} entries but gpus has {len(refs)}",
-                       "give one layer count per GPU, in the same order as gpus (or drop layers to let "
-                       "the partitioner choose)")
+            table.fail(
+                "layers",
+                f"has {len(layers)} entries but gpus has {len(refs)}",
+                "give one layer count per GPU, in the same order as gpus (or drop layers to let "
+                "the partitioner choose)",
+            )
         specs.append(VirtualWorkerSpec(gpus=tuple(refs), layers=layers))
     return tuple(specs)
 
@@ -815,12 +939,18 @@ def _gpu_ref(table: _Table, key: str, text: str, nodes: Mapping[str, Node]) -> G
         table.fail(key, f"{_show(text)} is not a GPU reference", 'write "node-name:gpu-index", e.g. "n0:1"')
     if ref.node not in nodes:
         known = list(nodes)
-        table.fail(key, f'unknown node "{ref.node}" in "{text}"',
-                   f"known nodes: {', '.join(known)}{did_you_mean(ref.node, known)}")
+        table.fail(
+            key,
+            f'unknown node "{ref.node}" in "{text}"',
+            f"known nodes: {', '.join(known)}{did_you_mean(ref.node, known)}",
+        )
     count = len(nodes[ref.node].gpus)
     if ref.index >= count:
-        table.fail(key, f'node "{ref.node}" has no GPU {ref.index}',
-                   f'node "{ref.node}" has {count} GPU{"s" if count != 1 else ""}: use index 0..{count - 1}')
+        table.fail(
+            key,
+            f'node "{ref.node}" has no GPU {ref.index}',
+            f'node "{ref.node}" has {count} GPU{"s" if count != 1 else ""}: use index 0..{count - 1}',
+        )
     return ref
 
 
@@ -851,8 +981,11 @@ class _Table:
             if key not in allowed:
                 home = [s for s, keys in _SECTIONS.items() if key in keys and s != self.where]
                 moved = f" (`{key}` belongs under [{home[0]}])" if len(home) == 1 else ""
-                self.fail(_key(key), "unknown key",
-                          f"allowed keys {self.under}: {', '.join(allowed)}{did_you_mean(key, allowed)}{moved}")
+                self.fail(
+                    _key(key),
+                    "unknown key",
+                    f"allowed keys {self.under}: {', '.join(allowed)}{did_you_mean(key, allowed)}{moved}",
+                )
 
     def _get(self, key: str, default: Any, placeholder: str) -> Any:
         if key in self.data:
@@ -862,13 +995,18 @@ class _Table:
         return default
 
     def _type_error(self, key: str, value: Any, kind: str, placeholder: str) -> NoReturn:
-        self.fail(key, f"expected {kind}, got {_show(value)} ({_kind_of(value)})",
-                  f"write `{key} = {placeholder}` {self.under}")
+        self.fail(
+            key,
+            f"expected {kind}, got {_show(value)} ({_kind_of(value)})",
+            f"write `{key} = {placeholder}` {self.under}",
+        )
 
     def _check_range(self, key: str, value: float, kind: str, **bounds: float | None) -> None:
         if not _in_range(value, **bounds):
             text = _range_text(**bounds)
-            self.fail(key, f"must be {text}, got {_show(value)}", f"set `{key}` {self.under} to {kind} {text}")
+            self.fail(
+                key, f"must be {text}, got {_show(value)}", f"set `{key}` {self.under} to {kind} {text}"
+            )
 
     def string(self, key: str, default: Any = _REQUIRED, *, nonempty: bool = False) -> str:
         value = self._get(key, default, '"<str>"')
@@ -884,7 +1022,9 @@ class _Table:
             self.fail(key, f"invalid name {_show(value)}", _NAME_FIX)
         return value
 
-    def integer(self, key: str, default: Any = _REQUIRED, *, ge: int | None = None, le: int | None = None) -> int:
+    def integer(
+        self, key: str, default: Any = _REQUIRED, *, ge: int | None = None, le: int | None = None
+    ) -> int:
         placeholder = f"<int {_range_text(ge=ge, le=le)}>" if ge is not None or le is not None else "<int>"
         value = self._get(key, default, placeholder)
         if not isinstance(value, int) or isinstance(value, bool):
@@ -893,15 +1033,24 @@ class _Table:
         return value
 
     def number(
-        self, key: str, default: Any = _REQUIRED, *, placeholder: str | None = None, kind: str = "a number",
-        gt: float | None = None, ge: float | None = None, lt: float | None = None,
+        self,
+        key: str,
+        default: Any = _REQUIRED,
+        *,
+        placeholder: str | None = None,
+        kind: str = "a number",
+        gt: float | None = None,
+        ge: float | None = None,
+        lt: float | None = None,
     ) -> float:
         placeholder = placeholder or f"<float {_range_text(gt=gt, ge=ge, lt=lt)}>"
         value = self._get(key, default, placeholder)
         if not isinstance(value, int | float) or isinstance(value, bool):
             self._type_error(key, value, kind, placeholder)
         if not math.isfinite(value):
-            self.fail(key, f"must be a finite number, got {_show(value)}", f"set `{key}` {self.under} to {kind}")
+            self.fail(
+                key, f"must be a finite number, got {_show(value)}", f"set `{key}` {self.under} to {kind}"
+            )
         self._check_range(key, value, "a number", gt=gt, ge=ge, lt=lt)
         return float(value)
 
@@ -917,8 +1066,11 @@ class _Table:
         if not isinstance(value, str):
             self._type_error(key, value, "a string", placeholder)
         if value not in choices:
-            self.fail(key, f"unknown value {_show(value)}",
-                      f"choose one of: {', '.join(choices)}{did_you_mean(value, choices)}")
+            self.fail(
+                key,
+                f"unknown value {_show(value)}",
+                f"choose one of: {', '.join(choices)}{did_you_mean(value, choices)}",
+            )
         return value
 
     def strings(self, key: str, *, placeholder: str, nonempty: bool = False) -> tuple[str, ...]:
@@ -929,8 +1081,11 @@ class _Table:
             self.fail(key, "must not be empty", f"write `{key} = {placeholder}` {self.under}")
         for j, item in enumerate(value):
             if not isinstance(item, str):
-                self.fail(f"{key}[{j}]", f"expected a string, got {_show(item)} ({_kind_of(item)})",
-                          f"write `{key} = {placeholder}` {self.under} (strings need quotes)")
+                self.fail(
+                    f"{key}[{j}]",
+                    f"expected a string, got {_show(item)} ({_kind_of(item)})",
+                    f"write `{key} = {placeholder}` {self.under} (strings need quotes)",
+                )
         return tuple(value)
 
     def ints(self, key: str, default: Any, *, placeholder: str, ge: int) -> tuple[int, ...] | None:
@@ -941,10 +1096,17 @@ class _Table:
             self._type_error(key, value, "an array of integers", placeholder)
         for j, item in enumerate(value):
             if not isinstance(item, int) or isinstance(item, bool):
-                self.fail(f"{key}[{j}]", f"expected an integer, got {_show(item)} ({_kind_of(item)})",
-                          f"write `{key} = {placeholder}` {self.under}")
+                self.fail(
+                    f"{key}[{j}]",
+                    f"expected an integer, got {_show(item)} ({_kind_of(item)})",
+                    f"write `{key} = {placeholder}` {self.under}",
+                )
             if item < ge:
-                self.fail(f"{key}[{j}]", f"must be >= {ge}, got {item}", f"write `{key} = {placeholder}` {self.under}")
+                self.fail(
+                    f"{key}[{j}]",
+                    f"must be >= {ge}, got {item}",
+                    f"write `{key} = {placeholder}` {self.under}",
+                )
         return tuple(value)
 
     def options(self, key: str) -> FrozenMap:
@@ -958,8 +1120,11 @@ class _Table:
         value = self.data.get(key, {})
         where = self.at(_key(key))
         if not isinstance(value, dict):
-            self.fail(_key(key), f"expected a table, got {_show(value)} ({_kind_of(value)})",
-                      f"write it as a [{where}] section")
+            self.fail(
+                _key(key),
+                f"expected a table, got {_show(value)} ({_kind_of(value)})",
+                f"write it as a [{where}] section",
+            )
         table = _Table(self.file, where, f"under [{where}]", value)
         if allowed is not None:
             table.only(allowed)
@@ -969,14 +1134,22 @@ class _Table:
         """An array of tables (absent: empty)."""
         value = self.data.get(key, [])
         if not isinstance(value, list):
-            self.fail(key, f"expected an array of tables, got {_kind_of(value)}",
-                      f"write each entry as a [[{key}]] table (double brackets)")
+            self.fail(
+                key,
+                f"expected an array of tables, got {_kind_of(value)}",
+                f"write each entry as a [[{key}]] table (double brackets)",
+            )
         tables = []
         for i, item in enumerate(value):
             if not isinstance(item, dict):
-                self.fail(f"{key}[{i}]", f"expected a table, got {_show(item)} ({_kind_of(item)})",
-                          f"write each entry as a [[{key}]] table (double brackets)")
-            tables.append(_Table(self.file, self.at(f"{key}[{i}]"), f"in the {_ordinal(i + 1)} [[{key}]] table", item))
+                self.fail(
+                    f"{key}[{i}]",
+                    f"expected a table, got {_show(item)} ({_kind_of(item)})",
+                    f"write each entry as a [[{key}]] table (double brackets)",
+                )
+            tables.append(
+                _Table(self.file, self.at(f"{key}[{i}]"), f"in the {_ordinal(i + 1)} [[{key}]] table", item)
+            )
         return tables
 
 
@@ -1008,20 +1181,37 @@ def _show(value: Any) -> str:
 
 
 def _kind_of(value: Any) -> str:
-    kinds = [(bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
-             (list, "an array"), (dict, "a table")]
+    kinds = [
+        (bool, "a boolean"),
+        (int, "an integer"),
+        (float, "a float"),
+        (str, "a string"),
+        (list, "an array"),
+        (dict, "a table"),
+    ]
     return next((name for kind, name in kinds if isinstance(value, kind)), "a date/time")
 
 
-def _in_range(value: float, *, gt: float | None = None, ge: float | None = None,
-              lt: float | None = None, le: float | None = None) -> bool:
-    return ((gt is None or value > gt) and (ge is None or value >= ge)
-            and (lt is None or value < lt) and (le is None or value <= le))
+def _in_range(
+    value: float,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+) -> bool:
+    return (
+        (gt is None or value > gt)
+        and (ge is None or value >= ge)
+        and (lt is None or value < lt)
+        and (le is None or value <= le)
+    )
 
 
-def _range_text(*, gt: float | None = None, ge: float | None = None,
-                lt: float | None = None, le: float | None = None) -> str:
-    """">= 0", "> 0", "in (0, 1)", "in [1024, 65535]"."""
+def _range_text(
+    *, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None
+) -> str:
+    """ ">= 0", "> 0", "in (0, 1)", "in [1024, 65535]"."""
     low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
     high = f"{le}]" if le is not None else f"{lt})" if lt is not None else None
     if low and high:

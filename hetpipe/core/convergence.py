@@ -1,7 +1,8 @@
-"""Samples to a target by training setting (docs/convergence.md): the settings the staleness study measures in the
-single-process reference (launch/bench/staleness.py), the calibration file it writes beside the shipped profiles,
-and the model the planner asks: `samples_to_target(calibration, setting)`, measured where the calibration has the
-setting and from a fitted model elsewhere. Pure: no torch, no I/O beyond reading and writing calibration JSON.
+"""Samples to a target by training setting (docs/convergence.md): the settings the staleness study measures in
+the single-process reference (launch/bench/staleness.py), the calibration file it writes beside the shipped
+profiles, and the model the planner asks: `samples_to_target(calibration, setting)`, measured where the
+calibration has the setting and from a fitted model elsewhere. Pure: no torch, no I/O beyond reading and
+writing calibration JSON.
 """
 
 from __future__ import annotations
@@ -62,19 +63,26 @@ class Setting:
 
     @property
     def label(self) -> str:
-        return (f"{self.vws}x{self.nm}/{self.stages}:{self.schedule}:{self.aggregation}:"
-                f"{format_mitigation(self.mitigation)}:D{self.staleness}")
+        return (
+            f"{self.vws}x{self.nm}/{self.stages}:{self.schedule}:{self.aggregation}:"
+            f"{format_mitigation(self.mitigation)}:D{self.staleness}"
+        )
 
     @property
     def sequential(self) -> bool:
-        """One VW, one minibatch at a time, its own optimizer: plain sequential training whatever the schedule says
-        (with aggregation "server" each step waits D + 1 waves for the PS: not sequential)."""
+        """One VW, one minibatch at a time, its own optimizer: plain sequential training whatever the schedule
+        says (with aggregation "server" each step waits D + 1 waves for the PS: not sequential)."""
         return self.vws == 1 and self.nm == 1 and self.aggregation != "server"
 
     def overrides(self) -> list[str]:
         """The `--set` overrides that train this setting (stages and VWs are the reference's splits)."""
-        return [f"wsp.nm={self.nm}", f"wsp.staleness={self.staleness}", f'train.schedule="{self.schedule}"',
-                f'ps.aggregation="{self.aggregation}"', f'train.mitigation="{format_mitigation(self.mitigation)}"']
+        return [
+            f"wsp.nm={self.nm}",
+            f"wsp.staleness={self.staleness}",
+            f'train.schedule="{self.schedule}"',
+            f'ps.aggregation="{self.aggregation}"',
+            f'train.mitigation="{format_mitigation(self.mitigation)}"',
+        ]
 
 
 def canonical(setting: Setting) -> Setting:
@@ -89,11 +97,16 @@ def canonical(setting: Setting) -> Setting:
       elsewhere), unless pipemare counts its warm-up in waves;
     - pipedream at Nm <= stages is wsp, any VWs (its depth min(Nm, stages) is Nm: the same actions, waves
       and pushes);
-    - at Nm 1 nothing is ever in flight across an update, so wsp and the flushes are one schedule and the stage
-      count does not matter (unless spectrain or pipemare, which this does not claim for).
+    - at Nm 1 nothing is ever in flight across an update, so wsp and the flushes are one schedule and the
+      stage count does not matter (unless spectrain or pipemare, which this does not claim for).
     """
     s = setting
-    if s.schedule == "pipedream" and s.vws == 1 and s.aggregation != "server" and "pipemare" not in s.mitigation:
+    if (
+        s.schedule == "pipedream"
+        and s.vws == 1
+        and s.aggregation != "server"
+        and "pipemare" not in s.mitigation
+    ):
         return canonical(replace(s, schedule="wsp", nm=min(s.nm, s.stages)))
     if s.schedule == "pipedream" and s.nm <= s.stages:
         s = replace(s, schedule="wsp")
@@ -104,12 +117,20 @@ def canonical(setting: Setting) -> Setting:
     if s.schedule == "1f1b-flush":
         lagless = ("spectrain", "pipemare") if s.aggregation != "server" else ("pipemare",)
         s = replace(s, stages=1, mitigation=tuple(m for m in s.mitigation if m not in lagless))
-    if s.nm == 1 and s.schedule in ("wsp", "1f1b-flush") and s.aggregation != "server" \
-            and not {"spectrain", "pipemare"} & set(s.mitigation):
+    if (
+        s.nm == 1
+        and s.schedule in ("wsp", "1f1b-flush")
+        and s.aggregation != "server"
+        and not {"spectrain", "pipemare"} & set(s.mitigation)
+    ):
         s = replace(s, schedule="wsp", stages=1)
     if s.vws == 1 and s.aggregation != "server":
-        s = replace(s, aggregation="sum", staleness=0,
-                    mitigation=tuple(m for m in s.mitigation if m not in ("warmup", "average")))
+        s = replace(
+            s,
+            aggregation="sum",
+            staleness=0,
+            mitigation=tuple(m for m in s.mitigation if m not in ("warmup", "average")),
+        )
     return s
 
 
@@ -121,8 +142,10 @@ def parse_setting(text: str, defaults: Setting | None = None) -> Setting:
     shape, *parts = [p.strip() for p in text.strip().split(":")]
     match = _SHAPE.match(shape)
     if not match or min(int(g) for g in match.groups()) < 1:
-        raise UsageError(f"setting {text!r}: write VWSxNM/STAGES with positive integers, then optional "
-                         ":SCHEDULE :AGGREGATION :MITIGATION :D<n>, e.g. 2x4/3:1f1b-flush:mean:D0")
+        raise UsageError(
+            f"setting {text!r}: write VWSxNM/STAGES with positive integers, then optional "
+            ":SCHEDULE :AGGREGATION :MITIGATION :D<n>, e.g. 2x4/3:1f1b-flush:mean:D0"
+        )
     vws, nm, stages = (int(g) for g in match.groups())
     out = replace(base, vws=vws, nm=nm, stages=stages)
     for part in parts:
@@ -136,8 +159,10 @@ def parse_setting(text: str, defaults: Setting | None = None) -> Setting:
             try:
                 out = replace(out, mitigation=parse_mitigation(part))
             except UsageError as exc:
-                raise UsageError(f"setting {text!r}: {part!r} is no schedule ({', '.join(SCHEDULES)}), aggregation "
-                                 f"({', '.join(AGGREGATIONS)}), D<n> or mitigation: {exc}") from None
+                raise UsageError(
+                    f"setting {text!r}: {part!r} is no schedule ({', '.join(SCHEDULES)}), aggregation "
+                    f"({', '.join(AGGREGATIONS)}), D<n> or mitigation: {exc}"
+                ) from None
     return out
 
 
@@ -147,8 +172,8 @@ def parse_settings(text: str, defaults: Setting | None = None) -> list[Setting]:
 
 
 def median_samples(samples: Sequence[float | None]) -> float | None:
-    """Median over seeds with a seed that never reached the target counted as infinitely many samples; None when
-    the median itself did not reach it."""
+    """Median over seeds with a seed that never reached the target counted as infinitely many samples; None
+    when the median itself did not reach it."""
     if not samples:
         return None
     value = statistics.median(math.inf if s is None else float(s) for s in samples)
@@ -157,29 +182,44 @@ def median_samples(samples: Sequence[float | None]) -> float | None:
 
 @dataclass(frozen=True)
 class Measurement:
-    """A setting measured over seeds at its learning rate `lr` (the one of the calibration's grid that needed the
-    fewest samples for the first seed, `sweep`): samples to the target per seed (None: not within `budget`)."""
+    """A setting measured over seeds at its learning rate `lr` (the one of the calibration's grid that needed
+    the fewest samples for the first seed, `sweep`): samples to the target per seed (None: not within
+    `budget`)."""
 
     setting: Setting
     samples: tuple[float | None, ...]
     best: tuple[float | None, ...] = ()  # per seed, the best metric reached (None: the seed was not run)
     budget: int = 0  # samples each seed trained at most
     lr: float = 0.0
-    sweep: tuple[tuple[float, float | None], ...] = ()  # (lr, samples of the first seed; None: not reached / beaten)
+    sweep: tuple[
+        tuple[float, float | None], ...
+    ] = ()  # (lr, samples of the first seed; None: not reached / beaten)
 
     @property
     def median(self) -> float | None:
         return median_samples(self.samples)
 
     def to_json(self) -> dict[str, Any]:
-        return {"setting": self.setting.label, "lr": self.lr, "samples": list(self.samples), "median": self.median,
-                "best": list(self.best), "budget": self.budget, "sweep": [list(p) for p in self.sweep]}
+        return {
+            "setting": self.setting.label,
+            "lr": self.lr,
+            "samples": list(self.samples),
+            "median": self.median,
+            "best": list(self.best),
+            "budget": self.budget,
+            "sweep": [list(p) for p in self.sweep],
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Measurement:
-        return cls(parse_setting(doc["setting"]), tuple(doc["samples"]), tuple(doc.get("best", ())),
-                   int(doc.get("budget", 0)), float(doc.get("lr", 0.0)),
-                   tuple((float(a), b) for a, b in doc.get("sweep", ())))
+        return cls(
+            parse_setting(doc["setting"]),
+            tuple(doc["samples"]),
+            tuple(doc.get("best", ())),
+            int(doc.get("budget", 0)),
+            float(doc.get("lr", 0.0)),
+            tuple((float(a), b) for a, b in doc.get("sweep", ())),
+        )
 
 
 @dataclass(frozen=True)
@@ -210,8 +250,11 @@ class Calibration:
         return next((m for m in self.measurements if canonical(m.setting) == want), None)
 
     def to_json(self) -> str:
-        doc = {"version": CALIBRATION_VERSION, **{k: v for k, v in asdict(self).items() if k != "measurements"},
-               "measurements": [m.to_json() for m in self.measurements]}
+        doc = {
+            "version": CALIBRATION_VERSION,
+            **{k: v for k, v in asdict(self).items() if k != "measurements"},
+            "measurements": [m.to_json() for m in self.measurements],
+        }
         return json.dumps(doc, indent=1) + "\n"
 
     @classmethod
@@ -219,10 +262,19 @@ class Calibration:
         doc = json.loads(text)
         if doc.get("version") != CALIBRATION_VERSION:
             raise ValueError(f"calibration version {doc.get('version')!r}, expected {CALIBRATION_VERSION}")
-        return cls(doc["model"], doc["options_digest"], int(doc["batch_size"]), doc["optimizer"],
-                   tuple(float(v) for v in doc["lrs"]), doc["metric"], float(doc["target"]), tuple(doc["seeds"]),
-                   tuple(Measurement.from_json(m) for m in doc["measurements"]), doc.get("command", ""),
-                   tuple(doc.get("notes", ())))
+        return cls(
+            doc["model"],
+            doc["options_digest"],
+            int(doc["batch_size"]),
+            doc["optimizer"],
+            tuple(float(v) for v in doc["lrs"]),
+            doc["metric"],
+            float(doc["target"]),
+            tuple(doc["seeds"]),
+            tuple(Measurement.from_json(m) for m in doc["measurements"]),
+            doc.get("command", ""),
+            tuple(doc.get("notes", ())),
+        )
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
@@ -231,23 +283,35 @@ class Calibration:
     def merged(self, other: Calibration) -> Calibration:
         """This calibration with `other`'s measurements added (other's win for the same setting)."""
         keep = [m for m in self.measurements if other.find(m.setting) is None]
-        return replace(self, measurements=tuple(keep) + other.measurements, seeds=other.seeds,
-                       lrs=tuple(sorted({*self.lrs, *other.lrs})),
-                       command="; ".join(c for c in (self.command, other.command) if c))
+        return replace(
+            self,
+            measurements=tuple(keep) + other.measurements,
+            seeds=other.seeds,
+            lrs=tuple(sorted({*self.lrs, *other.lrs})),
+            command="; ".join(c for c in (self.command, other.command) if c),
+        )
 
 
-def calibration_name(model: str, options_digest: str, batch_size: int, optimizer: str,
-                     target: float | None = None) -> str:
+def calibration_name(
+    model: str, options_digest: str, batch_size: int, optimizer: str, target: float | None = None
+) -> str:
     """File name of a calibration under the calibrations folder (hetpipe/calibrations/, beside the shipped
     profiles): the model variant's default one, or with `target` one measured to that target (`-to0.97`)."""
     suffix = "" if target is None else f"-to{target:g}"
     return f"{model}-{options_digest}-b{batch_size}-{optimizer}{suffix}.json"
 
 
-def find_calibration(folder: Path, model: str, options_digest: str, batch_size: int, optimizer: str,
-                     target: float | None = None) -> tuple[Calibration | None, str]:
-    """(the calibration of this model variant, batch and optimizer in `folder`, a note for the user); (None, why)
-    without one. With `target`: the one measured to that target (the default file when its target is that)."""
+def find_calibration(
+    folder: Path,
+    model: str,
+    options_digest: str,
+    batch_size: int,
+    optimizer: str,
+    target: float | None = None,
+) -> tuple[Calibration | None, str]:
+    """(the calibration of this model variant, batch and optimizer in `folder`, a note for the user); (None,
+    why) without one. With `target`: the one measured to that target (the default file when its target is
+    that)."""
     names = [calibration_name(model, options_digest, batch_size, optimizer)]
     if target is not None:
         names.insert(0, calibration_name(model, options_digest, batch_size, optimizer, target))
@@ -257,24 +321,33 @@ def find_calibration(folder: Path, model: str, options_digest: str, batch_size: 
             continue
         cal = Calibration.load(folder / name)
         if target is None or math.isclose(cal.target, target):
-            return cal, (f"convergence calibration {name}: target {cal.metric} {cal.target:g}, "
-                         f"{len(cal.measurements)} settings, each at its best lr of "
-                         f"{', '.join(f'{v:g}' for v in cal.lrs)} (samples to target assume it); "
-                         f"{describe_fit(fit_model(cal))}")
+            return cal, (
+                f"convergence calibration {name}: target {cal.metric} {cal.target:g}, "
+                f"{len(cal.measurements)} settings, each at its best lr of "
+                f"{', '.join(f'{v:g}' for v in cal.lrs)} (samples to target assume it); "
+                f"{describe_fit(fit_model(cal))}"
+            )
         other = other or cal
     to = "" if target is None else f" to target {target:g}"
     have = "" if other is None else f" (there is one to {other.metric} {other.target:g})"
-    return None, (f"no convergence calibration for {model} ({options_digest}) at batch {batch_size} with {optimizer}"
-                  f"{to} in {folder}{have}: ranking by samples/s alone (docs/convergence.md: how to measure one)")
+    return None, (
+        f"no convergence calibration for {model} ({options_digest}) at batch {batch_size} with {optimizer}"
+        f"{to} in {folder}{have}: ranking by samples/s alone (docs/convergence.md: how to measure one)"
+    )
 
 
 def describe_fit(model: ConvergenceModel | None) -> str:
     """One line on the fitted model: its coefficients and errors, or why there is none."""
     if model is None:
-        return "no fitted model (fewer than three reached settings without mitigations): unmeasured settings unknown"
+        return (
+            "no fitted model (fewer than three reached settings without mitigations): "
+            "unmeasured settings unknown"
+        )
     coef = ", ".join(f"{k} {v:+.3f}" for k, v in model.coefficients.items())
-    return (f"fitted model over {model.points} settings ({coef}): leave-one-out error up to {model.fit_error:.0%}, "
-            f"in-sample rms {model.rms_log:.2f} in log samples")
+    return (
+        f"fitted model over {model.points} settings ({coef}): leave-one-out error up to "
+        f"{model.fit_error:.0%}, in-sample rms {model.rms_log:.2f} in log samples"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -290,7 +363,9 @@ class ConvergenceModel:
     fit_error: float
     rms_log: float
     points: int
-    residuals: Mapping[str, float] = field(default_factory=dict)  # setting label -> predicted / measured - 1 (LOO)
+    residuals: Mapping[str, float] = field(
+        default_factory=dict
+    )  # setting label -> predicted / measured - 1 (LOO)
     span: Mapping[str, float] = field(default_factory=dict)  # feature -> the largest value a fitted point has
 
     def factor(self, setting: Setting) -> float:
@@ -298,9 +373,9 @@ class ConvergenceModel:
         return math.exp(sum(self.coefficients.get(k, 0.0) * v for k, v in x.items()))
 
     def unseen(self, setting: Setting) -> list[str]:
-        """The setting's features the fit cannot price: those it has no coefficient for (no reached point had them,
-        or too few points to fit them: a factor would count them as free) and those beyond the largest value a
-        fitted point had (an exponential fit extrapolated runs away), each named with its value."""
+        """The setting's features the fit cannot price: those it has no coefficient for (no reached point had
+        them, or too few points to fit them: a factor would count them as free) and those beyond the largest
+        value a fitted point had (an exponential fit extrapolated runs away), each named with its value."""
         out = []
         for k, v in features(canonical(setting)).items():
             if v != 0.0 and k not in self.coefficients:
@@ -317,15 +392,24 @@ def features(setting: Setting) -> dict[str, float]:
     per_update = s.nm if wave_update else 1  # minibatches in one local update
     global_batch = per_update * (s.vws if s.aggregation in ("mean", "server") else 1)
     # own minibatches whose updates a forward misses at stage 0: wsp Nm - 1, pipedream min(Nm, stages) - 1,
-    # pipedream-2bw about a wave, flushes none (and none with aggregation "server": weights move only at pulls)
+    # pipedream-2bw about a wave, flushes none (and none with aggregation "server": weights move only at
+    # pulls)
     local_lag = 0.0
     if s.aggregation != "server":
-        local_lag = {"wsp": float(s.nm - 1), "pipedream": float(min(s.nm, s.stages) - 1),
-                     "pipedream-2bw": float(s.nm)}.get(s.schedule, 0.0)
-    # other VWs' updates a minibatch misses, in minibatches of one VW: a wave and a half on average, plus D waves
+        local_lag = {
+            "wsp": float(s.nm - 1),
+            "pipedream": float(min(s.nm, s.stages) - 1),
+            "pipedream-2bw": float(s.nm),
+        }.get(s.schedule, 0.0)
+    # other VWs' updates a minibatch misses, in minibatches of one VW: a wave and a half on average, plus D
+    # waves
     global_lag = (s.vws - 1) * s.nm * (1.5 + s.staleness) if s.vws > 1 else 0.0
-    return {"log_batch": math.log2(global_batch), "local_lag": local_lag, "global_lag": global_lag,
-            "sum_overshoot": math.log2(s.vws) if s.aggregation == "sum" else 0.0}
+    return {
+        "log_batch": math.log2(global_batch),
+        "local_lag": local_lag,
+        "global_lag": global_lag,
+        "sum_overshoot": math.log2(s.vws) if s.aggregation == "sum" else 0.0,
+    }
 
 
 def fit_model(calibration: Calibration, names: Iterable[str] | None = None) -> ConvergenceModel | None:
@@ -335,17 +419,20 @@ def fit_model(calibration: Calibration, names: Iterable[str] | None = None) -> C
     seq = calibration.sequential
     if seq is None or seq.median is None:
         return None
-    points = [(canonical(m.setting), math.log(m.median / seq.median)) for m in calibration.measurements
-              if m.median is not None and m is not seq and not canonical(m.setting).mitigation]
+    points = [
+        (canonical(m.setting), math.log(m.median / seq.median))
+        for m in calibration.measurements
+        if m.median is not None and m is not seq and not canonical(m.setting).mitigation
+    ]
     keys = list(names) if names is not None else ["log_batch", "local_lag", "global_lag", "sum_overshoot"]
-    keys = [k for k in keys if any(features(s)[k] != 0.0 for s, _ in points)][:max(0, len(points) - 1)]
+    keys = [k for k in keys if any(features(s)[k] != 0.0 for s, _ in points)][: max(0, len(points) - 1)]
     if not keys:
         return None
     coef = _least_squares(points, keys)
     rms = math.sqrt(sum((_predict(coef, s) - y) ** 2 for s, y in points) / len(points))
     residuals = {}
     for i, (s, y) in enumerate(points):
-        rest = points[:i] + points[i + 1:]
+        rest = points[:i] + points[i + 1 :]
         loo = _least_squares(rest, keys)
         residuals[s.label] = math.exp(_predict(loo, s) - y) - 1.0
     worst = max((abs(r) for r in residuals.values()), default=0.0)
@@ -359,7 +446,8 @@ def _predict(coef: Mapping[str, float], setting: Setting) -> float:
 
 
 def _least_squares(points: Sequence[tuple[Setting, float]], keys: Sequence[str]) -> dict[str, float]:
-    """Normal equations with a tiny ridge (keeps a feature every point has 0 of, or two collinear ones, finite)."""
+    """Normal equations with a tiny ridge (keeps a feature every point has 0 of, or two collinear ones,
+    finite)."""
     n = len(keys)
     a = [[0.0] * n for _ in range(n)]
     b = [0.0] * n
@@ -388,15 +476,19 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
 
 
-def samples_to_target(calibration: Calibration, setting: Setting,
-                      model: ConvergenceModel | None = None) -> tuple[float | None, str]:
+def samples_to_target(
+    calibration: Calibration, setting: Setting, model: ConvergenceModel | None = None
+) -> tuple[float | None, str]:
     """(samples to the calibration's target for `setting`, where the number comes from): the measured median
     when the calibration has the setting ("measured", None when it did not get there), else the sequential
-    samples x the fitted model's factor ("fitted") when the fit has a coefficient for every feature the setting
-    has, within the values it saw (ConvergenceModel.unseen); (None, why) when neither can answer."""
+    samples x the fitted model's factor ("fitted") when the fit has a coefficient for every feature the
+    setting has, within the values it saw (ConvergenceModel.unseen); (None, why) when neither can answer."""
     found = calibration.find(setting)
     if found is not None:
-        return found.median, f"measured at lr {found.lr:g}" if found.median is not None else "measured: not reached"
+        return (
+            found.median,
+            f"measured at lr {found.lr:g}" if found.median is not None else "measured: not reached",
+        )
     seq = calibration.sequential
     if seq is None or seq.median is None:
         return None, "no sequential run in the calibration"
@@ -411,7 +503,9 @@ def samples_to_target(calibration: Calibration, setting: Setting,
         if ratio_of is None:
             return None, f"fitted, but no measurement of {format_mitigation(want.mitigation)} to scale it by"
         ratio, pairs = ratio_of
-        source = f"fitted x {format_mitigation(want.mitigation)} ratio of {pairs} pair{'s' if pairs > 1 else ''}"
+        source = (
+            f"fitted x {format_mitigation(want.mitigation)} ratio of {pairs} pair{'s' if pairs > 1 else ''}"
+        )
     found = calibration.find(plain)
     if found is not None and found.median is not None:
         return found.median * ratio, source.replace("fitted", "measured")
@@ -428,9 +522,9 @@ def lr_of(calibration: Calibration, setting: Setting) -> float | None:
 
 
 def mitigation_ratio(calibration: Calibration, setting: Setting) -> tuple[float, int] | None:
-    """(median over measured pairs of samples with the setting's mitigations / samples without, pairs): pairs of the
-    same schedule and aggregation when there are any, else every pair with these mitigations; None without one.
-    A mitigated run that did not get there counts as the run's budget (a lower bound)."""
+    """(median over measured pairs of samples with the setting's mitigations / samples without, pairs): pairs
+    of the same schedule and aggregation when there are any, else every pair with these mitigations; None
+    without one. A mitigated run that did not get there counts as the run's budget (a lower bound)."""
     want = canonical(setting)
     pairs: list[tuple[Setting, float]] = []
     for m in calibration.measurements:
@@ -449,14 +543,14 @@ def mitigation_ratio(calibration: Calibration, setting: Setting) -> tuple[float,
     return statistics.median(chosen), len(chosen)
 
 
-# ---------------------------------------------------------------------------------------------- the planner's hook
+# ----------------------------------------------------------------------------------------- the planner's hook
 
 
 def setting_of(candidate: Any, aggregation: str, mitigation: tuple[str, ...]) -> Setting | None:
-    """The training setting a planner candidate runs, for samples to target: a hetpipe plan's VWs, Nm, stages (the
-    deepest VW's), schedule and D with the config's aggregation and mitigations; all-reduce over G GPUs is gradient
-    accumulation of G minibatches (1xG/1 with a flush schedule); the synchronous pipeline is sequential training
-    (1x1/1); None for a candidate that cannot run."""
+    """The training setting a planner candidate runs, for samples to target: a hetpipe plan's VWs, Nm, stages
+    (the deepest VW's), schedule and D with the config's aggregation and mitigations; all-reduce over G GPUs
+    is gradient accumulation of G minibatches (1xG/1 with a flush schedule); the synchronous pipeline is
+    sequential training (1x1/1); None for a candidate that cannot run."""
     from hetpipe.core.planner import ALLREDUCE, SYNC_PIPELINE
 
     if not candidate.feasible:
@@ -469,11 +563,14 @@ def setting_of(candidate: Any, aggregation: str, mitigation: tuple[str, ...]) ->
     if plan is None:
         return None
     stages = max(len(vw.stages) for vw in plan.vws)
-    return Setting(len(plan.vws), plan.vws[0].nm, stages, plan.schedule, aggregation, mitigation, plan.staleness)
+    return Setting(
+        len(plan.vws), plan.vws[0].nm, stages, plan.schedule, aggregation, mitigation, plan.staleness
+    )
 
 
-def attach_samples(candidates: Sequence[Any], calibration: Calibration | None, aggregation: str,
-                   mitigation: tuple[str, ...]) -> list[Any]:
+def attach_samples(
+    candidates: Sequence[Any], calibration: Calibration | None, aggregation: str, mitigation: tuple[str, ...]
+) -> list[Any]:
     """The planner's candidates with samples_to_target and samples_source filled in from `calibration` (then
     hetpipe.core.planner.best ranks them by predicted time to target); unchanged without a calibration."""
     if calibration is None:
@@ -491,9 +588,10 @@ def attach_samples(candidates: Sequence[Any], calibration: Calibration | None, a
 
 
 def rules_of(calibration: Calibration) -> list[tuple[str, str, tuple[str, ...]]]:
-    """The training rules (schedule, aggregation, mitigations) the calibration measured, with any number of VWs, in
-    file order: what a search over rules can rank by predicted time to target (a rule measured on one VW prices
-    the planner's one-VW plans; its several-VW plans stay unknown unless the fit has seen what they add)."""
+    """The training rules (schedule, aggregation, mitigations) the calibration measured, with any number of
+    VWs, in file order: what a search over rules can rank by predicted time to target (a rule measured on one
+    VW prices the planner's one-VW plans; its several-VW plans stay unknown unless the fit has seen what they
+    add)."""
     out: list[tuple[str, str, tuple[str, ...]]] = []
     for m in calibration.measurements:
         s = m.setting

@@ -29,19 +29,23 @@ def stage_device(config: ClusterConfig, gpu: str | GpuRef, cuda_count: int) -> s
         return device
     if cuda_count == 0:
         if emulation.enabled:
-            raise UsageError(f'{config.path}: emulation.device = "cuda" but this machine has no CUDA device: set '
-                             'device = "cpu" under [emulation], or run on the machine with the GPUs')
+            raise UsageError(
+                f'{config.path}: emulation.device = "cuda" but this machine has no CUDA device: set '
+                'device = "cpu" under [emulation], or run on the machine with the GPUs'
+            )
         if node.devices:
-            raise UsageError(f"{config.path}: node {node.name} lists devices {list(node.devices)} but this machine has "
-                             "no CUDA device: write \"cpu\" there, or run on the machine with the GPUs")
+            raise UsageError(
+                f"{config.path}: node {node.name} lists devices {list(node.devices)} but this machine has "
+                'no CUDA device: write "cpu" there, or run on the machine with the GPUs'
+            )
         return "cpu"
     index = int(device.split(":")[1])
     if index >= cuda_count:
-        where = f"its devices[{ref.index}] = \"{device}\"" if node.devices else f"GPU {ref.index} is {device}"
+        where = f'its devices[{ref.index}] = "{device}"' if node.devices else f"GPU {ref.index} is {device}"
         raise UsageError(
             f"{config.path}: node {node.name}'s {where}, but this machine has {cuda_count} CUDA device"
-            f"{'s' if cuda_count != 1 else ''}: list devices = [...] under that [[nodes]] table (several GPUs may "
-            f'share one, e.g. devices = {["cuda:0"] * len(node.gpus)})'.replace("'", '"')
+            f"{'s' if cuda_count != 1 else ''}: list devices = [...] under that [[nodes]] table "
+            f"(several GPUs may share one, e.g. devices = {['cuda:0'] * len(node.gpus)})".replace("'", '"')
         )
     return device
 
@@ -50,4 +54,6 @@ def p2p_backend(devices: Sequence[str]) -> str:
     """The stages of a VW talk over NCCL when each has a CUDA device of its own, else over gloo (a CUDA
     tensor then goes through a host buffer: NCCL refuses two ranks on one GPU)."""
     cuda = [d for d in devices if d.startswith("cuda")]
-    return "nccl" if len(cuda) == len(devices) and len(set(cuda)) == len(cuda) and len(devices) > 1 else "gloo"
+    return (
+        "nccl" if len(cuda) == len(devices) and len(set(cuda)) == len(cuda) and len(devices) > 1 else "gloo"
+    )

@@ -126,9 +126,10 @@ class Dilator:
     `cpu_clock` (the stages pass time.thread_time), t is the CPU time the block used and the sleep tops its
     wall time up to slowdown * t: time spent waiting for a core under contention then counts against the
     sleep instead of being multiplied by it, so an emulated device keeps its speed on a busy machine
-    (as long as the devices together fit the cores; see auto_time_scale). Sleeps that overshoot (the OS wakes late) are paid back from the next sleeps, so the long-run
-    dilation stays exact even when single sleeps are not. A block that raises is not dilated.
-    slowdown == 1 (emulation off, or the fastest type at time_scale 1) never sleeps.
+    (as long as the devices together fit the cores; see auto_time_scale). Sleeps that overshoot (the OS wakes
+    late) are paid back from the next sleeps, so the long-run dilation stays exact even when single sleeps are
+    not. A block that raises is not dilated. slowdown == 1 (emulation off, or the fastest type at
+    time_scale 1) never sleeps.
     """
 
     def __init__(
@@ -226,7 +227,10 @@ class LinkEmulator:
 
     @classmethod
     def for_link(
-        cls, link_bandwidth: bool, gbps: float, time_scale: float = 1.0,
+        cls,
+        link_bandwidth: bool,
+        gbps: float,
+        time_scale: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> LinkEmulator:
         """A link as the config asks: emulated when EmulationConfig.link_bandwidth, else off."""

@@ -27,10 +27,13 @@ class UsageError(HetpipeError):
 
 
 def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
-    """' (did you mean "x"?)' for the closest of `choices` (case-insensitive), or "" when none is close; the one
-    choice that starts with `word` (at least 3 characters: "1f1b" for "1f1b-flush") counts as close."""
+    """' (did you mean "x"?)' for the closest of `choices` (case-insensitive), or "" when none is close; the
+    one choice that starts with `word` (at least 3 characters: "1f1b" for "1f1b-flush") counts as close."""
     by_lower = {choice.lower(): choice for choice in choices}
     starting = [c for c in by_lower if len(word) >= 3 and c.startswith(word.lower())]
-    close = starting if len(starting) == 1 else difflib.get_close_matches(word.lower(), list(by_lower), n=1,
-                                                                          cutoff=cutoff)
+    close = (
+        starting
+        if len(starting) == 1
+        else difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=cutoff)
+    )
     return f' (did you mean "{by_lower[close[0]]}"?)' if close else ""

@@ -1,5 +1,6 @@
 """Does a run fit its GPUs: every stage's memory by the memory model (docs/memory.md, hetpipe.core.memory)
-against its GPU type's memory_gib, checked before `hetpipe train` starts anything. Pure: sizes in, findings out.
+against its GPU type's memory_gib, checked before `hetpipe train` starts anything. Pure: sizes in, findings
+out.
 """
 
 from __future__ import annotations
@@ -62,16 +63,25 @@ def memory_error(needs: Sequence[StageNeed], *, model: str, batch_size: int, rul
     if not over:
         return None
     n = over[0]
-    layers = f"layer {n.first_layer}" if n.first_layer == n.last_layer else f"layers {n.first_layer}-{n.last_layer}"
+    layers = (
+        f"layer {n.first_layer}"
+        if n.first_layer == n.last_layer
+        else f"layers {n.first_layer}-{n.last_layer}"
+    )
     more = f" ({len(over) - 1} more stage{'s' * (len(over) > 2)} do not fit either)" if len(over) > 1 else ""
     nm = rule.nm
     fixes = ["lower train.batch_size"] + (["wsp.nm"] if nm > 1 else [])
-    stash = (' (or set train.weight_stashing = false, or train.schedule = "1f1b-flush")'
-             if rule.weight_stashing and nm > 1 and n.need.stashed else "")
+    stash = (
+        ' (or set train.weight_stashing = false, or train.schedule = "1f1b-flush")'
+        if rule.weight_stashing and nm > 1 and n.need.stashed
+        else ""
+    )
     return (
-        f"stage {n.stage} of virtual worker {n.vw} on GPU {n.gpu} ({n.gpu_type}) needs {n.need.total:,} bytes "
-        f"({format_bytes(n.need.total)}) for {layers} of {model} at batch {batch_size} with nm={nm}, but the GPU "
-        f"has {n.available:,} bytes ({format_bytes(n.available)}){more}: {n.need.describe()}\n"
-        f"  {' or '.join(fixes)}{stash}, give the VW more GPUs or another split ([[virtual_workers]] layers), "
+        f"stage {n.stage} of virtual worker {n.vw} on GPU {n.gpu} ({n.gpu_type}) needs "
+        f"{n.need.total:,} bytes ({format_bytes(n.need.total)}) for {layers} of {model} at batch "
+        f"{batch_size} with nm={nm}, but the GPU has {n.available:,} bytes ({format_bytes(n.available)})"
+        f"{more}: {n.need.describe()}\n"
+        f"  {' or '.join(fixes)}{stash}, give the VW more GPUs or another split "
+        "([[virtual_workers]] layers), "
         "or let `hetpipe plan CONFIG --out PLAN` choose VWs and splits that fit and train with --plan PLAN"
     )

@@ -1,5 +1,5 @@
-"""Users' code named as "package.module:function" (their models and datasets), imported like `python -m` would:
-an installed module, else one under the working directory."""
+"""Users' code named as "package.module:function" (their models and datasets), imported like `python -m`
+would: an installed module, else one under the working directory."""
 
 from __future__ import annotations
 
@@ -39,9 +39,13 @@ def import_target(target: str, what: str) -> Callable[..., Any]:
     try:
         module = _import_module(module_name)
     except ImportError as exc:
-        raise UsageError(f'cannot import "{module_name}" for {what}: {exc}; install the package, run from the '
-                         "directory that holds it, or add that directory to PYTHONPATH") from exc
+        raise UsageError(
+            f'cannot import "{module_name}" for {what}: {exc}; install the package, run from the '
+            "directory that holds it, or add that directory to PYTHONPATH"
+        ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise UsageError(f'"{module_name}" has no function "{attr}" for {what}; write it as "package.module:function"')
+        raise UsageError(
+            f'"{module_name}" has no function "{attr}" for {what}; write it as "package.module:function"'
+        )
     return fn

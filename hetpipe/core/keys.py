@@ -1,4 +1,5 @@
-"""CurveZMQ key files of a run: the layout `hetpipe keys` writes, writing a set, and reading keys back. No sockets.
+"""CurveZMQ key files of a run: the layout `hetpipe keys` writes, writing a set, and reading keys back. No
+sockets.
 
 One directory per cluster (or per run):
     server.key  server.key_secret        the PS shards' key pair (every shard uses it)
@@ -73,7 +74,8 @@ def secret_path(directory: Path, user: str) -> Path:
 
 @dataclass(frozen=True)
 class ClientKeys:
-    """What one PS client needs: its key pair and the server's public key (Z85 bytes); the secret never prints."""
+    """What one PS client needs: its key pair and the server's public key (Z85 bytes); the secret never
+    prints."""
 
     user: str
     public: bytes
@@ -95,14 +97,23 @@ class ServerKeys:
 
 def _banner(user: str, secret: bool) -> str:
     if secret:
-        return (f"#   ****  hetpipe CURVE secret key pair: {user}  ****\n"
-                "#   Give it only to the processes that act as this user; never commit it.\n")
-    return (f"#   ****  hetpipe CURVE public key: {user}  ****\n"
-            "#   The PS admits the holder of the matching secret key as this user.\n")
+        return (
+            f"#   ****  hetpipe CURVE secret key pair: {user}  ****\n"
+            "#   Give it only to the processes that act as this user; never commit it.\n"
+        )
+    return (
+        f"#   ****  hetpipe CURVE public key: {user}  ****\n"
+        "#   The PS admits the holder of the matching secret key as this user.\n"
+    )
 
 
 def _key_text(user: str, public: bytes, secret: bytes | None) -> str:
-    lines = [_banner(user, secret is not None), "metadata\n", "curve\n", f'    public-key = "{public.decode()}"\n']
+    lines = [
+        _banner(user, secret is not None),
+        "metadata\n",
+        "curve\n",
+        f'    public-key = "{public.decode()}"\n',
+    ]
     if secret is not None:
         lines.append(f'    secret-key = "{secret.decode()}"\n')
     return "".join(lines)
@@ -121,8 +132,10 @@ def _write_new(path: Path, text: str, mode: int) -> None:
 
 def _need_curve() -> None:
     if not zmq.has("curve"):
-        raise UsageError(f"this pyzmq (libzmq {zmq.zmq_version()}) was built without CURVE support: "
-                         'install a pyzmq wheel with libsodium, or set [ps] auth = "none"')
+        raise UsageError(
+            f"this pyzmq (libzmq {zmq.zmq_version()}) was built without CURVE support: "
+            'install a pyzmq wheel with libsodium, or set [ps] auth = "none"'
+        )
 
 
 def write_keys(directory: Path, users: Sequence[str], *, force: bool = False) -> list[Path]:
@@ -133,10 +146,14 @@ def write_keys(directory: Path, users: Sequence[str], *, force: bool = False) ->
     _need_curve()
     directory = Path(directory)
     names = [SERVER, *users]
-    existing = [p for n in names for p in (public_path(directory, n), secret_path(directory, n)) if p.exists()]
+    existing = [
+        p for n in names for p in (public_path(directory, n), secret_path(directory, n)) if p.exists()
+    ]
     if existing and not force:
-        raise UsageError(f"{existing[0]} exists: {directory} already holds keys; a new set would lock out every "
-                         "process using the old one: give another --out, or --force to replace them")
+        raise UsageError(
+            f"{existing[0]} exists: {directory} already holds keys; a new set would lock out every "
+            "process using the old one: give another --out, or --force to replace them"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o700)
@@ -147,7 +164,9 @@ def write_keys(directory: Path, users: Sequence[str], *, force: bool = False) ->
             _write_new(public_path(directory, name), _key_text(name, public, None), 0o644)
             written += [public_path(directory, name), secret_path(directory, name)]
     except OSError as exc:
-        raise UsageError(f"cannot write keys to {directory}: {exc.strerror or exc}; choose a writable --out") from None
+        raise UsageError(
+            f"cannot write keys to {directory}: {exc.strerror or exc}; choose a writable --out"
+        ) from None
     return written
 
 
@@ -163,8 +182,10 @@ def _read_key_file(path: Path, want_secret: bool) -> tuple[bytes, bytes | None]:
     except OSError as exc:
         raise UsageError(f"{path}: cannot read the key file ({exc.strerror or exc})") from None
     if want_secret and info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise UsageError(f"{path}: a secret key readable by other users (mode {stat.S_IMODE(info.st_mode):o}): "
-                         f"run `chmod 600 {path}`")
+        raise UsageError(
+            f"{path}: a secret key readable by other users (mode {stat.S_IMODE(info.st_mode):o}): "
+            f"run `chmod 600 {path}`"
+        )
     found: dict[str, bytes] = {}
     for line in raw.splitlines():
         match = _KEY_LINE.fullmatch(line)
@@ -178,7 +199,9 @@ def _read_key_file(path: Path, want_secret: bool) -> tuple[bytes, bytes | None]:
             raise UsageError(f"{path}: the {kind} key is not a {_KEY_CHARS}-character Z85 CURVE key; {_FIX}")
     secret = found.get("secret") if want_secret else None
     if secret is not None and zmq.curve_public(secret) != found["public"]:
-        raise UsageError(f"{path}: its secret key does not belong to its public key (an edited file?); {_FIX}")
+        raise UsageError(
+            f"{path}: its secret key does not belong to its public key (an edited file?); {_FIX}"
+        )
     return found["public"], secret
 
 
@@ -211,19 +234,25 @@ def server_keys(directory: Path, num_vws: int | None = None) -> ServerKeys:
     directory = Path(directory)
     public, secret = _read_key_file(secret_path(directory, SERVER), want_secret=True)
     assert secret is not None
-    users = sorted((p.stem for p in directory.glob("*.key") if vw_of_user(p.stem) is not None), key=vw_of_user)
+    users = sorted(
+        (p.stem for p in directory.glob("*.key") if vw_of_user(p.stem) is not None), key=vw_of_user
+    )
     if num_vws is not None:
         missing = [vw_user(v) for v in range(num_vws) if vw_user(v) not in users]
         if missing:
-            raise UsageError(f"{public_path(directory, missing[0])}: no such key file, but the run has {num_vws} "
-                             f"virtual workers; {_FIX} (it writes one pair per VW of the config)")
+            raise UsageError(
+                f"{public_path(directory, missing[0])}: no such key file, but the run has {num_vws} "
+                f"virtual workers; {_FIX} (it writes one pair per VW of the config)"
+            )
     if public_path(directory, ADMIN).exists():
         users.append(ADMIN)
     clients: dict[bytes, str] = {}
     for user in users:
         key = read_public(directory, user)
         if key in clients or key == public:
-            raise UsageError(f"{public_path(directory, user)}: the same public key as "
-                             f"{public_path(directory, clients.get(key, SERVER))}; {_FIX}")
+            raise UsageError(
+                f"{public_path(directory, user)}: the same public key as "
+                f"{public_path(directory, clients.get(key, SERVER))}; {_FIX}"
+            )
         clients[key] = user
     return ServerKeys(public, secret, clients)

@@ -19,8 +19,17 @@ from hetpipe.core.errors import UsageError
 from hetpipe.core.profile import LayerProfile
 from hetpipe.core.schedule import get_schedule, stage_profile
 
-__all__ = ["PLAIN", "WSP", "Keeping", "MemoryRule", "StageMemory", "format_bytes", "ps_shard_bytes", "stage_memory",
-           "stage_memory_terms"]
+__all__ = [
+    "PLAIN",
+    "WSP",
+    "Keeping",
+    "MemoryRule",
+    "StageMemory",
+    "format_bytes",
+    "ps_shard_bytes",
+    "stage_memory",
+    "stage_memory_terms",
+]
 
 
 @dataclass(frozen=True)
@@ -55,9 +64,16 @@ class MemoryRule:
         """The rule a run of `config` with `num_vws` virtual workers follows."""
         t, server = config.train, config.ps.aggregation == "server"
         on_cpu = config.emulation.enabled and config.emulation.device == "cpu"  # else CUDA where there is one
-        return cls(nm=config.wsp.nm, schedule=t.schedule, weight_stashing=t.weight_stashing, recompute=t.recompute,
-                   staleness=config.wsp.staleness, pulls=num_vws > 1 or server, local_updates=not server,
-                   staged_push=not on_cpu)
+        return cls(
+            nm=config.wsp.nm,
+            schedule=t.schedule,
+            weight_stashing=t.weight_stashing,
+            recompute=t.recompute,
+            staleness=config.wsp.staleness,
+            pulls=num_vws > 1 or server,
+            local_updates=not server,
+            staged_push=not on_cpu,
+        )
 
     def with_nm(self, nm: int) -> MemoryRule:
         return replace(self, nm=nm)
@@ -65,8 +81,10 @@ class MemoryRule:
     def keeping(self, stage: int, num_stages: int) -> Keeping:
         """What stage `stage` of `num_stages` keeps at most (docs/memory.md#what-a-stage-keeps)."""
         if stage < 0 or num_stages < 1 or stage >= num_stages or self.nm < 1:
-            raise UsageError(f"keeping needs 0 <= stage < num_stages and nm >= 1, got stage={stage}, "
-                             f"num_stages={num_stages}, nm={self.nm}")
+            raise UsageError(
+                f"keeping needs 0 <= stage < num_stages and nm >= 1, got stage={stage}, "
+                f"num_stages={num_stages}, nm={self.nm}"
+            )
         return _keeping(self, stage, num_stages)
 
 
@@ -76,8 +94,9 @@ def _keeping(rule: MemoryRule, stage: int, num_stages: int) -> Keeping:
     waves = rule.staleness + 4  # enough waves for the steady state of every gate
     seen = stage_profile(kind(num_stages, rule.nm, waves, rule.staleness), stage)
     stashing = kind.stashing != "none" and rule.weight_stashing
-    # own sums: a WAIT of wave c keeps the waves after c - D - 2 (up to D + 1 of them) and the one in progress;
-    # without pulls a push lets its wave go, leaving the pushed one (until sent) and the one in progress
+    # own sums: a WAIT of wave c keeps the waves after c - D - 2 (up to D + 1 of them) and the one in
+    # progress; without pulls a push lets its wave go, leaving the pushed one (until sent) and the one in
+    # progress
     sums = (rule.staleness + 2 if rule.pulls else 2) if rule.ps else 0
     return Keeping(
         in_flight=seen.in_flight,
@@ -113,18 +132,41 @@ class StageMemory:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.gradients + self.optimizer + self.stashed + self.baseline + self.update_sums
-                + self.activations + self.inputs + self.outputs + self.in_transit + self.working + self.push_staging)
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.stashed
+            + self.baseline
+            + self.update_sums
+            + self.activations
+            + self.inputs
+            + self.outputs
+            + self.in_transit
+            + self.working
+            + self.push_staging
+        )
 
     def describe(self) -> str:
         """`weights 1.20 GiB + gradients ... = 7.10 GiB`, for error messages."""
-        parts = [f"{name} {format_bytes(value)}" for name, value in (
-            ("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
-            ("stashed weights", self.stashed), ("update baseline", self.baseline), ("update sums", self.update_sums),
-            ("saved activations", self.activations), ("input buffers", self.inputs), ("outputs", self.outputs),
-            ("gradients in transit", self.in_transit), ("working", self.working),
-            ("push staging", self.push_staging))
-            if value]
+        parts = [
+            f"{name} {format_bytes(value)}"
+            for name, value in (
+                ("weights", self.weights),
+                ("gradients", self.gradients),
+                ("optimizer", self.optimizer),
+                ("stashed weights", self.stashed),
+                ("update baseline", self.baseline),
+                ("update sums", self.update_sums),
+                ("saved activations", self.activations),
+                ("input buffers", self.inputs),
+                ("outputs", self.outputs),
+                ("gradients in transit", self.in_transit),
+                ("working", self.working),
+                ("push staging", self.push_staging),
+            )
+            if value
+        ]
         return " + ".join(parts) + f" = {format_bytes(self.total)}"
 
 

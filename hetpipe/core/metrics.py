@@ -31,8 +31,8 @@ __all__ = [
     "write_summary",
 ]
 
-# What a stage's own thread times, by part (worker/stage.py; docs/architecture.md#where-a-waves-time-goes); its PS
-# thread adds push, pull and parked, and `train` is its whole training loop
+# What a stage's own thread times, by part (worker/stage.py; docs/architecture.md#where-a-waves-time-goes);
+# its PS thread adds push, pull and parked, and `train` is its whole training loop
 STAGE_PARTS = ("compute", "recv", "send", "d2h", "push_wait", "gate_wait", "h2d")
 MAX_TRACE_EVENTS = 50_000  # per stage (about 30 MB of Python objects): a long run keeps its first and newest
 
@@ -100,7 +100,7 @@ _CATEGORY = re.compile(r"[A-Za-z]+")
 
 
 def _category(name: str) -> str:
-    """"F3" -> "f", "PUSH1" -> "push": lets Perfetto filter forwards, backwards, pushes, waits."""
+    """ "F3" -> "f", "PUSH1" -> "push": lets Perfetto filter forwards, backwards, pushes, waits."""
     match = _CATEGORY.match(name)
     return match[0].lower() if match else "span"
 
@@ -139,8 +139,13 @@ class TraceRecorder:
         """Record an event measured elsewhere: start in Unix microseconds, duration in microseconds; `tid`
         puts it on another row (e.g. the stage's PS traffic thread), default this recorder's."""
         event: dict[str, Any] = {
-            "name": name, "cat": _category(name), "ph": "X", "ts": ts_us, "dur": dur_us,
-            "pid": 0, "tid": self.tid if tid is None else tid,
+            "name": name,
+            "cat": _category(name),
+            "ph": "X",
+            "ts": ts_us,
+            "dur": dur_us,
+            "pid": 0,
+            "tid": self.tid if tid is None else tid,
         }
         if args:
             event["args"] = args
@@ -167,16 +172,28 @@ class TraceRecorder:
             self.add(name, round(ts_us, 3), round((self._clock() - start) * 1e6, 3), **args)
 
     def dump(self, path: str | Path, other: Mapping[str, Any] | None = None) -> None:
-        """Write a trace file of this thread alone (viewable as is; merge_traces combines several); `other` goes
-        into its otherData (a stage puts its totals there: stage_totals reads them)."""
+        """Write a trace file of this thread alone (viewable as is; merge_traces combines several); `other`
+        goes into its otherData (a stage puts its totals there: stage_totals reads them)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = [_meta("process_name", 0, 0, self.pid_label), _meta("thread_name", 0, self.tid, self.thread_label)]
+        meta = [
+            _meta("process_name", 0, 0, self.pid_label),
+            _meta("thread_name", 0, self.tid, self.thread_label),
+        ]
         meta += [_meta("thread_name", 0, tid, label) for tid, label in self.other_threads.items()]
         if self.dropped:  # an instant event where the gap is, saying what was left out
             gap = self.last[0]["ts"] if self.last else 0.0
-            meta.append({"name": f"{self.dropped} events left out (trace keeps {self.head} first and "
-                                 f"{self.last.maxlen} newest)", "ph": "i", "s": "t", "ts": gap, "pid": 0, "tid": self.tid})
+            meta.append(
+                {
+                    "name": f"{self.dropped} events left out (trace keeps {self.head} first and "
+                    f"{self.last.maxlen} newest)",
+                    "ph": "i",
+                    "s": "t",
+                    "ts": gap,
+                    "pid": 0,
+                    "tid": self.tid,
+                }
+            )
         document: dict[str, Any] = {"traceEvents": meta + self.events}
         if other:
             document["otherData"] = dict(other)
@@ -199,15 +216,20 @@ def stage_totals(trace_dir: str | Path) -> dict[tuple[int, int], dict[str, Any]]
     return out
 
 
-def stage_breakdown_ms(times: Mapping[tuple[int, int], Mapping[str, float]], waves: int
-                       ) -> dict[tuple[int, int], dict[str, float]]:
-    """Per (vw, stage), ms per wave in each part it timed (STAGE_PARTS on its own thread; push, pull and parked on
-    its PS thread; train: its whole training loop), over `waves` waves."""
-    return {key: {part: round(1000 * seconds / max(waves, 1), 3) for part, seconds in parts.items()}
-            for key, parts in sorted(times.items())}
+def stage_breakdown_ms(
+    times: Mapping[tuple[int, int], Mapping[str, float]], waves: int
+) -> dict[tuple[int, int], dict[str, float]]:
+    """Per (vw, stage), ms per wave in each part it timed (STAGE_PARTS on its own thread; push, pull and
+    parked on its PS thread; train: its whole training loop), over `waves` waves."""
+    return {
+        key: {part: round(1000 * seconds / max(waves, 1), 3) for part, seconds in parts.items()}
+        for key, parts in sorted(times.items())
+    }
 
 
-def wave_breakdown_ms(times: Mapping[tuple[int, int], Mapping[str, float]], waves: int) -> dict[str, dict[str, float]]:
+def wave_breakdown_ms(
+    times: Mapping[tuple[int, int], Mapping[str, float]], waves: int
+) -> dict[str, dict[str, float]]:
     """Per VW ("0", "1", ...), ms per wave in each part: the most any of the VW's stages spent there
     (stage_breakdown_ms)."""
     out: dict[str, dict[str, float]] = {}
@@ -224,7 +246,7 @@ def _meta(kind: str, pid: int, tid: int, value: str | int) -> dict[str, Any]:
 
 
 def _natural(text: str) -> list[Any]:
-    """"vw10" after "vw2": digit runs compare as numbers."""
+    """ "vw10" after "vw2": digit runs compare as numbers."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
@@ -237,7 +259,9 @@ def merge_traces(paths: Sequence[str | Path], out_path: str | Path) -> None:
     spans: list[tuple[str, dict[str, Any]]] = []
     for path in paths:
         events = json.loads(Path(path).read_text(encoding="utf-8"))["traceEvents"]
-        process = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+        process = {
+            e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"
+        }
         for event in events:
             label = process.get(event["pid"], f"pid {event['pid']}")
             if label not in labels:
@@ -262,7 +286,11 @@ def merge_traces(paths: Sequence[str | Path], out_path: str | Path) -> None:
     ]
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    document = {"traceEvents": meta + merged, "displayTimeUnit": "ms", "otherData": {"origin_unix_us": origin}}
+    document = {
+        "traceEvents": meta + merged,
+        "displayTimeUnit": "ms",
+        "otherData": {"origin_unix_us": origin},
+    }
     out_path.write_text(json.dumps(document), encoding="utf-8")
 
 
@@ -274,12 +302,12 @@ class VwProgress:
     """One virtual worker's line of the live view."""
 
     vw: int
-    gpus: str                 # label of its GPUs in stage order, e.g. "titan-v,rtx-2060"
-    wave: int                 # waves completed, c_local
-    loss: float | None        # latest training loss; None before the first
+    gpus: str  # label of its GPUs in stage order, e.g. "titan-v,rtx-2060"
+    wave: int  # waves completed, c_local
+    loss: float | None  # latest training loss; None before the first
     samples_per_s: float
-    lead: int                 # c_local - c_global, waves ahead of the slowest VW
-    gate_wait_s: float        # total time its stages spent waiting at the WSP gate
+    lead: int  # c_local - c_global, waves ahead of the slowest VW
+    gate_wait_s: float  # total time its stages spent waiting at the WSP gate
 
 
 def _duration(seconds: float) -> str:
@@ -295,8 +323,12 @@ def _duration(seconds: float) -> str:
 def _progress_cells(row: VwProgress, total_waves: int) -> list[str]:
     loss = "-" if row.loss is None else f"{row.loss:.3f}"
     return [
-        f"vw{row.vw} [{row.gpus}]", f"{row.wave}/{total_waves}", loss,
-        f"{row.samples_per_s:.0f}", f"{row.lead:+d}", f"{row.gate_wait_s:.1f}",
+        f"vw{row.vw} [{row.gpus}]",
+        f"{row.wave}/{total_waves}",
+        loss,
+        f"{row.samples_per_s:.0f}",
+        f"{row.lead:+d}",
+        f"{row.gate_wait_s:.1f}",
     ]
 
 
@@ -313,7 +345,8 @@ def format_progress(
     cells = [_progress_cells(row, total_waves) for row in rows]
     widths = [max((len(c[i]) for c in cells), default=0) for i in range(6)]
     lines = [
-        f"{c[0]:<{widths[0]}} wave {c[1]:>{widths[1]}}  loss {c[2]:>{widths[2]}}  {c[3]:>{widths[3]}} samples/s"
+        f"{c[0]:<{widths[0]}} wave {c[1]:>{widths[1]}}  loss {c[2]:>{widths[2]}}  "
+        f"{c[3]:>{widths[3]}} samples/s"
         f"  lead {c[4]:>{widths[4]}}  gate wait {c[5]:>{widths[5]}} s"
         for c in cells
     ]

@@ -1,7 +1,7 @@
-"""Staleness mitigations (`[train] mitigation`, docs/convergence.md): their names, what each needs, and the pure
-arithmetic both the runtime (hetpipe.compute.stage_compute) and the reference (hetpipe.compute.reference) take
-from here: learning-rate factors, how many own updates a minibatch's weights lag, the discrepancy-correction
-decay. No torch; the tensor arithmetic is written in the two compute modules.
+"""Staleness mitigations (`[train] mitigation`, docs/convergence.md): their names, what each needs, and the
+pure arithmetic both the runtime (hetpipe.compute.stage_compute) and the reference (hetpipe.compute.reference)
+take from here: learning-rate factors, how many own updates a minibatch's weights lag, the
+discrepancy-correction decay. No torch; the tensor arithmetic is written in the two compute modules.
 
   pipemare   PipeMare (Yang et al., MLSys 2021; seed notes 002, slides 13 and 18): T1, each stage's learning
              rate divided by its delay tau = 1 + (own updates a minibatch's gradient arrives late), the power
@@ -58,8 +58,10 @@ def parse_mitigation(text: str) -> tuple[str, ...]:
     for part in parts:
         if part not in MITIGATIONS:
             hint = ' ("none" stands alone)' if part == "none" else did_you_mean(part, MITIGATIONS)
-            raise UsageError(f'unknown mitigation "{part}" in "{text}": known mitigations are {known}, joined '
-                             f'with "+" (e.g. "spectrain+warmup"){hint}')
+            raise UsageError(
+                f'unknown mitigation "{part}" in "{text}": known mitigations are {known}, joined '
+                f'with "+" (e.g. "spectrain+warmup"){hint}'
+            )
         if parts.count(part) > 1:
             raise UsageError(f'mitigation "{part}" is named twice in "{text}": name it once')
     return tuple(m for m in MITIGATIONS if m in parts)
@@ -70,20 +72,40 @@ def format_mitigation(names: Sequence[str]) -> str:
     return "+".join(names) if names else "none"
 
 
-def mitigation_conflicts(names: Sequence[str], *, aggregation: str, schedule_stashing: str,
-                         weight_stashing: bool) -> list[tuple[str, str]]:
+def mitigation_conflicts(
+    names: Sequence[str], *, aggregation: str, schedule_stashing: str, weight_stashing: bool
+) -> list[tuple[str, str]]:
     """(what is wrong, the fix) for each mitigation that cannot run with these settings; [] when all can."""
     out = []
     if "average" in names and aggregation != "mean":
-        out.append((f'"average" averages the VWs\' models, but ps.aggregation is "{aggregation}"',
-                    'set [ps] aggregation = "mean"'))
+        out.append(
+            (
+                f'"average" averages the VWs\' models, but ps.aggregation is "{aggregation}"',
+                'set [ps] aggregation = "mean"',
+            )
+        )
     for name in ("warmup", "pipemare"):
         if name in names and aggregation == "server":
-            out.append((f'"{name}" sets the VWs\' local learning rates, but with ps.aggregation = "server" the PS '
-                        "runs the optimizer", 'use aggregation "sum" or "mean", or drop it'))
-    if "spectrain" in names and aggregation != "server" and schedule_stashing == "optional" and not weight_stashing:
-        out.append(('"spectrain" runs each forward and its backward on a predicted copy of the weights, but '
-                    "weight_stashing is false", "set weight_stashing = true"))
+            out.append(
+                (
+                    f'"{name}" sets the VWs\' local learning rates, but with ps.aggregation = "server" '
+                    "the PS runs the optimizer",
+                    'use aggregation "sum" or "mean", or drop it',
+                )
+            )
+    if (
+        "spectrain" in names
+        and aggregation != "server"
+        and schedule_stashing == "optional"
+        and not weight_stashing
+    ):
+        out.append(
+            (
+                '"spectrain" runs each forward and its backward on a predicted copy of the weights, but '
+                "weight_stashing is false",
+                "set weight_stashing = true",
+            )
+        )
     return out
 
 
@@ -118,7 +140,8 @@ def stage_lags(actions: Sequence[object]) -> dict[int, Lag]:
 
 
 def pipemare_lr_factor(update_lag: int, wave: int, warmup_waves: int) -> float:
-    """PipeMare T1: 1 / tau ** p with tau = 1 + update_lag and p = 1 - wave / warmup_waves (0 from then on)."""
+    """PipeMare T1: 1 / tau ** p with tau = 1 + update_lag and p = 1 - wave / warmup_waves (0 from then
+    on)."""
     power = max(0.0, 1.0 - wave / warmup_waves) if warmup_waves > 0 else 0.0
     return 1.0 if update_lag == 0 or power == 0.0 else (1.0 + update_lag) ** -power
 

@@ -1,4 +1,5 @@
-"""Partitioning one virtual worker (docs/planning.md#partitioner): contiguous split, GPU order and Nm. Pure, no torch.
+"""Partitioning one virtual worker (docs/planning.md#partitioner): contiguous split, GPU order and Nm. Pure,
+no torch.
 
 Stage j runs layers [start, stop) on GPU j. Its time per minibatch is its layers' forward + backward on
 that GPU's type plus its boundary transfers (bytes / link bandwidth): receiving the input activation and
@@ -29,7 +30,11 @@ from hetpipe.core.schedule import get_schedule, simulate
 __all__ = ["Gpu", "best_order_and_nm", "minibatch_time_s", "partition"]
 
 Gpu = tuple[str, str, int]  # (GPU reference "node:index", GPU type, memory in bytes)
-NEVER_DRAINS = ("wsp", "pipedream", "pipedream-2bw")  # schedules whose pipe, once full (Nm >= k), never drains
+NEVER_DRAINS = (
+    "wsp",
+    "pipedream",
+    "pipedream-2bw",
+)  # schedules whose pipe, once full (Nm >= k), never drains
 _TIE = 1e-9  # relative: stage times this close count as equal for the memory tie-break
 
 
@@ -62,8 +67,10 @@ def partition(
         over = [s for s in vw.stages if s.memory_bytes > s.memory_limit_bytes]
         if over:
             j = vw.stages.index(over[0])
-            raise HetpipeError(problem.overflow_message(j, split, rule, f"the fixed split {list(split)}")
-                               + ": move layers off that stage, lower batch_size, lower nm, or add GPUs to the VW")
+            raise HetpipeError(
+                problem.overflow_message(j, split, rule, f"the fixed split {list(split)}")
+                + ": move layers off that stage, lower batch_size, lower nm, or add GPUs to the VW"
+            )
         return vw
     found = problem.solve(rule)
     if found is None:
@@ -90,9 +97,9 @@ def best_order_and_nm(
 
     Choice, per order: the split for every Nm, scored by minibatch_time_s under rule.schedule - the
     bottleneck when Nm >= k and the schedule never drains, else its simulated steady state (computed only
-    when it could win). The order keeps the *largest* Nm with its best time (docs/planning.md#partitioner: the largest that
-    fits; a larger Nm is never bought with a slower split). Across orders: least time, then lower peak
-    memory use, then smaller Nm, then the earlier order. So Nm < k is chosen only when no Nm >= k does
+    when it could win). The order keeps the *largest* Nm with its best time (docs/planning.md#partitioner: the
+    largest that fits; a larger Nm is never bought with a slower split). Across orders: least time, then lower
+    peak memory use, then smaller Nm, then the earlier order. So Nm < k is chosen only when no Nm >= k does
     as well, typically because nothing with Nm >= k fits or nm_max < k.
     """
     _check_nm(nm_max, "nm_max")
@@ -100,8 +107,10 @@ def best_order_and_nm(
         raise UsageError("a virtual worker needs at least one GPU")
     missing = sorted({t for _, t, _ in gpus} - set(profiles))
     if missing:
-        raise UsageError(f"no profile for GPU type(s) {', '.join(missing)}: profile the model on them "
-                         f"(hetpipe.compute.profiler.cached_profile) or derive one (derive_profile)")
+        raise UsageError(
+            f"no profile for GPU type(s) {', '.join(missing)}: profile the model on them "
+            f"(hetpipe.compute.profiler.cached_profile) or derive one (derive_profile)"
+        )
     k = len(gpus)
     tables: dict[int, _Tables] = {}
     best: tuple[tuple[float, float, int, int], _Problem, _Solution] | None = None
@@ -185,8 +194,10 @@ class _Tables:
         saved = span([layer.saved_bytes for layer in layers], np.int64)
         working = np.zeros((n + 1, n + 1), dtype=np.int64)
         for s in range(n):
-            working[s, s + 1:] = np.maximum.accumulate([layer.working_bytes for layer in layers[s:]])
-        act_in = np.asarray([profile.input_bytes] + [layer.output_bytes for layer in layers[:-1]], dtype=np.int64)
+            working[s, s + 1 :] = np.maximum.accumulate([layer.working_bytes for layer in layers[s:]])
+        act_in = np.asarray(
+            [profile.input_bytes] + [layer.output_bytes for layer in layers[:-1]], dtype=np.int64
+        )
         inputs = np.broadcast_to(np.append(act_in, 0)[:, None], (n + 1, n + 1))
         act_out = np.asarray([0] + [layer.output_bytes for layer in layers], dtype=np.int64)
         outputs = np.broadcast_to(act_out[None, :], (n + 1, n + 1))
@@ -212,36 +223,54 @@ class _Problem:
     tables: tuple[_Tables, ...]
 
     @classmethod
-    def build(cls, profiles: Sequence[ModelProfile], gpus: Sequence[Gpu], link_gbps: Sequence[float],
-              reserve_bytes: int, cache: dict[int, _Tables] | None = None) -> _Problem:
+    def build(
+        cls,
+        profiles: Sequence[ModelProfile],
+        gpus: Sequence[Gpu],
+        link_gbps: Sequence[float],
+        reserve_bytes: int,
+        cache: dict[int, _Tables] | None = None,
+    ) -> _Problem:
         k = len(gpus)
         if k == 0:
             raise UsageError("a virtual worker needs at least one GPU")
         if len(profiles) != k:
-            raise UsageError(f"{len(profiles)} profiles for {k} GPUs: give one profile per GPU, in stage order")
+            raise UsageError(
+                f"{len(profiles)} profiles for {k} GPUs: give one profile per GPU, in stage order"
+            )
         if len(link_gbps) != k - 1:
-            raise UsageError(f"{len(link_gbps)} link bandwidths for {k} GPUs: give k - 1 = {k - 1}, "
-                             "one between each pair of consecutive GPUs")
+            raise UsageError(
+                f"{len(link_gbps)} link bandwidths for {k} GPUs: give k - 1 = {k - 1}, "
+                "one between each pair of consecutive GPUs"
+            )
         for j, rate in enumerate(link_gbps):
             if not (rate > 0 and math.isfinite(rate)):
-                raise UsageError(f"link_gbps[{j}] (between {gpus[j][0]} and {gpus[j + 1][0]}) must be a finite "
-                                 f"number > 0, got {rate!r}")
+                raise UsageError(
+                    f"link_gbps[{j}] (between {gpus[j][0]} and {gpus[j + 1][0]}) must be a finite "
+                    f"number > 0, got {rate!r}"
+                )
         if reserve_bytes < 0:
             raise UsageError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
         first = profiles[0]
         for j, p in enumerate(profiles):
             if (p.model, p.batch_size, p.num_layers) != (first.model, first.batch_size, first.num_layers):
-                raise UsageError(f"profile {j} is {p.model} at batch {p.batch_size} with {p.num_layers} layers, "
-                                 f"profile 0 is {first.model} at batch {first.batch_size} with {first.num_layers}: "
-                                 "profile the same model at the same batch size on every GPU type")
+                raise UsageError(
+                    f"profile {j} is {p.model} at batch {p.batch_size} with {p.num_layers} layers, "
+                    f"profile 0 is {first.model} at batch {first.batch_size} with {first.num_layers}: "
+                    "profile the same model at the same batch size on every GPU type"
+                )
         n = first.num_layers
         if n < k:
-            raise UsageError(f"cannot split {first.model}'s {n} layers over {k} GPUs: each stage needs at least "
-                             f"one layer; use at most {n} GPUs in this virtual worker")
+            raise UsageError(
+                f"cannot split {first.model}'s {n} layers over {k} GPUs: each stage needs at least "
+                f"one layer; use at most {n} GPUs in this virtual worker"
+            )
         cache = {} if cache is None else cache
         tables = tuple(cache.setdefault(id(p), _Tables.of(p)) for p in profiles)
         caps = tuple(int(mem) - reserve_bytes for _, _, mem in gpus)
-        return cls(tuple(profiles), tuple(gpus), tuple(float(r) for r in link_gbps), caps, reserve_bytes, tables)
+        return cls(
+            tuple(profiles), tuple(gpus), tuple(float(r) for r in link_gbps), caps, reserve_bytes, tables
+        )
 
     # -- tables per position
 
@@ -271,18 +300,27 @@ class _Problem:
         """stage_memory_terms(...).total of every [s, e) at position j, as a table."""
         t, k = self.tables[j], len(self.gpus)
         keep = rule.keeping(j, k)
-        copies = 2 + keep.stashed + keep.update_sums + int(keep.baseline) + int(keep.push_staging)  # weights, gradients, ...
+        copies = (
+            2 + keep.stashed + keep.update_sums + int(keep.baseline) + int(keep.push_staging)
+        )  # weights, gradients, ...
         boundary = keep.in_flight * t.inputs
         if j < k - 1:  # outputs kept as backward roots, and the output gradient received
             boundary = boundary + (keep.in_flight + 1) * t.outputs
         if j > 0:  # input gradients sent back, in the P2P window
             boundary = boundary + (rule.nm + 1) * t.inputs
-        return (copies * t.weights + (t.optimizer if keep.optimizer else 0) + t.working + keep.saved * t.saved
-                + boundary)
+        return (
+            copies * t.weights
+            + (t.optimizer if keep.optimizer else 0)
+            + t.working
+            + keep.saved * t.saved
+            + boundary
+        )
 
     # -- the dynamic programme
 
-    def _min_max(self, values: Sequence[np.ndarray], allowed: Sequence[np.ndarray]) -> tuple[float, list[np.ndarray]]:
+    def _min_max(
+        self, values: Sequence[np.ndarray], allowed: Sequence[np.ndarray]
+    ) -> tuple[float, list[np.ndarray]]:
         """min over splits of max_j values[j][s_j, e_j], stages restricted to `allowed`; argmins per stage."""
         n = values[0].shape[0] - 1
         lower = np.tri(n + 1, dtype=bool)  # stop <= start
@@ -333,10 +371,15 @@ class _Problem:
 
     def check_split(self, split: Sequence[int]) -> tuple[int, ...]:
         n, k = self.profiles[0].num_layers, len(self.gpus)
-        if (len(split) != k or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in split)
-                or sum(split) != n):
-            raise UsageError(f"fixed split {list(split)} does not fit {self.profiles[0].model}: give {k} layer "
-                             f"counts (one per GPU), each >= 1, summing to its {n} layers")
+        if (
+            len(split) != k
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in split)
+            or sum(split) != n
+        ):
+            raise UsageError(
+                f"fixed split {list(split)} does not fit {self.profiles[0].model}: give {k} layer "
+                f"counts (one per GPU), each >= 1, summing to its {n} layers"
+            )
         return tuple(split)
 
     def stage_plan(self, j: int, start: int, stop: int, rule: MemoryRule) -> StagePlan:
@@ -354,16 +397,24 @@ class _Problem:
         memory = stage_memory_terms(layers, j, len(self.gpus), rule, input_bytes=act_in).total
         ref, gpu_type, _ = self.gpus[j]
         return StagePlan(
-            gpu=ref, gpu_type=gpu_type, start=start, stop=stop,
-            forward_s=sum(layer.forward_s for layer in layers), backward_s=sum(layer.backward_s for layer in layers),
-            recv_s=recv, send_s=send, memory_bytes=memory, memory_limit_bytes=self.caps[j],
+            gpu=ref,
+            gpu_type=gpu_type,
+            start=start,
+            stop=stop,
+            forward_s=sum(layer.forward_s for layer in layers),
+            backward_s=sum(layer.backward_s for layer in layers),
+            recv_s=recv,
+            send_s=send,
+            memory_bytes=memory,
+            memory_limit_bytes=self.caps[j],
         )
 
     def plan(self, split: Sequence[int], rule: MemoryRule) -> VwPlan:
         bounds = [0, *itertools.accumulate(split)]
         stages = tuple(self.stage_plan(j, s, e, rule) for j, (s, e) in enumerate(itertools.pairwise(bounds)))
-        return VwPlan(stages=stages, nm=rule.nm,
-                      param_bytes=sum(layer.param_bytes for layer in self.profiles[0].layers))
+        return VwPlan(
+            stages=stages, nm=rule.nm, param_bytes=sum(layer.param_bytes for layer in self.profiles[0].layers)
+        )
 
     def steady_time(self, split: Sequence[int], rule: MemoryRule) -> float:
         return minibatch_time_s(self.plan(split, rule), rule.schedule, rule.recompute)
@@ -382,24 +433,35 @@ class _Problem:
         act_in = profile.input_bytes if start == 0 else profile.layers[start - 1].output_bytes
         terms = stage_memory_terms(profile.layers[start:stop], j, len(self.gpus), rule, input_bytes=act_in)
         layers = f"layer {start}" if stop - start == 1 else f"layers {start}-{stop - 1}"
-        return (f"{profile.model} at batch {profile.batch_size}, nm={rule.nm}: with {which}, {self._where(j)} needs "
-                f"{format_bytes(terms.total)} for {layers} but has {format_bytes(max(self.caps[j], 0))} usable "
-                f"({terms.describe()})")
+        return (
+            f"{profile.model} at batch {profile.batch_size}, nm={rule.nm}: with {which}, "
+            f"{self._where(j)} needs "
+            f"{format_bytes(terms.total)} for {layers} but has {format_bytes(max(self.caps[j], 0))} usable "
+            f"({terms.describe()})"
+        )
 
     def infeasible_message(self, rule: MemoryRule, *, orders_tried: bool = False) -> str:
         _, split = self.least_overcommit(rule)
         k = len(self.gpus)
-        usage = [self.stage_memory(j, rule)[sum(split[:j]), sum(split[:j + 1])] for j in range(k)]
+        usage = [self.stage_memory(j, rule)[sum(split[:j]), sum(split[: j + 1])] for j in range(k)]
         j = max(range(k), key=lambda i: usage[i] / max(self.caps[i], 1))
-        which = (f"the best case (the split {list(split)}, which needs the least memory, "
-                 f"in the best order of the GPUs, with nm=1)" if orders_tried
-                 else f"the best case (the split {list(split)}, which needs the least memory)")
-        fix = ("lower batch_size, lower nm, or add GPUs to the VW" if rule.nm > 1
-               else "lower batch_size or add GPUs to the VW")
+        which = (
+            f"the best case (the split {list(split)}, which needs the least memory, "
+            f"in the best order of the GPUs, with nm=1)"
+            if orders_tried
+            else f"the best case (the split {list(split)}, which needs the least memory)"
+        )
+        fix = (
+            "lower batch_size, lower nm, or add GPUs to the VW"
+            if rule.nm > 1
+            else "lower batch_size or add GPUs to the VW"
+        )
         if rule.weight_stashing and rule.nm > 1 and rule.schedule == "wsp":
             fix += ' (or turn weight_stashing off, or use a flushing schedule such as "1f1b-flush")'
-        return (f"no split of {self.profiles[0].model} over virtual worker {', '.join(g[0] for g in self.gpus)} "
-                f"fits: {self.overflow_message(j, split, rule, which)}\n  {fix}")
+        return (
+            f"no split of {self.profiles[0].model} over virtual worker {', '.join(g[0] for g in self.gpus)} "
+            f"fits: {self.overflow_message(j, split, rule, which)}\n  {fix}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -413,7 +475,9 @@ def _check_nm(nm: int, what: str) -> None:
 def _link(link_gbps: Callable[[str, str], float], a: str, b: str) -> float:
     rate = link_gbps(a, b)
     if not (rate > 0 and math.isfinite(rate)):
-        raise UsageError(f"link bandwidth between {a} and {b} must be a finite number > 0 Gbit/s, got {rate!r}")
+        raise UsageError(
+            f"link bandwidth between {a} and {b} must be a finite number > 0 Gbit/s, got {rate!r}"
+        )
     return float(rate)
 
 

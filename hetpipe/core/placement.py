@@ -6,8 +6,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from hetpipe.core.errors import UsageError
 
-__all__ = ["PLACEMENTS", "balanced_placement", "get_placement", "keys_by_shard", "layer_of_key", "layer_shards",
-           "local_placement"]
+__all__ = [
+    "PLACEMENTS",
+    "balanced_placement",
+    "get_placement",
+    "keys_by_shard",
+    "layer_of_key",
+    "layer_shards",
+    "local_placement",
+]
 
 Placement = Callable[[Mapping[str, int], int], dict[str, int]]
 
@@ -49,20 +56,24 @@ def layer_shards(gpus: Sequence[str], split: Sequence[int], nodes: Sequence[str]
     for gpu, count in zip(gpus, split, strict=True):
         node = gpu.rsplit(":", 1)[0]
         if node not in nodes:
-            raise UsageError(f"GPU {gpu!r} is on node {node!r}, which is not one of the nodes {', '.join(nodes)}")
+            raise UsageError(
+                f"GPU {gpu!r} is on node {node!r}, which is not one of the nodes {', '.join(nodes)}"
+            )
         out += [list(nodes).index(node)] * count
     return tuple(out)
 
 
 def local_placement(keys: Iterable[str], shard_of_layer: Sequence[int]) -> dict[str, int]:
-    """ED-local (the HetPipe paper's): each key on the shard of the node that runs its layer (layer_shards of the
-    first VW, so every VW places each key alike; with ED every VW runs a layer on the same node, so its pushes and
-    pulls stay inside that node)."""
+    """ED-local (the HetPipe paper's): each key on the shard of the node that runs its layer (layer_shards of
+    the first VW, so every VW places each key alike; with ED every VW runs a layer on the same node, so its
+    pushes and pulls stay inside that node)."""
     out = {}
     for key in keys:
         layer = layer_of_key(key)
         if not 0 <= layer < len(shard_of_layer):
-            raise UsageError(f"key {key!r} is in layer {layer}, but the layout has {len(shard_of_layer)} layers")
+            raise UsageError(
+                f"key {key!r} is in layer {layer}, but the layout has {len(shard_of_layer)} layers"
+            )
         out[key] = shard_of_layer[layer]
     return out
 

@@ -63,7 +63,9 @@ class Plan:
     placement: str = "balanced"
     schedule: str = "wsp"  # the pipeline schedule every VW runs (hetpipe.core.schedule)
     recompute: bool = False
-    aggregation: str = ""  # the PS's aggregation it was planned under ("": a plan file from before, the config's)
+    aggregation: str = (
+        ""  # the PS's aggregation it was planned under ("": a plan file from before, the config's)
+    )
     mitigation: str = ""  # the staleness mitigation it was planned under ("": the config's)
 
     def to_json(self) -> str:
@@ -73,7 +75,9 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         vws = tuple(
-            VwPlan(stages=tuple(StagePlan(**s) for s in vw["stages"]), nm=vw["nm"], param_bytes=vw["param_bytes"])
+            VwPlan(
+                stages=tuple(StagePlan(**s) for s in vw["stages"]), nm=vw["nm"], param_bytes=vw["param_bytes"]
+            )
             for vw in data.pop("vws")
         )
         return cls(vws=vws, **data)

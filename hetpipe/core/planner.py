@@ -1,4 +1,5 @@
-"""The planner: allocation policy x GPU order/partition/Nm x D, each plan predicted by the simulator, plus the baselines. Pure."""
+"""The planner: allocation policy x GPU order/partition/Nm x D, each plan predicted by the simulator, plus the
+baselines. Pure."""
 
 from __future__ import annotations
 
@@ -41,9 +42,17 @@ __all__ = [
 ]
 
 D_VALUES = (0, 1, 2, 4)
-SCHEDULES = ("wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe")  # every schedule the runtime has (hetpipe.core.schedule)
+SCHEDULES = (
+    "wsp",
+    "pipedream",
+    "pipedream-2bw",
+    "1f1b-flush",
+    "gpipe",
+)  # every schedule the runtime has (hetpipe.core.schedule)
 D_TOLERANCE = 0.02  # a larger D must predict more than 2% more samples/s to be chosen over a smaller one
-ALLREDUCE = "allreduce"  # baseline: Horovod/DDP-style data parallelism over the GPUs that hold the whole model
+ALLREDUCE = (
+    "allreduce"  # baseline: Horovod/DDP-style data parallelism over the GPUs that hold the whole model
+)
 SYNC_PIPELINE = "sync-pipeline"  # baseline: one GPipe-like pipeline over all GPUs, flushed every minibatch
 # Under emulation every "link" is this machine's loopback (docs/emulation.md#measured-limits): gloo send/recv
 # ~3.4 GB/s between stages, ZeroMQ ~4.5 GB/s to the PS. The runtime does not stretch transfers.
@@ -89,10 +98,13 @@ class Candidate:
     gate_wait_share: float = 0.0  # WSP: share of stage time blocked at the gate
     ps_utilisation: float = 0.0  # WSP: busy share of the PS link
     comm_share: float = 0.0  # baselines: share of the step spent synchronising
-    run_samples_per_s: float = 0.0  # WSP: all samples / makespan of the simulated run (fill and drain included)
+    run_samples_per_s: float = (
+        0.0  # WSP: all samples / makespan of the simulated run (fill and drain included)
+    )
     schedule: str | None = None  # the pipeline schedule of a hetpipe candidate
     # Samples to the convergence calibration's target (hetpipe.core.convergence.attach_samples): None when not
-    # known or not reached; `samples_source` says where the number comes from ("" when no calibration was given).
+    # known or not reached; `samples_source` says where the number comes from ("" when no calibration was
+    # given).
     samples_to_target: float | None = None
     samples_source: str = ""
 
@@ -109,7 +121,11 @@ class Candidate:
     def label(self) -> str:
         if self.staleness is None:
             return self.policy
-        return f"{self.policy} {self.schedule} D={self.staleness}" if self.schedule else f"{self.policy} D={self.staleness}"
+        return (
+            f"{self.policy} {self.schedule} D={self.staleness}"
+            if self.schedule
+            else f"{self.policy} D={self.staleness}"
+        )
 
     @property
     def gpus_used(self) -> int:
@@ -117,7 +133,8 @@ class Candidate:
 
     @property
     def time_to_target_s(self) -> float | None:
-        """Predicted seconds to the calibration's target: samples to target / samples/s (None when unknown)."""
+        """Predicted seconds to the calibration's target: samples to target / samples/s (None when
+        unknown)."""
         if self.samples_to_target is None or not self.samples_per_s > 0:
             return None
         return self.samples_to_target / self.samples_per_s
@@ -131,14 +148,17 @@ class Candidate:
 # ---------------------------------------------------------------------------------------------- profiles
 
 
-def emulated_profiles(config: ClusterConfig, cpu_profile: ModelProfile, cores: int) -> dict[str, ModelProfile]:
-    """Every GPU type's profile under emulation: the CPU's times x the type's slowdown (hetpipe.core.emulate.slowdowns).
+def emulated_profiles(
+    config: ClusterConfig, cpu_profile: ModelProfile, cores: int
+) -> dict[str, ModelProfile]:
+    """Every GPU type's profile under emulation: the CPU's times x the type's slowdown
+    (hetpipe.core.emulate.slowdowns).
 
     The slowdown is (fastest speed / the type's speed) x time_scale, time_scale from [emulation] or, for
     "auto", auto_time_scale over all the cluster's GPUs (the runtime uses the GPUs of the run's VWs: the same
-    set when a plan uses every GPU). So predictions are in wall seconds of `hetpipe train` on this machine. Times
-    are also x the profile's origin.emulation_cost: what a whole step costs an emulated device in CPU time beyond
-    the layer-by-layer profile (docs/emulation.md#what-dilation-costs).
+    set when a plan uses every GPU). So predictions are in wall seconds of `hetpipe train` on this machine.
+    Times are also x the profile's origin.emulation_cost: what a whole step costs an emulated device in CPU
+    time beyond the layer-by-layer profile (docs/emulation.md#what-dilation-costs).
     """
 
     speeds = gpu_speeds(config)
@@ -146,12 +166,18 @@ def emulated_profiles(config: ClusterConfig, cpu_profile: ModelProfile, cores: i
     fastest = max(speeds.values())
     used = {config.gpu(ref).name for ref in config.all_gpus()}
     cost = cpu_profile.origin.emulation_cost if cpu_profile.origin is not None else 1.0
-    return {name: derive_profile(cpu_profile, t.speed, fastest, time_scale * cost, gpu_type=name)
-            for name, t in config.gpu_types.items() if name in used}
+    return {
+        name: derive_profile(cpu_profile, t.speed, fastest, time_scale * cost, gpu_type=name)
+        for name, t in config.gpu_types.items()
+        if name in used
+    }
 
 
-def supplied_profiles(config: ClusterConfig, found: Mapping[str, ModelProfile]) -> tuple[dict[str, ModelProfile], list[str]]:
-    """Profiles for real GPUs: `found` (type -> measured profile) completed by speed ratio for the missing types.
+def supplied_profiles(
+    config: ClusterConfig, found: Mapping[str, ModelProfile]
+) -> tuple[dict[str, ModelProfile], list[str]]:
+    """Profiles for real GPUs: `found` (type -> measured profile) completed by speed ratio for the missing
+    types.
 
     A missing type's times are those of the fastest type that has a profile x (its speed / missing speed),
     memory sizes unchanged; the notes say which were scaled. UsageError when no type has a profile.
@@ -160,41 +186,59 @@ def supplied_profiles(config: ClusterConfig, found: Mapping[str, ModelProfile]) 
     have = [name for name in used if name in found]
     if not have:
         raise UsageError(
-            f"no profile of {config.model.name} at batch {config.train.batch_size} for any GPU type of {config.path} "
-            f"({', '.join(used)}): on a machine with one of them run `hetpipe profile {config.model.name} --batch "
-            f"{config.train.batch_size} --gpu-type {used[0]} --device cuda --out DIR/{used[0]}.json` and pass "
+            f"no profile of {config.model.name} at batch {config.train.batch_size} for any GPU type of "
+            f"{config.path} ({', '.join(used)}): on a machine with one of them run "
+            f"`hetpipe profile {config.model.name} --batch {config.train.batch_size} --gpu-type {used[0]} "
+            f"--device cuda --out DIR/{used[0]}.json` and pass "
             "--profile-dir DIR, or derive one here from a CPU profile: `hetpipe profile ... --gpu-type "
-            f"{used[0]} --like cpu --speed RATIO` (RATIO: its FLOP rate over this CPU's); types without a profile "
-            "are scaled from one that has it by speed")
+            f"{used[0]} --like cpu --speed RATIO` (RATIO: its FLOP rate over this CPU's); "
+            "types without a profile are scaled from one that has it by speed"
+        )
     source = max(have, key=lambda name: (config.gpu_types[name].speed, name))
     profiles, notes = {}, []
     for name in used:
         if name in found:
             profiles[name] = found[name]
         else:
-            profiles[name] = derive_profile(found[source], config.gpu_types[name].speed,
-                                            config.gpu_types[source].speed, 1.0, gpu_type=name)
-            notes.append(f"{name}: no profile given, times scaled from {source} by speed "
-                         f"{config.gpu_types[source].speed:g}/{config.gpu_types[name].speed:g}")
+            profiles[name] = derive_profile(
+                found[source],
+                config.gpu_types[name].speed,
+                config.gpu_types[source].speed,
+                1.0,
+                gpu_type=name,
+            )
+            notes.append(
+                f"{name}: no profile given, times scaled from {source} by speed "
+                f"{config.gpu_types[source].speed:g}/{config.gpu_types[name].speed:g}"
+            )
     return profiles, notes
 
 
-def derived_profiles(config: ClusterConfig, measured: ModelProfile) -> tuple[dict[str, ModelProfile], list[str]]:
+def derived_profiles(
+    config: ClusterConfig, measured: ModelProfile
+) -> tuple[dict[str, ModelProfile], list[str]]:
     """Profiles for real GPUs none of which was measured: each type's derived from `measured` (another device)
     by FLOP rate, reading the type's `speed` as its TFLOPS: times x measured.origin.device_tflops / speed,
     memory sizes unchanged (derive_profile). UsageError when `measured` does not record its device's rate.
     """
     origin = measured.origin
     if origin is None or not origin.device_tflops > 0:
-        raise UsageError(f"the {measured.gpu_type} profile of {measured.model} does not record its device's FLOP rate "
-                         "(origin.device_tflops): measure it again with `hetpipe profile`")
+        raise UsageError(
+            f"the {measured.gpu_type} profile of {measured.model} does not record its device's FLOP rate "
+            "(origin.device_tflops): measure it again with `hetpipe profile`"
+        )
     used = _used_types(config)
-    profiles = {name: derive_profile(measured, config.gpu_types[name].speed, origin.device_tflops, 1.0, gpu_type=name)
-                for name in used}
+    profiles = {
+        name: derive_profile(measured, config.gpu_types[name].speed, origin.device_tflops, 1.0, gpu_type=name)
+        for name in used
+    }
     speeds = ", ".join(f"{name} {config.gpu_types[name].speed:g}" for name in used)
-    note = (f"{', '.join(used)}: no profile measured on them; derived from a {origin.device} profile ({origin.device_name}, "
-            f"{origin.device_tflops:.3g} TFLOPS by its matmul) by FLOP rate, times x {origin.device_tflops:.3g} / speed "
-            f"read as TFLOPS ({speeds}), memory unchanged: the predictions' ratios mean more than their values")
+    note = (
+        f"{', '.join(used)}: no profile measured on them; derived from a {origin.device} profile "
+        f"({origin.device_name}, {origin.device_tflops:.3g} TFLOPS by its matmul) by FLOP rate, times x "
+        f"{origin.device_tflops:.3g} / speed read as TFLOPS ({speeds}), memory unchanged: the predictions' "
+        "ratios mean more than their values"
+    )
     return profiles, [note]
 
 
@@ -224,17 +268,17 @@ def plan_candidates(
 ) -> list[Candidate]:
     """Every candidate plan for `config` with its prediction, then the baselines (docs/planning.md).
 
-    For each allocation policy (np, ed, hd, dp; explicit when the config lists VWs) each VW gets its GPU order,
-    split and Nm from the partitioner (Nm up to `nm_max`, default max(config's nm, the largest VW)). The
-    runtime runs one Nm for all VWs, so the planner then picks one common Nm among those the VWs chose (the
-    one with the highest n_vws x slowest-VW rate, larger on ties) and re-splits the others at it. A VW whose
-    GPUs cannot hold the model is left out, with a note; a policy none of whose VWs fit is infeasible. Each
-    such grouping is simulated for every D in `d_values` (and the config's D) for `waves` waves. All of this
-    for each schedule of `schedules` (default: the config's train.schedule first, then the others of
+    For each allocation policy (np, ed, hd, dp; explicit when the config lists VWs) each VW gets its GPU
+    order, split and Nm from the partitioner (Nm up to `nm_max`, default max(config's nm, the largest VW)).
+    The runtime runs one Nm for all VWs, so the planner then picks one common Nm among those the VWs chose
+    (the one with the highest n_vws x slowest-VW rate, larger on ties) and re-splits the others at it. A VW
+    whose GPUs cannot hold the model is left out, with a note; a policy none of whose VWs fit is infeasible.
+    Each such grouping is simulated for every D in `d_values` (and the config's D) for `waves` waves. All of
+    this for each schedule of `schedules` (default: the config's train.schedule first, then the others of
     SCHEDULES); a schedule changes both the partition (what a stage keeps: hetpipe.core.memory) and the time.
-    `slower_but_fewer`: for a ranking by time to target, also what trades samples/s for samples to target: each
-    grouping with Nm capped below the one it chose, and with only its fastest 1, 2, ... VWs (less staleness and
-    a smaller global batch); groupings that come out the same are planned once.
+    `slower_but_fewer`: for a ranking by time to target, also what trades samples/s for samples to target:
+    each grouping with Nm capped below the one it chose, and with only its fastest 1, 2, ... VWs (less
+    staleness and a smaller global batch); groupings that come out the same are planned once.
 
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
     GPUs (default: NetworkConfig.link_gbps of [network]); `ps_network`: the nodes' own links the PS traffic
@@ -246,14 +290,21 @@ def plan_candidates(
     batch = config.train.batch_size
     _check_profiles(config, profiles_by_type)
     link = link_gbps or config.network.link_gbps
-    names = list(policies) if policies is not None else ["np", "ed", "hd", "dp"] + (["explicit"] if config.virtual_workers else [])
+    names = (
+        list(policies)
+        if policies is not None
+        else ["np", "ed", "hd", "dp"] + (["explicit"] if config.virtual_workers else [])
+    )
     ds = sorted({*d_values, config.wsp.staleness})
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in ds):
         raise UsageError(f"staleness values must be integers >= 0, got {ds}")
     if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
         raise UsageError(f"waves must be an integer >= 1, got {waves!r}")
-    wanted = list(schedules) if schedules is not None else [
-        config.train.schedule, *(n for n in SCHEDULES if n != config.train.schedule)]
+    wanted = (
+        list(schedules)
+        if schedules is not None
+        else [config.train.schedule, *(n for n in SCHEDULES if n != config.train.schedule)]
+    )
     search = _Search(config, profiles_by_type, link, reserve_bytes)
     server = config.ps.aggregation == "server"
     out: list[Candidate] = []
@@ -263,29 +314,59 @@ def plan_candidates(
             if isinstance(grouping, str):
                 out.append(Candidate(policy, None, None, 0.0, reason=grouping, schedule=schedule))
                 continue
-            groupings = (search.slower_but_fewer(grouping, policy, schedule) if slower_but_fewer
-                         else search.fewer([grouping], schedule))
+            groupings = (
+                search.slower_but_fewer(grouping, policy, schedule)
+                if slower_but_fewer
+                else search.fewer([grouping], schedule)
+            )
             recompute = config.train.recompute and schedule in ("1f1b-flush", "gpipe")
             for (vws, notes), d in itertools.product(groupings, ds):
                 rule = search.rule(schedule, d, len(vws))
                 sized = tuple(search.with_memory(vw, rule) for vw in vws)
-                over = [(v, j, st) for v, vw in enumerate(sized) for j, st in enumerate(vw.stages)
-                        if st.memory_bytes > st.memory_limit_bytes]
+                over = [
+                    (v, j, st)
+                    for v, vw in enumerate(sized)
+                    for j, st in enumerate(vw.stages)
+                    if st.memory_bytes > st.memory_limit_bytes
+                ]
                 if over:
                     v, j, st = over[0]
-                    out.append(Candidate(policy, d, None, 0.0, reason=(
-                        f"{schedule} with D={d} (a stage keeps {d + 2 if rule.pulls else 2} update sums): vw{v} stage {j} "
-                        f"on {st.gpu} ({st.gpu_type}) "
-                        f"needs {format_bytes(st.memory_bytes)} of {format_bytes(st.memory_limit_bytes)}"),
-                        schedule=schedule))
+                    out.append(
+                        Candidate(
+                            policy,
+                            d,
+                            None,
+                            0.0,
+                            reason=(
+                                f"{schedule} with D={d} (a stage keeps "
+                                f"{d + 2 if rule.pulls else 2} update sums): vw{v} stage {j} "
+                                f"on {st.gpu} ({st.gpu_type}) "
+                                f"needs {format_bytes(st.memory_bytes)} of "
+                                f"{format_bytes(st.memory_limit_bytes)}"
+                            ),
+                            schedule=schedule,
+                        )
+                    )
                     continue
-                plan = Plan(policy, search.any_profile.model, batch, d, sized, placement=config.ps.placement,
-                            schedule=schedule, recompute=recompute, aggregation=config.ps.aggregation,
-                            mitigation=config.train.mitigation)
+                plan = Plan(
+                    policy,
+                    search.any_profile.model,
+                    batch,
+                    d,
+                    sized,
+                    placement=config.ps.placement,
+                    schedule=schedule,
+                    recompute=recompute,
+                    aggregation=config.ps.aggregation,
+                    mitigation=config.train.mitigation,
+                )
                 network = ps_network
                 if network is not None and config.ps.placement == "local":
-                    network = dataclasses.replace(network, layer_nodes=_layer_nodes(sized[0]), layer_bytes=tuple(
-                        float(layer.param_bytes) for layer in search.any_profile.layers))
+                    network = dataclasses.replace(
+                        network,
+                        layer_nodes=_layer_nodes(sized[0]),
+                        layer_bytes=tuple(float(layer.param_bytes) for layer in search.any_profile.layers),
+                    )
                 out.append(_predict(plan, notes, waves, ps_gbps, config.ps.shards, server, network))
     if baselines:
         out.append(search.allreduce())
@@ -306,20 +387,24 @@ def best(candidates: Sequence[Candidate]) -> Candidate:
     runnable = [c for c in candidates if c.runnable]
     if not runnable:
         reasons = "\n".join(f"  {c.label}: {c.reason}" for c in candidates if c.reason)
-        raise UsageError(f"no plan fits this cluster:\n{reasons}\n  lower batch_size, use a smaller model, "
-                         "or add GPUs with more memory")
+        raise UsageError(
+            f"no plan fits this cluster:\n{reasons}\n  lower batch_size, use a smaller model, "
+            "or add GPUs with more memory"
+        )
     timed = [c for c in runnable if c.time_to_target_s is not None]
     if timed:
         return min(timed, key=lambda c: (c.time_to_target_s, c.staleness or 0, candidates.index(c)))
     top = max(c.samples_per_s for c in runnable)
     close = [c for c in runnable if c.samples_per_s >= top * (1 - D_TOLERANCE)]
-    return min(close, key=lambda c: (c.staleness or 0, own_lag(c.plan), -c.samples_per_s, candidates.index(c)))
+    return min(
+        close, key=lambda c: (c.staleness or 0, own_lag(c.plan), -c.samples_per_s, candidates.index(c))
+    )
 
 
 def own_lag(plan: Plan | None) -> int:
-    """A plan's local staleness: the own minibatches whose updates the forward of a wave's first minibatch misses
-    at a VW's first stage, past the pipe's fill (wsp Nm - 1, pipedream min(Nm, k) - 1, pipedream-2bw Nm, the
-    flushes 0), read off the schedule's lists; the most over the VWs (0 for a baseline)."""
+    """A plan's local staleness: the own minibatches whose updates the forward of a wave's first minibatch
+    misses at a VW's first stage, past the pipe's fill (wsp Nm - 1, pipedream min(Nm, k) - 1, pipedream-2bw
+    Nm, the flushes 0), read off the schedule's lists; the most over the VWs (0 for a baseline)."""
     if plan is None:
         return 0
     kind = get_schedule(plan.schedule)
@@ -330,27 +415,40 @@ def _check_profiles(config: ClusterConfig, profiles: Mapping[str, ModelProfile])
     used = sorted({name for node in config.nodes for name in node.gpus})
     missing = [name for name in used if name not in profiles]
     if missing:
-        raise UsageError(f"no profile for GPU type(s) {', '.join(missing)}: profile {config.model.name} on them "
-                         "(`hetpipe profile`) or scale one from another type")
+        raise UsageError(
+            f"no profile for GPU type(s) {', '.join(missing)}: profile {config.model.name} on them "
+            "(`hetpipe profile`) or scale one from another type"
+        )
     first = profiles[used[0]]
     for name in used:
         p = profiles[name]
         if p.batch_size != config.train.batch_size:
-            raise UsageError(f"the {name} profile is at batch {p.batch_size} but {config.path} trains at batch "
-                             f"{config.train.batch_size}: profile at batch {config.train.batch_size}")
+            raise UsageError(
+                f"the {name} profile is at batch {p.batch_size} but {config.path} trains at batch "
+                f"{config.train.batch_size}: profile at batch {config.train.batch_size}"
+            )
         if (p.model, p.num_layers) != (first.model, first.num_layers):
-            raise UsageError(f"the {name} profile is {p.model} with {p.num_layers} layers, the {used[0]} one "
-                             f"{first.model} with {first.num_layers}: profile the same model on every type")
+            raise UsageError(
+                f"the {name} profile is {p.model} with {p.num_layers} layers, the {used[0]} one "
+                f"{first.model} with {first.num_layers}: profile the same model on every type"
+            )
 
 
 class _Search:
     """The cluster's GPUs as the partitioner sees them, and the per-policy and baseline searches."""
 
-    def __init__(self, config: ClusterConfig, profiles: Mapping[str, ModelProfile],
-                 link: Callable[[str, str], float], reserve: int) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        profiles: Mapping[str, ModelProfile],
+        link: Callable[[str, str], float],
+        reserve: int,
+    ) -> None:
         self.config, self.profiles, self.link, self.reserve = config, profiles, link, reserve
         self.batch = config.train.batch_size
-        self.any_profile = profiles[config.nodes[0].gpus[0]]  # the model's layers and sizes (same on every type)
+        self.any_profile = profiles[
+            config.nodes[0].gpus[0]
+        ]  # the model's layers and sizes (same on every type)
         self.solved: dict[tuple, VwPlan | HetpipeError] = {}
 
     def gpu(self, ref: GpuRef) -> Gpu:
@@ -361,10 +459,15 @@ class _Search:
         return [self.link(a[0], b[0]) for a, b in zip(gpus, gpus[1:], strict=False)]
 
     def rule(self, schedule: str, staleness: int, num_vws: int) -> MemoryRule:
-        """What the stages keep under `schedule` (memory), from the config's training and PS settings (Nm is set
-        per candidate)."""
-        return dataclasses.replace(MemoryRule.of(self.config, num_vws), nm=1, schedule=schedule, staleness=staleness,
-                                   recompute=self.config.train.recompute and schedule in ("1f1b-flush", "gpipe"))
+        """What the stages keep under `schedule` (memory), from the config's training and PS settings (Nm is
+        set per candidate)."""
+        return dataclasses.replace(
+            MemoryRule.of(self.config, num_vws),
+            nm=1,
+            schedule=schedule,
+            staleness=staleness,
+            recompute=self.config.train.recompute and schedule in ("1f1b-flush", "gpipe"),
+        )
 
     def with_memory(self, vw: VwPlan, rule: MemoryRule) -> VwPlan:
         """The VW's stages with their memory recomputed under `rule` (its D sets how many update sums a stage
@@ -374,14 +477,17 @@ class _Search:
         for j, s in enumerate(vw.stages):
             profile = self.profiles[s.gpu_type]
             act_in = profile.input_bytes if s.start == 0 else profile.layers[s.start - 1].output_bytes
-            memory = stage_memory_terms(profile.layers[s.start:s.stop], j, k, rule.with_nm(vw.nm), input_bytes=act_in)
+            memory = stage_memory_terms(
+                profile.layers[s.start : s.stop], j, k, rule.with_nm(vw.nm), input_bytes=act_in
+            )
             stages.append(dataclasses.replace(s, memory_bytes=memory.total))
         return dataclasses.replace(vw, stages=tuple(stages))
 
     # -- HetPipe groupings
 
-    def grouping(self, policy: str, nm_max: int | None, schedule: str = "wsp"
-                 ) -> tuple[tuple[VwPlan, ...], tuple[str, ...]] | str:
+    def grouping(
+        self, policy: str, nm_max: int | None, schedule: str = "wsp"
+    ) -> tuple[tuple[VwPlan, ...], tuple[str, ...]] | str:
         """The VWs of `policy` at one common Nm under `schedule`, with notes; or why the policy cannot run."""
         from hetpipe.core.cluster import allocate
 
@@ -413,11 +519,22 @@ class _Search:
                     vws.append(vw)
                     continue
                 try:
-                    vws.append(partition([self.profiles[g[1]] for g in gpus], gpus, self.links_of(gpus), nm,
-                                         rule=rule, reserve_bytes=self.reserve, fixed_split=split))
+                    vws.append(
+                        partition(
+                            [self.profiles[g[1]] for g in gpus],
+                            gpus,
+                            self.links_of(gpus),
+                            nm,
+                            rule=rule,
+                            reserve_bytes=self.reserve,
+                            fixed_split=split,
+                        )
+                    )
                 except HetpipeError as exc:
-                    dropped.append(f"vw{v} ({_gpu_list(gpus)}) left out: the others at nm={nm} without it predict "
-                                   f"more than with it at its nm={vw.nm}, and at nm={nm} {_first_line(exc)}")
+                    dropped.append(
+                        f"vw{v} ({_gpu_list(gpus)}) left out: the others at nm={nm} without it predict "
+                        f"more than with it at its nm={vw.nm}, and at nm={nm} {_first_line(exc)}"
+                    )
             if not vws:
                 continue
             slowest = max(minibatch_time_s(vw, schedule, rule.recompute) for vw in vws)
@@ -428,10 +545,11 @@ class _Search:
         _, vws, dropped = chosen
         return tuple(self.with_params(vw) for vw in vws), tuple(left_out + dropped)
 
-    def slower_but_fewer(self, grouping: tuple[tuple[VwPlan, ...], tuple[str, ...]], policy: str,
-                         schedule: str) -> list[tuple[tuple[VwPlan, ...], tuple[str, ...]]]:
-        """`grouping`, then the policy's groupings at every smaller Nm cap, then each of these with only its fastest
-        1, 2, ... VWs (plan_candidates' slower_but_fewer); each distinct set of VWs once."""
+    def slower_but_fewer(
+        self, grouping: tuple[tuple[VwPlan, ...], tuple[str, ...]], policy: str, schedule: str
+    ) -> list[tuple[tuple[VwPlan, ...], tuple[str, ...]]]:
+        """`grouping`, then the policy's groupings at every smaller Nm cap, then each of these with only its
+        fastest 1, 2, ... VWs (plan_candidates' slower_but_fewer); each distinct set of VWs once."""
         out = [grouping]
         for cap in range(grouping[0][0].nm - 1, 0, -1):
             found = self.grouping(policy, cap, schedule)  # cap < the chosen Nm <= nm_max
@@ -439,19 +557,28 @@ class _Search:
                 out.append(found)
         return self.fewer(out, schedule)
 
-    def fewer(self, groupings: list[tuple[tuple[VwPlan, ...], tuple[str, ...]]], schedule: str
-              ) -> list[tuple[tuple[VwPlan, ...], tuple[str, ...]]]:
-        """`groupings`, then each with only its fastest 1, 2, ... VWs: under WSP every VW runs at the slowest one's
-        wave rate and adds its own PS traffic, so leaving slow VWs out can give more samples/s (and, with a
-        calibration, fewer samples to target); each distinct set of VWs once."""
+    def fewer(
+        self, groupings: list[tuple[tuple[VwPlan, ...], tuple[str, ...]]], schedule: str
+    ) -> list[tuple[tuple[VwPlan, ...], tuple[str, ...]]]:
+        """`groupings`, then each with only its fastest 1, 2, ... VWs: under WSP every VW runs at the slowest
+        one's wave rate and adds its own PS traffic, so leaving slow VWs out can give more samples/s (and,
+        with a calibration, fewer samples to target); each distinct set of VWs once."""
         out = list(groupings)
         for vws, notes in groupings:
             fastest = sorted(vws, key=lambda vw: minibatch_time_s(vw, schedule))
             for k in range(1, len(vws)):
                 kept = tuple(vw for vw in vws if vw in fastest[:k])
-                out.append((kept, (*notes, f"only the {k} fastest of the policy's {len(vws)} VWs: WSP paces every VW "
-                                           "by the slowest, each sends its own PS traffic, and fewer VWs may need "
-                                           "fewer samples to target")))
+                out.append(
+                    (
+                        kept,
+                        (
+                            *notes,
+                            f"only the {k} fastest of the policy's {len(vws)} VWs: WSP paces every VW "
+                            "by the slowest, each sends its own PS traffic, and fewer VWs may need "
+                            "fewer samples to target",
+                        ),
+                    )
+                )
         distinct: list[tuple[tuple[VwPlan, ...], tuple[str, ...]]] = []
         for vws, notes in out:
             if all(vws != seen for seen, _ in distinct):
@@ -464,8 +591,9 @@ class _Search:
         key = (tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus)), cap, rule)
         if key not in self.solved:
             try:
-                self.solved[key] = best_order_and_nm(self.profiles, gpus, self.link, cap, rule=rule,
-                                                     reserve_bytes=self.reserve)
+                self.solved[key] = best_order_and_nm(
+                    self.profiles, gpus, self.link, cap, rule=rule, reserve_bytes=self.reserve
+                )
             except HetpipeError as exc:
                 self.solved[key] = exc
         found = self.solved[key]
@@ -475,8 +603,12 @@ class _Search:
         stages = []
         for s in found.stages:
             node = s.gpu.rsplit(":", 1)[0]
-            mine = next(g for g in free if (g[1], g[2], g[0].rsplit(":", 1)[0]) == (s.gpu_type, s.memory_limit_bytes
-                                                                                   + self.reserve, node))
+            mine = next(
+                g
+                for g in free
+                if (g[1], g[2], g[0].rsplit(":", 1)[0])
+                == (s.gpu_type, s.memory_limit_bytes + self.reserve, node)
+            )
             free.remove(mine)
             stages.append(dataclasses.replace(s, gpu=mine[0]))
         return dataclasses.replace(found, stages=tuple(stages))
@@ -491,8 +623,15 @@ class _Search:
 
         for nm in range(cap, 0, -1):
             try:
-                vw = partition(profiles, gpus, self.links_of(gpus), nm, rule=rule, reserve_bytes=self.reserve,
-                               fixed_split=split)
+                vw = partition(
+                    profiles,
+                    gpus,
+                    self.links_of(gpus),
+                    nm,
+                    rule=rule,
+                    reserve_bytes=self.reserve,
+                    fixed_split=split,
+                )
             except HetpipeError as exc:
                 error = error or exc
                 continue
@@ -505,8 +644,15 @@ class _Search:
 
     def with_params(self, vw: VwPlan) -> VwPlan:
         """Each stage's own weight bytes, so the simulator moves the right bytes per stage to the PS."""
-        stages = tuple(dataclasses.replace(s, param_bytes=sum(
-            layer.param_bytes for layer in self.profiles[s.gpu_type].layers[s.start:s.stop])) for s in vw.stages)
+        stages = tuple(
+            dataclasses.replace(
+                s,
+                param_bytes=sum(
+                    layer.param_bytes for layer in self.profiles[s.gpu_type].layers[s.start : s.stop]
+                ),
+            )
+            for s in vw.stages
+        )
         return dataclasses.replace(vw, stages=stages)
 
     # -- baselines
@@ -525,23 +671,43 @@ class _Search:
             if need <= gpu[2] - self.reserve:
                 fit.append((gpu, need))
             else:
-                notes.append(f"{gpu[0]} ({gpu[1]}, {format_bytes(gpu[2])}{self._reserve_text()}) cannot hold "
-                             f"{self.any_profile.model} at batch {self.batch}: needs {format_bytes(need)} ({terms})")
+                notes.append(
+                    f"{gpu[0]} ({gpu[1]}, {format_bytes(gpu[2])}{self._reserve_text()}) cannot hold "
+                    f"{self.any_profile.model} at batch {self.batch}: needs {format_bytes(need)} ({terms})"
+                )
         notes = _merge_same_type(notes)
         if not fit:
-            return Candidate(ALLREDUCE, None, None, 0.0, reason="no GPU holds the whole model:\n    " + "\n    ".join(notes))
+            return Candidate(
+                ALLREDUCE,
+                None,
+                None,
+                0.0,
+                reason="no GPU holds the whole model:\n    " + "\n    ".join(notes),
+            )
         ring = [g for g, _ in fit]
-        gbps = min((self.link(a[0], b[0]) for a, b in zip(ring, ring[1:] + ring[:1], strict=True)
-                    if a is not b), default=math.inf)
+        gbps = min(
+            (self.link(a[0], b[0]) for a, b in zip(ring, ring[1:] + ring[:1], strict=True) if a is not b),
+            default=math.inf,
+        )
         steps = [self.profiles[g[1]].step_s for g in ring]
         param_bytes = sum(layer.param_bytes for layer in self.any_profile.layers)
         result = simulate_allreduce(steps, param_bytes, gbps if math.isfinite(gbps) else 1e12, self.batch)
         slowest = max(range(len(ring)), key=lambda i: steps[i])
-        bottleneck = (f"{ring[slowest][0]} ({ring[slowest][1]}): {steps[slowest]:.3g} s/minibatch + all-reduce "
-                      f"{result.comm_s:.3g} s")
+        bottleneck = (
+            f"{ring[slowest][0]} ({ring[slowest][1]}): {steps[slowest]:.3g} s/minibatch + all-reduce "
+            f"{result.comm_s:.3g} s"
+        )
         memory = tuple(GpuUse(g[0], g[1], need, g[2] - self.reserve) for g, need in fit)
-        return Candidate(ALLREDUCE, None, None, result.samples_per_s, memory, bottleneck, notes=tuple(notes),
-                         comm_share=result.comm_s / result.step_s)
+        return Candidate(
+            ALLREDUCE,
+            None,
+            None,
+            result.samples_per_s,
+            memory,
+            bottleneck,
+            notes=tuple(notes),
+            comm_share=result.comm_s / result.step_s,
+        )
 
     def sync_pipeline(self) -> Candidate:
         gpus = [self.gpu(ref) for ref in self.config.all_gpus()]
@@ -550,16 +716,30 @@ class _Search:
         speed = {name: t.speed for name, t in self.config.gpu_types.items()}
         if len(gpus) > n:
             kept = sorted(gpus, key=lambda g: (-speed[g[1]], -g[2], g[0]))[:n]
-            notes.append(f"{self.any_profile.model} has {n} layers: the pipeline uses the {n} fastest GPUs, "
-                         f"{len(gpus) - n} idle")
+            notes.append(
+                f"{self.any_profile.model} has {n} layers: the pipeline uses the {n} fastest GPUs, "
+                f"{len(gpus) - n} idle"
+            )
             gpus = [g for g in gpus if g in kept]
-        orders = {tuple(gpus), tuple(sorted(gpus, key=lambda g: -g[2])), tuple(sorted(gpus, key=lambda g: -speed[g[1]]))}
+        orders = {
+            tuple(gpus),
+            tuple(sorted(gpus, key=lambda g: -g[2])),
+            tuple(sorted(gpus, key=lambda g: -speed[g[1]])),
+        }
         found: list[VwPlan] = []
         error: HetpipeError | None = None
         for order in sorted(orders):
             try:
-                found.append(partition([self.profiles[g[1]] for g in order], order, self.links_of(order), 1,
-                                       rule=PLAIN, reserve_bytes=self.reserve))
+                found.append(
+                    partition(
+                        [self.profiles[g[1]] for g in order],
+                        order,
+                        self.links_of(order),
+                        1,
+                        rule=PLAIN,
+                        reserve_bytes=self.reserve,
+                    )
+                )
             except HetpipeError as exc:
                 error = error or exc
         if not found:
@@ -568,10 +748,20 @@ class _Search:
         vw = min(found, key=lambda v: v.bottleneck_s)
         micro = min(self.batch, 4 * len(gpus))
         result = simulate_sync_pipeline(vw, micro, self.batch)
-        notes.append(f"{micro} microbatches of {self.batch / micro:g} samples, times scaled linearly (optimistic "
-                     "for small microbatches); memory as one full minibatch in flight")
-        return Candidate(SYNC_PIPELINE, None, None, result.samples_per_s, _uses(vw), _slowest_stage(vw, 0, ""),
-                         notes=tuple(notes), nm=micro)
+        notes.append(
+            f"{micro} microbatches of {self.batch / micro:g} samples, times scaled linearly (optimistic "
+            "for small microbatches); memory as one full minibatch in flight"
+        )
+        return Candidate(
+            SYNC_PIPELINE,
+            None,
+            None,
+            result.samples_per_s,
+            _uses(vw),
+            _slowest_stage(vw, 0, ""),
+            notes=tuple(notes),
+            nm=micro,
+        )
 
     def _reserve_text(self) -> str:
         return f" minus a reserve of {format_bytes(self.reserve)}" if self.reserve else ""
@@ -582,25 +772,47 @@ def _layer_nodes(vw: VwPlan) -> tuple[str, ...]:
     return tuple(stage.gpu.rsplit(":", 1)[0] for stage in vw.stages for _ in range(stage.start, stage.stop))
 
 
-def _predict(plan: Plan, notes: tuple[str, ...], waves: int, ps_gbps: float, shards: int, server: bool,
-             network: PsNetwork | None) -> Candidate:
+def _predict(
+    plan: Plan,
+    notes: tuple[str, ...],
+    waves: int,
+    ps_gbps: float,
+    shards: int,
+    server: bool,
+    network: PsNetwork | None,
+) -> Candidate:
     """Simulate `waves` waves; the prediction is the long run: every VW at the slowest VW's steady wave time
     (WSP keeps any VW within D + 1 waves of the slowest), fill and drain left out."""
-    result = simulate(plan, waves=waves, ps_gbps=ps_gbps, ps_shards=shards, server_aggregation=server,
-                      network=network)
+    result = simulate(
+        plan, waves=waves, ps_gbps=ps_gbps, ps_shards=shards, server_aggregation=server, network=network
+    )
     per_wave = max(r.wave_s for r in result.vws)
-    steady = len(plan.vws) * plan.batch_size * plan.vws[0].nm / per_wave if per_wave > 0 else result.samples_per_s
+    steady = (
+        len(plan.vws) * plan.batch_size * plan.vws[0].nm / per_wave if per_wave > 0 else result.samples_per_s
+    )
     uses = tuple(u for vw in plan.vws for u in _uses(vw))
     busy = sum(s.time_s for vw in plan.vws for s in vw.stages) * waves * plan.vws[0].nm
     gate = sum(r.gate_wait_s for r in result.vws)
-    slow = max(range(len(plan.vws)), key=lambda v: minibatch_time_s(plan.vws[v], plan.schedule, plan.recompute))
+    slow = max(
+        range(len(plan.vws)), key=lambda v: minibatch_time_s(plan.vws[v], plan.schedule, plan.recompute)
+    )
     bottleneck = _slowest_stage(plan.vws[slow], slow, "vw")
     if result.ps_utilisation > 0.9:
         bottleneck = f"PS link ({result.ps_utilisation:.0%} busy); then {bottleneck}"
-    return Candidate(plan.policy, plan.staleness, plan, steady, uses, bottleneck, notes=notes,
-                     nm=plan.vws[0].nm, gate_wait_share=gate / max(busy + gate, 1e-12),
-                     ps_utilisation=result.ps_utilisation, run_samples_per_s=result.samples_per_s,
-                     schedule=plan.schedule)
+    return Candidate(
+        plan.policy,
+        plan.staleness,
+        plan,
+        steady,
+        uses,
+        bottleneck,
+        notes=notes,
+        nm=plan.vws[0].nm,
+        gate_wait_share=gate / max(busy + gate, 1e-12),
+        ps_utilisation=result.ps_utilisation,
+        run_samples_per_s=result.samples_per_s,
+        schedule=plan.schedule,
+    )
 
 
 def _uses(vw: VwPlan) -> tuple[GpuUse, ...]:
@@ -613,8 +825,10 @@ def _slowest_stage(vw: VwPlan, v: int, prefix: str) -> str:
     where = f"{prefix}{v} " if prefix else ""
     comm = (s.recv_s + s.send_s) / s.time_s if s.time_s else 0.0
     transfers = f", {comm:.0%} transfers" if comm >= 0.005 else ""
-    return (f"{where}stage {j} {s.gpu} ({s.gpu_type}) layers {s.start}-{s.stop - 1}: "
-            f"{s.time_s:.3g} s/minibatch{transfers}")
+    return (
+        f"{where}stage {j} {s.gpu} ({s.gpu_type}) layers {s.start}-{s.stop - 1}: "
+        f"{s.time_s:.3g} s/minibatch{transfers}"
+    )
 
 
 def _gpu_list(gpus: Sequence[Gpu]) -> str:
@@ -643,21 +857,36 @@ def _splits(plan: Plan) -> str:
 
 
 def format_table(candidates: Sequence[Candidate]) -> str:
-    """One row per candidate: policy, D, Nm, VWs x GPUs, splits, samples/s, fullest GPU, bottleneck; * = best."""
+    """One row per candidate: policy, D, Nm, VWs x GPUs, splits, samples/s, fullest GPU, bottleneck;
+    * = best."""
     try:
         top = best(candidates)
     except HetpipeError:
         top = None
-    header = ("", "policy", "schedule", "D", "Nm", "VWs", "GPUs", "layers per stage", "samples/s",
-              "peak memory (fullest GPU)", "bottleneck")
+    header = (
+        "",
+        "policy",
+        "schedule",
+        "D",
+        "Nm",
+        "VWs",
+        "GPUs",
+        "layers per stage",
+        "samples/s",
+        "peak memory (fullest GPU)",
+        "bottleneck",
+    )
     converge = any(c.samples_source for c in candidates)
     if converge:
         header = (*header[:9], "samples to target", "s to target", *header[9:])
     rows = []
     for c in candidates:
         peak = c.peak
-        memory = (f"{format_bytes(peak.memory_bytes)}/{format_bytes(peak.limit_bytes)} {peak.gpu} {peak.gpu_type}"
-                  if peak else "-")
+        memory = (
+            f"{format_bytes(peak.memory_bytes)}/{format_bytes(peak.limit_bytes)} {peak.gpu} {peak.gpu_type}"
+            if peak
+            else "-"
+        )
         if c.plan is not None:
             vws, splits = str(len(c.plan.vws)), _splits(c.plan)
         elif c.policy == ALLREDUCE and c.feasible:
@@ -667,16 +896,32 @@ def format_table(candidates: Sequence[Candidate]) -> str:
         else:
             vws, splits = "-", "-"
         rate = f"{c.samples_per_s:.4g}" if c.feasible else "infeasible"
-        row = ("*" if c is top else "", c.policy, c.schedule or "-", "-" if c.staleness is None else str(c.staleness),
-               "-" if c.nm is None else str(c.nm), vws, str(c.gpus_used) if c.feasible else "-", splits, rate,
-               memory, c.bottleneck if c.feasible else c.reason.split("\n")[0])
+        row = (
+            "*" if c is top else "",
+            c.policy,
+            c.schedule or "-",
+            "-" if c.staleness is None else str(c.staleness),
+            "-" if c.nm is None else str(c.nm),
+            vws,
+            str(c.gpus_used) if c.feasible else "-",
+            splits,
+            rate,
+            memory,
+            c.bottleneck if c.feasible else c.reason.split("\n")[0],
+        )
         if converge:
-            row = (*row[:9], _samples_text(c), "-" if c.time_to_target_s is None else f"{c.time_to_target_s:.4g}",
-                   *row[9:])
+            row = (
+                *row[:9],
+                _samples_text(c),
+                "-" if c.time_to_target_s is None else f"{c.time_to_target_s:.4g}",
+                *row[9:],
+            )
         rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
-             for row in [header, *rows]]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in [header, *rows]
+    ]
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -684,19 +929,25 @@ def format_plan(candidate: Candidate) -> str:
     """The VWs of one candidate, stage by stage: GPU, layers, time, memory."""
     assert candidate.plan is not None
     plan = candidate.plan
-    lines = [f"{candidate.label}, nm={candidate.nm}: {candidate.samples_per_s:.4g} samples/s predicted "
-             f"(gate waits {candidate.gate_wait_share:.0%} of stage time, PS link {candidate.ps_utilisation:.0%} busy)"]
+    lines = [
+        f"{candidate.label}, nm={candidate.nm}: {candidate.samples_per_s:.4g} samples/s predicted "
+        f"(gate waits {candidate.gate_wait_share:.0%} of stage time, PS link "
+        f"{candidate.ps_utilisation:.0%} busy)"
+    ]
     for v, vw in enumerate(plan.vws):
         lines.append(f"  vw{v}: {minibatch_time_s(vw):.3g} s/minibatch")
         for j, s in enumerate(vw.stages):
-            lines.append(f"    stage {j}  {s.gpu:<8} {s.gpu_type:<12} layers {s.start:>3}-{s.stop - 1:<3} "
-                         f"{s.time_s:8.3g} s  {format_bytes(s.memory_bytes):>10} of {format_bytes(s.memory_limit_bytes)}")
+            lines.append(
+                f"    stage {j}  {s.gpu:<8} {s.gpu_type:<12} layers {s.start:>3}-{s.stop - 1:<3} "
+                f"{s.time_s:8.3g} s  {format_bytes(s.memory_bytes):>10} of "
+                f"{format_bytes(s.memory_limit_bytes)}"
+            )
     lines += [f"  note: {note}" for note in candidate.notes]
     return "\n".join(lines)
 
 
 def _samples_text(c: Candidate) -> str:
-    """"41,000 (fitted)" / "- (not reached)" / "-"."""
+    """ "41,000 (fitted)" / "- (not reached)" / "-"."""
     if not c.samples_source:
         return "-"
     value = "-" if c.samples_to_target is None else f"{c.samples_to_target:,.0f}"
@@ -709,8 +960,11 @@ def _target_text(c: Candidate, top: Candidate | None = None) -> str:
         return ""
     if c.time_to_target_s is None:
         return f"; samples to target {_samples_text(c)}: no time to target"
-    share = (f", {c.time_to_target_s / top.time_to_target_s:.2f}x the best's"
-             if top is not None and top.time_to_target_s else "")
+    share = (
+        f", {c.time_to_target_s / top.time_to_target_s:.2f}x the best's"
+        if top is not None and top.time_to_target_s
+        else ""
+    )
     return f"; {_samples_text(c)} samples to target -> {c.time_to_target_s:.4g} s predicted{share}"
 
 
@@ -718,8 +972,11 @@ def explain(candidates: Sequence[Candidate]) -> str:
     """Why each candidate lost to the best: infeasible, slower VWs, gate waits, the PS, transfers, fewer GPUs;
     with a convergence calibration, both factors of every candidate's predicted time to target."""
     top = best(candidates)
-    lines = [f"best: {top.label}, nm={top.nm}, {top.samples_per_s:.4g} samples/s on {top.gpus_used} GPUs"
-             f"{_target_text(top)}; bottleneck {top.bottleneck}", f"    memory per GPU: {_memory_per_gpu(top)}"]
+    lines = [
+        f"best: {top.label}, nm={top.nm}, {top.samples_per_s:.4g} samples/s on {top.gpus_used} GPUs"
+        f"{_target_text(top)}; bottleneck {top.bottleneck}",
+        f"    memory per GPU: {_memory_per_gpu(top)}",
+    ]
     for c in candidates:
         if c is top:
             continue
@@ -736,60 +993,105 @@ def explain(candidates: Sequence[Candidate]) -> str:
 
 def _memory_per_gpu(c: Candidate) -> str:
     """`n0:0 1.20 GiB/12.00 GiB, n0:1 ...`: each GPU's peak by the memory model and what it may use."""
-    return ", ".join(f"{u.gpu} {format_bytes(u.memory_bytes)}/{format_bytes(u.limit_bytes)}" for u in c.memory) or "-"
+    return (
+        ", ".join(f"{u.gpu} {format_bytes(u.memory_bytes)}/{format_bytes(u.limit_bytes)}" for u in c.memory)
+        or "-"
+    )
 
 
 def _why(c: Candidate, top: Candidate) -> list[str]:
     why = []
     if c.gpus_used < top.gpus_used:
         why.append(f"uses {c.gpus_used} GPUs, not {top.gpus_used}")
-    if (c.time_to_target_s is not None and top.time_to_target_s is not None and top.samples_to_target
-            and c.samples_per_s >= top.samples_per_s):
-        why.append(f"more samples/s than the best, but {c.samples_to_target / top.samples_to_target:.2f}x its samples "
-                   "to target")
-    if c.plan is None and (c.samples_per_s > top.samples_per_s or (
-            c.time_to_target_s is not None and top.time_to_target_s is not None
-            and c.time_to_target_s < top.time_to_target_s)):
+    if (
+        c.time_to_target_s is not None
+        and top.time_to_target_s is not None
+        and top.samples_to_target
+        and c.samples_per_s >= top.samples_per_s
+    ):
+        why.append(
+            f"more samples/s than the best, but {c.samples_to_target / top.samples_to_target:.2f}x its "
+            "samples to target"
+        )
+    if c.plan is None and (
+        c.samples_per_s > top.samples_per_s
+        or (
+            c.time_to_target_s is not None
+            and top.time_to_target_s is not None
+            and c.time_to_target_s < top.time_to_target_s
+        )
+    ):
         why.append("predicts more than the best, but hetpipe does not run it: it is shown for comparison")
     if c.policy == ALLREDUCE:
-        why.append(f"every step waits for the slowest replica ({c.bottleneck}); "
-                   f"synchronising takes {c.comm_share:.0%} of the step")
+        why.append(
+            f"every step waits for the slowest replica ({c.bottleneck}); "
+            f"synchronising takes {c.comm_share:.0%} of the step"
+        )
         return why
     if c.policy == SYNC_PIPELINE:
         why.append(f"one pipeline flushed every minibatch (bubble) with its slowest stage {c.bottleneck}")
         return why
     assert c.plan is not None
     if c.schedule != top.schedule:
-        why.append(f"schedule {c.schedule} (best: {top.schedule})"
-                   + ("; flushing every wave costs the pipeline's fill and drain" if c.schedule in ("1f1b-flush", "gpipe")
-                      else ""))
-    if top.plan is not None and c.policy == top.policy and c.schedule == top.schedule and c.plan.vws == top.plan.vws:
-        why.append(f"the same VWs, splits and nm as the best; only D differs (D={c.staleness} vs {top.staleness})")
+        why.append(
+            f"schedule {c.schedule} (best: {top.schedule})"
+            + (
+                "; flushing every wave costs the pipeline's fill and drain"
+                if c.schedule in ("1f1b-flush", "gpipe")
+                else ""
+            )
+        )
+    if (
+        top.plan is not None
+        and c.policy == top.policy
+        and c.schedule == top.schedule
+        and c.plan.vws == top.plan.vws
+    ):
+        why.append(
+            f"the same VWs, splits and nm as the best; only D differs (D={c.staleness} vs {top.staleness})"
+        )
         if c.samples_per_s > top.samples_per_s:
             why.append(f"its gain is under {D_TOLERANCE:.0%}, not worth the staler weights of a larger D")
         elif c.gate_wait_share > top.gate_wait_share + 0.005:
-            why.append(f"stages wait at the WSP gate {c.gate_wait_share:.0%} of the time (best: {top.gate_wait_share:.0%})")
+            why.append(
+                f"stages wait at the WSP gate {c.gate_wait_share:.0%} of the time "
+                f"(best: {top.gate_wait_share:.0%})"
+            )
         return why
     rates = [minibatch_time_s(vw) for vw in c.plan.vws]
     if abs(c.samples_per_s - top.samples_per_s) <= 0.01 * top.samples_per_s and c.gpus_used == top.gpus_used:
         lags = (own_lag(c.plan), own_lag(top.plan))
-        why.append("within 1% of the best, which " + (
-            f"lags fewer own updates ({lags[1]} vs {lags[0]})" if lags[0] > lags[1] and c.staleness == top.staleness
-            else "has the smaller D or comes first (np, ed, hd, dp, explicit)"))
+        why.append(
+            "within 1% of the best, which "
+            + (
+                f"lags fewer own updates ({lags[1]} vs {lags[0]})"
+                if lags[0] > lags[1] and c.staleness == top.staleness
+                else "has the smaller D or comes first (np, ed, hd, dp, explicit)"
+            )
+        )
     elif max(rates) > 1.1 * min(rates):
         slow, fast = rates.index(max(rates)), rates.index(min(rates))
-        why.append(f"its VWs differ in speed (vw{slow} {max(rates):.3g} s/minibatch vs vw{fast} {min(rates):.3g}); "
-                   f"WSP holds the fast ones to the slowest ({c.bottleneck})")
+        why.append(
+            f"its VWs differ in speed (vw{slow} {max(rates):.3g} s/minibatch vs vw{fast} {min(rates):.3g}); "
+            f"WSP holds the fast ones to the slowest ({c.bottleneck})"
+        )
     elif c.samples_per_s > top.samples_per_s and c.staleness == top.staleness:
-        why.append(f"its gain is under {D_TOLERANCE:.0%}, not worth lagging {own_lag(c.plan)} own updates "
-                   f"(best: {own_lag(top.plan)})")
+        why.append(
+            f"its gain is under {D_TOLERANCE:.0%}, not worth lagging {own_lag(c.plan)} own updates "
+            f"(best: {own_lag(top.plan)})"
+        )
     elif c.samples_per_s > top.samples_per_s:
-        why.append(f"its gain is under {D_TOLERANCE:.0%}, not worth the staler weights of D={c.staleness} "
-                   f"(best: D={top.staleness})")
+        why.append(
+            f"its gain is under {D_TOLERANCE:.0%}, not worth the staler weights of D={c.staleness} "
+            f"(best: D={top.staleness})"
+        )
     else:
         why.append(f"slowest stage {c.bottleneck}")
     if c.gate_wait_share > top.gate_wait_share + 0.02:
-        why.append(f"stages wait at the WSP gate {c.gate_wait_share:.0%} of the time (best: {top.gate_wait_share:.0%})")
+        why.append(
+            f"stages wait at the WSP gate {c.gate_wait_share:.0%} of the time "
+            f"(best: {top.gate_wait_share:.0%})"
+        )
     if c.ps_utilisation > 0.8:
         why.append(f"the PS link is {c.ps_utilisation:.0%} busy")
     if c.nm is not None and top.nm is not None and c.plan.vws and c.nm < len(c.plan.vws[0].stages):
@@ -797,23 +1099,39 @@ def _why(c: Candidate, top: Candidate) -> list[str]:
     return why
 
 
-def candidates_json(candidates: Sequence[Candidate], inputs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Machine-readable candidates: every field, plans as Plan.to_json's dicts, `best` as an index (or None)."""
+def candidates_json(
+    candidates: Sequence[Candidate], inputs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Machine-readable candidates: every field, plans as Plan.to_json's dicts, `best` as an index (or
+    None)."""
     try:
         top: int | None = list(candidates).index(best(candidates))
     except HetpipeError:
         top = None
     rows = []
     for c in candidates:
-        rows.append({
-            "policy": c.policy, "staleness": c.staleness, "nm": c.nm, "feasible": c.feasible,
-            "runnable": c.runnable, "samples_per_s": c.samples_per_s, "gpus_used": c.gpus_used,
-            "bottleneck": c.bottleneck, "reason": c.reason, "notes": list(c.notes),
-            "gate_wait_share": c.gate_wait_share, "ps_utilisation": c.ps_utilisation, "comm_share": c.comm_share,
-            "run_samples_per_s": c.run_samples_per_s, "schedule": c.schedule, "samples_to_target": c.samples_to_target,
-            "samples_source": c.samples_source, "time_to_target_s": c.time_to_target_s,
-            "memory": [dataclasses.asdict(u) for u in c.memory],
-            "plan": dataclasses.asdict(c.plan) if c.plan is not None else None,
-        })
+        rows.append(
+            {
+                "policy": c.policy,
+                "staleness": c.staleness,
+                "nm": c.nm,
+                "feasible": c.feasible,
+                "runnable": c.runnable,
+                "samples_per_s": c.samples_per_s,
+                "gpus_used": c.gpus_used,
+                "bottleneck": c.bottleneck,
+                "reason": c.reason,
+                "notes": list(c.notes),
+                "gate_wait_share": c.gate_wait_share,
+                "ps_utilisation": c.ps_utilisation,
+                "comm_share": c.comm_share,
+                "run_samples_per_s": c.run_samples_per_s,
+                "schedule": c.schedule,
+                "samples_to_target": c.samples_to_target,
+                "samples_source": c.samples_source,
+                "time_to_target_s": c.time_to_target_s,
+                "memory": [dataclasses.asdict(u) for u in c.memory],
+                "plan": dataclasses.asdict(c.plan) if c.plan is not None else None,
+            }
+        )
     return {"best": top, "inputs": dict(inputs or {}), "candidates": rows}
-

@@ -31,8 +31,16 @@ from typing import Any
 from hetpipe.core.errors import UsageError
 
 __all__ = [
-    "Child", "ChildFailed", "ChildGroup", "child_entered_at", "describe_exit", "free_port", "process_started_at",
-    "start_method", "tail", "warm_forkserver",
+    "Child",
+    "ChildFailed",
+    "ChildGroup",
+    "child_entered_at",
+    "describe_exit",
+    "free_port",
+    "process_started_at",
+    "start_method",
+    "tail",
+    "warm_forkserver",
 ]
 
 _entered_at: float | None = None  # when _child_main began in this process (its target's imports done)
@@ -55,7 +63,8 @@ def warm_forkserver(preload: Sequence[str]) -> None:
         return
     mp.get_context("forkserver").set_forkserver_preload(list(preload))
     blas = {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
-    try:  # read by the fork server at exec: no BLAS thread in it (children set torch's threads to 1 themselves)
+    # read by the fork server at exec: no BLAS thread in it (children set torch's threads to 1 themselves)
+    try:
         os.environ.update({k: v or "1" for k, v in blas.items()})
         multiprocessing.forkserver.ensure_running()
     finally:
@@ -67,7 +76,8 @@ def warm_forkserver(preload: Sequence[str]) -> None:
 
 
 def process_started_at(pid: int | None = None) -> float | None:
-    """When process `pid` (default: this one) started, on the Unix clock, to 10 ms; None where /proc is missing."""
+    """When process `pid` (default: this one) started, on the Unix clock, to 10 ms; None where /proc is
+    missing."""
     try:
         with open(f"/proc/{pid or 'self'}/stat", "rb") as stat, open("/proc/uptime", "rb") as uptime:
             ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])

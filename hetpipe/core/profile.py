@@ -1,5 +1,6 @@
-"""Per-layer profiles of a model on a GPU type: the numbers the partitioner, planner and simulator use, where and
-when they were measured and how noisy, and the rules that derive one profile from another (FLOP rate, batch).
+"""Per-layer profiles of a model on a GPU type: the numbers the partitioner, planner and simulator use, where
+and when they were measured and how noisy, and the rules that derive one profile from another (FLOP rate,
+batch).
 
 Data and pure rules only (plus JSON round trip); measuring lives in hetpipe.compute.profiler.
 """
@@ -33,7 +34,9 @@ __all__ = [
 # the quieter of the two, flagged if that one is still noisy):
 NOISY_SPREAD = 0.25  # the layers' repeat spreads, weighted by their times, above 25% of the median
 BUSY_LOAD = 1.0  # the 1-minute load average above one runnable thread per core: others shared the cores
-STALE_DAYS = 30  # `hetpipe plan` warns about a profile measured longer ago (torch, drivers, the machine change)
+STALE_DAYS = (
+    30  # `hetpipe plan` warns about a profile measured longer ago (torch, drivers, the machine change)
+)
 
 
 @dataclass(frozen=True)
@@ -64,14 +67,19 @@ class ProfileOrigin:
     options_digest: str  # the model's options as profile_cache_path hashes them: which variant of the model
     repeats: int  # timed repeats per layer
     measured_batch: int  # the batch measured at (ModelProfile.batch_size differs after ModelProfile.at_batch)
-    device_tflops: float  # dense matmul rate measured on the device in the profile's dtype (one thread on CPU)
-    load_per_core: float | None  # 1-minute load average / cores, the larger of before and after; None: unknown
+    device_tflops: (
+        float  # dense matmul rate measured on the device in the profile's dtype (one thread on CPU)
+    )
+    load_per_core: (
+        float | None
+    )  # 1-minute load average / cores, the larger of before and after; None: unknown
     flags: tuple[str, ...] = ()  # why the measurement is not to be trusted (noise_flags); () when clean
     derived_from: str = ""  # "" when measured; else the label of the measured profile it was derived from
     speed_ratio: float = 1.0  # derived: its FLOP rate / the measured device's (times are the measured / this)
-    # CPU profiles: the CPU time of the whole training step run as an emulated device runs it (each block in the
-    # emulation's Dilator, asleep between) over the layer-by-layer sum, step_s; the planner's emulated times are
-    # the profile's x this (docs/emulation.md#what-dilation-costs). 1.0: not measured (a GPU, an older profile)
+    # CPU profiles: the CPU time of the whole training step run as an emulated device runs it (each block in
+    # the emulation's Dilator, asleep between) over the layer-by-layer sum, step_s; the planner's emulated
+    # times are the profile's x this (docs/emulation.md#what-dilation-costs). 1.0: not measured (a GPU, an
+    # older profile)
     emulation_cost: float = 1.0
 
     @property
@@ -101,12 +109,14 @@ class ModelProfile:
 
     @property
     def step_s(self) -> float:
-        """One minibatch through the whole model, layer by layer: the sum of every layer's forward + backward."""
+        """One minibatch through the whole model, layer by layer: the sum of every layer's forward +
+        backward."""
         return sum(layer.forward_s + layer.backward_s for layer in self.layers)
 
     @property
     def spread(self) -> float:
-        """The layers' repeat spreads weighted by their forward+backward times (the big layers set the pace)."""
+        """The layers' repeat spreads weighted by their forward+backward times (the big layers set the
+        pace)."""
         total = self.step_s
         if total <= 0:
             return 0.0
@@ -121,19 +131,27 @@ class ModelProfile:
         return replace(self, gpu_type=gpu_type, layers=layers)
 
     def at_batch(self, batch_size: int) -> ModelProfile:
-        """The profile at another batch size by proportion: times, activations (output, saved, working) and the
-        input x batch_size / batch_size measured; weights and optimizer state unchanged.
+        """The profile at another batch size by proportion: times, activations (output, saved, working) and
+        the input x batch_size / batch_size measured; weights and optimizer state unchanged.
 
         Close on a CPU, whose time per sample barely depends on the batch; on a GPU a small batch leaves the
-        device partly idle, so times scaled up from one are pessimistic. origin.measured_batch keeps the truth.
+        device partly idle, so times scaled up from one are pessimistic. origin.measured_batch keeps the
+        truth.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         f = batch_size / self.batch_size
-        layers = tuple(replace(
-            layer, forward_s=layer.forward_s * f, backward_s=layer.backward_s * f,
-            output_bytes=round(layer.output_bytes * f), saved_bytes=round(layer.saved_bytes * f),
-            working_bytes=round(layer.working_bytes * f)) for layer in self.layers)
+        layers = tuple(
+            replace(
+                layer,
+                forward_s=layer.forward_s * f,
+                backward_s=layer.backward_s * f,
+                output_bytes=round(layer.output_bytes * f),
+                saved_bytes=round(layer.saved_bytes * f),
+                working_bytes=round(layer.working_bytes * f),
+            )
+            for layer in self.layers
+        )
         return replace(self, batch_size=batch_size, input_bytes=round(self.input_bytes * f), layers=layers)
 
     def to_json(self) -> str:
@@ -167,22 +185,36 @@ def derive_profile(
 ) -> ModelProfile:
     """The profile of another device: times x reference_speed / gpu_type_speed x time_scale, sizes unchanged.
 
-    Emulation: `reference_speed` is the speed the measured CPU stands for (the fastest type, docs/emulation.md#slowdowns), so a
-    type half as fast runs 2 x time_scale times slower than the measurement. A GPU you do not have: speeds are
-    FLOP rates (the type's and the measured device's, origin.device_tflops) and time_scale 1, so compute
-    time scales by the FLOP-rate ratio while memory, counted in bytes, stays. Labelled `gpu_type` (default:
-    unchanged); a measured profile's origin records what it was derived from and the ratio.
+    Emulation: `reference_speed` is the speed the measured CPU stands for (the fastest type,
+    docs/emulation.md#slowdowns), so a type half as fast runs 2 x time_scale times slower than the
+    measurement. A GPU you do not have: speeds are FLOP rates (the type's and the measured device's,
+    origin.device_tflops) and time_scale 1, so compute time scales by the FLOP-rate ratio while memory,
+    counted in bytes, stays. Labelled `gpu_type` (default: unchanged); a measured profile's origin records
+    what it was derived from and the ratio.
     """
-    for what, value in (("gpu_type_speed", gpu_type_speed), ("reference_speed", reference_speed),
-                        ("time_scale", time_scale)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not (value > 0 and math.isfinite(value)):
+    for what, value in (
+        ("gpu_type_speed", gpu_type_speed),
+        ("reference_speed", reference_speed),
+        ("time_scale", time_scale),
+    ):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (value > 0 and math.isfinite(value))
+        ):
             raise UsageError(f"derive_profile: {what} must be a finite number > 0, got {value!r}")
     factor = reference_speed / gpu_type_speed * time_scale
     derived = cpu_profile.scaled(gpu_type or cpu_profile.gpu_type, factor)
     origin = cpu_profile.origin
     if origin is not None:
-        derived = replace(derived, origin=replace(origin, derived_from=origin.derived_from or cpu_profile.gpu_type,
-                                                  speed_ratio=origin.speed_ratio / factor))
+        derived = replace(
+            derived,
+            origin=replace(
+                origin,
+                derived_from=origin.derived_from or cpu_profile.gpu_type,
+                speed_ratio=origin.speed_ratio / factor,
+            ),
+        )
     return derived
 
 
@@ -203,27 +235,39 @@ def noise_flags(profile: ModelProfile, load_per_core: float | None) -> tuple[str
     machine busier than BUSY_LOAD while it ran. () when neither."""
     flags = []
     if profile.spread > NOISY_SPREAD:
-        flags.append(f"noisy: repeats spread {profile.spread:.0%} (p90-p10 over the median, weighted by time; "
-                     f"limit {NOISY_SPREAD:.0%})")
+        flags.append(
+            f"noisy: repeats spread {profile.spread:.0%} (p90-p10 over the median, weighted by time; "
+            f"limit {NOISY_SPREAD:.0%})"
+        )
     if load_per_core is not None and load_per_core > BUSY_LOAD:
         flags.append(f"busy: load average {load_per_core:.2f} per core while measuring (limit {BUSY_LOAD:g})")
     return tuple(flags)
 
 
-def origin_warnings(profile: ModelProfile, *, now: datetime | None = None, host: str | None = None) -> list[str]:
-    """What a user should know before trusting `profile`: flagged when measured; derived from another device's;
-    older than STALE_DAYS at `now` (when given); measured on a host other than `host` (when given: the profile
-    must describe that machine, as under emulation); or of unknown origin."""
+def origin_warnings(
+    profile: ModelProfile, *, now: datetime | None = None, host: str | None = None
+) -> list[str]:
+    """What a user should know before trusting `profile`: flagged when measured; derived from another
+    device's; older than STALE_DAYS at `now` (when given); measured on a host other than `host` (when given:
+    the profile must describe that machine, as under emulation); or of unknown origin."""
     origin = profile.origin
     if origin is None:
-        return ["no record of when, where or how noisily it was measured (made by hand or by an older hetpipe)"]
+        return [
+            "no record of when, where or how noisily it was measured (made by hand or by an older hetpipe)"
+        ]
     warnings = [f"flagged when measured: {flag}" for flag in origin.flags]
     if origin.derived_from:
-        warnings.append(f"derived, not measured: the {origin.derived_from} profile's times / {origin.speed_ratio:.4g}")
+        warnings.append(
+            f"derived, not measured: the {origin.derived_from} profile's times / {origin.speed_ratio:.4g}"
+        )
     age = origin.age_days(now) if now is not None else 0.0
     if age > STALE_DAYS:
-        warnings.append(f"stale: measured {age:.0f} days ago ({origin.measured_at[:10]}; older than {STALE_DAYS} days)")
+        warnings.append(
+            f"stale: measured {age:.0f} days ago ({origin.measured_at[:10]}; older than {STALE_DAYS} days)"
+        )
     if host is not None and origin.host != host:
-        warnings.append(f"foreign: measured on another machine ({origin.device_name}, host {origin.host}; this is "
-                        f"{host}), so its times are that machine's")
+        warnings.append(
+            f"foreign: measured on another machine ({origin.device_name}, host {origin.host}; this is "
+            f"{host}), so its times are that machine's"
+        )
     return warnings

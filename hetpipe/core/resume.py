@@ -1,4 +1,5 @@
-"""Where a stopped run continues and a failed VW comes back, on the static action lists (docs/recovery.md). Pure.
+"""Where a stopped run continues and a failed VW comes back, on the static action lists (docs/recovery.md).
+Pure.
 
 A checkpoint "at wave c" is the cut right after each stage's PUSH c-1: every stage of a VW has then run the
 backwards of exactly the minibatches of waves < c, and each stage has forwarded at least what the next one
@@ -12,11 +13,19 @@ from collections.abc import Sequence
 
 from hetpipe.core.schedule import BACKWARD, FORWARD, PUSH, UPDATE, Action
 
-__all__ = ["common_cut", "cut_position", "forwarded_before", "rejoin_actions", "snapshot_floor", "wave_of_action"]
+__all__ = [
+    "common_cut",
+    "cut_position",
+    "forwarded_before",
+    "rejoin_actions",
+    "snapshot_floor",
+    "wave_of_action",
+]
 
 
 def cut_position(actions: Sequence[Action], wave: int) -> int:
-    """The index of the action after this stage's PUSH wave-1 (0 for wave 0): where a resume from `wave` starts."""
+    """The index of the action after this stage's PUSH wave-1 (0 for wave 0): where a resume from `wave`
+    starts."""
     if wave == 0:
         return 0
     for i, action in enumerate(actions):
@@ -35,8 +44,8 @@ def wave_of_action(action: Action, nm: int) -> int:
 
 
 def rejoin_actions(actions: Sequence[Action], start_wave: int, nm: int) -> list[Action]:
-    """A stage's actions from wave `start_wave` on (a rejoining VW skips the waves it missed). Every stage keeps
-    the same subsequence of its list, so the lists still run against each other without deadlock."""
+    """A stage's actions from wave `start_wave` on (a rejoining VW skips the waves it missed). Every stage
+    keeps the same subsequence of its list, so the lists still run against each other without deadlock."""
     return [a for a in actions if wave_of_action(a, nm) >= start_wave]
 
 
@@ -47,7 +56,8 @@ def snapshot_floor(c_global: int, every: int, keep: int) -> int:
 
 
 def common_cut(ps_clocks: Sequence[Sequence[int]], stage_waves: Sequence[Sequence[int]]) -> int | None:
-    """The newest wave at which every shard has a checkpoint and every stage a snapshot (None: there is none)."""
+    """The newest wave at which every shard has a checkpoint and every stage a snapshot (None: there is
+    none)."""
     sets = [set(c) for c in ps_clocks] + [set(w) for w in stage_waves]
     common = set.intersection(*sets) if sets else set()
     common.discard(0)

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: per-stage action lists of one virtual worker, the five generators (wsp,
-pipedream, pipedream-2bw, 1f1b-flush, gpipe), the dependency rules every engine runs by, a validator, a timing model
-and text forms (docs/schedules.md). Pure, no I/O.
+pipedream, pipedream-2bw, 1f1b-flush, gpipe), the dependency rules every engine runs by, a validator, a timing
+model and text forms (docs/schedules.md). Pure, no I/O.
 
 The dependency rules (`needs`, `gate_of`) are the one engine: the validator and timing model below, the
 WSP simulator (hetpipe.core.simulate), the single-process reference (hetpipe.compute.reference) and the
@@ -64,8 +64,9 @@ _ZERO_TIME = (UPDATE, PUSH, WAIT)  # the optimizer step's time is part of the pr
 _ACTION_RE = re.compile(r"(F|B|U|PUSH|WAIT)(\d+)")
 
 # What the forward of minibatch p is guaranteed to see of its own VW's updates (guarantee L), per schedule:
-#   "minibatch":      every minibatch <= p - Nm                 (wsp, pipedream: 1F1B, an update per minibatch;
-#                                                                 pipedream sees more: p - min(Nm, k) + j)
+#   "minibatch":      every minibatch <= p - Nm                 (wsp, pipedream: 1F1B, an update per
+#                                                                 minibatch; pipedream sees more:
+#                                                                 p - min(Nm, k) + j)
 #   "wave":           every minibatch of the waves before p's    (1f1b-flush, gpipe: no local staleness)
 #   "previous-wave":  every minibatch of the waves before the last (pipedream-2bw: one update of delay)
 Guarantee = Literal["minibatch", "wave", "previous-wave"]
@@ -99,7 +100,9 @@ class Action:
         if self.kind not in KINDS:
             raise ScheduleError(f"unknown action kind {self.kind!r}: use one of {', '.join(KINDS)}")
         if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
-            raise ScheduleError(f"action {self.kind} needs a minibatch or wave index >= 0, got {self.index!r}")
+            raise ScheduleError(
+                f"action {self.kind} needs a minibatch or wave index >= 0, got {self.index!r}"
+            )
 
     def __str__(self) -> str:
         return f"{self.kind}{self.index}"
@@ -110,7 +113,8 @@ def parse_action(text: str) -> Action:
     match = _ACTION_RE.fullmatch(text.strip())
     if match is None:
         raise ScheduleError(
-            f"cannot parse action {text!r}: write F<p>, B<p>, U<p>, PUSH<c> or WAIT<c>, e.g. F3, B3, U3, PUSH1, WAIT2"
+            f"cannot parse action {text!r}: write F<p>, B<p>, U<p>, PUSH<c> or WAIT<c>, "
+            "e.g. F3, B3, U3, PUSH1, WAIT2"
         )
     return Action(match.group(1), int(match.group(2)))
 
@@ -239,7 +243,8 @@ def get_schedule(name: str) -> ScheduleKind:
     except KeyError:
         known = sorted(SCHEDULES)
         raise UsageError(
-            f'unknown schedule "{name}"\n       known schedules: {", ".join(known)}{did_you_mean(name, known)}'
+            f'unknown schedule "{name}"\n       known schedules: '
+            f"{', '.join(known)}{did_you_mean(name, known)}"
         ) from None
 
 
@@ -311,29 +316,66 @@ def _decorate(order: list[tuple[str, int]], nm: int, staleness: int, update_ever
     return tuple(actions)
 
 
-wsp_schedule = register_schedule(ScheduleKind(
-    "wsp", _async_order, "minibatch", "minibatch", "optional", False,
-    "PipeDream 1F1B with Nm in flight and an update after every backward (weight stashing by default); "
-    "the paper's HetPipe schedule",
-))
-register_schedule(ScheduleKind(
-    "pipedream", _depth_order, "minibatch", "minibatch", "optional", False,
-    "PipeDream 1F1B at the pipe's depth: stage j keeps min(Nm, k) - j in flight and updates after every "
-    "backward; Nm only sets the wave (how often stages push), so a larger Nm adds no local staleness",
-))
-register_schedule(ScheduleKind(
-    "pipedream-2bw", _async_order, "wave", "previous-wave", "required", False,
-    "PipeDream-2BW: 1F1B without flushes, gradients accumulated over a wave and one update per wave; "
-    "two weight versions live (forwards straddling an update keep the older one)",
-))
-register_schedule(ScheduleKind(
-    "1f1b-flush", _flush_order, "wave", "wave", "none", True,
-    "PipeDream-Flush / DAPPLE: 1F1B inside a wave, then a flush and one update per wave; no local staleness",
-))
-register_schedule(ScheduleKind(
-    "gpipe", _fill_drain_order, "wave", "wave", "none", True,
-    "GPipe: every forward of a wave, then every backward, then one update; optional activation recomputation",
-))
+wsp_schedule = register_schedule(
+    ScheduleKind(
+        "wsp",
+        _async_order,
+        "minibatch",
+        "minibatch",
+        "optional",
+        False,
+        "PipeDream 1F1B with Nm in flight and an update after every backward (weight stashing by default); "
+        "the paper's HetPipe schedule",
+    )
+)
+register_schedule(
+    ScheduleKind(
+        "pipedream",
+        _depth_order,
+        "minibatch",
+        "minibatch",
+        "optional",
+        False,
+        "PipeDream 1F1B at the pipe's depth: stage j keeps min(Nm, k) - j in flight and updates after every "
+        "backward; Nm only sets the wave (how often stages push), so a larger Nm adds no local staleness",
+    )
+)
+register_schedule(
+    ScheduleKind(
+        "pipedream-2bw",
+        _async_order,
+        "wave",
+        "previous-wave",
+        "required",
+        False,
+        "PipeDream-2BW: 1F1B without flushes, gradients accumulated over a wave and one update per wave; "
+        "two weight versions live (forwards straddling an update keep the older one)",
+    )
+)
+register_schedule(
+    ScheduleKind(
+        "1f1b-flush",
+        _flush_order,
+        "wave",
+        "wave",
+        "none",
+        True,
+        "PipeDream-Flush / DAPPLE: 1F1B inside a wave, then a flush and one update per wave; "
+        "no local staleness",
+    )
+)
+register_schedule(
+    ScheduleKind(
+        "gpipe",
+        _fill_drain_order,
+        "wave",
+        "wave",
+        "none",
+        True,
+        "GPipe: every forward of a wave, then every backward, then one update; "
+        "optional activation recomputation",
+    )
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,13 +389,24 @@ def validate(schedule: Schedule) -> None:
             f"{schedule.name}: num_stages={schedule.num_stages} but {len(schedule.stages)} stage lists; "
             "give one list per stage"
         )
-    validate_lists(schedule.stages, schedule.nm, schedule.num_waves, schedule.staleness,
-                   guarantee=schedule.guarantee, stashing=schedule.stashing)
+    validate_lists(
+        schedule.stages,
+        schedule.nm,
+        schedule.num_waves,
+        schedule.staleness,
+        guarantee=schedule.guarantee,
+        stashing=schedule.stashing,
+    )
 
 
 def validate_lists(
-    stages: Sequence[Sequence[Action]], nm: int, num_waves: int, staleness: int = 0, *,
-    guarantee: Guarantee = "minibatch", stashing: Stashing = "optional",
+    stages: Sequence[Sequence[Action]],
+    nm: int,
+    num_waves: int,
+    staleness: int = 0,
+    *,
+    guarantee: Guarantee = "minibatch",
+    stashing: Stashing = "optional",
 ) -> None:
     """Check hand-written stage lists: each list on its own, then all of them run together."""
     _check_parameters(len(stages), nm, num_waves, staleness)
@@ -385,15 +438,19 @@ class _StageCheck:
         updated: set[int] = set()
         for i, action in enumerate(actions):
             if not isinstance(action, Action):
-                raise ScheduleError(f"stage {self.stage}, position {i}: {action!r} is not an Action; use parse_action()")
+                raise ScheduleError(
+                    f"stage {self.stage}, position {i}: {action!r} is not an Action; use parse_action()"
+                )
             where = _at(self.stage, i, action)
             if action in seen:
-                raise ScheduleError(f"{where}: {action} already at position {seen[action]}; each action runs once")
+                raise ScheduleError(
+                    f"{where}: {action} already at position {seen[action]}; each action runs once"
+                )
             kind, n = action.kind, action.index
             if kind in (FORWARD, BACKWARD, UPDATE) and n >= total:
                 raise ScheduleError(
-                    f"{where}: no minibatch {n}; with nm={self.nm} and {self.num_waves} waves minibatches are "
-                    f"0..{total - 1}"
+                    f"{where}: no minibatch {n}; with nm={self.nm} and {self.num_waves} waves "
+                    f"minibatches are 0..{total - 1}"
                 )
             if kind in (PUSH, WAIT) and n >= self.num_waves:
                 raise ScheduleError(f"{where}: no wave {n}; waves are 0..{self.num_waves - 1}")
@@ -403,7 +460,9 @@ class _StageCheck:
                 in_flight.add(n)
             elif kind == BACKWARD:
                 if Action(FORWARD, n) not in seen:
-                    raise ScheduleError(f"{where}: backward before its forward at this stage; put F{n} before {action}")
+                    raise ScheduleError(
+                        f"{where}: backward before its forward at this stage; put F{n} before {action}"
+                    )
                 in_flight.discard(n)
                 pending.append(n)
             elif kind == UPDATE:
@@ -413,8 +472,11 @@ class _StageCheck:
             elif kind == PUSH:
                 missing = [p for p in range(n * self.nm, n * self.nm + self.nm) if p not in updated]
                 if missing:
-                    what = f"B{missing[0]} has not run" if Action(BACKWARD, missing[0]) not in seen else \
-                        f"B{missing[0]}'s update (U) has not run"
+                    what = (
+                        f"B{missing[0]} has not run"
+                        if Action(BACKWARD, missing[0]) not in seen
+                        else f"B{missing[0]}'s update (U) has not run"
+                    )
                     raise ScheduleError(
                         f"{where}: wave {n}'s update is not complete, {what}; "
                         f"put {action} right after the update of the last backward of wave {n}"
@@ -422,12 +484,14 @@ class _StageCheck:
             elif kind == WAIT:
                 if not _needs_wait(n, self.staleness):
                     raise ScheduleError(
-                        f"{where}: wave {n} needs no gate with D={self.staleness} (W_0 is the initial model); "
+                        f"{where}: wave {n} needs no gate with D={self.staleness} "
+                        "(W_0 is the initial model); "
                         f"only waves c >= D + 2 = {self.staleness + 2} wait, so remove {action}"
                     )
                 if self.stashing == "none" and in_flight:
                     raise ScheduleError(
-                        f"{where}: F{min(in_flight)} is in flight and this schedule keeps no stashed weights, "
+                        f"{where}: F{min(in_flight)} is in flight "
+                        "and this schedule keeps no stashed weights, "
                         "so a rebase here would change the weights of its backward; flush the wave first"
                     )
             # A gate must precede every action of its wave; B p needs F p first, so checking at the
@@ -453,19 +517,22 @@ class _StageCheck:
         missing = [q for q in range(need + 1) if q not in updated]
         if missing:
             raise ScheduleError(
-                f"{where}: comes before B{missing[0]} and its update; guarantee L ({self.guarantee}) needs every own "
-                f"minibatch <= {need} applied before {action}, so put B{missing[0]} and its U before {action}"
+                f"{where}: comes before B{missing[0]} and its update; guarantee L ({self.guarantee}) needs "
+                f"every own minibatch <= {need} applied before {action}, "
+                f"so put B{missing[0]} and its U before {action}"
             )
 
     def _update(self, where: str, action: Action, pending: list[int], in_flight: set[int]) -> None:
         if not pending or pending[-1] != action.index:
-            last = f"the last backward before it is B{pending[-1]}" if pending else "no backward runs before it"
+            last = (
+                f"the last backward before it is B{pending[-1]}" if pending else "no backward runs before it"
+            )
             raise ScheduleError(f"{where}: an update names the last backward it applies, but {last}")
         waves = {p // self.nm for p in pending}
         if len(waves) > 1:
             raise ScheduleError(
-                f"{where}: applies backwards of waves {sorted(waves)}; an update belongs to one wave's sum, so "
-                f"put a U after B{max(p for p in pending if p // self.nm == min(waves))}"
+                f"{where}: applies backwards of waves {sorted(waves)}; an update belongs to one wave's sum, "
+                f"so put a U after B{max(p for p in pending if p // self.nm == min(waves))}"
             )
         if self.stashing == "none" and in_flight:
             raise ScheduleError(
@@ -478,7 +545,8 @@ class _StageCheck:
             for kind in (FORWARD, BACKWARD):
                 if Action(kind, p) not in seen:
                     raise ScheduleError(
-                        f"stage {self.stage}: {kind}{p} is missing; every stage runs F and B of every minibatch"
+                        f"stage {self.stage}: {kind}{p} is missing; "
+                        "every stage runs F and B of every minibatch"
                     )
             if p not in updated:
                 raise ScheduleError(f"stage {self.stage}: B{p} is never applied; put a U after it")
@@ -486,10 +554,12 @@ class _StageCheck:
             push = Action(PUSH, c)
             if push not in seen:
                 last = [a for a in seen if a.kind == UPDATE and a.index // self.nm == c]
-                after = max(last, key=lambda a: seen[a]) if last else Action(BACKWARD, c * self.nm + self.nm - 1)
+                after = (
+                    max(last, key=lambda a: seen[a]) if last else Action(BACKWARD, c * self.nm + self.nm - 1)
+                )
                 raise ScheduleError(
-                    f"stage {self.stage}: {push} is missing; put it right after {after} (position {seen[after]}), "
-                    f"the update that completes wave {c}"
+                    f"stage {self.stage}: {push} is missing; put it right after {after} "
+                    f"(position {seen[after]}), the update that completes wave {c}"
                 )
 
 
@@ -524,8 +594,14 @@ class Timeline:
         return self.schedule.num_minibatches / self.makespan if self.makespan else math.inf
 
 
-def _blocker(stages: Sequence[Sequence[Action]], done: list[dict[Action, float]], j: int, action: Action,
-             staleness: int, now: float) -> str | None:
+def _blocker(
+    stages: Sequence[Sequence[Action]],
+    done: list[dict[Action, float]],
+    j: int,
+    action: Action,
+    staleness: int,
+    now: float,
+) -> str | None:
     """What `action` at stage j still waits for at time `now` (one VW: c_global is its own clock)."""
     for peer, other in needs(action, j, len(stages)):
         if done[peer].get(other, math.inf) > now:
@@ -541,7 +617,10 @@ def _blocker(stages: Sequence[Sequence[Action]], done: list[dict[Action, float]]
 
 
 def _execute(
-    stages: Sequence[Sequence[Action]], staleness: int, forward_time: Sequence[float], backward_time: Sequence[float]
+    stages: Sequence[Sequence[Action]],
+    staleness: int,
+    forward_time: Sequence[float],
+    backward_time: Sequence[float],
 ) -> list[Event]:
     """Run all lists together: each stage takes its next action as soon as its dependencies are done."""
     k = len(stages)
@@ -590,7 +669,9 @@ def _execute(
 def _per_stage(value: Sequence[float] | float, num_stages: int, what: str) -> list[float]:
     values = [float(value)] * num_stages if isinstance(value, int | float) else [float(v) for v in value]
     if len(values) != num_stages:
-        raise UsageError(f"{what} has {len(values)} entries for {num_stages} stages; give one per stage or one number")
+        raise UsageError(
+            f"{what} has {len(values)} entries for {num_stages} stages; give one per stage or one number"
+        )
     if any(not v > 0 or math.isinf(v) for v in values):
         raise UsageError(f"{what} must be finite and > 0, got {values}")
     return values
@@ -607,8 +688,12 @@ def simulate(
     """
     validate(schedule)
     k = schedule.num_stages
-    events = _execute(schedule.stages, schedule.staleness, _per_stage(forward_time, k, "forward_time"),
-                      _per_stage(backward_time, k, "backward_time"))
+    events = _execute(
+        schedule.stages,
+        schedule.staleness,
+        _per_stage(forward_time, k, "forward_time"),
+        _per_stage(backward_time, k, "backward_time"),
+    )
     return Timeline(schedule, tuple(events))
 
 
@@ -677,6 +762,10 @@ def format_grid(schedule: Schedule) -> str:
     step_width = max(len("step"), len(str(len(rows) - 1)))
 
     def line(first: str, values: list[str]) -> str:
-        return "  ".join([first.rjust(step_width)] + [v.ljust(w) for v, w in zip(values, widths, strict=True)]).rstrip()
+        return "  ".join(
+            [first.rjust(step_width)] + [v.ljust(w) for v, w in zip(values, widths, strict=True)]
+        ).rstrip()
 
-    return "\n".join([schedule.header, line("step", titles)] + [line(str(t), row) for t, row in enumerate(cells)])
+    return "\n".join(
+        [schedule.header, line("step", titles)] + [line(str(t), row) for t, row in enumerate(cells)]
+    )

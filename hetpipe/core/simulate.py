@@ -1,4 +1,5 @@
-"""Discrete-event simulator of a plan under WSP (throughput, gate waits, PS load) and of the baselines. Pure."""
+"""Discrete-event simulator of a plan under WSP (throughput, gate waits, PS load) and of the baselines.
+Pure."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class SimEvent:
 
 @dataclass(frozen=True)
 class GateRecord:
-    """A gate opening: stage `stage` of VW `vw` starts wave `wave`; `completed` is c_local of every VW then."""
+    """A gate opening: stage `stage` of VW `vw` starts wave `wave`; `completed` is c_local of every VW
+    then."""
 
     time_s: float
     vw: int
@@ -136,11 +138,11 @@ def stage_param_bytes(vw: VwPlan) -> list[float]:
 
 @dataclass(frozen=True)
 class PsNetwork:
-    """The nodes' own links as the PS's bytes cross them (the testbed, or a cluster of machines), in Gbit/s per
-    node name. A shard on the sender's own node is reached over that node's loopback; else a push leaves over the
-    sender's egress and a pull over the shard node's egress (shared by every VW it serves). The shards run on
-    `ps_node`, or with placement "local" each layer's on `layer_nodes[layer]`; a stage's bytes are then split
-    over its layers by `layer_bytes` (default: evenly)."""
+    """The nodes' own links as the PS's bytes cross them (the testbed, or a cluster of machines), in Gbit/s
+    per node name. A shard on the sender's own node is reached over that node's loopback; else a push leaves
+    over the sender's egress and a pull over the shard node's egress (shared by every VW it serves). The
+    shards run on `ps_node`, or with placement "local" each layer's on `layer_nodes[layer]`; a stage's bytes
+    are then split over its layers by `layer_bytes` (default: evenly)."""
 
     ps_node: str
     egress_gbps: Mapping[str, float]
@@ -155,20 +157,27 @@ class PsNetwork:
         shard_node = shard_node or self.ps_node
         for name in (node, shard_node):
             if name not in self.egress_gbps or name not in self.inside_gbps:
-                raise UsageError(f"GPU {gpu!r} or its shard is on node {name!r}, which the PS network does not list "
-                                 f"(nodes: {', '.join(self.egress_gbps)}); build it from the same config as the plan")
+                raise UsageError(
+                    f"GPU {gpu!r} or its shard is on node {name!r}, which the PS network does not list "
+                    f"(nodes: {', '.join(self.egress_gbps)}); build it from the same config as the plan"
+                )
         if node == shard_node:
             return f"{node} loopback", self.inside_gbps[node]
         sender = node if push else shard_node
         return f"{sender} egress", self.egress_gbps[sender]
 
-    def parts(self, gpu: str, start: int, stop: int, nbytes: float, push: bool) -> list[tuple[str, float, float]]:
-        """(link name, Gbit/s, bytes) of each link a stage's transfer of `nbytes` for layers [start, stop) crosses."""
+    def parts(
+        self, gpu: str, start: int, stop: int, nbytes: float, push: bool
+    ) -> list[tuple[str, float, float]]:
+        """(link name, Gbit/s, bytes) of each link a stage's transfer of `nbytes` for layers [start, stop)
+        crosses."""
         if not self.layer_nodes:
             return [(*self.route(gpu, push), nbytes)]
         if not 0 <= start < stop <= len(self.layer_nodes):
-            raise UsageError(f"layers [{start}, {stop}) of {gpu!r} are outside the {len(self.layer_nodes)} layers "
-                             "the PS network places: build it from the same plan")
+            raise UsageError(
+                f"layers [{start}, {stop}) of {gpu!r} are outside the {len(self.layer_nodes)} layers "
+                "the PS network places: build it from the same plan"
+            )
         weights = self.layer_bytes[start:stop] if self.layer_bytes else (1.0,) * (stop - start)
         total = sum(weights) or 1.0
         by_node: dict[str, float] = {}
@@ -244,8 +253,8 @@ class _Vw:
 
 
 class _Links:
-    """The links the PS's traffic crosses: one shared FIFO at the PS's own rate, or, given a PsNetwork, one FIFO
-    per node link (each no faster than the PS's own rate)."""
+    """The links the PS's traffic crosses: one shared FIFO at the PS's own rate, or, given a PsNetwork, one
+    FIFO per node link (each no faster than the PS's own rate)."""
 
     def __init__(self, ps_bytes_per_s: float, network: PsNetwork | None) -> None:
         self.ps_bytes_per_s = ps_bytes_per_s
@@ -309,7 +318,11 @@ class _Run:
         for vw in self.vws:
             for j in range(vw.k):
                 for wave, handed in vw.pull_handed[j].items():
-                    if wave not in vw.pull_arrived[j] and handed <= now and c_global >= gate_version(wave, self.staleness):
+                    if (
+                        wave not in vw.pull_arrived[j]
+                        and handed <= now
+                        and c_global >= gate_version(wave, self.staleness)
+                    ):
                         arrived = self.links.transfer(vw, j, push=False, now=now)
                         vw.pull_arrived[j][wave] = arrived
                         vw.pull_s += arrived - now
@@ -368,12 +381,21 @@ class _Run:
             while self.upcoming and self.upcoming[0] <= now:
                 heapq.heappop(self.upcoming)
             if not self.upcoming:  # cannot happen with validated lists; a guard against an endless loop
-                raise HetpipeError(f"simulation stuck at t={now}: no stage can proceed; this is a bug, report it")
+                raise HetpipeError(
+                    f"simulation stuck at t={now}: no stage can proceed; this is a bug, report it"
+                )
             now = heapq.heappop(self.upcoming)
 
 
-def simulate(plan: Plan, *, waves: int, ps_gbps: float, ps_shards: int = 1, server_aggregation: bool = False,
-             network: PsNetwork | None = None) -> SimResult:
+def simulate(
+    plan: Plan,
+    *,
+    waves: int,
+    ps_gbps: float,
+    ps_shards: int = 1,
+    server_aggregation: bool = False,
+    network: PsNetwork | None = None,
+) -> SimResult:
     """Run every VW of `plan` for `waves` waves of its schedule under WSP with D = plan.staleness.
 
     Stages take stage_times() (a recomputing backward adds the forward); PUSH c sends the stage's param

@@ -1,14 +1,14 @@
 """The shaped-network testbed as plain data: namespace, bridge and veth names, addresses, tbf parameters, the
-effective config's overrides, where each `hetpipe worker` runs, and the link scale. No I/O: hetpipe/app/testbed.py
-runs the `ip`/`tc` commands this plans (docs/testbed.md).
+effective config's overrides, where each `hetpipe worker` runs, and the link scale. No I/O:
+hetpipe/app/testbed.py runs the `ip`/`tc` commands this plans (docs/testbed.md).
 
 One network namespace per config node, all on one bridge in the root namespace, each with its own address in
 10.77.0.0/16 (private to the machine). A node's link is shaped both ways by a tbf qdisc at inter_node_gbps x
 scale, like a full-duplex NIC: its egress on its end of its veth, its ingress on the bridge's end (so several
-nodes sending to one, e.g. pushes to the PS, share its rate). Traffic between processes of one node stays inside
-its namespace, on its loopback, shaped by a tbf at its GPUs x intra_node_gbps x scale: the node's GPUs each on
-their own full-duplex PCIe-like link through a switch that does not block, so all of them can send at once
-(lo_mtu: the loopback's frames are cut to an Ethernet MTU so that the bucket stays small).
+nodes sending to one, e.g. pushes to the PS, share its rate). Traffic between processes of one node stays
+inside its namespace, on its loopback, shaped by a tbf at its GPUs x intra_node_gbps x scale: the node's GPUs
+each on their own full-duplex PCIe-like link through a switch that does not block, so all of them can send at
+once (lo_mtu: the loopback's frames are cut to an Ethernet MTU so that the bucket stays small).
 """
 
 from __future__ import annotations
@@ -51,14 +51,17 @@ __all__ = [
 PREFIX = "hp-"  # every namespace and root-namespace link the testbed makes starts with it
 SUBNET = "10.77.0.0/16"
 PREFIX_LEN = 16
-NS_IFNAME = "hpnet"  # a node's end of its veth, inside its namespace: the same name everywhere (GLOO_SOCKET_IFNAME)
+NS_IFNAME = (
+    "hpnet"  # a node's end of its veth, inside its namespace: the same name everywhere (GLOO_SOCKET_IFNAME)
+)
 IFNAMSIZ = 15  # longest Linux interface name
 LO_MTU = 1500  # a node's loopback MTU in the testbed (Linux's 65536 would need a 64 KiB bucket for one frame)
 _RUN = re.compile(r"[a-z0-9]{1,8}")
 
 # tbf: a bucket of at least MIN_BURST_BYTES (two full 1514-byte frames and change) or 1 ms of the rate, and a
-# queue of QUEUE_S of the rate (at least MIN_QUEUE_BYTES) on top. Measured on veth pairs here with a TCP sender,
-# link-level bytes: 0.5, 2, 20, 100 Mbit/s and 1 Gbit/s shaped to within 1% (0.9995, 1.998, 20.0, 98.5, 957 Mbit/s).
+# queue of QUEUE_S of the rate (at least MIN_QUEUE_BYTES) on top. Measured on veth pairs here with a TCP
+# sender, link-level bytes: 0.5, 2, 20, 100 Mbit/s and 1 Gbit/s shaped to within 1% (0.9995, 1.998, 20.0,
+# 98.5, 957 Mbit/s).
 MIN_BURST_BYTES = 4096
 BURST_S = 0.001
 QUEUE_S = 0.05
@@ -82,14 +85,25 @@ class Tbf:
 
     def tc_args(self) -> tuple[str, ...]:
         """The qdisc's words for `tc qdisc replace dev DEV root ...`."""
-        return ("tbf", "rate", f"{self.rate_bit}bit", "burst", str(self.burst_bytes), "limit", str(self.limit_bytes))
+        return (
+            "tbf",
+            "rate",
+            f"{self.rate_bit}bit",
+            "burst",
+            str(self.burst_bytes),
+            "limit",
+            str(self.limit_bytes),
+        )
 
 
 def tbf_for(gbps: float) -> Tbf:
-    """The tbf that shapes a link to `gbps` Gbit/s: burst max(4 KiB, 1 ms of rate), queue 50 ms of rate on top."""
+    """The tbf that shapes a link to `gbps` Gbit/s: burst max(4 KiB, 1 ms of rate), queue 50 ms of rate on
+    top."""
     if not (math.isfinite(gbps) and gbps * 1e9 >= 8000):
-        raise UsageError(f"a testbed link of {gbps} Gbit/s cannot be shaped: give it at least 8 kbit/s "
-                         "(raise --scale or network.inter_node_gbps)")
+        raise UsageError(
+            f"a testbed link of {gbps} Gbit/s cannot be shaped: give it at least 8 kbit/s "
+            "(raise --scale or network.inter_node_gbps)"
+        )
     rate_bit = round(gbps * 1e9)
     per_s = rate_bit / 8
     burst = max(MIN_BURST_BYTES, math.ceil(per_s * BURST_S))
@@ -138,13 +152,20 @@ class LinkScale:
 
     def describe(self) -> str:
         """One line: the scale and where it comes from."""
-        return (f"link scale {self.scale:.3g} = real step {self.real_step_s * 1e3:.3g} ms ({self.step_flops / 1e9:.3g} GFLOP "
-                f"at {self.gpu_tflops:g} TFLOPS x {self.efficiency:g}) / emulated step {self.emulated_step_s:.3g} s "
-                f"(CPU {self.cpu_step_s * 1e3:.3g} ms x slowdown {self.time_scale:g})")
+        return (
+            f"link scale {self.scale:.3g} = real step {self.real_step_s * 1e3:.3g} ms "
+            f"({self.step_flops / 1e9:.3g} GFLOP at {self.gpu_tflops:g} TFLOPS x {self.efficiency:g}) "
+            f"/ emulated step {self.emulated_step_s:.3g} s "
+            f"(CPU {self.cpu_step_s * 1e3:.3g} ms x slowdown {self.time_scale:g})"
+        )
 
     def to_dict(self) -> dict[str, float]:
-        return {**asdict(self), "emulated_step_s": self.emulated_step_s, "real_step_s": self.real_step_s,
-                "scale": self.scale}
+        return {
+            **asdict(self),
+            "emulated_step_s": self.emulated_step_s,
+            "real_step_s": self.real_step_s,
+            "scale": self.scale,
+        }
 
 
 # ---------------------------------------------------------------------------------------------- topology
@@ -152,8 +173,8 @@ class LinkScale:
 
 @dataclass(frozen=True)
 class NodeNet:
-    """One config node in the testbed: its namespace, its veth's bridge end, its address, its shaped egress, and
-    the shaping of its loopback (the traffic between its own GPUs)."""
+    """One config node in the testbed: its namespace, its veth's bridge end, its address, its shaped egress,
+    and the shaping of its loopback (the traffic between its own GPUs)."""
 
     node: str
     netns: str  # hp-<run>-<node>
@@ -187,7 +208,9 @@ class Topology:
         for net in self.nodes:
             if net.node == name:
                 return net
-        raise UsageError(f"testbed {self.run} has no node {name!r}; its nodes: {', '.join(n.node for n in self.nodes)}")
+        raise UsageError(
+            f"testbed {self.run} has no node {name!r}; its nodes: {', '.join(n.node for n in self.nodes)}"
+        )
 
     def of_gpu(self, gpu: str) -> NodeNet:
         """The node of GPU "n0:1"."""
@@ -212,12 +235,17 @@ class Topology:
         return self.shaped_intra_gbps if a.rsplit(":", 1)[0] == b.rsplit(":", 1)[0] else self.shaped_gbps
 
     def ps_network(self) -> PsNetwork:
-        """The links the PS's traffic crosses here, for the simulator: each node's shaped egress and loopback."""
-        return PsNetwork(self.ps_node, {n.node: n.egress_gbps for n in self.nodes},
-                         {n.node: n.inside_gbps for n in self.nodes})
+        """The links the PS's traffic crosses here, for the simulator: each node's shaped egress and
+        loopback."""
+        return PsNetwork(
+            self.ps_node,
+            {n.node: n.egress_gbps for n in self.nodes},
+            {n.node: n.inside_gbps for n in self.nodes},
+        )
 
     def overrides(self) -> tuple[str, ...]:
-        """`--set` overrides that make a config run in this testbed: node hosts, the PS host, no sleep-based links."""
+        """`--set` overrides that make a config run in this testbed: node hosts, the PS host, no sleep-based
+        links."""
         hosts = tuple(f"nodes.{i}.host={net.address}" for i, net in enumerate(self.nodes))
         return (*hosts, f"ps.host={self.ps.address}", "emulation.link_bandwidth=false")
 
@@ -226,10 +254,19 @@ class Topology:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Topology:
-        nodes = tuple(NodeNet(**{**n, "tbf": Tbf(**n["tbf"]), "inside_tbf": Tbf(**n["inside_tbf"])})
-                      for n in data["nodes"])
-        return cls(data["run"], data["bridge"], nodes, data["ps_node"], data["scale"], data["inter_node_gbps"],
-                   data["intra_node_gbps"])
+        nodes = tuple(
+            NodeNet(**{**n, "tbf": Tbf(**n["tbf"]), "inside_tbf": Tbf(**n["inside_tbf"])})
+            for n in data["nodes"]
+        )
+        return cls(
+            data["run"],
+            data["bridge"],
+            nodes,
+            data["ps_node"],
+            data["scale"],
+            data["inter_node_gbps"],
+            data["intra_node_gbps"],
+        )
 
 
 def effective_config(config: ClusterConfig, topology: Topology) -> ClusterConfig:
@@ -250,7 +287,8 @@ def plan_topology(config: ClusterConfig, run: str, scale: float, ps_node: str | 
     """The testbed of `config`: one namespace per node, egress at inter_node_gbps x scale, its loopback at its
     GPUs x intra_node_gbps x scale.
 
-    The PS runs on `ps_node`, else on the first node whose host is the config's ps.host, else on the first node.
+    The PS runs on `ps_node`, else on the first node whose host is the config's ps.host, else on the first
+    node.
     """
     if not _RUN.fullmatch(run):
         raise UsageError(f"testbed run id {run!r}: use 1 to 8 lower-case letters or digits")
@@ -267,24 +305,28 @@ def plan_topology(config: ClusterConfig, run: str, scale: float, ps_node: str | 
     for i, name in enumerate(names):
         veth = f"{PREFIX}{run}-{i}"
         if len(veth) > IFNAMSIZ:
-            raise UsageError(f"testbed interface name {veth!r} is longer than {IFNAMSIZ} characters: "
-                             "use a shorter run id or fewer nodes")
+            raise UsageError(
+                f"testbed interface name {veth!r} is longer than {IFNAMSIZ} characters: "
+                "use a shorter run id or fewer nodes"
+            )
         inside = tbf_for(len(config.nodes[i].gpus) * config.network.intra_node_gbps * scale)
         nodes.append(NodeNet(name, f"{PREFIX}{run}-{name}", veth, node_address(i), tbf, inside))
-    return Topology(run, f"{PREFIX}{run}-br", tuple(nodes), ps_node, scale, gbps, config.network.intra_node_gbps)
+    return Topology(
+        run, f"{PREFIX}{run}-br", tuple(nodes), ps_node, scale, gbps, config.network.intra_node_gbps
+    )
 
 
 def run_of(name: str) -> str | None:
     """The run id in a testbed namespace or link name ("hp-3f2a-n0" -> "3f2a"), None for other names."""
     if not name.startswith(PREFIX):
         return None
-    run = name[len(PREFIX):].split("-", 1)[0]
+    run = name[len(PREFIX) :].split("-", 1)[0]
     return run if _RUN.fullmatch(run) and name != f"{PREFIX}{run}" else None
 
 
 def is_stale(state: Mapping | None, alive: Callable[[int, float], bool]) -> bool:
-    """Whether a run's namespaces are leftovers: no state recorded, or its owner process (pid, start time) gone.
-    A run made by `hetpipe testbed up` has no owner and stays until `hetpipe testbed down`."""
+    """Whether a run's namespaces are leftovers: no state recorded, or its owner process (pid, start time)
+    gone. A run made by `hetpipe testbed up` has no owner and stays until `hetpipe testbed down`."""
     if state is None:
         return True
     owner = state.get("owner")
@@ -321,25 +363,43 @@ def worker_places(vw_gpus: Sequence[Sequence[str]]) -> list[WorkerPlace]:
 
 def layout_overrides(layouts: Iterable[tuple[Sequence[str], Sequence[int]]]) -> list[str]:
     """`--set` overrides listing virtual workers (GPUs, layers per stage) by hand, e.g. a plan's."""
-    tables = ", ".join("{ gpus = [" + ", ".join(f'"{g}"' for g in gpus) + "], layers = ["
-                       + ", ".join(str(n) for n in split) + "] }" for gpus, split in layouts)
+    tables = ", ".join(
+        "{ gpus = ["
+        + ", ".join(f'"{g}"' for g in gpus)
+        + "], layers = ["
+        + ", ".join(str(n) for n in split)
+        + "] }"
+        for gpus, split in layouts
+    )
     return ["allocation.policy=explicit", f"virtual_workers=[{tables}]"]
 
 
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def format_nodes(topology: Topology, measured: Mapping[str, float | None] | None = None,
-                 tolerance: float = 0.15, inside: Mapping[str, float | None] | None = None) -> str:
+def format_nodes(
+    topology: Topology,
+    measured: Mapping[str, float | None] | None = None,
+    tolerance: float = 0.15,
+    inside: Mapping[str, float | None] | None = None,
+) -> str:
     """A table of the testbed's nodes: namespace, address, configured egress and inside (loopback) rates and,
     when given, the measured ones (Mbit/s) with whether each is within `tolerance` of its configured rate."""
+
     def cell(got: float | None, want: float) -> str:
         if got is None:
             return "-"
-        return f"{got * 1e3:.4g} ({got / want - 1:+.1%}, {'ok' if within(got, want, tolerance) else 'OUT OF RANGE'})"
+        return (
+            f"{got * 1e3:.4g} ({got / want - 1:+.1%}, "
+            f"{'ok' if within(got, want, tolerance) else 'OUT OF RANGE'})"
+        )
 
-    lines = [f"{'node':<8} {'namespace':<16} {'address':<12} {'egress Mbit/s':>13}" + ("  measured" if measured else "")
-             + f"  {'inside Mbit/s':>13}" + ("  measured" if inside else "")]
+    lines = [
+        f"{'node':<8} {'namespace':<16} {'address':<12} {'egress Mbit/s':>13}"
+        + ("  measured" if measured else "")
+        + f"  {'inside Mbit/s':>13}"
+        + ("  measured" if inside else "")
+    ]
     for net in topology.nodes:
         line = f"{net.node:<8} {net.netns:<16} {net.address:<12} {net.egress_gbps * 1e3:>13.4g}"
         if measured is not None:

@@ -1,4 +1,5 @@
-"""The parameter-server wire protocol: msgpack header + raw tensor frames, strictly validated. No socket loops."""
+"""The parameter-server wire protocol: msgpack header + raw tensor frames, strictly validated. No socket
+loops."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 2  # 2: durable pushes (keep_from), heartbeats, eviction and rejoin
-CHUNK_BYTES = 1 << 20                   # one data frame; a multiple of every allowed itemsize
+CHUNK_BYTES = 1 << 20  # one data frame; a multiple of every allowed itemsize
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 100_000
 MAX_TENSOR_BYTES = 8 << 30
@@ -49,15 +50,28 @@ MAX_INFO_DEPTH = 4
 MAX_INFO_ENTRIES = 4096
 MAX_INFO_STR_BYTES = 64 << 10
 ERROR_CODES = frozenset(
-    {"bad_message", "version", "run_mismatch", "not_registered", "conflict", "out_of_order", "stale", "internal",
-     "forbidden", "non_finite", "evicted", "vw_failed"}
+    {
+        "bad_message",
+        "version",
+        "run_mismatch",
+        "not_registered",
+        "conflict",
+        "out_of_order",
+        "stale",
+        "internal",
+        "forbidden",
+        "non_finite",
+        "evicted",
+        "vw_failed",
+    }
 )
 # Bytes on the wire are little-endian whatever the host; on the usual little-endian hosts this is native.
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<") for name in ("float32", "float16", "float64", "int32", "int64")
 }
 # Packed dtypes: float32 tensors sent in fewer bytes ([ps] wire_dtype). On the wire the frames hold the packed
-# form (bfloat16: the upper 16 bits of each float32, rounded to nearest even); a received one reads as float32.
+# form (bfloat16: the upper 16 bits of each float32, rounded to nearest even); a received one reads as
+# float32.
 PACKED: dict[str, tuple[np.dtype, np.dtype]] = {"bfloat16": (np.dtype("<u2"), DTYPES["float32"])}
 assert all(CHUNK_BYTES % dt.itemsize == 0 for dt in [*DTYPES.values(), *(w for w, _ in PACKED.values())])
 _ALLOWED = sorted([*DTYPES, *PACKED])
@@ -118,16 +132,29 @@ def _is_error_code(value: object) -> str | None:
 
 def _is_gaps(value: object) -> str | None:
     """[vw, from_wave, to_wave] triples: waves a VW contributes nothing to (to_wave -1: open-ended)."""
-    ok = type(value) is list and len(value) <= MAX_INFO_ENTRIES and all(
-        type(g) is list and len(g) == 3 and all(type(x) is int for x in g)
-        and 0 <= g[0] < _I31 and 0 <= g[1] < _I31 and -1 <= g[2] < _I31 for g in value)
+    ok = (
+        type(value) is list
+        and len(value) <= MAX_INFO_ENTRIES
+        and all(
+            type(g) is list
+            and len(g) == 3
+            and all(type(x) is int for x in g)
+            and 0 <= g[0] < _I31
+            and 0 <= g[1] < _I31
+            and -1 <= g[2] < _I31
+            for g in value
+        )
+    )
     return None if ok else f"a list of at most {MAX_INFO_ENTRIES} [vw, from, to] int triples"
 
 
 def _is_key_list(value: object) -> str | None:
     """A list of tensor names (which keys of a registration are buffers, which are ledgers)."""
-    ok = type(value) is list and len(value) <= MAX_TENSORS and all(
-        type(k) is str and 0 < len(k) <= MAX_KEY_CHARS for k in value)
+    ok = (
+        type(value) is list
+        and len(value) <= MAX_TENSORS
+        and all(type(k) is str and 0 < len(k) <= MAX_KEY_CHARS for k in value)
+    )
     return None if ok else f"a list of at most {MAX_TENSORS} tensor names"
 
 
@@ -137,7 +164,10 @@ _SCALARS = (type(None), bool, int, float, str, bytes)
 def _small(value: object) -> bool:
     """Strings and bytes fit msgpack's max_str_len/max_bin_len on the decoding side."""
     if type(value) is str:
-        return len(value) <= MAX_INFO_STR_BYTES // 4 or len(value.encode("utf-8", "replace")) <= MAX_INFO_STR_BYTES
+        return (
+            len(value) <= MAX_INFO_STR_BYTES // 4
+            or len(value.encode("utf-8", "replace")) <= MAX_INFO_STR_BYTES
+        )
     return type(value) is not bytes or len(value) <= MAX_INFO_STR_BYTES
 
 
@@ -185,9 +215,17 @@ _COUNT = _int_in(1, _I31, "2**31")
 
 FIELDS: dict[str, dict[str, Check]] = {
     "register": {
-        "id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX,
-        "num_vws": _COUNT, "num_stages": _COUNT, "want_weights": _is_bool,
-        "num_waves": _INDEX, "buffers": _is_key_list, "ledgers": _is_key_list, "start_wave": _INDEX,
+        "id": _ID,
+        "run": _RUN,
+        "vw": _INDEX,
+        "stage": _INDEX,
+        "num_vws": _COUNT,
+        "num_stages": _COUNT,
+        "want_weights": _is_bool,
+        "num_waves": _INDEX,
+        "buffers": _is_key_list,
+        "ledgers": _is_key_list,
+        "start_wave": _INDEX,
     },
     "push": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
     "pull": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
@@ -201,8 +239,12 @@ FIELDS: dict[str, dict[str, Check]] = {
     "registered": {"id": _ID, "c_global": _INDEX, "pushed": _INDEX, "keep_from": _INDEX},
     "ack": {"id": _ID, "wave": _INDEX, "applied": _is_bool, "c_global": _INDEX, "keep_from": _INDEX},
     "weights": {
-        "id": _ID, "wave": _INDEX, "version": _INDEX, "own_through": _int_in(-1, _I31, "2**31"),
-        "parked_ms": _INDEX, "gaps": _is_gaps,
+        "id": _ID,
+        "wave": _INDEX,
+        "version": _INDEX,
+        "own_through": _int_in(-1, _I31, "2**31"),
+        "parked_ms": _INDEX,
+        "gaps": _is_gaps,
     },
     "beat": {"id": _ID, "c_global": _INDEX, "keep_from": _INDEX},
     "evicted": {"id": _ID, "vw": _INDEX, "at_wave": _INDEX},
@@ -252,7 +294,8 @@ def _check_version(header: dict) -> None:
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise WireError(
             "version",
-            f"protocol version {_show(version)} is not supported: this side speaks version {PROTOCOL_VERSION};"
+            f"protocol version {_show(version)} is not supported: "
+            f"this side speaks version {PROTOCOL_VERSION};"
             " run the same hetpipe version on the server and every worker",
         )
 
@@ -286,9 +329,7 @@ def _check_spec(index: int, entry: object) -> _Spec:
         raise _bad(f"{where}.key must be a str of 1..{MAX_KEY_CHARS} chars, got {_show(key)}")
     if type(dtype) is not str or (dtype not in DTYPES and dtype not in PACKED):
         raise _bad(f"tensor {key!r}: dtype {_show(dtype)} is not allowed; use one of {_ALLOWED}")
-    if type(shape) is not list or len(shape) > MAX_NDIM or not all(
-        type(d) is int and d >= 0 for d in shape
-    ):
+    if type(shape) is not list or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
         raise _bad(f"tensor {key!r}: shape must be a list of <= {MAX_NDIM} ints >= 0, got {_show(shape)}")
     frames_dtype, logical = PACKED[dtype] if dtype in PACKED else (DTYPES[dtype], DTYPES[dtype])
     itemsize = frames_dtype.itemsize
@@ -338,7 +379,10 @@ def _wire_array(key: object, value: object) -> np.ndarray:
     if type(key) is not str:
         raise _bad(f"tensor keys must be str, got {_show(key)}")
     if not isinstance(value, np.ndarray):
-        raise _bad(f"tensor {key!r} must be a numpy array, got {type(value).__name__} (torch: t.detach().cpu().numpy())")
+        raise _bad(
+            f"tensor {key!r} must be a numpy array, got {type(value).__name__} "
+            "(torch: t.detach().cpu().numpy())"
+        )
     name = _dtype_name(value.dtype)
     if name not in DTYPES:
         raise _bad(f"tensor {key!r}: dtype {value.dtype} is not allowed; cast it to one of {sorted(DTYPES)}")
@@ -349,8 +393,8 @@ def _wire_array(key: object, value: object) -> np.ndarray:
 
 
 def to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 as uint16 bits, rounded to nearest even (as torch's .to(torch.bfloat16)); a NaN stays
-    a quiet NaN, and a value that rounds past the largest bfloat16 becomes inf."""
+    """float32 -> bfloat16 as uint16 bits, rounded to nearest even (as torch's .to(torch.bfloat16)); a NaN
+    stays a quiet NaN, and a value that rounds past the largest bfloat16 becomes inf."""
     floats = np.ascontiguousarray(values, dtype=np.float32)
     flat, out = floats.reshape(-1), np.empty(floats.shape, "<u2")
     out_flat = out.reshape(-1)
@@ -386,7 +430,9 @@ def _pack(header: dict) -> bytes:
     try:
         packed = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as err:
-        raise _bad(f"{header.get('type')}: header cannot be packed ({err}); use plain Python values") from None
+        raise _bad(
+            f"{header.get('type')}: header cannot be packed ({err}); use plain Python values"
+        ) from None
     if len(packed) > MAX_HEADER_BYTES:
         raise _bad(
             f"{header['type']}: header is {len(packed)} bytes, over the {MAX_HEADER_BYTES}-byte limit;"
@@ -396,14 +442,18 @@ def _pack(header: dict) -> bytes:
 
 
 def encode(
-    msg_type: str, fields: Mapping[str, object], tensors: Mapping[str, np.ndarray] | None = None,
-    pack: str | None = None, pack_only: Collection[str] | None = None,
+    msg_type: str,
+    fields: Mapping[str, object],
+    tensors: Mapping[str, np.ndarray] | None = None,
+    pack: str | None = None,
+    pack_only: Collection[str] | None = None,
 ) -> list[bytes | memoryview]:
     """Frames for `socket.send_multipart(frames, copy=False)`: the header, then each tensor's chunks.
 
     Validates like decode, so a sender's bug raises WireError here. Data frames are views of the arrays:
     do not modify them until the send has completed. `pack` (a PACKED name): float32 tensors (of `pack_only`,
-    when given) go packed, in new arrays (the caller's may change as soon as this returns); others as they are.
+    when given) go packed, in new arrays (the caller's may change as soon as this returns); others as they
+    are.
     """
     if pack is not None and pack not in PACKED:
         raise _bad(f"pack {pack!r} is not a packed dtype; use one of {sorted(PACKED)}")
@@ -420,9 +470,7 @@ def encode(
                 arrays[k], names[k] = to_bfloat16_bits(a), pack
     header: dict[str, object] = {"v": PROTOCOL_VERSION, "type": msg_type, **fields}
     if msg_type in _WITH_TENSORS:
-        header["tensors"] = [
-            {"key": k, "dtype": names[k], "shape": list(a.shape)} for k, a in arrays.items()
-        ]
+        header["tensors"] = [{"key": k, "dtype": names[k], "shape": list(a.shape)} for k, a in arrays.items()]
     _validate_header(header)
     if arrays and msg_type not in _WITH_TENSORS:
         raise _bad(f"{msg_type} carries no tensors; got {sorted(arrays)[:5]}")
@@ -447,8 +495,8 @@ def error_frames(request_id: int | None, code: str, message: str) -> list[bytes]
 
 @dataclass(frozen=True)
 class TensorView:
-    """One received tensor as read-only 1-d chunks over the frames (zero-copy). A packed one (bfloat16) reads as
-    float32: each chunk is widened as it is read, one chunk's temporary at a time."""
+    """One received tensor as read-only 1-d chunks over the frames (zero-copy). A packed one (bfloat16) reads
+    as float32: each chunk is widened as it is read, one chunk's temporary at a time."""
 
     key: str
     dtype: np.dtype
@@ -458,7 +506,8 @@ class TensorView:
     packed: bool = False
 
     def to_array(self) -> np.ndarray:
-        """The tensor: a read-only view when it came in one frame unpacked, else one fresh (writable) array."""
+        """The tensor: a read-only view when it came in one frame unpacked, else one fresh (writable)
+        array."""
         if len(self.chunks) == 1 and not self.packed:
             return self.chunks[0].reshape(self.shape)
         if not self.chunks:
@@ -496,8 +545,10 @@ class TensorView:
         """base + tensor in a fresh array, chunk by chunk straight from the frames: the same float32 sums as
         base + to_array(), without first copying the tensor out of a message of several frames."""
         if base.dtype != self.dtype or base.shape != self.shape:
-            raise _bad(f"added_to: tensor {self.key!r} is {self.dtype.name}{list(self.shape)} but the base is "
-                       f"{base.dtype.name}{list(base.shape)}; the sender and this side disagree on the model")
+            raise _bad(
+                f"added_to: tensor {self.key!r} is {self.dtype.name}{list(self.shape)} but the base is "
+                f"{base.dtype.name}{list(base.shape)}; the sender and this side disagree on the model"
+            )
         out = np.empty(self.shape, dtype=self.dtype)
         flat, left = out.reshape(-1), np.ascontiguousarray(base).reshape(-1)
         for start, chunk in self._spans():
@@ -513,7 +564,9 @@ class TensorView:
 
     def _flat(self, dst: object, what: str) -> np.ndarray:
         if not isinstance(dst, np.ndarray):
-            raise _bad(f"{what}: tensor {self.key!r} needs a numpy array destination, got {type(dst).__name__}")
+            raise _bad(
+                f"{what}: tensor {self.key!r} needs a numpy array destination, got {type(dst).__name__}"
+            )
         if dst.dtype != self.dtype or dst.shape != self.shape:
             raise _bad(
                 f"{what}: tensor {self.key!r} is {self.dtype.name}{list(self.shape)} but the destination is"
@@ -574,7 +627,9 @@ def _unpack_header(buf: memoryview) -> object:
         header = unpacker.unpack()
     except WireError:
         raise
-    except Exception as err:  # msgpack raises a zoo (ValueError, FormatError, StackError, ...): all mean garbage
+    except (
+        Exception
+    ) as err:  # msgpack raises a zoo (ValueError, FormatError, StackError, ...): all mean garbage
         raise _bad(f"header frame is not valid msgpack ({type(err).__name__}: {str(err)[:200]})") from None
     if unpacker.tell() != buf.nbytes:
         raise _bad(f"header frame has {buf.nbytes - unpacker.tell()} bytes after its msgpack map")
@@ -601,8 +656,9 @@ def _tensor_views(specs: list[_Spec], data: list[memoryview]) -> dict[str, Tenso
             chunk.flags.writeable = False
             chunks.append(chunk)
             position += 1
-        views[spec.key] = TensorView(spec.key, spec.dtype, spec.shape, chunks, spec.nbytes,
-                                     packed=spec.frames_dtype != spec.dtype)
+        views[spec.key] = TensorView(
+            spec.key, spec.dtype, spec.shape, chunks, spec.nbytes, packed=spec.frames_dtype != spec.dtype
+        )
     return views
 
 

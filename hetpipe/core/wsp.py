@@ -3,7 +3,8 @@ virtual workers, the gate, exact and latest pulls, buffers, eviction and rejoin,
 Pure: numpy arrays in, numpy arrays out, no sockets (docs/wsp.md, docs/recovery.md).
 
 Arithmetic, fixed so runs are reproducible bit for bit:
-    S_t = ((P_a(t) + P_b(t)) + P_c(t)) + ...      (the wave's contributors a < b < c ..., whatever the arrival order)
+    S_t = ((P_a(t) + P_b(t)) + P_c(t)) + ...      (the wave's contributors a < b < c ..., whatever the
+                                                   arrival order)
     W_{t+1} = fold(W_t, S_t)                       (hetpipe.core.aggregation: sum, mean or server optimizer)
 where P_i(t) is VW i's push of wave t for a key: its summed update (or mean gradient, with aggregation
 "server") for a parameter, its current values for a buffer. `exact` pulls return exactly W_{c-D-1}, built
@@ -146,7 +147,8 @@ class WaveSums:
                 del self.held[key]
 
     def merge(self, order: list[int], complete: Callable[[int], bool]) -> None:
-        """Merge held contributions while the next contributor in `order` has one and has completed the wave."""
+        """Merge held contributions while the next contributor in `order` has one and has completed the
+        wave."""
         for key in list(self.held):
             parts, i = self.held[key], self.merged.get(key, 0)
             while i < len(order) and order[i] in parts and complete(order[i]):
@@ -167,14 +169,18 @@ class WaveSums:
             _add(part, src)
 
     def incomplete(self, contributors: int) -> list[str]:
-        """Keys that still miss a contributor's update, or hold one never merged (empty when the sum is complete)."""
+        """Keys that still miss a contributor's update, or hold one never merged (empty when the sum is
+        complete)."""
         return sorted({k for k, n in self.merged.items() if n != contributors} | set(self.held))
 
 
 class ShardState:
-    """The WSP state machine of one shard: who is registered and live, what was pushed and pulled, the weights."""
+    """The WSP state machine of one shard: who is registered and live, what was pushed and pulled, the
+    weights."""
 
-    def __init__(self, staleness: int, pull_mode: str = "exact", aggregation: Aggregation | None = None) -> None:
+    def __init__(
+        self, staleness: int, pull_mode: str = "exact", aggregation: Aggregation | None = None
+    ) -> None:
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         if pull_mode not in PULL_MODES:
@@ -190,12 +196,18 @@ class ShardState:
         self.kinds: dict[str, KeyKind] = {}
         self.pushed: dict[StageId, int] = {}  # waves pushed, contiguous from the epoch's start
         self.pulled: dict[StageId, int] = {}  # highest wave pulled (first_pulled_wave - 1 before any)
-        self.epochs: dict[int, list[list[int]]] = {}  # vw -> [[start, end or OPEN], ...]: waves it contributes
+        self.epochs: dict[
+            int, list[list[int]]
+        ] = {}  # vw -> [[start, end or OPEN], ...]: waves it contributes
         self.initial: dict[str, np.ndarray] = {}  # W_0
-        self.versions: dict[int, dict[str, np.ndarray]] = {0: self.initial}  # exact: W_t, never changed once built
+        self.versions: dict[int, dict[str, np.ndarray]] = {
+            0: self.initial
+        }  # exact: W_t, never changed once built
         self.wave_sums: dict[int, WaveSums] = {}  # exact: sums of waves not complete yet
         self.weights: dict[str, np.ndarray] = {}  # latest only: running weights (params and ledgers)
-        self.latest_held: dict[int, dict[int, dict[str, Source]]] = {}  # latest: vw -> wave -> pushes not folded
+        self.latest_held: dict[
+            int, dict[int, dict[str, Source]]
+        ] = {}  # latest: vw -> wave -> pushes not folded
         self.latest_buffers: dict[int, dict[str, np.ndarray]] = {}  # latest: each VW's newest buffer values
         self._lent: dict[str, list[Callable[[], bool]]] = {}
 
@@ -217,11 +229,15 @@ class ShardState:
 
     def contributors(self, wave: int) -> list[int]:
         """The VWs whose updates wave `wave` sums, in order: those whose epoch covers it."""
-        return [v for v in range(self.num_vws or 0)
-                if any(s <= wave and (e == OPEN or wave < e) for s, e in self._epochs(v))]
+        return [
+            v
+            for v in range(self.num_vws or 0)
+            if any(s <= wave and (e == OPEN or wave < e) for s, e in self._epochs(v))
+        ]
 
     def gaps(self) -> list[list[int]]:
-        """[vw, from, to) wave ranges a VW contributes nothing to (evicted, until it rejoined; to = -1: open)."""
+        """[vw, from, to) wave ranges a VW contributes nothing to (evicted, until it rejoined;
+        to = -1: open)."""
         out = []
         for v in range(self.num_vws or 0):
             spans = self._epochs(v)
@@ -231,9 +247,9 @@ class ShardState:
         return out
 
     def evict(self, vw: int) -> tuple[int, bool]:
-        """Remove VW `vw` from the live set at its wave boundary c_local(vw): its pushes of waves >= c_local(vw)
-        (which some of its stages never pushed) are dropped. Returns (that boundary, whether c_global advanced).
-        Evicting a VW that is not live changes nothing."""
+        """Remove VW `vw` from the live set at its wave boundary c_local(vw): its pushes of waves
+        >= c_local(vw) (which some of its stages never pushed) are dropped. Returns (that boundary, whether
+        c_global advanced). Evicting a VW that is not live changes nothing."""
         self._check_vw(vw)
         spans = self._epochs(vw)
         if spans[-1][1] != OPEN:
@@ -266,11 +282,17 @@ class ShardState:
         newest = max((n for (v, _), n in self.pushed.items() if self.live(v)), default=0)
         least = max(newest, self._epochs(vw)[-1][1])  # no push of a wave >= start_wave has arrived
         if self.pull_mode == "exact" and start_wave >= first_pulled_wave(self.staleness):
-            least = max(least, min(self.versions) + self.staleness + 1)  # W_{start-D-1} is held or still to come
+            least = max(
+                least, min(self.versions) + self.staleness + 1
+            )  # W_{start-D-1} is held or still to come
         if start_wave < least:
-            raise WspError("stale", f"vw {vw} cannot rejoin at wave {start_wave}: the earliest it may is {least}")
+            raise WspError(
+                "stale", f"vw {vw} cannot rejoin at wave {start_wave}: the earliest it may is {least}"
+            )
         if self.num_waves is not None and start_wave >= self.num_waves:
-            raise WspError("stale", f"vw {vw} cannot rejoin at wave {start_wave}: the run has {self.num_waves} waves")
+            raise WspError(
+                "stale", f"vw {vw} cannot rejoin at wave {start_wave}: the run has {self.num_waves} waves"
+            )
         self._epochs(vw).append([start_wave, OPEN])
         for stage in range(self.num_stages.get(vw, 0)):
             sid = (vw, stage)
@@ -283,19 +305,31 @@ class ShardState:
 
     def _check_vw(self, vw: int) -> None:
         if self.num_vws is None or not 0 <= vw < self.num_vws:
-            raise WspError("bad_message", f"vw {vw} is not a virtual worker of this run ({self.num_vws or 0} known)")
+            raise WspError(
+                "bad_message", f"vw {vw} is not a virtual worker of this run ({self.num_vws or 0} known)"
+            )
 
     # ---- registration -------------------------------------------------------------------------------
     def register(
-        self, vw: int, stage: int, num_vws: int, num_stages: int, tensors: Mapping[str, Source],
-        kinds: Mapping[str, str] | None = None, num_waves: int | None = None, start_wave: int = 0,
+        self,
+        vw: int,
+        stage: int,
+        num_vws: int,
+        num_stages: int,
+        tensors: Mapping[str, Source],
+        kinds: Mapping[str, str] | None = None,
+        num_waves: int | None = None,
+        start_wave: int = 0,
     ) -> dict[str, np.ndarray]:
         """Declare a stage's keys (first registration of a key sets its W_0) and their kinds (default
         "param"), and how many waves the run has (None: unknown); returns the PS's values. A stage registers
         again after a restart of the shard (nothing changes) or of its VW (start_wave: where it rejoined)."""
         if num_waves is not None:
             if self.num_waves not in (None, num_waves):
-                raise WspError("conflict", f"vw {vw} stage {stage} says the run has {num_waves} waves, not {self.num_waves}")
+                raise WspError(
+                    "conflict",
+                    f"vw {vw} stage {stage} says the run has {num_waves} waves, not {self.num_waves}",
+                )
             self.num_waves = num_waves
         if self.num_vws is None:
             self.num_vws = num_vws
@@ -304,15 +338,23 @@ class ShardState:
         if not 0 <= vw < num_vws:
             raise WspError("bad_message", f"vw {vw} is out of range for {num_vws} VWs")
         if self.num_stages.setdefault(vw, num_stages) != num_stages:
-            raise WspError("conflict", f"vw {vw} has {self.num_stages[vw]} stages, a registration says {num_stages}")
+            raise WspError(
+                "conflict", f"vw {vw} has {self.num_stages[vw]} stages, a registration says {num_stages}"
+            )
         if not 0 <= stage < num_stages:
             raise WspError("bad_message", f"stage {stage} is out of range for {num_stages} stages")
         if not self.live(vw):
-            raise WspError("evicted", f"vw {vw} was evicted at wave {self._epochs(vw)[-1][1]}: it must rejoin "
-                                      "(`hetpipe worker --vw` rejoins at the next wave boundary)")
+            raise WspError(
+                "evicted",
+                f"vw {vw} was evicted at wave {self._epochs(vw)[-1][1]}: it must rejoin "
+                "(`hetpipe worker --vw` rejoins at the next wave boundary)",
+            )
         if start_wave != self.epoch_start(vw):
-            raise WspError("conflict", f"vw {vw} stage {stage} starts at wave {start_wave}, but vw {vw} is live from "
-                                       f"wave {self.epoch_start(vw)}: every stage of a VW starts at the same wave")
+            raise WspError(
+                "conflict",
+                f"vw {vw} stage {stage} starts at wave {start_wave}, but vw {vw} is live from "
+                f"wave {self.epoch_start(vw)}: every stage of a VW starts at the same wave",
+            )
         sid = (vw, stage)
         keys = tuple(tensors)
         if sid in self.stage_keys and set(self.stage_keys[sid]) != set(keys):
@@ -320,7 +362,9 @@ class ShardState:
         kinds = dict(kinds or {})
         for key, kind in kinds.items():
             if key not in tensors or kind not in KEY_KINDS:
-                raise WspError("bad_message", f"kind {kind!r} of key {key!r}: give one of {KEY_KINDS} for a key sent")
+                raise WspError(
+                    "bad_message", f"kind {kind!r} of key {key!r}: give one of {KEY_KINDS} for a key sent"
+                )
         for key, src in tensors.items():
             owner = self.key_owner.get((vw, key))
             if owner is not None and owner != stage:
@@ -328,7 +372,9 @@ class ShardState:
             self._check_float32(key, src)
             held = self.initial.get(key)
             if held is not None and held.shape != tuple(src.shape):
-                raise WspError("conflict", f"key {key!r} has shape {tuple(src.shape)}, registered before as {held.shape}")
+                raise WspError(
+                    "conflict", f"key {key!r} has shape {tuple(src.shape)}, registered before as {held.shape}"
+                )
             kind = kinds.get(key, "param")
             if self.kinds.get(key, kind) != kind:
                 raise WspError("conflict", f"key {key!r} is a {self.kinds[key]}, a registration says {kind}")
@@ -358,8 +404,11 @@ class ShardState:
         if keys is None:
             raise WspError("not_registered", f"vw {vw} stage {stage} is not registered on this shard")
         if not self.live(vw):
-            raise WspError("evicted", f"vw {vw} was evicted at wave {self._epochs(vw)[-1][1]}; its stages must stop "
-                                      "(`hetpipe worker --vw` rejoins it at the next wave boundary)")
+            raise WspError(
+                "evicted",
+                f"vw {vw} was evicted at wave {self._epochs(vw)[-1][1]}; its stages must stop "
+                "(`hetpipe worker --vw` rejoins it at the next wave boundary)",
+            )
         return keys
 
     # ---- clocks -------------------------------------------------------------------------------------
@@ -372,7 +421,8 @@ class ShardState:
 
     @property
     def c_global(self) -> int:
-        """The fewest waves a live VW has completed (docs/wsp.md#clock); with no live VW, the newest version."""
+        """The fewest waves a live VW has completed (docs/wsp.md#clock); with no live VW, the newest
+        version."""
         if self.num_vws is None:
             return 0
         live = self.live_vws()
@@ -401,7 +451,9 @@ class ShardState:
         if wave < done:
             return PushResult(applied=False, c_global=before, clock_advanced=False)
         if wave > done:
-            raise WspError("out_of_order", f"vw {vw} stage {stage} pushed wave {wave} before wave {done}: push in order")
+            raise WspError(
+                "out_of_order", f"vw {vw} stage {stage} pushed wave {wave} before wave {done}: push in order"
+            )
         if set(tensors) != set(keys):
             missing = sorted(set(keys) - set(tensors))[:3]
             extra = sorted(set(tensors) - set(keys))[:3]
@@ -413,7 +465,10 @@ class ShardState:
         for key, src in tensors.items():
             self._check_float32(key, src)
             if tuple(src.shape) != self.initial[key].shape:
-                raise WspError("bad_message", f"update of {key!r} has shape {tuple(src.shape)}, not {self.initial[key].shape}")
+                raise WspError(
+                    "bad_message",
+                    f"update of {key!r} has shape {tuple(src.shape)}, not {self.initial[key].shape}",
+                )
         completed = self.c_local(vw)
         if self.pull_mode == "exact":
             sums = self.wave_sums.setdefault(wave, WaveSums())
@@ -464,11 +519,16 @@ class ShardState:
         """
         keys = self._stage_keys(vw, stage)
         if not self.gate_open(wave):
-            raise WspError("internal", f"pull of wave {wave} before its gate opened (c_global {self.c_global})")
+            raise WspError(
+                "internal", f"pull of wave {wave} before its gate opened (c_global {self.c_global})"
+            )
         sid = (vw, stage)
         if self.pull_mode == "latest":
-            result = PullResult(version=self.c_global, own_through=self.c_local(vw) - 1,
-                                tensors={k: self._latest(k) for k in keys})
+            result = PullResult(
+                version=self.c_global,
+                own_through=self.c_local(vw) - 1,
+                tensors={k: self._latest(k) for k in keys},
+            )
         else:
             target = gate_version(wave, self.staleness)
             result = PullResult(version=target, own_through=target - 1, tensors=self.weights_at(keys, target))
@@ -479,7 +539,9 @@ class ShardState:
     def _latest(self, key: str) -> np.ndarray:
         if self.kinds[key] != "buffer":
             return self.weights[key]
-        values = [self.latest_buffers[v][key] for v in sorted(self.latest_buffers) if key in self.latest_buffers[v]]
+        values = [
+            self.latest_buffers[v][key] for v in sorted(self.latest_buffers) if key in self.latest_buffers[v]
+        ]
         if not values:
             return self.initial[key]
         total = values[0].copy()
@@ -498,8 +560,11 @@ class ShardState:
         found = self.versions.get(target)
         if found is None:
             oldest = min(self.versions)
-            raise WspError("stale", f"W_{target} is not held (the shard holds W_{oldest}..W_{self.version}); "
-                                    "a retried old pull, or a pull before its gate?")
+            raise WspError(
+                "stale",
+                f"W_{target} is not held (the shard holds W_{oldest}..W_{self.version}); "
+                "a retried old pull, or a pull before its gate?",
+            )
         return {k: found[k] for k in keys}
 
     # ---- building and forgetting versions ------------------------------------------------------------
@@ -527,17 +592,18 @@ class ShardState:
             self.versions[t + 1] = new
 
     def _folded(self, key: str, w: np.ndarray, part: Source, contributors: int) -> np.ndarray:
-        """W_{t+1}[key]; a sum that is still the received frames (one contributor) is added to W_t straight from
-        them where the rule is W + S, not copied out first (100 MB in 4 MB keys: 23 ms against 35, 2-core VM)."""
+        """W_{t+1}[key]; a sum that is still the received frames (one contributor) is added to W_t straight
+        from them where the rule is W + S, not copied out first (100 MB in 4 MB keys: 23 ms against 35,
+        2-core VM)."""
         kind = self.kinds[key]
         if not isinstance(part, np.ndarray) and self.aggregation.adds(kind):
             return part.added_to(w)
         return self.aggregation.fold(key, kind, w, _as_array(part), contributors)
 
     def oldest_needed(self) -> int:
-        """The oldest W_t a pull may still ask for: a live stage that pulled wave c or pushed wave c has passed
-        the gates of every wave <= c, so it will ask for W_{c'-D-1} with c' > c only. W_{c_global-D-1} stays
-        too: a resume from clock c_global, or a VW rejoining, starts from it."""
+        """The oldest W_t a pull may still ask for: a live stage that pulled wave c or pushed wave c has
+        passed the gates of every wave <= c, so it will ask for W_{c'-D-1} with c' > c only. W_{c_global-D-1}
+        stays too: a resume from clock c_global, or a VW rejoining, starts from it."""
         live = [sid for sid in self.pulled if self.live(sid[0])]
         keep = max(0, self.c_global - self.staleness - 1)
         if not live:
@@ -546,7 +612,8 @@ class ShardState:
         return min(keep, max(0, passed + 1 - self.staleness - 1))
 
     def last_pullable(self) -> int | None:
-        """The newest W_t any pull of the run will ask for (the last wave's gate), when the length is known."""
+        """The newest W_t any pull of the run will ask for (the last wave's gate), when the length is
+        known."""
         return None if self.num_waves is None else gate_version(self.num_waves - 1, self.staleness)
 
     def _forget(self) -> None:
@@ -596,8 +663,8 @@ class ShardState:
     def to_state(self, detached: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """Everything needed to resume: msgpack-able metadata and the named float32 arrays. `detached`: copy
         the arrays later pushes change in place (latest weights, sums being accumulated), so that another
-        thread may write them out while the shard goes on; the others are never changed once made. The metadata
-        is always a copy: a writer thread encodes it later, and must see the state of this moment."""
+        thread may write them out while the shard goes on; the others are never changed once made. The
+        metadata is always a copy: a writer thread encodes it later, and must see the state of this moment."""
         arrays: dict[str, np.ndarray] = {f"i/{k}": v for k, v in self.initial.items()}
         if self.pull_mode == "latest":
             arrays.update({f"w/{k}": v.copy() if detached else v for k, v in self.weights.items()})
@@ -616,8 +683,11 @@ class ShardState:
             for key, held in ws.held.items():
                 for v, arr in held.items():
                     arrays[f"h/{wave}/{v}/{key}"] = _as_array(arr)
-            sums_meta[str(wave)] = {"merged": dict(ws.merged), "summed": sorted(ws.sums),
-                                    "held": {k: sorted(h) for k, h in ws.held.items()}}
+            sums_meta[str(wave)] = {
+                "merged": dict(ws.merged),
+                "summed": sorted(ws.sums),
+                "held": {k: sorted(h) for k, h in ws.held.items()},
+            }
         optimizer_meta = None
         if self.aggregation.optimizer is not None:
             optimizer_meta, opt_arrays = self.aggregation.optimizer.to_state()
@@ -632,21 +702,33 @@ class ShardState:
             "num_stages": {str(v): n for v, n in self.num_stages.items()},
             "epochs": {str(v): [list(span) for span in spans] for v, spans in self.epochs.items()},
             "stages": [
-                {"vw": v, "stage": s, "keys": list(keys), "pushed": self.pushed[(v, s)], "pulled": self.pulled[(v, s)]}
+                {
+                    "vw": v,
+                    "stage": s,
+                    "keys": list(keys),
+                    "pushed": self.pushed[(v, s)],
+                    "pulled": self.pulled[(v, s)],
+                }
                 for (v, s), keys in sorted(self.stage_keys.items())
             ],
             "kinds": dict(self.kinds),
             "versions": sorted(self.versions),
             "latest_buffers": {str(v): list(values) for v, values in self.latest_buffers.items()},
-            "latest_held": {str(v): {str(t): list(ts) for t, ts in waves.items()}
-                            for v, waves in self.latest_held.items()},
+            "latest_held": {
+                str(v): {str(t): list(ts) for t, ts in waves.items()} for v, waves in self.latest_held.items()
+            },
             "wave_sums": sums_meta,
         }
         return meta, arrays
 
     @classmethod
-    def from_state(cls, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-                   aggregation: Aggregation | None = None, cut: int | None = None) -> ShardState:
+    def from_state(
+        cls,
+        meta: Mapping[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        aggregation: Aggregation | None = None,
+        cut: int | None = None,
+    ) -> ShardState:
         """The state `to_state` wrote; `aggregation` supplies the rule (and its optimizer settings) to resume.
 
         `cut` (exact pulls only): the state as it was when every stage had pushed exactly the waves < cut and
@@ -655,7 +737,8 @@ class ShardState:
         if aggregation.optimizer is not None and meta.get("optimizer"):
             prefix = "o/"
             aggregation.optimizer.load_state(
-                meta["optimizer"], {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+                meta["optimizer"], {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+            )
         state = cls(meta["staleness"], meta["pull_mode"], aggregation)
         state.num_vws = meta["num_vws"]
         state.num_waves = meta.get("num_waves")
@@ -674,15 +757,19 @@ class ShardState:
             return np.array(arrays[name], dtype=np.float32)
 
         state.initial = {k: load(f"i/{k}") for k in state.kinds}
-        state.versions = {t: (state.initial if t == 0 else {k: load(f"v/{t}/{k}") for k in state.kinds})
-                          for t in meta["versions"]}
+        state.versions = {
+            t: (state.initial if t == 0 else {k: load(f"v/{t}/{k}") for k in state.kinds})
+            for t in meta["versions"]
+        }
         if state.pull_mode == "latest":
             state.weights = {k: load(f"w/{k}") for k in state.kinds}
-            state.latest_buffers = {int(v): {k: load(f"b/{v}/{k}") for k in keys}
-                                    for v, keys in meta["latest_buffers"].items()}
-            state.latest_held = {int(v): {int(t): {k: load(f"l/{v}/{t}/{k}") for k in keys}
-                                          for t, keys in waves.items()}
-                                 for v, waves in meta.get("latest_held", {}).items()}
+            state.latest_buffers = {
+                int(v): {k: load(f"b/{v}/{k}") for k in keys} for v, keys in meta["latest_buffers"].items()
+            }
+            state.latest_held = {
+                int(v): {int(t): {k: load(f"l/{v}/{t}/{k}") for k in keys} for t, keys in waves.items()}
+                for v, waves in meta.get("latest_held", {}).items()
+            }
         for wave_s, wm in meta["wave_sums"].items():
             wave = int(wave_s)
             ws = WaveSums(merged=dict(wm["merged"]))
@@ -700,11 +787,17 @@ class ShardState:
             raise WspError("conflict", "only a shard with exact pulls can be cut back to a wave")
         need = max(0, gate_version(cut, self.staleness))
         if self.c_global != cut or need < min(self.versions):
-            raise WspError("stale", f"this checkpoint (c_global {self.c_global}, versions {sorted(self.versions)}) "
-                                    f"cannot be cut back to wave {cut}")
+            raise WspError(
+                "stale",
+                f"this checkpoint (c_global {self.c_global}, versions {sorted(self.versions)}) "
+                f"cannot be cut back to wave {cut}",
+            )
         if any(spans != [[0, OPEN]] for spans in self.epochs.values()):
-            raise WspError("conflict", "virtual workers were evicted or rejoined in this run: a resume restarts "
-                                       "every VW from one wave, and an evicted VW has no state at it")
+            raise WspError(
+                "conflict",
+                "virtual workers were evicted or rejoined in this run: a resume restarts "
+                "every VW from one wave, and an evicted VW has no state at it",
+            )
         self.wave_sums = {t: s for t, s in self.wave_sums.items() if t < cut}
         for t in [t for t in self.versions if t > cut]:
             del self.versions[t]

@@ -78,13 +78,22 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
-def char_gpt(*, seed: int = 0, vocab_size: int = 96, block_size: int = 64, n_layer: int = 4,
-             n_head: int = 4, n_embd: int = 128) -> ModelSpec:
+def char_gpt(
+    *,
+    seed: int = 0,
+    vocab_size: int = 96,
+    block_size: int = 64,
+    n_layer: int = 4,
+    n_head: int = 4,
+    n_embd: int = 128,
+) -> ModelSpec:
     """A small GPT over characters: n_layer + 2 layers; input (block_size,) int64 ids."""
     if n_embd % n_head:
         raise UsageError(f"char-gpt: n_embd={n_embd} must be a multiple of n_head={n_head}")
     names = ("embed", *(f"block{i}" for i in range(n_layer)), "head")
-    factories = (partial(Embedding, vocab_size, block_size, n_embd),
-                 *(partial(Block, n_embd, n_head, n_layer) for _ in range(n_layer)),
-                 partial(Head, n_embd, vocab_size))
+    factories = (
+        partial(Embedding, vocab_size, block_size, n_embd),
+        *(partial(Block, n_embd, n_head, n_layer) for _ in range(n_layer)),
+        partial(Head, n_embd, vocab_size),
+    )
     return ModelSpec("char-gpt", names, factories, (block_size,), torch.int64, "language", vocab_size, seed)

@@ -54,14 +54,18 @@ def get_model(name: str, **options: Any) -> ModelSpec:
         accepted, _ = _accepted(builder)
         for key in options:
             if key not in accepted:
-                raise UsageError(f'model "{name}" has no option "{key}"{did_you_mean(key, accepted)}; '
-                                 f"its options are: {', '.join(accepted)}")
+                raise UsageError(
+                    f'model "{name}" has no option "{key}"{did_you_mean(key, accepted)}; '
+                    f"its options are: {', '.join(accepted)}"
+                )
         spec = builder(**options)
     elif ":" in name:
         spec = _user_model(name, dict(options))
     else:
-        raise UsageError(f'unknown model "{name}"{did_you_mean(name, list(MODELS))}; known models: '
-                         f'{", ".join(MODELS)}, or "package.module:function" for your own')
+        raise UsageError(
+            f'unknown model "{name}"{did_you_mean(name, list(MODELS))}; known models: '
+            f'{", ".join(MODELS)}, or "package.module:function" for your own'
+        )
     return replace(spec, options=tuple(sorted(options.items())))
 
 
@@ -71,22 +75,25 @@ def _input_dtype(target: str, value: Any) -> torch.dtype:
         return value
     found = getattr(torch, str(value), None)
     if not isinstance(found, torch.dtype):
-        raise UsageError(f'model "{target}": input_dtype {value!r} is not a torch dtype; use e.g. "float32" for '
-                         'images or "int64" for token ids')
+        raise UsageError(
+            f'model "{target}": input_dtype {value!r} is not a torch dtype; use e.g. "float32" for '
+            'images or "int64" for token ids'
+        )
     return found
 
 
 def _user_model(target: str, options: dict[str, Any]) -> ModelSpec:
-    """Call the user's function once (seeded) and wrap a returned list of layers or nn.Sequential as a ModelSpec.
+    """Call the user's function once (seeded) and wrap a returned list of layers or nn.Sequential as a
+    ModelSpec.
 
     The contract (README "Your own model"): `function(**options)` returns a ModelSpec, an nn.Sequential, or a
     list of nn.Modules, each layer taking one tensor and returning one (the last returns logits: (B, classes),
-    or (B, T, vocab) for language); the layers are hetpipe's split points. The options input_shape (one sample,
-    without the batch dimension; required for layers), input_dtype (default "float32"), task
-    ("classification" or "language") and num_classes (default: the last nn.Linear's out_features) describe
-    the model to hetpipe and are not passed on; `seed` is passed when the function takes it. Every process
-    calls the function with torch's default generator seeded from `seed`, so initial weights drawn from it
-    agree everywhere.
+    or (B, T, vocab) for language); the layers are hetpipe's split points. The options input_shape (one
+    sample, without the batch dimension; required for layers), input_dtype (default "float32"), task
+    ("classification" or "language") and num_classes (default: the last nn.Linear's out_features) describe the
+    model to hetpipe and are not passed on; `seed` is passed when the function takes it. Every process calls
+    the function with torch's default generator seeded from `seed`, so initial weights drawn from it agree
+    everywhere.
     """
     fn = import_target(target, f'model "{target}"')
     seed = int(options.pop("seed", 0))
@@ -104,18 +111,29 @@ def _user_model(target: str, options: dict[str, Any]) -> ModelSpec:
     if isinstance(result, nn.Module) and not isinstance(result, nn.Sequential):
         result = [result]
     if not isinstance(result, Sequence | nn.Sequential):
-        raise UsageError(f'model function "{target}" returned {type(result).__name__}; return a ModelSpec, '
-                         f"an nn.Sequential or a list of nn.Modules (each taking and returning one tensor)")
+        raise UsageError(
+            f'model function "{target}" returned {type(result).__name__}; return a ModelSpec, '
+            f"an nn.Sequential or a list of nn.Modules (each taking and returning one tensor)"
+        )
     if "input_shape" not in wrap:
-        raise UsageError(f'model "{target}" returned a list of layers, so hetpipe cannot know its input: '
-                         f"pass input_shape=(...) (per sample, without the batch dimension), e.g. "
-                         f"options = {{ input_shape = [1, 28, 28] }}")
+        raise UsageError(
+            f'model "{target}" returned a list of layers, so hetpipe cannot know its input: '
+            f"pass input_shape=(...) (per sample, without the batch dimension), e.g. "
+            f"options = {{ input_shape = [1, 28, 28] }}"
+        )
     return from_layers(list(result), name=target, seed=seed, **wrap)
 
 
-def from_layers(layers: list[nn.Module], *, name: str, input_shape: Sequence[int],
-                input_dtype: torch.dtype = torch.float32, task: Task = "classification",
-                num_classes: int | None = None, seed: int = 0) -> ModelSpec:
+def from_layers(
+    layers: list[nn.Module],
+    *,
+    name: str,
+    input_shape: Sequence[int],
+    input_dtype: torch.dtype = torch.float32,
+    task: Task = "classification",
+    num_classes: int | None = None,
+    seed: int = 0,
+) -> ModelSpec:
     """A ModelSpec over already-built layers; build_layer(i) returns a deep copy of layers[i].
 
     Determinism across processes then rests on the function that built `layers` (get_model calls it

@@ -13,7 +13,11 @@ from hetpipe.models.spec import ModelSpec
 __all__ = ["resnet", "BasicBlock", "Bottleneck", "RESNET_DEPTHS"]
 
 # depth -> (block kind, blocks per group); He et al. 2016, table 1.
-RESNET_DEPTHS = {18: ("basic", (2, 2, 2, 2)), 50: ("bottleneck", (3, 4, 6, 3)), 152: ("bottleneck", (3, 8, 36, 3))}
+RESNET_DEPTHS = {
+    18: ("basic", (2, 2, 2, 2)),
+    50: ("bottleneck", (3, 4, 6, 3)),
+    152: ("bottleneck", (3, 8, 36, 3)),
+}
 _WIDTHS = (64, 128, 256, 512)
 
 
@@ -43,8 +47,9 @@ class BasicBlock(nn.Module):
 
     def __init__(self, c_in: int, width: int, stride: int) -> None:
         super().__init__()
-        self.body = nn.Sequential(*_conv_bn(c_in, width, 3, stride), nn.ReLU(inplace=True),
-                                  *_conv_bn(width, width, 3))
+        self.body = nn.Sequential(
+            *_conv_bn(c_in, width, 3, stride), nn.ReLU(inplace=True), *_conv_bn(width, width, 3)
+        )
         self.shortcut = _shortcut(c_in, width, stride)
         _init(self)
 
@@ -60,9 +65,13 @@ class Bottleneck(nn.Module):
     def __init__(self, c_in: int, width: int, stride: int) -> None:
         super().__init__()
         c_out = width * self.expansion
-        self.body = nn.Sequential(*_conv_bn(c_in, width, 1), nn.ReLU(inplace=True),
-                                  *_conv_bn(width, width, 3, stride), nn.ReLU(inplace=True),
-                                  *_conv_bn(width, c_out, 1))
+        self.body = nn.Sequential(
+            *_conv_bn(c_in, width, 1),
+            nn.ReLU(inplace=True),
+            *_conv_bn(width, width, 3, stride),
+            nn.ReLU(inplace=True),
+            *_conv_bn(width, c_out, 1),
+        )
         self.shortcut = _shortcut(c_in, c_out, stride)
         _init(self)
 
@@ -73,9 +82,10 @@ class Bottleneck(nn.Module):
 def _stem(in_channels: int, small: bool, width: int = 64) -> nn.Module:
     if small:  # CIFAR-style: keep resolution for 28x28 / 32x32 inputs
         stem = nn.Sequential(*_conv_bn(in_channels, width, 3), nn.ReLU(inplace=True))
-    else:      # ImageNet-style: 7x7 stride 2, then 3x3 max-pool stride 2
-        stem = nn.Sequential(*_conv_bn(in_channels, width, 7, 2), nn.ReLU(inplace=True),
-                             nn.MaxPool2d(3, 2, padding=1))
+    else:  # ImageNet-style: 7x7 stride 2, then 3x3 max-pool stride 2
+        stem = nn.Sequential(
+            *_conv_bn(in_channels, width, 7, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, padding=1)
+        )
     _init(stem)
     return stem
 
@@ -84,10 +94,19 @@ def _head(features: int, num_classes: int) -> nn.Module:
     return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(features, num_classes))
 
 
-def resnet(depth: int, *, seed: int = 0, num_classes: int = 1000, in_channels: int = 3,
-           image_size: int = 224, small_stem: bool | None = None, width: int = 64) -> ModelSpec:
-    """ResNet of the given depth; small_stem (default: image_size < 100) drops the stem's downsampling; `width`:
-    the stem's and first group's channels (64 in the paper; the groups double it), e.g. 8 for a small model."""
+def resnet(
+    depth: int,
+    *,
+    seed: int = 0,
+    num_classes: int = 1000,
+    in_channels: int = 3,
+    image_size: int = 224,
+    small_stem: bool | None = None,
+    width: int = 64,
+) -> ModelSpec:
+    """ResNet of the given depth; small_stem (default: image_size < 100) drops the stem's downsampling;
+    `width`: the stem's and first group's channels (64 in the paper; the groups double it), e.g. 8 for a small
+    model."""
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise UsageError(f"resnet option width must be an integer >= 1 (64 in the paper), got {width!r}")
     if depth not in RESNET_DEPTHS:
@@ -104,6 +123,13 @@ def resnet(depth: int, *, seed: int = 0, num_classes: int = 1000, in_channels: i
             c_in = group_width * width // 64 * block.expansion
     names.append("head")
     factories.append(partial(_head, c_in, num_classes))
-    return ModelSpec(f"resnet{depth}", tuple(names), tuple(factories), (in_channels, image_size, image_size),
-                     torch.float32, "classification", num_classes, seed)
-
+    return ModelSpec(
+        f"resnet{depth}",
+        tuple(names),
+        tuple(factories),
+        (in_channels, image_size, image_size),
+        torch.float32,
+        "classification",
+        num_classes,
+        seed,
+    )

@@ -37,8 +37,9 @@ class _SkipMetaInit(TorchFunctionMode):
     """Skip weight initialisers on meta tensors: they have no values, and in torch 2.13 a meta
     `normal_` imports torch._dynamo (about 1.2 s per process) just to draw nothing."""
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__module__", None) == "torch.nn.init" or func is Tensor.normal_:
             tensor = args[0] if args else kwargs.get("tensor")
@@ -58,17 +59,19 @@ class ModelSpec:
     name: str
     layer_names: tuple[str, ...]
     factories: tuple[Callable[[], nn.Module], ...]
-    input_shape: tuple[int, ...]          # one sample, without the batch dimension
+    input_shape: tuple[int, ...]  # one sample, without the batch dimension
     input_dtype: torch.dtype
     task: Task
-    num_classes: int                      # classes, or vocabulary size for a language model
+    num_classes: int  # classes, or vocabulary size for a language model
     seed: int = 0
-    options: tuple[tuple[str, Any], ...] = field(default=())   # what get_model was given, for logs
+    options: tuple[tuple[str, Any], ...] = field(default=())  # what get_model was given, for logs
 
     def __post_init__(self) -> None:
         if len(self.layer_names) != len(self.factories):
-            raise UsageError(f"model {self.name}: {len(self.layer_names)} layer names for "
-                             f"{len(self.factories)} layers; give one name per layer")
+            raise UsageError(
+                f"model {self.name}: {len(self.layer_names)} layer names for "
+                f"{len(self.factories)} layers; give one name per layer"
+            )
         if not self.factories:
             raise UsageError(f"model {self.name} has no layers; a model needs at least one layer")
 
@@ -79,8 +82,9 @@ class ModelSpec:
     def build_layer(self, index: int, device: str | torch.device | None = None) -> nn.Module:
         """Layer `index` with its deterministic initial weights; device="meta" builds shapes only (cheap)."""
         if not 0 <= index < self.num_layers:
-            raise UsageError(f"model {self.name} has layers 0..{self.num_layers - 1}; "
-                             f"layer {index} does not exist")
+            raise UsageError(
+                f"model {self.name} has layers 0..{self.num_layers - 1}; layer {index} does not exist"
+            )
         if device is not None and torch.device(device).type == "meta":
             with torch.device("meta"), _SkipMetaInit():
                 return self.factories[index]()

@@ -13,12 +13,15 @@ __all__ = ["build_stage", "named_stage_tensors", "stage_state_keys", "param_coun
 
 def _check_range(spec: ModelSpec, start: int, stop: int) -> None:
     if not 0 <= start < stop <= spec.num_layers:
-        raise UsageError(f"stage layers [{start}, {stop}) do not fit model {spec.name} with "
-                         f"{spec.num_layers} layers: need 0 <= start < stop <= {spec.num_layers}")
+        raise UsageError(
+            f"stage layers [{start}, {stop}) do not fit model {spec.name} with "
+            f"{spec.num_layers} layers: need 0 <= start < stop <= {spec.num_layers}"
+        )
 
 
-def build_stage(spec: ModelSpec, start: int, stop: int, device: str | torch.device | None = None
-                ) -> nn.Sequential:
+def build_stage(
+    spec: ModelSpec, start: int, stop: int, device: str | torch.device | None = None
+) -> nn.Sequential:
     """Layers [start, stop) as one nn.Sequential whose children are named by their global index.
 
     Because child i is named str(i), `stage.state_dict()` keys are already global ("3.weight",
@@ -46,8 +49,7 @@ def stage_state_keys(spec: ModelSpec, start: int, stop: int, *, buffers: bool = 
 
 def param_counts(spec: ModelSpec) -> list[int]:
     """Parameters per layer, built on the meta device so even ResNet-152 counts in milliseconds."""
-    return [sum(p.numel() for p in spec.build_layer(i, "meta").parameters())
-            for i in range(spec.num_layers)]
+    return [sum(p.numel() for p in spec.build_layer(i, "meta").parameters()) for i in range(spec.num_layers)]
 
 
 def even_split(counts: list[int], num_stages: int) -> list[int]:
@@ -58,8 +60,10 @@ def even_split(counts: list[int], num_stages: int) -> list[int]:
     """
     n = len(counts)
     if not 1 <= num_stages <= n:
-        raise UsageError(f"cannot split {n} layers into {num_stages} stages: each stage needs at "
-                         f"least one layer; use between 1 and {n} stages")
+        raise UsageError(
+            f"cannot split {n} layers into {num_stages} stages: each stage needs at "
+            f"least one layer; use between 1 and {n} stages"
+        )
     prefix = [0]
     for c in counts:
         prefix.append(prefix[-1] + c)

@@ -1,6 +1,7 @@
 """BatchNorm models under WSP: the paper's ResNet and VGG (BN after every conv) trained by the runtime on the
 emulated default cluster, for every Nm, D and pull mode asked; each run's loss must fall (the mean training
-loss of the last quarter of its waves below that of the first quarter), and every `exact` run must equal the single-process reference (hetpipe.compute.reference) bit for bit, stage and PS weights.
+loss of the last quarter of its waves below that of the first quarter), and every `exact` run must equal the
+single-process reference (hetpipe.compute.reference) bit for bit, stage and PS weights.
 
     python launch/bench/batchnorm.py                                  # resnet18 and vgg11, Nm 2 and 4, D 0
                                                                       # and 1, exact and latest (16 runs)
@@ -36,13 +37,36 @@ MODEL_OPTIONS = {  # CIFAR-sized variants on one-channel 32x32 images, ten class
 }
 
 
-def case_config(base: ClusterConfig, model: str, nm: int, staleness: int, pull: str, waves: int, batch: int,
-                optimizer: str, lr: float, settings: tuple[str, ...]) -> ClusterConfig:
+def case_config(
+    base: ClusterConfig,
+    model: str,
+    nm: int,
+    staleness: int,
+    pull: str,
+    waves: int,
+    batch: int,
+    optimizer: str,
+    lr: float,
+    settings: tuple[str, ...],
+) -> ClusterConfig:
     """The default cluster training `model` on padded MNIST at the given Nm, D and pull mode."""
-    return apply_overrides(base, [
-        f"model.name={model}", f"model.options={MODEL_OPTIONS[model]}", "data.options={ pad = 2 }",
-        f"wsp.nm={nm}", f"wsp.staleness={staleness}", f"wsp.pull={pull}", f"train.waves={waves}",
-        f"train.batch_size={batch}", f'train.optimizer="{optimizer}"', f"train.lr={lr}", "checkpoint.dir=''", *settings])
+    return apply_overrides(
+        base,
+        [
+            f"model.name={model}",
+            f"model.options={MODEL_OPTIONS[model]}",
+            "data.options={ pad = 2 }",
+            f"wsp.nm={nm}",
+            f"wsp.staleness={staleness}",
+            f"wsp.pull={pull}",
+            f"train.waves={waves}",
+            f"train.batch_size={batch}",
+            f'train.optimizer="{optimizer}"',
+            f"train.lr={lr}",
+            "checkpoint.dir=''",
+            *settings,
+        ],
+    )
 
 
 def losses_by_wave(run_dir: Path, nm: int) -> dict[int, float]:
@@ -75,11 +99,19 @@ def run_case(config: ClusterConfig, work: Path) -> dict[str, Any]:
     quarter = max(1, len(losses) // 4)  # one wave's loss is a mean over as few as Nm minibatches: noisy
     first, last = sum(losses[:quarter]) / quarter, sum(losses[-quarter:]) / quarter
     row: dict[str, Any] = {
-        "model": config.model.name, "nm": config.wsp.nm, "staleness": config.wsp.staleness, "pull": config.wsp.pull,
-        "buffers": config.ps.buffers, "splits": [list(lay.split) for lay in layouts], "waves": config.train.waves,
-        "first_waves_loss": first, "last_waves_loss": last, "loss_falls": last < first,
+        "model": config.model.name,
+        "nm": config.wsp.nm,
+        "staleness": config.wsp.staleness,
+        "pull": config.wsp.pull,
+        "buffers": config.ps.buffers,
+        "splits": [list(lay.split) for lay in layouts],
+        "waves": config.train.waves,
+        "first_waves_loss": first,
+        "last_waves_loss": last,
+        "loss_falls": last < first,
         "train_s": round(time.monotonic() - started, 1),
-        "samples_per_s": summary["samples_per_s"], "test_accuracy": summary.get("test_accuracy"),
+        "samples_per_s": summary["samples_per_s"],
+        "test_accuracy": summary.get("test_accuracy"),
     }
     if config.wsp.pull == "exact":
         ref = run_reference(config, [lay.split for lay in layouts])
@@ -97,29 +129,66 @@ def _ints(text: str) -> list[int]:
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Cluster config (default: the packaged local.toml, two VWs of two emulated GPUs).")
-@click.option("--model", "models", type=click.Choice(sorted(MODEL_OPTIONS)), multiple=True,
-              help="Repeatable; default both.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Cluster config (default: the packaged local.toml, two VWs of two emulated GPUs).",
+)
+@click.option(
+    "--model",
+    "models",
+    type=click.Choice(sorted(MODEL_OPTIONS)),
+    multiple=True,
+    help="Repeatable; default both.",
+)
 @click.option("--nm", "nms", default="2,4", show_default=True, help="Comma-separated Nm values.")
 @click.option("--staleness", "ds", default="0,1", show_default=True, help="Comma-separated D values.")
-@click.option("--pull", "pulls", type=click.Choice(["exact", "latest"]), multiple=True,
-              help="Repeatable; default both.")
+@click.option(
+    "--pull", "pulls", type=click.Choice(["exact", "latest"]), multiple=True, help="Repeatable; default both."
+)
 @click.option("--waves", type=int, default=12, show_default=True)
 @click.option("--batch", type=int, default=16, show_default=True)
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="sgd", show_default=True)
-@click.option("--lr", type=float, default=0.003, show_default=True,
-              help="The default config's momentum 0.9 at lr 0.01 diverges on ResNet-18 at batch 16 with two VWs' steps "
-                   "summed (loss 2.57 -> 8.76 in 12 waves), and at lr 0.002 still with Nm 4 (2.59 -> 7.34); plain SGD "
-                   "at 0.003 or 0.01 falls in every case tried.")
+@click.option(
+    "--lr",
+    type=float,
+    default=0.003,
+    show_default=True,
+    help="The default config's momentum 0.9 at lr 0.01 diverges on ResNet-18 at batch 16 with two VWs' steps "
+    "summed (loss 2.57 -> 8.76 in 12 waves), and at lr 0.002 still with Nm 4 (2.59 -> 7.34); plain SGD "
+    "at 0.003 or 0.01 falls in every case tried.",
+)
 @click.option("--set", "settings", multiple=True, help="More config overrides, KEY.PATH=VALUE (repeatable).")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the rows as JSON here.")
-def main(config_path: Path | None, models: tuple[str, ...], nms: str, ds: str, pulls: tuple[str, ...], waves: int,
-         batch: int, optimizer: str, lr: float, settings: tuple[str, ...], out_path: Path | None) -> None:
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the rows as JSON here.",
+)
+def main(
+    config_path: Path | None,
+    models: tuple[str, ...],
+    nms: str,
+    ds: str,
+    pulls: tuple[str, ...],
+    waves: int,
+    batch: int,
+    optimizer: str,
+    lr: float,
+    settings: tuple[str, ...],
+    out_path: Path | None,
+) -> None:
     base = load_config(config_path or default_config_path())
-    cases = [(m, nm, d, p) for m in (models or sorted(MODEL_OPTIONS)) for nm in _ints(nms) for d in _ints(ds)
-             for p in (pulls or ("exact", "latest"))]
+    cases = [
+        (m, nm, d, p)
+        for m in (models or sorted(MODEL_OPTIONS))
+        for nm in _ints(nms)
+        for d in _ints(ds)
+        for p in (pulls or ("exact", "latest"))
+    ]
     rows, failed = [], 0
     for i, (model, nm, d, pull) in enumerate(cases, 1):
         config = case_config(base, model, nm, d, pull, waves, batch, optimizer, lr, settings)
@@ -128,10 +197,15 @@ def main(config_path: Path | None, models: tuple[str, ...], nms: str, ds: str, p
         rows.append(row)
         ok = row["loss_falls"] and row.get("equals_reference", True)
         failed += not ok
-        same = {True: "equals reference", False: "DIFFERS from reference", None: ""}[row.get("equals_reference")]
-        click.echo(f"[{i}/{len(cases)}] {model} Nm={nm} D={d} {pull}: loss {row['first_waves_loss']:.3f} -> "
-                   f"{row['last_waves_loss']:.3f} ({'falls' if row['loss_falls'] else 'DOES NOT FALL'}) {same} "
-                   f"[{row['train_s']} s]", err=True)
+        same = {True: "equals reference", False: "DIFFERS from reference", None: ""}[
+            row.get("equals_reference")
+        ]
+        click.echo(
+            f"[{i}/{len(cases)}] {model} Nm={nm} D={d} {pull}: loss {row['first_waves_loss']:.3f} -> "
+            f"{row['last_waves_loss']:.3f} ({'falls' if row['loss_falls'] else 'DOES NOT FALL'}) {same} "
+            f"[{row['train_s']} s]",
+            err=True,
+        )
         for line in row.get("reference_differences", []):
             click.echo(f"    {line}", err=True)
     text = json.dumps(rows, indent=1)
@@ -139,8 +213,11 @@ def main(config_path: Path | None, models: tuple[str, ...], nms: str, ds: str, p
         out_path.write_text(text + "\n")
     else:
         click.echo(text)
-    click.echo(f"{len(rows) - failed}/{len(rows)} runs: loss falls{' and exact equals the reference' if pulls != ('latest',) else ''}",
-               err=True)
+    click.echo(
+        f"{len(rows) - failed}/{len(rows)} runs: loss falls"
+        f"{' and exact equals the reference' if pulls != ('latest',) else ''}",
+        err=True,
+    )
     sys.exit(1 if failed else 0)
 
 

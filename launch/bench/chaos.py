@@ -1,9 +1,9 @@
-"""Chaos: `hetpipe train --audit` while PS shards (and, with --stages, stages) are killed with SIGKILL at random
-moments; the audit ledger then says whether every acknowledged update counted exactly once.
+"""Chaos: `hetpipe train --audit` while PS shards (and, with --stages, stages) are killed with SIGKILL at
+random moments; the audit ledger then says whether every acknowledged update counted exactly once.
 
 What happens (docs/recovery.md):
-  - a killed PS shard is restarted by `hetpipe train` from its newest checkpoint ([checkpoint] every = 1 here),
-    on the same port; the stages register again and resend every push it lost, and go on;
+  - a killed PS shard is restarted by `hetpipe train` from its newest checkpoint ([checkpoint] every = 1
+    here), on the same port; the stages register again and resend every push it lost, and go on;
   - a killed stage (--stages; [ps] on_vw_failure = "evict" here): `hetpipe train` evicts its VW at its wave
     boundary and the others go on; this script then rejoins the VW with `hetpipe worker --vw I --join RUN_DIR`
     (it starts at the next wave boundary the shards accept, from the current global weights).
@@ -42,8 +42,14 @@ import click
 from hetpipe.core.config import apply_overrides, default_config_path, load_config
 
 # A small run unless --set says otherwise: a 3-layer MLP on MNIST-5k, one PS shard per --shards.
-SMALL = ["model.name=mlp", "model.options={ hidden = [64, 32] }", "train.batch_size=32", "wsp.nm=2",
-         "wsp.staleness=1", "emulation.time_scale=50"]
+SMALL = [
+    "model.name=mlp",
+    "model.options={ hidden = [64, 32] }",
+    "train.batch_size=32",
+    "wsp.nm=2",
+    "wsp.staleness=1",
+    "emulation.time_scale=50",
+]
 
 
 @dataclass
@@ -70,7 +76,7 @@ class Chaos:
     kills: list[dict] = field(default_factory=list)
     rejoins: int = 0
 
-    # ---- what the run is doing ------------------------------------------------------------------------------
+    # ---- what the run is doing -----------------------------------------------------------------------------
     def pids(self) -> dict[str, int]:
         pids = {}
         for path in [self.run_dir / "pids.json", *(w.run_dir / "pids.json" for w in self.workers)]:
@@ -105,9 +111,10 @@ class Chaos:
             time.sleep(0.2)
         return False
 
-    # ---- kills -------------------------------------------------------------------------------------------------
+    # ---- kills ---------------------------------------------------------------------------------------------
     def kill_one(self, number: int, jitter_s: float) -> bool:
-        """Kill a random PS shard or stage once the run reaches this kill's part of it; False when the run ended."""
+        """Kill a random PS shard or stage once the run reaches this kill's part of it; False when the run
+        ended."""
         target = int((number + self.rng.random()) * (self.waves - 4) / self.total)
         if not self.wait_until(lambda: self.wave() >= target, 600):
             return False
@@ -122,7 +129,9 @@ class Chaos:
         kill_stage = self.stages == "only" or (self.stages == "also" and self.rng.random() < 0.5)
         if kill_stage and (not all_live or near_end):
             kill_stage = self.stages != "only"
-            if not kill_stage and self.stages == "only":  # not now: a VW is still out, or too late to come back
+            if (
+                not kill_stage and self.stages == "only"
+            ):  # not now: a VW is still out, or too late to come back
                 why = "a VW is still out" if not all_live else "too near the end for a VW to rejoin"
                 print(f"  kill {number + 1} skipped: {why}", flush=True)
                 return True
@@ -132,7 +141,9 @@ class Chaos:
                 return True
             name = self.rng.choice(names)
             for worker in self.workers:
-                worker.victim = worker.victim or (worker.vw == int(name[2:].split("-")[0]) and worker.proc.poll() is None)
+                worker.victim = worker.victim or (
+                    worker.vw == int(name[2:].split("-")[0]) and worker.proc.poll() is None
+                )
         else:
             name = self.rng.choice(shards)
         try:
@@ -140,32 +151,56 @@ class Chaos:
         except ProcessLookupError:
             return True
         wave = min(info["c_global"] for info in infos)
-        self.kills.append({"target": name, "pid": pids[name], "wave": wave, "t": round(time.monotonic() - self.t0, 2)})
+        self.kills.append(
+            {"target": name, "pid": pids[name], "wave": wave, "t": round(time.monotonic() - self.t0, 2)}
+        )
         print(f"  kill {len(self.kills)}: SIGKILL {name} (pid {pids[name]}) at wave {wave}", flush=True)
         if kill_stage:
             self.rejoin(int(name[2:].split("-")[0]))
         else:
-            self.wait_until(lambda: self.pids().get(name) not in (None, pids[name]) and self.status() is not None, 120)
+            self.wait_until(
+                lambda: self.pids().get(name) not in (None, pids[name]) and self.status() is not None, 120
+            )
         return True
 
     def rejoin(self, vw: int) -> None:
         """Once the PS evicted `vw`, bring it back with `hetpipe worker --vw --join`."""
-        evicted = self.wait_until(lambda: (s := self.status()) is not None and all(vw not in i["live"] for i in s), 120)
+        evicted = self.wait_until(
+            lambda: (s := self.status()) is not None and all(vw not in i["live"] for i in s), 120
+        )
         if not evicted:
             return
         self.rejoins += 1
         run_dir = self.run_dir / f"worker-vw{vw}-{self.rejoins}"
-        proc = subprocess.Popen([sys.executable, "-m", "hetpipe", "worker", "--vw", str(vw), "--join", str(self.run_dir),
-                                 "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL,
-                                stderr=open(f"{run_dir}.log", "w"))  # noqa: SIM115
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hetpipe",
+                "worker",
+                "--vw",
+                str(vw),
+                "--join",
+                str(self.run_dir),
+                "--run-dir",
+                str(run_dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(f"{run_dir}.log", "w"),  # noqa: SIM115
+        )
         self.workers.append(Worker(vw, proc, run_dir))
-        back = self.wait_until(lambda: (s := self.status()) is not None and all(vw in i["live"] for i in s)
-                               or proc.poll() is not None, 300)
+        back = self.wait_until(
+            lambda: (
+                (s := self.status()) is not None
+                and all(vw in i["live"] for i in s)
+                or proc.poll() is not None
+            ),
+            300,
+        )
         if back and proc.poll() is None:
             print(f"  vw {vw} rejoined (hetpipe worker pid {proc.pid})", flush=True)
         else:
             print(f"  vw {vw} did not rejoin (the others finished first?): see {run_dir}.log", flush=True)
-
 
 
 def _alive(pid: int) -> bool:
@@ -177,39 +212,99 @@ def _alive(pid: int) -> bool:
 
 
 @click.command()
-@click.option("--kills", type=click.IntRange(min=0), default=5, show_default=True, help="SIGKILLs to deliver.")
-@click.option("--stages", "stages", flag_value="also", default=None,
-              help="Kill stages too (each kill a shard or a stage, at random); evicted VWs rejoin.")
+@click.option(
+    "--kills", type=click.IntRange(min=0), default=5, show_default=True, help="SIGKILLs to deliver."
+)
+@click.option(
+    "--stages",
+    "stages",
+    flag_value="also",
+    default=None,
+    help="Kill stages too (each kill a shard or a stage, at random); evicted VWs rejoin.",
+)
 @click.option("--stages-only", "stages", flag_value="only", help="Kill stages only.")
 @click.option("--shards", type=click.IntRange(min=1), default=2, show_default=True, help="PS shards.")
-@click.option("--waves", type=click.IntRange(min=4), default=None,
-              help="Waves of the run (default: 20 + 6 per kill, 40 with stage kills: a rejoin takes time).")
+@click.option(
+    "--waves",
+    type=click.IntRange(min=4),
+    default=None,
+    help="Waves of the run (default: 20 + 6 per kill, 40 with stage kills: a rejoin takes time).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds which child dies when.")
-@click.option("--jitter", "jitter_s", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="Up to this many seconds more before each kill, at random.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Cluster config (default: the packaged local.toml with a small MLP).")
+@click.option(
+    "--jitter",
+    "jitter_s",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Up to this many seconds more before each kill, at random.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Cluster config (default: the packaged local.toml with a small MLP).",
+)
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="More config overrides.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=10), default=1800, show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the result as JSON.")
-def main(kills: int, stages: str | None, shards: int, waves: int | None, seed: int, jitter_s: float,
-         config_path: Path | None, settings: tuple[str, ...], run_dir: Path | None, timeout_s: float,
-         out: Path | None) -> None:
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the result as JSON."
+)
+def main(
+    kills: int,
+    stages: str | None,
+    shards: int,
+    waves: int | None,
+    seed: int,
+    jitter_s: float,
+    config_path: Path | None,
+    settings: tuple[str, ...],
+    run_dir: Path | None,
+    timeout_s: float,
+    out: Path | None,
+) -> None:
     stages = stages or "no"
     waves = waves or 20 + (6 if stages == "no" else 40) * kills
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="hetpipe-chaos-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    overrides = [*(SMALL if config_path is None else []), f"train.waves={waves}", f"ps.shards={shards}",
-                 "checkpoint.every=1", 'checkpoint.dir="ps"', f"ps.max_restarts={kills + 5}", "ps.heartbeat_s=1",
-                 "ps.hung_after_s=60", *(["ps.on_vw_failure=evict"] if stages != "no" else []), *settings]
-    config = apply_overrides(load_config(config_path or default_config_path()), overrides)  # fail here, not later
-    print(f"chaos: {kills} kills ({'PS shards' if stages == 'no' else 'PS shards and stages' if stages == 'also' else 'stages'}), "
-          f"{config.ps.shards} shards, {waves} waves, seed {seed}; run dir {run_dir}", flush=True)
+    overrides = [
+        *(SMALL if config_path is None else []),
+        f"train.waves={waves}",
+        f"ps.shards={shards}",
+        "checkpoint.every=1",
+        'checkpoint.dir="ps"',
+        f"ps.max_restarts={kills + 5}",
+        "ps.heartbeat_s=1",
+        "ps.hung_after_s=60",
+        *(["ps.on_vw_failure=evict"] if stages != "no" else []),
+        *settings,
+    ]
+    config = apply_overrides(
+        load_config(config_path or default_config_path()), overrides
+    )  # fail here, not later
+    print(
+        f"chaos: {kills} kills ("
+        f"{'PS shards' if stages == 'no' else 'PS shards and stages' if stages == 'also' else 'stages'}), "
+        f"{config.ps.shards} shards, {waves} waves, seed {seed}; run dir {run_dir}",
+        flush=True,
+    )
     chaos = Chaos(run_dir, waves, random.Random(seed), stages, total=max(kills, 1))
-    command = [sys.executable, "-m", "hetpipe", "train", str(config_path or default_config_path()), "--audit", "--quiet",
-               "--run-dir", str(run_dir), "--summary", str(run_dir / "chaos-summary.json"),
-               *[a for s in overrides for a in ("--set", s)]]
+    command = [
+        sys.executable,
+        "-m",
+        "hetpipe",
+        "train",
+        str(config_path or default_config_path()),
+        "--audit",
+        "--quiet",
+        "--run-dir",
+        str(run_dir),
+        "--summary",
+        str(run_dir / "chaos-summary.json"),
+        *[a for s in overrides for a in ("--set", s)],
+    ]
     with open(run_dir / "train.log", "w") as log:
         chaos.train = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -223,8 +318,11 @@ def main(kills: int, stages: str | None, shards: int, waves: int | None, seed: i
         except subprocess.TimeoutExpired:
             print("  the run did not finish in time", flush=True)
         for worker in chaos.workers:
-            worker.late = worker.proc.poll() is not None and worker.proc.returncode != 0 and \
-                "cannot rejoin" in Path(f"{worker.run_dir}.log").read_text(errors="replace")
+            worker.late = (
+                worker.proc.poll() is not None
+                and worker.proc.returncode != 0
+                and "cannot rejoin" in Path(f"{worker.run_dir}.log").read_text(errors="replace")
+            )
             if worker.proc.poll() is None and not (worker.run_dir / "pids.json").exists():
                 worker.late = True  # never got to start its stages before the run ended
             try:
@@ -240,7 +338,9 @@ def main(kills: int, stages: str | None, shards: int, waves: int | None, seed: i
                 except subprocess.TimeoutExpired:
                     proc.kill()
     seconds = round(time.monotonic() - chaos.t0, 1)
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    summary = (
+        json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    )
     ledger = summary.get("audit_ledger", {})
     workers_ok = all(w.proc.returncode == 0 for w in chaos.workers if not (w.victim or w.late))
     completed = chaos.train.returncode == 0 and bool(summary) and workers_ok
@@ -248,17 +348,29 @@ def main(kills: int, stages: str | None, shards: int, waves: int | None, seed: i
         "kills": len(chaos.kills),
         "kills_ps": sum(k["target"].startswith("ps-") for k in chaos.kills),
         "kills_stages": sum(k["target"].startswith("vw") for k in chaos.kills),
-        "lost": ledger.get("lost"), "duplicated": ledger.get("duplicated"), "stray": ledger.get("stray"),
-        "ledger_slots": ledger.get("slots"), "completed": completed, "seconds": seconds,
-        "waves": waves, "shards": config.ps.shards, "seed": seed, "ps_restarts": summary.get("ps_restarts"),
-        "evicted": summary.get("evicted"), "rejoins": chaos.rejoins,
-        "train_exit": chaos.train.returncode, "audit_checks": summary.get("audit_checks"),
-        "run_dir": str(run_dir), "victims": chaos.kills,
+        "lost": ledger.get("lost"),
+        "duplicated": ledger.get("duplicated"),
+        "stray": ledger.get("stray"),
+        "ledger_slots": ledger.get("slots"),
+        "completed": completed,
+        "seconds": seconds,
+        "waves": waves,
+        "shards": config.ps.shards,
+        "seed": seed,
+        "ps_restarts": summary.get("ps_restarts"),
+        "evicted": summary.get("evicted"),
+        "rejoins": chaos.rejoins,
+        "train_exit": chaos.train.returncode,
+        "audit_checks": summary.get("audit_checks"),
+        "run_dir": str(run_dir),
+        "victims": chaos.kills,
     }
-    print(f"kills {result['kills']} (PS shards {result['kills_ps']}, stages {result['kills_stages']}, rejoins "
-          f"{chaos.rejoins}); PS restarts {result['ps_restarts']}; ledger slots {result['ledger_slots']}: lost "
-          f"{result['lost']}, duplicated {result['duplicated']}, stray {result['stray']}; forwards audited by "
-          f"hetpipe train's own stages {result['audit_checks']}; completed {completed} in {seconds} s")
+    print(
+        f"kills {result['kills']} (PS shards {result['kills_ps']}, stages {result['kills_stages']}, rejoins "
+        f"{chaos.rejoins}); PS restarts {result['ps_restarts']}; ledger slots {result['ledger_slots']}: lost "
+        f"{result['lost']}, duplicated {result['duplicated']}, stray {result['stray']}; forwards audited by "
+        f"hetpipe train's own stages {result['audit_checks']}; completed {completed} in {seconds} s"
+    )
     if not completed:
         print(f"see {run_dir / 'train.log'} and {run_dir / 'logs'}")
     if out is not None:

@@ -1,7 +1,7 @@
-"""Fuzz a live PS shard with N bad messages (launch/bench/fuzz_cases.py) and check every answer: no crash, each
-message answered as the rules say (an error reply for every malformed or refused request; none only for a frame
-over the size limit, which costs its connection), weights and clocks unchanged, a good client still served, and
-the shard's resident memory flat (measured after a warm-up and at the end).
+"""Fuzz a live PS shard with N bad messages (launch/bench/fuzz_cases.py) and check every answer: no crash,
+each message answered as the rules say (an error reply for every malformed or refused request; none only for a
+frame over the size limit, which costs its connection), weights and clocks unchanged, a good client still
+served, and the shard's resident memory flat (measured after a warm-up and at the end).
 
     python launch/bench/fuzz.py [--frames 100000] [--seed 1] [--out fuzz.json]
 
@@ -87,7 +87,9 @@ class FuzzSession:
             self.socks[name] = sock
         self._ids = iter(range(2**60, _PROBE_IDS))  # apart from the cases' ids
         self._probes = iter(range(_PROBE_IDS, 2**62))
-        self._probes_sent: set[int] = set()  # probes whose late answers may still come (a case may use such ids too)
+        self._probes_sent: set[int] = (
+            set()
+        )  # probes whose late answers may still come (a case may use such ids too)
         self._parked: int | None = None  # the member's pull waiting for its gate
 
     def close(self) -> None:
@@ -119,7 +121,9 @@ class FuzzSession:
     def setup(self) -> None:
         """Both VWs register the model and push waves 0..2 of ones: c_global 3, W = 0 + folded waves."""
         for who, vw in (("good", 0), ("member", MEMBER_VW)):
-            self.request(who, "register", {"vw": vw, "stage": 0, **REGISTER, "want_weights": False}, model(0.0))
+            self.request(
+                who, "register", {"vw": vw, "stage": 0, **REGISTER, "want_weights": False}, model(0.0)
+            )
         for wave in range(WAVES_DONE):
             for who, vw in (("good", 0), ("member", MEMBER_VW)):
                 self.request(who, "push", {"vw": vw, "stage": 0, "wave": wave}, model(1.0))
@@ -157,12 +161,16 @@ class FuzzSession:
         if case.expect.parked:
             report.parked += 1
             if self._parked is not None:  # the pull it replaces is answered now
-                self._check(case, self._receive(sock, self.timeout_s, want=self._parked), report, replaced=True)
+                self._check(
+                    case, self._receive(sock, self.timeout_s, want=self._parked), report, replaced=True
+                )
             self._parked = case.request_id
             return
         self._check(case, self._receive(sock, self.timeout_s), report)
 
-    def _check(self, case: Case, reply: wire.Message | None, report: FuzzReport, replaced: bool = False) -> None:
+    def _check(
+        self, case: Case, reply: wire.Message | None, report: FuzzReport, replaced: bool = False
+    ) -> None:
         if reply is None:
             report.unanswered += 1
             report.wrong(case, "no answer")
@@ -200,12 +208,25 @@ class FuzzSession:
 
 
 @click.command()
-@click.option("--frames", "count", type=click.IntRange(min=1), default=100_000, show_default=True,
-              help="Fuzzed messages to send.")
+@click.option(
+    "--frames",
+    "count",
+    type=click.IntRange(min=1),
+    default=100_000,
+    show_default=True,
+    help="Fuzzed messages to send.",
+)
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--warmup", type=click.IntRange(min=0), default=1000, show_default=True,
-              help="Messages sent before the first memory reading.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the report as JSON.")
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=1000,
+    show_default=True,
+    help="Messages sent before the first memory reading.",
+)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the report as JSON."
+)
 def main(count: int, seed: int, warmup: int, out: Path | None) -> None:
     from hetpipe.core.procs import ChildGroup
     from hetpipe.server.launch import serve_settings
@@ -230,19 +251,33 @@ def main(count: int, seed: int, warmup: int, out: Path | None) -> None:
             rss_after = shard_rss(child.process.pid) if alive else 0
             after = session.snapshot() if alive else before
             unchanged = all(np.array_equal(before[0][k], after[0][k]) for k in before[0]) and all(
-                before[1][k] == after[1][k] for k in ("c_global", "c_local", "version", "registered"))
+                before[1][k] == after[1][k] for k in ("c_global", "c_local", "version", "registered")
+            )
             served = alive and session.still_served()
         finally:
             session.close()
     took = time.monotonic() - started
-    result = {"seed": seed, **report.to_dict(), "rss_before": rss_before, "rss_after": rss_after,
-              "state_unchanged": unchanged, "good_client_served": served, "seconds": round(took, 1),
-              "shard_log": str(logs / "ps.log")}
-    print(f"messages {report.messages} ({report.zmq_frames} ZeroMQ frames) in {took:.0f} s; replies {report.replies} "
-          f"({report.error_replies} errors); dropped with their connection (oversized) {report.dropped}; parked "
-          f"{report.parked}; unanswered {report.unanswered}; crashes {report.crashes}")
-    print(f"shard RSS after {warmup} warm-up messages {rss_before / 2**20:.1f} MiB, at the end {rss_after / 2**20:.1f} "
-          f"MiB; weights and clocks unchanged: {unchanged}; a good client still served: {served}")
+    result = {
+        "seed": seed,
+        **report.to_dict(),
+        "rss_before": rss_before,
+        "rss_after": rss_after,
+        "state_unchanged": unchanged,
+        "good_client_served": served,
+        "seconds": round(took, 1),
+        "shard_log": str(logs / "ps.log"),
+    }
+    print(
+        f"messages {report.messages} ({report.zmq_frames} ZeroMQ frames) in {took:.0f} s; "
+        f"replies {report.replies} ({report.error_replies} errors); "
+        f"dropped with their connection (oversized) {report.dropped}; parked {report.parked}; "
+        f"unanswered {report.unanswered}; crashes {report.crashes}"
+    )
+    print(
+        f"shard RSS after {warmup} warm-up messages {rss_before / 2**20:.1f} MiB, "
+        f"at the end {rss_after / 2**20:.1f} MiB; "
+        f"weights and clocks unchanged: {unchanged}; a good client still served: {served}"
+    )
     print("error codes: " + ", ".join(f"{k} {v}" for k, v in report.codes.most_common()))
     for line in report.unexpected:
         print(f"UNEXPECTED {line}")

@@ -25,16 +25,36 @@ import numpy as np
 
 from hetpipe.core import wire
 
-__all__ = ["MEMBER_VW", "MODEL", "RUN", "WAVES_DONE", "Case", "CaseGenerator", "Expect", "errors", "model", "oracle",
-           "replies"]
+__all__ = [
+    "MEMBER_VW",
+    "MODEL",
+    "RUN",
+    "WAVES_DONE",
+    "Case",
+    "CaseGenerator",
+    "Expect",
+    "errors",
+    "model",
+    "oracle",
+    "replies",
+]
 
 RUN = "fuzz"
 MODEL = {"k": (2, 3), "big": (300_000,)}  # "big" is 1.2 MB: two data frames
 MEMBER_VW = 1
 WAVES_DONE = 3  # both VWs pushed waves 0..2 before the fuzz starts
 REQUESTS = ("register", "push", "pull", "status", "read", "heartbeat", "evict", "rejoin")
-REGISTER = {"num_vws": 2, "num_stages": 1, "num_waves": 0, "buffers": [], "ledgers": [], "start_wave": 0}  # a registration's fields
-MAXMSGSIZE = wire.MAX_FRAME_BYTES + (64 << 10)  # wire.configure_socket's limit: a bigger frame drops the connection
+REGISTER = {
+    "num_vws": 2,
+    "num_stages": 1,
+    "num_waves": 0,
+    "buffers": [],
+    "ledgers": [],
+    "start_wave": 0,
+}  # a registration's fields
+MAXMSGSIZE = wire.MAX_FRAME_BYTES + (
+    64 << 10
+)  # wire.configure_socket's limit: a bigger frame drops the connection
 
 
 def model(value: float = 0.0, dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -46,7 +66,9 @@ class Expect:
     """What the shard must do with one case."""
 
     codes: frozenset[str] = frozenset()  # an error reply with one of these codes
-    replies: frozenset[str] = frozenset()  # or a reply of one of these types ("ack" only with applied = false)
+    replies: frozenset[str] = (
+        frozenset()
+    )  # or a reply of one of these types ("ack" only with applied = false)
     dropped: bool = False  # no reply: a frame over MAXMSGSIZE costs the message and the connection
     parked: bool = False  # no reply yet: a pull whose gate is closed waits (and is answered when replaced)
 
@@ -103,8 +125,26 @@ def _bytes(frames: list) -> list[bytes]:
 
 
 # Values of the wrong type (or range) for any header field.
-_WRONG = [None, True, -1, 2**31, 2**63, -(2**63), 1.5, math.nan, math.inf, "", "x" * 300, b"\x00\xff", [], [1, 2],
-          {}, {"a": 1}, "push", 0]
+_WRONG = [
+    None,
+    True,
+    -1,
+    2**31,
+    2**63,
+    -(2**63),
+    1.5,
+    math.nan,
+    math.inf,
+    "",
+    "x" * 300,
+    b"\x00\xff",
+    [],
+    [1, 2],
+    {},
+    {"a": 1},
+    "push",
+    0,
+]
 
 
 class CaseGenerator:
@@ -118,10 +158,22 @@ class CaseGenerator:
         self.sent: deque[list[bytes]] = deque(maxlen=64)  # for replays
         self.corpus = self._corpus()
         kinds = [
-            (self.mutated, 30), (self.truncated, 10), (self.oversized, 1), (self.wrong_types, 10),
-            (self.tensor_spec, 6), (self.replayed, 5), (self.wrong_shape, 6), (self.wrong_dtype, 6),
-            (self.wrong_keys, 4), (self.non_finite, 8), (self.replayed_push, 4), (self.replayed_register, 2),
-            (self.out_of_order, 4), (self.pull, 3), (self.parked_pull, 1), (self.impersonation, 2),
+            (self.mutated, 30),
+            (self.truncated, 10),
+            (self.oversized, 1),
+            (self.wrong_types, 10),
+            (self.tensor_spec, 6),
+            (self.replayed, 5),
+            (self.wrong_shape, 6),
+            (self.wrong_dtype, 6),
+            (self.wrong_keys, 4),
+            (self.non_finite, 8),
+            (self.replayed_push, 4),
+            (self.replayed_register, 2),
+            (self.out_of_order, 4),
+            (self.pull, 3),
+            (self.parked_pull, 1),
+            (self.impersonation, 2),
         ]
         self._makers = [maker for maker, _ in kinds]
         self._weights = [weight for _, weight in kinds]
@@ -158,21 +210,27 @@ class CaseGenerator:
         """Valid messages of every type, as a stranger would send them."""
         small = {"k": np.arange(6, dtype=np.float32).reshape(2, 3)}
         base = {"run": RUN, "vw": 0, "stage": 0}
-        return [_bytes(m) for m in (
-            wire.encode("register", {"id": 1, **base, **REGISTER, "want_weights": True}, small),
-            wire.encode("register", {"id": 2, "run": RUN, "vw": 1, "stage": 0, **REGISTER, "want_weights": False},
-                        model()),
-            wire.encode("push", {"id": 3, **base, "wave": 0}, small),
-            wire.encode("push", {"id": 4, **base, "wave": 3}, model(1.0)),
-            wire.encode("pull", {"id": 5, **base, "wave": 4}),
-            wire.encode("status", {"id": 6, "run": RUN}),
-            wire.encode("read", {"id": 7, "run": RUN}),
-            wire.encode("ack", {"id": 8, "wave": 0, "applied": True, "c_global": 0, "keep_from": 0}),
-            wire.encode("heartbeat", {"id": 10, **base, "progress": 3}),
-            wire.encode("evict", {"id": 11, "run": RUN, "vw": 1}),
-            wire.encode("rejoin", {"id": 12, "run": RUN, "vw": 1, "start_wave": 9}),
-            wire.encode("error", {"id": 9, "code": "stale", "message": "x"}),
-        )]
+        return [
+            _bytes(m)
+            for m in (
+                wire.encode("register", {"id": 1, **base, **REGISTER, "want_weights": True}, small),
+                wire.encode(
+                    "register",
+                    {"id": 2, "run": RUN, "vw": 1, "stage": 0, **REGISTER, "want_weights": False},
+                    model(),
+                ),
+                wire.encode("push", {"id": 3, **base, "wave": 0}, small),
+                wire.encode("push", {"id": 4, **base, "wave": 3}, model(1.0)),
+                wire.encode("pull", {"id": 5, **base, "wave": 4}),
+                wire.encode("status", {"id": 6, "run": RUN}),
+                wire.encode("read", {"id": 7, "run": RUN}),
+                wire.encode("ack", {"id": 8, "wave": 0, "applied": True, "c_global": 0, "keep_from": 0}),
+                wire.encode("heartbeat", {"id": 10, **base, "progress": 3}),
+                wire.encode("evict", {"id": 11, "run": RUN, "vw": 1}),
+                wire.encode("rejoin", {"id": 12, "run": RUN, "vw": 1, "start_wave": 9}),
+                wire.encode("error", {"id": 9, "code": "stale", "message": "x"}),
+            )
+        ]
 
     # ---- stranger: malformed bytes ------------------------------------------------------------------------
     def mutated(self) -> Case:
@@ -190,7 +248,9 @@ class CaseGenerator:
             else:
                 frames.insert(i, frames[i])
         elif op < 0.8:  # append garbage frames
-            frames += [bytearray(self.rng.randbytes(self.rng.randint(0, 64))) for _ in range(self.rng.randint(1, 3))]
+            frames += [
+                bytearray(self.rng.randbytes(self.rng.randint(0, 64))) for _ in range(self.rng.randint(1, 3))
+            ]
         elif op < 0.9:  # a header of random bytes
             frames[0] = bytearray(self.rng.randbytes(self.rng.randint(0, 200)))
         else:  # half a header and garbage
@@ -209,7 +269,9 @@ class CaseGenerator:
             frames.append(bytes(MAXMSGSIZE + 1 + self.rng.randrange(64 << 10)))
         else:  # within MAXMSGSIZE but over the wire limits: a header or a data frame too long
             i = self.rng.randrange(len(frames))
-            frames[i] = frames[i] + bytes(wire.MAX_FRAME_BYTES + 1 - len(frames[i]) + self.rng.randrange(1 << 16))
+            frames[i] = frames[i] + bytes(
+                wire.MAX_FRAME_BYTES + 1 - len(frames[i]) + self.rng.randrange(1 << 16)
+            )
         return self._stranger("oversized", frames)
 
     def wrong_types(self) -> Case:
@@ -223,14 +285,23 @@ class CaseGenerator:
 
     def tensor_spec(self) -> Case:
         """Tensor entries that lie: unknown dtypes, negative or huge shapes, frames that do not add up."""
-        header = {"v": 1, "type": "push", "id": self._id(), "run": RUN, "vw": MEMBER_VW, "stage": 0, "wave": 3}
+        header = {
+            "v": 1,
+            "type": "push",
+            "id": self._id(),
+            "run": RUN,
+            "vw": MEMBER_VW,
+            "stage": 0,
+            "wave": 3,
+        }
         dtype = self.rng.choice(["float32", "float128", "complex64", "bool", "<f4", "object", 7])
         ndim = self.rng.randint(0, 10)
         shape = [self.rng.choice([0, 1, 3, -1, 2**40, 1.0]) for _ in range(ndim)]
         header["tensors"] = [{"key": "k", "dtype": dtype, "shape": shape}]
         count = self.rng.randint(0, 3)
-        frames = [msgpack.packb(header, use_bin_type=True)] + [self.rng.randbytes(self.rng.randint(0, 64))
-                                                               for _ in range(count)]
+        frames = [msgpack.packb(header, use_bin_type=True)] + [
+            self.rng.randbytes(self.rng.randint(0, 64)) for _ in range(count)
+        ]
         return self._stranger("tensor_spec", frames)
 
     def replayed(self) -> Case:
@@ -238,7 +309,7 @@ class CaseGenerator:
         frames = self.rng.choice(self.sent) if self.sent else self.rng.choice(self.corpus)
         return self._stranger("replayed", frames)
 
-    # ---- member: well-formed, refused by the rules ----------------------------------------------------------
+    # ---- member: well-formed, refused by the rules ---------------------------------------------------------
     def _stage(self, wave: int | None = None) -> dict:
         fields = {"vw": MEMBER_VW, "stage": 0}
         return fields if wave is None else {**fields, "wave": wave}
@@ -265,9 +336,13 @@ class CaseGenerator:
         k = self.np_rng.standard_normal(MODEL["k"]).astype(np.float32)
         for _ in range(self.rng.randint(1, 6)):
             k.flat[self.rng.randrange(k.size)] = self.rng.choice([np.nan, np.inf, -np.inf])
-        wave = self.rng.choice([WAVES_DONE, self.rng.randrange(WAVES_DONE), WAVES_DONE + 7])  # any wave: checked first
+        wave = self.rng.choice(
+            [WAVES_DONE, self.rng.randrange(WAVES_DONE), WAVES_DONE + 7]
+        )  # any wave: checked first
         if self.rng.random() < 0.5:
-            return self._member("non_finite", "push", self._stage(wave), self._push(wave, k=k), errors("non_finite"))
+            return self._member(
+                "non_finite", "push", self._stage(wave), self._push(wave, k=k), errors("non_finite")
+            )
         fields = {**self._stage(), **REGISTER, "want_weights": False}
         return self._member("non_finite", "register", fields, self._push(0, k=k), errors("non_finite"))
 
@@ -286,7 +361,9 @@ class CaseGenerator:
 
     def out_of_order(self) -> Case:
         wave = WAVES_DONE + self.rng.randint(1, 1000)
-        return self._member("out_of_order", "push", self._stage(wave), self._push(wave), errors("out_of_order"))
+        return self._member(
+            "out_of_order", "push", self._stage(wave), self._push(wave), errors("out_of_order")
+        )
 
     def pull(self) -> Case:
         """Pulls the gate lets through (c_global 3, D 0: waves <= 4): answered with the weights, or refused as
@@ -303,6 +380,13 @@ class CaseGenerator:
         """The member's connection claiming vw 0's stage (registered from another connection)."""
         wave = WAVES_DONE
         if self.rng.random() < 0.5:
-            return self._member("impersonation", "push", {"vw": 0, "stage": 0, "wave": wave}, self._push(wave),
-                                errors("not_registered"))
-        return self._member("impersonation", "pull", {"vw": 0, "stage": 0, "wave": 2}, None, errors("not_registered"))
+            return self._member(
+                "impersonation",
+                "push",
+                {"vw": 0, "stage": 0, "wave": wave},
+                self._push(wave),
+                errors("not_registered"),
+            )
+        return self._member(
+            "impersonation", "pull", {"vw": 0, "stage": 0, "wave": 2}, None, errors("not_registered")
+        )

@@ -1,5 +1,5 @@
-"""What a training run must reach, shared by the convergence benchmarks (time_to_accuracy.py, staleness.py): test
-accuracy for a classifier, validation loss for a language model, and the first score that meets it."""
+"""What a training run must reach, shared by the convergence benchmarks (time_to_accuracy.py, staleness.py):
+test accuracy for a classifier, validation loss for a language model, and the first score that meets it."""
 
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ def goal_for(task: str, target: float | None) -> Goal:
     if task == "classification":
         return Goal("test_accuracy", 0.9 if target is None else target)
     if target is None:
-        raise click.UsageError("this model is a language model: give --target, the validation loss to reach in nats "
-                               "per token (e.g. --target 2.0; a unigram guess scores ~3.3 on Shakespeare)")
+        raise click.UsageError(
+            "this model is a language model: give --target, the validation loss to reach in nats "
+            "per token (e.g. --target 2.0; a unigram guess scores ~3.3 on Shakespeare)"
+        )
     return Goal("val_loss", target)
 
 

@@ -48,14 +48,36 @@ CASES = (
     Case("mlp", (("hidden", (1024, 1024, 1024)),), 128, "1f1b-flush", 4, 0, 2, (0, 3), staleness=1),
     Case("mnist-cnn", (("channels", (32, 64)), ("hidden", 256)), 64, "wsp", 3, 1, 2, (2, 6)),
     Case("mnist-cnn", (("batch_norm", True),), 64, "gpipe", 2, 0, 2, (0, 3)),
-    Case("char-gpt", (("n_layer", 2), ("n_embd", 128), ("n_head", 4), ("block_size", 64)), 16, "pipedream-2bw",
-         2, 0, 1, (0, 4), optimizer="adam"),
+    Case(
+        "char-gpt",
+        (("n_layer", 2), ("n_embd", 128), ("n_head", 4), ("block_size", 64)),
+        16,
+        "pipedream-2bw",
+        2,
+        0,
+        1,
+        (0, 4),
+        optimizer="adam",
+    ),
 )
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _in_use() -> int:
@@ -85,7 +107,9 @@ def _run(case: Case, out: Any) -> None:
     start, stop = case.layers
     rule = MemoryRule(nm=case.nm, schedule=case.schedule, staleness=case.staleness, pulls=case.pulls)
     input_bytes = sizes.input_bytes if start == 0 else sizes.layers[start - 1].output_bytes
-    predicted = stage_memory_terms(sizes.layers[start:stop], case.stage, case.num_stages, rule, input_bytes=input_bytes)
+    predicted = stage_memory_terms(
+        sizes.layers[start:stop], case.stage, case.num_stages, rule, input_bytes=input_bytes
+    )
     kind = get_schedule(case.schedule)
     actions = kind(case.num_stages, case.nm, case.waves, case.staleness).stages[case.stage]
     last = case.stage == case.num_stages - 1
@@ -133,7 +157,7 @@ def _run(case: Case, out: Any) -> None:
                 grad = None if last else torch.randn(leaving.shape, generator=gen)
                 grad_in, _ = compute.backward(a.index, grad, target if last else None, spec.loss)
                 if start > 0:  # the P2P window keeps sent gradients until their sends are waited for
-                    sent = [*sent, grad_in][-(case.nm + 1):]
+                    sent = [*sent, grad_in][-(case.nm + 1) :]
                 del grad, grad_in
             elif a.kind == "U":
                 compute.update(a.index)
@@ -147,8 +171,14 @@ def _run(case: Case, out: Any) -> None:
                 compute.rebase(pulled, gate_version(a.index, case.staleness) - 1)
                 del pulled
     del pushed, sent
-    out.put({"case": asdict(case), "predicted": predicted.total, "terms": asdict(predicted),
-             "measured": peak[0] - base})
+    out.put(
+        {
+            "case": asdict(case),
+            "predicted": predicted.total,
+            "terms": asdict(predicted),
+            "measured": peak[0] - base,
+        }
+    )
 
 
 def measure(case: Case) -> dict[str, Any]:
@@ -164,18 +194,28 @@ def measure(case: Case) -> dict[str, Any]:
 
 
 @click.command()
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the rows as JSON here.")
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the rows as JSON here.",
+)
 def main(out_path: Path | None) -> None:
     """Predicted vs measured peak memory of one stage, for the default cases."""
     rows = []
-    print(f"{'model':<10} {'schedule':<14} {'nm':>3} {'stage':>6} {'predicted':>12} {'measured':>12} {'error':>7}")
+    print(
+        f"{'model':<10} {'schedule':<14} {'nm':>3} {'stage':>6} "
+        f"{'predicted':>12} {'measured':>12} {'error':>7}"
+    )
     for case in CASES:
         row = measure(case)
         rows.append(row)
-        print(f"{case.model:<10} {case.schedule:<14} {case.nm:>3} {f'{case.stage}/{case.num_stages}':>6} "
-              f"{row['predicted'] / 2**20:>10.2f}Mi {row['measured'] / 2**20:>10.2f}Mi {row['error']:>+7.1%}",
-              flush=True)
+        print(
+            f"{case.model:<10} {case.schedule:<14} {case.nm:>3} {f'{case.stage}/{case.num_stages}':>6} "
+            f"{row['predicted'] / 2**20:>10.2f}Mi {row['measured'] / 2**20:>10.2f}Mi {row['error']:>+7.1%}",
+            flush=True,
+        )
     if out_path is not None:
         out_path.write_text(json.dumps(rows, indent=1))
 

@@ -92,8 +92,11 @@ def devices(config: ClusterConfig) -> list[Device]:
     them over its virtual workers' GPUs (the same set when the VWs use every GPU); 1.0 without emulation.
     """
     speeds = gpu_speeds(config)
-    slow = (slowdowns(speeds, cpu_cores(), config.emulation.time_scale) if config.emulation.enabled
-            else dict.fromkeys(speeds, 1.0))
+    slow = (
+        slowdowns(speeds, cpu_cores(), config.emulation.time_scale)
+        if config.emulation.enabled
+        else dict.fromkeys(speeds, 1.0)
+    )
     out = []
     for ref in config.all_gpus():
         kind = config.gpu(ref)
@@ -101,18 +104,23 @@ def devices(config: ClusterConfig) -> list[Device]:
     return out
 
 
-def model_profile(config: ClusterConfig, batch: int, cache_dir: str | Path, *, refresh: bool = False) -> ModelProfile:
-    """The model's per-layer profile at `batch` on this CPU (one thread), cached in cache_dir (refresh: measured
-    again and the cache entry replaced)."""
+def model_profile(
+    config: ClusterConfig, batch: int, cache_dir: str | Path, *, refresh: bool = False
+) -> ModelProfile:
+    """The model's per-layer profile at `batch` on this CPU (one thread), cached in cache_dir (refresh:
+    measured again and the cache entry replaced)."""
     torch.set_num_threads(1)
-    return cached_profile(model_of(config), batch, "cpu", cache_dir, optimizer=config.train.optimizer, refresh=refresh)
+    return cached_profile(
+        model_of(config), batch, "cpu", cache_dir, optimizer=config.train.optimizer, refresh=refresh
+    )
 
 
 # ---------------------------------------------------------------------------------------------- DDP members
 
 
 def whole_model_bytes(profile: ModelProfile) -> int:
-    """Memory one data-parallel replica needs, by hetpipe's memory model (hetpipe.core.memory, docs/memory.md).
+    """Memory one data-parallel replica needs, by hetpipe's memory model (hetpipe.core.memory,
+    docs/memory.md).
 
     The whole model as a single stage with one minibatch in flight and no stashed weights: weights +
     gradients + optimizer state + saved activations + input buffer + the largest layer's working memory.
@@ -155,15 +163,17 @@ class PipelineLayout:
     bottleneck_s: float
 
 
-def pipeline_layout(devs: Sequence[Device], profile: ModelProfile,
-                    link_gbps: float | Callable[[str, str], float] = 27.0) -> PipelineLayout:
+def pipeline_layout(
+    devs: Sequence[Device], profile: ModelProfile, link_gbps: float | Callable[[str, str], float] = 27.0
+) -> PipelineLayout:
     """Order and time-balanced split of one synchronous pipeline over all `devs`, by hetpipe's partitioner.
 
     `profile` is the model at the pipeline's microbatch size; each GPU's times are the profile's times its
-    slowdown (what the Dilator makes of them). The 1F1B schedule keeps at most k - j microbatches on stage
-    j, which is the memory model's nm = k, without weight stashing (one weight version: the pipeline
-    flushes before its optimizer step). link_gbps: gloo loopback (~3.4 GB/s measured, docs/emulation.md#measured-limits), or the Gbit/s
-    between two GPUs (e.g. a testbed's shaped links between nodes).
+    slowdown (what the Dilator makes of them). The 1F1B schedule keeps at most k - j microbatches on stage j,
+    which is the memory model's nm = k, without weight stashing (one weight version: the pipeline flushes
+    before its optimizer step). link_gbps: gloo loopback (~3.4 GB/s measured,
+    docs/emulation.md#measured-limits), or the Gbit/s between two GPUs (e.g. a testbed's shaped links between
+    nodes).
     """
     by_type: dict[str, ModelProfile] = {}
     for d in devs:
@@ -200,8 +210,10 @@ class PeerRun:
 def steady_rate(ends: Sequence[float], samples_per_step: int, warmup: int) -> float:
     """Samples/s from the end of step `warmup - 1` to the end of the last step (steps after warm-up)."""
     if warmup < 1 or len(ends) < warmup + 1:
-        raise UsageError(f"{len(ends)} steps leave nothing to measure after {warmup} warm-up steps: "
-                         "run more steps or lower the warm-up")
+        raise UsageError(
+            f"{len(ends)} steps leave nothing to measure after {warmup} warm-up steps: "
+            "run more steps or lower the warm-up"
+        )
     window = ends[-1] - ends[warmup - 1]
     return (len(ends) - warmup) * samples_per_step / window
 
@@ -287,8 +299,13 @@ class _Job:
 
 
 def _init_group(job: _Job) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://{job.master}:{job.port}", rank=job.rank,
-                            world_size=job.world, timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{job.master}:{job.port}",
+        rank=job.rank,
+        world_size=job.world,
+        timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S),
+    )
 
 
 def _optimizer(config: ClusterConfig, params: list[torch.nn.Parameter], lr: float | None) -> Any:
@@ -324,12 +341,23 @@ def _ddp_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
         ends.append(time.time())
         losses.append(float(loss.detach()))
         if job.rank == 0 and job.snapshot_every and (step + 1) % job.snapshot_every == 0:
-            snapshots.append((ends[-1], step + 1, {k: v.detach().clone() for k, v in model.module.state_dict().items()}))
+            snapshots.append(
+                (ends[-1], step + 1, {k: v.detach().clone() for k, v in model.module.state_dict().items()})
+            )
         if job.deadline_s and _stop_all(job.rank == 0 and ends[-1] - start >= job.deadline_s):
             break
     evals = _score(spec, snapshots, data, config.train.eval_samples) if snapshots else []
-    report({"rank": job.rank, "ends": ends, "start": start, "losses": losses, "evals": evals,
-            "compute_s": dilator.compute_s, "slept_s": dilator.slept_s})
+    report(
+        {
+            "rank": job.rank,
+            "ends": ends,
+            "start": start,
+            "losses": losses,
+            "evals": evals,
+            "compute_s": dilator.compute_s,
+            "slept_s": dilator.slept_s,
+        }
+    )
     dist.destroy_process_group()
 
 
@@ -340,14 +368,17 @@ def _stop_all(stop: bool) -> bool:
     return bool(flag.item())
 
 
-def _score(spec: Any, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]], data: Any,
-           max_samples: int = 0) -> list[dict[str, Any]]:
+def _score(
+    spec: Any, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]], data: Any, max_samples: int = 0
+) -> list[dict[str, Any]]:
     """Test metrics of each kept weight version on the first `max_samples` held-out samples (0: all; hetpipe's
     train.eval_samples, as its own scores use), after training (not timed)."""
     from hetpipe.compute.evaluate import evaluate
 
-    return [{"t": t, "step": step, **evaluate(spec, state, data, max_samples=max_samples)}
-            for t, step, state in snapshots]
+    return [
+        {"t": t, "step": step, **evaluate(spec, state, data, max_samples=max_samples)}
+        for t, step, state in snapshots
+    ]
 
 
 def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
@@ -375,7 +406,9 @@ def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     dist.barrier()
     start = time.time()
     for step in range(job.steps):
-        x, y = datalib.minibatch(data.train.x, data.train.y, indices, job.batch * job.n_micro, config.seed, step)
+        x, y = datalib.minibatch(
+            data.train.x, data.train.y, indices, job.batch * job.n_micro, config.seed, step
+        )
         step_losses: list[torch.Tensor] = []
         args = (x,) if first else ()
         if last:
@@ -389,14 +422,27 @@ def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
         ends.append(time.time())
         if step_losses:
             losses.append(float(torch.stack(step_losses).detach().mean()))
-        if job.snapshot_every and (step + 1) % job.snapshot_every == 0:  # this stage's part, merged by the parent
+        if (
+            job.snapshot_every and (step + 1) % job.snapshot_every == 0
+        ):  # this stage's part, merged by the parent
             # numpy, not tensors: the result queue would pass a tensor's storage by a file descriptor that the
             # parent fetches from this process, which may have exited by then (seen: ConnectionResetError)
-            snapshots.append((ends[-1], step + 1, {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}))
+            snapshots.append(
+                (ends[-1], step + 1, {k: v.detach().numpy().copy() for k, v in module.state_dict().items()})
+            )
         if job.deadline_s and _stop_all(job.rank == 0 and ends[-1] - start >= job.deadline_s):
             break
-    report({"rank": job.rank, "ends": ends, "start": start, "losses": losses, "snapshots": snapshots,
-            "compute_s": dilator.compute_s, "slept_s": dilator.slept_s})
+    report(
+        {
+            "rank": job.rank,
+            "ends": ends,
+            "start": start,
+            "losses": losses,
+            "snapshots": snapshots,
+            "compute_s": dilator.compute_s,
+            "slept_s": dilator.slept_s,
+        }
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -419,8 +465,16 @@ def _solo_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         ends.append(time.time())
-    report({"rank": 0, "ends": ends, "start": start, "losses": [], "compute_s": dilator.compute_s,
-            "slept_s": dilator.slept_s})
+    report(
+        {
+            "rank": 0,
+            "ends": ends,
+            "start": start,
+            "losses": [],
+            "compute_s": dilator.compute_s,
+            "slept_s": dilator.slept_s,
+        }
+    )
 
 
 _MAINS = {"ddp": _ddp_main, "pipeline": _pipeline_main, "solo": _solo_main}
@@ -439,7 +493,9 @@ def _child(job: _Job, results: Any) -> None:
     try:
         _MAINS[job.kind](job, results.put)
     except BaseException as exc:
-        results.put({"rank": job.rank, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        results.put(
+            {"rank": job.rank, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        )
         raise
 
 
@@ -462,76 +518,165 @@ def _run(jobs: Sequence[_Job], log_dir: Path, timeout_s: float) -> list[dict[str
                 if bad is not None:
                     raise HetpipeError(str(ChildFailed(bad))) from None
                 if time.monotonic() > deadline:
-                    raise HetpipeError(f"{jobs[0].kind} did not finish in {timeout_s:.0f} s (logs in {log_dir}): "
-                                       "give it more time or fewer steps") from None
+                    raise HetpipeError(
+                        f"{jobs[0].kind} did not finish in {timeout_s:.0f} s (logs in {log_dir}): "
+                        "give it more time or fewer steps"
+                    ) from None
                 continue
             if "error" in msg:
-                raise HetpipeError(f"{jobs[0].kind} rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
+                raise HetpipeError(
+                    f"{jobs[0].kind} rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}"
+                )
             reports[msg["rank"]] = msg
         group.wait()
     return [reports[r] for r in sorted(reports)]
 
 
 def _placed(jobs: list[_Job], devs: Sequence[Device], testbed: Topology | None) -> list[_Job]:
-    """Each rank's job in its GPU's node's namespace, the rendezvous at rank 0's node (no testbed: unchanged)."""
+    """Each rank's job in its GPU's node's namespace, the rendezvous at rank 0's node (no testbed:
+    unchanged)."""
     if testbed is None:
         return jobs
     master = testbed.of_gpu(devs[0].gpu).address
-    return [replace(job, netns=testbed.of_gpu(d.gpu).netns, master=master) for job, d in zip(jobs, devs, strict=True)]
+    return [
+        replace(job, netns=testbed.of_gpu(d.gpu).netns, master=master)
+        for job, d in zip(jobs, devs, strict=True)
+    ]
 
 
-def _peer_run(system: str, setting: dict[str, Any], devs: Sequence[Device], samples_per_step: int,
-              reports: list[dict[str, Any]], reporter: int) -> PeerRun:
+def _peer_run(
+    system: str,
+    setting: dict[str, Any],
+    devs: Sequence[Device],
+    samples_per_step: int,
+    reports: list[dict[str, Any]],
+    reporter: int,
+) -> PeerRun:
     main = reports[reporter]
-    ranks = [{"gpu": d.gpu, "compute_s": round(r["compute_s"], 3), "slept_s": round(r["slept_s"], 3)}
-             for d, r in zip(devs, reports, strict=True)]
-    return PeerRun(system, setting, [d.gpu for d in devs], samples_per_step, main["ends"],
-                   min(r["start"] for r in reports), main["losses"], main.get("evals", []), ranks)
+    ranks = [
+        {"gpu": d.gpu, "compute_s": round(r["compute_s"], 3), "slept_s": round(r["slept_s"], 3)}
+        for d, r in zip(devs, reports, strict=True)
+    ]
+    return PeerRun(
+        system,
+        setting,
+        [d.gpu for d in devs],
+        samples_per_step,
+        main["ends"],
+        min(r["start"] for r in reports),
+        main["losses"],
+        main.get("evals", []),
+        ranks,
+    )
 
 
-def run_ddp(config: ClusterConfig, members: Sequence[Device], batch: int, steps: int, log_dir: Path, *,
-            snapshot_every: int = 0, lr: float | None = None, deadline_s: float = 0.0,
-            timeout_s: float = 900.0, testbed: Topology | None = None) -> PeerRun:
+def run_ddp(
+    config: ClusterConfig,
+    members: Sequence[Device],
+    batch: int,
+    steps: int,
+    log_dir: Path,
+    *,
+    snapshot_every: int = 0,
+    lr: float | None = None,
+    deadline_s: float = 0.0,
+    timeout_s: float = 900.0,
+    testbed: Topology | None = None,
+) -> PeerRun:
     """Synchronous DDP over `members` (one replica each), `steps` steps of `batch` per replica (fewer when
     deadline_s > 0 runs out first); with snapshot_every, rank 0 scores its weights every that many steps.
     With a testbed, each rank runs in its GPU's node's namespace."""
     if not members:
-        raise UsageError("DDP needs at least one GPU that holds the whole model: give the cluster a GPU type "
-                         "with more memory_gib, or lower batch_size")
+        raise UsageError(
+            "DDP needs at least one GPU that holds the whole model: give the cluster a GPU type "
+            "with more memory_gib, or lower batch_size"
+        )
     port = free_port()
-    jobs = [_Job("ddp", pack_config(config), r, len(members), port, d.slowdown, batch, steps,
-                 snapshot_every=snapshot_every, lr=lr, deadline_s=deadline_s) for r, d in enumerate(members)]
+    jobs = [
+        _Job(
+            "ddp",
+            pack_config(config),
+            r,
+            len(members),
+            port,
+            d.slowdown,
+            batch,
+            steps,
+            snapshot_every=snapshot_every,
+            lr=lr,
+            deadline_s=deadline_s,
+        )
+        for r, d in enumerate(members)
+    ]
     reports = _run(_placed(jobs, members, testbed), log_dir, timeout_s)
     setting = {"batch": batch, "gpus": len(members), "lr": lr if lr is not None else config.train.lr}
     return _peer_run("ddp", setting, members, batch * len(members), reports, 0)
 
 
-def run_pipeline(config: ClusterConfig, layout: PipelineLayout, microbatch: int, n_micro: int, steps: int,
-                 log_dir: Path, *, schedule: str = "1f1b", timeout_s: float = 900.0,
-                 testbed: Topology | None = None, snapshot_every: int = 0, lr: float | None = None,
-                 deadline_s: float = 0.0) -> PeerRun:
+def run_pipeline(
+    config: ClusterConfig,
+    layout: PipelineLayout,
+    microbatch: int,
+    n_micro: int,
+    steps: int,
+    log_dir: Path,
+    *,
+    schedule: str = "1f1b",
+    timeout_s: float = 900.0,
+    testbed: Topology | None = None,
+    snapshot_every: int = 0,
+    lr: float | None = None,
+    deadline_s: float = 0.0,
+) -> PeerRun:
     """One torch.distributed.pipelining pipeline: `steps` minibatches of n_micro x microbatch, flushed each
-    (fewer when deadline_s > 0 runs out first). With snapshot_every, every stage keeps its weights every that many
-    steps and the parent scores the merged model after the run (a snapshot's time: its last stage's step end).
-    With a testbed, each stage runs in its GPU's node's namespace."""
+    (fewer when deadline_s > 0 runs out first). With snapshot_every, every stage keeps its weights every that
+    many steps and the parent scores the merged model after the run (a snapshot's time: its last stage's step
+    end). With a testbed, each stage runs in its GPU's node's namespace."""
     k = len(layout.gpus)
     if schedule == "1f1b" and n_micro < k:
-        raise UsageError(f"Schedule1F1B needs at least as many microbatches as stages: n_micro={n_micro} < {k}; "
-                         f"use n_micro >= {k} or schedule gpipe")
+        raise UsageError(
+            f"Schedule1F1B needs at least as many microbatches as stages: n_micro={n_micro} < {k}; "
+            f"use n_micro >= {k} or schedule gpipe"
+        )
     port = free_port()
-    jobs = [_Job("pipeline", pack_config(config), r, k, port, d.slowdown, microbatch, steps, n_micro=n_micro,
-                 split=layout.split, schedule=schedule, snapshot_every=snapshot_every, lr=lr, deadline_s=deadline_s)
-            for r, d in enumerate(layout.gpus)]
+    jobs = [
+        _Job(
+            "pipeline",
+            pack_config(config),
+            r,
+            k,
+            port,
+            d.slowdown,
+            microbatch,
+            steps,
+            n_micro=n_micro,
+            split=layout.split,
+            schedule=schedule,
+            snapshot_every=snapshot_every,
+            lr=lr,
+            deadline_s=deadline_s,
+        )
+        for r, d in enumerate(layout.gpus)
+    ]
     reports = _run(_placed(jobs, layout.gpus, testbed), log_dir, timeout_s)
-    setting = {"schedule": schedule, "microbatch": microbatch, "n_micro": n_micro, "split": list(layout.split),
-               "lr": lr if lr is not None else config.train.lr}
+    setting = {
+        "schedule": schedule,
+        "microbatch": microbatch,
+        "n_micro": n_micro,
+        "split": list(layout.split),
+        "lr": lr if lr is not None else config.train.lr,
+    }
     run = _peer_run("pipeline", setting, list(layout.gpus), microbatch * n_micro, reports, k - 1)
     if snapshot_every:
-        run.evals = _score(model_of(config), _merged_snapshots(reports), dataset_of(config), config.train.eval_samples)
+        run.evals = _score(
+            model_of(config), _merged_snapshots(reports), dataset_of(config), config.train.eval_samples
+        )
     return run
 
 
-def _merged_snapshots(reports: Sequence[Mapping[str, Any]]) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
+def _merged_snapshots(
+    reports: Sequence[Mapping[str, Any]],
+) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
     """The whole model at each step every stage kept, its time the latest stage's end of that step."""
     by_step: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}
     counts: dict[int, int] = {}
@@ -543,19 +688,36 @@ def _merged_snapshots(reports: Sequence[Mapping[str, Any]]) -> list[tuple[float,
     return [(t, step, state) for step, (t, state) in sorted(by_step.items()) if counts[step] == len(reports)]
 
 
-def run_solo(config: ClusterConfig, batch: int, steps: int, log_dir: Path, *, slowdown: float = 1.0,
-             timeout_s: float = 600.0) -> PeerRun:
+def run_solo(
+    config: ClusterConfig,
+    batch: int,
+    steps: int,
+    log_dir: Path,
+    *,
+    slowdown: float = 1.0,
+    timeout_s: float = 600.0,
+) -> PeerRun:
     """The whole model on one process (one thread) at `slowdown`: the unit of the capacity bound."""
     job = _Job("solo", pack_config(config), 0, 1, 0, slowdown, batch, steps)
     reports = _run([job], log_dir, timeout_s)
-    return PeerRun("solo", {"batch": batch, "slowdown": slowdown}, ["cpu"], batch, reports[0]["ends"],
-                   reports[0]["start"], ranks=[{"compute_s": reports[0]["compute_s"]}])
+    return PeerRun(
+        "solo",
+        {"batch": batch, "slowdown": slowdown},
+        ["cpu"],
+        batch,
+        reports[0]["ends"],
+        reports[0]["start"],
+        ranks=[{"compute_s": reports[0]["compute_s"]}],
+    )
 
 
 def describe_members(fit: Sequence[Device], left_out: Sequence[Device], need_bytes: int) -> Iterator[str]:
     """Lines saying which GPUs DDP uses and why the others are left out."""
-    yield (f"DDP: a replica needs {format_bytes(need_bytes)} (hetpipe's memory model, whole model, one minibatch); "
-           f"{len(fit)} of {len(fit) + len(left_out)} GPUs hold it")
+    yield (
+        f"DDP: a replica needs {format_bytes(need_bytes)} "
+        "(hetpipe's memory model, whole model, one minibatch); "
+        f"{len(fit)} of {len(fit) + len(left_out)} GPUs hold it"
+    )
     for d in left_out:
         yield f"  left out {d.gpu} ({d.gpu_type}, {format_bytes(d.memory_bytes)})"
 
@@ -571,5 +733,10 @@ def env_note() -> Mapping[str, Any]:
     import sys
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {"python": sys.version.split()[0], "torch": torch.__version__, "machine": platform.machine(),
-            "cores": cpu_cores(), "loadavg_1_5_15": [round(v, 2) for v in load]}
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cores": cpu_cores(),
+        "loadavg_1_5_15": [round(v, 2) for v in load],
+    }

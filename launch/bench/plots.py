@@ -1,4 +1,5 @@
-"""The benchmarks' PNG figures, drawn with matplotlib when it is installed (the `bench` extra) and skipped otherwise."""
+"""The benchmarks' PNG figures, drawn with matplotlib when it is installed (the `bench` extra) and skipped
+otherwise."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def throughput_bars(rows: Sequence[dict[str, Any]], capacity: float, path: Path,
 
     def draw(ax: Any) -> None:
         med = [r["samples_per_s"]["median"] for r in rows]
-        err = [[m - r["samples_per_s"]["min"] for m, r in zip(med, rows, strict=True)],
-               [r["samples_per_s"]["max"] - m for m, r in zip(med, rows, strict=True)]]
+        err = [
+            [m - r["samples_per_s"]["min"] for m, r in zip(med, rows, strict=True)],
+            [r["samples_per_s"]["max"] - m for m, r in zip(med, rows, strict=True)],
+        ]
         colors = ["tab:green" if r["system"] == "hetpipe" else "tab:gray" for r in rows]
         ax.bar([r["system"] for r in rows], med, yerr=err, capsize=4, color=colors)
         ax.axhline(capacity, color="tab:red", linestyle="--", label="capacity bound")
@@ -51,13 +54,20 @@ def throughput_bars(rows: Sequence[dict[str, Any]], capacity: float, path: Path,
     return _save(draw, path)
 
 
-def metric_curves(rows: Sequence[dict[str, Any]], metric: str, target: float, path: Path,
-                  x_label: str = "training wall time (s)") -> str:
+def metric_curves(
+    rows: Sequence[dict[str, Any]],
+    metric: str,
+    target: float,
+    path: Path,
+    x_label: str = "training wall time (s)",
+) -> str:
     """One line per run (its `label`): the metric of its scored weights against curve["s"], and the target."""
 
     def draw(ax: Any) -> None:
         for r in rows:
-            ax.plot([p["s"] for p in r["curve"]], [p[metric] for p in r["curve"]], marker=".", label=r["label"])
+            ax.plot(
+                [p["s"] for p in r["curve"]], [p[metric] for p in r["curve"]], marker=".", label=r["label"]
+            )
         ax.axhline(target, color="gray", linestyle="--", label="target")
         ax.set_xlabel(x_label)
         ax.set_ylabel(metric.replace("_", " "))
@@ -66,14 +76,18 @@ def metric_curves(rows: Sequence[dict[str, Any]], metric: str, target: float, pa
     return _save(draw, path, (8, 4))
 
 
-def paired_bars(labels: Sequence[str], series: dict[str, Sequence[float]], ylabel: str, title: str, path: Path) -> str:
+def paired_bars(
+    labels: Sequence[str], series: dict[str, Sequence[float]], ylabel: str, title: str, path: Path
+) -> str:
     """Side-by-side bars per label, one colour per series (e.g. PS vs raw ZeroMQ, predicted vs measured)."""
 
     def draw(ax: Any) -> None:
         width = 0.8 / max(len(series), 1)
         for i, (name, values) in enumerate(series.items()):
             ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
-        ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels, fontsize="small")
+        ax.set_xticks(
+            [x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels, fontsize="small"
+        )
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.legend()

@@ -1,4 +1,5 @@
-"""What a stage's PS agent costs the thread that issues its compute: none vs an agent thread vs an agent process.
+"""What a stage's PS agent costs the thread that issues its compute: none vs an agent thread vs an agent
+process.
 
 A CUDA stage's speed is how fast its one thread issues work, and each torch call lets go of the GIL; an agent
 thread of the same process that wants the GIL meanwhile takes it there, and the issuing thread waits to get
@@ -58,7 +59,9 @@ def push_values() -> dict[str, torch.Tensor]:
     """char-GPT 8x512's synced tensors (zeros: the PS adds them as any update)."""
     opts, data = gpu.MODELS["char-gpt"]
     with tempfile.TemporaryDirectory() as tmp:
-        config = gpu.bench_config("char-gpt", opts, data, "fp32", "cpu", 1, 1, 4, 0, "wsp", 8, 64, 70.0, Path(tmp))
+        config = gpu.bench_config(
+            "char-gpt", opts, data, "fp32", "cpu", 1, 1, 4, 0, "wsp", 8, 64, 70.0, Path(tmp)
+        )
     whole = build_stage(model_of(config), 0, model_of(config).num_layers, "meta")
     return {k: torch.zeros(t.shape) for k, t in [*whole.named_parameters(), *whole.named_buffers()]}
 
@@ -67,10 +70,13 @@ def issuing_stage() -> tuple[StageCompute, Any, torch.Tensor, torch.Tensor]:
     """A host-bound stand-in for a CUDA stage: tiny ResNet-50 (width 1, 8x8 inputs, batch 2) on the CPU."""
     tiny = {"in_channels": 1, "num_classes": 10, "image_size": 32, "width": 1}
     with tempfile.TemporaryDirectory() as tmp:
-        config = gpu.bench_config("resnet50", tiny, ("mnist", {"pad": 2}), "fp32", "cpu", 1, 1, 4, 0, "wsp", 8, 2,
-                                  70.0, Path(tmp))
+        config = gpu.bench_config(
+            "resnet50", tiny, ("mnist", {"pad": 2}), "fp32", "cpu", 1, 1, 4, 0, "wsp", 8, 2, 70.0, Path(tmp)
+        )
     spec = model_of(config)
-    compute = StageCompute(build_stage(spec, 0, spec.num_layers, "cpu"), "adam", 1e-4, 0.9, 0.0, StageRules(nm=4))
+    compute = StageCompute(
+        build_stage(spec, 0, spec.num_layers, "cpu"), "adam", 1e-4, 0.9, 0.0, StageRules(nm=4)
+    )
     return compute, spec.loss, torch.randn(2, 1, 8, 8), torch.randint(0, 10, (2,))
 
 
@@ -93,13 +99,22 @@ def pin_threads(issuing: int, core: int, others: set[int], pids: list[int]) -> b
 
 
 @click.command()
-@click.option("--blocks", type=click.IntRange(1), default=6, show_default=True, help="Blocks of each peer, alternating.")
-@click.option("--minibatches", type=click.IntRange(4), default=48, show_default=True, help="Minibatches a block.")
-@click.option("--every", type=click.IntRange(1), default=4, show_default=True, help="Minibatches between pushes (Nm).")
+@click.option(
+    "--blocks", type=click.IntRange(1), default=6, show_default=True, help="Blocks of each peer, alternating."
+)
+@click.option(
+    "--minibatches", type=click.IntRange(4), default=48, show_default=True, help="Minibatches a block."
+)
+@click.option(
+    "--every", type=click.IntRange(1), default=4, show_default=True, help="Minibatches between pushes (Nm)."
+)
 @click.option("--no-pin", is_flag=True, help="Leave every thread free to run on any core.")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows as JSON.")
+@click.option(
+    "--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the rows as JSON."
+)
 def main(blocks: int, minibatches: int, every: int, no_pin: bool, out_path: Path | None) -> None:
-    """Median ms a minibatch of a host-bound issuing thread with no pushes, an agent thread, an agent process."""
+    """Median ms a minibatch of a host-bound issuing thread with no pushes, an agent thread, an agent
+    process."""
     torch.set_num_threads(1)
     values = push_values()
     layout = FlatLayout.of(values)
@@ -110,13 +125,21 @@ def main(blocks: int, minibatches: int, every: int, no_pin: bool, out_path: Path
         endpoint = start_shard(group)
 
         def spec(vw: int) -> ClientSpec:
-            return ClientSpec([endpoint], RUN, vw, 0, 2, 1, dict.fromkeys(values, 0), timeout_s=120, retry_s=10)
+            return ClientSpec(
+                [endpoint], RUN, vw, 0, 2, 1, dict.fromkeys(values, 0), timeout_s=120, retry_s=10
+            )
 
         trace = TraceRecorder("bench", 0)
-        links = {"thread": ThreadLink(spec(0), trace, 1, 0.0, lambda exc: None),
-                 "process": ProcessLink(spec(1), layout, torch.device("cpu"), trace, 1, 0.0, lambda exc: None, RUN)}
-        registered = [threading.Thread(target=link.register, args=(values, kinds, 1 << 20, 0, False))
-                      for link in links.values()]  # the shard answers once both VWs have registered
+        links = {
+            "thread": ThreadLink(spec(0), trace, 1, 0.0, lambda exc: None),
+            "process": ProcessLink(
+                spec(1), layout, torch.device("cpu"), trace, 1, 0.0, lambda exc: None, RUN
+            ),
+        }
+        registered = [
+            threading.Thread(target=link.register, args=(values, kinds, 1 << 20, 0, False))
+            for link in links.values()
+        ]  # the shard answers once both VWs have registered
         for thread in registered:
             thread.start()
         for thread in registered:
@@ -125,8 +148,12 @@ def main(blocks: int, minibatches: int, every: int, no_pin: bool, out_path: Path
             link.start(None, None)
         arrays = {k: t.numpy() for k, t in values.items()}
         cores = sorted(os.sched_getaffinity(0))
-        pinned = not no_pin and pin_threads(threading.get_native_id(), cores[0], set(cores[1:]),
-                                            [c.process.pid for c in group.children] + [links["process"].proc.pid])
+        pinned = not no_pin and pin_threads(
+            threading.get_native_id(),
+            cores[0],
+            set(cores[1:]),
+            [c.process.pid for c in group.children] + [links["process"].proc.pid],
+        )
         waves = dict.fromkeys(links, 0)
         p = 0
 
@@ -141,7 +168,7 @@ def main(blocks: int, minibatches: int, every: int, no_pin: bool, out_path: Path
             minibatch()
         rows: dict[str, dict[str, list[float]]] = {peer: {"ms": [], "cpu_ms": []} for peer in PEERS}
         for block in range(blocks):
-            for peer in PEERS[block % len(PEERS):] + PEERS[:block % len(PEERS)]:
+            for peer in PEERS[block % len(PEERS) :] + PEERS[: block % len(PEERS)]:
                 futures, waited = [], 0.0
                 started, cpu = time.perf_counter(), time.thread_time()
                 for i in range(minibatches):
@@ -159,26 +186,45 @@ def main(blocks: int, minibatches: int, every: int, no_pin: bool, out_path: Path
                     future.result()
                 rows[peer]["ms"].append(1000 * elapsed / minibatches)
                 rows[peer]["cpu_ms"].append(1000 * cpu / minibatches)
-            click.echo(f"block {block + 1}/{blocks}: " + "  ".join(f"{k} {v['ms'][-1]:.2f}" for k, v in rows.items()),
-                       err=True)
+            click.echo(
+                f"block {block + 1}/{blocks}: "
+                + "  ".join(f"{k} {v['ms'][-1]:.2f}" for k, v in rows.items()),
+                err=True,
+            )
         for link in links.values():
             link.close(timeout_s=30)
             link.shutdown()
     finally:
         group.stop(grace_s=5)
     base = statistics.median(rows["none"]["ms"])
-    out = {"cores": len(cores), "pinned": pinned, "blocks": blocks, "minibatches": minibatches, "every": every,
-           "push_mb": round(4 * layout.numel / 1e6, 1), "rows": []}
-    click.echo(f"{len(cores)} cores, issuing thread {f'alone on core {cores[0]}' if pinned else 'unpinned'}; a "
-               f"{out['push_mb']} MB push every {every} minibatches; median of {blocks} blocks (min-max):")
+    out = {
+        "cores": len(cores),
+        "pinned": pinned,
+        "blocks": blocks,
+        "minibatches": minibatches,
+        "every": every,
+        "push_mb": round(4 * layout.numel / 1e6, 1),
+        "rows": [],
+    }
+    click.echo(
+        f"{len(cores)} cores, issuing thread {f'alone on core {cores[0]}' if pinned else 'unpinned'}; a "
+        f"{out['push_mb']} MB push every {every} minibatches; median of {blocks} blocks (min-max):"
+    )
     for peer, got in rows.items():
         ms = statistics.median(got["ms"])
-        row = {"peer": peer, "ms_per_minibatch": round(ms, 3), "min": round(min(got["ms"]), 3),
-               "max": round(max(got["ms"]), 3), "cpu_ms": round(statistics.median(got["cpu_ms"]), 3),
-               "x_none": round(base / ms, 3)}
+        row = {
+            "peer": peer,
+            "ms_per_minibatch": round(ms, 3),
+            "min": round(min(got["ms"]), 3),
+            "max": round(max(got["ms"]), 3),
+            "cpu_ms": round(statistics.median(got["cpu_ms"]), 3),
+            "x_none": round(base / ms, 3),
+        }
         out["rows"].append(row)
-        click.echo(f"  {peer:8s} {ms:7.2f} ms a minibatch ({row['min']:.2f}-{row['max']:.2f}), issuing thread's CPU "
-                   f"{row['cpu_ms']:.2f} ms, {row['x_none']:.2f}x none's speed")
+        click.echo(
+            f"  {peer:8s} {ms:7.2f} ms a minibatch ({row['min']:.2f}-{row['max']:.2f}), issuing thread's CPU "
+            f"{row['cpu_ms']:.2f} ms, {row['x_none']:.2f}x none's speed"
+        )
     if out_path is not None:
         out_path.write_text(json.dumps(out, indent=1))
 

@@ -51,7 +51,9 @@ def make_model(size_mb: int) -> dict[str, np.ndarray]:
     n_full, rest = divmod(total, TENSOR_BYTES)
     sizes = [TENSOR_BYTES] * n_full + ([rest - rest % 4] if rest >= 4 else [])
     rng = np.random.default_rng(0)
-    return {f"layer{i:03d}.weight": rng.standard_normal(n // 4).astype(np.float32) for i, n in enumerate(sizes)}
+    return {
+        f"layer{i:03d}.weight": rng.standard_normal(n // 4).astype(np.float32) for i, n in enumerate(sizes)
+    }
 
 
 def echo_server(nbytes: int, port_queue) -> None:
@@ -84,7 +86,9 @@ class RawPeer:
     def __init__(self, group: ChildGroup, model: dict[str, np.ndarray], shards: int) -> None:
         placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
         parts = [[v for k, v in model.items() if placement[k] == s] for s in range(shards)]
-        ports = [start(group, f"raw{s}", echo_server, sum(a.nbytes for a in part)) for s, part in enumerate(parts)]
+        ports = [
+            start(group, f"raw{s}", echo_server, sum(a.nbytes for a in part)) for s, part in enumerate(parts)
+        ]
         self.ctx = zmq.Context()
         self.socks = []
         for port in ports:
@@ -118,23 +122,58 @@ class RawPeer:
 class PsPeer:
     """The PS: one stage pushes a wave's update, then pulls the weights that contain it."""
 
-    def __init__(self, group: ChildGroup, model: dict[str, np.ndarray], shards: int, mode: str,
-                 keys: tuple[ServerKeys, ClientKeys] | None = None, durable: tuple[Path, int] | None = None,
-                 wire_dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        group: ChildGroup,
+        model: dict[str, np.ndarray],
+        shards: int,
+        mode: str,
+        keys: tuple[ServerKeys, ClientKeys] | None = None,
+        durable: tuple[Path, int] | None = None,
+        wire_dtype: str = "float32",
+    ) -> None:
         endpoints = []
-        name = "ps-curve" if keys else "ps-durable" if durable else "ps-bf16" if wire_dtype != "float32" else "ps"
+        name = (
+            "ps-curve"
+            if keys
+            else "ps-durable"
+            if durable
+            else "ps-bf16"
+            if wire_dtype != "float32"
+            else "ps"
+        )
         for s in range(shards):
-            settings = ShardSettings("bench", s, "tcp://127.0.0.1:0", 0, mode, keys=keys[0] if keys else None,
-                                     checkpoint_dir=Path(tempfile.mkdtemp(prefix=f"shard{s}-", dir=durable[0]))
-                                     if durable else None, checkpoint_every=durable[1] if durable else 0,
-                                     wire_dtype=wire_dtype)
+            settings = ShardSettings(
+                "bench",
+                s,
+                "tcp://127.0.0.1:0",
+                0,
+                mode,
+                keys=keys[0] if keys else None,
+                checkpoint_dir=Path(tempfile.mkdtemp(prefix=f"shard{s}-", dir=durable[0]))
+                if durable
+                else None,
+                checkpoint_every=durable[1] if durable else 0,
+                wire_dtype=wire_dtype,
+            )
             endpoints.append(f"tcp://127.0.0.1:{start(group, f'{name}{s}', serve_settings, settings)}")
         placement = balanced_placement({k: v.nbytes for k, v in model.items()}, shards)
         self.model = model
         self.delta = {k: np.full_like(v, 1e-3) for k, v in model.items()}
         self.weights = {k: v.copy() for k, v in model.items()}
-        self.ps = PSClient(endpoints, "bench", 0, 0, 1, 1, placement, timeout_s=120, retry_s=60,
-                           curve=keys[1] if keys else None, wire_dtype=wire_dtype)
+        self.ps = PSClient(
+            endpoints,
+            "bench",
+            0,
+            0,
+            1,
+            1,
+            placement,
+            timeout_s=120,
+            retry_s=60,
+            curve=keys[1] if keys else None,
+            wire_dtype=wire_dtype,
+        )
         self.rtol = 1e-5 if wire_dtype == "float32" else 4e-3  # a bfloat16 pull is rounded (relative 2^-9)
         self.ps.register(model, want_weights=False)
         self.wave = 0
@@ -161,9 +200,16 @@ def bench_keys(directory: Path) -> tuple[ServerKeys, ClientKeys]:
     return server_keys(directory), client_keys(directory, "vw0")
 
 
-def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, logs: Path,
-            keys: tuple[ServerKeys, ClientKeys] | None, durable: int = 0, wire: str = "float32",
-            ) -> dict[str, list[float]]:
+def measure(
+    model: dict[str, np.ndarray],
+    shards: int,
+    rounds: int,
+    mode: str,
+    logs: Path,
+    keys: tuple[ServerKeys, ClientKeys] | None,
+    durable: int = 0,
+    wire: str = "float32",
+) -> dict[str, list[float]]:
     """Rounds of every peer, interleaved (the first of a round rotating), after one warm-up round each."""
     times: dict[str, list[float]] = {}
     with ChildGroup(logs) as group:
@@ -177,7 +223,7 @@ def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, l
         names = list(peers)
         try:
             for r in range(rounds + 1):
-                order = names[r % len(names):] + names[: r % len(names)]
+                order = names[r % len(names) :] + names[: r % len(names)]
                 took = {name: peers[name].round() for name in order}
                 if r:
                     for name in names:
@@ -191,19 +237,52 @@ def measure(model: dict[str, np.ndarray], shards: int, rounds: int, mode: str, l
 @click.command()
 @click.option("--sizes", default="10,100,400", show_default=True, help="Model sizes in MB.")
 @click.option("--shards", "shard_counts", default="1,4", show_default=True, help="Shard counts.")
-@click.option("--rounds", default=9, show_default=True, help="Timed round trips per cell (after one warm-up).")
+@click.option(
+    "--rounds", default=9, show_default=True, help="Timed round trips per cell (after one warm-up)."
+)
 @click.option("--mode", type=click.Choice(["exact", "latest"]), default="exact", show_default=True)
-@click.option("--auth", type=click.Choice(["none", "curve"]), default="none", show_default=True,
-              help="curve: also measure the PS with auth = \"curve\" (CurveZMQ), interleaved with the others.")
-@click.option("--durable", type=click.IntRange(min=0), default=0, show_default=True,
-              help="N > 0: also measure the PS checkpointing every N clocks (crash recovery), interleaved.")
-@click.option("--wire", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="bfloat16: also measure the PS with [ps] wire_dtype = \"bfloat16\", interleaved.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON rows here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
-def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durable: int, wire: str,
-         out: Path | None, plot_path: Path | None) -> None:
+@click.option(
+    "--auth",
+    type=click.Choice(["none", "curve"]),
+    default="none",
+    show_default=True,
+    help='curve: also measure the PS with auth = "curve" (CurveZMQ), interleaved with the others.',
+)
+@click.option(
+    "--durable",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="N > 0: also measure the PS checkpointing every N clocks (crash recovery), interleaved.",
+)
+@click.option(
+    "--wire",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help='bfloat16: also measure the PS with [ps] wire_dtype = "bfloat16", interleaved.',
+)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON rows here."
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.",
+)
+def main(
+    sizes: str,
+    shard_counts: str,
+    rounds: int,
+    mode: str,
+    auth: str,
+    durable: int,
+    wire: str,
+    out: Path | None,
+    plot_path: Path | None,
+) -> None:
     rows = []
     curve = auth == "curve"
     header = f"{'size_mb':>7} {'shards':>6} {'ps_gbps':>8} {'raw_gbps':>8} {'ratio':>6}"
@@ -225,9 +304,14 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durab
             row = {"size_mb": size, "shards": shards, "mode": mode}
             for name, took in times.items():
                 row[f"{name}_gbps"] = round(nbytes / statistics.median(took) / 1e9, 3)
-                row[f"{name}_spread_gbps"] = [round(nbytes / max(took) / 1e9, 3), round(nbytes / min(took) / 1e9, 3)]
+                row[f"{name}_spread_gbps"] = [
+                    round(nbytes / max(took) / 1e9, 3),
+                    round(nbytes / min(took) / 1e9, 3),
+                ]
             row["ratio"] = round(row["ps_gbps"] / row["raw_gbps"], 3)
-            line = f"{size:>7} {shards:>6} {row['ps_gbps']:>8.2f} {row['raw_gbps']:>8.2f} {row['ratio']:>6.2f}"
+            line = (
+                f"{size:>7} {shards:>6} {row['ps_gbps']:>8.2f} {row['raw_gbps']:>8.2f} {row['ratio']:>6.2f}"
+            )
             if curve:
                 row["curve_ratio"] = round(row["ps_curve_gbps"] / row["ps_gbps"], 3)
                 line += f" {row['ps_curve_gbps']:>10.2f} {row['curve_ratio']:>8.2f}"
@@ -246,14 +330,19 @@ def main(sizes: str, shard_counts: str, rounds: int, mode: str, auth: str, durab
     png = plot_path or (out.with_suffix(".png") if out else None)
     if png is not None:
         labels = [f"{r['size_mb']} MB, {r['shards']} shard{'s' * (r['shards'] > 1)}" for r in rows]
-        series = {"hetpipe PS push+pull": [r["ps_gbps"] for r in rows], "raw ZeroMQ": [r["raw_gbps"] for r in rows]}
+        series = {
+            "hetpipe PS push+pull": [r["ps_gbps"] for r in rows],
+            "raw ZeroMQ": [r["raw_gbps"] for r in rows],
+        }
         if curve:
             series["hetpipe PS, auth = curve"] = [r["ps_curve_gbps"] for r in rows]
         if durable:
             series[f"hetpipe PS, checkpoint every {durable}"] = [r["ps_durable_gbps"] for r in rows]
         if packed:
             series["hetpipe PS, bfloat16 on the wire"] = [r["ps_bf16_gbps"] for r in rows]
-        print(plots.paired_bars(labels, series, "GB/s (both ways)", f"PS round trips, median of {rounds}", png))
+        print(
+            plots.paired_bars(labels, series, "GB/s (both ways)", f"PS round trips, median of {rounds}", png)
+        )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ Network: free by default (every process on this machine's loopback, no link cost
 figures). With --testbed every system runs in the shaped-network testbed (root; docs/testbed.md): each node of
 the config its own network namespace and address, its egress shaped with tbf at inter_node_gbps x the link
 scale (derived, or --testbed-scale); hetpipe as `hetpipe server` + `hetpipe worker`s in the nodes' namespaces,
-DDP and the pipeline with each rank in its GPU's node's namespace. The bench first measures every node's egress
-(printed against the configured rate) and records it, the scale, and the bytes each node sent in every run.
+DDP and the pipeline with each rank in its GPU's node's namespace. The bench first measures every node's
+egress (printed against the configured rate) and records it, the scale, and the bytes each node sent in every
+run.
 
     python launch/bench/throughput.py [--config launch/clusters/bench.toml] [--repeats 3] [--seconds 10]
         [--ddp fit@256,fastest@512] [--micro 256x15] [--nm 4,8] [--staleness 0,4] [--out FILE.json]
@@ -56,24 +57,34 @@ from testbed_options import profile_option, testbed_options  # noqa: E402
 from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
-from hetpipe.core.metrics import STAGE_PARTS, stage_breakdown_ms, stage_totals, wave_breakdown_ms  # noqa: E402
+from hetpipe.core.metrics import (  # noqa: E402
+    STAGE_PARTS,
+    stage_breakdown_ms,
+    stage_totals,
+    wave_breakdown_ms,
+)
 from hetpipe.core.profile import ModelProfile  # noqa: E402
 from hetpipe.core.simulate import PsNetwork  # noqa: E402
 from hetpipe.core.testbed import Topology, format_nodes, plan_topology, within  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "clusters" / "bench.toml"
-WARMUP_STEPS = 1  # peers: the rate starts when the first step ends (DDP builds buckets, pipelining infers shapes)
+WARMUP_STEPS = (
+    1  # peers: the rate starts when the first step ends (DDP builds buckets, pipelining infers shapes)
+)
 WARMUP_WAVES = 1  # hetpipe: the rate starts when every VW finished its first wave (pipeline full)
-# The peers' best settings found on the default cluster (sweeps in the module docstring; rerun them for another
-# cluster): DDP at hetpipe's batch over every GPU that fits (the issue's baseline), and over the fastest type at
-# its best batch; the pipeline at the most microbatches of hetpipe's batch that MNIST-5k's 4000 samples allow.
+# The peers' best settings found on the default cluster (sweeps in the module docstring; rerun them for
+# another cluster): DDP at hetpipe's batch over every GPU that fits (the issue's baseline), and over the
+# fastest type at its best batch; the pipeline at the most microbatches of hetpipe's batch that MNIST-5k's
+# 4000 samples allow.
 DEFAULT_DDP = "fit@256,fastest@512"
 DEFAULT_MICRO = "256x15"
 # hetpipe: the planner's plan under Nm caps 4 and 8, the faster one measured kept. The simulator predicts no
 # gain beyond Nm 4 (it has no timing noise); measured, Nm 8 buys slack against the jitter of sleeping emulated
 # devices (1387 vs 1197 samples/s in one sweep).
 DEFAULT_NM = "4,8"
-EGRESS_TOLERANCE = 0.15  # the testbed's acceptance: every node's measured egress within 15% of its configured rate
+EGRESS_TOLERANCE = (
+    0.15  # the testbed's acceptance: every node's measured egress within 15% of its configured rate
+)
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -100,14 +111,18 @@ class HetpipeSetup:
     @property
     def label(self) -> str:
         schedule = f", {self.schedule}" if self.schedule else ""
-        return f"{len(self.vws)} VWs " + " | ".join(
-            "-".join(g) + " " + "/".join(map(str, s)) for g, s in self.vws) + f", Nm={self.nm}, D={self.staleness}{schedule}"
+        return (
+            f"{len(self.vws)} VWs "
+            + " | ".join("-".join(g) + " " + "/".join(map(str, s)) for g, s in self.vws)
+            + f", Nm={self.nm}, D={self.staleness}{schedule}"
+        )
 
 
 def planner_links(testbed: Topology | None) -> tuple[float, Callable[[str, str], float], PsNetwork | None]:
-    """(the PS's own rate, the link between two GPUs, the node links the PS traffic crosses) as the planner should
-    see them: loopback figures on the free network; in the testbed, each node's shaped egress between nodes and to
-    or from the PS, its shaped loopback inside a node (its GPUs' own VW traffic to a PS on it included)."""
+    """(the PS's own rate, the link between two GPUs, the node links the PS traffic crosses) as the planner
+    should see them: loopback figures on the free network; in the testbed, each node's shaped egress between
+    nodes and to or from the PS, its shaped loopback inside a node (its GPUs' own VW traffic to a PS on it
+    included)."""
     from hetpipe.core import planner
 
     if testbed is None:
@@ -115,27 +130,45 @@ def planner_links(testbed: Topology | None) -> tuple[float, Callable[[str, str],
     return planner.EMULATED_PS_GBPS, testbed.link_gbps, testbed.ps_network()
 
 
-def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nm: int | None = None,
-                  staleness: int | None = None, testbed: Topology | None = None) -> HetpipeSetup:
+def hetpipe_setup(
+    config: ClusterConfig,
+    profile: ModelProfile,
+    use_planner: bool,
+    nm: int | None = None,
+    staleness: int | None = None,
+    testbed: Topology | None = None,
+) -> HetpipeSetup:
     """The planner's best plan (hetpipe.core.planner) when asked and installed, else the config's own VWs.
 
-    `nm` caps the planner's Nm (None: the planner's default cap); `staleness` fixes D (None: the plan's); with a
-    testbed the planner sees its shaped links.
+    `nm` caps the planner's Nm (None: the planner's default cap); `staleness` fixes D (None: the plan's); with
+    a testbed the planner sees its shaped links.
     """
     if use_planner and importlib.util.find_spec("hetpipe.core.planner") is not None:
         from hetpipe.core import planner
 
         profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
         ps_gbps, link, network = planner_links(testbed)
-        candidates = planner.plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link, nm_max=nm,
-                                             ps_network=network,
-                                             d_values=planner.D_VALUES if staleness is None else (staleness,))
+        candidates = planner.plan_candidates(
+            config,
+            profiles,
+            ps_gbps=ps_gbps,
+            link_gbps=link,
+            nm_max=nm,
+            ps_network=network,
+            d_values=planner.D_VALUES if staleness is None else (staleness,),
+        )
         if staleness is not None:
             candidates = [c for c in candidates if c.staleness in (None, staleness)]
         top = planner.best(candidates)
         vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
-        return HetpipeSetup(vws, top.plan.vws[0].nm, top.plan.staleness, f"planner: {top.label}", top.samples_per_s,
-                            top.plan.schedule)
+        return HetpipeSetup(
+            vws,
+            top.plan.vws[0].nm,
+            top.plan.staleness,
+            f"planner: {top.label}",
+            top.samples_per_s,
+            top.plan.schedule,
+        )
     from hetpipe.compute.build import model_of, vw_layouts
 
     vws = tuple((lay.gpus, lay.split) for lay in vw_layouts(config, model_of(config)))
@@ -143,13 +176,24 @@ def hetpipe_setup(config: ClusterConfig, profile: ModelProfile, use_planner: boo
     return HetpipeSetup(vws, nm or config.wsp.nm, d, "config", None)
 
 
-def hetpipe_config(config: ClusterConfig, setup: HetpipeSetup, waves: int, run_dir: Path,
-                   extra: Sequence[str] = ()) -> ClusterConfig:
+def hetpipe_config(
+    config: ClusterConfig, setup: HetpipeSetup, waves: int, run_dir: Path, extra: Sequence[str] = ()
+) -> ClusterConfig:
     """The config that runs `setup`'s Nm and D for `waves` waves, through --set overrides alone (no
     checkpoints unless `extra` asks); its VWs and splits go to the launcher as layouts (setup.layouts)."""
     schedule = [f'train.schedule="{setup.schedule}"'] if setup.schedule else []
-    return apply_overrides(config, [f"wsp.nm={setup.nm}", f"wsp.staleness={setup.staleness}", f"train.waves={waves}",
-                                    f"train.out_dir={json.dumps(str(run_dir))}", 'checkpoint.dir=""', *schedule, *extra])
+    return apply_overrides(
+        config,
+        [
+            f"wsp.nm={setup.nm}",
+            f"wsp.staleness={setup.staleness}",
+            f"train.waves={waves}",
+            f"train.out_dir={json.dumps(str(run_dir))}",
+            'checkpoint.dir=""',
+            *schedule,
+            *extra,
+        ],
+    )
 
 
 def trace_streams(run_dir: Path) -> dict[int, list[float]]:
@@ -161,7 +205,9 @@ def trace_streams(run_dir: Path) -> dict[int, list[float]]:
     streams = {}
     for vw, stage in last.items():
         events = json.loads((run_dir / "trace" / f"vw{vw}-s{stage}.json").read_text())["traceEvents"]
-        streams[vw] = sorted((e["ts"] + e["dur"]) / 1e6 for e in events if e["ph"] == "X" and e["name"].startswith("B"))
+        streams[vw] = sorted(
+            (e["ts"] + e["dur"]) / 1e6 for e in events if e["ph"] == "X" and e["name"].startswith("B")
+        )
     return streams
 
 
@@ -178,23 +224,27 @@ def window_rate(streams: dict[int, list[float]], batch: int, warmup: int) -> flo
     """Samples/s of all VWs together while all of them run: from the latest end of a VW's warm-up to the
     earliest end of a VW's last minibatch, counting the minibatches every VW finished in between."""
     if any(len(s) <= warmup + 1 for s in streams.values()):
-        raise HetpipeError(f"a VW finished {min(len(s) for s in streams.values())} minibatches, not more than the "
-                           f"{warmup} of warm-up: run more waves")
+        raise HetpipeError(
+            f"a VW finished {min(len(s) for s in streams.values())} minibatches, not more than the "
+            f"{warmup} of warm-up: run more waves"
+        )
     t0 = max(s[warmup - 1] for s in streams.values())
     t1 = min(s[-1] for s in streams.values())
     if t1 <= t0:
-        raise HetpipeError("one VW finished before another was past its warm-up, so they never ran together: run "
-                           "more waves")
+        raise HetpipeError(
+            "one VW finished before another was past its warm-up, so they never ran together: run more waves"
+        )
     count = sum(sum(1 for t in s if t0 < t <= t1) for s in streams.values())
     return count * batch / (t1 - t0)
 
 
-def run_hetpipe(config: ClusterConfig, setup: HetpipeSetup, run_dir: Path,
-                testbed: Topology | None = None) -> tuple[dict[str, Any], float]:
-    """One hetpipe training run of `setup` (progress off); (summary, steady samples/s after WARMUP_WAVES waves).
-    In a testbed: `hetpipe server` and `hetpipe worker`s in the nodes' namespaces; the summary is then the
-    run's wall time and the bytes each node sent. The rate and the summary's `wave_breakdown_ms` (where each VW's
-    waves went, by part) come from the stages' traces either way."""
+def run_hetpipe(
+    config: ClusterConfig, setup: HetpipeSetup, run_dir: Path, testbed: Topology | None = None
+) -> tuple[dict[str, Any], float]:
+    """One hetpipe training run of `setup` (progress off); (summary, steady samples/s after WARMUP_WAVES
+    waves). In a testbed: `hetpipe server` and `hetpipe worker`s in the nodes' namespaces; the summary is then
+    the run's wall time and the bytes each node sent. The rate and the summary's `wave_breakdown_ms` (where
+    each VW's waves went, by part) come from the stages' traces either way."""
     if testbed is None:
         from hetpipe.app.train import TrainOptions, train
 
@@ -206,8 +256,9 @@ def run_hetpipe(config: ClusterConfig, setup: HetpipeSetup, run_dir: Path,
         summary = {"wall_s": run.wall_s, "egress_bytes": run.egress_bytes}
     times = {k: t["times_s"] for k, t in stage_totals(run_dir / "trace").items()}
     summary["wave_breakdown_ms"] = wave_breakdown_ms(times, config.train.waves)
-    summary["stage_breakdown_ms"] = {f"vw{v}-s{j}": parts
-                                     for (v, j), parts in stage_breakdown_ms(times, config.train.waves).items()}
+    summary["stage_breakdown_ms"] = {
+        f"vw{v}-s{j}": parts for (v, j), parts in stage_breakdown_ms(times, config.train.waves).items()
+    }
     rate = window_rate(trace_streams(run_dir), config.train.batch_size, WARMUP_WAVES * config.wsp.nm)
     return summary, rate
 
@@ -216,7 +267,7 @@ def run_hetpipe(config: ClusterConfig, setup: HetpipeSetup, run_dir: Path,
 
 
 def parse_micro(text: str) -> list[tuple[int, int]]:
-    """"256x12,128x24" -> [(256, 12), (128, 24)]: microbatch x microbatches per minibatch."""
+    """ "256x12,128x24" -> [(256, 12), (128, 24)]: microbatch x microbatches per minibatch."""
     try:
         pairs = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
     except ValueError:
@@ -238,8 +289,8 @@ def parse_ints(text: str, what: str) -> list[int]:
 
 @dataclass
 class Peer:
-    """One row of the table: a system with one setting and how to run it for about `seconds`; `details` collects
-    what each run reports beside its rate (hetpipe: its wave breakdown), in run order."""
+    """One row of the table: a system with one setting and how to run it for about `seconds`; `details`
+    collects what each run reports beside its rate (hetpipe: its wave breakdown), in run order."""
 
     name: str
     setting: str
@@ -247,9 +298,16 @@ class Peer:
     details: list[dict[str, Any]] = field(default_factory=list)
 
 
-def hetpipe_peers(config: ClusterConfig, profile: ModelProfile, use_planner: bool, nms: Sequence[int | None],
-                  ds: Sequence[int | None], capacity: float, work: Path,
-                  testbed: Topology | None = None) -> tuple[list[Peer], list[HetpipeSetup]]:
+def hetpipe_peers(
+    config: ClusterConfig,
+    profile: ModelProfile,
+    use_planner: bool,
+    nms: Sequence[int | None],
+    ds: Sequence[int | None],
+    capacity: float,
+    work: Path,
+    testbed: Topology | None = None,
+) -> tuple[list[Peer], list[HetpipeSetup]]:
     """hetpipe with each (Nm cap, D) asked for; each run gets its own run directory under work."""
     options, setups = [], []
     runs = iter(range(10**6))
@@ -260,35 +318,50 @@ def hetpipe_peers(config: ClusterConfig, profile: ModelProfile, use_planner: boo
 
             details: list[dict[str, Any]] = []
 
-            def run(seconds: float, logs: Path, setup: HetpipeSetup = setup, details: list = details) -> float:
+            def run(
+                seconds: float, logs: Path, setup: HetpipeSetup = setup, details: list = details
+            ) -> float:
                 per_wave = setup.nm * config.train.batch_size * len(setup.vws)
                 guess = min(setup.predicted or capacity, capacity) * 0.6  # emulated runs fall short of plans
                 waves = WARMUP_WAVES + max(5, math.ceil(seconds * guess / per_wave))
                 run_dir = work / f"hetpipe-{next(runs)}"
-                summary, rate = run_hetpipe(hetpipe_config(config, setup, waves, run_dir), setup, run_dir, testbed)
-                details.append({"run_dir": str(run_dir), "waves": waves, "samples_per_s": round(rate, 1),
-                                "wave_breakdown_ms": summary["wave_breakdown_ms"],
-                                "stage_breakdown_ms": summary["stage_breakdown_ms"]})
+                summary, rate = run_hetpipe(
+                    hetpipe_config(config, setup, waves, run_dir), setup, run_dir, testbed
+                )
+                details.append(
+                    {
+                        "run_dir": str(run_dir),
+                        "waves": waves,
+                        "samples_per_s": round(rate, 1),
+                        "wave_breakdown_ms": summary["wave_breakdown_ms"],
+                        "stage_breakdown_ms": summary["stage_breakdown_ms"],
+                    }
+                )
                 return rate
+
             options.append(Peer("hetpipe", f"{setup.label} [{setup.source}]", run, details))
     return options, setups
 
 
 def parse_ddp(text: str, default_batch: int) -> list[tuple[str, list[int]]]:
-    """"fit@256,fastest@256/512" -> [("fit", [256]), ("fastest", [256, 512])]; a set without @ uses the default."""
+    """ "fit@256,fastest@256/512" -> [("fit", [256]), ("fastest", [256, 512])]; a set without @ uses the
+    default."""
     out = []
     for item in text.split(","):
         name, _, batches = item.strip().partition("@")
         if name not in ("fit", "fastest"):
-            raise click.BadParameter(f"--ddp {item!r}: the GPU set is fit (every GPU that holds the model) or fastest "
-                                     "(the fastest type that holds it), e.g. fit@256,fastest@256/512")
+            raise click.BadParameter(
+                f"--ddp {item!r}: the GPU set is fit (every GPU that holds the model) or fastest "
+                "(the fastest type that holds it), e.g. fit@256,fastest@256/512"
+            )
         out.append((name, parse_ints(batches.replace("/", ","), "batches") if batches else [default_batch]))
     return out
 
 
 def allreduce_s(param_bytes: int, members: Sequence[peers.Device], testbed: Topology | None) -> float:
-    """A ring all-reduce's time over the testbed's shaped links: each rank sends 2 (n - 1) / n of the parameters,
-    at one GPU's inside rate when the ranks share a node, else at a node's egress (0 without a testbed)."""
+    """A ring all-reduce's time over the testbed's shaped links: each rank sends 2 (n - 1) / n of the
+    parameters, at one GPU's inside rate when the ranks share a node, else at a node's egress (0 without a
+    testbed)."""
     if testbed is None or len(members) < 2:
         return 0.0
     n = len(members)
@@ -297,8 +370,14 @@ def allreduce_s(param_bytes: int, members: Sequence[peers.Device], testbed: Topo
     return 2 * (n - 1) / n * param_bytes * 8 / (gbps * 1e9)
 
 
-def ddp_peers(config: ClusterConfig, subsets: dict[str, list[peers.Device]], wanted: Sequence[tuple[str, list[int]]],
-              solo_step_s: float, testbed: Topology | None = None, param_bytes: int = 0) -> list[list[Peer]]:
+def ddp_peers(
+    config: ClusterConfig,
+    subsets: dict[str, list[peers.Device]],
+    wanted: Sequence[tuple[str, list[int]]],
+    solo_step_s: float,
+    testbed: Topology | None = None,
+    param_bytes: int = 0,
+) -> list[list[Peer]]:
     """Per GPU set asked for: the DDP settings to try (one per batch); with a testbed, each rank in its node's
     namespace, and its steps' all-reduce counted in how many steps fill the seconds asked for."""
     groups = []
@@ -307,37 +386,70 @@ def ddp_peers(config: ClusterConfig, subsets: dict[str, list[peers.Device]], wan
         members = subsets[key]
         options = []
         for batch in batches:
-            def run(seconds: float, logs: Path, members: list[peers.Device] = members, batch: int = batch) -> float:
-                step_s = (solo_step_s * batch / config.train.batch_size * max(d.slowdown for d in members)
-                          + allreduce_s(param_bytes, members, testbed))
-                result = peers.run_ddp(config, members, batch, peers.predicted_steps(seconds, step_s, WARMUP_STEPS), logs,
-                                       testbed=testbed)
+
+            def run(
+                seconds: float, logs: Path, members: list[peers.Device] = members, batch: int = batch
+            ) -> float:
+                step_s = solo_step_s * batch / config.train.batch_size * max(
+                    d.slowdown for d in members
+                ) + allreduce_s(param_bytes, members, testbed)
+                result = peers.run_ddp(
+                    config,
+                    members,
+                    batch,
+                    peers.predicted_steps(seconds, step_s, WARMUP_STEPS),
+                    logs,
+                    testbed=testbed,
+                )
                 return result.rate(WARMUP_STEPS)
+
             what = "all that fit" if key == "fit" else "the fastest type, " + key
             options.append(Peer(f"ddp-{name}", f"{len(members)} GPUs ({what}), batch {batch}/GPU", run))
         groups.append(options)
     return groups
 
 
-def pipeline_peers(config: ClusterConfig, devs: list[peers.Device], micro: Sequence[tuple[int, int]],
-                   schedule: str, cache: Path, testbed: Topology | None = None) -> list[Peer]:
-    """The pipeline settings to try: one per (microbatch, count), each split for its microbatch (with a testbed,
-    for its shaped links, each stage in its node's namespace)."""
+def pipeline_peers(
+    config: ClusterConfig,
+    devs: list[peers.Device],
+    micro: Sequence[tuple[int, int]],
+    schedule: str,
+    cache: Path,
+    testbed: Topology | None = None,
+) -> list[Peer]:
+    """The pipeline settings to try: one per (microbatch, count), each split for its microbatch (with a
+    testbed, for its shaped links, each stage in its node's namespace)."""
     options = []
     n_train = len(dataset_of(config).train.y)
     for microbatch, n_micro in micro:
         if microbatch * n_micro > n_train:
-            raise click.BadParameter(f"--micro {microbatch}x{n_micro}: a minibatch of {microbatch * n_micro} is more "
-                                     f"than the {n_train} training samples; use fewer or smaller microbatches")
+            raise click.BadParameter(
+                f"--micro {microbatch}x{n_micro}: a minibatch of {microbatch * n_micro} is more "
+                f"than the {n_train} training samples; use fewer or smaller microbatches"
+            )
         link = 27.0 if testbed is None else testbed.link_gbps
         layout = peers.pipeline_layout(devs, peers.model_profile(config, microbatch, cache), link)
 
-        def run(seconds: float, logs: Path, layout: peers.PipelineLayout = layout, mb: int = microbatch,
-                n: int = n_micro) -> float:
+        def run(
+            seconds: float,
+            logs: Path,
+            layout: peers.PipelineLayout = layout,
+            mb: int = microbatch,
+            n: int = n_micro,
+        ) -> float:
             step_s = layout.bottleneck_s * (n + len(layout.gpus) - 1)
-            result = peers.run_pipeline(config, layout, mb, n, peers.predicted_steps(seconds, step_s, WARMUP_STEPS),
-                                        logs, schedule=schedule, testbed=testbed)
+            result = peers.run_pipeline(
+                config,
+                layout,
+                mb,
+                n,
+                peers.predicted_steps(seconds, step_s, WARMUP_STEPS),
+                logs,
+                schedule=schedule,
+                testbed=testbed,
+            )
             return result.rate(WARMUP_STEPS)
+
         label = f"{len(devs)} stages {'/'.join(map(str, layout.split))}, {n_micro} x {microbatch}, {schedule}"
         options.append(Peer("pipeline", label, run))
     return options
@@ -347,7 +459,9 @@ def pipeline_peers(config: ClusterConfig, devs: list[peers.Device], micro: Seque
 
 
 def summarize(values: Sequence[float], digits: int = 1) -> dict[str, float]:
-    return {k: round(f(values), digits) for k, f in (("median", statistics.median), ("min", min), ("max", max))}
+    return {
+        k: round(f(values), digits) for k, f in (("median", statistics.median), ("min", min), ("max", max))
+    }
 
 
 def table(rows: list[dict[str, Any]], capacity: float) -> str:
@@ -355,17 +469,21 @@ def table(rows: list[dict[str, Any]], capacity: float) -> str:
     top = next(r for r in rows if r["system"] == "hetpipe")["samples_per_s"]["median"]
     for row in rows:
         s = row["samples_per_s"]
-        lines.append(f"{row['system']:<14} {s['median']:>9.0f} {s['min']:>6.0f}-{s['max']:<6.0f} "
-                     f"{s['median'] / capacity:>5.0%} {top / s['median']:>9.2f}  {row['setting']}")
-    lines.append(f"{'capacity':<14} {capacity:>9.0f} {'':>13} {1:>5.0%} {top / capacity:>9.2f}  "
-                 "sum over GPUs of (one process's samples/s at slowdown 1) / slowdown")
+        lines.append(
+            f"{row['system']:<14} {s['median']:>9.0f} {s['min']:>6.0f}-{s['max']:<6.0f} "
+            f"{s['median'] / capacity:>5.0%} {top / s['median']:>9.2f}  {row['setting']}"
+        )
+    lines.append(
+        f"{'capacity':<14} {capacity:>9.0f} {'':>13} {1:>5.0%} {top / capacity:>9.2f}  "
+        "sum over GPUs of (one process's samples/s at slowdown 1) / slowdown"
+    )
     return "\n".join(lines)
 
 
 def format_breakdown(runs: Sequence[dict[str, Any]]) -> str:
     """Where hetpipe's waves went in its repeats, stage by stage (median over the repeats, ms per wave;
-    docs/testbed.md#reading-a-breakdown): the training loop, the parts of the stage's own thread, the rest (Python,
-    the data), and, overlapped with them on its PS thread, push and pull."""
+    docs/testbed.md#reading-a-breakdown): the training loop, the parts of the stage's own thread, the rest
+    (Python, the data), and, overlapped with them on its PS thread, push and pull."""
     if not runs:
         return "hetpipe: no wave breakdown (no run)"
     lines = ["hetpipe: where each stage's waves went (ms per wave, median of the repeats)"]
@@ -374,11 +492,14 @@ def format_breakdown(runs: Sequence[dict[str, Any]]) -> str:
 
         def med(part: str, parts: list = parts) -> float:
             return statistics.median(p.get(part, 0.0) for p in parts)
+
         own = {part: med(part) for part in STAGE_PARTS}
         train = med("train")
         shown = ", ".join(f"{part} {ms:.0f}" for part, ms in own.items() if ms >= 0.5)
-        lines.append(f"  {stage}: wave {train:.0f} = {shown}, other {train - sum(own.values()):.0f}; PS thread: push "
-                     f"{med('push'):.0f}, pull {med('pull'):.0f} (parked at the gate {med('parked'):.0f})")
+        lines.append(
+            f"  {stage}: wave {train:.0f} = {shown}, other {train - sum(own.values()):.0f}; PS thread: push "
+            f"{med('push'):.0f}, pull {med('pull'):.0f} (parked at the gate {med('parked'):.0f})"
+        )
     return "\n".join(lines)
 
 
@@ -406,8 +527,9 @@ class Network:
         return rate
 
 
-def open_testbed(config: ClusterConfig, cache: Path, scale: float | None, probe_s: float,
-                 stack: contextlib.ExitStack) -> tuple[Topology, dict[str, Any]]:
+def open_testbed(
+    config: ClusterConfig, cache: Path, scale: float | None, probe_s: float, stack: contextlib.ExitStack
+) -> tuple[Topology, dict[str, Any]]:
     """Build the testbed for the rest of the run (torn down when `stack` closes), measure every node's egress,
     print it against the configured rate; (topology, its record for the JSON)."""
     from hetpipe.app import testbed as tb
@@ -418,25 +540,50 @@ def open_testbed(config: ClusterConfig, cache: Path, scale: float | None, probe_
     stack.enter_context(tb.testbed(topology, config))
     measured = tb.probe_egress(topology, probe_s)
     inside = tb.probe_inside(topology, probe_s)
-    print(f"testbed {topology.run}: egress and inside (loopback) rates measured for {probe_s:g} s per node "
-          "(link-level bytes)")
+    print(
+        f"testbed {topology.run}: egress and inside (loopback) rates measured for {probe_s:g} s per node "
+        "(link-level bytes)"
+    )
     print(format_nodes(topology, measured, EGRESS_TOLERANCE, inside))
     ok = all(m is None or within(m, topology.shaped_gbps, EGRESS_TOLERANCE) for m in measured.values())
     inside_ok = all(within(inside[n.node], n.inside_gbps, EGRESS_TOLERANCE) for n in topology.nodes)
-    print(f"every node's egress within {EGRESS_TOLERANCE:.0%} of its configured rate: {'yes' if ok else 'NO'}; "
-          f"inside: {'yes' if inside_ok else 'NO'}", flush=True)
-    record = {"scale": topology.scale, "scale_derived": derived.to_dict(), "scale_given": scale,
-              "inter_node_gbps": topology.inter_node_gbps, "intra_node_gbps": topology.intra_node_gbps,
-              "ps_node": topology.ps_node, "egress_within_tolerance": ok, "inside_within_tolerance": inside_ok,
-              "tolerance": EGRESS_TOLERANCE,
-              "nodes": [{"node": n.node, "address": n.address, "configured_gbps": n.egress_gbps,
-                         "measured_gbps": measured[n.node], "inside_configured_gbps": n.inside_gbps,
-                         "inside_measured_gbps": inside[n.node]} for n in topology.nodes]}
+    print(
+        f"every node's egress within {EGRESS_TOLERANCE:.0%} of its configured rate: {'yes' if ok else 'NO'}; "
+        f"inside: {'yes' if inside_ok else 'NO'}",
+        flush=True,
+    )
+    record = {
+        "scale": topology.scale,
+        "scale_derived": derived.to_dict(),
+        "scale_given": scale,
+        "inter_node_gbps": topology.inter_node_gbps,
+        "intra_node_gbps": topology.intra_node_gbps,
+        "ps_node": topology.ps_node,
+        "egress_within_tolerance": ok,
+        "inside_within_tolerance": inside_ok,
+        "tolerance": EGRESS_TOLERANCE,
+        "nodes": [
+            {
+                "node": n.node,
+                "address": n.address,
+                "configured_gbps": n.egress_gbps,
+                "measured_gbps": measured[n.node],
+                "inside_configured_gbps": n.inside_gbps,
+                "inside_measured_gbps": inside[n.node],
+            }
+            for n in topology.nodes
+        ],
+    }
     return topology, record
 
 
-def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str, Any]],
-          network: Network | None = None) -> Peer:
+def _best(
+    options: list[Peer],
+    seconds: float,
+    logs: Path,
+    sweep: list[dict[str, Any]],
+    network: Network | None = None,
+) -> Peer:
     """The option with the highest rate when several are given (each measured once), else the only one."""
     if len(options) == 1:
         return options[0]
@@ -451,42 +598,133 @@ def _best(options: list[Peer], seconds: float, logs: Path, sweep: list[dict[str,
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=DEFAULT_CONFIG, show_default=True, help="Cluster config (the emulated cluster and the model).")
-@click.option("--repeats", default=3, show_default=True, help="Runs of every system; the table shows median and spread.")
-@click.option("--seconds", default=10.0, show_default=True, help="Measured seconds per system per repeat, after warm-up.")
-@click.option("--ddp", "ddp_spec", default=DEFAULT_DDP, show_default=True,
-              help="DDP rows, SET@BATCH[/BATCH..] each: fit (every GPU that holds the model) or fastest (the fastest "
-                   "type that does); several batches are swept and the best kept. @ omitted: the config's batch.")
-@click.option("--micro", default=DEFAULT_MICRO, show_default=True,
-              help="Pipeline settings to try, MICROBATCHxCOUNT[,..] (a minibatch of COUNT microbatches per flush).")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=DEFAULT_CONFIG,
+    show_default=True,
+    help="Cluster config (the emulated cluster and the model).",
+)
+@click.option(
+    "--repeats", default=3, show_default=True, help="Runs of every system; the table shows median and spread."
+)
+@click.option(
+    "--seconds",
+    default=10.0,
+    show_default=True,
+    help="Measured seconds per system per repeat, after warm-up.",
+)
+@click.option(
+    "--ddp",
+    "ddp_spec",
+    default=DEFAULT_DDP,
+    show_default=True,
+    help="DDP rows, SET@BATCH[/BATCH..] each: fit (every GPU that holds the model) or fastest (the fastest "
+    "type that does); several batches are swept and the best kept. @ omitted: the config's batch.",
+)
+@click.option(
+    "--micro",
+    default=DEFAULT_MICRO,
+    show_default=True,
+    help="Pipeline settings to try, MICROBATCHxCOUNT[,..] (a minibatch of COUNT microbatches per flush).",
+)
 @click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
-@click.option("--planner/--no-planner", default=True, show_default=True,
-              help="hetpipe: run the planner's best plan (else the config's virtual workers).")
-@click.option("--nm", default=DEFAULT_NM, show_default=True,
-              help="hetpipe: Nm caps to try (comma list; '' for the planner's own cap).")
+@click.option(
+    "--planner/--no-planner",
+    default=True,
+    show_default=True,
+    help="hetpipe: run the planner's best plan (else the config's virtual workers).",
+)
+@click.option(
+    "--nm",
+    default=DEFAULT_NM,
+    show_default=True,
+    help="hetpipe: Nm caps to try (comma list; '' for the planner's own cap).",
+)
 @click.option("--staleness", default=None, help="hetpipe: D values to try (comma list); default: the plan's.")
-@click.option("--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable.")
+@click.option(
+    "--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable."
+)
 @testbed_options
 @profile_option
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/bench/throughput"),
-              show_default=True, help="Run directories, logs and the profile cache.")
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("runs/bench/throughput"),
+    show_default=True,
+    help="Run directories, logs and the profile cache.",
+)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write JSON here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.")
-def main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: str,
-         schedule: str, planner: bool, nm: str | None, staleness: str | None, settings: tuple[str, ...],
-         use_testbed: bool, testbed_scale: float | None, probe_seconds: float, cached_profile: bool,
-         work_dir: Path, out: Path | None, plot_path: Path | None) -> None:
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="PNG plot (needs matplotlib, the `bench` extra); default: --out with .png.",
+)
+def main(
+    config_path: Path,
+    repeats: int,
+    seconds: float,
+    ddp_spec: str,
+    micro: str,
+    schedule: str,
+    planner: bool,
+    nm: str | None,
+    staleness: str | None,
+    settings: tuple[str, ...],
+    use_testbed: bool,
+    testbed_scale: float | None,
+    probe_seconds: float,
+    cached_profile: bool,
+    work_dir: Path,
+    out: Path | None,
+    plot_path: Path | None,
+) -> None:
     with contextlib.ExitStack() as stack:
-        _main(config_path, repeats, seconds, ddp_spec, micro, schedule, planner, nm, staleness, settings,
-              use_testbed, testbed_scale, probe_seconds, cached_profile, work_dir, out, plot_path, stack)
+        _main(
+            config_path,
+            repeats,
+            seconds,
+            ddp_spec,
+            micro,
+            schedule,
+            planner,
+            nm,
+            staleness,
+            settings,
+            use_testbed,
+            testbed_scale,
+            probe_seconds,
+            cached_profile,
+            work_dir,
+            out,
+            plot_path,
+            stack,
+        )
 
 
-def _main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro: str,
-          schedule: str, planner: bool, nm: str | None, staleness: str | None, settings: tuple[str, ...],
-          use_testbed: bool, testbed_scale: float | None, probe_seconds: float, cached_profile: bool,
-          work_dir: Path, out: Path | None, plot_path: Path | None, stack: contextlib.ExitStack) -> None:
+def _main(
+    config_path: Path,
+    repeats: int,
+    seconds: float,
+    ddp_spec: str,
+    micro: str,
+    schedule: str,
+    planner: bool,
+    nm: str | None,
+    staleness: str | None,
+    settings: tuple[str, ...],
+    use_testbed: bool,
+    testbed_scale: float | None,
+    probe_seconds: float,
+    cached_profile: bool,
+    work_dir: Path,
+    out: Path | None,
+    plot_path: Path | None,
+    stack: contextlib.ExitStack,
+) -> None:
     torch.set_num_threads(1)
     work = work_dir / time.strftime("%Y%m%d-%H%M%S")
     config = apply_overrides(load_config(config_path), settings)
@@ -499,20 +737,29 @@ def _main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro:
     fit, left_out = peers.ddp_members(devs, need)
     subsets = peers.ddp_subsets(fit)
     wanted = parse_ddp(ddp_spec, batch)
-    print(f"{config.name}: {len(devs)} emulated GPUs, model {config.model.name}, batch {batch}; slowdowns "
-          + ", ".join(f"{d.gpu} {d.gpu_type} x{d.slowdown:.2f}" for d in devs), flush=True)
+    print(
+        f"{config.name}: {len(devs)} emulated GPUs, model {config.model.name}, batch {batch}; slowdowns "
+        + ", ".join(f"{d.gpu} {d.gpu_type} x{d.slowdown:.2f}" for d in devs),
+        flush=True,
+    )
     for line in peers.describe_members(fit, left_out, need):
         print(line)
-    topology, testbed_record = (open_testbed(config, cache, testbed_scale, probe_seconds, stack) if use_testbed
-                                else (None, None))
+    topology, testbed_record = (
+        open_testbed(config, cache, testbed_scale, probe_seconds, stack) if use_testbed else (None, None)
+    )
     network = Network(topology)
-    print("network: " + ("the testbed's shaped links" if topology else "free (loopback; no link costs anything)"))
+    print(
+        "network: "
+        + ("the testbed's shaped links" if topology else "free (loopback; no link costs anything)")
+    )
 
     solo = peers.run_solo(config, batch, 12 + 3, work / "logs")  # one process: no network
     solo_rate = solo.rate(3)
     capacity = solo_rate * sum(1.0 / d.slowdown for d in devs)
     solo_step_s = batch / solo_rate
-    print(f"one process, slowdown 1: {solo_rate:.0f} samples/s -> capacity {capacity:.0f} samples/s", flush=True)
+    print(
+        f"one process, slowdown 1: {solo_rate:.0f} samples/s -> capacity {capacity:.0f} samples/s", flush=True
+    )
 
     nms = parse_ints(nm, "Nm caps") if nm else [None]
     ds = [int(v) for v in staleness.split(",")] if staleness else [None]
@@ -520,8 +767,11 @@ def _main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro:
     for setup in setups:
         print(f"hetpipe: {setup.label} ({setup.source})", flush=True)
     param_bytes = sum(layer.param_bytes for layer in profile.layers)
-    groups = [hetpipe_options, *ddp_peers(config, subsets, wanted, solo_step_s, topology, param_bytes),
-              pipeline_peers(config, devs, parse_micro(micro), schedule, cache, topology)]
+    groups = [
+        hetpipe_options,
+        *ddp_peers(config, subsets, wanted, solo_step_s, topology, param_bytes),
+        pipeline_peers(config, devs, parse_micro(micro), schedule, cache, topology),
+    ]
     sweep: list[dict[str, Any]] = []
     chosen = [_best(group, seconds, work / "logs", sweep, network) for group in groups]
 
@@ -529,35 +779,67 @@ def _main(config_path: Path, repeats: int, seconds: float, ddp_spec: str, micro:
     for r in range(repeats):
         for peer in chosen:
             rates[peer.name].append(network.run(peer, seconds, work / "logs"))
-        print(f"repeat {r + 1}/{repeats}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in rates.items()) + " samples/s",
-              flush=True)
+        print(
+            f"repeat {r + 1}/{repeats}: "
+            + ", ".join(f"{n} {v[-1]:.0f}" for n, v in rates.items())
+            + " samples/s",
+            flush=True,
+        )
 
     settings = {p.name: p.setting for p in chosen}
-    rows = [{"system": name, "setting": settings[name], "samples_per_s": summarize(values), "runs": values}
-            for name, values in rates.items()]
+    rows = [
+        {"system": name, "setting": settings[name], "samples_per_s": summarize(values), "runs": values}
+        for name, values in rates.items()
+    ]
     ours = next(p for p in chosen if p.name == "hetpipe")
     repeated = ours.details[-repeats:]  # the repeats' runs (a sweep's come before them)
     rows[0]["wave_breakdown_ms"] = [d["wave_breakdown_ms"] for d in repeated]
     rows[0]["stage_breakdown_ms"] = [d["stage_breakdown_ms"] for d in repeated]
-    ratios = {name: summarize([h / v for h, v in zip(rates["hetpipe"], values, strict=True)], 2)
-              for name, values in rates.items() if name != "hetpipe"}
+    ratios = {
+        name: summarize([h / v for h, v in zip(rates["hetpipe"], values, strict=True)], 2)
+        for name, values in rates.items()
+        if name != "hetpipe"
+    }
     print()
     print(table(rows, capacity))
-    print("hetpipe / peer in the same repeat (median, min-max): "
-          + ", ".join(f"{n} {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for n, s in ratios.items()))
+    print(
+        "hetpipe / peer in the same repeat (median, min-max): "
+        + ", ".join(f"{n} {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for n, s in ratios.items())
+    )
     print(format_breakdown(repeated))
     note = peers.env_note()
-    print(f"load average (1, 5, 15 min) before {load_before}, after {note['loadavg_1_5_15']}, {note['cores']} cores")
+    print(
+        f"load average (1, 5, 15 min) before {load_before}, after {note['loadavg_1_5_15']}, "
+        f"{note['cores']} cores"
+    )
     if network.egress:
-        print("MB each node sent per run (median over the runs): " + "; ".join(
-            f"{name} " + ", ".join(f"{node} {statistics.median(r[node] for r in runs) / 1e6:.3g}" for node in runs[0])
-            for name, runs in network.egress.items()))
+        print(
+            "MB each node sent per run (median over the runs): "
+            + "; ".join(
+                f"{name} "
+                + ", ".join(
+                    f"{node} {statistics.median(r[node] for r in runs) / 1e6:.3g}" for node in runs[0]
+                )
+                for name, runs in network.egress.items()
+            )
+        )
     if out is not None:
-        document = {"config": str(config_path), "meta": {**note, "loadavg_before": load_before}, "batch": batch, "capacity_samples_per_s": round(capacity, 1),
-                    "solo_samples_per_s": round(solo_rate, 1), "ddp_memory_need_bytes": need,
-                    "ddp_left_out": [d.gpu for d in left_out], "rows": rows, "ratios_same_repeat": ratios,
-                    "sweep": sweep, "slowdowns": {d.gpu: round(d.slowdown, 3) for d in devs}, "repeats": repeats,
-                    "seconds": seconds, "network": "testbed" if topology else "free"}
+        document = {
+            "config": str(config_path),
+            "meta": {**note, "loadavg_before": load_before},
+            "batch": batch,
+            "capacity_samples_per_s": round(capacity, 1),
+            "solo_samples_per_s": round(solo_rate, 1),
+            "ddp_memory_need_bytes": need,
+            "ddp_left_out": [d.gpu for d in left_out],
+            "rows": rows,
+            "ratios_same_repeat": ratios,
+            "sweep": sweep,
+            "slowdowns": {d.gpu: round(d.slowdown, 3) for d in devs},
+            "repeats": repeats,
+            "seconds": seconds,
+            "network": "testbed" if topology else "free",
+        }
         if testbed_record is not None:
             document["testbed"] = {**testbed_record, "egress_bytes_per_run": network.egress}
         out.parent.mkdir(parents=True, exist_ok=True)

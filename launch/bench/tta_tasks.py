@@ -1,8 +1,8 @@
-"""The time-to-accuracy tasks (a shipped cluster config, the `--set` overrides that make its model, the target) and
-the learning-rate sweep every system gets: samples to the target in the single-process reference (launch/bench/
-staleness.py's run_setting: no timing, so no noise from a busy machine), per learning rate, for the setting that
-trains like the system (hetpipe.core.convergence.setting_of: DDP over G GPUs and a flushed pipeline of G
-microbatches train like gradient accumulation over G minibatches)."""
+"""The time-to-accuracy tasks (a shipped cluster config, the `--set` overrides that make its model, the
+target) and the learning-rate sweep every system gets: samples to the target in the single-process reference
+(launch/bench/staleness.py's run_setting: no timing, so no noise from a busy machine), per learning rate, for
+the setting that trains like the system (hetpipe.core.convergence.setting_of: DDP over G GPUs and a flushed
+pipeline of G microbatches train like gradient accumulation over G minibatches)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ CLUSTERS = Path(__file__).resolve().parents[1] / "clusters"
 
 @dataclass(frozen=True)
 class Task:
-    """One benchmark task: `config` with `overrides`, the target, the learning rates swept (in order; the grid the
-    task's calibration used, so that its sweeps are reused), the training time each timed run gets, the reference
-    budget of the sweep (samples) and how often it scores; `hetpipe`: overrides for
-    hetpipe's runs only (its schedule, aggregation, mitigation: what the staleness study found best); `batches`: the
-    batches per GPU every system chooses among (empty: the config's alone)."""
+    """One benchmark task: `config` with `overrides`, the target, the learning rates swept (in order; the grid
+    the task's calibration used, so that its sweeps are reused), the training time each timed run gets, the
+    reference budget of the sweep (samples) and how often it scores; `hetpipe`: overrides for hetpipe's runs
+    only (its schedule, aggregation, mitigation: what the staleness study found best); `batches`: the batches
+    per GPU every system chooses among (empty: the config's alone)."""
 
     name: str
     config: Path
@@ -47,40 +47,80 @@ class Task:
 
 TASKS = {
     "mnist": Task(
-        "mnist", CLUSTERS / "bench.toml",
-        ('model.name="mnist-cnn"', "model.options={ channels = [16, 32], hidden = 64 }", "train.batch_size=128",
-         'train.optimizer="adam"', "train.lr=0.002"),
-        0.97, (0.008, 0.004, 0.016, 0.002), 90.0, 100_000, 1024,
-        "MNIST-5k, a CNN of 16 and 32 channels (every GPU holds it at batch 128, so DDP over the GPUs that fit is "
-        "DDP over all six), Adam; target 97% test accuracy (near this data's ceiling: sequential Adam needs 11k to "
-        "58k samples over 3 seeds), ranked by the calibration to 97% (hetpipe/calibrations/*-to0.97.json)"),
+        "mnist",
+        CLUSTERS / "bench.toml",
+        (
+            'model.name="mnist-cnn"',
+            "model.options={ channels = [16, 32], hidden = 64 }",
+            "train.batch_size=128",
+            'train.optimizer="adam"',
+            "train.lr=0.002",
+        ),
+        0.97,
+        (0.008, 0.004, 0.016, 0.002),
+        90.0,
+        100_000,
+        1024,
+        "MNIST-5k, a CNN of 16 and 32 channels (every GPU holds it at batch 128, so DDP over the GPUs that "
+        "fit is DDP over all six), Adam; target 97% test accuracy (near this data's ceiling: sequential Adam "
+        "needs 11k to 58k samples over 3 seeds), ranked by the calibration to 97% "
+        "(hetpipe/calibrations/*-to0.97.json)",
+    ),
     "shakespeare": Task(
-        "shakespeare", CLUSTERS / "bench-shakespeare.toml", ("train.eval_samples=2048",),
-        2.0, (0.002, 0.004, 0.008), 330.0, 100_000, 4096,
+        "shakespeare",
+        CLUSTERS / "bench-shakespeare.toml",
+        ("train.eval_samples=2048",),
+        2.0,
+        (0.002, 0.004, 0.008),
+        330.0,
+        100_000,
+        4096,
         "char-level GPT (4 blocks, 64 wide, 32 characters of context), Adam; target validation loss 2.0 nats "
-        "(unigram 3.29), scored on 2048 held-out windows; each system at batch 64 or 16 per GPU, its own choice",
-        batches=(64, 16)),
+        "(unigram 3.29), scored on 2048 held-out windows; each system at batch 64 or 16 per GPU, its own "
+        "choice",
+        batches=(64, 16),
+    ),
     "resnet": Task(
-        "resnet", CLUSTERS / "bench.toml",
-        ('model.name="resnet18"', "model.options={ width = 8, in_channels = 1, num_classes = 10, image_size = 28 }",
-         "train.batch_size=64", 'train.optimizer="adam"', "train.lr=0.002"),
-        0.95, (0.002, 0.004, 0.008), 180.0, 60_000, 1024,
-        "MNIST-5k, ResNet-18 with BatchNorm at width 8 (0.18 M weights), Adam; BatchNorm statistics averaged at the "
-        "PS; target 95% test accuracy"),
+        "resnet",
+        CLUSTERS / "bench.toml",
+        (
+            'model.name="resnet18"',
+            "model.options={ width = 8, in_channels = 1, num_classes = 10, image_size = 28 }",
+            "train.batch_size=64",
+            'train.optimizer="adam"',
+            "train.lr=0.002",
+        ),
+        0.95,
+        (0.002, 0.004, 0.008),
+        180.0,
+        60_000,
+        1024,
+        "MNIST-5k, ResNet-18 with BatchNorm at width 8 (0.18 M weights), Adam; BatchNorm statistics averaged "
+        "at the PS; target 95% test accuracy",
+    ),
 }
 
 
-def sweep_lr(config: ClusterConfig, setting: Setting, lrs: Sequence[float], goal: goals.Goal, samples: int,
-             score_every: int, seed: int = 0) -> tuple[float, dict[float, float | None]]:
-    """(the learning rate with the fewest samples to the goal, samples per learning rate), by staleness.py's rule:
-    the rates in the order given, each run stopped once it has trained as many samples as the best so far needed
-    (it cannot win: None), ties to the first listed."""
+def sweep_lr(
+    config: ClusterConfig,
+    setting: Setting,
+    lrs: Sequence[float],
+    goal: goals.Goal,
+    samples: int,
+    score_every: int,
+    seed: int = 0,
+) -> tuple[float, dict[float, float | None]]:
+    """(the learning rate with the fewest samples to the goal, samples per learning rate), by staleness.py's
+    rule: the rates in the order given, each run stopped once it has trained as many samples as the best so
+    far needed (it cannot win: None), ties to the first listed."""
     found: dict[float, float | None] = {}
     best_lr, best_n = lrs[0], math.inf
     for lr in lrs:
         cfg = apply_overrides(config, [f"train.lr={lr}", f"seed={seed}"])
         limit = samples if math.isinf(best_n) else int(min(samples, best_n))
-        found[lr] = goals.first_reaching(staleness.run_setting(cfg, setting, limit, score_every, goal), 0.0, goal)
+        found[lr] = goals.first_reaching(
+            staleness.run_setting(cfg, setting, limit, score_every, goal), 0.0, goal
+        )
         if found[lr] is not None and found[lr] < best_n:
             best_lr, best_n = lr, found[lr]
     return best_lr, found
