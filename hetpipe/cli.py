@@ -14,8 +14,8 @@ from hetpipe.core.errors import HetpipeError
 
 if TYPE_CHECKING:
     from hetpipe.core.config import ClusterConfig
-    from hetpipe.core.profile_window import ProfileWindow
-    from hetpipe.core.testbed import Topology
+    from hetpipe.core.pipeline.profile_window import ProfileWindow
+    from hetpipe.core.runs.testbed import Topology
 
 __all__ = ["main", "cli"]
 
@@ -60,7 +60,7 @@ def parse_profile_option(
 ) -> ProfileWindow | None:
     """click callback of a `--profile FIRST:COUNT` option (here and in launch/bench/gpu.py)."""
     from hetpipe.core.errors import UsageError
-    from hetpipe.core.profile_window import ProfileWindow
+    from hetpipe.core.pipeline.profile_window import ProfileWindow
 
     try:
         return ProfileWindow.parse(text) if text is not None else None
@@ -122,7 +122,7 @@ def server(config_path: Path | None, settings: tuple[str, ...], shard: int | Non
 @click.option("--lists", is_flag=True, help="Print one action list per stage instead of the step grid.")
 def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists: bool) -> None:
     """Print a pipeline schedule as a step x stage grid (or as per-stage action lists)."""
-    from hetpipe.core import schedule as sched
+    from hetpipe.core.pipeline import schedule as sched
 
     plan = sched.get_schedule(name)(stages, nm, waves, staleness)
     sched.validate(plan)
@@ -207,7 +207,7 @@ def train(
     )
 
     from hetpipe.app.startup import PRELOAD
-    from hetpipe.core.procs import warm_forkserver
+    from hetpipe.core.runs.procs import warm_forkserver
 
     warm_forkserver(
         PRELOAD
@@ -216,7 +216,7 @@ def train(
     from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
     from hetpipe.app.train import train as run_train
     from hetpipe.core.errors import UsageError
-    from hetpipe.core.metrics import format_summary
+    from hetpipe.core.runs.metrics import format_summary
 
     layouts = None
     if plan_path:
@@ -304,7 +304,7 @@ def worker(
     )
 
     from hetpipe.app.startup import PRELOAD
-    from hetpipe.core.procs import warm_forkserver
+    from hetpipe.core.runs.procs import warm_forkserver
 
     warm_forkserver(PRELOAD)  # its stages fork ready, as under `hetpipe train`
     from hetpipe.worker.run import run_worker
@@ -336,7 +336,7 @@ def keys(
     config_path: Path, out_dir: Path | None, plan_path: Path | None, force: bool, settings: tuple[str, ...]
 ) -> None:
     """Write the CurveZMQ keys of a cluster: the PS's pair, one pair per virtual worker, and an admin pair."""
-    from hetpipe.core.keys import key_users, write_keys
+    from hetpipe.core.protocol.keys import key_users, write_keys
 
     config = _load(config_path, settings)
     if plan_path:
@@ -624,7 +624,7 @@ def plan(
         rule_of,
     )
     from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
-    from hetpipe.core.planner import (
+    from hetpipe.core.planning.planner import (
         D_VALUES,
         best,
         candidates_json,
@@ -755,7 +755,7 @@ def _testbed_plan(
 ):
     import os
 
-    from hetpipe.core.testbed import plan_topology
+    from hetpipe.core.runs.testbed import plan_topology
 
     config = _load(config_path, settings)
     if scale is None:
@@ -771,7 +771,7 @@ def _testbed_plan(
 def _nodes_table(topology: Topology, probe: bool) -> str:
     """The testbed's nodes, with every node's egress and inside rates measured when `probe`."""
     from hetpipe.app.testbed import probe_egress, probe_inside
-    from hetpipe.core.testbed import format_nodes
+    from hetpipe.core.runs.testbed import format_nodes
 
     if not probe:
         return format_nodes(topology)
@@ -837,7 +837,7 @@ def testbed_run(
     COMMAND runs in the root namespace; it starts processes on a node with
     `ip netns exec hp-<run>-<node> ...`. Exits with COMMAND's exit code."""
     from hetpipe.app.testbed import run_command
-    from hetpipe.core.testbed import format_nodes
+    from hetpipe.core.runs.testbed import format_nodes
 
     config, topology = _testbed_plan(config_path, settings, scale, run_id, ps_node)
     click.echo(format_nodes(topology), err=True)

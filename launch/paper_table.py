@@ -21,8 +21,15 @@ from pathlib import Path
 
 from hetpipe.core.config import ClusterConfig, ModelConfig, load_config
 from hetpipe.core.errors import HetpipeError
-from hetpipe.core.planner import ALLREDUCE, SYNC_PIPELINE, Candidate, best, plan_candidates, supplied_profiles
-from hetpipe.core.profile import ModelProfile, derive_profile
+from hetpipe.core.planning.planner import (
+    ALLREDUCE,
+    SYNC_PIPELINE,
+    Candidate,
+    best,
+    plan_candidates,
+    supplied_profiles,
+)
+from hetpipe.core.planning.profile import ModelProfile, derive_profile
 
 CONFIG = Path(__file__).parent / "clusters" / "paper-16gpu.toml"
 REFERENCE = "titan-v"

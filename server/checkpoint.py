@@ -1,5 +1,5 @@
-"""Shard checkpoints on disk (the file format lives in hetpipe.core.checkpoint; stages write theirs with it
-too) and the thread that writes them while the shard goes on serving."""
+"""Shard checkpoints on disk (the file format lives in hetpipe.core.runs.checkpoint; stages write theirs with
+it too) and the thread that writes them while the shard goes on serving."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.core.checkpoint import (
+from hetpipe.core.runs.checkpoint import (
     Checkpoint,
     CheckpointError,
     discard_after,

@@ -1,7 +1,8 @@
 """The shard's CurveZMQ gate: a ZAP handler and a handshake monitor, answered by the shard's own loop.
 
 No thread: the ZAP socket (bound in the shard's ZeroMQ context before the ROUTER listens) and the monitor are
-polled with the ROUTER, so a handshake waits at most one loop turn. Decisions are hetpipe.core.access's.
+polled with the ROUTER, so a handshake waits at most one loop turn. Decisions are
+hetpipe.core.protocol.access's.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from hetpipe.core.access import ZAP_DOMAIN, ZAP_ENDPOINT, RefusalLog, zap_decide
-from hetpipe.core.keys import ServerKeys
+from hetpipe.core.protocol.access import ZAP_DOMAIN, ZAP_ENDPOINT, RefusalLog, zap_decide
+from hetpipe.core.protocol.keys import ServerKeys
 
 __all__ = ["CurveGate"]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
 from hetpipe.core.errors import UsageError
-from hetpipe.core.keys import ServerKeys, server_keys
-from hetpipe.core.procs import ChildGroup
+from hetpipe.core.protocol.keys import ServerKeys, server_keys
+from hetpipe.core.runs.procs import ChildGroup
 from hetpipe.server.shard import ShardServer, ShardSettings
 
 __all__ = ["run_shard", "serve_all", "serve_settings", "shard_keys", "shard_settings"]

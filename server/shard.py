@@ -1,8 +1,8 @@
-"""One PS shard: a single-threaded ZeroMQ ROUTER loop around hetpipe.core.wsp.ShardState.
+"""One PS shard: a single-threaded ZeroMQ ROUTER loop around hetpipe.core.wsp.state.ShardState.
 
-Requests are decoded and validated by hetpipe.core.wire; every request gets a reply (or, for a pull whose
-gate is closed, is parked and answered the moment the gate opens; one parked pull per stage). Weights leave
-by zero-copy sends; the state copies an array before changing it while such a send still reads it.
+Requests are decoded and validated by hetpipe.core.protocol.wire; every request gets a reply (or, for a pull
+whose gate is closed, is parked and answered the moment the gate opens; one parked pull per stage). Weights
+leave by zero-copy sends; the state copies an array before changing it while such a send still reads it.
 Tensors with NaN or inf are refused before the state sees them. With keys (auth = "curve") the ROUTER is a
 CURVE server behind hetpipe.server.guard, and each request must come from a key allowed to act as its VW.
 
@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import zmq
 
-from hetpipe.core import wire
-from hetpipe.core.access import RefusalLog, refusal
-from hetpipe.core.aggregation import Aggregation, make_aggregation
-from hetpipe.core.keys import ServerKeys
-from hetpipe.core.wsp import PullResult, ShardState, WspError
+from hetpipe.core.protocol import wire
+from hetpipe.core.protocol.access import RefusalLog, refusal
+from hetpipe.core.protocol.keys import ServerKeys
+from hetpipe.core.wsp.aggregation import Aggregation, make_aggregation
+from hetpipe.core.wsp.state import PullResult, ShardState, WspError
 from hetpipe.server.checkpoint import (
     BackgroundWriter,
     discard_after,
@@ -62,7 +62,7 @@ class ShardSettings:
     checkpoint_dir: Path | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # clocks between checkpoints; 0: only on SIGTERM
     checkpoint_keep: int = 3
-    aggregation: str = "sum"  # sum | mean | server (hetpipe.core.aggregation)
+    aggregation: str = "sum"  # sum | mean | server (hetpipe.core.wsp.aggregation)
     optimizer: str = "sgd"  # the PS-side optimizer of aggregation "server", with its settings
     lr: float = 0.01
     momentum: float = 0.9

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.core.procs import ChildGroup
+from hetpipe.core.runs.procs import ChildGroup
 from hetpipe.server.launch import serve_settings
 from hetpipe.server.shard import ShardSettings
 

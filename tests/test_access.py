@@ -1,4 +1,5 @@
-"""Tests for hetpipe/core/access.py: which key may act as which VW, the ZAP decision, the refusal log."""
+"""Tests for hetpipe/core/protocol/access.py: which key may act as which VW, the ZAP decision, the refusal
+log."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import zmq
 import zmq.utils.z85
 
-from hetpipe.core.access import RefusalLog, refusal, zap_decide
+from hetpipe.core.protocol.access import RefusalLog, refusal, zap_decide
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE support")
 

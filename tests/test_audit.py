@@ -1,10 +1,10 @@
-"""Tests of hetpipe.core.audit: the ledger checks for guarantees L and G on literal tables."""
+"""Tests of hetpipe.core.wsp.audit: the ledger checks for guarantees L and G on literal tables."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from hetpipe.core.audit import ledger_violations
+from hetpipe.core.wsp.audit import ledger_violations
 
 
 def ledger(rows: list[str]) -> np.ndarray:

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from hetpipe.compute.build import model_of
 from hetpipe.compute.reference import run_reference
 from hetpipe.core.config import apply_overrides, load_config
-from hetpipe.core.convergence import Calibration, Setting, canonical, parse_setting
 from hetpipe.core.errors import UsageError
+from hetpipe.core.planning.convergence import Calibration, Setting, canonical, parse_setting
 from hetpipe.models import even_split, param_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
@@ -166,7 +166,7 @@ def test_calibrate_to_another_target_writes_beside_the_default_file(
     ],
 )
 def test_settings_with_one_canonical_form_train_the_same_weights(tmp_path: Path, group: list[str]) -> None:
-    """hetpipe.core.convergence.canonical's claims, checked in the reference: one run stands for each
+    """hetpipe.core.planning.convergence.canonical's claims, checked in the reference: one run stands for each
     group."""
     path = tmp_path / "tiny.toml"
     path.write_text(_TINY)

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.core.cluster import allocate, vw_capacity
 from hetpipe.core.config import GpuRef, GpuType, Node, default_config_path, load_config, parse_config
 from hetpipe.core.errors import UsageError
-from hetpipe.core.plan import StagePlan
+from hetpipe.core.planning.cluster import allocate, vw_capacity
+from hetpipe.core.planning.plan import StagePlan
 
 TYPES = {
     "fast": GpuType("fast", 2.0, 8.0),

@@ -1,5 +1,5 @@
-"""hetpipe/core/convergence.py: settings, their canonical forms, the calibration file, the fitted model, and
-the planner's hook (candidates ranked by predicted time to target, both factors explained)."""
+"""hetpipe/core/planning/convergence.py: settings, their canonical forms, the calibration file, the fitted
+model, and the planner's hook (candidates ranked by predicted time to target, both factors explained)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from test_planner import SMALL_TOML, hetpipe, small
 
 from hetpipe.app.plan_convergence import CALIBRATION_DIR
-from hetpipe.core.convergence import (
+from hetpipe.core.errors import UsageError
+from hetpipe.core.planning.convergence import (
     Calibration,
     Measurement,
     Setting,
@@ -29,8 +30,14 @@ from hetpipe.core.convergence import (
     samples_to_target,
     setting_of,
 )
-from hetpipe.core.errors import UsageError
-from hetpipe.core.planner import ALLREDUCE, SYNC_PIPELINE, best, explain, format_table, plan_candidates
+from hetpipe.core.planning.planner import (
+    ALLREDUCE,
+    SYNC_PIPELINE,
+    best,
+    explain,
+    format_table,
+    plan_candidates,
+)
 
 
 def test_settings_parse_in_any_order_and_print_back() -> None:
@@ -347,7 +354,7 @@ def test_a_search_over_batches_takes_the_batch_whose_best_plan_reaches_the_targe
 def test_cli_plan_over_batches_carries_the_batch_into_the_plan_file(tmp_path: Path) -> None:
     from hetpipe.app.train import apply_plan
     from hetpipe.core.config import load_config
-    from hetpipe.core.plan import Plan
+    from hetpipe.core.planning.plan import Plan
 
     config = tmp_path / "small.toml"
     config.write_text(SMALL_TOML)  # batch 8, no calibration for its model

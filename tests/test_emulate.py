@@ -1,5 +1,5 @@
-"""Tests of hetpipe.core.emulate: slowdowns worked out by hand, the dilator on a fake clock, a real-time
-check."""
+"""Tests of hetpipe.core.hardware.emulate: slowdowns worked out by hand, the dilator on a fake clock, a
+real-time check."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetpipe.core.config import default_config_path, load_config
-from hetpipe.core.emulate import (
+from hetpipe.core.hardware.emulate import (
     CORE_SHARE,
     DilatedBlock,
     Dilator,

@@ -1,11 +1,11 @@
-"""Tests for hetpipe/core/fit.py: every stage's memory against its GPU, and the message when one does not
-fit."""
+"""Tests for hetpipe/core/planning/fit.py: every stage's memory against its GPU, and the message when one does
+not fit."""
 
 from __future__ import annotations
 
-from hetpipe.core.fit import memory_error, stage_needs
-from hetpipe.core.memory import MemoryRule
-from hetpipe.core.profile import LayerProfile, ModelProfile
+from hetpipe.core.planning.fit import memory_error, stage_needs
+from hetpipe.core.planning.memory import MemoryRule
+from hetpipe.core.planning.profile import LayerProfile, ModelProfile
 
 MIB = 2**20
 

@@ -1,4 +1,5 @@
-"""Tests for hetpipe/core/keys.py: the key files `hetpipe keys` writes, their modes, and reading them back."""
+"""Tests for hetpipe/core/protocol/keys.py: the key files `hetpipe keys` writes, their modes, and reading
+them back."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import zmq
 import zmq.auth
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.keys import (
+from hetpipe.core.protocol.keys import (
     ADMIN,
     SERVER,
     client_keys,

@@ -1,5 +1,5 @@
-"""The memory model (hetpipe/core/memory.py): what each schedule keeps, against its action lists and a timed
-run, and literal sums of the terms."""
+"""The memory model (hetpipe/core/planning/memory.py): what each schedule keeps, against its action lists and
+a timed run, and literal sums of the terms."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from hetpipe.core.config import default_config_path, load_config
 from hetpipe.core.errors import UsageError
-from hetpipe.core.memory import (
+from hetpipe.core.pipeline.schedule import BACKWARD, FORWARD, SCHEDULES, simulate, wsp_schedule
+from hetpipe.core.planning.memory import (
     PLAIN,
     MemoryRule,
     format_bytes,
@@ -17,8 +18,7 @@ from hetpipe.core.memory import (
     stage_memory,
     stage_memory_terms,
 )
-from hetpipe.core.profile import LayerProfile
-from hetpipe.core.schedule import BACKWARD, FORWARD, SCHEDULES, simulate, wsp_schedule
+from hetpipe.core.planning.profile import LayerProfile
 
 
 def layer(

@@ -4,12 +4,13 @@ reported.
 
 Without a pull to hold it back a stage keeps one push in flight at most (before, a PS slower than the stage
 let pushes pile up in the stage's agent: +59 KiB/wave at 2,000 waves, +19 KiB/wave over 20,000); a stage's
-trace grows by its events until it keeps only the first and newest (hetpipe.core.metrics.MAX_TRACE_EVENTS),
-about 2 KiB/wave here. With D >= waves the PS holds a wave sum for every wave one VW is ahead of the other
-(WSP's bound: the early pushes held for the VW behind, docs/memory.md#ps-side-state), so the VWs run on
-emulated GPUs of one speed, and the shard's slope is taken after its allowance for the lead: one model's bytes
-per wave of the most waves one VW was ahead so far (on a loaded machine the lead can grow by tens of waves
-over a run; a leak of one copy per wave would still show whole)."""
+trace grows by its events until it keeps only the first and newest
+(hetpipe.core.runs.metrics.MAX_TRACE_EVENTS), about 2 KiB/wave here. With D >= waves the PS holds a wave sum
+for every wave one VW is ahead of the other (WSP's bound: the early pushes held for the VW behind,
+docs/memory.md#ps-side-state), so the VWs run on emulated GPUs of one speed, and the shard's slope is taken
+after its allowance for the lead: one model's bytes per wave of the most waves one VW was ahead so far (on a
+loaded machine the lead can grow by tens of waves over a run; a leak of one copy per wave would still show
+whole)."""
 
 from __future__ import annotations
 

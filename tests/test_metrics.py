@@ -1,4 +1,4 @@
-"""Tests of hetpipe.core.metrics: JSONL parses, merged traces hold the expected events, text equals
+"""Tests of hetpipe.core.runs.metrics: JSONL parses, merged traces hold the expected events, text equals
 literals."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.metrics import (
+from hetpipe.core.runs.metrics import (
     MetricsWriter,
     TraceRecorder,
     VwProgress,

@@ -1,4 +1,4 @@
-"""hetpipe/core/mitigation.py: names and their conflicts, lags read off the schedules, learning-rate
+"""hetpipe/core/pipeline/mitigation.py: names and their conflicts, lags read off the schedules, learning-rate
 factors."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from hetpipe.core.config import apply_overrides, load_config
 from hetpipe.core.errors import ConfigError, UsageError
-from hetpipe.core.mitigation import (
+from hetpipe.core.pipeline.mitigation import (
     format_mitigation,
     mitigation_conflicts,
     parse_mitigation,
@@ -15,7 +15,7 @@ from hetpipe.core.mitigation import (
     stage_lags,
     warmup_lr_factor,
 )
-from hetpipe.core.schedule import get_schedule
+from hetpipe.core.pipeline.schedule import get_schedule
 
 from conftest import write_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetpipe.core.procs import free_port
+from hetpipe.core.runs.procs import free_port
 from hetpipe.worker.p2p import P2P
 
 pytestmark = pytest.mark.slow  # two processes meet over gloo

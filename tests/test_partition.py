@@ -14,10 +14,10 @@ import torch
 
 from hetpipe.core.config import NetworkConfig
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.memory import MemoryRule, stage_memory
-from hetpipe.core.partition import best_order_and_nm, minibatch_time_s, partition
-from hetpipe.core.plan import StagePlan, VwPlan
-from hetpipe.core.profile import LayerProfile, ModelProfile
+from hetpipe.core.planning.memory import MemoryRule, stage_memory
+from hetpipe.core.planning.partition import best_order_and_nm, minibatch_time_s, partition
+from hetpipe.core.planning.plan import StagePlan, VwPlan
+from hetpipe.core.planning.profile import LayerProfile, ModelProfile
 from hetpipe.models import get_model, param_counts
 
 FAST = 8.0e9  # Gbit/s: transfers of a few bytes take ~nothing

@@ -1,12 +1,12 @@
-"""Tests of hetpipe.core.placement: balanced by bytes, deterministic, independent of how a model is split;
-local by node."""
+"""Tests of hetpipe.core.protocol.placement: balanced by bytes, deterministic, independent of how a model is
+split; local by node."""
 
 from __future__ import annotations
 
 import pytest
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.placement import (
+from hetpipe.core.protocol.placement import (
     balanced_placement,
     get_placement,
     keys_by_shard,

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from hetpipe.core.config import ClusterConfig, parse_config
-from hetpipe.core.emulate import slowdowns
 from hetpipe.core.errors import UsageError
-from hetpipe.core.plan import Plan
-from hetpipe.core.planner import (
+from hetpipe.core.hardware.emulate import slowdowns
+from hetpipe.core.planning.plan import Plan
+from hetpipe.core.planning.planner import (
     ALLREDUCE,
     D_TOLERANCE,
     D_VALUES,
@@ -30,8 +30,8 @@ from hetpipe.core.planner import (
     plan_candidates,
     supplied_profiles,
 )
-from hetpipe.core.profile import LayerProfile, ModelProfile, ProfileOrigin
-from hetpipe.core.simulate import PsNetwork
+from hetpipe.core.planning.profile import LayerProfile, ModelProfile, ProfileOrigin
+from hetpipe.core.planning.simulate import PsNetwork
 from hetpipe.models import get_model, param_counts
 
 GIB = 2**30
@@ -445,7 +445,7 @@ def paper_plan(
 def test_paper_cluster_partitions_once_whatever_the_ds(resnet152_counts: list[int], monkeypatch) -> None:
     """What keeps planning cheap, counted rather than timed: each grouping is partitioned once, and every D
     tried reuses it (only the memory terms and the simulation are redone per D)."""
-    from hetpipe.core import partition as partition_module
+    from hetpipe.core.planning import partition as partition_module
 
     problems: list[int] = []
     build = partition_module._Problem.build.__func__

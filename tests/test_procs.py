@@ -1,4 +1,5 @@
-"""Tests of hetpipe.core.procs start-up: how children start, the fork server's state, process start times."""
+"""Tests of hetpipe.core.runs.procs start-up: how children start, the fork server's state, process start
+times."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.procs import process_started_at, start_method
+from hetpipe.core.runs.procs import process_started_at, start_method
 
 HAS_PROC = Path("/proc/self/stat").exists()
 
@@ -44,7 +45,7 @@ def test_process_started_at_reads_a_childs_start() -> None:
 
 CHILDREN = """
 import json, os, sys
-from hetpipe.core.procs import ChildGroup, child_entered_at, warm_forkserver
+from hetpipe.core.runs.procs import ChildGroup, child_entered_at, warm_forkserver
 
 
 def report(queue):

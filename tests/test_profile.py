@@ -1,5 +1,5 @@
-"""Profile data and rules (hetpipe/core/profile.py): origin round trip, repeat spread, noise flags, warnings,
-scaling."""
+"""Profile data and rules (hetpipe/core/planning/profile.py): origin round trip, repeat spread, noise flags,
+warnings, scaling."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.profile import (
+from hetpipe.core.planning.profile import (
     BUSY_LOAD,
     NOISY_SPREAD,
     STALE_DAYS,

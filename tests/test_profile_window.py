@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.profile_window import ProfileWindow
-from hetpipe.core.schedule import get_schedule
+from hetpipe.core.pipeline.profile_window import ProfileWindow
+from hetpipe.core.pipeline.schedule import get_schedule
 from hetpipe.worker.stage_profile import StageProfiler
 
 

@@ -26,7 +26,7 @@ from hetpipe.compute.profiler import (
     profile_model,
 )
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.profile import BUSY_LOAD, NOISY_SPREAD, ModelProfile, derive_profile
+from hetpipe.core.planning.profile import BUSY_LOAD, NOISY_SPREAD, ModelProfile, derive_profile
 from hetpipe.models import get_model
 
 BATCH = 8

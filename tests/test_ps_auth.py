@@ -11,8 +11,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from hetpipe.core import wire
-from hetpipe.core.keys import SERVER, client_keys, key_users, read_public, server_keys, write_keys
+from hetpipe.core.protocol import wire
+from hetpipe.core.protocol.keys import SERVER, client_keys, key_users, read_public, server_keys, write_keys
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient, PSError
 

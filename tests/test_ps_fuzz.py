@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from hetpipe.core import wire
-from hetpipe.core.procs import ChildGroup
+from hetpipe.core.protocol import wire
+from hetpipe.core.runs.procs import ChildGroup
 from hetpipe.server.shard import ShardSettings
 
 from conftest import start_shard

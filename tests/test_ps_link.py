@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hetpipe.core.errors import HetpipeError
-from hetpipe.core.metrics import TraceRecorder
+from hetpipe.core.runs.metrics import TraceRecorder
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.agent_pipe import MAX_MESSAGE_BYTES, PipeWriter, read_message
 from hetpipe.worker.flat_layout import FlatLayout
@@ -81,7 +81,7 @@ def test_pipe_messages_round_trip_and_refuse_garbage():
 
 
 def test_client_spec_crosses_the_pipe_whole():
-    from hetpipe.core.keys import ClientKeys
+    from hetpipe.core.protocol.keys import ClientKeys
 
     keyed = ClientSpec(
         ["tcp://127.0.0.1:1"],
@@ -221,7 +221,7 @@ def test_an_agent_process_talks_curve_with_the_stages_keys(children, tmp_path):
     admits it (a wrong key would leave the registration unanswered)."""
     import zmq
 
-    from hetpipe.core.keys import client_keys, key_users, server_keys, write_keys
+    from hetpipe.core.protocol.keys import client_keys, key_users, server_keys, write_keys
 
     if not zmq.has("curve"):
         pytest.skip("this libzmq has no CURVE support")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from ledger_client import LedgerSpec, ledger_keys, ledger_stage
 
-from hetpipe.core.placement import balanced_placement
+from hetpipe.core.protocol.placement import balanced_placement
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient, PSError, PSTimeout
 
@@ -125,7 +125,7 @@ def test_non_finite_pushes_and_registrations_are_refused(children, bad: float):
 def test_a_stage_parks_one_pull_at_a_time(children):
     """A pull whose gate is closed waits; a second one from the same stage replaces it (the first is answered
     with an error), so parked pulls cannot pile up."""
-    from hetpipe.core import wire
+    from hetpipe.core.protocol import wire
 
     endpoint, _ = start_shard(children, ShardSettings("park", 0, "tcp://127.0.0.1:0", 0))
     place = {"k": 0}
@@ -155,7 +155,7 @@ def test_a_stage_parks_one_pull_at_a_time(children):
 def test_a_client_facing_no_server_times_out_and_says_so(children):
     """Nothing listens: the request and its status probe time out (once each), the message says the PS is
     silent."""
-    from hetpipe.core.procs import free_port
+    from hetpipe.core.runs.procs import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     with (
@@ -171,7 +171,7 @@ def test_a_curve_client_facing_a_plain_shard_times_out_naming_its_key(children, 
     """The handshake fails, so the DEALER has no connection to queue on: sends must not block."""
     import zmq
 
-    from hetpipe.core.keys import client_keys, key_users, write_keys
+    from hetpipe.core.protocol.keys import client_keys, key_users, write_keys
 
     if not zmq.has("curve"):
         pytest.skip("this libzmq has no CURVE support")
@@ -189,7 +189,7 @@ def test_a_curve_client_facing_a_plain_shard_times_out_naming_its_key(children, 
 def test_bfloat16_on_the_wire_both_ways_while_the_ps_adds_in_float32(children):
     """[ps] wire_dtype = "bfloat16": pushes and pulls go packed (half the bytes), the PS keeps float32
     weights."""
-    from hetpipe.core.wire import from_bfloat16_bits, to_bfloat16_bits
+    from hetpipe.core.protocol.wire import from_bfloat16_bits, to_bfloat16_bits
 
     def bf16(x: np.ndarray) -> np.ndarray:
         return from_bfloat16_bits(to_bfloat16_bits(x))

@@ -1,12 +1,18 @@
-"""Tests of hetpipe.core.resume: the cut a checkpoint takes through every schedule, rejoin lists, which
-snapshots to keep, the common wave of a resume."""
+"""Tests of hetpipe.core.pipeline.resume: the cut a checkpoint takes through every schedule, rejoin lists,
+which snapshots to keep, the common wave of a resume."""
 
 from __future__ import annotations
 
 import pytest
 
-from hetpipe.core.resume import common_cut, cut_position, forwarded_before, rejoin_actions, snapshot_floor
-from hetpipe.core.schedule import BACKWARD, SCHEDULES, get_schedule, needs, parse_actions
+from hetpipe.core.pipeline.resume import (
+    common_cut,
+    cut_position,
+    forwarded_before,
+    rejoin_actions,
+    snapshot_floor,
+)
+from hetpipe.core.pipeline.schedule import BACKWARD, SCHEDULES, get_schedule, needs, parse_actions
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.schedule import (
+from hetpipe.core.pipeline.schedule import (
     KINDS,
     SCHEDULES,
     Action,

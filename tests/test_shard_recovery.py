@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetpipe.core.wsp import WspError
+from hetpipe.core.wsp.state import WspError
 from hetpipe.server.shard import ShardServer, ShardSettings
 
 

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.plan import Plan, StagePlan, VwPlan
-from hetpipe.core.schedule import BACKWARD, FORWARD, wsp_schedule
-from hetpipe.core.schedule import simulate as simulate_schedule
-from hetpipe.core.simulate import (
+from hetpipe.core.pipeline.schedule import BACKWARD, FORWARD, wsp_schedule
+from hetpipe.core.pipeline.schedule import simulate as simulate_schedule
+from hetpipe.core.planning.plan import Plan, StagePlan, VwPlan
+from hetpipe.core.planning.simulate import (
     PsNetwork,
     simulate,
     simulate_allreduce,

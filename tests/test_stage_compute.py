@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hetpipe.compute.stage_compute import StageCompute, StageRules, stage_buffers
-from hetpipe.core.schedule import get_schedule
+from hetpipe.core.pipeline.schedule import get_schedule
 from hetpipe.models import build_stage, get_model
 
 NM, WAVES = 4, 5
@@ -91,9 +91,9 @@ def test_push_copies_the_buffers_and_reads_them_where_they_are_now():
 
 
 def test_forwards_no_update_separates_from_their_backward_run_unstashed_to_the_same_weights():
-    """StageRules.unstashed (hetpipe.core.schedule.unstashed_forwards): those forwards keep no stashed copy
-    and compute what they compute on one, bit for bit; the others still stash."""
-    from hetpipe.core.schedule import unstashed_forwards
+    """StageRules.unstashed (hetpipe.core.pipeline.schedule.unstashed_forwards): those forwards keep no
+    stashed copy and compute what they compute on one, bit for bit; the others still stash."""
+    from hetpipe.core.pipeline.schedule import unstashed_forwards
 
     spec = get_model("mnist-cnn", batch_norm=True)
     gen = torch.Generator().manual_seed(2)

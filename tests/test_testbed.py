@@ -18,7 +18,7 @@ import pytest
 
 from hetpipe.app import testbed as tb
 from hetpipe.core.config import apply_overrides, load_config
-from hetpipe.core.testbed import plan_topology, within
+from hetpipe.core.runs.testbed import plan_topology, within
 
 from conftest import as_from_a_terminal
 

@@ -1,4 +1,5 @@
-"""hetpipe.core.testbed: the testbed's names, addresses, tbf parameters, overrides and link scale, as data."""
+"""hetpipe.core.runs.testbed: the testbed's names, addresses, tbf parameters, overrides and link scale, as
+data."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from hetpipe.core.config import apply_overrides, load_config
 from hetpipe.core.errors import UsageError
-from hetpipe.core.testbed import (
+from hetpipe.core.runs.testbed import (
     LinkScale,
     Tbf,
     Topology,

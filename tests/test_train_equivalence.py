@@ -14,7 +14,7 @@ from hetpipe.compute import data as datalib
 from hetpipe.compute.build import VwLayout, dataset_of, model_of
 from hetpipe.compute.reference import run_reference
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config
-from hetpipe.core.schedule import SCHEDULES
+from hetpipe.core.pipeline.schedule import SCHEDULES
 from hetpipe.models import build_stage
 
 from conftest import write_config
@@ -120,7 +120,7 @@ def test_pipedream_beyond_the_pipes_depth_equals_its_reference_and_one_vw_trains
 ):
     """Nm 4 on 2 stages: 2 VWs equal the reference; one VW trains the weights wsp trains at Nm 2 (the same F,
     B and U; only its pushes, which it never pulls back, fall elsewhere:
-    hetpipe.core.convergence.canonical)."""
+    hetpipe.core.planning.convergence.canonical)."""
     deep = apply_overrides(
         load_config(write_config(tmp_path, vws=layout(2, 2), nm=4, staleness=1, waves=3)),
         ['train.schedule="pipedream"'],
@@ -214,8 +214,9 @@ def test_reference_is_independent_of_the_global_order(tmp_path: Path):
     assert all(np.array_equal(one.ps_weights[k], two.ps_weights[k]) for k in one.ps_weights)
 
 
-# Each staleness mitigation (hetpipe.core.mitigation) in the runtime equals the reference's independent
-# arithmetic, 1 and 2 VWs; each case also differs from the same run without it (the mitigation acted).
+# Each staleness mitigation (hetpipe.core.pipeline.mitigation) in the runtime equals the reference's
+# independent arithmetic, 1 and 2 VWs; each case also differs from the same run without it (the mitigation
+# acted).
 @pytest.mark.parametrize(
     ("vws", "settings"),
     [

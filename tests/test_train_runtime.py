@@ -169,7 +169,7 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
     state = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
     assert "1.0.weight" in state and all(t.dtype == torch.float32 for t in state.values())
     # each stage's totals are in its trace too (what a run of `hetpipe worker`s leaves), and they add up
-    from hetpipe.core.metrics import STAGE_PARTS, stage_totals
+    from hetpipe.core.runs.metrics import STAGE_PARTS, stage_totals
 
     totals = stage_totals(tmp_path / "r" / "trace")
     assert sorted(totals) == [(0, 0), (0, 1)] and {t["waves"] for t in totals.values()} == {3}
@@ -192,7 +192,7 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
 
 def test_a_profile_window_past_the_run_is_refused_before_anything_starts(tmp_path: Path):
     from hetpipe.core.errors import UsageError
-    from hetpipe.core.profile_window import ProfileWindow
+    from hetpipe.core.pipeline.profile_window import ProfileWindow
     from hetpipe.worker.run import run_worker
 
     path = write_config(tmp_path, vws=[["n0:0"]], nm=2, staleness=0, waves=3)

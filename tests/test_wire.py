@@ -9,8 +9,16 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetpipe.core import wire
-from hetpipe.core.wire import CHUNK_BYTES, DTYPES, PROTOCOL_VERSION, Message, WireError, decode, encode
+from hetpipe.core.protocol import wire
+from hetpipe.core.protocol.wire import (
+    CHUNK_BYTES,
+    DTYPES,
+    PROTOCOL_VERSION,
+    Message,
+    WireError,
+    decode,
+    encode,
+)
 
 BIG = int(2.5 * CHUNK_BYTES) // 4 + 3  # float32 elements: 3 frames, the last one partial
 

@@ -1,4 +1,4 @@
-"""Tests of hetpipe.core.wsp: the WSP rules of docs/wsp.md on a ledger where each (vw, stage, wave) adds
+"""Tests of hetpipe.core.wsp.state: the WSP rules of docs/wsp.md on a ledger where each (vw, stage, wave) adds
 1.0."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.core import wire
-from hetpipe.core.aggregation import make_aggregation
-from hetpipe.core.wsp import ShardState, WspError, first_pulled_wave, gate_version, pending_bound
+from hetpipe.core.protocol import wire
+from hetpipe.core.wsp.aggregation import make_aggregation
+from hetpipe.core.wsp.state import ShardState, WspError, first_pulled_wave, gate_version, pending_bound
 
 
 def ledger_key(stage: int) -> str:

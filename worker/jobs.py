@@ -9,10 +9,10 @@ from pathlib import Path
 
 from hetpipe.compute.build import VwLayout
 from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
-from hetpipe.core.devices import stage_device
-from hetpipe.core.emulate import cpu_cores, slowdowns
-from hetpipe.core.keys import ClientKeys
-from hetpipe.core.profile_window import ProfileWindow
+from hetpipe.core.hardware.devices import stage_device
+from hetpipe.core.hardware.emulate import cpu_cores, slowdowns
+from hetpipe.core.pipeline.profile_window import ProfileWindow
+from hetpipe.core.protocol.keys import ClientKeys
 
 __all__ = ["StageJob", "cuda_devices", "emulated_slowdowns", "stage_jobs"]
 

@@ -1,8 +1,9 @@
 """Point-to-point tensors between the stages of one virtual worker (torch.distributed: gloo or NCCL).
 
-NCCL when every stage has a CUDA device of its own; gloo otherwise (hetpipe.core.devices.p2p_backend), and
-then a CUDA tensor travels through host memory: copied to a pinned host buffer, sent, and copied to the
-receiver's device. That is what lets several stages share one GPU, which NCCL refuses.
+NCCL when every stage has a CUDA device of its own; gloo otherwise
+(hetpipe.core.hardware.devices.p2p_backend), and then a CUDA tensor travels through host memory: copied to a
+pinned host buffer, sent, and copied to the receiver's device. That is what lets several stages share one GPU,
+which NCCL refuses.
 
 Sends are non-blocking (isend) so a stage never waits for its neighbour to post a receive; receives
 block. Each tensor goes as a small int64 header (ndim, shape) and then its data, so receivers need not

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from hetpipe.core.metrics import TraceRecorder
+from hetpipe.core.runs.metrics import TraceRecorder
 from hetpipe.worker.ps_client import Call, PSClient
 
 __all__ = ["PSAgent", "PushDone"]

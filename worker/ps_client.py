@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from hetpipe.core import wire
 from hetpipe.core.errors import HetpipeError
-from hetpipe.core.keys import ClientKeys
-from hetpipe.core.placement import keys_by_shard
+from hetpipe.core.protocol import wire
+from hetpipe.core.protocol.keys import ClientKeys
+from hetpipe.core.protocol.placement import keys_by_shard
 
 __all__ = ["Call", "ClientSpec", "PSClient", "PSError", "PSTimeout", "Pulled"]
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hetpipe.core.errors import HetpipeError
-from hetpipe.core.metrics import TraceRecorder
+from hetpipe.core.runs.metrics import TraceRecorder
 from hetpipe.worker.agent_pipe import PipeWriter, read_message
 from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.ps_agent import PSAgent, PushDone

@@ -12,9 +12,9 @@ from pathlib import Path
 from hetpipe.compute.build import model_of, vw_layouts
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.keys import ClientKeys, client_keys, vw_user
-from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
-from hetpipe.core.profile_window import ProfileWindow
+from hetpipe.core.pipeline.profile_window import ProfileWindow
+from hetpipe.core.protocol.keys import ClientKeys, client_keys, vw_user
+from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port
 from hetpipe.worker.jobs import StageJob, stage_jobs
 from hetpipe.worker.ps_client import PSClient, PSError
 from hetpipe.worker.stage import run_stage

@@ -1,5 +1,5 @@
-"""A stage's checkpoints on disk: its state at a wave (hetpipe.core.resume) in the checkpoint file format of
-hetpipe.core.checkpoint, one directory per stage: <run dir>/stages/vw<I>-s<J>/."""
+"""A stage's checkpoints on disk: its state at a wave (hetpipe.core.pipeline.resume) in the checkpoint file
+format of hetpipe.core.runs.checkpoint, one directory per stage: <run dir>/stages/vw<I>-s<J>/."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetpipe.core.checkpoint import discard_before, list_clocks, load_clock, write_checkpoint
+from hetpipe.core.runs.checkpoint import discard_before, list_clocks, load_clock, write_checkpoint
 
 __all__ = ["list_snapshots", "load_snapshot", "save_snapshot", "snapshot_dir"]
 

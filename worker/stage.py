@@ -9,9 +9,9 @@ Compute is stretched to the emulated GPU's speed; every action is traced, and th
 its time went (compute, device-to-host, push, gate wait, pull, host-to-device) to the launcher.
 
 Recovery (docs/recovery.md): at the PS's checkpoint waves the stage saves its state right after its PUSH c-1
-(hetpipe.core.resume), and a resumed stage starts there; a stage of a rejoining VW runs only the actions of
-waves from its start wave on. The PS agent sends heartbeats; when the PS says the VW was evicted or the run
-failed, the process ends (exit code 3) even if its thread waits on a neighbour that will never answer.
+(hetpipe.core.pipeline.resume), and a resumed stage starts there; a stage of a rejoining VW runs only the
+actions of waves from its start wave on. The PS agent sends heartbeats; when the PS says the VW was evicted or
+the run failed, the process ends (exit code 3) even if its thread waits on a neighbour that will never answer.
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from hetpipe.compute import data as datalib
 from hetpipe.compute.build import audit_shape, dataset_of, model_of, ps_placement
 from hetpipe.compute.heap import keep_freed_memory
 from hetpipe.compute.stage_compute import StageCompute, StageRules
-from hetpipe.core.audit import AuditError, audit_key, ledger_violations
-from hetpipe.core.devices import p2p_backend
-from hetpipe.core.emulate import LinkEmulator, device_dilator
 from hetpipe.core.errors import HetpipeError
-from hetpipe.core.metrics import STAGE_PARTS, TraceRecorder
-from hetpipe.core.mitigation import stage_lags
-from hetpipe.core.procs import child_entered_at, process_started_at
-from hetpipe.core.resume import cut_position, forwarded_before, rejoin_actions, snapshot_floor
-from hetpipe.core.schedule import WAIT, get_schedule, own_through_required, unstashed_forwards
-from hetpipe.core.wsp import gate_version
+from hetpipe.core.hardware.devices import p2p_backend
+from hetpipe.core.hardware.emulate import LinkEmulator, device_dilator
+from hetpipe.core.pipeline.mitigation import stage_lags
+from hetpipe.core.pipeline.resume import cut_position, forwarded_before, rejoin_actions, snapshot_floor
+from hetpipe.core.pipeline.schedule import WAIT, get_schedule, own_through_required, unstashed_forwards
+from hetpipe.core.runs.metrics import STAGE_PARTS, TraceRecorder
+from hetpipe.core.runs.procs import child_entered_at, process_started_at
+from hetpipe.core.wsp.audit import AuditError, audit_key, ledger_violations
+from hetpipe.core.wsp.state import gate_version
 from hetpipe.models import build_stage
 from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.jobs import StageJob

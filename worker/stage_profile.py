@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from hetpipe.compute.op_profile import format_profile, op_profile, start_profiler, stop_profiler
-from hetpipe.core.profile_window import ProfileWindow
-from hetpipe.core.schedule import FORWARD, UPDATE
+from hetpipe.core.pipeline.profile_window import ProfileWindow
+from hetpipe.core.pipeline.schedule import FORWARD, UPDATE
 
 __all__ = ["StageProfiler"]
 

@@ -17,7 +17,7 @@ from hetpipe.compute.build import dataset_of
 from hetpipe.compute.data import DatasetSplit
 from hetpipe.compute.evaluate import evaluate
 from hetpipe.core.config import ClusterConfig
-from hetpipe.core.keys import ClientKeys
+from hetpipe.core.protocol.keys import ClientKeys
 from hetpipe.models import ModelSpec
 from hetpipe.worker.ps_client import PSClient
 

@@ -1,6 +1,6 @@
 """The convergence input of `hetpipe plan`: the calibration of the config's model, batch and optimizer
-(hetpipe.core.convergence), from the folder beside the shipped profiles or a file the user names, and the
-searches over the training rules it measured and over minibatch sizes, each priced by its own batch's
+(hetpipe.core.planning.convergence), from the folder beside the shipped profiles or a file the user names, and
+the searches over the training rules it measured and over minibatch sizes, each priced by its own batch's
 calibration."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from hetpipe.app.plan_inputs import SHIPPED_DIR
 from hetpipe.core.config import ClusterConfig, apply_overrides
-from hetpipe.core.convergence import Calibration, attach_samples, find_calibration, rules_of
 from hetpipe.core.errors import ConfigError, UsageError
+from hetpipe.core.planning.convergence import Calibration, attach_samples, find_calibration, rules_of
 
 __all__ = [
     "CALIBRATION_DIR",
@@ -102,8 +102,8 @@ def plan_over_rules(
 ) -> tuple[list[Any], ClusterConfig, int]:
     """(the candidates with their samples to target, the config, the rules tried) of the training rule whose
     best plan reaches the target soonest by prediction: `plan(variant)` plans each of rule_variants (only the
-    config without `search`), `best` ranks (hetpipe.core.planner's). Without a calibration, or when no rule's
-    best has a predicted time, the config's own rule."""
+    config without `search`), `best` ranks (hetpipe.core.planning.planner's). Without a calibration, or when
+    no rule's best has a predicted time, the config's own rule."""
     found = []
     for variant in rule_variants(config, calibration if search else None):
         candidates = attach_samples(

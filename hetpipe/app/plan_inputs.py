@@ -134,7 +134,7 @@ def shipped_profile(
     import math
 
     from hetpipe.compute.profiler import options_digest, profile_dtype
-    from hetpipe.core.profile import ModelProfile
+    from hetpipe.core.planning.profile import ModelProfile
 
     want = (spec.name, options_digest(spec), profile_dtype(spec, dtype), optimizer)
     found = []
@@ -180,7 +180,7 @@ def like_profile(
     type's FLOP rate over the measured device's), memory unchanged; stored in the cache under `gpu_type`."""
     from hetpipe.compute.profiler import cached_profile, profile_cache_path, write_profile
     from hetpipe.core.errors import HetpipeError, UsageError
-    from hetpipe.core.profile import derive_profile
+    from hetpipe.core.planning.profile import derive_profile
 
     try:
         source = cached_profile(spec, batch, like, cache_dir, optimizer=optimizer, dtype=dtype, measure=False)
@@ -206,7 +206,7 @@ def like_profile(
 
 
 def profile_table(profile) -> str:
-    from hetpipe.core.memory import format_bytes
+    from hetpipe.core.planning.memory import format_bytes
 
     header = ("#", "layer", "forward ms", "backward ms", "weights", "optimizer", "output", "saved", "working")
     rows = [
@@ -273,7 +273,7 @@ def origin_lines(profile) -> list[str]:
 
 def _load_profile(path: Path, model: str, batch: int, num_layers: int | None):
     from hetpipe.core.errors import UsageError
-    from hetpipe.core.profile import ModelProfile
+    from hetpipe.core.planning.profile import ModelProfile
 
     try:
         p = ModelProfile.load(path)
@@ -304,16 +304,16 @@ def plan_profiles(
     from datetime import UTC, datetime
 
     from hetpipe.compute.machine import host_fingerprint
-    from hetpipe.core.emulate import cpu_cores
     from hetpipe.core.errors import UsageError
-    from hetpipe.core.planner import (
+    from hetpipe.core.hardware.emulate import cpu_cores
+    from hetpipe.core.planning.planner import (
         EMULATED_P2P_GBPS,
         EMULATED_PS_GBPS,
         derived_profiles,
         emulated_profiles,
         supplied_profiles,
     )
-    from hetpipe.core.profile import origin_warnings
+    from hetpipe.core.planning.profile import origin_warnings
 
     batch, optimizer = config.train.batch_size, config.train.optimizer
     now = datetime.now(UTC)

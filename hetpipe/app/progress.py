@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetpipe.compute.build import VwLayout
-from hetpipe.core.metrics import VwProgress, wave_breakdown_ms
+from hetpipe.core.runs.metrics import VwProgress, wave_breakdown_ms
 
 __all__ = ["Progress", "ProgressView"]
 

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping
 __all__ = ["LAUNCHER_STEPS", "PRELOAD", "STAGE_STEPS", "format_timeline", "startup_timeline"]
 
 # what the fork server imports once, so stage and PS processes fork ready
-# (hetpipe.core.procs.warm_forkserver): the stage and PS code with torch, and what they would import later on
-# their own: numpy.random (the data's split and order) and torch's symbolic shapes with sympy, which
+# (hetpipe.core.runs.procs.warm_forkserver): the stage and PS code with torch, and what they would import
+# later on their own: numpy.random (the data's split and order) and torch's symbolic shapes with sympy, which
 # torch.autograd.grad imports at a stage's first backward with an output gradient (~0.35 s, else paid by every
 # stage but the last inside its first wave)
 PRELOAD = (

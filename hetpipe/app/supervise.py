@@ -17,7 +17,7 @@ from typing import Any
 
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.errors import HetpipeError
-from hetpipe.core.procs import Child, ChildFailed, ChildGroup, describe_exit
+from hetpipe.core.runs.procs import Child, ChildFailed, ChildGroup, describe_exit
 from hetpipe.server.launch import serve_settings
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient

@@ -1,5 +1,5 @@
 """The shaped-network testbed's shell: builds and removes it with `ip` and `tc` (the plan is
-hetpipe.core.testbed's), enters its namespaces, measures each node's egress, runs a command inside it and
+hetpipe.core.runs.testbed's), enters its namespaces, measures each node's egress, runs a command inside it and
 always tears it down (docs/testbed.md).
 
 What is on the machine while a testbed is up: namespaces hp-<run>-<node>, a bridge hp-<run>-br with one veth
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hetpipe.core.config import ClusterConfig, config_toml
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.testbed import (
+from hetpipe.core.runs.testbed import (
     LO_MTU,
     NS_IFNAME,
     PREFIX_LEN,
@@ -458,15 +458,15 @@ def _drain(server: socket.socket, deadline: float) -> None:
 
 
 def derive_link_scale(config: ClusterConfig, cache_dir: Path, efficiency: float = 1.0) -> LinkScale:
-    """The link scale of hetpipe.core.testbed.LinkScale for `config`'s model at its batch: the CPU profile
-    (measured on one thread and cached in cache_dir), the step's FLOPs, the fastest GPU type's speed read as
-    FP32 TFLOPS (as launch/clusters/bench*.toml give them) and the fastest emulated GPU's slowdown."""
+    """The link scale of hetpipe.core.runs.testbed.LinkScale for `config`'s model at its batch: the CPU
+    profile (measured on one thread and cached in cache_dir), the step's FLOPs, the fastest GPU type's speed
+    read as FP32 TFLOPS (as launch/clusters/bench*.toml give them) and the fastest emulated GPU's slowdown."""
     import torch
 
     from hetpipe.compute.build import model_of
     from hetpipe.compute.flops import training_flops
     from hetpipe.compute.profiler import cached_profile
-    from hetpipe.core.emulate import cpu_cores, gpu_speeds, slowdowns
+    from hetpipe.core.hardware.emulate import cpu_cores, gpu_speeds, slowdowns
 
     torch.set_num_threads(1)
     spec, batch = model_of(config), config.train.batch_size

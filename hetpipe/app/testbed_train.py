@@ -23,8 +23,8 @@ from hetpipe.app.testbed import egress_bytes, netns_argv
 from hetpipe.compute.build import VwLayout, model_of, vw_layouts
 from hetpipe.core.config import ClusterConfig, apply_overrides, config_toml
 from hetpipe.core.errors import HetpipeError
-from hetpipe.core.procs import tail
-from hetpipe.core.testbed import Topology, effective_config, layout_overrides, worker_places
+from hetpipe.core.runs.procs import tail
+from hetpipe.core.runs.testbed import Topology, effective_config, layout_overrides, worker_places
 
 __all__ = ["TestbedRun", "train_in_testbed"]
 

@@ -5,10 +5,10 @@ The launcher owns every child: on Ctrl-C or when the run cannot go on it stops t
 names the one that failed, with why and its last log lines. A PS shard that dies is restarted from its
 checkpoint and a failed VW may be evicted (hetpipe.app.supervise, docs/recovery.md); `--resume RUN_DIR`
 continues a stopped run from the newest wave the PS and every stage checkpointed. Before starting anything it
-checks that every stage fits its GPU's memory (hetpipe.core.fit) and that the run dir is writable; with [ps]
-auth = "curve" it makes (or reads) the run's keys and gives each stage its own VW's key pair only. Children
-fork from a fork server that imported torch and the stage code once (hetpipe.core.procs), so they start in
-milliseconds.
+checks that every stage fits its GPU's memory (hetpipe.core.planning.fit) and that the run dir is writable;
+with [ps] auth = "curve" it makes (or reads) the run's keys and gives each stage its own VW's key pair only.
+Children fork from a fork server that imported torch and the stage code once (hetpipe.core.runs.procs), so
+they start in milliseconds.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ from hetpipe.app.supervise import Supervisor
 from hetpipe.compute.build import VwLayout, dataset_of, model_of, vw_layouts
 from hetpipe.compute.evaluate import evaluate
 from hetpipe.compute.sizes import model_sizes
-from hetpipe.core.audit import expected_ledger
 from hetpipe.core.config import ClusterConfig, apply_overrides, config_toml
-from hetpipe.core.devices import stage_device
 from hetpipe.core.errors import ConfigError, HetpipeError, UsageError
-from hetpipe.core.fit import memory_error, stage_needs
-from hetpipe.core.keys import (
+from hetpipe.core.hardware.devices import stage_device
+from hetpipe.core.pipeline.profile_window import ProfileWindow
+from hetpipe.core.pipeline.resume import common_cut
+from hetpipe.core.planning.fit import memory_error, stage_needs
+from hetpipe.core.planning.memory import MemoryRule
+from hetpipe.core.protocol.keys import (
     ADMIN,
     ClientKeys,
     ServerKeys,
@@ -48,11 +50,9 @@ from hetpipe.core.keys import (
     vw_user,
     write_keys,
 )
-from hetpipe.core.memory import MemoryRule
-from hetpipe.core.metrics import MetricsWriter, format_progress, merge_traces
-from hetpipe.core.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
-from hetpipe.core.profile_window import ProfileWindow
-from hetpipe.core.resume import common_cut
+from hetpipe.core.runs.metrics import MetricsWriter, format_progress, merge_traces
+from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
+from hetpipe.core.wsp.audit import expected_ledger
 from hetpipe.models import ModelSpec
 from hetpipe.server.checkpoint import list_clocks, list_manifests
 from hetpipe.server.launch import serve_settings, shard_settings
@@ -580,7 +580,7 @@ def _audit_ledgers(
 def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, tuple[VwLayout, ...]]:
     """The config with a plan's Nm, D, schedule, minibatch size and training rule (aggregation, mitigation),
     and the plan's VWs and splits (a file from `hetpipe plan --out`)."""
-    from hetpipe.core.plan import Plan
+    from hetpipe.core.planning.plan import Plan
 
     try:
         plan = Plan.from_json(plan_path.read_text())

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpipe.compute import data as datalib
-from hetpipe.core.audit import audit_key
-from hetpipe.core.cluster import allocate
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.errors import UsageError
-from hetpipe.core.placement import get_placement, layer_shards, local_placement
+from hetpipe.core.planning.cluster import allocate
+from hetpipe.core.protocol.placement import get_placement, layer_shards, local_placement
+from hetpipe.core.wsp.audit import audit_key
 from hetpipe.models import ModelSpec, build_stage, even_split, get_model, named_stage_tensors, param_counts
 
 __all__ = ["VwLayout", "audit_shape", "dataset_of", "model_of", "ps_placement", "vw_layouts"]

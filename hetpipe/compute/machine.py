@@ -33,7 +33,7 @@ def host_fingerprint() -> str:
 def load_per_core() -> float | None:
     """The 1-minute load average over this process's cores (threads running or waiting per core); None where
     the OS has no load average."""
-    from hetpipe.core.emulate import cpu_cores
+    from hetpipe.core.hardware.emulate import cpu_cores
 
     try:
         return os.getloadavg()[0] / cpu_cores()

@@ -2,8 +2,8 @@
 
 Not pure: it builds and runs the model. The caller sets torch.set_num_threads(1) first, as every stage process
 does (docs/architecture.md#conventions), so that the times match what a stage will see. Each profile records
-where, when and how noisily it was measured (hetpipe.core.profile.ProfileOrigin); a noisy one is measured once
-more.
+where, when and how noisily it was measured (hetpipe.core.planning.profile.ProfileOrigin); a noisy one is
+measured once more.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from torch import Tensor, nn
 from hetpipe.compute.heap import keep_freed_memory
 from hetpipe.compute.machine import cpu_model, host_fingerprint, load_per_core
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.profile import LayerProfile, ModelProfile, ProfileOrigin, noise_flags, repeat_spread
+from hetpipe.core.planning.profile import (
+    LayerProfile,
+    ModelProfile,
+    ProfileOrigin,
+    noise_flags,
+    repeat_spread,
+)
 from hetpipe.models.spec import ModelSpec
 
 __all__ = [
@@ -193,7 +199,7 @@ def emulation_cost(
     one's takes a few ms (where they weigh most, and the median of many is needed); on one thread, like the
     profile."""
     from hetpipe.compute.stage_compute import StageCompute, StageRules
-    from hetpipe.core.emulate import device_dilator
+    from hetpipe.core.hardware.emulate import device_dilator
 
     compute = StageCompute(nn.Sequential(*layers), optimizer, 0.0, 0.9, 0.0, StageRules(nm=1))
     dilator = device_dilator(slowdown)

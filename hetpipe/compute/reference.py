@@ -4,7 +4,8 @@ valid global order by the schedule's dependency rules, with `exact` pulls.
 Plain and separate on purpose: it is the oracle the multi-process runtime is tested against bit for bit,
 so its stage arithmetic is written here again, the textbook way (`loss.backward()` into `.grad`, a copy of
 the weights per stashed forward), not shared with hetpipe.compute.stage_compute. What it shares is the
-schedule (hetpipe.core.schedule) and the PS's fold (hetpipe.core.aggregation). Its order of operations:
+schedule (hetpipe.core.pipeline.schedule) and the PS's fold (hetpipe.core.wsp.aggregation). Its order of
+operations:
   backward of p:   .grad accumulates (stashed forwards: live .grad = first stashed grad, then +=)
   U p:             .grad /= n (n > 1 backwards); optimizer step; the wave's updates are folded in together:
                    Δ = t - baseline; sums[wave] += Δ; baseline = t when a U of another wave comes and before
@@ -15,7 +16,7 @@ schedule (hetpipe.core.schedule) and the PS's fold (hetpipe.core.aggregation). I
   ps.wire_dtype:   bfloat16 rounds the weights (not buffers) of every push as it leaves a stage and of every
                    pull as it leaves the PS; the PS and the stages' own sums stay float32
 A single VW skips WAIT when its own updates are applied locally (aggregation sum or mean).
-Mitigations (train.mitigation, hetpipe.core.mitigation), each written here again:
+Mitigations (train.mitigation, hetpipe.core.pipeline.mitigation), each written here again:
   warmup/pipemare: lr of U p = lr * (warm-up factor * PipeMare T1 factor), set before the step
   pipemare T2:     an unstashed backward recomputes on w - dc * s; dc = dc * gamma + Δ * (1 - gamma) after
                    each U
@@ -40,11 +41,11 @@ from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
 from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
 from hetpipe.compute.stage_compute import set_buffer, stage_buffers
-from hetpipe.core.aggregation import make_aggregation
 from hetpipe.core.config import ClusterConfig
-from hetpipe.core.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
-from hetpipe.core.schedule import BACKWARD, FORWARD, PUSH, UPDATE, WAIT, gate_of, get_schedule, needs
-from hetpipe.core.wire import from_bfloat16_bits, to_bfloat16_bits
+from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
+from hetpipe.core.pipeline.schedule import BACKWARD, FORWARD, PUSH, UPDATE, WAIT, gate_of, get_schedule, needs
+from hetpipe.core.protocol.wire import from_bfloat16_bits, to_bfloat16_bits
+from hetpipe.core.wsp.aggregation import make_aggregation
 from hetpipe.models import build_stage
 
 __all__ = ["ReferenceResult", "run_reference"]

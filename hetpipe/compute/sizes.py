@@ -1,5 +1,5 @@
 """A model's per-layer sizes without measuring it: a ModelProfile with zero times, for the memory check of
-`hetpipe train` (hetpipe.core.fit). Not a profile: nothing is timed.
+`hetpipe train` (hetpipe.core.planning.fit). Not a profile: nothing is timed.
 
 One forward (and the loss) at batch 1 and one at batch 2 on the CPU, one thread, with zeroed weights: each
 layer is built on the meta device and given memory only while it runs. What a minibatch holds (output, saved
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from hetpipe.compute.profiler import OPTIMIZER_STATE, storage_key, tensor_bytes
 from hetpipe.core.errors import UsageError
-from hetpipe.core.profile import LayerProfile, ModelProfile
+from hetpipe.core.planning.profile import LayerProfile, ModelProfile
 from hetpipe.models.spec import ModelSpec
 
 __all__ = ["model_sizes"]

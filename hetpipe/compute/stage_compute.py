@@ -14,7 +14,7 @@ so runs are reproducible bit for bit:
   PUSH c:                  fold; params: sums[c] (or gsum[c] / Nm); ledgers: sums[c]; buffers: their values
   WAIT (rebase):           fold; t = pulled; t += sums[w] for own waves w > own_through, in wave order
                            (aggregation server: t = pulled); buffers are replaced out of place
-Mitigations (train.mitigation, hetpipe.core.mitigation; "none" leaves all of the above untouched):
+Mitigations (train.mitigation, hetpipe.core.pipeline.mitigation; "none" leaves all of the above untouched):
   warmup, pipemare (T1):   before U p's step: optimizer lr = lr * factor (warm-up factor x PipeMare factor)
   pipemare (T2):           after U: dc = dc * gamma + Δ * (1 - gamma); an unstashed backward of p recomputes
                            on w - dc * s (s: updates since F p) instead of the live w
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
 from hetpipe.compute.weight_swap import WeightSwap
-from hetpipe.core.mitigation import Lag, dc_gamma, pipemare_lr_factor, warmup_lr_factor
+from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, warmup_lr_factor
 
 __all__ = ["InFlight", "StageCompute", "StageRules", "buffer_slots", "set_buffer", "stage_buffers"]
 
@@ -96,14 +96,17 @@ class StageRules:
     aggregation: str = "sum"  # sum | mean: local optimizer steps pushed as updates; server: mean gradients
     buffers: str = "average"  # average: pulls replace the buffers; local: each VW keeps its own
     precision: str = "fp32"  # fp32 | bf16 (autocast; weights, gradients and updates stay fp32)
-    mitigation: tuple[str, ...] = ()  # staleness mitigations (hetpipe.core.mitigation); () = none
+    mitigation: tuple[str, ...] = ()  # staleness mitigations (hetpipe.core.pipeline.mitigation); () = none
     num_vws: int = 1  # VWs of the run (warmup's starting share, average's share)
     warmup_waves: int = 0  # warmup ramp and PipeMare T1 annealing, in waves
     staleness: int = 0  # D (spectrain with aggregation server predicts D + 1 versions ahead)
-    lags: Mapping[int, Lag] | None = None  # per minibatch of this stage (hetpipe.core.mitigation.stage_lags)
+    lags: Mapping[int, Lag] | None = (
+        None  # per minibatch of this stage (hetpipe.core.pipeline.mitigation.stage_lags)
+    )
     unstashed: frozenset[int] = frozenset()  # minibatches whose weights no U or WAIT changes between F and B
-    #                                          (hetpipe.core.schedule.unstashed_forwards): forwards on the
-    #                                          live weights, no stashed copy (the same numbers, a copy less)
+    #                                          (hetpipe.core.pipeline.schedule.unstashed_forwards): forwards
+    # on the                                          live weights, no stashed copy (the same numbers, a copy
+    # less)
 
 
 @dataclass
@@ -186,7 +189,7 @@ class StageCompute:
         owner._buffers[leaf] = value
 
     def kinds(self) -> dict[str, str]:
-        """Every key this stage syncs with the PS and its kind (hetpipe.core.aggregation)."""
+        """Every key this stage syncs with the PS and its kind (hetpipe.core.wsp.aggregation)."""
         return {
             **dict.fromkeys(self.params, "param"),
             **dict.fromkeys(self.ledgers, "ledger"),
@@ -395,7 +398,7 @@ class StageCompute:
         self._new_version()
 
     def _lr_factor(self, p: int) -> float:
-        """warmup x PipeMare T1 for the update of minibatch p (hetpipe.core.mitigation)."""
+        """warmup x PipeMare T1 for the update of minibatch p (hetpipe.core.pipeline.mitigation)."""
         wave, rules = self.wave_of(p), self.rules
         factor = 1.0
         if "warmup" in rules.mitigation:

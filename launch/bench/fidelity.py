@@ -29,14 +29,14 @@ import throughput  # noqa: E402
 from hetpipe.app.plan_inputs import default_profile_dir  # noqa: E402
 from hetpipe.compute.profiler import cached_profile  # noqa: E402
 from hetpipe.core.config import load_config  # noqa: E402
-from hetpipe.core.emulate import cpu_cores  # noqa: E402
-from hetpipe.core.planner import (  # noqa: E402
+from hetpipe.core.hardware.emulate import cpu_cores  # noqa: E402
+from hetpipe.core.planning.planner import (  # noqa: E402
     EMULATED_P2P_GBPS,
     EMULATED_PS_GBPS,
     emulated_profiles,
     plan_candidates,
 )
-from hetpipe.core.simulate import simulate  # noqa: E402
+from hetpipe.core.planning.simulate import simulate  # noqa: E402
 from hetpipe.models import get_model  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fuzz_cases import MEMBER_VW, REGISTER, RUN, WAVES_DONE, Case, CaseGenerator, model  # noqa: E402
 
-from hetpipe.core import wire  # noqa: E402
+from hetpipe.core.protocol import wire  # noqa: E402
 
 __all__ = ["FuzzReport", "FuzzSession", "shard_rss"]
 
@@ -228,7 +228,7 @@ class FuzzSession:
     "--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the report as JSON."
 )
 def main(count: int, seed: int, warmup: int, out: Path | None) -> None:
-    from hetpipe.core.procs import ChildGroup
+    from hetpipe.core.runs.procs import ChildGroup
     from hetpipe.server.launch import serve_settings
     from hetpipe.server.shard import ShardSettings
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from hetpipe.core import wire
+from hetpipe.core.protocol import wire
 
 __all__ = [
     "MEMBER_VW",

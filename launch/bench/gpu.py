@@ -69,8 +69,8 @@ from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.op_profile import op_profile, start_profiler, stop_profiler  # noqa: E402
 from hetpipe.compute.optim import make_optimizer  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
-from hetpipe.core.profile_window import ProfileWindow  # noqa: E402
-from hetpipe.core.schedule import SCHEDULES  # noqa: E402
+from hetpipe.core.pipeline.profile_window import ProfileWindow  # noqa: E402
+from hetpipe.core.pipeline.schedule import SCHEDULES  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
 
 MODELS = {  # name -> (model options, data name and options)

@@ -39,7 +39,7 @@ from hetpipe.compute import data as datalib  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.op_profile import format_profile, op_profile, start_profiler, stop_profiler  # noqa: E402
 from hetpipe.compute.stage_compute import StageCompute, StageRules  # noqa: E402
-from hetpipe.core.schedule import PUSH, SCHEDULES, WAIT, get_schedule, unstashed_forwards  # noqa: E402
+from hetpipe.core.pipeline.schedule import PUSH, SCHEDULES, WAIT, get_schedule, unstashed_forwards  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
 
 NM = 4

@@ -1,7 +1,7 @@
 """The memory model against measured peak memory: one stage runs its schedule's action list through the
 runtime's own StageCompute (forwards, backwards, updates, pushes, pulls and rebases, no transport), and its
-peak is read from the C heap (glibc mallinfo2, after every tensor operation), beside what hetpipe.core.memory
-predicts from the model's sizes (hetpipe.compute.sizes).
+peak is read from the C heap (glibc mallinfo2, after every tensor operation), beside what
+hetpipe.core.planning.memory predicts from the model's sizes (hetpipe.compute.sizes).
 
     python launch/bench/memory.py                       # the default cases, a table
     python launch/bench/memory.py --out memory.json
@@ -95,9 +95,9 @@ def _run(case: Case, out: Any) -> None:
     from hetpipe.compute.heap import keep_freed_memory
     from hetpipe.compute.sizes import model_sizes
     from hetpipe.compute.stage_compute import StageCompute, StageRules
-    from hetpipe.core.memory import MemoryRule, stage_memory_terms
-    from hetpipe.core.schedule import get_schedule
-    from hetpipe.core.wsp import gate_version
+    from hetpipe.core.pipeline.schedule import get_schedule
+    from hetpipe.core.planning.memory import MemoryRule, stage_memory_terms
+    from hetpipe.core.wsp.state import gate_version
     from hetpipe.models import build_stage, get_model
 
     torch.set_num_threads(1)

@@ -1,13 +1,14 @@
 """What users would run instead of hetpipe, on the same emulated GPUs: torch DDP and one torch pipeline.
 
-Each peer is a group of spawned processes (hetpipe.core.procs.ChildGroup), one per emulated GPU, under the
-emulation hetpipe's own stages get (docs/emulation.md): one torch thread per process, and every
-block of compute - forward with the loss, backward, optimizer step - stretched by hetpipe.core.emulate.Dilator
-to the GPU's slowdown, the same slowdowns hetpipe.core.emulate.slowdowns gives hetpipe's stages. Communication
-(gloo all-reduce, send/recv) is not stretched, as in hetpipe (link emulation is off). Given a testbed topology
-(hetpipe.core.testbed; docs/testbed.md), each rank enters its GPU's node's network namespace first thing
-(setns in the spawned child, before any socket or thread) and gloo binds to the node's shaped veth, so the
-peers' traffic crosses the same shaped links as hetpipe's.
+Each peer is a group of spawned processes (hetpipe.core.runs.procs.ChildGroup), one per emulated GPU, under
+the emulation hetpipe's own stages get (docs/emulation.md): one torch thread per process, and every
+block of compute - forward with the loss, backward, optimizer step - stretched by
+hetpipe.core.hardware.emulate.Dilator to the GPU's slowdown, the same slowdowns
+hetpipe.core.hardware.emulate.slowdowns gives hetpipe's stages. Communication (gloo all-reduce, send/recv) is
+not stretched, as in hetpipe (link emulation is off). Given a testbed topology (hetpipe.core.runs.testbed;
+docs/testbed.md), each rank enters its GPU's node's network namespace first thing (setns in the spawned child,
+before any socket or thread) and gloo binds to the node's shaped veth, so the peers' traffic crosses the same
+shaped links as hetpipe's.
 
 - DDP: torch DistributedDataParallel (gloo), synchronous, one replica per GPU that can hold the whole
   model (memory rule: `whole_model_bytes`), each GPU one minibatch per step, same data shards and seeded
@@ -42,13 +43,13 @@ from hetpipe.compute.heap import keep_freed_memory
 from hetpipe.compute.optim import make_optimizer
 from hetpipe.compute.profiler import cached_profile
 from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
-from hetpipe.core.emulate import Dilator, cpu_cores, device_dilator, gpu_speeds, slowdowns
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.memory import PLAIN, format_bytes, stage_memory
-from hetpipe.core.partition import best_order_and_nm
-from hetpipe.core.procs import ChildFailed, ChildGroup, free_port
-from hetpipe.core.profile import ModelProfile
-from hetpipe.core.testbed import NS_IFNAME, Topology
+from hetpipe.core.hardware.emulate import Dilator, cpu_cores, device_dilator, gpu_speeds, slowdowns
+from hetpipe.core.planning.memory import PLAIN, format_bytes, stage_memory
+from hetpipe.core.planning.partition import best_order_and_nm
+from hetpipe.core.planning.profile import ModelProfile
+from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port
+from hetpipe.core.runs.testbed import NS_IFNAME, Topology
 from hetpipe.models import build_stage
 
 __all__ = [
@@ -88,8 +89,9 @@ class Device:
 def devices(config: ClusterConfig) -> list[Device]:
     """Every GPU of the cluster, in config order, with the slowdown hetpipe's stages get.
 
-    Slowdowns come from hetpipe.core.emulate.slowdowns over all the cluster's GPUs, as the launcher computes
-    them over its virtual workers' GPUs (the same set when the VWs use every GPU); 1.0 without emulation.
+    Slowdowns come from hetpipe.core.hardware.emulate.slowdowns over all the cluster's GPUs, as the launcher
+    computes them over its virtual workers' GPUs (the same set when the VWs use every GPU); 1.0 without
+    emulation.
     """
     speeds = gpu_speeds(config)
     slow = (
@@ -119,7 +121,7 @@ def model_profile(
 
 
 def whole_model_bytes(profile: ModelProfile) -> int:
-    """Memory one data-parallel replica needs, by hetpipe's memory model (hetpipe.core.memory,
+    """Memory one data-parallel replica needs, by hetpipe's memory model (hetpipe.core.planning.memory,
     docs/memory.md).
 
     The whole model as a single stage with one minibatch in flight and no stashed weights: weights +

@@ -33,9 +33,9 @@ import peers  # noqa: E402  (launch/bench is not a package)
 import throughput  # noqa: E402
 from testbed_options import profile_option  # noqa: E402
 
-from hetpipe.core import planner  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
+from hetpipe.core.planning import planner  # noqa: E402
 
 PLACEMENTS = ("balanced", "local")
 

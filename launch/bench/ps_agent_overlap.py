@@ -42,8 +42,8 @@ import gpu  # noqa: E402  (launch/bench is not a package)
 
 from hetpipe.compute.build import model_of  # noqa: E402
 from hetpipe.compute.stage_compute import StageCompute, StageRules  # noqa: E402
-from hetpipe.core.metrics import TraceRecorder  # noqa: E402
-from hetpipe.core.procs import ChildGroup  # noqa: E402
+from hetpipe.core.runs.metrics import TraceRecorder  # noqa: E402
+from hetpipe.core.runs.procs import ChildGroup  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
 from hetpipe.server.launch import serve_settings  # noqa: E402
 from hetpipe.server.shard import ShardSettings  # noqa: E402

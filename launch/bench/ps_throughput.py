@@ -35,10 +35,10 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plots  # noqa: E402  (launch/bench is not a package)
 
-from hetpipe.core import wire  # noqa: E402
-from hetpipe.core.keys import ClientKeys, ServerKeys, client_keys, key_users, server_keys, write_keys  # noqa: E402
-from hetpipe.core.placement import balanced_placement  # noqa: E402
-from hetpipe.core.procs import ChildGroup  # noqa: E402
+from hetpipe.core.protocol import wire  # noqa: E402
+from hetpipe.core.protocol.keys import ClientKeys, ServerKeys, client_keys, key_users, server_keys, write_keys  # noqa: E402
+from hetpipe.core.protocol.placement import balanced_placement  # noqa: E402
+from hetpipe.core.runs.procs import ChildGroup  # noqa: E402
 from hetpipe.server.launch import serve_settings  # noqa: E402
 from hetpipe.server.shard import ShardSettings  # noqa: E402
 from hetpipe.worker.ps_client import PSClient  # noqa: E402

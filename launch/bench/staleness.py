@@ -1,5 +1,5 @@
 """Staleness study: how many samples each way of training needs to reach a target, over seeds, and the
-calibration the planner reads (hetpipe.core.convergence, docs/convergence.md).
+calibration the planner reads (hetpipe.core.planning.convergence, docs/convergence.md).
 
 Measured in the single-process reference (hetpipe.compute.reference: the runtime's arithmetic bit for bit,
 with `exact` pulls), so the answer has no timing and, for one seed, no noise: it is the sample-efficiency
@@ -15,7 +15,8 @@ first seed tries each (in the order given; a run stops once it has trained as ma
 needed, since it cannot win), the one with the fewest samples to the target is kept and the other seeds run at
 it; when no rate gets the first seed there within --samples, the setting is "not reached" and the other seeds
 are not run. Settings that train the same weights bit for bit (the same canonical setting,
-hetpipe.core.convergence.canonical: gpipe is 1f1b-flush, flushes ignore the stage count, ...) run once.
+hetpipe.core.planning.convergence.canonical: gpipe is 1f1b-flush, flushes ignore the stage count, ...) run
+once.
 
     python launch/bench/staleness.py [--config launch/clusters/bench.toml]
         [--settings 1x1/1,2x4/3:1f1b-flush:mean]
@@ -58,7 +59,7 @@ from hetpipe.core.config import (  # noqa: E402
     pack_config,
     unpack_config,
 )
-from hetpipe.core.convergence import (  # noqa: E402
+from hetpipe.core.planning.convergence import (  # noqa: E402
     Calibration,
     Measurement,
     Setting,

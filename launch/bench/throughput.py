@@ -57,15 +57,15 @@ from testbed_options import profile_option, testbed_options  # noqa: E402
 from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
-from hetpipe.core.metrics import (  # noqa: E402
+from hetpipe.core.planning.profile import ModelProfile  # noqa: E402
+from hetpipe.core.planning.simulate import PsNetwork  # noqa: E402
+from hetpipe.core.runs.metrics import (  # noqa: E402
     STAGE_PARTS,
     stage_breakdown_ms,
     stage_totals,
     wave_breakdown_ms,
 )
-from hetpipe.core.profile import ModelProfile  # noqa: E402
-from hetpipe.core.simulate import PsNetwork  # noqa: E402
-from hetpipe.core.testbed import Topology, format_nodes, plan_topology, within  # noqa: E402
+from hetpipe.core.runs.testbed import Topology, format_nodes, plan_topology, within  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "clusters" / "bench.toml"
 WARMUP_STEPS = (
@@ -123,7 +123,7 @@ def planner_links(testbed: Topology | None) -> tuple[float, Callable[[str, str],
     should see them: loopback figures on the free network; in the testbed, each node's shaped egress between
     nodes and to or from the PS, its shaped loopback inside a node (its GPUs' own VW traffic to a PS on it
     included)."""
-    from hetpipe.core import planner
+    from hetpipe.core.planning import planner
 
     if testbed is None:
         return planner.EMULATED_PS_GBPS, lambda a, b: planner.EMULATED_P2P_GBPS, None
@@ -138,13 +138,14 @@ def hetpipe_setup(
     staleness: int | None = None,
     testbed: Topology | None = None,
 ) -> HetpipeSetup:
-    """The planner's best plan (hetpipe.core.planner) when asked and installed, else the config's own VWs.
+    """The planner's best plan (hetpipe.core.planning.planner) when asked and installed, else the config's own
+    VWs.
 
     `nm` caps the planner's Nm (None: the planner's default cap); `staleness` fixes D (None: the plan's); with
     a testbed the planner sees its shaped links.
     """
-    if use_planner and importlib.util.find_spec("hetpipe.core.planner") is not None:
-        from hetpipe.core import planner
+    if use_planner and importlib.util.find_spec("hetpipe.core.planning.planner") is not None:
+        from hetpipe.core.planning import planner
 
         profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
         ps_gbps, link, network = planner_links(testbed)

@@ -63,9 +63,9 @@ from testbed_options import profile_option, testbed_options  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.evaluate import evaluate  # noqa: E402
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
-from hetpipe.core.convergence import Calibration, Setting, setting_of  # noqa: E402
-from hetpipe.core.testbed import Topology  # noqa: E402
-from hetpipe.core.wsp import ShardState  # noqa: E402
+from hetpipe.core.planning.convergence import Calibration, Setting, setting_of  # noqa: E402
+from hetpipe.core.runs.testbed import Topology  # noqa: E402
+from hetpipe.core.wsp.state import ShardState  # noqa: E402
 from hetpipe.server.checkpoint import list_manifests, read_checkpoint  # noqa: E402
 
 SYSTEMS = ("hetpipe", "ddp-fit", "ddp-fastest", "pipeline")
@@ -149,7 +149,7 @@ def planned(
     training rule (aggregation, mitigation) the calibration measured, as `hetpipe plan --target` does. (setup,
     candidate, calibration, the config to run)."""
     from hetpipe.app.plan_convergence import plan_calibration, plan_over_rules, rule_of
-    from hetpipe.core import planner
+    from hetpipe.core.planning import planner
 
     profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
     ps_gbps, link, network = throughput.planner_links(testbed)

@@ -1,8 +1,8 @@
 """The time-to-accuracy tasks (a shipped cluster config, the `--set` overrides that make its model, the
 target) and the learning-rate sweep every system gets: samples to the target in the single-process reference
 (launch/bench/staleness.py's run_setting: no timing, so no noise from a busy machine), per learning rate, for
-the setting that trains like the system (hetpipe.core.convergence.setting_of: DDP over G GPUs and a flushed
-pipeline of G microbatches train like gradient accumulation over G minibatches)."""
+the setting that trains like the system (hetpipe.core.planning.convergence.setting_of: DDP over G GPUs and a
+flushed pipeline of G microbatches train like gradient accumulation over G minibatches)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import goals  # noqa: E402  (launch/bench is not a package)
 import staleness  # noqa: E402
 
 from hetpipe.core.config import ClusterConfig, apply_overrides  # noqa: E402
-from hetpipe.core.convergence import Setting, canonical  # noqa: E402
+from hetpipe.core.planning.convergence import Setting, canonical  # noqa: E402
 
 __all__ = ["TASKS", "Task", "sweep_lr"]
 

@@ -4,9 +4,9 @@ no torch.
 Stage j runs layers [start, stop) on GPU j. Its time per minibatch is its layers' forward + backward on
 that GPU's type plus its boundary transfers (bytes / link bandwidth): receiving the input activation and
 the output gradient, sending the output activation and the input gradient; the model input (stage 0) and
-the last stage's output cross no link. Its memory is hetpipe.core.memory's model; it must fit the GPU's memory
-minus `reserve_bytes`. The split minimises the slowest stage time, then the peak memory use (the largest
-stage memory as a fraction of its GPU's usable memory), exactly, by dynamic programming over
+the last stage's output cross no link. Its memory is hetpipe.core.planning.memory's model; it must fit the
+GPU's memory minus `reserve_bytes`. The split minimises the slowest stage time, then the peak memory use (the
+largest stage memory as a fraction of its GPU's usable memory), exactly, by dynamic programming over
 (stage, first layer) on numpy tables: O(k n^2) per (order, Nm).
 """
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.memory import WSP, MemoryRule, format_bytes, stage_memory_terms
-from hetpipe.core.plan import StagePlan, VwPlan
-from hetpipe.core.profile import ModelProfile
-from hetpipe.core.schedule import get_schedule, simulate
+from hetpipe.core.pipeline.schedule import get_schedule, simulate
+from hetpipe.core.planning.memory import WSP, MemoryRule, format_bytes, stage_memory_terms
+from hetpipe.core.planning.plan import StagePlan, VwPlan
+from hetpipe.core.planning.profile import ModelProfile
 
 __all__ = ["Gpu", "best_order_and_nm", "minibatch_time_s", "partition"]
 

@@ -14,10 +14,10 @@ from typing import Any, Literal, NoReturn, get_args
 
 import msgpack
 
-from hetpipe.core.aggregation import AGGREGATIONS
 from hetpipe.core.errors import ConfigError, UsageError, did_you_mean
-from hetpipe.core.mitigation import mitigation_conflicts, parse_mitigation
-from hetpipe.core.schedule import SCHEDULES
+from hetpipe.core.pipeline.mitigation import mitigation_conflicts, parse_mitigation
+from hetpipe.core.pipeline.schedule import SCHEDULES
+from hetpipe.core.wsp.aggregation import AGGREGATIONS
 
 __all__ = [
     "AllocationConfig",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 Placement = Literal["balanced", "local"]
-Aggregation = str  # a name of hetpipe.core.aggregation.AGGREGATIONS (the rules live there alone)
+Aggregation = str  # a name of hetpipe.core.wsp.aggregation.AGGREGATIONS (the rules live there alone)
 BufferPolicy = Literal["average", "local"]
 Precision = Literal["fp32", "bf16"]
 EmulatedDevice = Literal["cpu", "cuda"]
@@ -169,8 +169,8 @@ class PsConfig:
     """Parameter server: shard i listens on port + i; a client waits timeout_s for a reply.
 
     auth = "curve": every PS socket is a CurveZMQ server that admits only the run's key pairs, each VW's
-    key acting only as that VW (hetpipe.core.access); keys_dir holds them ("": `hetpipe train` makes a
-    fresh set in <run dir>/keys; `hetpipe server` and `hetpipe worker` need one, see `hetpipe keys`).
+    key acting only as that VW (hetpipe.core.protocol.access); keys_dir holds them ("": `hetpipe train` makes
+    a fresh set in <run dir>/keys; `hetpipe server` and `hetpipe worker` need one, see `hetpipe keys`).
     """
 
     host: str = "127.0.0.1"
@@ -265,7 +265,7 @@ class TrainConfig:
     out_dir: str = "runs/local"
     on_nan: OnNan = "stop"  # a NaN or inf loss: "stop" the run naming stage and wave, or "skip" the minibatch
     mitigation: str = (
-        "none"  # staleness mitigations, "+"-joined (hetpipe.core.mitigation, docs/convergence.md)
+        "none"  # staleness mitigations, "+"-joined (hetpipe.core.pipeline.mitigation, docs/convergence.md)
     )
     warmup_waves: int = 10  # waves of the "warmup" ramp and of PipeMare's learning-rate annealing
 
@@ -451,7 +451,7 @@ _VW_KEYS = ("gpus", "layers")
 
 def default_config_path() -> Path:
     """The packaged default config (2 virtual workers x 2 emulated GPUs on 127.0.0.1)."""
-    return Path(__file__).resolve().parents[1] / "clusters" / "local.toml"
+    return Path(__file__).resolve().parents[2] / "clusters" / "local.toml"
 
 
 def load_config(path: str | Path) -> ClusterConfig:

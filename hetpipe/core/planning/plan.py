@@ -61,7 +61,7 @@ class Plan:
     staleness: int  # D
     vws: tuple[VwPlan, ...]
     placement: str = "balanced"
-    schedule: str = "wsp"  # the pipeline schedule every VW runs (hetpipe.core.schedule)
+    schedule: str = "wsp"  # the pipeline schedule every VW runs (hetpipe.core.pipeline.schedule)
     recompute: bool = False
     aggregation: str = (
         ""  # the PS's aggregation it was planned under ("": a plan file from before, the config's)

@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hetpipe.core.aggregation import AGGREGATIONS
 from hetpipe.core.errors import UsageError
-from hetpipe.core.mitigation import format_mitigation, parse_mitigation
-from hetpipe.core.schedule import SCHEDULES
+from hetpipe.core.pipeline.mitigation import format_mitigation, parse_mitigation
+from hetpipe.core.pipeline.schedule import SCHEDULES
+from hetpipe.core.wsp.aggregation import AGGREGATIONS
 
 __all__ = [
     "CALIBRATION_VERSION",
@@ -551,7 +551,7 @@ def setting_of(candidate: Any, aggregation: str, mitigation: tuple[str, ...]) ->
     (the deepest VW's), schedule and D with the config's aggregation and mitigations; all-reduce over G GPUs
     is gradient accumulation of G minibatches (1xG/1 with a flush schedule); the synchronous pipeline is
     sequential training (1x1/1); None for a candidate that cannot run."""
-    from hetpipe.core.planner import ALLREDUCE, SYNC_PIPELINE
+    from hetpipe.core.planning.planner import ALLREDUCE, SYNC_PIPELINE
 
     if not candidate.feasible:
         return None
@@ -572,7 +572,8 @@ def attach_samples(
     candidates: Sequence[Any], calibration: Calibration | None, aggregation: str, mitigation: tuple[str, ...]
 ) -> list[Any]:
     """The planner's candidates with samples_to_target and samples_source filled in from `calibration` (then
-    hetpipe.core.planner.best ranks them by predicted time to target); unchanged without a calibration."""
+    hetpipe.core.planning.planner.best ranks them by predicted time to target); unchanged without a
+    calibration."""
     if calibration is None:
         return list(candidates)
     model = fit_model(calibration)

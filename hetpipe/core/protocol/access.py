@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import zmq.utils.z85
 
-from hetpipe.core.keys import ADMIN, vw_of_user
+from hetpipe.core.protocol.keys import ADMIN, vw_of_user
 
 __all__ = [
     "ADMIN_REQUESTS",

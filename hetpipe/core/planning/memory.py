@@ -5,7 +5,7 @@ A stage holds its weights and, besides them, whole copies of them: the accumulat
 baseline and the own update sums (aggregation sum/mean), and one stashed copy per weight version in flight
 (weight stashing). Per minibatch in flight it keeps the received input, and the activations autograd saved
 (only one minibatch's at a time when the backward recomputes the forward). How many of each the schedule
-keeps is read off its action lists (hetpipe.core.schedule.stage_profile).
+keeps is read off its action lists (hetpipe.core.pipeline.schedule.stage_profile).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.errors import UsageError
-from hetpipe.core.profile import LayerProfile
-from hetpipe.core.schedule import get_schedule, stage_profile
+from hetpipe.core.pipeline.schedule import get_schedule, stage_profile
+from hetpipe.core.planning.profile import LayerProfile
 
 __all__ = [
     "PLAIN",
@@ -226,8 +226,8 @@ def stage_memory(
 
 def ps_shard_bytes(model_bytes: int, shards: int, staleness: int, pull_mode: str) -> int:
     """What one PS shard holds at most for its share of a model (host memory): W_0, and with exact pulls up
-    to D + 2 versions and D + 2 wave sums (hetpipe.core.wsp.pending_bound); with latest pulls the running
-    weights (each VW's newest buffers besides, small)."""
+    to D + 2 versions and D + 2 wave sums (hetpipe.core.wsp.state.pending_bound); with latest pulls the
+    running weights (each VW's newest buffers besides, small)."""
     share = -(-model_bytes // max(shards, 1))
     if pull_mode == "exact":
         return share * (1 + 2 * (staleness + 2))

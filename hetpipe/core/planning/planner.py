@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetpipe.core.config import ClusterConfig, GpuRef
-from hetpipe.core.emulate import auto_time_scale, gpu_speeds
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.memory import PLAIN, MemoryRule, format_bytes, stage_memory_terms
-from hetpipe.core.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
-from hetpipe.core.plan import Plan, VwPlan
-from hetpipe.core.profile import ModelProfile, derive_profile
-from hetpipe.core.schedule import get_schedule
-from hetpipe.core.simulate import PsNetwork, simulate, simulate_allreduce, simulate_sync_pipeline
+from hetpipe.core.hardware.emulate import auto_time_scale, gpu_speeds
+from hetpipe.core.pipeline.schedule import get_schedule
+from hetpipe.core.planning.memory import PLAIN, MemoryRule, format_bytes, stage_memory_terms
+from hetpipe.core.planning.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
+from hetpipe.core.planning.plan import Plan, VwPlan
+from hetpipe.core.planning.profile import ModelProfile, derive_profile
+from hetpipe.core.planning.simulate import PsNetwork, simulate, simulate_allreduce, simulate_sync_pipeline
 
 __all__ = [
     "ALLREDUCE",
@@ -48,7 +48,7 @@ SCHEDULES = (
     "pipedream-2bw",
     "1f1b-flush",
     "gpipe",
-)  # every schedule the runtime has (hetpipe.core.schedule)
+)  # every schedule the runtime has (hetpipe.core.pipeline.schedule)
 D_TOLERANCE = 0.02  # a larger D must predict more than 2% more samples/s to be chosen over a smaller one
 ALLREDUCE = (
     "allreduce"  # baseline: Horovod/DDP-style data parallelism over the GPUs that hold the whole model
@@ -102,9 +102,9 @@ class Candidate:
         0.0  # WSP: all samples / makespan of the simulated run (fill and drain included)
     )
     schedule: str | None = None  # the pipeline schedule of a hetpipe candidate
-    # Samples to the convergence calibration's target (hetpipe.core.convergence.attach_samples): None when not
-    # known or not reached; `samples_source` says where the number comes from ("" when no calibration was
-    # given).
+    # Samples to the convergence calibration's target (hetpipe.core.planning.convergence.attach_samples): None
+    # when not known or not reached; `samples_source` says where the number comes from ("" when no calibration
+    # was given).
     samples_to_target: float | None = None
     samples_source: str = ""
 
@@ -152,7 +152,7 @@ def emulated_profiles(
     config: ClusterConfig, cpu_profile: ModelProfile, cores: int
 ) -> dict[str, ModelProfile]:
     """Every GPU type's profile under emulation: the CPU's times x the type's slowdown
-    (hetpipe.core.emulate.slowdowns).
+    (hetpipe.core.hardware.emulate.slowdowns).
 
     The slowdown is (fastest speed / the type's speed) x time_scale, time_scale from [emulation] or, for
     "auto", auto_time_scale over all the cluster's GPUs (the runtime uses the GPUs of the run's VWs: the same
@@ -275,17 +275,17 @@ def plan_candidates(
     whose GPUs cannot hold the model is left out, with a note; a policy none of whose VWs fit is infeasible.
     Each such grouping is simulated for every D in `d_values` (and the config's D) for `waves` waves. All of
     this for each schedule of `schedules` (default: the config's train.schedule first, then the others of
-    SCHEDULES); a schedule changes both the partition (what a stage keeps: hetpipe.core.memory) and the time.
-    `slower_but_fewer`: for a ranking by time to target, also what trades samples/s for samples to target:
-    each grouping with Nm capped below the one it chose, and with only its fastest 1, 2, ... VWs (less
+    SCHEDULES); a schedule changes both the partition (what a stage keeps: hetpipe.core.planning.memory) and
+    the time. `slower_but_fewer`: for a ranking by time to target, also what trades samples/s for samples to
+    target: each grouping with Nm capped below the one it chose, and with only its fastest 1, 2, ... VWs (less
     staleness and a smaller global batch); groupings that come out the same are planned once.
 
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
     GPUs (default: NetworkConfig.link_gbps of [network]); `ps_network`: the nodes' own links the PS traffic
-    crosses (hetpipe.core.simulate.PsNetwork, e.g. the testbed's), each capped by the PS's rate; None: one
-    link for all. With [ps] placement = "local" each layer's shard is on the node where the plan's first VW
-    runs it. The baselines: ALLREDUCE over the GPUs whose memory holds the whole model, SYNC_PIPELINE over all
-    GPUs (at most one per layer, fastest first).
+    crosses (hetpipe.core.planning.simulate.PsNetwork, e.g. the testbed's), each capped by the PS's rate;
+    None: one link for all. With [ps] placement = "local" each layer's shard is on the node where the plan's
+    first VW runs it. The baselines: ALLREDUCE over the GPUs whose memory holds the whole model, SYNC_PIPELINE
+    over all GPUs (at most one per layer, fastest first).
     """
     batch = config.train.batch_size
     _check_profiles(config, profiles_by_type)
@@ -376,10 +376,10 @@ def plan_candidates(
 
 def best(candidates: Sequence[Candidate]) -> Candidate:
     """The runnable candidate with the shortest predicted time to target when the candidates carry samples to
-    target (a convergence calibration, hetpipe.core.convergence): samples to target / samples/s, ties to the
-    smaller D, then the one listed first. Without one, the highest predicted samples/s; but staleness costs
-    convergence, so among those within D_TOLERANCE of the highest the smallest D wins, then the least local
-    staleness (own_lag), then the higher rate, then the one listed first.
+    target (a convergence calibration, hetpipe.core.planning.convergence): samples to target / samples/s, ties
+    to the smaller D, then the one listed first. Without one, the highest predicted samples/s; but staleness
+    costs convergence, so among those within D_TOLERANCE of the highest the smallest D wins, then the least
+    local staleness (own_lag), then the higher rate, then the one listed first.
 
     Baselines are not runnable by hetpipe, so they never win here; `explain` says when one predicts more.
     UsageError when nothing is runnable, with every reason.
@@ -489,7 +489,7 @@ class _Search:
         self, policy: str, nm_max: int | None, schedule: str = "wsp"
     ) -> tuple[tuple[VwPlan, ...], tuple[str, ...]] | str:
         """The VWs of `policy` at one common Nm under `schedule`, with notes; or why the policy cannot run."""
-        from hetpipe.core.cluster import allocate
+        from hetpipe.core.planning.cluster import allocate
 
         try:
             groups = allocate(self.config, policy)

@@ -3,8 +3,8 @@ pipedream, pipedream-2bw, 1f1b-flush, gpipe), the dependency rules every engine 
 model and text forms (docs/schedules.md). Pure, no I/O.
 
 The dependency rules (`needs`, `gate_of`) are the one engine: the validator and timing model below, the
-WSP simulator (hetpipe.core.simulate), the single-process reference (hetpipe.compute.reference) and the
-runtime's stage executor all run action lists by them.
+WSP simulator (hetpipe.core.planning.simulate), the single-process reference (hetpipe.compute.reference) and
+the runtime's stage executor all run action lists by them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hetpipe.core.errors import HetpipeError, UsageError, did_you_mean
-from hetpipe.core.wsp import first_pulled_wave, gate_version
+from hetpipe.core.wsp.state import first_pulled_wave, gate_version
 
 __all__ = [
     "BACKWARD",
@@ -196,7 +196,8 @@ def unstashed_forwards(actions: Sequence[Action]) -> frozenset[int]:
 
 
 def gate_of(action: Action, staleness: int) -> int | None:
-    """For WAIT c: the c_global it waits for (c - D - 1, hetpipe.core.wsp.gate_version); None otherwise."""
+    """For WAIT c: the c_global it waits for (c - D - 1, hetpipe.core.wsp.state.gate_version); None
+    otherwise."""
     return gate_version(action.index, staleness) if action.kind == WAIT else None
 
 

@@ -9,8 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.plan import Plan, VwPlan
-from hetpipe.core.schedule import (
+from hetpipe.core.pipeline.schedule import (
     BACKWARD,
     FORWARD,
     PUSH,
@@ -20,8 +19,9 @@ from hetpipe.core.schedule import (
     get_schedule,
     needs,
 )
-from hetpipe.core.schedule import simulate as simulate_schedule
-from hetpipe.core.wsp import gate_version
+from hetpipe.core.pipeline.schedule import simulate as simulate_schedule
+from hetpipe.core.planning.plan import Plan, VwPlan
+from hetpipe.core.wsp.state import gate_version
 
 __all__ = [
     "BaselineResult",
@@ -474,7 +474,7 @@ def simulate_sync_pipeline(vw: VwPlan, microbatches: int, batch_size: int) -> Ba
 
     The minibatch is cut into `microbatches` pieces; each stage's times (stage_times) are assumed
     to scale linearly, so a microbatch takes 1/m of them. The step is the simulated makespan of
-    one wave of m in flight (hetpipe.core.schedule.simulate), about (m + k - 1) x the bottleneck / m.
+    one wave of m in flight (hetpipe.core.pipeline.schedule.simulate), about (m + k - 1) x the bottleneck / m.
     One replica: no parameter synchronisation.
     """
     if microbatches < 1:

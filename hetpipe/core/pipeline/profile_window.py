@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.schedule import FORWARD, UPDATE
+from hetpipe.core.pipeline.schedule import FORWARD, UPDATE
 
 __all__ = ["ProfileWindow"]
 

@@ -1,6 +1,6 @@
-"""Does a run fit its GPUs: every stage's memory by the memory model (docs/memory.md, hetpipe.core.memory)
-against its GPU type's memory_gib, checked before `hetpipe train` starts anything. Pure: sizes in, findings
-out.
+"""Does a run fit its GPUs: every stage's memory by the memory model (docs/memory.md,
+hetpipe.core.planning.memory) against its GPU type's memory_gib, checked before `hetpipe train` starts
+anything. Pure: sizes in, findings out.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hetpipe.core.memory import MemoryRule, StageMemory, format_bytes, stage_memory_terms
-from hetpipe.core.profile import ModelProfile
+from hetpipe.core.planning.memory import MemoryRule, StageMemory, format_bytes, stage_memory_terms
+from hetpipe.core.planning.profile import ModelProfile
 
 __all__ = ["StageNeed", "memory_error", "stage_needs"]
 

@@ -5,7 +5,8 @@ Pure: numpy arrays in, numpy arrays out, no sockets (docs/wsp.md, docs/recovery.
 Arithmetic, fixed so runs are reproducible bit for bit:
     S_t = ((P_a(t) + P_b(t)) + P_c(t)) + ...      (the wave's contributors a < b < c ..., whatever the
                                                    arrival order)
-    W_{t+1} = fold(W_t, S_t)                       (hetpipe.core.aggregation: sum, mean or server optimizer)
+    W_{t+1} = fold(W_t, S_t)                       (hetpipe.core.wsp.aggregation: sum, mean or server
+    optimizer)
 where P_i(t) is VW i's push of wave t for a key: its summed update (or mean gradient, with aggregation
 "server") for a parameter, its current values for a buffer. `exact` pulls return exactly W_{c-D-1}, built
 once wave c-D-2 is complete and kept while a pull may still ask for it; `latest` pulls return the running
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hetpipe.core.aggregation import KEY_KINDS, Aggregation, KeyKind, make_aggregation
+from hetpipe.core.wsp.aggregation import KEY_KINDS, Aggregation, KeyKind, make_aggregation
 
 __all__ = [
     "PULL_MODES",
@@ -46,7 +47,8 @@ OPEN = -1  # the end of a live VW's epoch
 
 
 class TensorSource(Protocol):
-    """What a push or registration may carry besides a plain array (hetpipe.core.wire.TensorView fits)."""
+    """What a push or registration may carry besides a plain array (hetpipe.core.protocol.wire.TensorView
+    fits)."""
 
     dtype: np.dtype
     shape: tuple[int, ...]

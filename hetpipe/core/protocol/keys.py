@@ -7,7 +7,8 @@ One directory per cluster (or per run):
     admin.key   admin.key_secret         the launcher's pair: it may read the weights and the status only
 `<name>.key` holds the public key, `<name>.key_secret` both keys (mode 0600), in the ZPL text format of
 zmq.auth.create_certificates (zmq.auth.load_certificate reads them too). The user name of a key is its file
-name; the PS admits only the public keys of the directory and binds each to that name (hetpipe.core.access).
+name; the PS admits only the public keys of the directory and binds each to that name
+(hetpipe.core.protocol.access).
 """
 
 from __future__ import annotations

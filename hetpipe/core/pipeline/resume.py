@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hetpipe.core.schedule import BACKWARD, FORWARD, PUSH, UPDATE, Action
+from hetpipe.core.pipeline.schedule import BACKWARD, FORWARD, PUSH, UPDATE, Action
 
 __all__ = [
     "common_cut",
