@@ -6,7 +6,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -23,6 +23,36 @@ __all__ = ["main", "cli"]
 # imports above, about 0.1 s, come before it. Not the process's start time: `exec hetpipe` from a script
 # (launch/run.sh) keeps the script's.
 STARTED = time.time()
+
+
+class RegistryName(click.ParamType):
+    """A name from one of core's registries (schedules, aggregation rules), looked up when the option is
+    parsed or its help shown: definitions registered after import, or named "package.module:attr", count
+    too."""
+
+    name = "name"
+
+    def __init__(self, registry: str) -> None:
+        self.registry = registry  # "schedules" | "aggregations"
+
+    def _lookup(self) -> Any:
+        if self.registry == "schedules":
+            from hetpipe.core.pipeline.schedule import SCHEDULES
+
+            return SCHEDULES
+        from hetpipe.core.wsp.aggregation import AGGREGATIONS
+
+        return AGGREGATIONS
+
+    def get_metavar(self, *args: Any, **kwargs: Any) -> str:
+        return "[" + "|".join(self._lookup().names()) + "]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            self._lookup().get(value)
+        except HetpipeError as exc:
+            self.fail(str(exc), param, ctx)
+        return value
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -118,7 +148,9 @@ def server(config_path: Path | None, settings: tuple[str, ...], shard: int | Non
 )
 @click.option("--waves", type=int, default=2, show_default=True, help="Waves to show.")
 @click.option("--staleness", "-D", type=int, default=0, show_default=True, help="Global staleness bound D.")
-@click.option("--name", default="wsp", show_default=True, help="Schedule name.")
+@click.option(
+    "--name", type=RegistryName("schedules"), default="wsp", show_default=True, help="Schedule name."
+)
 @click.option("--lists", is_flag=True, help="Print one action list per stage instead of the step grid.")
 def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists: bool) -> None:
     """Print a pipeline schedule as a step x stage grid (or as per-stage action lists)."""
@@ -553,7 +585,7 @@ def profile(
 @click.option(
     "--schedule",
     "schedules",
-    type=click.Choice(["wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe"]),
+    type=RegistryName("schedules"),
     multiple=True,
     help="Only these schedules (repeatable; default all, the config's train.schedule first).",
 )

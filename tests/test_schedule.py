@@ -339,7 +339,14 @@ def test_unknown_schedule_lists_known_names_and_suggests() -> None:
 
 def test_register_schedule_adds_a_kind_and_refuses_duplicates() -> None:
     kind = ScheduleKind(
-        "test-fill-drain", SCHEDULES["gpipe"].order, "wave", "wave", "none", True, "for the test"
+        "test-fill-drain",
+        SCHEDULES["gpipe"].order,
+        update_every="wave",
+        guarantee="wave",
+        stashing="none",
+        recompute=True,
+        drains=True,
+        summary="for the test",
     )
     try:
         assert (
@@ -349,7 +356,7 @@ def test_register_schedule_adds_a_kind_and_refuses_duplicates() -> None:
         with pytest.raises(ValueError, match="registered twice"):
             register_schedule(kind)
     finally:
-        del SCHEDULES["test-fill-drain"]
+        SCHEDULES.unregister("test-fill-drain")
 
 
 # --- the validator rejects -------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 from hetpipe.core.errors import UsageError
 
-__all__ = ["import_target"]
+__all__ = ["import_object", "import_target"]
 
 
 def _import_module(name: str) -> ModuleType:
@@ -30,22 +30,36 @@ def _import_module(name: str) -> ModuleType:
         return importlib.import_module(name)
 
 
-def import_target(target: str, what: str) -> Callable[..., Any]:
-    """The function named by `target` ("package.module:function"); `what` names its use in errors
-    (e.g. 'model "examples.tiny_convnet:build"')."""
+def _module_of(target: str, what: str, form: str, example: str) -> tuple[ModuleType, str]:
+    """(the imported module, the attribute name) of `target` written as `form` ("package.module:function")."""
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise UsageError(f'{what}: write it as "package.module:function", e.g. "examples.tiny_convnet:build"')
+        raise UsageError(f'{what}: write it as "{form}", e.g. "{example}"')
     try:
-        module = _import_module(module_name)
+        return _import_module(module_name), attr
     except ImportError as exc:
         raise UsageError(
             f'cannot import "{module_name}" for {what}: {exc}; install the package, run from the '
             "directory that holds it, or add that directory to PYTHONPATH"
         ) from exc
+
+
+def import_object(target: str, what: str, example: str) -> object:
+    """The object named by `target` ("package.module:attr"); `what` names its use in errors, `example` is a
+    name of that form to show."""
+    module, attr = _module_of(target, what, "package.module:attr", example)
+    if not hasattr(module, attr):
+        raise UsageError(f'"{module.__name__}" has no "{attr}" for {what}; write it as "package.module:attr"')
+    return getattr(module, attr)
+
+
+def import_target(target: str, what: str) -> Callable[..., Any]:
+    """The function named by `target` ("package.module:function"); `what` names its use in errors
+    (e.g. 'model "examples.tiny_convnet:build"')."""
+    module, attr = _module_of(target, what, "package.module:function", "examples.tiny_convnet:build")
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UsageError(
-            f'"{module_name}" has no function "{attr}" for {what}; write it as "package.module:function"'
+            f'"{module.__name__}" has no function "{attr}" for {what}; write it as "package.module:function"'
         )
     return fn

@@ -9,6 +9,7 @@ the runtime's stage executor all run action lists by them.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import re
@@ -16,7 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from hetpipe.core.errors import HetpipeError, UsageError, did_you_mean
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.registry import Registry
 from hetpipe.core.wsp.state import first_pulled_wave, gate_version
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "FORWARD",
     "KINDS",
     "PUSH",
+    "DEFAULT_SCHEDULE",
     "SCHEDULES",
     "UPDATE",
     "WAIT",
@@ -34,7 +37,10 @@ __all__ = [
     "ScheduleError",
     "StageProfile",
     "ScheduleKind",
+    "StageModes",
     "Timeline",
+    "first_schedule",
+    "flushing_schedule",
     "format_grid",
     "format_lists",
     "gate_of",
@@ -205,17 +211,42 @@ def gate_of(action: Action, staleness: int) -> int | None:
 # registry
 
 
+def _deepest_vw_or_config(config_nm: int, deepest: int) -> int:
+    """The planner's default Nm cap: the config's nm, or enough to fill the deepest VW's pipe."""
+    return max(config_nm, deepest)
+
+
+@dataclass(frozen=True)
+class StageModes:
+    """How a stage computes under a schedule and the config's wishes (ScheduleKind.modes)."""
+
+    stashing: bool  # forwards run on a stashed copy of their weight version
+    recompute: bool  # forwards keep only their input; the backward runs the forward again
+
+
 @dataclass(frozen=True)
 class ScheduleKind:
-    """A named schedule: its generator and what it promises (docs/schedules.md)."""
+    """A named schedule: its generator and the traits every consumer reads (docs/schedules.md): the
+    validator, memory model, partitioner, simulator, planner, convergence model, reference and runtime ask
+    these, never the schedule's name."""
 
     name: str
     order: Callable[[int, int, int, int], list[tuple[str, int]]]  # (stage, stages, nm, waves) -> F/B order
-    update_every: Literal["minibatch", "wave"]
+    update_every: Literal["minibatch", "wave"]  # the update period: one U per backward, or per wave
     guarantee: Guarantee
     stashing: Stashing
     recompute: bool  # train.recompute allowed (no update or rebase ever falls between F and B)
+    drains: (
+        bool  # the pipe flushes every wave: a full pipe's time per minibatch is not its bottleneck's alone
+    )
     summary: str
+    trains_as: str | None = None  # a schedule that trains the same weights bit for bit (gpipe: 1f1b-flush)
+    # the lists of this schedule are those of `at_depth_of` with min(Nm, k) in flight: the same F, B and U
+    # (pipedream: wsp), waves and pushes at Nm
+    at_depth_of: str | None = None
+    searched: bool = True  # `hetpipe plan` tries it unless --schedule names others
+    # the largest Nm `hetpipe plan` tries: (the config's nm, the deepest VW's stages) -> cap
+    nm_cap: Callable[[int, int], int] = _deepest_vw_or_config
 
     def __call__(self, num_stages: int, nm: int, num_waves: int, staleness: int = 0) -> Schedule:
         _check_parameters(num_stages, nm, num_waves, staleness)
@@ -225,28 +256,51 @@ class ScheduleKind:
         )
         return Schedule(num_stages, nm, num_waves, staleness, self.name, lists, self.guarantee, self.stashing)
 
+    def modes(self, weight_stashing: bool, recompute: bool) -> StageModes:
+        """The stage's effective modes from [train] weight_stashing and recompute: stashing where the schedule
+        has versions to keep and the config wants it; recomputation where asked, and where the schedule could
+        stash but the config turned stashing off (a backward then runs on the weights live at that time, as
+        PipeDream without weight stashing does)."""
+        stashing = self.stashing != "none" and weight_stashing
+        return StageModes(stashing, recompute or (self.stashing == "optional" and not weight_stashing))
 
-SCHEDULES: dict[str, ScheduleKind] = {}
+    def own_lag(self, num_stages: int, nm: int) -> int:
+        """Local staleness: the own minibatches whose updates the forward of a wave's first minibatch misses
+        at the first stage, past the pipe's fill (wsp Nm - 1, pipedream min(Nm, k) - 1, pipedream-2bw Nm, the
+        flushes 0), read off the lists."""
+        return _own_lag(self, num_stages, nm)
+
+
+@functools.lru_cache(maxsize=1024)
+def _own_lag(kind: ScheduleKind, num_stages: int, nm: int) -> int:
+    return 2 * nm - 1 - kind(num_stages, nm, 3, 0).own_through(0, 2 * nm)
+
+
+SCHEDULES: Registry[ScheduleKind] = Registry(
+    "schedule", "schedules", lambda item: isinstance(item, ScheduleKind), "mylab.schedules:ZIGZAG"
+)
+DEFAULT_SCHEDULE = "wsp"  # [train] schedule when the config names none
 
 
 def register_schedule(kind: ScheduleKind) -> ScheduleKind:
     """Make a schedule known by its name (a new schedule is one ScheduleKind and its tests)."""
-    if kind.name in SCHEDULES:
-        raise ValueError(f"schedule {kind.name!r} is registered twice; pick another name")
-    SCHEDULES[kind.name] = kind
-    return kind
+    return SCHEDULES.register(kind.name, kind)
 
 
 def get_schedule(name: str) -> ScheduleKind:
-    """The schedule registered under `name`; UsageError listing the known names otherwise."""
-    try:
-        return SCHEDULES[name]
-    except KeyError:
-        known = sorted(SCHEDULES)
-        raise UsageError(
-            f'unknown schedule "{name}"\n       known schedules: '
-            f"{', '.join(known)}{did_you_mean(name, known)}"
-        ) from None
+    """The schedule registered as `name`, or named "package.module:NAME"; UsageError listing the known
+    ones."""
+    return SCHEDULES.get(name)
+
+
+def first_schedule(where: Callable[[ScheduleKind], bool]) -> ScheduleKind:
+    """The first registered schedule with the traits `where` asks for (e.g. the first that drains)."""
+    return next(kind for _, kind in SCHEDULES.items() if where(kind))
+
+
+def flushing_schedule() -> ScheduleKind:
+    """The first registered schedule that flushes every wave and trains as itself (1f1b-flush)."""
+    return first_schedule(lambda kind: kind.drains and kind.trains_as is None)
 
 
 def _check_parameters(num_stages: int, nm: int, num_waves: int, staleness: int) -> None:
@@ -321,47 +375,53 @@ wsp_schedule = register_schedule(
     ScheduleKind(
         "wsp",
         _async_order,
-        "minibatch",
-        "minibatch",
-        "optional",
-        False,
-        "PipeDream 1F1B with Nm in flight and an update after every backward (weight stashing by default); "
-        "the paper's HetPipe schedule",
+        update_every="minibatch",
+        guarantee="minibatch",
+        stashing="optional",
+        recompute=False,
+        drains=False,
+        summary="PipeDream 1F1B with Nm in flight and an update after every backward (weight stashing by "
+        "default); the paper's HetPipe schedule",
     )
 )
 register_schedule(
     ScheduleKind(
         "pipedream",
         _depth_order,
-        "minibatch",
-        "minibatch",
-        "optional",
-        False,
-        "PipeDream 1F1B at the pipe's depth: stage j keeps min(Nm, k) - j in flight and updates after every "
-        "backward; Nm only sets the wave (how often stages push), so a larger Nm adds no local staleness",
+        update_every="minibatch",
+        guarantee="minibatch",
+        stashing="optional",
+        recompute=False,
+        drains=False,
+        summary="PipeDream 1F1B at the pipe's depth: stage j keeps min(Nm, k) - j in flight and updates "
+        "after every backward; Nm only sets the wave (how often stages push), so a larger Nm adds no local "
+        "staleness",
+        at_depth_of="wsp",
     )
 )
 register_schedule(
     ScheduleKind(
         "pipedream-2bw",
         _async_order,
-        "wave",
-        "previous-wave",
-        "required",
-        False,
-        "PipeDream-2BW: 1F1B without flushes, gradients accumulated over a wave and one update per wave; "
-        "two weight versions live (forwards straddling an update keep the older one)",
+        update_every="wave",
+        guarantee="previous-wave",
+        stashing="required",
+        recompute=False,
+        drains=False,
+        summary="PipeDream-2BW: 1F1B without flushes, gradients accumulated over a wave and one update per "
+        "wave; two weight versions live (forwards straddling an update keep the older one)",
     )
 )
 register_schedule(
     ScheduleKind(
         "1f1b-flush",
         _flush_order,
-        "wave",
-        "wave",
-        "none",
-        True,
-        "PipeDream-Flush / DAPPLE: 1F1B inside a wave, then a flush and one update per wave; "
+        update_every="wave",
+        guarantee="wave",
+        stashing="none",
+        recompute=True,
+        drains=True,
+        summary="PipeDream-Flush / DAPPLE: 1F1B inside a wave, then a flush and one update per wave; "
         "no local staleness",
     )
 )
@@ -369,12 +429,14 @@ register_schedule(
     ScheduleKind(
         "gpipe",
         _fill_drain_order,
-        "wave",
-        "wave",
-        "none",
-        True,
-        "GPipe: every forward of a wave, then every backward, then one update; "
+        update_every="wave",
+        guarantee="wave",
+        stashing="none",
+        recompute=True,
+        drains=True,
+        summary="GPipe: every forward of a wave, then every backward, then one update; "
         "optional activation recomputation",
+        trains_as="1f1b-flush",
     )
 )
 

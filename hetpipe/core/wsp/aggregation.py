@@ -1,6 +1,10 @@
-"""How the parameter server folds a wave's pushes into the global weights (docs/wsp.md#aggregation):
-`sum` and `mean` of the VWs' updates, or `server`, where VWs push mean gradients and the PS runs the
-optimizer (SGD, momentum, Adam) once per wave. Pure numpy, float32, fixed operation order.
+"""How the parameter server folds a wave's pushes into the global weights (docs/wsp.md#aggregation). Each rule
+is a class registered by name (AGGREGATIONS) that says what a VW pushes and where the optimizer runs
+(`local_optimizer`), how much of each VW's push reaches the weights (`share`), and how the PS folds a wave's
+sum (`fold_param`): `sum` and `mean` of the VWs' updates, or `server`, where VWs push mean gradients and the
+PS runs the optimizer (SGD, momentum, Adam) once per wave. Every consumer (config, memory model, simulator,
+convergence model, reference, runtime) reads these traits, never a rule's name. Pure numpy, float32, fixed
+operation order.
 
 Kinds of keys: "param" (trainable weights: folded by the rule), "ledger" (audit counters: always summed)
 and "buffer" (BatchNorm statistics and counters: values, averaged over the VWs, never summed as deltas).
@@ -10,16 +14,39 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-__all__ = ["AGGREGATIONS", "KEY_KINDS", "Aggregation", "KeyKind", "ServerOptimizer", "make_aggregation"]
+from hetpipe.core.registry import Registry
+
+__all__ = [
+    "AGGREGATIONS",
+    "KEY_KINDS",
+    "Aggregation",
+    "KeyKind",
+    "OptimizerSettings",
+    "ServerOptimizer",
+    "get_aggregation",
+    "make_aggregation",
+    "needs_pulls",
+    "register_aggregation",
+]
 
 KeyKind = Literal["param", "ledger", "buffer"]
 KEY_KINDS: tuple[KeyKind, ...] = ("param", "ledger", "buffer")
-AGGREGATIONS = ("sum", "mean", "server")
+Share = Literal["whole", "mean"]
 _F32 = np.float32
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The run's optimizer ([train]), for a rule whose optimizer runs at the PS (`local_optimizer` false)."""
+
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
 
 
 @dataclass
@@ -78,55 +105,148 @@ class ServerOptimizer:
         }
 
 
-@dataclass
 class Aggregation:
-    """One rule for folding S_t (the VW-ordered sum of the wave's pushes for a key) into W_t."""
+    """One aggregation rule; a subclass sets the traits and `fold_param`, and registers itself
+    (register_aggregation). An instance is one shard's (or the reference's) rule, with any state it keeps.
 
-    name: str
-    optimizer: ServerOptimizer | None = None
+    Ledgers are always summed and buffers averaged over the VWs, whatever the rule (`fold`, `add_now`)."""
 
-    def __post_init__(self) -> None:
-        if self.name not in AGGREGATIONS:
-            raise ValueError(f"unknown aggregation {self.name!r}: use {', '.join(AGGREGATIONS)}")
-        if (self.name == "server") != (self.optimizer is not None):
-            raise ValueError('aggregation "server" needs a ServerOptimizer, and only it has one')
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    # Where the optimizer runs, and so what a VW pushes: True, on every stage, which pushes its wave's summed
+    # update (the change its own optimizer steps made); False, at the PS, which steps on the VWs' mean
+    # gradients (each stage pushes its wave's mean gradient and its weights move only at pulls).
+    local_optimizer: ClassVar[bool] = True
+    # How much of each VW's push reaches the weights: "whole" (n VWs apply n steps' worth) or "mean" (1 /
+    # VWs).
+    share: ClassVar[Share] = "whole"
+    # fold_param is exactly W + S, so a shard may add a received push into W straight from its frames.
+    plain_sum: ClassVar[bool] = False
 
+    def __init__(self, optimizer: OptimizerSettings | None = None) -> None:
+        self.optimizer_settings = optimizer or OptimizerSettings()
+
+    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
+        """W_{t+1}[key] of a parameter from W_t[key] and S_t[key], the VW-ordered sum of the wave's pushes."""
+        raise NotImplementedError(f"aggregation {self.name!r} must define fold_param")
+
+    def add_param_now(self, key: str, w: np.ndarray, src: np.ndarray, num_vws: int) -> np.ndarray | None:
+        """Latest pulls: one VW's push folded into the running weights as it arrives; new weights, or None
+        after adding into `w` in place. By default the fold of that one push."""
+        return self.fold_param(key, w, src, num_vws)
+
+    def to_state(self) -> tuple[Any, dict[str, np.ndarray]]:
+        """What the rule keeps between waves (a PS-side optimizer's state), for checkpoints: (meta,
+        arrays)."""
+        return None, {}
+
+    def load_state(self, meta: Any, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore what to_state wrote."""
+
+    # ---- every rule alike -------------------------------------------------------------------------
     def adds(self, kind: KeyKind) -> bool:
-        """Whether fold is W + S for keys of `kind` (sum, and ledgers under every rule)."""
-        return kind == "ledger" or (kind != "buffer" and self.name == "sum")
+        """Whether fold is W + S for keys of `kind` (ledgers under every rule, params under a plain sum)."""
+        return kind == "ledger" or (kind == "param" and self.plain_sum)
 
     def fold(self, key: str, kind: KeyKind, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
         """W_{t+1}[key] from W_t[key] and S_t[key] (exact pulls: once per complete wave)."""
-        return np.asarray(self._fold(key, kind, w, s, num_vws), dtype=_F32)  # 0-d stays an array
-
-    def _fold(self, key: str, kind: KeyKind, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
         if kind == "buffer":
-            return s / _F32(num_vws)
-        if kind == "ledger" or self.name == "sum":
-            return w + s
-        if self.name == "mean":
-            return w + s / _F32(num_vws)
-        assert self.optimizer is not None
-        return self.optimizer.step(key, w, s / _F32(num_vws))
+            out = s / _F32(num_vws)
+        elif kind == "ledger":
+            out = w + s
+        else:
+            out = self.fold_param(key, w, s, num_vws)
+        return np.asarray(out, dtype=_F32)  # 0-d stays an array
 
     def add_now(
         self, key: str, kind: KeyKind, w: np.ndarray, src: np.ndarray, num_vws: int
     ) -> np.ndarray | None:
         """Latest pulls: fold one VW's push into the running weights as it arrives; returns new weights when
-        the rule cannot add in place (server), None after adding `src` (scaled) into `w` in place."""
-        if kind == "ledger" or self.name == "sum":
+        the rule cannot add in place, None after adding `src` (scaled) into `w` in place."""
+        if kind == "ledger":
             np.add(w, src, out=w)
             return None
-        if self.name == "mean":
-            np.add(w, src / _F32(num_vws), out=w)
-            return None
-        assert self.optimizer is not None
-        return np.asarray(self.optimizer.step(key, w, src / _F32(num_vws)), dtype=_F32)
+        new = self.add_param_now(key, w, src, num_vws)
+        return None if new is None else np.asarray(new, dtype=_F32)
+
+
+AGGREGATIONS: Registry[type[Aggregation]] = Registry(
+    "aggregation rule",
+    "aggregation rules",
+    lambda item: isinstance(item, type) and issubclass(item, Aggregation) and hasattr(item, "name"),
+    "mylab.rules:HalfSum",
+)
+
+
+def register_aggregation(rule: type[Aggregation]) -> type[Aggregation]:
+    """Make a rule known by its `name` (usable as a class decorator)."""
+    return AGGREGATIONS.register(rule.name, rule)
+
+
+def get_aggregation(name: str) -> type[Aggregation]:
+    """The rule registered as `name`, or named "package.module:Class"; UsageError listing the known ones."""
+    return AGGREGATIONS.get(name)
+
+
+def needs_pulls(num_vws: int, rule: type[Aggregation]) -> bool:
+    """Whether a run's WAITs pull: with several VWs, or when the PS runs the optimizer. One VW that applies
+    its own updates needs none: its global weights hold only what its live weights hold."""
+    return num_vws > 1 or not rule.local_optimizer
+
+
+@register_aggregation
+class SumAggregation(Aggregation):
+    name = "sum"
+    summary = "W + S: every VW's summed update applied whole (n VWs apply n steps' worth, as Downpour SGD)"
+    plain_sum = True
+
+    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
+        return w + s
+
+    def add_param_now(self, key: str, w: np.ndarray, src: np.ndarray, num_vws: int) -> np.ndarray | None:
+        np.add(w, src, out=w)
+        return None
+
+
+@register_aggregation
+class MeanAggregation(Aggregation):
+    name = "mean"
+    summary = "W + S / VWs: the mean of the VWs' updates"
+    share = "mean"
+
+    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
+        return w + s / _F32(num_vws)
+
+    def add_param_now(self, key: str, w: np.ndarray, src: np.ndarray, num_vws: int) -> np.ndarray | None:
+        np.add(w, src / _F32(num_vws), out=w)
+        return None
+
+
+@register_aggregation
+class ServerAggregation(Aggregation):
+    name = "server"
+    summary = "the PS runs the optimizer once per wave on the VWs' mean gradients"
+    local_optimizer = False
+    share = "mean"
+
+    def __init__(self, optimizer: OptimizerSettings | None = None) -> None:
+        super().__init__(optimizer)
+        o = self.optimizer_settings
+        self.optimizer = ServerOptimizer(o.name, o.lr, o.momentum, o.weight_decay)
+
+    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
+        return self.optimizer.step(key, w, s / _F32(num_vws))
+
+    def to_state(self) -> tuple[Any, dict[str, np.ndarray]]:
+        return self.optimizer.to_state()
+
+    def load_state(self, meta: Any, arrays: Mapping[str, np.ndarray]) -> None:
+        self.optimizer.load_state(meta, arrays)
 
 
 def make_aggregation(
     name: str, optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0
 ) -> Aggregation:
-    """The rule `name`; for "server", with the PS-side optimizer built from the training settings."""
-    server = ServerOptimizer(optimizer, lr, momentum, weight_decay) if name == "server" else None
-    return Aggregation(name, server)
+    """The rule `name`, built with the training optimizer's settings (used where the PS runs the
+    optimizer)."""
+    return get_aggregation(name)(OptimizerSettings(optimizer, lr, momentum, weight_decay))

@@ -690,10 +690,10 @@ class ShardState:
                 "summed": sorted(ws.sums),
                 "held": {k: sorted(h) for k, h in ws.held.items()},
             }
-        optimizer_meta = None
-        if self.aggregation.optimizer is not None:
-            optimizer_meta, opt_arrays = self.aggregation.optimizer.to_state()
-            arrays.update({f"o/{k}": v for k, v in opt_arrays.items()})
+        optimizer_meta, opt_arrays = (
+            self.aggregation.to_state()
+        )  # a PS-side optimizer's state, if the rule has one
+        arrays.update({f"o/{k}": v for k, v in opt_arrays.items()})
         meta = {
             "staleness": self.staleness,
             "pull_mode": self.pull_mode,
@@ -736,9 +736,9 @@ class ShardState:
         `cut` (exact pulls only): the state as it was when every stage had pushed exactly the waves < cut and
         nothing more, what `hetpipe train --resume` restarts the stages from (docs/recovery.md)."""
         aggregation = aggregation or make_aggregation(meta.get("aggregation", "sum"))
-        if aggregation.optimizer is not None and meta.get("optimizer"):
+        if meta.get("optimizer"):
             prefix = "o/"
-            aggregation.optimizer.load_state(
+            aggregation.load_state(
                 meta["optimizer"], {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
             )
         state = cls(meta["staleness"], meta["pull_mode"], aggregation)
