@@ -16,7 +16,8 @@ import msgpack
 
 from hetpipe.core.errors import ConfigError, UsageError, did_you_mean
 from hetpipe.core.pipeline.mitigation import mitigation_conflicts, parse_mitigation
-from hetpipe.core.pipeline.schedule import SCHEDULES
+from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from hetpipe.core.registry import Registry
 from hetpipe.core.wsp.aggregation import AGGREGATIONS
 
 __all__ = [
@@ -255,7 +256,7 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     weight_stashing: bool = True
-    schedule: str = "wsp"
+    schedule: str = DEFAULT_SCHEDULE
     recompute: bool = False  # activation recomputation (flush schedules only)
     precision: Precision = "fp32"
     eval_every: int = (
@@ -762,7 +763,7 @@ def _ps(t: _Table) -> PsConfig:
         shards=shards,
         placement=t.choice("placement", d.placement, get_args(Placement)),
         timeout_s=t.number("timeout_s", d.timeout_s, gt=0),
-        aggregation=t.choice("aggregation", d.aggregation, AGGREGATIONS),
+        aggregation=t.registered("aggregation", d.aggregation, AGGREGATIONS),
         buffers=t.choice("buffers", d.buffers, get_args(BufferPolicy)),
         auth=t.choice("auth", d.auth, get_args(PsAuth)),
         keys_dir=t.string("keys_dir", d.keys_dir),
@@ -818,7 +819,7 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         momentum=t.number("momentum", d.momentum, ge=0, lt=1),
         weight_decay=t.number("weight_decay", d.weight_decay, ge=0),
         weight_stashing=t.boolean("weight_stashing", d.weight_stashing),
-        schedule=t.choice("schedule", d.schedule, tuple(SCHEDULES)),
+        schedule=t.registered("schedule", d.schedule, SCHEDULES),
         recompute=t.boolean("recompute", d.recompute),
         precision=t.choice("precision", d.precision, get_args(Precision)),
         eval_every=t.integer("eval_every", d.eval_every, ge=0),
@@ -834,10 +835,11 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         t.fail("mitigation", f"cannot read {_show(train.mitigation)}", str(exc))
     kind = SCHEDULES[train.schedule]
     if kind.stashing == "required" and not train.weight_stashing:
+        optional = " or ".join(f'"{n}"' for n, k in SCHEDULES.items() if k.stashing == "optional")
         t.fail(
             "weight_stashing",
             f'is false, but schedule "{train.schedule}" keeps two weight versions by design',
-            f'set weight_stashing = true {t.under}, or choose schedule = "wsp" (stashing optional)',
+            f"set weight_stashing = true {t.under}, or choose schedule = {optional} (stashing optional)",
         )
     if train.recompute and not kind.recompute:
         able = ", ".join(n for n, k in SCHEDULES.items() if k.recompute)
@@ -1058,6 +1060,28 @@ class _Table:
         value = self._get(key, default, "<true|false>")
         if not isinstance(value, bool):
             self._type_error(key, value, "a boolean", "true or false")
+        return value
+
+    def registered(self, key: str, default: Any, registry: Registry[Any]) -> str:
+        """A name of `registry` (a schedule, an aggregation rule): one it knows, or "package.module:attr"
+        naming one defined outside hetpipe, imported here to check it."""
+        names = registry.names()
+        placeholder = " | ".join(f'"{c}"' for c in names)
+        value = self._get(key, default, placeholder)
+        if not isinstance(value, str):
+            self._type_error(key, value, "a string", placeholder)
+        if ":" in value:
+            try:
+                registry.get(value)
+            except UsageError as exc:
+                self.fail(key, f"cannot use {_show(value)}", str(exc).replace("\n", " "))
+        elif value not in registry:
+            self.fail(
+                key,
+                f"unknown value {_show(value)}",
+                f"choose one of: {', '.join(names)}{did_you_mean(value, names)}, or name one of your own "
+                f'as "package.module:attr"',
+            )
         return value
 
     def choice(self, key: str, default: Any, choices: Sequence[str]) -> Any:

@@ -26,10 +26,11 @@ Several combine with "+" ("spectrain+warmup"); "none" is today's arithmetic bit 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hetpipe.core.errors import UsageError, did_you_mean
+from hetpipe.core.wsp.aggregation import AGGREGATIONS, Aggregation, get_aggregation
 
 __all__ = [
     "DC_DECAY",
@@ -75,27 +76,30 @@ def format_mitigation(names: Sequence[str]) -> str:
 def mitigation_conflicts(
     names: Sequence[str], *, aggregation: str, schedule_stashing: str, weight_stashing: bool
 ) -> list[tuple[str, str]]:
-    """(what is wrong, the fix) for each mitigation that cannot run with these settings; [] when all can."""
+    """(what is wrong, the fix) for each mitigation that cannot run with these settings; [] when all can. What
+    the aggregation rule allows is read off its traits (hetpipe.core.wsp.aggregation)."""
+    rule = get_aggregation(aggregation)
     out = []
-    if "average" in names and aggregation != "mean":
+    averages = rule.local_optimizer and rule.share == "mean"
+    if "average" in names and not averages:
         out.append(
             (
                 f'"average" averages the VWs\' models, but ps.aggregation is "{aggregation}"',
-                'set [ps] aggregation = "mean"',
+                f"set [ps] aggregation = {_rules_that(lambda r: r.local_optimizer and r.share == 'mean')}",
             )
         )
     for name in ("warmup", "pipemare"):
-        if name in names and aggregation == "server":
+        if name in names and not rule.local_optimizer:
             out.append(
                 (
-                    f'"{name}" sets the VWs\' local learning rates, but with ps.aggregation = "server" '
-                    "the PS runs the optimizer",
-                    'use aggregation "sum" or "mean", or drop it',
+                    f'"{name}" sets the VWs\' local learning rates, but with ps.aggregation = '
+                    f'"{aggregation}" the PS runs the optimizer',
+                    f"use aggregation {_rules_that(lambda r: r.local_optimizer)}, or drop it",
                 )
             )
     if (
         "spectrain" in names
-        and aggregation != "server"
+        and rule.local_optimizer
         and schedule_stashing == "optional"
         and not weight_stashing
     ):
@@ -107,6 +111,11 @@ def mitigation_conflicts(
             )
         )
     return out
+
+
+def _rules_that(where: Callable[[type[Aggregation]], bool]) -> str:
+    """The registered aggregation rules with the traits `where` asks for, quoted: '"sum" or "mean"'."""
+    return " or ".join(f'"{name}"' for name, rule in AGGREGATIONS.items() if where(rule))
 
 
 @dataclass(frozen=True)
