@@ -2,7 +2,7 @@
 
 F p: receive the input (stage 0: read minibatch p), forward, send the output on.
 B p: receive the output gradient (last stage: from the loss), backward, send the input gradient.
-U p: the optimizer step (or, with aggregation "server", the gradient into the wave's sum).
+U p: the optimizer step (or, where the PS runs the optimizer, the gradient into the wave's sum).
 PUSH c: hand the wave's push to the PS agent, a thread or a process (it goes out while compute goes on).
 WAIT c: take the pull of W_{c-D-1} (handed to the agent as early as WSP allows), rebase.
 Compute is stretched to the emulated GPU's speed; every action is traced, and the stage reports where
@@ -36,11 +36,11 @@ from hetpipe.compute.stage_compute import StageCompute, StageRules
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.hardware.devices import p2p_backend
 from hetpipe.core.hardware.emulate import LinkEmulator, device_dilator
-from hetpipe.core.pipeline.mitigation import stage_lags
 from hetpipe.core.pipeline.resume import cut_position, forwarded_before, rejoin_actions, snapshot_floor
-from hetpipe.core.pipeline.schedule import WAIT, get_schedule, own_through_required, unstashed_forwards
+from hetpipe.core.pipeline.schedule import WAIT, get_schedule, own_through_required
 from hetpipe.core.runs.metrics import STAGE_PARTS, TraceRecorder
 from hetpipe.core.runs.procs import child_entered_at, process_started_at
+from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 from hetpipe.core.wsp.audit import AuditError, audit_key, ledger_violations
 from hetpipe.core.wsp.state import gate_version
 from hetpipe.models import build_stage
@@ -101,20 +101,7 @@ class StageRunner:
         if job.start_wave:
             self.actions = rejoin_actions(self.actions, job.start_wave, wsp.nm)
         self.position = 0  # index of the next action to run (the heartbeats report it)
-        rules = StageRules(
-            nm=wsp.nm,
-            stashing=kind.stashing != "none" and t.weight_stashing,
-            recompute=t.recompute or (kind.stashing == "optional" and not t.weight_stashing),
-            aggregation=config.ps.aggregation,
-            buffers=config.ps.buffers,
-            precision=t.precision,
-            mitigation=t.mitigations,
-            num_vws=job.num_vws,
-            warmup_waves=t.warmup_waves,
-            staleness=wsp.staleness,
-            lags=stage_lags(self.schedule.stages[job.stage]) if t.mitigations else None,
-            unstashed=unstashed_forwards(self.schedule.stages[job.stage]),
-        )
+        rules = StageRules.of(config, self.schedule.stages[job.stage], job.num_vws)
         self.ledgers: dict[str, torch.Tensor] = {}
         if job.audit:
             shape = audit_shape(config, job.num_vws)
@@ -132,8 +119,7 @@ class StageRunner:
             ledgers=self.ledgers,
             on_update=self._tag_updates,
         )
-        # One VW that applies its own updates needs no pull: its global weights hold only what it holds.
-        self.pulls = not (job.num_vws == 1 and config.ps.aggregation != "server")
+        self.pulls = needs_pulls(job.num_vws, get_aggregation(config.ps.aggregation))
         self.waits = [a.index for a in self.actions if a.kind == WAIT] if self.pulls else []
         self.dilator = device_dilator(job.slowdown, wall_clock=self.device.type == "cuda")
         # A CUDA block is timed to its end (a wait for the device) only where the dilator stretches it; else

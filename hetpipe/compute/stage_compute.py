@@ -27,7 +27,7 @@ Mitigations (train.mitigation, hetpipe.core.pipeline.mitigation; "none" leaves a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,10 @@ from torch import Tensor, nn
 
 from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
 from hetpipe.compute.weight_swap import WeightSwap
-from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, warmup_lr_factor
+from hetpipe.core.config import ClusterConfig
+from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
+from hetpipe.core.pipeline.schedule import Action, get_schedule, unstashed_forwards
+from hetpipe.core.wsp.aggregation import get_aggregation
 
 __all__ = ["InFlight", "StageCompute", "StageRules", "buffer_slots", "set_buffer", "stage_buffers"]
 
@@ -90,23 +93,43 @@ class StageRules:
 
     nm: int
     stashing: bool = True  # forwards run on a stashed copy of their weight version (else on the live weights)
-    recompute: bool = False  # forwards keep only their input; the backward recomputes them (on the weights
-    #                          then live: without stashing, an update in between changes them, as PipeDream
-    #                          without weight stashing does)
-    aggregation: str = "sum"  # sum | mean: local optimizer steps pushed as updates; server: mean gradients
+    # forwards keep only their input; the backward recomputes them (on the weights then live: without
+    # stashing, an update in between changes them, as PipeDream without weight stashing does)
+    recompute: bool = False
+    # the stage steps its own optimizer and pushes its updates (else it pushes mean gradients and the PS
+    # steps: the aggregation rule's trait, hetpipe.core.wsp.aggregation)
+    local_optimizer: bool = True
     buffers: str = "average"  # average: pulls replace the buffers; local: each VW keeps its own
     precision: str = "fp32"  # fp32 | bf16 (autocast; weights, gradients and updates stay fp32)
     mitigation: tuple[str, ...] = ()  # staleness mitigations (hetpipe.core.pipeline.mitigation); () = none
     num_vws: int = 1  # VWs of the run (warmup's starting share, average's share)
     warmup_waves: int = 0  # warmup ramp and PipeMare T1 annealing, in waves
     staleness: int = 0  # D (spectrain with aggregation server predicts D + 1 versions ahead)
-    lags: Mapping[int, Lag] | None = (
-        None  # per minibatch of this stage (hetpipe.core.pipeline.mitigation.stage_lags)
-    )
-    unstashed: frozenset[int] = frozenset()  # minibatches whose weights no U or WAIT changes between F and B
-    #                                          (hetpipe.core.pipeline.schedule.unstashed_forwards): forwards
-    # on the                                          live weights, no stashed copy (the same numbers, a copy
-    # less)
+    lags: Mapping[int, Lag] | None = None  # per minibatch of this stage (hetpipe.core.pipeline.mitigation)
+    # minibatches whose weights no U or WAIT changes between F and B (hetpipe.core.pipeline.schedule
+    # .unstashed_forwards): forwards on the live weights, no stashed copy (the same numbers, a copy less)
+    unstashed: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, config: ClusterConfig, actions: Sequence[Action], num_vws: int) -> StageRules:
+        """The rules of a stage running `actions` (its list of the run's schedule) in a run of `num_vws` VWs:
+        the schedule's modes and the aggregation rule's traits, read from their registries."""
+        t = config.train
+        modes = get_schedule(t.schedule).modes(t.weight_stashing, t.recompute)
+        return cls(
+            nm=config.wsp.nm,
+            stashing=modes.stashing,
+            recompute=modes.recompute,
+            local_optimizer=get_aggregation(config.ps.aggregation).local_optimizer,
+            buffers=config.ps.buffers,
+            precision=t.precision,
+            mitigation=t.mitigations,
+            num_vws=num_vws,
+            warmup_waves=t.warmup_waves,
+            staleness=config.wsp.staleness,
+            lags=stage_lags(actions) if t.mitigations else None,
+            unstashed=unstashed_forwards(actions),
+        )
 
 
 @dataclass
@@ -143,7 +166,7 @@ class StageCompute:
         self.params = dict(module.named_parameters())
         self.ledgers = dict(ledgers or {})
         self.on_update = on_update
-        local = rules.aggregation != "server"
+        local = rules.local_optimizer
         self.optimizer = (
             make_optimizer(list(self.params.values()), optimizer_name, lr, momentum, weight_decay)
             if local
