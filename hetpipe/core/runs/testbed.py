@@ -118,8 +118,8 @@ class LinkScale:
     """How much slower the emulated cluster runs than the real one, so how much slower its links must be.
 
     The fastest emulated GPU runs a training step of the model in cpu_step_s x time_scale (the CPU profile's
-    forward + backward times, one thread, stretched by that GPU's slowdown, hetpipe.core.hardware.emulate). The real
-    GPU runs it in step_flops / (gpu_tflops x 1e12 x efficiency). A link of the real cluster carries
+    forward + backward times, one thread, stretched by that GPU's slowdown, hetpipe.core.hardware.emulate).
+    The real GPU runs it in step_flops / (gpu_tflops x 1e12 x efficiency). A link of the real cluster carries
     inter_node_gbps; to keep the compute/communication ratio, the emulated link must carry
     inter_node_gbps x scale with scale = real step time / emulated step time (= emulated speed / real speed).
     efficiency 1.0 takes the real GPU at its peak FP32 rate: the fastest it could be, so the smallest scale
