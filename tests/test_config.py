@@ -77,7 +77,7 @@ def test_default_config_is_packaged_and_linked_from_launch() -> None:
 def test_default_config_documents_every_field() -> None:
     """local.toml is the reference for every field: each key of every section appears in it, set or
     commented."""
-    from hetpipe.core.config import _GPU_TYPE_KEYS, _NODE_KEYS, _SECTIONS, _TOP_KEYS
+    from hetpipe.core.config.schema import _GPU_TYPE_KEYS, _NODE_KEYS, _SECTIONS, _TOP_KEYS
 
     text = default_config_path().read_text()
     missing = [

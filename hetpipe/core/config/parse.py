@@ -1,0 +1,89 @@
+"""A decoded TOML document -> a validated ClusterConfig: the top-level keys, each section through its parser,
+then the checks that span sections."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hetpipe.core.config.gpus import _gpu_types, _nodes, _virtual_workers
+from hetpipe.core.config.schema import _SECTIONS, _TOP_KEYS, ClusterConfig, Node, PsConfig, TrainConfig
+from hetpipe.core.config.sections import (
+    _allocation,
+    _checkpoint,
+    _data,
+    _emulation,
+    _model,
+    _network,
+    _ps,
+    _train,
+    _wsp,
+)
+from hetpipe.core.config.table import _Table
+from hetpipe.core.pipeline.mitigation import mitigation_conflicts
+from hetpipe.core.pipeline.schedule import SCHEDULES
+
+__all__ = ["parse_config"]
+
+_MAX_SEED = 2**32 - 1  # numpy's legacy seeding rejects larger seeds
+
+
+def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = None) -> ClusterConfig:
+    """Validate a decoded TOML document; `path` names the file in errors (or `source`, e.g.
+    "x.toml with --set")."""
+    top = _Table(source or str(path), "", "at the top of the file", data)
+    top.only(_TOP_KEYS)
+    name = top.name("name")
+    seed = top.integer("seed", 0, ge=0, le=_MAX_SEED)
+    gpu_types = _gpu_types(top)
+    nodes = _nodes(top, gpu_types)
+    sections = {key: top.section(key, allowed) for key, allowed in _SECTIONS.items()}
+    network = _network(sections["network"])
+    ps = _ps(sections["ps"])
+    wsp = _wsp(sections["wsp"])
+    model = _model(sections["model"])
+    data_config = _data(sections["data"])
+    train = _train(sections["train"], name)
+    checkpoint = _checkpoint(sections["checkpoint"], f"{train.out_dir.rstrip('/')}/ps")
+    emulation = _emulation(sections["emulation"])
+    allocation = _allocation(sections["allocation"], listed=bool(data.get("virtual_workers")))
+    virtual_workers = _virtual_workers(top, allocation, nodes)
+    _check_across_sections(sections, nodes, ps, train)
+    return ClusterConfig(
+        path=path,
+        name=name,
+        seed=seed,
+        gpu_types=gpu_types,
+        nodes=nodes,
+        network=network,
+        ps=ps,
+        wsp=wsp,
+        checkpoint=checkpoint,
+        model=model,
+        data=data_config,
+        train=train,
+        emulation=emulation,
+        allocation=allocation,
+        virtual_workers=virtual_workers,
+    )
+
+
+def _check_across_sections(
+    sections: Mapping[str, _Table], nodes: tuple[Node, ...], ps: PsConfig, train: TrainConfig
+) -> None:
+    """What no section can check alone: one shard per node under placement "local", and mitigations that fit
+    the aggregation rule and the schedule's weight stashing."""
+    if ps.placement == "local" and ps.shards != len(nodes):
+        sections["ps"].fail(
+            "shards",
+            f'is {ps.shards} but placement = "local" runs one shard on each of the {len(nodes)} nodes',
+            f'set shards = {len(nodes)}, or placement = "balanced"',
+        )
+    for what, fix in mitigation_conflicts(
+        train.mitigations,
+        aggregation=ps.aggregation,
+        schedule_stashing=SCHEDULES[train.schedule].stashing,
+        weight_stashing=train.weight_stashing,
+    ):
+        sections["train"].fail("mitigation", what, fix)

@@ -1,0 +1,198 @@
+"""The settings sections of a config, one parser each: [network], [ps], [wsp], [checkpoint], [model], [data],
+[train], [emulation], [allocation]; schedule and aggregation names are checked against their registries."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import get_args
+
+from hetpipe.core.config.messages import _show
+from hetpipe.core.config.schema import (
+    AllocationConfig,
+    AllocationPolicy,
+    BufferPolicy,
+    CheckpointConfig,
+    DataConfig,
+    EmulatedDevice,
+    EmulationConfig,
+    ModelConfig,
+    NetworkConfig,
+    OnNan,
+    OnVwFailure,
+    OptimizerName,
+    Placement,
+    Precision,
+    PsAgent,
+    PsAuth,
+    PsConfig,
+    PullMode,
+    TrainConfig,
+    WireDtype,
+    WspConfig,
+)
+from hetpipe.core.config.table import _Table
+from hetpipe.core.errors import UsageError, did_you_mean
+from hetpipe.core.pipeline.schedule import SCHEDULES
+from hetpipe.core.wsp.aggregation import AGGREGATIONS
+
+_MAX_PORT = 65535
+
+
+def _network(t: _Table) -> NetworkConfig:
+    d = NetworkConfig()
+    return NetworkConfig(
+        intra_node_gbps=t.number("intra_node_gbps", d.intra_node_gbps, gt=0),
+        inter_node_gbps=t.number("inter_node_gbps", d.inter_node_gbps, gt=0),
+    )
+
+
+def _ps(t: _Table) -> PsConfig:
+    d = PsConfig()
+    host = t.string("host", d.host, nonempty=True)
+    port = t.integer("port", d.port, ge=1024, le=_MAX_PORT)
+    shards = t.integer("shards", d.shards, ge=1)
+    last = port + shards - 1
+    if last > _MAX_PORT:
+        t.fail(
+            "port",
+            f"{shards} shards from port {port} need ports up to {last}, above {_MAX_PORT}",
+            f"set port to at most {_MAX_PORT + 1 - shards}, or use fewer shards",
+        )
+    heartbeat = t.number("heartbeat_s", d.heartbeat_s, ge=0)
+    hung = t.number("hung_after_s", d.hung_after_s, ge=0)
+    if hung and (not heartbeat or hung < 2 * heartbeat):
+        t.fail(
+            "hung_after_s",
+            f"{hung:g} s with heartbeat_s = {heartbeat:g}: a stage would be declared hung "
+            "between two heartbeats",
+            "set hung_after_s to at least twice heartbeat_s (or 0 to never declare a stage hung)",
+        )
+    return PsConfig(
+        host=host,
+        port=port,
+        shards=shards,
+        placement=t.choice("placement", d.placement, get_args(Placement)),
+        timeout_s=t.number("timeout_s", d.timeout_s, gt=0),
+        aggregation=t.registered("aggregation", d.aggregation, AGGREGATIONS),
+        buffers=t.choice("buffers", d.buffers, get_args(BufferPolicy)),
+        auth=t.choice("auth", d.auth, get_args(PsAuth)),
+        keys_dir=t.string("keys_dir", d.keys_dir),
+        on_vw_failure=t.choice("on_vw_failure", d.on_vw_failure, get_args(OnVwFailure)),
+        heartbeat_s=heartbeat,
+        hung_after_s=hung,
+        max_restarts=t.integer("max_restarts", d.max_restarts, ge=0),
+        wire_dtype=t.choice("wire_dtype", d.wire_dtype, get_args(WireDtype)),
+        agent=t.choice("agent", d.agent, get_args(PsAgent)),
+    )
+
+
+def _wsp(t: _Table) -> WspConfig:
+    d = WspConfig()
+    return WspConfig(
+        staleness=t.integer("staleness", d.staleness, ge=0),
+        nm=t.integer("nm", d.nm, ge=1),
+        pull=t.choice("pull", d.pull, get_args(PullMode)),
+    )
+
+
+def _checkpoint(t: _Table, default_dir: str) -> CheckpointConfig:
+    d = CheckpointConfig()
+    return CheckpointConfig(
+        dir=t.string("dir", default_dir),
+        every=t.integer("every", d.every, ge=0),
+        keep=t.integer("keep", d.keep, ge=1),
+        stages=t.boolean("stages", d.stages),
+    )
+
+
+def _model(t: _Table) -> ModelConfig:
+    d = ModelConfig()
+    return ModelConfig(name=t.string("name", d.name, nonempty=True), options=t.options("options"))
+
+
+def _data(t: _Table) -> DataConfig:
+    d = DataConfig()
+    return DataConfig(
+        name=t.string("name", d.name, nonempty=True),
+        options=t.options("options"),
+        test_fraction=t.number("test_fraction", d.test_fraction, gt=0, lt=1),
+    )
+
+
+def _train(t: _Table, run_name: str) -> TrainConfig:
+    d = TrainConfig()
+    train = TrainConfig(
+        batch_size=t.integer("batch_size", d.batch_size, ge=1),
+        waves=t.integer("waves", d.waves, ge=1),
+        optimizer=t.choice("optimizer", d.optimizer, get_args(OptimizerName)),
+        lr=t.number("lr", d.lr, gt=0),
+        momentum=t.number("momentum", d.momentum, ge=0, lt=1),
+        weight_decay=t.number("weight_decay", d.weight_decay, ge=0),
+        weight_stashing=t.boolean("weight_stashing", d.weight_stashing),
+        schedule=t.registered("schedule", d.schedule, SCHEDULES),
+        recompute=t.boolean("recompute", d.recompute),
+        precision=t.choice("precision", d.precision, get_args(Precision)),
+        eval_every=t.integer("eval_every", d.eval_every, ge=0),
+        eval_samples=t.integer("eval_samples", d.eval_samples, ge=0),
+        out_dir=t.string("out_dir", f"runs/{run_name}", nonempty=True),
+        on_nan=t.choice("on_nan", d.on_nan, get_args(OnNan)),
+        mitigation=t.string("mitigation", d.mitigation, nonempty=True),
+        warmup_waves=t.integer("warmup_waves", d.warmup_waves, ge=0),
+    )
+    try:
+        train = replace(train, mitigation="+".join(train.mitigations) or "none")
+    except UsageError as exc:
+        t.fail("mitigation", f"cannot read {_show(train.mitigation)}", str(exc))
+    kind = SCHEDULES[train.schedule]
+    if kind.stashing == "required" and not train.weight_stashing:
+        optional = " or ".join(f'"{n}"' for n, k in SCHEDULES.items() if k.stashing == "optional")
+        t.fail(
+            "weight_stashing",
+            f'is false, but schedule "{train.schedule}" keeps two weight versions by design',
+            f"set weight_stashing = true {t.under}, or choose schedule = {optional} (stashing optional)",
+        )
+    if train.recompute and not kind.recompute:
+        able = ", ".join(n for n, k in SCHEDULES.items() if k.recompute)
+        t.fail(
+            "recompute",
+            f'is true, but schedule "{train.schedule}" updates weights between a forward and its '
+            "backward, so a recomputed forward would not match the first",
+            f"set recompute = false {t.under}, or choose a schedule that flushes: {able}",
+        )
+    return train
+
+
+def _emulation(t: _Table) -> EmulationConfig:
+    d = EmulationConfig()
+    enabled = t.boolean("enabled", d.enabled)
+    raw = t.data.get("time_scale", "auto")
+    if isinstance(raw, str):
+        if raw != "auto":
+            t.fail(
+                "time_scale",
+                f"unknown value {_show(raw)}",
+                f'write time_scale = "auto" or a number > 0{did_you_mean(raw, ["auto"])}',
+            )
+        time_scale = None
+    else:
+        time_scale = t.number(
+            "time_scale", placeholder='"auto" or <float > 0>', kind='"auto" or a number', gt=0
+        )
+    return EmulationConfig(
+        enabled=enabled,
+        time_scale=time_scale,
+        link_bandwidth=t.boolean("link_bandwidth", d.link_bandwidth),
+        device=t.choice("device", d.device, get_args(EmulatedDevice)),
+    )
+
+
+def _allocation(t: _Table, listed: bool) -> AllocationConfig:
+    policy = t.choice("policy", "explicit" if listed else "np", get_args(AllocationPolicy))
+    if policy == "explicit" and not listed:
+        t.fail(
+            "policy",
+            'is "explicit" but no [[virtual_workers]] are listed',
+            'add [[virtual_workers]] tables with gpus = ["n0:0", ...], or set policy = "np", "ed", "hd" '
+            'or "dp"',
+        )
+    return AllocationConfig(policy=policy)
