@@ -9,56 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from hetpipe.app.train import TrainOptions, train
 from hetpipe.compute import data as datalib
-from hetpipe.compute.build import VwLayout, dataset_of, model_of
+from hetpipe.compute.build import dataset_of, model_of
 from hetpipe.compute.reference import run_reference
 from hetpipe.core.config import ClusterConfig, apply_overrides, load_config
 from hetpipe.core.pipeline.schedule import SCHEDULES
 from hetpipe.models import build_stage
 
 from conftest import write_config
+from equivalence import assert_bitwise, assert_equals_reference, layout, run
 
 pytestmark = pytest.mark.slow
 
 SPLITS = {1: [(4,), (4,)], 3: [(1, 2, 1), (2, 1, 1)]}  # the MLP's 4 layers; two VWs split them differently
-
-
-def layout(vws: int, stages: int) -> list[list[str]]:
-    return [[f"n0:{v * stages + j}" for j in range(stages)] for v in range(vws)]
-
-
-def run(tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]]):
-    lays = tuple(
-        VwLayout(tuple(str(g) for g in vw.gpus), s)
-        for vw, s in zip(config.virtual_workers, splits, strict=True)
-    )
-    run_dir = tmp_path / "run"
-    summary = train(config, TrainOptions(run_dir=run_dir, progress=False, dump_weights=True, layouts=lays))
-    stage_weights = {}
-    for v, split in enumerate(splits):
-        for j in range(len(split)):
-            stage_weights[(v, j)] = torch.load(run_dir / f"final-vw{v}-s{j}.pt", weights_only=True)
-    ps_weights = torch.load(run_dir / "model.pt", weights_only=True)
-    return summary, stage_weights, ps_weights
-
-
-def assert_bitwise(a: dict, b: dict, what: str) -> None:
-    assert set(a) == set(b), what
-    for key in a:
-        x, y = torch.as_tensor(a[key]), torch.as_tensor(b[key])
-        assert torch.equal(x, y), f"{what}: {key} differs by up to {float((x - y).abs().max())}"
-
-
-def assert_equals_reference(
-    tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]], order: int = 0
-):
-    summary, stage_weights, ps_weights = run(tmp_path, config, splits)
-    ref = run_reference(config, splits, order_seed=order)
-    for sid, weights in stage_weights.items():
-        assert_bitwise(weights, ref.stage_weights[sid], f"stage {sid}")
-    assert_bitwise(ps_weights, ref.ps_weights, "PS weights")
-    return summary, stage_weights
 
 
 def plain_training(config: ClusterConfig, steps: int, accumulate: int) -> dict[str, torch.Tensor]:

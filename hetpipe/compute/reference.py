@@ -15,7 +15,9 @@ operations:
   WAIT c:          t = W_{c-D-1} + own sums of waves > c-D-2 (in wave order); buffers replaced
   ps.wire_dtype:   bfloat16 rounds the weights (not buffers) of every push as it leaves a stage and of every
                    pull as it leaves the PS; the PS and the stages' own sums stay float32
-A single VW skips WAIT when its own updates are applied locally (aggregation sum or mean).
+A single VW skips WAIT when its own updates are applied locally (hetpipe.core.wsp.aggregation.needs_pulls).
+The schedule's modes and the aggregation rule's traits come from their registries; "aggregation server" below
+stands for any rule whose optimizer runs at the PS.
 Mitigations (train.mitigation, hetpipe.core.pipeline.mitigation), each written here again:
   warmup/pipemare: lr of U p = lr * (warm-up factor * PipeMare T1 factor), set before the step
   pipemare T2:     an unstashed backward recomputes on w - dc * s; dc = dc * gamma + Δ * (1 - gamma) after
@@ -43,12 +45,24 @@ from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
 from hetpipe.compute.stage_compute import set_buffer, stage_buffers
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
-from hetpipe.core.pipeline.schedule import BACKWARD, FORWARD, PUSH, UPDATE, WAIT, gate_of, get_schedule, needs
+from hetpipe.core.pipeline.schedule import (
+    BACKWARD,
+    FORWARD,
+    PUSH,
+    UPDATE,
+    WAIT,
+    Action,
+    gate_of,
+    get_schedule,
+    needs,
+)
 from hetpipe.core.protocol.wire import from_bfloat16_bits, to_bfloat16_bits
-from hetpipe.core.wsp.aggregation import make_aggregation
+from hetpipe.core.wsp.aggregation import Aggregation, get_aggregation, make_aggregation, needs_pulls
 from hetpipe.models import build_stage
 
 __all__ = ["ReferenceResult", "run_reference"]
+
+StageId = tuple[int, int]  # (vw, stage)
 
 
 @dataclass
@@ -74,79 +88,302 @@ class RefStage:
 
 @dataclass
 class ReferenceResult:
-    stage_weights: dict[
-        tuple[int, int], dict[str, Tensor]
-    ]  # live parameters and buffers of every stage at the end
+    stage_weights: dict[StageId, dict[str, Tensor]]  # live parameters and buffers of every stage at the end
     ps_weights: dict[str, np.ndarray]  # W_{waves}, buffers averaged
 
 
-def _tracked(st: RefStage, local: bool) -> dict[str, Tensor]:
-    return dict(st.module.named_parameters()) if local else {}
+@dataclass(frozen=True)
+class _Flags:
+    """What the config asks of every stage, derived once from the schedule's modes, the aggregation rule's
+    traits and the mitigations."""
+
+    stashing: bool
+    recompute: bool
+    local: bool  # the stages run the optimizer (else the PS does, on the VWs' mean gradients)
+    pulls: bool  # WAITs pull (else a lone VW skips them)
+    scale_lr: bool  # warmup or pipemare set the learning rate of every update
+    predict: bool  # spectrain: stashed versions predicted ahead
+    predict_pulls: bool  # spectrain with the PS's optimizer: pulls predicted ahead
+    correct: bool  # pipemare T2: unstashed recomputed backwards corrected
+
+    @classmethod
+    def of(cls, config: ClusterConfig, num_vws: int) -> _Flags:
+        t = config.train
+        modes = get_schedule(t.schedule).modes(t.weight_stashing, t.recompute)
+        rule = get_aggregation(config.ps.aggregation)
+        local, mit = rule.local_optimizer, t.mitigations
+        return cls(
+            stashing=modes.stashing,
+            recompute=modes.recompute,
+            local=local,
+            pulls=needs_pulls(num_vws, rule),
+            scale_lr=local and ("warmup" in mit or "pipemare" in mit),
+            predict="spectrain" in mit and local and modes.stashing,
+            predict_pulls="spectrain" in mit and not local,
+            correct="pipemare" in mit and local and not modes.stashing and modes.recompute,
+        )
 
 
-def run_reference(
-    config: ClusterConfig,
-    splits: list[tuple[int, ...]],
-    order_seed: int = 0,
-    on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None,
-) -> ReferenceResult:
-    """Train every VW of `splits` (layers per stage) by the config; `on_version(t, W_t)` sees each global
-    version as the PS builds it (e.g. to score the weights wave by wave)."""
-    torch.set_num_threads(1)
-    spec = model_of(config)
-    dataset = dataset_of(config)
-    t, nm, D = config.train, config.wsp.nm, config.wsp.staleness
-    kind = get_schedule(t.schedule)
-    stashing = kind.stashing != "none" and t.weight_stashing
-    recompute = t.recompute or (kind.stashing == "optional" and not t.weight_stashing)
-    local = config.ps.aggregation != "server"
-    mit = t.mitigations
-    scale_lr = local and ("warmup" in mit or "pipemare" in mit)
-    predict = "spectrain" in mit and local and stashing
-    predict_pulls = "spectrain" in mit and not local
-    correct = "pipemare" in mit and local and not stashing and recompute
-    rule = make_aggregation(config.ps.aggregation, t.optimizer, t.lr, t.momentum, t.weight_decay)
-    autocast = (
-        (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-        if t.precision == "bf16"
-        else contextlib.nullcontext
-    )
-    num_vws = len(splits)
-    packed = config.ps.wire_dtype == "bfloat16"
+def _state_of(st: RefStage) -> dict[str, Tensor]:
+    """A stage's synced tensors: its parameters and its buffers as float32."""
+    return {
+        **dict(st.module.named_parameters()),
+        **{k: b.float() for k, b in stage_buffers(st.module).items()},
+    }
 
-    def on_wire(a: np.ndarray) -> np.ndarray:
-        return from_bfloat16_bits(to_bfloat16_bits(a)) if packed else a
 
-    x, y = dataset.train.x, dataset.train.y
-    shards = [datalib.shard_indices(len(y), num_vws, v, config.seed) for v in range(num_vws)]
+class _GlobalWeights:
+    """The PS of the reference: every VW's pushes by wave, and W_t built in VW order once every stage of every
+    VW has pushed wave t - 1."""
 
-    def batch(vw: int, p: int):
-        return datalib.minibatch(x, y, shards[vw], t.batch_size, config.seed, p)
+    def __init__(
+        self,
+        stages: dict[StageId, RefStage],
+        splits: list[tuple[int, ...]],
+        rule: Aggregation,
+        on_version: Callable[[int, dict[str, np.ndarray]], None] | None,
+    ) -> None:
+        self.splits, self.rule, self.on_version = splits, rule, on_version
+        self.kinds = {
+            k: ("param" if k in dict(st.module.named_parameters()) else "buffer")
+            for st in stages.values()
+            for k in _state_of(st)
+        }
+        self.history = [
+            {k: w.detach().numpy().copy() for st in stages.values() for k, w in _state_of(st).items()}
+        ]  # W_0
+        self.pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> what was pushed
+        self.pushed = dict.fromkeys(stages, 0)
 
-    stages: dict[tuple[int, int], RefStage] = {}
-    for v, split in enumerate(splits):
-        schedule = kind(len(split), nm, t.waves, D)
-        for j in range(len(split)):
-            start = sum(split[:j])
-            module = build_stage(spec, start, start + split[j])
-            opt = (
-                make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
-                if local
-                else None
+    def c_global(self) -> int:
+        return min(min(self.pushed[(v, j)] for j in range(len(split))) for v, split in enumerate(self.splits))
+
+    def push(self, sid: StageId, wave: int, values: dict[str, np.ndarray]) -> None:
+        """Stage `sid`'s push of `wave`; builds every version that it completes."""
+        self.pushes.setdefault(wave, {}).setdefault(sid[0], {}).update(values)
+        self.pushed[sid] += 1
+        num_vws = len(self.splits)
+        while len(self.history) - 1 < self.c_global():
+            w = len(self.history) - 1
+            new = {}
+            for key, old in self.history[-1].items():
+                parts = [self.pushes[w][v][key] for v in range(num_vws)]
+                s = parts[0].copy()
+                for part in parts[1:]:
+                    s += part
+                new[key] = self.rule.fold(key, self.kinds[key], old, s, num_vws).astype(
+                    np.float32, copy=False
+                )
+            self.history.append(new)
+            if self.on_version is not None:
+                self.on_version(len(self.history) - 1, new)
+
+
+class _Reference:
+    """Every stage of every VW in one process; `step` runs one stage's next action (a dispatch table by
+    kind)."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        splits: list[tuple[int, ...]],
+        on_version: Callable[[int, dict[str, np.ndarray]], None] | None,
+    ) -> None:
+        self.config, self.splits = config, splits
+        self.spec = model_of(config)
+        self.t, self.nm, self.D = config.train, config.wsp.nm, config.wsp.staleness
+        self.num_vws = len(splits)
+        self.flags = _Flags.of(config, self.num_vws)
+        self.autocast = (
+            (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+            if self.t.precision == "bf16"
+            else contextlib.nullcontext
+        )
+        self.packed = config.ps.wire_dtype == "bfloat16"
+        dataset = dataset_of(config)
+        self.x, self.y = dataset.train.x, dataset.train.y
+        self.shards = [
+            datalib.shard_indices(len(self.y), self.num_vws, v, config.seed) for v in range(self.num_vws)
+        ]
+        self.stages = self._build_stages()
+        t = self.t
+        rule = make_aggregation(config.ps.aggregation, t.optimizer, t.lr, t.momentum, t.weight_decay)
+        self.ps = _GlobalWeights(self.stages, splits, rule, on_version)
+        self.acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
+        self.grads: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> output gradient waiting there
+        self.dispatch: dict[str, Callable[[int, int, RefStage, Action], None]] = {
+            FORWARD: self.forward,
+            BACKWARD: self.backward,
+            UPDATE: self.update,
+            PUSH: self.push,
+            WAIT: self.wait,
+        }
+
+    def _build_stages(self) -> dict[StageId, RefStage]:
+        t, f = self.t, self.flags
+        kind = get_schedule(t.schedule)
+        stages: dict[StageId, RefStage] = {}
+        for v, split in enumerate(self.splits):
+            schedule = kind(len(split), self.nm, t.waves, self.D)
+            for j in range(len(split)):
+                start = sum(split[:j])
+                module = build_stage(self.spec, start, start + split[j])
+                opt = (
+                    make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
+                    if f.local
+                    else None
+                )
+                st = stages[(v, j)] = RefStage(module, opt, list(schedule.stages[j]), {})
+                named = dict(module.named_parameters())
+                st.baseline = {k: w.detach().clone() for k, w in named.items()} if f.local else {}
+                st.lags = stage_lags(schedule.stages[j])
+                if f.correct and opt is not None:
+                    st.dc = {k: torch.zeros_like(w) for k, w in named.items()}
+                if f.predict and t.optimizer == "sgd":
+                    st.last_step = {}
+                if f.predict_pulls:
+                    st.last_pulled = {k: w.detach().clone() for k, w in named.items()}
+        return stages
+
+    # ---- order -----------------------------------------------------------------------------------
+    def batch(self, vw: int, p: int):
+        return datalib.minibatch(self.x, self.y, self.shards[vw], self.t.batch_size, self.config.seed, p)
+
+    def on_wire(self, a: np.ndarray) -> np.ndarray:
+        return from_bfloat16_bits(to_bfloat16_bits(a)) if self.packed else a
+
+    def ready(self, sid: StageId) -> bool:
+        v, j = sid
+        a = self.stages[sid].actions[self.stages[sid].pos]
+        for _, other in needs(a, j, len(self.splits[v])):
+            if other.kind == FORWARD and (v, j, a.index) not in self.acts:
+                return False
+            if other.kind == BACKWARD and (v, j, a.index) not in self.grads:
+                return False
+        gate = gate_of(a, self.D)
+        return gate is None or not self.flags.pulls or self.ps.c_global() >= gate
+
+    def step(self, sid: StageId) -> None:
+        st = self.stages[sid]
+        a = st.actions[st.pos]
+        st.pos += 1
+        self.dispatch[a.kind](*sid, st, a)
+
+    def run_forward(self, st: RefStage, inputs: Tensor, weights: dict[str, Tensor] | None) -> Tensor:
+        with self.autocast():
+            if weights is None:
+                return st.module(inputs)
+            return functional_call(st.module, weights, (inputs,), strict=False)
+
+    def last(self, v: int, j: int) -> bool:
+        return j == len(self.splits[v]) - 1
+
+    # ---- F and B ---------------------------------------------------------------------------------
+    def forward(self, v: int, j: int, st: RefStage, a: Action) -> None:
+        inputs = self.batch(v, a.index)[0] if j == 0 else self.acts.pop((v, j, a.index))
+        if j > 0 and inputs.is_floating_point():
+            inputs = inputs.detach().requires_grad_(True)
+        weights = self.stashed_version(st, a.index) if self.flags.stashing else None
+        last = self.last(v, j)
+        if self.flags.recompute:
+            with torch.no_grad():
+                out = self.run_forward(st, inputs, weights)
+            st.saved[a.index] = (inputs, None, weights)
+        else:
+            out = self.run_forward(st, inputs, weights)
+            st.saved[a.index] = (
+                inputs,
+                self.spec.loss(out, self.batch(v, a.index)[1]) if last else out,
+                weights,
             )
-            st = stages[(v, j)] = RefStage(module, opt, list(schedule.stages[j]), {})
-            st.baseline = {k: w.detach().clone() for k, w in _tracked(st, local).items()}
-            st.lags = stage_lags(schedule.stages[j])
-            named = dict(module.named_parameters())
-            if correct and opt is not None:
-                st.dc = {k: torch.zeros_like(w) for k, w in named.items()}
-            if predict and t.optimizer == "sgd":
-                st.last_step = {}
-            if predict_pulls:
-                st.last_pulled = {k: w.detach().clone() for k, w in named.items()}
+        if not last:
+            self.acts[(v, j + 1, a.index)] = out.detach()
+
+    def stashed_version(self, st: RefStage, p: int) -> dict[str, Tensor]:
+        """A copy of the weights for the forward of p (spectrain: predicted its version's lag ahead)."""
+        if st.version_lag is None:
+            st.version_lag = st.lags[p].update if self.flags.predict else 0
+        weights = {}
+        for i, (k, w) in enumerate(st.module.named_parameters()):
+            ahead = None
+            if st.version_lag:
+                ahead = (
+                    st.last_step.get(k) if st.last_step is not None else predicted_step(st.optimizer, i, w)
+                )
+            copy = w.detach().clone() if ahead is None else w.detach() + ahead * float(st.version_lag)
+            weights[k] = copy.requires_grad_(True)
+        return weights
+
+    def backward(self, v: int, j: int, st: RefStage, a: Action) -> None:
+        params = dict(st.module.named_parameters())
+        last = self.last(v, j)
+        inputs, root, weights = st.saved.pop(a.index)
+        if root is None:  # recompute, leaving the running statistics as the first forward left them
+            lag = st.lags[a.index].backward
+            if weights is None and st.dc is not None and lag > 0:  # PipeMare T2
+                weights = {
+                    k: (w.detach() - st.dc[k] * float(lag)).requires_grad_(True) for k, w in params.items()
+                }
+            kept = {k: b.detach().clone() for k, b in stage_buffers(st.module).items()}
+            out = self.run_forward(st, inputs, weights)
+            for key, value in kept.items():
+                set_buffer(st.module, key, value)
+            root = self.spec.loss(out, self.batch(v, a.index)[1]) if last else out
+        if root.requires_grad:  # a first stage without weights has nothing to differentiate
+            root.backward(None if last else self.grads.pop((v, j, a.index)))
+        else:
+            self.grads.pop((v, j, a.index), None)
+        if weights is not None:
+            with torch.no_grad():
+                for k, w in params.items():
+                    g = weights[k].grad
+                    if g is not None:
+                        w.grad = g if w.grad is None else w.grad + g
+        st.covered += 1
+        if j > 0:
+            self.grads[(v, j - 1, a.index)] = inputs.grad
+
+    # ---- U, PUSH, WAIT ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def update(self, v: int, j: int, st: RefStage, a: Action) -> None:
+        params = dict(st.module.named_parameters())
+        wave = a.index // self.nm
+        if self.flags.local:
+            if st.covered > 1:
+                for w in params.values():
+                    if w.grad is not None:
+                        w.grad = w.grad / st.covered
+            if st.optimizer is not None:
+                if self.flags.scale_lr:
+                    set_lr(st.optimizer, self.t.lr * self.lr_factor(st, a.index, wave))
+                st.optimizer.step()
+                st.optimizer.zero_grad(set_to_none=True)
+            if st.open_wave is not None and st.open_wave != wave:
+                self.fold(st, params)
+            st.open_wave = wave
+            if st.dc is not None or st.last_step is not None:
+                self.fold(st, params)
+        else:
+            gsum = st.gsums.setdefault(wave, {})
+            for k, w in params.items():
+                if w.grad is not None:
+                    gsum[k] = gsum[k] + w.grad if k in gsum else w.grad.clone()
+                w.grad = None
+        st.covered = 0
+        st.version_lag = None
+
+    def lr_factor(self, st: RefStage, p: int, wave: int) -> float:
+        """warmup x PipeMare T1 for the update of minibatch p."""
+        mit, t = self.t.mitigations, self.t
+        factor = 1.0
+        if "warmup" in mit:
+            factor *= warmup_lr_factor(wave, self.num_vws, t.warmup_waves)
+        if "pipemare" in mit:
+            factor *= pipemare_lr_factor(st.lags[p].update, wave, t.warmup_waves)
+        return factor
 
     @torch.no_grad()
-    def fold(st: RefStage, params: dict[str, Tensor]) -> None:
+    def fold(self, st: RefStage, params: dict[str, Tensor]) -> None:
         """The updates since the baseline into their wave's sum: Δ = t - baseline; sums[wave] += Δ;
         baseline = t."""
         if st.open_wave is None:
@@ -163,212 +400,82 @@ def run_reference(
             st.baseline[k].copy_(w)
         st.open_wave = None
 
-    def state_of(st: RefStage) -> dict[str, Tensor]:
-        return {
-            **dict(st.module.named_parameters()),
-            **{k: b.float() for k, b in stage_buffers(st.module).items()},
-        }
-
-    kinds = {
-        k: ("param" if k in dict(st.module.named_parameters()) else "buffer")
-        for st in stages.values()
-        for k in state_of(st)
-    }
-    history = [
-        {k: w.detach().numpy().copy() for st in stages.values() for k, w in state_of(st).items()}
-    ]  # W_0
-    pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> what was pushed
-    pushed = dict.fromkeys(stages, 0)
-    acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
-    grads: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> output gradient waiting there
-
-    def c_global() -> int:
-        return min(min(pushed[(v, j)] for j in range(len(splits[v]))) for v in range(num_vws))
-
-    def build_versions() -> None:
-        while len(history) - 1 < c_global():
-            w = len(history) - 1
-            new = {}
-            for key, old in history[-1].items():
-                parts = [pushes[w][v][key] for v in range(num_vws)]
-                s = parts[0].copy()
-                for part in parts[1:]:
-                    s += part
-                new[key] = rule.fold(key, kinds[key], old, s, num_vws).astype(np.float32, copy=False)
-            history.append(new)
-            if on_version is not None:
-                on_version(len(history) - 1, new)
-
-    def ready(sid: tuple[int, int]) -> bool:
-        v, j = sid
-        a = stages[sid].actions[stages[sid].pos]
-        for _, other in needs(a, j, len(splits[v])):
-            if other.kind == FORWARD and (v, j, a.index) not in acts:
-                return False
-            if other.kind == BACKWARD and (v, j, a.index) not in grads:
-                return False
-        gate = gate_of(a, D)
-        return gate is None or (num_vws == 1 and local) or c_global() >= gate
-
-    def forward(st: RefStage, inputs: Tensor, weights: dict[str, Tensor] | None) -> Tensor:
-        with autocast():
-            return (
-                st.module(inputs)
-                if weights is None
-                else functional_call(st.module, weights, (inputs,), strict=False)
-            )
-
-    def step(sid: tuple[int, int]) -> None:
-        v, j = sid
-        st = stages[sid]
-        a = st.actions[st.pos]
-        st.pos += 1
-        last = j == len(splits[v]) - 1
+    def push(self, v: int, j: int, st: RefStage, a: Action) -> None:
         params = dict(st.module.named_parameters())
-        if a.kind == FORWARD:
-            inputs = batch(v, a.index)[0] if j == 0 else acts.pop((v, j, a.index))
-            if j > 0 and inputs.is_floating_point():
-                inputs = inputs.detach().requires_grad_(True)
-            weights = None
-            if stashing:
-                if st.version_lag is None:
-                    st.version_lag = st.lags[a.index].update if predict else 0
-                weights = {}
-                for i, (k, w) in enumerate(params.items()):
-                    ahead = None
-                    if st.version_lag:
-                        ahead = (
-                            st.last_step.get(k)
-                            if st.last_step is not None
-                            else predicted_step(st.optimizer, i, w)
-                        )
-                    copy = w.detach().clone() if ahead is None else w.detach() + ahead * float(st.version_lag)
-                    weights[k] = copy.requires_grad_(True)
-            if recompute:
-                with torch.no_grad():
-                    out = forward(st, inputs, weights)
-                st.saved[a.index] = (inputs, None, weights)
-            else:
-                out = forward(st, inputs, weights)
-                st.saved[a.index] = (inputs, spec.loss(out, batch(v, a.index)[1]) if last else out, weights)
-            if not last:
-                acts[(v, j + 1, a.index)] = out.detach()
-        elif a.kind == BACKWARD:
-            inputs, root, weights = st.saved.pop(a.index)
-            if root is None:  # recompute, leaving the running statistics as the first forward left them
-                lag = st.lags[a.index].backward
-                if weights is None and st.dc is not None and lag > 0:  # PipeMare T2
-                    weights = {
-                        k: (w.detach() - st.dc[k] * float(lag)).requires_grad_(True)
-                        for k, w in params.items()
-                    }
-                kept = {k: b.detach().clone() for k, b in stage_buffers(st.module).items()}
-                out = forward(st, inputs, weights)
-                for key, value in kept.items():
-                    set_buffer(st.module, key, value)
-                root = spec.loss(out, batch(v, a.index)[1]) if last else out
-            if root.requires_grad:  # a first stage without weights has nothing to differentiate
-                root.backward(None if last else grads.pop((v, j, a.index)))
-            else:
-                grads.pop((v, j, a.index), None)
-            if weights is not None:
-                with torch.no_grad():
-                    for k, w in params.items():
-                        g = weights[k].grad
-                        if g is not None:
-                            w.grad = g if w.grad is None else w.grad + g
-            st.covered += 1
-            if j > 0:
-                grads[(v, j - 1, a.index)] = inputs.grad
-        elif a.kind == UPDATE:
-            wave = a.index // nm
-            with torch.no_grad():
-                if local:
-                    if st.covered > 1:
-                        for w in params.values():
-                            if w.grad is not None:
-                                w.grad = w.grad / st.covered
-                    if st.optimizer is not None:
-                        if scale_lr:
-                            factor = 1.0
-                            if "warmup" in mit:
-                                factor *= warmup_lr_factor(wave, num_vws, t.warmup_waves)
-                            if "pipemare" in mit:
-                                factor *= pipemare_lr_factor(st.lags[a.index].update, wave, t.warmup_waves)
-                            set_lr(st.optimizer, t.lr * factor)
-                        st.optimizer.step()
-                        st.optimizer.zero_grad(set_to_none=True)
-                    if st.open_wave is not None and st.open_wave != wave:
-                        fold(st, params)
-                    st.open_wave = wave
-                    if st.dc is not None or st.last_step is not None:
-                        fold(st, params)
-                else:
-                    gsum = st.gsums.setdefault(wave, {})
-                    for k, w in params.items():
-                        if w.grad is not None:
-                            gsum[k] = gsum[k] + w.grad if k in gsum else w.grad.clone()
-                        w.grad = None
-            st.covered = 0
-            st.version_lag = None
-        elif a.kind == PUSH:
-            out: dict[str, np.ndarray] = {}
-            if local:
-                fold(st, params)
-                sums = st.sums.setdefault(a.index, {k: torch.zeros_like(w) for k, w in params.items()})
-                out.update({k: d.detach().numpy().copy() for k, d in sums.items()})
-            else:
-                gsum = st.gsums.pop(a.index, {})
-                out.update(
-                    {
-                        k: (gsum[k] / nm if k in gsum else torch.zeros_like(w)).detach().numpy().copy()
-                        for k, w in params.items()
-                    }
-                )
-            out = {k: on_wire(arr) for k, arr in out.items()}
-            out.update({k: b.detach().float().numpy().copy() for k, b in stage_buffers(st.module).items()})
-            pushes.setdefault(a.index, {}).setdefault(v, {}).update(out)
-            pushed[sid] += 1
-            build_versions()
-        elif a.kind == WAIT and not (num_vws == 1 and local):
-            version = gate_of(a, D)
-            pulled = {k: on_wire(arr) if k in params else arr for k, arr in history[version].items()}
-            with torch.no_grad():
-                if local:
-                    fold(st, params)
-                for w in [w for w in st.sums if w <= version - 1]:
-                    del st.sums[w]
-                for k, w in params.items():
-                    w.copy_(torch.from_numpy(pulled[k]))
-                    if local:
-                        for wave in sorted(st.sums):
-                            w += (
-                                st.sums[wave][k] / num_vws
-                                if "average" in mit and num_vws > 1
-                                else st.sums[wave][k]
-                            )
-                        st.baseline[k].copy_(w)
-                    elif predict_pulls:  # SpecTrain with the PS's optimizer: D + 1 versions ahead of the pull
-                        now = torch.from_numpy(pulled[k]).clone()
-                        w.copy_(now + (now - st.last_pulled[k]) * float(D + 1))
-                        st.last_pulled[k] = now
-                st.version_lag = None
-                if config.ps.buffers == "average":
-                    for k, b in stage_buffers(st.module).items():
-                        value = torch.from_numpy(pulled[k].copy())
-                        set_buffer(
-                            st.module, k, value.round().to(b.dtype) if not b.is_floating_point() else value
-                        )
+        out: dict[str, np.ndarray] = {}
+        if self.flags.local:
+            self.fold(st, params)
+            sums = st.sums.setdefault(a.index, {k: torch.zeros_like(w) for k, w in params.items()})
+            out.update({k: d.detach().numpy().copy() for k, d in sums.items()})
+        else:
+            gsum = st.gsums.pop(a.index, {})
+            out.update(
+                {
+                    k: (gsum[k] / self.nm if k in gsum else torch.zeros_like(w)).detach().numpy().copy()
+                    for k, w in params.items()
+                }
+            )
+        out = {k: self.on_wire(arr) for k, arr in out.items()}
+        out.update({k: b.detach().float().numpy().copy() for k, b in stage_buffers(st.module).items()})
+        self.ps.push((v, j), a.index, out)
 
+    def wait(self, v: int, j: int, st: RefStage, a: Action) -> None:
+        if not self.flags.pulls:
+            return
+        params = dict(st.module.named_parameters())
+        version = gate_of(a, self.D)
+        pulled = {k: self.on_wire(arr) if k in params else arr for k, arr in self.ps.history[version].items()}
+        with torch.no_grad():
+            if self.flags.local:
+                self.fold(st, params)
+            for w in [w for w in st.sums if w <= version - 1]:
+                del st.sums[w]
+            for k, w in params.items():
+                w.copy_(torch.from_numpy(pulled[k]))
+                self.rebase(st, k, w, pulled[k])
+            st.version_lag = None
+            if self.config.ps.buffers == "average":
+                for k, b in stage_buffers(st.module).items():
+                    value = torch.from_numpy(pulled[k].copy())
+                    set_buffer(
+                        st.module, k, value.round().to(b.dtype) if not b.is_floating_point() else value
+                    )
+
+    def rebase(self, st: RefStage, k: str, w: Tensor, pulled: np.ndarray) -> None:
+        """After w = pulled: the own sums the pull does not hold yet (average: their share), or spectrain's
+        prediction of the PS's weights D + 1 versions ahead."""
+        average = "average" in self.t.mitigations and self.num_vws > 1
+        if self.flags.local:
+            for wave in sorted(st.sums):
+                w += st.sums[wave][k] / self.num_vws if average else st.sums[wave][k]
+            st.baseline[k].copy_(w)
+        elif self.flags.predict_pulls:  # SpecTrain with the PS's optimizer: D + 1 versions ahead of the pull
+            now = torch.from_numpy(pulled).clone()
+            w.copy_(now + (now - st.last_pulled[k]) * float(self.D + 1))
+            st.last_pulled[k] = now
+
+
+def run_reference(
+    config: ClusterConfig,
+    splits: list[tuple[int, ...]],
+    order_seed: int = 0,
+    on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None,
+) -> ReferenceResult:
+    """Train every VW of `splits` (layers per stage) by the config, each stage's next action at a time in a
+    random valid order (`order_seed`); `on_version(t, W_t)` sees each global version as the PS builds it (e.g.
+    to score the weights wave by wave)."""
+    torch.set_num_threads(1)
+    ref = _Reference(config, splits, on_version)
     rng = random.Random(order_seed)
+    stages = ref.stages
     while any(s.pos < len(s.actions) for s in stages.values()):
-        runnable = [sid for sid, s in stages.items() if s.pos < len(s.actions) and ready(sid)]
+        runnable = [sid for sid, s in stages.items() if s.pos < len(s.actions) and ref.ready(sid)]
         if not runnable:
             raise RuntimeError("reference deadlocked: the schedules are invalid")
-        step(rng.choice(runnable))
+        ref.step(rng.choice(runnable))
     return ReferenceResult(
         stage_weights={
-            sid: {k: w.detach().clone() for k, w in state_of(s).items()} for sid, s in stages.items()
+            sid: {k: w.detach().clone() for k, w in _state_of(s).items()} for sid, s in stages.items()
         },
-        ps_weights=history[-1],
+        ps_weights=ref.ps.history[-1],
     )

@@ -18,8 +18,9 @@ from typing import Any
 
 from hetpipe.core.errors import UsageError
 from hetpipe.core.pipeline.mitigation import format_mitigation, parse_mitigation
-from hetpipe.core.pipeline.schedule import SCHEDULES
-from hetpipe.core.wsp.aggregation import AGGREGATIONS
+from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE, SCHEDULES, flushing_schedule, get_schedule
+from hetpipe.core.planning.candidates import ALLREDUCE, SYNC_PIPELINE
+from hetpipe.core.wsp.aggregation import AGGREGATIONS, DEFAULT_AGGREGATION, get_aggregation
 
 __all__ = [
     "CALIBRATION_VERSION",
@@ -56,8 +57,8 @@ class Setting:
     vws: int
     nm: int
     stages: int
-    schedule: str = "wsp"
-    aggregation: str = "sum"
+    schedule: str = DEFAULT_SCHEDULE
+    aggregation: str = DEFAULT_AGGREGATION
     mitigation: tuple[str, ...] = ()
     staleness: int = 0
 
@@ -72,7 +73,7 @@ class Setting:
     def sequential(self) -> bool:
         """One VW, one minibatch at a time, its own optimizer: plain sequential training whatever the schedule
         says (with aggregation "server" each step waits D + 1 waves for the PS: not sequential)."""
-        return self.vws == 1 and self.nm == 1 and self.aggregation != "server"
+        return self.vws == 1 and self.nm == 1 and get_aggregation(self.aggregation).local_optimizer
 
     def overrides(self) -> list[str]:
         """The `--set` overrides that train this setting (stages and VWs are the reference's splits)."""
@@ -99,35 +100,37 @@ def canonical(setting: Setting) -> Setting:
       and pushes);
     - at Nm 1 nothing is ever in flight across an update, so wsp and the flushes are one schedule and the
       stage count does not matter (unless spectrain or pipemare, which this does not claim for).
+    Each step reads the schedule's and the aggregation rule's traits (at_depth_of, trains_as, drains, own_lag;
+    local_optimizer), so a registered schedule or rule is canonicalised by what it is, not by its name.
     """
     s = setting
-    if (
-        s.schedule == "pipedream"
-        and s.vws == 1
-        and s.aggregation != "server"
-        and "pipemare" not in s.mitigation
-    ):
-        return canonical(replace(s, schedule="wsp", nm=min(s.nm, s.stages)))
-    if s.schedule == "pipedream" and s.nm <= s.stages:
-        s = replace(s, schedule="wsp")
+    local = get_aggregation(s.aggregation).local_optimizer
+    depth_of = get_schedule(s.schedule).at_depth_of  # pipedream: wsp with min(Nm, stages) in flight
+    if depth_of is not None and s.vws == 1 and local and "pipemare" not in s.mitigation:
+        return canonical(replace(s, schedule=depth_of, nm=min(s.nm, s.stages)))
+    if depth_of is not None and s.nm <= s.stages:
+        s = replace(s, schedule=depth_of)
     if s.sequential:
         return Setting(1, 1, 1)
-    if s.schedule == "gpipe" or s.aggregation == "server":
-        s = replace(s, schedule="1f1b-flush")
-    if s.schedule == "1f1b-flush":
-        lagless = ("spectrain", "pipemare") if s.aggregation != "server" else ("pipemare",)
+    trains_as = get_schedule(s.schedule).trains_as  # gpipe: 1f1b-flush
+    if trains_as is not None:
+        s = replace(s, schedule=trains_as)
+    if not local:
+        s = replace(s, schedule=flushing_schedule().name)
+    if get_schedule(s.schedule).drains:
+        lagless = ("spectrain", "pipemare") if local else ("pipemare",)
         s = replace(s, stages=1, mitigation=tuple(m for m in s.mitigation if m not in lagless))
     if (
         s.nm == 1
-        and s.schedule in ("wsp", "1f1b-flush")
-        and s.aggregation != "server"
+        and get_schedule(s.schedule).own_lag(s.stages, 1) == 0
+        and local
         and not {"spectrain", "pipemare"} & set(s.mitigation)
     ):
-        s = replace(s, schedule="wsp", stages=1)
-    if s.vws == 1 and s.aggregation != "server":
+        s = replace(s, schedule=DEFAULT_SCHEDULE, stages=1)
+    if s.vws == 1 and local:
         s = replace(
             s,
-            aggregation="sum",
+            aggregation=DEFAULT_AGGREGATION,
             staleness=0,
             mitigation=tuple(m for m in s.mitigation if m not in ("warmup", "average")),
         )
@@ -388,19 +391,13 @@ class ConvergenceModel:
 def features(setting: Setting) -> dict[str, float]:
     """What the fitted model sees of a setting (docs/convergence.md#calibration-and-the-fitted-model)."""
     s = setting
-    wave_update = SCHEDULES[s.schedule].update_every == "wave"
-    per_update = s.nm if wave_update else 1  # minibatches in one local update
-    global_batch = per_update * (s.vws if s.aggregation in ("mean", "server") else 1)
-    # own minibatches whose updates a forward misses at stage 0: wsp Nm - 1, pipedream min(Nm, stages) - 1,
-    # pipedream-2bw about a wave, flushes none (and none with aggregation "server": weights move only at
-    # pulls)
-    local_lag = 0.0
-    if s.aggregation != "server":
-        local_lag = {
-            "wsp": float(s.nm - 1),
-            "pipedream": float(min(s.nm, s.stages) - 1),
-            "pipedream-2bw": float(s.nm),
-        }.get(s.schedule, 0.0)
+    kind, rule = get_schedule(s.schedule), get_aggregation(s.aggregation)
+    per_update = s.nm if kind.update_every == "wave" else 1  # minibatches in one local update
+    global_batch = per_update * (s.vws if rule.share == "mean" else 1)
+    # own minibatches whose updates a forward misses at stage 0 (ScheduleKind.own_lag: wsp Nm - 1, pipedream
+    # min(Nm, stages) - 1, pipedream-2bw about a wave, flushes none); none where the PS runs the optimizer
+    # (weights move only at pulls)
+    local_lag = float(kind.own_lag(s.stages, s.nm)) if rule.local_optimizer else 0.0
     # other VWs' updates a minibatch misses, in minibatches of one VW: a wave and a half on average, plus D
     # waves
     global_lag = (s.vws - 1) * s.nm * (1.5 + s.staleness) if s.vws > 1 else 0.0
@@ -408,7 +405,8 @@ def features(setting: Setting) -> dict[str, float]:
         "log_batch": math.log2(global_batch),
         "local_lag": local_lag,
         "global_lag": global_lag,
-        "sum_overshoot": math.log2(s.vws) if s.aggregation == "sum" else 0.0,
+        # every VW's update applied whole: n VWs take n steps' worth
+        "sum_overshoot": math.log2(s.vws) if rule.local_optimizer and rule.share == "whole" else 0.0,
     }
 
 
@@ -551,12 +549,10 @@ def setting_of(candidate: Any, aggregation: str, mitigation: tuple[str, ...]) ->
     (the deepest VW's), schedule and D with the config's aggregation and mitigations; all-reduce over G GPUs
     is gradient accumulation of G minibatches (1xG/1 with a flush schedule); the synchronous pipeline is
     sequential training (1x1/1); None for a candidate that cannot run."""
-    from hetpipe.core.planning.planner import ALLREDUCE, SYNC_PIPELINE
-
     if not candidate.feasible:
         return None
     if candidate.policy == ALLREDUCE:
-        return Setting(1, max(1, candidate.gpus_used), 1, "1f1b-flush")
+        return Setting(1, max(1, candidate.gpus_used), 1, flushing_schedule().name)
     if candidate.policy == SYNC_PIPELINE:
         return Setting(1, 1, 1)
     plan = candidate.plan

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from hetpipe.core.pipeline.schedule import flushing_schedule
 from hetpipe.core.planning.memory import MemoryRule, StageMemory, format_bytes, stage_memory_terms
 from hetpipe.core.planning.profile import ModelProfile
 
@@ -72,7 +73,7 @@ def memory_error(needs: Sequence[StageNeed], *, model: str, batch_size: int, rul
     nm = rule.nm
     fixes = ["lower train.batch_size"] + (["wsp.nm"] if nm > 1 else [])
     stash = (
-        ' (or set train.weight_stashing = false, or train.schedule = "1f1b-flush")'
+        f' (or set train.weight_stashing = false, or train.schedule = "{flushing_schedule().name}")'
         if rule.weight_stashing and nm > 1 and n.need.stashed
         else ""
     )

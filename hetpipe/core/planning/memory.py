@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.errors import UsageError
-from hetpipe.core.pipeline.schedule import get_schedule, stage_profile
+from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE, flushing_schedule, get_schedule, stage_profile
 from hetpipe.core.planning.profile import LayerProfile
+from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
 __all__ = [
     "PLAIN",
@@ -50,19 +51,19 @@ class MemoryRule:
     """How every stage of a VW runs, as far as its memory goes (from [train], [wsp] and [ps])."""
 
     nm: int = 1
-    schedule: str = "wsp"
+    schedule: str = DEFAULT_SCHEDULE
     weight_stashing: bool = True
     recompute: bool = False
     staleness: int = 0
-    pulls: bool = True  # WAITs pull (more than one VW, or aggregation "server")
-    local_updates: bool = True  # aggregation sum or mean: updates are applied on the stage
+    pulls: bool = True  # WAITs pull (hetpipe.core.wsp.aggregation.needs_pulls)
+    local_updates: bool = True  # the aggregation rule's local_optimizer: updates are applied on the stage
     ps: bool = True  # the stage pushes to a PS (False: a plain replica, e.g. a baseline's)
     staged_push: bool = False  # stages on CUDA: a push goes to the host through one flat device copy of it
 
     @classmethod
     def of(cls, config: ClusterConfig, num_vws: int) -> MemoryRule:
         """The rule a run of `config` with `num_vws` virtual workers follows."""
-        t, server = config.train, config.ps.aggregation == "server"
+        t, rule = config.train, get_aggregation(config.ps.aggregation)
         on_cpu = config.emulation.enabled and config.emulation.device == "cpu"  # else CUDA where there is one
         return cls(
             nm=config.wsp.nm,
@@ -70,8 +71,8 @@ class MemoryRule:
             weight_stashing=t.weight_stashing,
             recompute=t.recompute,
             staleness=config.wsp.staleness,
-            pulls=num_vws > 1 or server,
-            local_updates=not server,
+            pulls=needs_pulls(num_vws, rule),
+            local_updates=rule.local_optimizer,
             staged_push=not on_cpu,
         )
 
@@ -93,15 +94,15 @@ def _keeping(rule: MemoryRule, stage: int, num_stages: int) -> Keeping:
     kind = get_schedule(rule.schedule)
     waves = rule.staleness + 4  # enough waves for the steady state of every gate
     seen = stage_profile(kind(num_stages, rule.nm, waves, rule.staleness), stage)
-    stashing = kind.stashing != "none" and rule.weight_stashing
+    modes = kind.modes(rule.weight_stashing, rule.recompute)
     # own sums: a WAIT of wave c keeps the waves after c - D - 2 (up to D + 1 of them) and the one in
     # progress; without pulls a push lets its wave go, leaving the pushed one (until sent) and the one in
     # progress
     sums = (rule.staleness + 2 if rule.pulls else 2) if rule.ps else 0
     return Keeping(
         in_flight=seen.in_flight,
-        saved=1 if rule.recompute or (not stashing and kind.stashing == "optional") else seen.in_flight,
-        stashed=seen.versions if stashing else 0,
+        saved=1 if modes.recompute else seen.in_flight,
+        stashed=seen.versions if modes.stashing else 0,
         update_sums=sums,
         baseline=rule.local_updates and rule.ps,
         optimizer=rule.local_updates,
@@ -110,7 +111,8 @@ def _keeping(rule: MemoryRule, stage: int, num_stages: int) -> Keeping:
 
 
 WSP = MemoryRule()  # the default: wsp with weight stashing, pulls, updates on the stage
-PLAIN = MemoryRule(nm=1, schedule="gpipe", weight_stashing=False, pulls=False, ps=False)  # one plain replica
+# one plain replica: one minibatch at a time, updated after each (any flushing schedule at Nm 1)
+PLAIN = MemoryRule(nm=1, schedule=flushing_schedule().name, weight_stashing=False, pulls=False, ps=False)
 
 
 @dataclass(frozen=True)

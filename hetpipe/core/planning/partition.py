@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.pipeline.schedule import get_schedule, simulate
+from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE, flushing_schedule, get_schedule, simulate
 from hetpipe.core.planning.memory import WSP, MemoryRule, format_bytes, stage_memory_terms
 from hetpipe.core.planning.plan import StagePlan, VwPlan
 from hetpipe.core.planning.profile import ModelProfile
@@ -30,11 +30,6 @@ from hetpipe.core.planning.profile import ModelProfile
 __all__ = ["Gpu", "best_order_and_nm", "minibatch_time_s", "partition"]
 
 Gpu = tuple[str, str, int]  # (GPU reference "node:index", GPU type, memory in bytes)
-NEVER_DRAINS = (
-    "wsp",
-    "pipedream",
-    "pipedream-2bw",
-)  # schedules whose pipe, once full (Nm >= k), never drains
 _TIE = 1e-9  # relative: stage times this close count as equal for the memory tie-break
 
 
@@ -124,7 +119,7 @@ def best_order_and_nm(
             found = problem.solve(rule.with_nm(nm))
             if found is None:
                 continue
-            if nm >= k and rule.schedule in NEVER_DRAINS:  # the pipe fills and never drains
+            if nm >= k and not get_schedule(rule.schedule).drains:  # the pipe fills and never drains
                 time_s = found.bottleneck
                 filled_best = min(filled_best, time_s)
             elif found.bottleneck < min(filled_best, chosen[0][0] if chosen else math.inf):
@@ -150,11 +145,11 @@ def best_order_and_nm(
     return problem.plan(found.split, rule.with_nm(nm))
 
 
-def minibatch_time_s(vw: VwPlan, schedule: str = "wsp", recompute: bool = False) -> float:
+def minibatch_time_s(vw: VwPlan, schedule: str = DEFAULT_SCHEDULE, recompute: bool = False) -> float:
     """Steady-state time per minibatch of one VW: the bottleneck stage when the schedule never drains and
     Nm >= k (batch / this is its throughput), else the schedule simulated with the stages' times (a pipe that
     cannot fill, or one that flushes every wave; a recomputing backward runs the forward again)."""
-    if vw.nm >= len(vw.stages) and schedule in NEVER_DRAINS and not recompute:
+    if vw.nm >= len(vw.stages) and not get_schedule(schedule).drains and not recompute:
         return vw.bottleneck_s
     forward = [s.forward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]
     backward = [s.backward_s + s.recv_s / 2 + s.send_s / 2 for s in vw.stages]
@@ -456,8 +451,11 @@ class _Problem:
             if rule.nm > 1
             else "lower batch_size or add GPUs to the VW"
         )
-        if rule.weight_stashing and rule.nm > 1 and rule.schedule == "wsp":
-            fix += ' (or turn weight_stashing off, or use a flushing schedule such as "1f1b-flush")'
+        if rule.weight_stashing and rule.nm > 1 and get_schedule(rule.schedule).stashing == "optional":
+            fix += (
+                " (or turn weight_stashing off, or use a flushing schedule such as "
+                f'"{flushing_schedule().name}")'
+            )
         return (
             f"no split of {self.profiles[0].model} over virtual worker {', '.join(g[0] for g in self.gpus)} "
             f"fits: {self.overflow_message(j, split, rule, which)}\n  {fix}"
@@ -527,7 +525,9 @@ def _multiset_permutations(kinds: list, counts: Counter, length: int) -> Iterato
 
 
 @functools.lru_cache(maxsize=4096)
-def _steady(forward: tuple[float, ...], backward: tuple[float, ...], nm: int, schedule: str = "wsp") -> float:
+def _steady(
+    forward: tuple[float, ...], backward: tuple[float, ...], nm: int, schedule: str = DEFAULT_SCHEDULE
+) -> float:
     """Steady-state time per minibatch of a schedule: the makespan growth from w to 2w waves, with
     w * nm >= 2k + 2nm minibatches, past the fill (checked against much longer runs when written)."""
     k = len(forward)

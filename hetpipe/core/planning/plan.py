@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE
+
 __all__ = ["Plan", "StagePlan", "VwPlan"]
 
 
@@ -61,7 +63,7 @@ class Plan:
     staleness: int  # D
     vws: tuple[VwPlan, ...]
     placement: str = "balanced"
-    schedule: str = "wsp"  # the pipeline schedule every VW runs (hetpipe.core.pipeline.schedule)
+    schedule: str = DEFAULT_SCHEDULE  # the pipeline schedule every VW runs (hetpipe.core.pipeline.schedule)
     recompute: bool = False
     aggregation: str = (
         ""  # the PS's aggregation it was planned under ("": a plan file from before, the config's)

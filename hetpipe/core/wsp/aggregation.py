@@ -22,6 +22,7 @@ from hetpipe.core.registry import Registry
 
 __all__ = [
     "AGGREGATIONS",
+    "DEFAULT_AGGREGATION",
     "KEY_KINDS",
     "Aggregation",
     "KeyKind",
@@ -36,6 +37,7 @@ __all__ = [
 KeyKind = Literal["param", "ledger", "buffer"]
 KEY_KINDS: tuple[KeyKind, ...] = ("param", "ledger", "buffer")
 Share = Literal["whole", "mean"]
+DEFAULT_AGGREGATION = "sum"  # [ps] aggregation when the config names none
 _F32 = np.float32
 
 

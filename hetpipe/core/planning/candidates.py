@@ -1,0 +1,171 @@
+"""What a candidate plan is (GpuUse, Candidate, the baselines' names), how one is described, and which one
+wins (best): by predicted time to target when a convergence calibration prices them, else by samples/s with a
+tolerance that favours less staleness. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetpipe.core.errors import UsageError
+from hetpipe.core.pipeline.schedule import get_schedule
+from hetpipe.core.planning.plan import Plan, VwPlan
+
+__all__ = [
+    "ALLREDUCE",
+    "D_TOLERANCE",
+    "SYNC_PIPELINE",
+    "Candidate",
+    "GpuUse",
+    "best",
+    "first_line",
+    "gpu_uses",
+    "own_lag",
+    "slowest_stage_text",
+]
+
+D_TOLERANCE = 0.02  # a larger D must predict more than 2% more samples/s to be chosen over a smaller one
+# baseline: Horovod/DDP-style data parallelism over the GPUs that hold the whole model
+ALLREDUCE = "allreduce"
+SYNC_PIPELINE = "sync-pipeline"  # baseline: one GPipe-like pipeline over all GPUs, flushed every minibatch
+
+
+@dataclass(frozen=True)
+class GpuUse:
+    """One GPU in a candidate: its peak memory by the memory model of docs/memory.md and what it may use."""
+
+    gpu: str  # "n0:1"
+    gpu_type: str
+    memory_bytes: int
+    limit_bytes: int  # the GPU's memory minus the reserve
+
+    @property
+    def fraction(self) -> float:
+        return self.memory_bytes / max(self.limit_bytes, 1)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to train on the cluster, with its predicted throughput; `reason` says why it cannot run.
+
+    HetPipe candidates (policy np/ed/hd/explicit) carry the Plan `hetpipe train --plan` runs; the
+    baselines (ALLREDUCE, SYNC_PIPELINE) carry none: they show what the user would get instead.
+    """
+
+    policy: str
+    staleness: int | None  # D; None for the synchronous baselines and for a policy that makes no VWs
+    plan: Plan | None
+    samples_per_s: float  # predicted for a long run; 0.0 when infeasible
+    memory: tuple[GpuUse, ...] = ()
+    bottleneck: str = ""  # the stage (or link) that sets the pace
+    reason: str = ""  # why it cannot run; "" when it can
+    notes: tuple[str, ...] = ()  # what was left out and other facts the table cannot show
+    nm: int | None = None
+    gate_wait_share: float = 0.0  # WSP: share of stage time blocked at the gate
+    ps_utilisation: float = 0.0  # WSP: busy share of the PS link
+    comm_share: float = 0.0  # baselines: share of the step spent synchronising
+    run_samples_per_s: float = (
+        0.0  # WSP: all samples / makespan of the simulated run (fill and drain included)
+    )
+    schedule: str | None = None  # the pipeline schedule of a hetpipe candidate
+    # Samples to the convergence calibration's target (hetpipe.core.planning.convergence.attach_samples): None
+    # when not known or not reached; `samples_source` says where the number comes from ("" when no calibration
+    # was given).
+    samples_to_target: float | None = None
+    samples_source: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reason
+
+    @property
+    def runnable(self) -> bool:
+        """A plan `hetpipe train --plan` can run."""
+        return self.feasible and self.plan is not None
+
+    @property
+    def label(self) -> str:
+        if self.staleness is None:
+            return self.policy
+        return (
+            f"{self.policy} {self.schedule} D={self.staleness}"
+            if self.schedule
+            else f"{self.policy} D={self.staleness}"
+        )
+
+    @property
+    def gpus_used(self) -> int:
+        return len(self.memory)
+
+    @property
+    def time_to_target_s(self) -> float | None:
+        """Predicted seconds to the calibration's target: samples to target / samples/s (None when
+        unknown)."""
+        if self.samples_to_target is None or not self.samples_per_s > 0:
+            return None
+        return self.samples_to_target / self.samples_per_s
+
+    @property
+    def peak(self) -> GpuUse | None:
+        """The fullest GPU (largest share of its usable memory)."""
+        return max(self.memory, key=lambda u: (u.fraction, u.gpu), default=None)
+
+
+def best(candidates: Sequence[Candidate]) -> Candidate:
+    """The runnable candidate with the shortest predicted time to target when the candidates carry samples to
+    target (a convergence calibration, hetpipe.core.planning.convergence): samples to target / samples/s, ties
+    to the smaller D, then the one listed first. Without one, the highest predicted samples/s; but staleness
+    costs convergence, so among those within D_TOLERANCE of the highest the smallest D wins, then the least
+    local staleness (own_lag), then the higher rate, then the one listed first.
+
+    Baselines are not runnable by hetpipe, so they never win here; `explain` says when one predicts more.
+    UsageError when nothing is runnable, with every reason.
+    """
+    runnable = [c for c in candidates if c.runnable]
+    if not runnable:
+        reasons = "\n".join(f"  {c.label}: {c.reason}" for c in candidates if c.reason)
+        raise UsageError(
+            f"no plan fits this cluster:\n{reasons}\n  lower batch_size, use a smaller model, "
+            "or add GPUs with more memory"
+        )
+    timed = [c for c in runnable if c.time_to_target_s is not None]
+    if timed:
+        return min(timed, key=lambda c: (c.time_to_target_s, c.staleness or 0, candidates.index(c)))
+    top = max(c.samples_per_s for c in runnable)
+    close = [c for c in runnable if c.samples_per_s >= top * (1 - D_TOLERANCE)]
+    return min(
+        close, key=lambda c: (c.staleness or 0, own_lag(c.plan), -c.samples_per_s, candidates.index(c))
+    )
+
+
+def own_lag(plan: Plan | None) -> int:
+    """A plan's local staleness: the own minibatches whose updates the forward of a wave's first minibatch
+    misses at a VW's first stage, past the pipe's fill (ScheduleKind.own_lag, read off the schedule's lists);
+    the most over the VWs (0 for a baseline)."""
+    if plan is None:
+        return 0
+    kind = get_schedule(plan.schedule)
+    return max(kind.own_lag(len(vw.stages), vw.nm) for vw in plan.vws)
+
+
+def gpu_uses(vw: VwPlan) -> tuple[GpuUse, ...]:
+    """Each GPU of a VW with its peak memory and what it may use."""
+    return tuple(GpuUse(s.gpu, s.gpu_type, s.memory_bytes, s.memory_limit_bytes) for s in vw.stages)
+
+
+def slowest_stage_text(vw: VwPlan, v: int, prefix: str) -> str:
+    """The VW's slowest stage in words: its GPU, layers, time per minibatch and transfer share."""
+    j = max(range(len(vw.stages)), key=lambda i: vw.stages[i].time_s)
+    s = vw.stages[j]
+    where = f"{prefix}{v} " if prefix else ""
+    comm = (s.recv_s + s.send_s) / s.time_s if s.time_s else 0.0
+    transfers = f", {comm:.0%} transfers" if comm >= 0.005 else ""
+    return (
+        f"{where}stage {j} {s.gpu} ({s.gpu_type}) layers {s.start}-{s.stop - 1}: "
+        f"{s.time_s:.3g} s/minibatch{transfers}"
+    )
+
+
+def first_line(exc: Exception) -> str:
+    """The first line of an error's message (what a table cell or note shows)."""
+    return str(exc).split("\n")[0]

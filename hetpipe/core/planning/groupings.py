@@ -1,0 +1,242 @@
+"""The HetPipe side of the planner's search: the cluster's GPUs as the partitioner sees them, and for an
+allocation policy and a schedule its virtual workers at one common Nm (each VW's GPU order and split from the
+partitioner), the variants with fewer or slower VWs, and each VW's memory under a candidate's D. Pure."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from hetpipe.core.config import ClusterConfig, GpuRef
+from hetpipe.core.errors import HetpipeError, UsageError
+from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE, get_schedule
+from hetpipe.core.planning.candidates import first_line
+from hetpipe.core.planning.memory import MemoryRule, stage_memory_terms
+from hetpipe.core.planning.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
+from hetpipe.core.planning.plan import VwPlan
+from hetpipe.core.planning.profile import ModelProfile
+
+__all__ = ["Grouping", "GroupingSearch", "gpu_list"]
+
+Grouping = tuple[tuple[VwPlan, ...], tuple[str, ...]]  # the VWs of a policy, and notes on what was left out
+_GIB = 2**30
+
+
+class GroupingSearch:
+    """The cluster's GPUs as the partitioner sees them, and the per-policy groupings of them into VWs."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        profiles: Mapping[str, ModelProfile],
+        link: Callable[[str, str], float],
+        reserve: int,
+    ) -> None:
+        self.config, self.profiles, self.link, self.reserve = config, profiles, link, reserve
+        self.batch = config.train.batch_size
+        self.any_profile = profiles[
+            config.nodes[0].gpus[0]
+        ]  # the model's layers and sizes (same on every type)
+        self.solved: dict[tuple, VwPlan | HetpipeError] = {}
+
+    def gpu(self, ref: GpuRef) -> Gpu:
+        t = self.config.gpu(ref)
+        return (str(ref), t.name, int(t.memory_gib * _GIB))
+
+    def links_of(self, gpus: Sequence[Gpu]) -> list[float]:
+        return [self.link(a[0], b[0]) for a, b in zip(gpus, gpus[1:], strict=False)]
+
+    def rule(self, schedule: str, staleness: int, num_vws: int) -> MemoryRule:
+        """What the stages keep under `schedule` (memory), from the config's training and PS settings (Nm is
+        set per candidate)."""
+        return dataclasses.replace(
+            MemoryRule.of(self.config, num_vws),
+            nm=1,
+            schedule=schedule,
+            staleness=staleness,
+            recompute=self.config.train.recompute and get_schedule(schedule).recompute,
+        )
+
+    def with_memory(self, vw: VwPlan, rule: MemoryRule) -> VwPlan:
+        """The VW's stages with their memory recomputed under `rule` (its D sets how many update sums a stage
+        keeps), so every candidate shows the peak memory of its own D."""
+        k = len(vw.stages)
+        stages = []
+        for j, s in enumerate(vw.stages):
+            profile = self.profiles[s.gpu_type]
+            act_in = profile.input_bytes if s.start == 0 else profile.layers[s.start - 1].output_bytes
+            memory = stage_memory_terms(
+                profile.layers[s.start : s.stop], j, k, rule.with_nm(vw.nm), input_bytes=act_in
+            )
+            stages.append(dataclasses.replace(s, memory_bytes=memory.total))
+        return dataclasses.replace(vw, stages=tuple(stages))
+
+    def grouping(self, policy: str, nm_max: int | None, schedule: str = DEFAULT_SCHEDULE) -> Grouping | str:
+        """The VWs of `policy` at one common Nm under `schedule`, with notes; or why the policy cannot run."""
+        from hetpipe.core.planning.cluster import allocate
+
+        try:
+            groups = allocate(self.config, policy)
+        except UsageError as exc:
+            return str(exc)
+        rule = self.rule(schedule, self.config.wsp.staleness, len(groups))
+        listed = self.config.virtual_workers if policy == "explicit" else None
+        deepest = max(len(g) for g in groups)
+        cap = nm_max if nm_max is not None else get_schedule(schedule).nm_cap(self.config.wsp.nm, deepest)
+        fitted: list[tuple[int, list[Gpu], tuple[int, ...] | None, VwPlan]] = []
+        left_out: list[str] = []
+        for v, refs in enumerate(groups):
+            gpus = [self.gpu(ref) for ref in refs]
+            split = listed[v].layers if listed else None
+            try:
+                vw = self.fixed_order(gpus, cap, split, rule) if listed else self.best_order(gpus, cap, rule)
+            except HetpipeError as exc:  # UsageError included: more GPUs than layers
+                left_out.append(f"vw{v} ({gpu_list(gpus)}) left out: {first_line(exc)}")
+                continue
+            fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], split, vw))
+        if not fitted:
+            return "no virtual worker of this policy can hold the model:\n    " + "\n    ".join(left_out)
+        chosen: tuple[tuple[float, int], tuple[VwPlan, ...], list[str]] | None = None
+        for nm in sorted({vw.nm for *_, vw in fitted}):
+            vws, dropped = [], []
+            for v, gpus, split, vw in fitted:
+                if vw.nm == nm:
+                    vws.append(vw)
+                    continue
+                try:
+                    vws.append(
+                        partition(
+                            [self.profiles[g[1]] for g in gpus],
+                            gpus,
+                            self.links_of(gpus),
+                            nm,
+                            rule=rule,
+                            reserve_bytes=self.reserve,
+                            fixed_split=split,
+                        )
+                    )
+                except HetpipeError as exc:
+                    dropped.append(
+                        f"vw{v} ({gpu_list(gpus)}) left out: the others at nm={nm} without it predict "
+                        f"more than with it at its nm={vw.nm}, and at nm={nm} {first_line(exc)}"
+                    )
+            if not vws:
+                continue
+            slowest = max(minibatch_time_s(vw, schedule, rule.recompute) for vw in vws)
+            score = (len(vws) * self.batch / slowest, nm)
+            if chosen is None or score > chosen[0]:
+                chosen = (score, tuple(vws), dropped)
+        assert chosen is not None  # the smallest chosen nm always fits every VW that chose a larger one
+        _, vws, dropped = chosen
+        return tuple(self.with_params(vw) for vw in vws), tuple(left_out + dropped)
+
+    def slower_but_fewer(self, grouping: Grouping, policy: str, schedule: str) -> list[Grouping]:
+        """`grouping`, then the policy's groupings at every smaller Nm cap, then each of these with only its
+        fastest 1, 2, ... VWs (plan_candidates' slower_but_fewer); each distinct set of VWs once."""
+        out = [grouping]
+        for cap in range(grouping[0][0].nm - 1, 0, -1):
+            found = self.grouping(policy, cap, schedule)  # cap < the chosen Nm <= nm_max
+            if not isinstance(found, str):
+                out.append(found)
+        return self.fewer(out, schedule)
+
+    def fewer(self, groupings: list[Grouping], schedule: str) -> list[Grouping]:
+        """`groupings`, then each with only its fastest 1, 2, ... VWs: under WSP every VW runs at the slowest
+        one's wave rate and adds its own PS traffic, so leaving slow VWs out can give more samples/s (and,
+        with a calibration, fewer samples to target); each distinct set of VWs once."""
+        out = list(groupings)
+        for vws, notes in groupings:
+            fastest = sorted(vws, key=lambda vw: minibatch_time_s(vw, schedule))
+            for k in range(1, len(vws)):
+                kept = tuple(vw for vw in vws if vw in fastest[:k])
+                out.append(
+                    (
+                        kept,
+                        (
+                            *notes,
+                            f"only the {k} fastest of the policy's {len(vws)} VWs: WSP paces every VW "
+                            "by the slowest, each sends its own PS traffic, and fewer VWs may need "
+                            "fewer samples to target",
+                        ),
+                    )
+                )
+        distinct: list[Grouping] = []
+        for vws, notes in out:
+            if all(vws != seen for seen, _ in distinct):
+                distinct.append((vws, notes))
+        return distinct
+
+    def best_order(self, gpus: list[Gpu], cap: int, rule: MemoryRule) -> VwPlan:
+        """best_order_and_nm, solved once per kind of VW: VWs whose GPUs have the same types, memories and
+        nodes (ED and HD make several) get the same plan with their own GPU names."""
+        key = (tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus)), cap, rule)
+        if key not in self.solved:
+            try:
+                self.solved[key] = best_order_and_nm(
+                    self.profiles, gpus, self.link, cap, rule=rule, reserve_bytes=self.reserve
+                )
+            except HetpipeError as exc:
+                self.solved[key] = exc
+        found = self.solved[key]
+        if isinstance(found, HetpipeError):
+            raise found
+        free = list(gpus)
+        stages = []
+        for s in found.stages:
+            node = s.gpu.rsplit(":", 1)[0]
+            mine = next(
+                g
+                for g in free
+                if (g[1], g[2], g[0].rsplit(":", 1)[0])
+                == (s.gpu_type, s.memory_limit_bytes + self.reserve, node)
+            )
+            free.remove(mine)
+            stages.append(dataclasses.replace(s, gpu=mine[0]))
+        return dataclasses.replace(found, stages=tuple(stages))
+
+    def fixed_order(self, gpus: list[Gpu], cap: int, split: Sequence[int] | None, rule: MemoryRule) -> VwPlan:
+        """An explicit VW: GPUs in the listed stage order; the Nm in 1..cap with the best minibatch time."""
+        profiles = [self.profiles[g[1]] for g in gpus]
+        found, error = None, None
+
+        def time_of(vw: VwPlan) -> float:
+            return minibatch_time_s(vw, rule.schedule, rule.recompute)
+
+        for nm in range(cap, 0, -1):
+            try:
+                vw = partition(
+                    profiles,
+                    gpus,
+                    self.links_of(gpus),
+                    nm,
+                    rule=rule,
+                    reserve_bytes=self.reserve,
+                    fixed_split=split,
+                )
+            except HetpipeError as exc:
+                error = error or exc
+                continue
+            if found is None or time_of(vw) < time_of(found) * (1 - 1e-9):
+                found = vw
+        if found is None:
+            assert error is not None
+            raise error
+        return found
+
+    def with_params(self, vw: VwPlan) -> VwPlan:
+        """Each stage's own weight bytes, so the simulator moves the right bytes per stage to the PS."""
+        stages = tuple(
+            dataclasses.replace(
+                s,
+                param_bytes=sum(
+                    layer.param_bytes for layer in self.profiles[s.gpu_type].layers[s.start : s.stop]
+                ),
+            )
+            for s in vw.stages
+        )
+        return dataclasses.replace(vw, stages=stages)
+
+
+def gpu_list(gpus: Sequence[Gpu]) -> str:
+    """`n0:0 titan-v, n0:1 rtx-2060`."""
+    return ", ".join(f"{g[0]} {g[1]}" for g in gpus)

@@ -1,0 +1,325 @@
+"""The planner's output: the candidate table, one plan stage by stage, why each candidate lost to the best
+(--explain), and the machine-readable form (--json). Pure: candidates in, text and dicts out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hetpipe.core.errors import HetpipeError
+from hetpipe.core.pipeline.schedule import get_schedule
+from hetpipe.core.planning.candidates import ALLREDUCE, D_TOLERANCE, SYNC_PIPELINE, Candidate, best, own_lag
+from hetpipe.core.planning.memory import format_bytes
+from hetpipe.core.planning.partition import minibatch_time_s
+from hetpipe.core.planning.plan import Plan
+
+__all__ = ["candidates_json", "explain", "format_plan", "format_table"]
+
+
+def _splits(plan: Plan) -> str:
+    splits = ["/".join(map(str, vw.split)) for vw in plan.vws]
+    return f"{splits[0]} x{len(splits)}" if len(set(splits)) == 1 and len(splits) > 1 else ", ".join(splits)
+
+
+def format_table(candidates: Sequence[Candidate]) -> str:
+    """One row per candidate: policy, D, Nm, VWs x GPUs, splits, samples/s, fullest GPU, bottleneck;
+    * = best."""
+    try:
+        top = best(candidates)
+    except HetpipeError:
+        top = None
+    header = (
+        "",
+        "policy",
+        "schedule",
+        "D",
+        "Nm",
+        "VWs",
+        "GPUs",
+        "layers per stage",
+        "samples/s",
+        "peak memory (fullest GPU)",
+        "bottleneck",
+    )
+    converge = any(c.samples_source for c in candidates)
+    if converge:
+        header = (*header[:9], "samples to target", "s to target", *header[9:])
+    rows = []
+    for c in candidates:
+        peak = c.peak
+        memory = (
+            f"{format_bytes(peak.memory_bytes)}/{format_bytes(peak.limit_bytes)} {peak.gpu} {peak.gpu_type}"
+            if peak
+            else "-"
+        )
+        if c.plan is not None:
+            vws, splits = str(len(c.plan.vws)), _splits(c.plan)
+        elif c.policy == ALLREDUCE and c.feasible:
+            vws, splits = f"{c.gpus_used} replicas", "whole model"
+        elif c.policy == SYNC_PIPELINE and c.feasible:
+            vws, splits = "1 pipeline", "-"
+        else:
+            vws, splits = "-", "-"
+        rate = f"{c.samples_per_s:.4g}" if c.feasible else "infeasible"
+        row = (
+            "*" if c is top else "",
+            c.policy,
+            c.schedule or "-",
+            "-" if c.staleness is None else str(c.staleness),
+            "-" if c.nm is None else str(c.nm),
+            vws,
+            str(c.gpus_used) if c.feasible else "-",
+            splits,
+            rate,
+            memory,
+            c.bottleneck if c.feasible else c.reason.split("\n")[0],
+        )
+        if converge:
+            row = (
+                *row[:9],
+                _samples_text(c),
+                "-" if c.time_to_target_s is None else f"{c.time_to_target_s:.4g}",
+                *row[9:],
+            )
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in [header, *rows]
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def format_plan(candidate: Candidate) -> str:
+    """The VWs of one candidate, stage by stage: GPU, layers, time, memory."""
+    assert candidate.plan is not None
+    plan = candidate.plan
+    lines = [
+        f"{candidate.label}, nm={candidate.nm}: {candidate.samples_per_s:.4g} samples/s predicted "
+        f"(gate waits {candidate.gate_wait_share:.0%} of stage time, PS link "
+        f"{candidate.ps_utilisation:.0%} busy)"
+    ]
+    for v, vw in enumerate(plan.vws):
+        lines.append(f"  vw{v}: {minibatch_time_s(vw):.3g} s/minibatch")
+        for j, s in enumerate(vw.stages):
+            lines.append(
+                f"    stage {j}  {s.gpu:<8} {s.gpu_type:<12} layers {s.start:>3}-{s.stop - 1:<3} "
+                f"{s.time_s:8.3g} s  {format_bytes(s.memory_bytes):>10} of "
+                f"{format_bytes(s.memory_limit_bytes)}"
+            )
+    lines += [f"  note: {note}" for note in candidate.notes]
+    return "\n".join(lines)
+
+
+def _samples_text(c: Candidate) -> str:
+    """ "41,000 (fitted)" / "- (not reached)" / "-"."""
+    if not c.samples_source:
+        return "-"
+    value = "-" if c.samples_to_target is None else f"{c.samples_to_target:,.0f}"
+    return f"{value} ({c.samples_source})"
+
+
+def _target_text(c: Candidate, top: Candidate | None = None) -> str:
+    """Both factors of the predicted time to target, for explain: samples to target and the time they take."""
+    if not c.samples_source:
+        return ""
+    if c.time_to_target_s is None:
+        return f"; samples to target {_samples_text(c)}: no time to target"
+    share = (
+        f", {c.time_to_target_s / top.time_to_target_s:.2f}x the best's"
+        if top is not None and top.time_to_target_s
+        else ""
+    )
+    return f"; {_samples_text(c)} samples to target -> {c.time_to_target_s:.4g} s predicted{share}"
+
+
+def explain(candidates: Sequence[Candidate]) -> str:
+    """Why each candidate lost to the best: infeasible, slower VWs, gate waits, the PS, transfers, fewer GPUs;
+    with a convergence calibration, both factors of every candidate's predicted time to target."""
+    top = best(candidates)
+    lines = [
+        f"best: {top.label}, nm={top.nm}, {top.samples_per_s:.4g} samples/s on {top.gpus_used} GPUs"
+        f"{_target_text(top)}; bottleneck {top.bottleneck}",
+        f"    memory per GPU: {_memory_per_gpu(top)}",
+    ]
+    for c in candidates:
+        if c is top:
+            continue
+        if not c.feasible:
+            lines.append(f"{c.label}: cannot run: {c.reason}")
+            continue
+        share = c.samples_per_s / top.samples_per_s if top.samples_per_s else 0.0
+        head = f"{c.label}: {c.samples_per_s:.4g} samples/s ({share:.0%} of the best){_target_text(c, top)}"
+        lines.append(f"{head}: {'; '.join(_why(c, top)) or 'the same prediction; the best is listed first'}")
+        lines.append(f"    memory per GPU: {_memory_per_gpu(c)}")
+        lines += [f"    note: {note}" for note in c.notes]
+    return "\n".join(lines)
+
+
+def _memory_per_gpu(c: Candidate) -> str:
+    """`n0:0 1.20 GiB/12.00 GiB, n0:1 ...`: each GPU's peak by the memory model and what it may use."""
+    return (
+        ", ".join(f"{u.gpu} {format_bytes(u.memory_bytes)}/{format_bytes(u.limit_bytes)}" for u in c.memory)
+        or "-"
+    )
+
+
+def _why(c: Candidate, top: Candidate) -> list[str]:
+    """Why `c` lost to `top`, reason by reason: what the two share in GPUs and time to target, then what kind
+    of candidate `c` is (a baseline, the same plan at another D, or another plan), then its waits."""
+    why = _why_overall(c, top)
+    if c.policy == ALLREDUCE:
+        why.append(
+            f"every step waits for the slowest replica ({c.bottleneck}); "
+            f"synchronising takes {c.comm_share:.0%} of the step"
+        )
+        return why
+    if c.policy == SYNC_PIPELINE:
+        why.append(f"one pipeline flushed every minibatch (bubble) with its slowest stage {c.bottleneck}")
+        return why
+    assert c.plan is not None
+    if c.schedule != top.schedule:
+        why.append(
+            f"schedule {c.schedule} (best: {top.schedule})"
+            + (
+                "; flushing every wave costs the pipeline's fill and drain"
+                if get_schedule(c.schedule).drains
+                else ""
+            )
+        )
+    if top.plan is not None and (c.policy, c.schedule, c.plan.vws) == (
+        top.policy,
+        top.schedule,
+        top.plan.vws,
+    ):
+        return why + _why_only_d(c, top)
+    return why + _why_other_plan(c, top) + _why_waits(c, top)
+
+
+def _why_overall(c: Candidate, top: Candidate) -> list[str]:
+    """Fewer GPUs; more samples/s but more samples to target; a baseline that predicts more."""
+    why = []
+    if c.gpus_used < top.gpus_used:
+        why.append(f"uses {c.gpus_used} GPUs, not {top.gpus_used}")
+    if (
+        c.time_to_target_s is not None
+        and top.time_to_target_s is not None
+        and top.samples_to_target
+        and c.samples_per_s >= top.samples_per_s
+    ):
+        why.append(
+            f"more samples/s than the best, but {c.samples_to_target / top.samples_to_target:.2f}x its "
+            "samples to target"
+        )
+    if c.plan is None and (
+        c.samples_per_s > top.samples_per_s
+        or (
+            c.time_to_target_s is not None
+            and top.time_to_target_s is not None
+            and c.time_to_target_s < top.time_to_target_s
+        )
+    ):
+        why.append("predicts more than the best, but hetpipe does not run it: it is shown for comparison")
+    return why
+
+
+def _why_only_d(c: Candidate, top: Candidate) -> list[str]:
+    """The best's VWs, splits and nm at another D."""
+    why = [f"the same VWs, splits and nm as the best; only D differs (D={c.staleness} vs {top.staleness})"]
+    if c.samples_per_s > top.samples_per_s:
+        why.append(f"its gain is under {D_TOLERANCE:.0%}, not worth the staler weights of a larger D")
+    elif c.gate_wait_share > top.gate_wait_share + 0.005:
+        why.append(_gate_text(c, top))
+    return why
+
+
+def _gate_text(c: Candidate, top: Candidate) -> str:
+    return (
+        f"stages wait at the WSP gate {c.gate_wait_share:.0%} of the time (best: {top.gate_wait_share:.0%})"
+    )
+
+
+def _why_other_plan(c: Candidate, top: Candidate) -> list[str]:
+    """Another plan: within 1% of the best, VWs of unequal speed, a gain not worth its staleness, or
+    slower."""
+    assert c.plan is not None
+    rates = [minibatch_time_s(vw) for vw in c.plan.vws]
+    if abs(c.samples_per_s - top.samples_per_s) <= 0.01 * top.samples_per_s and c.gpus_used == top.gpus_used:
+        lags = (own_lag(c.plan), own_lag(top.plan))
+        return [
+            "within 1% of the best, which "
+            + (
+                f"lags fewer own updates ({lags[1]} vs {lags[0]})"
+                if lags[0] > lags[1] and c.staleness == top.staleness
+                else "has the smaller D or comes first (np, ed, hd, dp, explicit)"
+            )
+        ]
+    if max(rates) > 1.1 * min(rates):
+        slow, fast = rates.index(max(rates)), rates.index(min(rates))
+        return [
+            f"its VWs differ in speed (vw{slow} {max(rates):.3g} s/minibatch vs vw{fast} {min(rates):.3g}); "
+            f"WSP holds the fast ones to the slowest ({c.bottleneck})"
+        ]
+    if c.samples_per_s > top.samples_per_s and c.staleness == top.staleness:
+        return [
+            f"its gain is under {D_TOLERANCE:.0%}, not worth lagging {own_lag(c.plan)} own updates "
+            f"(best: {own_lag(top.plan)})"
+        ]
+    if c.samples_per_s > top.samples_per_s:
+        return [
+            f"its gain is under {D_TOLERANCE:.0%}, not worth the staler weights of D={c.staleness} "
+            f"(best: D={top.staleness})"
+        ]
+    return [f"slowest stage {c.bottleneck}"]
+
+
+def _why_waits(c: Candidate, top: Candidate) -> list[str]:
+    """Gate waits, a busy PS link, a pipe Nm cannot fill."""
+    assert c.plan is not None
+    why = []
+    if c.gate_wait_share > top.gate_wait_share + 0.02:
+        why.append(_gate_text(c, top))
+    if c.ps_utilisation > 0.8:
+        why.append(f"the PS link is {c.ps_utilisation:.0%} busy")
+    if c.nm is not None and top.nm is not None and c.plan.vws and c.nm < len(c.plan.vws[0].stages):
+        why.append(f"nm={c.nm} cannot fill a {len(c.plan.vws[0].stages)}-stage pipe")
+    return why
+
+
+def candidates_json(
+    candidates: Sequence[Candidate], inputs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Machine-readable candidates: every field, plans as Plan.to_json's dicts, `best` as an index (or
+    None)."""
+    try:
+        top: int | None = list(candidates).index(best(candidates))
+    except HetpipeError:
+        top = None
+    rows = []
+    for c in candidates:
+        rows.append(
+            {
+                "policy": c.policy,
+                "staleness": c.staleness,
+                "nm": c.nm,
+                "feasible": c.feasible,
+                "runnable": c.runnable,
+                "samples_per_s": c.samples_per_s,
+                "gpus_used": c.gpus_used,
+                "bottleneck": c.bottleneck,
+                "reason": c.reason,
+                "notes": list(c.notes),
+                "gate_wait_share": c.gate_wait_share,
+                "ps_utilisation": c.ps_utilisation,
+                "comm_share": c.comm_share,
+                "run_samples_per_s": c.run_samples_per_s,
+                "schedule": c.schedule,
+                "samples_to_target": c.samples_to_target,
+                "samples_source": c.samples_source,
+                "time_to_target_s": c.time_to_target_s,
+                "memory": [dataclasses.asdict(u) for u in c.memory],
+                "plan": dataclasses.asdict(c.plan) if c.plan is not None else None,
+            }
+        )
+    return {"best": top, "inputs": dict(inputs or {}), "candidates": rows}
