@@ -41,18 +41,18 @@ def push_all(server: ShardServer, wave: int, vws=(0, 1)) -> None:
 def test_without_periodic_checkpoints_a_client_keeps_nothing():
     server = shard()
     push_all(server, 0)
-    assert server._keep_from((0, 0)) == 1  # a crash loses everything anyway: keeping pushes would not help
+    assert server.keep_from((0, 0)) == 1  # a crash loses everything anyway: keeping pushes would not help
 
 
 def test_a_client_keeps_what_the_newest_checkpoint_lacks(tmp_path: Path):
     server = shard(tmp_path)
     push_all(server, 0)
-    assert server._keep_from((0, 0)) == 0
+    assert server.keep_from((0, 0)) == 0
     server.checkpoint("test")
     push_all(server, 1)
-    assert server._keep_from((0, 0)) == 1 and server.state.pushed[(0, 0)] == 2
+    assert server.keep_from((0, 0)) == 1 and server.state.pushed[(0, 0)] == 2
     restarted = ShardServer(server.settings, log=lambda line: None)
-    assert restarted.state.pushed[(0, 0)] == 1 and restarted._keep_from((0, 0)) == 1
+    assert restarted.state.pushed[(0, 0)] == 1 and restarted.keep_from((0, 0)) == 1
 
 
 def test_a_silent_stage_gets_its_vw_evicted_and_the_others_go_on():
