@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetpipe.core.protocol.placement import balanced_placement
-from hetpipe.core.wsp.state import first_pulled_wave, gate_version
+from hetpipe.core.wsp.clock import first_pulled_wave, gate_version
 from hetpipe.worker.ps_client import PSClient
 
 __all__ = ["LedgerSpec", "ledger_keys", "ledger_stage", "check_pull"]

@@ -4,9 +4,14 @@ pipe."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import inspect
 import io
 import os
 import threading
+import typing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +23,7 @@ from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.agent_pipe import MAX_MESSAGE_BYTES, PipeWriter, read_message
 from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.ps_client import ClientSpec, PSClient
-from hetpipe.worker.ps_link import ProcessLink, agent_kind
+from hetpipe.worker.ps_link import ProcessLink, PSLink, ThreadLink, agent_kind, open_link
 from hetpipe.worker.transfer import PushStaging
 
 from conftest import start_shard
@@ -52,6 +57,55 @@ def test_auto_puts_the_agent_of_a_cuda_stage_in_a_process():
     assert agent_kind("auto", torch.device("cuda:0")) == "process"
     assert agent_kind("auto", torch.device("cpu")) == "thread"
     assert agent_kind("process", torch.device("cpu")) == "process"
+
+
+def _link_members() -> dict[str, typing.Any]:
+    """PSLink's own members (its methods and properties), by name."""
+    return {name: value for name, value in vars(PSLink).items() if not name.startswith("_")}
+
+
+def _shape(function: typing.Callable) -> tuple:
+    """A signature as comparable data: each parameter's name, kind, default and type, and the return type."""
+    sig = inspect.signature(function, eval_str=True)
+    params = [(p.name, p.kind, p.default, p.annotation) for p in sig.parameters.values()]
+    return params, sig.return_annotation
+
+
+def test_ps_link_declares_exactly_what_a_stage_uses_of_its_link():
+    """Every `link.X` and `self.link.X` of worker/stage.py is a member of PSLink, and PSLink has no other."""
+    origin = importlib.util.find_spec("hetpipe.worker.stage").origin
+    used = {
+        node.attr
+        for node in ast.walk(ast.parse(Path(origin).read_text()))
+        if isinstance(node, ast.Attribute)
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "link")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "link")
+        )
+    }
+    assert used == set(_link_members())
+    assert inspect.signature(open_link, eval_str=True).return_annotation is PSLink
+
+
+@pytest.mark.parametrize("cls", [ThreadLink, ProcessLink])
+def test_both_links_have_every_member_of_ps_link_with_its_signature(cls: type):
+    """A method with the same parameters (names, kinds, defaults, types) and return type; a property as a
+    property of the same type or an attribute declared in the class of that type (or one of its union's)."""
+    hints = typing.get_type_hints(cls)
+    for name, member in _link_members().items():
+        have = getattr(cls, name, None)
+        if isinstance(member, property):
+            want = inspect.signature(member.fget, eval_str=True).return_annotation
+            if isinstance(have, property):
+                got = inspect.signature(have.fget, eval_str=True).return_annotation
+            else:
+                assert name in hints, f"{cls.__name__} declares no attribute {name}"
+                got = hints[name]
+            assert got == want or got in typing.get_args(want), f"{cls.__name__}.{name}: {got}, not {want}"
+        else:
+            assert callable(have), f"{cls.__name__} has no method {name}"
+            assert _shape(have)[0][1:] == _shape(member)[0][1:], f"{cls.__name__}.{name}'s parameters"
+            assert _shape(have)[1] == _shape(member)[1], f"{cls.__name__}.{name}'s return type"
 
 
 def test_array_views_cut_as_tensor_views_do():

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ledger_client import LedgerSpec, ledger_keys, ledger_stage
 
 from hetpipe.core.protocol.placement import balanced_placement
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient, PSError, PSTimeout
 
 from conftest import start_shard
+from ledger_client import LedgerSpec, ledger_keys, ledger_stage
 
 pytestmark = pytest.mark.slow
 

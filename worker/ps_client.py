@@ -1,8 +1,10 @@
-"""The PS client of one stage: register, push (acknowledged, retried), pull(wave) behind the WSP gate.
+"""The PS client of one stage: register, push (acknowledged, retried), pull(wave) behind the WSP gate, and the
+status and admin reads.
 
-One DEALER socket per shard. Every request carries an id and is answered by the server; a request
-without an answer within `retry_s` is sent again with the same id (safe: pushes are idempotent, pulls
-and reads change nothing), and fails after `timeout_s` with an error that says whom it waited for.
+One DEALER socket per shard (worker/ps_sockets.py). Every request carries an id and is answered by the server;
+a request without an answer within `retry_s` is sent again with the same id (safe: pushes are idempotent,
+pulls and reads change nothing), and fails after `timeout_s` with an error that says whom it waited for
+(worker/ps_calls.py sends and completes the calls; this module words the timeout).
 
 With `curve` keys every socket is a CurveZMQ client: encrypted, and the PS knows which key it holds.
 
@@ -10,17 +12,13 @@ Requests are Calls (one request per shard) that complete as replies arrive, so s
 at once (hetpipe.worker.ps_agent overlaps pushes and pulls with compute); register/push/pull/status/read
 are the blocking forms.
 
-Surviving a shard's restart (docs/recovery.md): the client keeps a copy of its registration and every push
-the shard has not put in a checkpoint yet (acks say how far: `keep_from`). A restarted shard does not know
-the connection and answers `not_registered`: the client registers again (the reply says how many of its
-waves the shard holds), resends the pushes from there in order, then everything still unanswered. Nothing
-of this reaches the caller unless pushes it acknowledged are gone for good.
+A shard's restart reaches no caller unless pushes it acknowledged are gone for good: the client keeps its
+registration and the pushes not yet in every shard's checkpoint, registers again and resends
+(worker/ps_recovery.py, docs/recovery.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,61 +31,23 @@ from hetpipe.core.errors import HetpipeError
 from hetpipe.core.protocol import wire
 from hetpipe.core.protocol.keys import ClientKeys
 from hetpipe.core.protocol.placement import keys_by_shard
+from hetpipe.worker.ps_calls import Call, PSError, PSTimeout, Request, ShardCalls
+from hetpipe.worker.ps_recovery import ShardRecovery
+from hetpipe.worker.ps_sockets import ShardSockets, routing_id
 
 __all__ = ["Call", "ClientSpec", "PSClient", "PSError", "PSTimeout", "Pulled"]
-
-Request = tuple[str, dict[str, Any], Mapping[str, np.ndarray] | None]
-
-
-class PSError(HetpipeError):
-    """The server refused a request; `code` is its wire error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class PSTimeout(HetpipeError):
-    """No answer in time."""
 
 
 @dataclass(frozen=True)
 class Pulled:
+    """The weights a pull brought back, with what the shards said of them."""
+
     version: int  # t of W_t (exact) or c_global when served (latest)
     own_through: int  # own waves <= this are contained (max over shards is not needed: all agree)
     tensors: dict[str, np.ndarray]
     parked_s: float = 0.0  # how long the request waited at the PS for its gate (the longest shard)
-    gaps: list[list[int]] = field(
-        default_factory=list
-    )  # [vw, from, to): waves a VW added nothing to (any shard)
-
-
-_NOT_ASKED = wire.Message("none", {}, {})  # the reply slot of a shard a call does not go to
-
-
-@dataclass
-class Call:
-    """One request per shard (or to some shards only), sent and waiting for every reply."""
-
-    what: str
-    frames: list[list[Any]]
-    ids: list[int]
-    gate: int = -1  # the wave whose gate a pull waits for (for the timeout message)
-    replies: list[wire.Message | None] = field(default_factory=list)
-    sent_at: list[float] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    error: HetpipeError | None = None
-    wave: int = -1  # a push's wave
-    background: str = ""  # "": the caller waits for it; else what the client itself sent it for
-
-    @property
-    def done(self) -> bool:
-        return self.error is not None or all(r is not None for r in self.replies)
-
-    def result(self) -> list[wire.Message]:
-        if self.error is not None:
-            raise self.error
-        return [r for r in self.replies if r is not None]
+    # [vw, from, to): waves a VW added nothing to (any shard)
+    gaps: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -133,7 +93,9 @@ class ClientSpec:
 
 
 class PSClient:
-    """Talks to every shard for one stage of one virtual worker."""
+    """Talks to every shard for one stage of one virtual worker: what its requests say. Its sockets are
+    `connections`, its calls go out and complete through `calls`, and `recovery` keeps what a shard's restart
+    needs."""
 
     def __init__(
         self,
@@ -151,55 +113,62 @@ class PSClient:
         wire_dtype: str = "float32",
     ) -> None:
         self.endpoints = endpoints
-        self.pack = None if wire_dtype == "float32" else wire_dtype  # pushes' float32 weights go packed
-        self.packed_keys: set[str] = set()  # the weights ("param" keys): buffers and ledgers go as they are
         self.run, self.vw, self.stage = run, vw, stage
         self.num_vws, self.num_stages = num_vws, num_stages
         self.placement = dict(placement)
-        self.timeout_s, self.retry_s = timeout_s, retry_s
         self.curve = curve
-        self._probing = False
-        self._ids = iter(range(1, 2**62))
-        self._ctx = zmq.Context()
-        self.sockets: list[zmq.Socket] = []
-        identity = f"{run}/vw{vw}/s{stage}/{os.getpid()}/{os.urandom(4).hex()}".encode()
-        for endpoint in endpoints:
-            sock = self._ctx.socket(zmq.DEALER)
-            wire.configure_socket(sock, router=False)
-            sock.setsockopt(zmq.ROUTING_ID, identity)
-            if curve is not None:
-                sock.curve_serverkey = curve.server_public
-                sock.curve_publickey = curve.public
-                sock.curve_secretkey = curve.secret
-            sock.connect(endpoint)
-            self.sockets.append(sock)
-        self._open: dict[tuple[int, int], Call] = {}  # (shard, request id) -> the call waiting for it
         self.keys: list[str] = []
-        # recovery from a shard's restart
-        self._registration: list[
-            tuple[dict[str, Any], dict[str, np.ndarray]]
-        ] = []  # per shard: fields, copies
-        self.keep_from = [0] * len(endpoints)  # per shard: pushes of earlier waves are in its checkpoint
-        self.retained: dict[
-            int, tuple[Mapping[str, np.ndarray], Call]
-        ] = {}  # wave -> its push, until durable
-        self._copy_on_retain: set[int] = (
-            set()
-        )  # waves whose arrays the caller will reuse (copy before keeping)
-        self._rejoining: dict[int, int] = {}  # shard -> id of the registration sent to it again
-        self._next_wave = 0  # pushes handed over so far (the next wave to push)
+        self.connections = ShardSockets(endpoints, routing_id(run, vw, stage), curve)
+        self.recovery = ShardRecovery(len(endpoints), self._push_requests, f"vw {vw} stage {stage}")
+        pack = None if wire_dtype == "float32" else wire_dtype
+        self.calls = ShardCalls(
+            self.connections.sockets, timeout_s, retry_s, pack, self.recovery, self._timeout_message
+        )
         self._heartbeat: Call | None = None
-        self.fatal: HetpipeError | None = None  # a request the client sent by itself failed for good
-        self.restarts_seen = 0
+        self._probing = False
 
+    # ---- its parts' state, as attributes of the client --------------------------------------------------
     @property
     def context(self) -> zmq.Context:
-        return self._ctx
+        return self.connections.context
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        return self.connections.sockets
+
+    @property
+    def timeout_s(self) -> float:
+        return self.calls.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self.calls.timeout_s = value
+
+    @property
+    def retry_s(self) -> float:
+        return self.calls.retry_s
+
+    @property
+    def fatal(self) -> HetpipeError | None:
+        """A request the client sent by itself failed for good (poll raises it)."""
+        return self.calls.fatal
+
+    @property
+    def keep_from(self) -> list[int]:
+        """Per shard: this stage's pushes of earlier waves are in its checkpoint."""
+        return self.recovery.keep_from
+
+    @property
+    def retained(self) -> dict[int, tuple[Mapping[str, np.ndarray], Call]]:
+        """Wave -> its push, kept until every shard has it in a checkpoint."""
+        return self.recovery.retained
+
+    @property
+    def restarts_seen(self) -> int:
+        return self.recovery.restarts_seen
 
     def close(self) -> None:
-        for sock in self.sockets:
-            sock.close(linger=0)
-        self._ctx.term()
+        self.connections.close()
 
     def __enter__(self) -> PSClient:
         return self
@@ -220,6 +189,11 @@ class PSClient:
             ) from None
         return [{k: tensors[k] for k in part} for part in parts]
 
+    def _push_requests(self, wave: int, tensors: Mapping[str, np.ndarray]) -> list[Request]:
+        """The push of `wave`, one request per shard (each shard's keys of `tensors`)."""
+        fields = {**self._stage_fields(), "wave": wave}
+        return [("push", fields, part) for part in self._split(tensors)]
+
     def register(
         self,
         tensors: Mapping[str, np.ndarray],
@@ -234,9 +208,9 @@ class PSClient:
         shard."""
         self.keys = list(tensors)
         kinds = kinds or {}
-        self.packed_keys = {k for k in tensors if kinds.get(k, "param") == "param"}
-        requests: list[Request] = []
-        self._registration = []
+        self.calls.packed_keys = {k for k in tensors if kinds.get(k, "param") == "param"}
+        requests: list[Request | None] = []
+        self.recovery.registration = []
         for part in self._split(tensors):
             fields = {
                 **self._stage_fields(),
@@ -249,12 +223,9 @@ class PSClient:
                 "ledgers": [k for k in part if kinds.get(k) == "ledger"],
             }
             requests.append(("register", fields, part))
-            self._registration.append(
-                ({**fields, "want_weights": False}, {k: np.array(v) for k, v in part.items()})
-            )
+            self.recovery.keep_registration(fields, part)
         replies = self.wait(self.send(requests, what="register"))
-        self._next_wave = max(start_wave, min(r.fields["pushed"] for r in replies))
-        self.keep_from = [r.fields["keep_from"] for r in replies]
+        self.recovery.registered(start_wave, replies)
         out: dict[str, np.ndarray] = {}
         for reply in replies:
             out.update({k: v.to_array() for k, v in reply.tensors.items()})
@@ -264,14 +235,8 @@ class PSClient:
         """Send this stage's push of `wave` to every shard (complete it with wait or poll). It is kept until
         every shard has it in a checkpoint; `reused`: the caller will change the arrays once the call is done
         (they are copied first if they must be kept)."""
-        fields = {**self._stage_fields(), "wave": wave}
-        call = self.send(
-            [("push", fields, part) for part in self._split(tensors)], what=f"push of wave {wave}", wave=wave
-        )
-        self._next_wave = max(self._next_wave, wave + 1)
-        self.retained[wave] = (tensors, call)
-        if reused:
-            self._copy_on_retain.add(wave)
+        call = self.send(self._push_requests(wave, tensors), what=f"push of wave {wave}", wave=wave)
+        self.recovery.keep_push(wave, tensors, call, reused)
         return call
 
     def push(self, wave: int, tensors: Mapping[str, np.ndarray]) -> int:
@@ -345,219 +310,38 @@ class PSClient:
     def _read_replies(self) -> list[wire.Message]:
         return self.wait(self.send([("read", {"run": self.run}, None)] * len(self.sockets), what="read"))
 
-    # ---- calls --------------------------------------------------------------------------------------
+    # ---- calls (worker/ps_calls.py) -----------------------------------------------------------------
     def send(
         self, requests: list[Request | None], what: str, gate: int = -1, wave: int = -1, background: str = ""
     ) -> Call:
         """Send one request per shard (None: nothing to that shard); the returned Call completes as `poll`
         reads the replies."""
-        frames: list[list[Any]] = []
-        ids: list[int] = []
-        for request in requests:
-            if request is None:
-                frames.append([])
-                ids.append(-1)
-                continue
-            msg_type, fields, tensors = request
-            rid = next(self._ids)
-            ids.append(rid)
-            frames.append(
-                wire.encode(
-                    msg_type,
-                    {"id": rid, **fields},
-                    tensors,
-                    pack=self.pack if msg_type == "push" else None,
-                    pack_only=self.packed_keys,
-                )
-            )
-        call = Call(
-            what,
-            frames,
-            ids,
-            gate,
-            [None if r is not None else _NOT_ASKED for r in requests],
-            [-1e9] * len(requests),
-            wave=wave,
-            background=background,
-        )
-        for shard, rid in enumerate(ids):
-            if rid >= 0:
-                self._open[(shard, rid)] = call
-        self._resend(time.monotonic())
-        return call
-
-    def _resend(self, now: float) -> None:
-        """Send what is due: new requests, and unanswered ones every retry_s; time out the old ones. A shard
-        being registered again gets nothing else until it answers."""
-        expired: list[Call] = []
-        for (shard, rid), call in list(self._open.items()):
-            if call.done or call in expired:
-                continue
-            if shard in self._rejoining and self._rejoining[shard] != rid:
-                continue
-            if now - call.started > self.timeout_s:
-                expired.append(call)
-            elif now - call.sent_at[shard] >= self.retry_s:
-                # never block: a DEALER whose connection failed its handshake has nowhere to queue; an
-                # unsent request is tried again after retry_s, and the timeout still counts
-                with contextlib.suppress(zmq.Again):
-                    self.sockets[shard].send_multipart(call.frames[shard], copy=False, flags=zmq.NOBLOCK)
-                call.sent_at[shard] = now
-        for (
-            call
-        ) in expired:  # closed first: the message below asks the PS for its status with a call of its own
-            call.error = PSTimeout(f"{call.what} timed out")
-            self._forget(call)
-        for call in expired:
-            call.error = PSTimeout(self._timeout_message(call.what, now - call.started, call.gate))
-            self._background_failed(call)
-
-    def _forget(self, call: Call) -> None:
-        for shard, rid in enumerate(call.ids):
-            if rid >= 0:
-                self._open.pop((shard, rid), None)
+        return self.calls.send(requests, what, gate, wave, background)
 
     def poll(self, timeout_ms: int, extra: Sequence[zmq.Socket] = ()) -> list[zmq.Socket]:
         """Read every reply that arrives within timeout_ms into its Call; resend what is due. Returns which
         of `extra` (sockets the caller also waits on) became readable."""
-        poller = zmq.Poller()
-        for sock in (*self.sockets, *extra):
-            poller.register(sock, zmq.POLLIN)
-        ready = dict(poller.poll(timeout=timeout_ms))
-        for shard, sock in enumerate(self.sockets):
-            if sock in ready:
-                self._read(shard, sock)
-        self._resend(time.monotonic())
-        if self.fatal is not None:
-            raise self.fatal
-        return [sock for sock in extra if sock in ready]
+        return self.calls.poll(timeout_ms, extra)
 
-    def _read(self, shard: int, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                raw = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            msg = self._decode(raw, shard)
-            call = self._open.get((shard, msg.fields.get("id")))
-            if call is None or call.replies[shard] is not None:
-                continue  # an answer to an earlier try of an earlier request
-            if msg.type == "error":
-                if (
-                    msg.fields["code"] == "not_registered"
-                    and self._registration
-                    and self._rejoining.get(shard) != msg.fields["id"]
-                ):
-                    self._rejoin(shard)  # the shard restarted: the call stays open and goes again afterwards
-                    continue
-                call.error = PSError(
-                    msg.fields["code"], f"{call.what} refused by shard {shard}: {msg.fields['message']}"
-                )
-                self._forget(call)
-                self._background_failed(call)
-                continue
-            call.replies[shard] = msg
-            self._open.pop((shard, msg.fields["id"]), None)
-            if msg.type in ("ack", "beat"):
-                self._acknowledged(shard, msg.fields["keep_from"], call)
-            elif msg.type == "registered" and self._rejoining.get(shard) == msg.fields["id"]:
-                self._registered_again(shard, msg.fields["pushed"], msg.fields["keep_from"])
+    def wait(self, call: Call) -> list[wire.Message]:
+        """Block until `call` completes; its replies, one per shard (or its error)."""
+        return self.calls.wait(call)
 
-    # ---- recovery ---------------------------------------------------------------------------------------
     def wait_durable(self, timeout_s: float, progress: int = 0) -> bool:
         """Block until every shard has this stage's pushes in a checkpoint (a shard restarting now would lose
         none), asking with heartbeats; False after timeout_s. Immediate when the shards keep no
         checkpoints."""
         deadline = time.monotonic() + timeout_s
-        while min(self.keep_from, default=0) < self._next_wave and self._registration:
+        while not self.recovery.durable():
             if time.monotonic() > deadline:
                 return False
             self.send_heartbeat(progress)
             self.poll(int(self.retry_s * 1000 / 4) + 1)
         return True
 
-    def _acknowledged(self, shard: int, keep_from: int, call: Call) -> None:
-        """Drop the pushes every shard has in a checkpoint; copy one about to be kept whose arrays get
-        reused."""
-        self.keep_from[shard] = max(self.keep_from[shard], keep_from)
-        oldest = min(self.keep_from)
-        for wave in [w for w in self.retained if w < oldest]:
-            del self.retained[wave]
-            self._copy_on_retain.discard(wave)
-        if call.done and call.wave in self._copy_on_retain:
-            tensors, _ = self.retained[call.wave]
-            self.retained[call.wave] = ({k: np.array(v) for k, v in tensors.items()}, call)
-            self._copy_on_retain.discard(call.wave)
-
-    def _rejoin(self, shard: int) -> None:
-        """Register with a restarted shard again (once; other requests to it wait for the answer)."""
-        if shard in self._rejoining:
-            return
-        self.restarts_seen += 1
-        fields, part = self._registration[shard]
-        requests: list[Request | None] = [None] * len(self.sockets)
-        requests[shard] = ("register", fields, part)
-        self._rejoining[shard] = -2  # nothing goes to the shard until the registration is on its way
-        call = self.send(requests, what=f"registration with restarted shard {shard}", background="rejoin")
-        self._rejoining[shard] = call.ids[shard]
-        self._resend(time.monotonic())
-
-    def _registered_again(self, shard: int, pushed: int, keep_from: int) -> None:
-        """The restarted shard holds `pushed` of this stage's waves: resend the later ones it acknowledged
-        before (in order), then let everything unanswered go again."""
-        del self._rejoining[shard]
-        self.keep_from[shard] = keep_from
-        kept = sorted(self.retained)
-        if pushed < self._next_wave and (not kept or kept[0] > pushed):
-            self.fatal = PSError(
-                "lost",
-                (
-                    f"shard {shard} restarted holding {pushed} waves of vw {self.vw} stage {self.stage}, "
-                    f"but this stage pushed {self._next_wave} and kept only waves {kept[:1] + kept[-1:]}: "
-                    "the shard's newest checkpoint is older than it said (corrupted?); the pushes in between "
-                    "are gone. Restart the run with --resume"
-                ),
-            )
-            return
-        for wave in kept:
-            tensors, call = self.retained[wave]
-            if wave < pushed or (call.replies[shard] is None and not call.done):
-                continue  # in the shard's state, or still open (it goes again below)
-            requests: list[Request | None] = [None] * len(self.sockets)
-            requests[shard] = ("push", {**self._stage_fields(), "wave": wave}, self._split(tensors)[shard])
-            self.send(
-                requests,
-                what=f"push of wave {wave} again to restarted shard {shard}",
-                wave=wave,
-                background="resend",
-            )
-        for (s, _), call in self._open.items():
-            if s == shard:
-                call.sent_at[shard] = -1e9
-        self._resend(time.monotonic())
-
-    def _background_failed(self, call: Call) -> None:
-        """A request the client sent by itself failed: a heartbeat matters only when it says the VW is out."""
-        if not call.background or call.error is None:
-            return
-        code = getattr(call.error, "code", "")
-        if call.background == "heartbeat" and code not in ("evicted", "vw_failed"):
-            return
-        self.fatal = call.error
-
-    def wait(self, call: Call) -> list[wire.Message]:
-        """Block until `call` completes; its replies, one per shard (or its error)."""
-        while not call.done:
-            self.poll(int(self.retry_s * 1000 / 4) + 1)
-        return call.result()
-
-    def _decode(self, raw: list[zmq.Frame], shard: int) -> wire.Message:
-        try:
-            return wire.decode(raw)
-        except wire.WireError as exc:
-            raise PSError(exc.code, f"shard {shard} sent an invalid reply: {exc}") from None
-
+    # ---- why a call timed out -----------------------------------------------------------------------
     def _timeout_message(self, what: str, waited: float, gate: int) -> str:
+        """Whom `what` waited for: the PS's status names the slowest VW, or the PS does not answer at all."""
         who = f"vw {self.vw} stage {self.stage}"
         text = f"{what} by {who} got no answer in {waited:.0f} s"
         if self._probing:  # the status probe below timed out itself: no probe of the probe

@@ -1,9 +1,9 @@
 """A stage's link to the PS: its agent in a thread of the stage process, or in a process of its own.
 
-Both give the stage the same calls: register, push, pull (futures), close, wait_durable, shutdown, a progress
-cell the heartbeats report, and the agent's time totals. `[ps] agent` picks one ("auto": a process for a CUDA
-stage, whose throughput is its one thread's issuing speed, which an agent thread's GIL use cuts; a thread
-for a CPU stage, whose arrays then go out zero-copy; docs/architecture.md#the-ps-path).
+Both give the stage the same calls, declared by PSLink: register, push, pull (futures), close, wait_durable,
+shutdown, a progress cell the heartbeats report, and the agent's time totals. `[ps] agent` picks one ("auto":
+a process for a CUDA stage, whose throughput is its one thread's issuing speed, which an agent thread's GIL
+use cuts; a thread for a CPU stage, whose arrays then go out zero-copy; docs/architecture.md#the-ps-path).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,7 +29,73 @@ from hetpipe.worker.ps_agent import PSAgent, PushDone
 from hetpipe.worker.ps_client import ClientSpec, PSError, PSTimeout, Pulled
 from hetpipe.worker.shared_host import SharedHost
 
-__all__ = ["ProcessLink", "ThreadLink", "agent_kind", "open_link"]
+__all__ = ["PSLink", "ProcessLink", "ThreadLink", "agent_kind", "open_link"]
+
+
+class PSLink(Protocol):
+    """What a stage uses of its link to the PS agent (ThreadLink, ProcessLink; tests/test_ps_link.py checks
+    that both have every member, with these signatures)."""
+
+    @property
+    def push_slots(self) -> list[torch.Tensor] | None:
+        """The host buffers pushes are staged in, used in turn (None: the stage stages them its own way)."""
+        ...
+
+    @property
+    def pull_host(self) -> torch.Tensor | None:
+        """The host buffer pulls land in (None: the stage's own)."""
+        ...
+
+    @property
+    def progress(self) -> np.ndarray:
+        """One int64 cell the stage writes how many of its actions it has run into (the heartbeats say it)."""
+        ...
+
+    @property
+    def totals(self) -> tuple[float, float, float]:
+        """Seconds of the agent: pushes in flight, pulls' round trips less parking, parked at the PS."""
+        ...
+
+    def register(
+        self,
+        values: Mapping[str, torch.Tensor],
+        kinds: Mapping[str, str],
+        num_waves: int,
+        start_wave: int,
+        pulls: bool,
+    ) -> dict[str, np.ndarray]:
+        """Declare the stage's keys with their initial values and kinds; returns the PS's W_0 of them."""
+        ...
+
+    def start(
+        self, pull_into: Mapping[str, np.ndarray] | None, pull_into_free: Callable[[], None] | None
+    ) -> None:
+        """Start the agent: pulls are copied into `pull_into`, once `pull_into_free()` returns."""
+        ...
+
+    def push(
+        self, wave: int, slot: int, arrays: Mapping[str, np.ndarray], ready: Callable[[], None], reused: bool
+    ) -> Future:
+        """Hand over the push of `wave` (staged in push slot `slot`, or `arrays`), to go once `ready()`
+        returns; the future completes with the last shard's acknowledgement (PushDone)."""
+        ...
+
+    def pull(self, wave: int) -> Future:
+        """Hand over the pull of `wave`; the future completes with the weights (Pulled) once its gate
+        opens."""
+        ...
+
+    def close(self, timeout_s: float) -> None:
+        """Let every push and pull handed over finish, then stop the agent."""
+        ...
+
+    def wait_durable(self, timeout_s: float, progress: int) -> bool:
+        """Block until every shard has the stage's pushes in a checkpoint; False after `timeout_s`."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the link: its client's sockets, or the agent process and the shared buffers."""
+        ...
 
 
 def agent_kind(setting: str, device: torch.device) -> str:
@@ -44,6 +110,7 @@ class ThreadLink:
 
     push_slots: list[torch.Tensor] | None = None  # the stage stages pushes its own way (pinned, or zero-copy)
     pull_host: torch.Tensor | None = None
+    progress: np.ndarray  # the actions the stage has run, for the heartbeats (PSAgent reads it)
 
     def __init__(
         self,
@@ -130,6 +197,10 @@ class ProcessLink:
     Requests go to it in the order they are made, from one sender thread that first waits, for a push, until
     its device-to-host copy has landed, and for a pull, until the pull buffer's last host-to-device copy has
     left it; a reader thread completes the futures from the replies and records the agent's trace spans."""
+
+    push_slots: list[torch.Tensor]  # the two push slots of the shared file
+    pull_host: torch.Tensor | None  # its pull buffer (None once shut down)
+    progress: np.ndarray  # its heartbeat cell, which the agent process reads
 
     def __init__(
         self,
@@ -266,7 +337,7 @@ class ProcessLink:
                 self.proc.kill()
                 self.proc.wait()
             self._reader.join(timeout=5)
-            self.push_slots, self.pull_host = [], None  # type: ignore[assignment]
+            self.push_slots, self.pull_host = [], None
             self.shared.close()
 
     @property
@@ -361,7 +432,7 @@ def open_link(
     heartbeat_s: float,
     on_fatal: Callable[[BaseException], None],
     name: str,
-) -> ThreadLink | ProcessLink:
+) -> PSLink:
     """The link of `kind` (thread or process, agent_kind's answer)."""
     if kind == "process":
         return ProcessLink(spec, layout, device, trace, trace_tid, heartbeat_s, on_fatal, name)

@@ -1,0 +1,239 @@
+"""Calls to the PS shards: requests sent, resent every retry_s under their id, timed out, answered."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import zmq
+
+from hetpipe.core.errors import HetpipeError
+from hetpipe.core.protocol import wire
+
+__all__ = ["NOT_ASKED", "Call", "PSError", "PSTimeout", "ReplyWatcher", "Request", "ShardCalls"]
+
+Request = tuple[str, dict[str, Any], Mapping[str, np.ndarray] | None]  # (type, fields, tensors) to one shard
+
+
+class PSError(HetpipeError):
+    """The server refused a request; `code` is its wire error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PSTimeout(HetpipeError):
+    """No answer in time."""
+
+
+NOT_ASKED = wire.Message("none", {}, {})  # the reply slot of a shard a call does not go to
+
+
+@dataclass
+class Call:
+    """One request per shard (or to some shards only), sent and waiting for every reply."""
+
+    what: str
+    frames: list[list[Any]]
+    ids: list[int]
+    gate: int = -1  # the wave whose gate a pull waits for (for the timeout message)
+    replies: list[wire.Message | None] = field(default_factory=list)
+    sent_at: list[float] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    error: HetpipeError | None = None
+    wave: int = -1  # a push's wave
+    background: str = ""  # "": the caller waits for it; else what the client itself sent it for
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(r is not None for r in self.replies)
+
+    def result(self) -> list[wire.Message]:
+        if self.error is not None:
+            raise self.error
+        return [r for r in self.replies if r is not None]
+
+
+class ReplyWatcher(Protocol):
+    """What a client does beside completing its calls (worker/ps_recovery.py: surviving a shard's restart)."""
+
+    def holds_back(self, shard: int, rid: int) -> bool:
+        """True: request `rid` must not go to `shard` now."""
+        ...
+
+    def refused(self, calls: ShardCalls, shard: int, msg: wire.Message) -> bool:
+        """`shard` answered with an error; True: the watcher dealt with it, and the call stays open."""
+        ...
+
+    def answered(self, calls: ShardCalls, shard: int, msg: wire.Message, call: Call) -> None:
+        """`shard` answered `call` (stored in it already)."""
+        ...
+
+
+class ShardCalls:
+    """Sends calls over one socket per shard and completes them (docs/ps-protocol.md#request-ids-and-retries):
+    request ids, resends every `retry_s`, the timeout after `timeout_s` (worded by `describe_timeout(what,
+    waited, gate)`), replies matched by (shard, id). A request the client sent by itself that fails for good
+    becomes `fatal`, which `poll` raises.
+
+    What the requests say is the client's business (worker/ps_client.py); what a reply means beside
+    completing its call is the `watcher`'s (worker/ps_recovery.py: surviving a shard's restart)."""
+
+    def __init__(
+        self,
+        sockets: list[zmq.Socket],
+        timeout_s: float,
+        retry_s: float,
+        pack: str | None,
+        watcher: ReplyWatcher,
+        describe_timeout: Callable[[str, float, int], str],
+    ) -> None:
+        self.sockets = sockets
+        self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.pack = pack  # pushes' float32 weights go packed
+        self.packed_keys: set[str] = set()  # the weights ("param" keys): buffers and ledgers go as they are
+        self.watcher, self.describe_timeout = watcher, describe_timeout
+        self.fatal: HetpipeError | None = None  # a request the client sent by itself failed for good
+        self._ids = iter(range(1, 2**62))
+        self._open: dict[tuple[int, int], Call] = {}  # (shard, request id) -> the call waiting for it
+
+    def send(
+        self, requests: list[Request | None], what: str, gate: int = -1, wave: int = -1, background: str = ""
+    ) -> Call:
+        """Send one request per shard (None: nothing to that shard); the returned Call completes as `poll`
+        reads the replies."""
+        frames: list[list[Any]] = []
+        ids: list[int] = []
+        for request in requests:
+            if request is None:
+                frames.append([])
+                ids.append(-1)
+                continue
+            msg_type, fields, tensors = request
+            rid = next(self._ids)
+            ids.append(rid)
+            frames.append(
+                wire.encode(
+                    msg_type,
+                    {"id": rid, **fields},
+                    tensors,
+                    pack=self.pack if msg_type == "push" else None,
+                    pack_only=self.packed_keys,
+                )
+            )
+        call = Call(
+            what,
+            frames,
+            ids,
+            gate,
+            [None if r is not None else NOT_ASKED for r in requests],
+            [-1e9] * len(requests),
+            wave=wave,
+            background=background,
+        )
+        for shard, rid in enumerate(ids):
+            if rid >= 0:
+                self._open[(shard, rid)] = call
+        self.send_due(time.monotonic())
+        return call
+
+    def send_due(self, now: float) -> None:
+        """Send what is due: new requests, and unanswered ones every retry_s; time out the old ones. Nothing
+        goes to a shard the watcher holds back."""
+        expired: list[Call] = []
+        for (shard, rid), call in list(self._open.items()):
+            if call.done or call in expired:
+                continue
+            if self.watcher.holds_back(shard, rid):
+                continue
+            if now - call.started > self.timeout_s:
+                expired.append(call)
+            elif now - call.sent_at[shard] >= self.retry_s:
+                # never block: a DEALER whose connection failed its handshake has nowhere to queue; an
+                # unsent request is tried again after retry_s, and the timeout still counts
+                with contextlib.suppress(zmq.Again):
+                    self.sockets[shard].send_multipart(call.frames[shard], copy=False, flags=zmq.NOBLOCK)
+                call.sent_at[shard] = now
+        # closed first: the message below asks the PS for its status with a call of its own
+        for call in expired:
+            call.error = PSTimeout(f"{call.what} timed out")
+            self._forget(call)
+        for call in expired:
+            call.error = PSTimeout(self.describe_timeout(call.what, now - call.started, call.gate))
+            self._background_failed(call)
+
+    def resend_to(self, shard: int) -> None:
+        """Let every open request to `shard` go again at the next `send_due`."""
+        for (s, _), call in self._open.items():
+            if s == shard:
+                call.sent_at[shard] = -1e9
+
+    def _forget(self, call: Call) -> None:
+        for shard, rid in enumerate(call.ids):
+            if rid >= 0:
+                self._open.pop((shard, rid), None)
+
+    def poll(self, timeout_ms: int, extra: Sequence[zmq.Socket] = ()) -> list[zmq.Socket]:
+        """Read every reply that arrives within timeout_ms into its Call; resend what is due. Returns which
+        of `extra` (sockets the caller also waits on) became readable."""
+        poller = zmq.Poller()
+        for sock in (*self.sockets, *extra):
+            poller.register(sock, zmq.POLLIN)
+        ready = dict(poller.poll(timeout=timeout_ms))
+        for shard, sock in enumerate(self.sockets):
+            if sock in ready:
+                self._read(shard, sock)
+        self.send_due(time.monotonic())
+        if self.fatal is not None:
+            raise self.fatal
+        return [sock for sock in extra if sock in ready]
+
+    def _read(self, shard: int, sock: zmq.Socket) -> None:
+        """Take every reply waiting on `sock` into the call it answers."""
+        while True:
+            try:
+                raw = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decode(raw, shard)
+            call = self._open.get((shard, msg.fields.get("id")))
+            if call is None or call.replies[shard] is not None:
+                continue  # an answer to an earlier try of an earlier request
+            if msg.type == "error":
+                if self.watcher.refused(self, shard, msg):
+                    continue
+                call.error = PSError(
+                    msg.fields["code"], f"{call.what} refused by shard {shard}: {msg.fields['message']}"
+                )
+                self._forget(call)
+                self._background_failed(call)
+                continue
+            call.replies[shard] = msg
+            self._open.pop((shard, msg.fields["id"]), None)
+            self.watcher.answered(self, shard, msg, call)
+
+    def _background_failed(self, call: Call) -> None:
+        """A request the client sent by itself failed: a heartbeat matters only when it says the VW is out."""
+        if not call.background or call.error is None:
+            return
+        code = getattr(call.error, "code", "")
+        if call.background == "heartbeat" and code not in ("evicted", "vw_failed"):
+            return
+        self.fatal = call.error
+
+    def wait(self, call: Call) -> list[wire.Message]:
+        """Block until `call` completes; its replies, one per shard (or its error)."""
+        while not call.done:
+            self.poll(int(self.retry_s * 1000 / 4) + 1)
+        return call.result()
+
+    def _decode(self, raw: list[zmq.Frame], shard: int) -> wire.Message:
+        try:
+            return wire.decode(raw)
+        except wire.WireError as exc:
+            raise PSError(exc.code, f"shard {shard} sent an invalid reply: {exc}") from None
