@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hetpipe.core.errors import HetpipeError
+from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE
 
 if TYPE_CHECKING:
-    from hetpipe.core.config import ClusterConfig
     from hetpipe.core.pipeline.profile_window import ProfileWindow
     from hetpipe.core.runs.testbed import Topology
 
@@ -149,7 +149,11 @@ def server(config_path: Path | None, settings: tuple[str, ...], shard: int | Non
 @click.option("--waves", type=int, default=2, show_default=True, help="Waves to show.")
 @click.option("--staleness", "-D", type=int, default=0, show_default=True, help="Global staleness bound D.")
 @click.option(
-    "--name", type=RegistryName("schedules"), default="wsp", show_default=True, help="Schedule name."
+    "--name",
+    type=RegistryName("schedules"),
+    default=DEFAULT_SCHEDULE,
+    show_default=True,
+    help="Schedule name.",
 )
 @click.option("--lists", is_flag=True, help="Print one action list per stage instead of the step grid.")
 def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists: bool) -> None:
@@ -645,26 +649,7 @@ def plan(
 ) -> None:
     """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the
     best."""
-    import json
-    import time
-
-    from hetpipe.app.plan_convergence import (
-        batch_note,
-        plan_calibration,
-        plan_over_batches,
-        plan_over_rules,
-        rule_of,
-    )
-    from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
-    from hetpipe.core.planning.planner import (
-        D_VALUES,
-        best,
-        candidates_json,
-        explain,
-        format_plan,
-        format_table,
-        plan_candidates,
-    )
+    from hetpipe.app.plan_command import PlanRequest, run_plan
 
     config = _load(config_path, settings)
     if calibration_path is not None and len(set(batches)) > 1:
@@ -672,89 +657,22 @@ def plan(
             f"--calibration {calibration_path} holds one batch's samples, but --batch gives "
             f"{len(set(batches))}: drop --calibration to price each batch by its shipped calibration"
         )
-    started = time.monotonic()
-    inputs_of: dict[int, tuple[list[str], float]] = {}  # per batch: its notes, the PS's Gbit/s
-
-    def at_batch(variant: ClusterConfig) -> tuple[list, ClusterConfig, int]:
-        """plan_over_rules at the variant's batch, with that batch's profiles and calibration."""
-        profiles, ps_gbps, link, notes = plan_profiles(
-            variant, profile_dir or default_profile_dir(), refresh=refresh
-        )
-        calibration, calibration_note = plan_calibration(variant, calibration_path, target=target)
-        inputs_of[variant.train.batch_size] = ([*notes, calibration_note], ps_gbps)
-
-        def planned(ruled: ClusterConfig) -> list:
-            return plan_candidates(
-                ruled,
-                profiles,
-                ps_gbps=ps_gbps,
-                link_gbps=link,
-                d_values=d_values or D_VALUES,
-                nm_max=nm_max,
-                waves=waves,
-                reserve_bytes=int(reserve_gib * 2**30),
-                policies=policies or None,
-                schedules=schedules or None,
-                slower_but_fewer=calibration is not None,
-            )
-
-        return plan_over_rules(variant, calibration, planned, best, search=search_rules)
-
-    candidates, ruled, tried, predicted = plan_over_batches(config, batches, at_batch, best)
-    batch = ruled.train.batch_size
-    notes, ps_gbps = inputs_of[batch]
-    if len(predicted) > 1:
-        notes.append(batch_note(predicted, batch))
-    if rule_of(ruled) != rule_of(config):
-        notes.append(
-            f"training rule: {rule_of(ruled)}, the soonest to target of the {tried} rules the calibration "
-            f"measured (the config's: {rule_of(config)}); --out carries it, or set [ps] aggregation = "
-            f'"{ruled.ps.aggregation}" and [train] mitigation = "{ruled.train.mitigation}" in {config_path}'
-        )
-    elif search_rules and tried > 1:
-        notes.append(
-            f"training rule: the config's ({rule_of(config)}), the soonest to target of the {tried} rules "
-            "the calibration measured"
-        )
-    elapsed = time.monotonic() - started
-    chosen = best(candidates)
-    if as_json:
-        inputs = {
-            "config": str(config_path),
-            "model": config.model.name,
-            "batch_size": batch,
-            "waves": waves,
-            "ps_gbps": ps_gbps,
-            "notes": notes,
-            "planning_s": round(elapsed, 3),
-            "aggregation": ruled.ps.aggregation,
-            "mitigation": ruled.train.mitigation,
-        }
-        click.echo(json.dumps(candidates_json(candidates, inputs), indent=1))
-    else:
-        click.echo(
-            f"{config.name}: {config.model.name} at batch {batch}, {len(config.all_gpus())} GPUs; "
-            f"{len(candidates)} candidates planned in {elapsed:.2f} s ({waves} waves simulated each)"
-        )
-        for note in notes:
-            click.echo(f"note: {note}")
-        click.echo("")
-        click.echo(format_table(candidates))
-        click.echo("")
-        click.echo("best: " + format_plan(chosen))
-        if show_why:
-            click.echo("")
-            click.echo(explain(candidates))
-    if out_path is not None:
-        assert chosen.plan is not None
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(chosen.plan.to_json())
-        click.echo(
-            f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}` "
-            f"(its VWs, splits, nm={chosen.nm}, D={chosen.staleness}, schedule {chosen.plan.schedule}, "
-            f"{rule_of(ruled)}, batch {batch})",
-            err=True,
-        )
+    request = PlanRequest(
+        config_path=config_path,
+        profile_dir=profile_dir,
+        waves=waves,
+        d_values=d_values,
+        nm_max=nm_max,
+        reserve_gib=reserve_gib,
+        policies=policies,
+        schedules=schedules,
+        refresh=refresh,
+        calibration_path=calibration_path,
+        target=target,
+        search_rules=search_rules,
+        batches=batches,
+    )
+    run_plan(config, request, out_path=out_path, show_why=show_why, as_json=as_json)
 
 
 @cli.group()

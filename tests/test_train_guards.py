@@ -1,5 +1,5 @@
-"""The checks `hetpipe train` makes before it starts anything (hetpipe/app/train.py): the run's CURVE keys
-(each stage gets its own VW's pair only), the run dir, the memory of every stage's GPU. No processes."""
+"""The checks `hetpipe train` makes before it starts anything (hetpipe/app/train_guards.py): the run's CURVE
+keys (each stage gets its own VW's pair only), the run dir, the memory of every stage's GPU. No processes."""
 
 from __future__ import annotations
 

@@ -4,9 +4,16 @@ user reads. The CLI calls these; the planner itself stays pure."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from hetpipe.core.config import ClusterConfig
+    from hetpipe.core.planning.profile import ModelProfile
+    from hetpipe.models.spec import ModelSpec
 
 __all__ = [
     "SHIPPED_DIR",
@@ -23,6 +30,9 @@ __all__ = [
 # Measured profiles shipped in the package, one folder per device measured on (hetpipe/profiles/README.md):
 # `hetpipe plan` derives the GPU types of a real cluster from them when nothing was measured on those GPUs.
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "profiles"
+
+# what plan_profiles returns: profiles per GPU type, the PS's Gbit/s, the link function, notes
+PlanInputs = tuple[dict, float, object, list[str]]
 
 
 def default_profile_dir() -> Path:
@@ -291,9 +301,7 @@ def _load_profile(path: Path, model: str, batch: int, num_layers: int | None):
     return p
 
 
-def plan_profiles(
-    config, profile_dir: Path, *, refresh: bool = False
-) -> tuple[dict, float, object, list[str]]:
+def plan_profiles(config: ClusterConfig, profile_dir: Path, *, refresh: bool = False) -> PlanInputs:
     """Profiles per GPU type, PS Gbit/s, the link function and notes, for emulated or real GPUs.
 
     Emulated: this machine's CPU profile (measured once, cached; refresh=True measures again). Real GPUs:
@@ -301,41 +309,12 @@ def plan_profiles(
     one with it; with none at all, every type derived from the model's shipped profile by FLOP rate. The notes
     warn about profiles not to trust: flagged when measured, stale, from another machine where it matters.
     """
-    from datetime import UTC, datetime
-
-    from hetpipe.compute.machine import host_fingerprint
     from hetpipe.core.errors import UsageError
-    from hetpipe.core.hardware.emulate import cpu_cores
-    from hetpipe.core.planning.planner import (
-        EMULATED_P2P_GBPS,
-        EMULATED_PS_GBPS,
-        derived_profiles,
-        emulated_profiles,
-        supplied_profiles,
-    )
-    from hetpipe.core.planning.profile import origin_warnings
 
     batch, optimizer = config.train.batch_size, config.train.optimizer
     now = datetime.now(UTC)
     if config.emulation.enabled:
-        from hetpipe.models import get_model
-
-        spec = get_model(config.model.name, **config.model.options.to_dict())
-        cpu = measure_profile(spec, batch, "cpu", profile_dir, optimizer=optimizer, refresh=refresh)
-        profiles = emulated_profiles(config, cpu, cpu_cores())
-        notes = [
-            f"emulated on this CPU ({cpu_cores()} cores): times are the CPU profile x each type's slowdown, "
-            f"links this machine's loopback ({EMULATED_P2P_GBPS:g} Gbit/s between stages, "
-            f"{EMULATED_PS_GBPS:g} to each PS shard); samples/s are wall-clock of `hetpipe train` here"
-        ]
-        notes += [
-            (
-                f"cpu profile: {w}; measure it again (when the machine is quiet): "
-                f"hetpipe plan {config.path} --refresh"
-            )
-            for w in origin_warnings(cpu, now=now, host=host_fingerprint())
-        ]
-        return profiles, EMULATED_PS_GBPS, (lambda a, b: EMULATED_P2P_GBPS), notes
+        return _emulated_inputs(config, profile_dir, refresh, now)
     if refresh:
         raise UsageError(
             f"--refresh re-measures this machine's CPU profile, but {config.path} has emulation off: "
@@ -344,39 +323,107 @@ def plan_profiles(
         )
     # Files named <type>.json are read first and checked against the config's model name and batch; the model
     # itself (and torch, ~2 s to import) is loaded only to look for `hetpipe profile` cache names.
-    found = {}
-    for name in config.gpu_types:
-        if (profile_dir / f"{name}.json").exists():
-            found[name] = _load_profile(profile_dir / f"{name}.json", config.model.name, batch, None)
+    found = _typed_files(config, profile_dir)
     if not found:
-        from hetpipe.compute.profiler import profile_cache_path
         from hetpipe.models import get_model
 
         spec = get_model(config.model.name, **config.model.options.to_dict())
-        for name in config.gpu_types:
-            path = profile_cache_path(spec, batch, name, profile_dir, optimizer=optimizer)
-            if path.exists():
-                found[name] = _load_profile(path, spec.name, batch, spec.num_layers)
+        found = _cached_files(config, spec, profile_dir)
         shipped = None if found else shipped_profile(spec, batch, optimizer=optimizer)
         if shipped is not None:
-            path, measured = shipped
-            profiles, notes = derived_profiles(config, measured)
-            o = measured.origin
-            rescaled = (
-                f", measured at batch {o.measured_batch} and scaled to {batch} by proportion"
-                if o.measured_batch != batch
-                else ""
+            return _shipped_inputs(config, spec, *shipped)
+    return _supplied_inputs(config, profile_dir, found, now)
+
+
+def _emulated_inputs(config: ClusterConfig, profile_dir: Path, refresh: bool, now: datetime) -> PlanInputs:
+    """plan_profiles for an emulated cluster: this machine's CPU profile (measured now unless cached) times
+    each type's slowdown, the loopback's links, and a note per warning about the CPU profile."""
+    from hetpipe.compute.machine import host_fingerprint
+    from hetpipe.core.hardware.emulate import cpu_cores
+    from hetpipe.core.planning.planner import EMULATED_P2P_GBPS, EMULATED_PS_GBPS, emulated_profiles
+    from hetpipe.core.planning.profile import origin_warnings
+    from hetpipe.models import get_model
+
+    batch, optimizer = config.train.batch_size, config.train.optimizer
+    spec = get_model(config.model.name, **config.model.options.to_dict())
+    cpu = measure_profile(spec, batch, "cpu", profile_dir, optimizer=optimizer, refresh=refresh)
+    profiles = emulated_profiles(config, cpu, cpu_cores())
+    notes = [
+        f"emulated on this CPU ({cpu_cores()} cores): times are the CPU profile x each type's slowdown, "
+        f"links this machine's loopback ({EMULATED_P2P_GBPS:g} Gbit/s between stages, "
+        f"{EMULATED_PS_GBPS:g} to each PS shard); samples/s are wall-clock of `hetpipe train` here"
+    ]
+    notes += [
+        (
+            f"cpu profile: {w}; measure it again (when the machine is quiet): "
+            f"hetpipe plan {config.path} --refresh"
+        )
+        for w in origin_warnings(cpu, now=now, host=host_fingerprint())
+    ]
+    return profiles, EMULATED_PS_GBPS, (lambda a, b: EMULATED_P2P_GBPS), notes
+
+
+def _typed_files(config: ClusterConfig, profile_dir: Path) -> dict[str, ModelProfile]:
+    """The profiles in profile_dir named <type>.json, per GPU type of the config, checked against its model
+    name and batch."""
+    found = {}
+    for name in config.gpu_types:
+        if (profile_dir / f"{name}.json").exists():
+            found[name] = _load_profile(
+                profile_dir / f"{name}.json", config.model.name, config.train.batch_size, None
             )
-            notes.insert(
-                0,
-                f"real GPUs, none measured: profiles from the shipped {_shipped_label(path)} "
-                f"(measured {o.measured_at[:10]} on {o.device_name}{rescaled}); measure yours with "
-                f"`hetpipe profile {spec.name} --batch {batch} --device cuda --gpu-type TYPE` on each GPU "
-                f"type, or derive one with `--gpu-type TYPE --like cpu --speed RATIO`; links from "
-                f"[network], each PS shard at {config.network.inter_node_gbps:g} Gbit/s",
-            )
-            notes += [f"shipped profile: {w}" for w in origin_warnings(measured)]
-            return profiles, config.network.inter_node_gbps, config.network.link_gbps, notes
+    return found
+
+
+def _cached_files(config: ClusterConfig, spec: ModelSpec, profile_dir: Path) -> dict[str, ModelProfile]:
+    """The profiles in profile_dir under `hetpipe profile` cache names, per GPU type of the config, checked
+    against the model, its layers and the batch."""
+    from hetpipe.compute.profiler import profile_cache_path
+
+    batch, optimizer = config.train.batch_size, config.train.optimizer
+    found = {}
+    for name in config.gpu_types:
+        path = profile_cache_path(spec, batch, name, profile_dir, optimizer=optimizer)
+        if path.exists():
+            found[name] = _load_profile(path, spec.name, batch, spec.num_layers)
+    return found
+
+
+def _shipped_inputs(config: ClusterConfig, spec: ModelSpec, path: Path, measured: ModelProfile) -> PlanInputs:
+    """plan_profiles for real GPUs none of which was measured: every type derived from the shipped profile at
+    `path` by FLOP rate, the [network] links, and notes saying where the profile came from and how to measure
+    one's own."""
+    from hetpipe.core.planning.planner import derived_profiles
+    from hetpipe.core.planning.profile import origin_warnings
+
+    batch = config.train.batch_size
+    profiles, notes = derived_profiles(config, measured)
+    o = measured.origin
+    rescaled = (
+        f", measured at batch {o.measured_batch} and scaled to {batch} by proportion"
+        if o.measured_batch != batch
+        else ""
+    )
+    notes.insert(
+        0,
+        f"real GPUs, none measured: profiles from the shipped {_shipped_label(path)} "
+        f"(measured {o.measured_at[:10]} on {o.device_name}{rescaled}); measure yours with "
+        f"`hetpipe profile {spec.name} --batch {batch} --device cuda --gpu-type TYPE` on each GPU "
+        f"type, or derive one with `--gpu-type TYPE --like cpu --speed RATIO`; links from "
+        f"[network], each PS shard at {config.network.inter_node_gbps:g} Gbit/s",
+    )
+    notes += [f"shipped profile: {w}" for w in origin_warnings(measured)]
+    return profiles, config.network.inter_node_gbps, config.network.link_gbps, notes
+
+
+def _supplied_inputs(
+    config: ClusterConfig, profile_dir: Path, found: dict[str, ModelProfile], now: datetime
+) -> PlanInputs:
+    """plan_profiles for real GPUs from the profiles found in profile_dir (types without one scaled by speed
+    from one with it), the [network] links, and a note per warning about each profile."""
+    from hetpipe.core.planning.planner import supplied_profiles
+    from hetpipe.core.planning.profile import origin_warnings
+
     profiles, notes = supplied_profiles(config, found)
     notes.insert(
         0,

@@ -9,16 +9,19 @@ checks that every stage fits its GPU's memory (hetpipe.core.planning.fit) and th
 with [ps] auth = "curve" it makes (or reads) the run's keys and gives each stage its own VW's key pair only.
 Children fork from a fork server that imported torch and the stage code once (hetpipe.core.runs.procs), so
 they start in milliseconds.
+
+This module settles the run, starts its children and ties the parts together: the checks are in
+hetpipe.app.train_guards, the watching of a started run in hetpipe.app.train_loop, the final model, evaluation
+and summary numbers in hetpipe.app.train_summary.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import queue as queue_mod
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,16 +33,20 @@ from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
 from hetpipe.app.startup import PRELOAD, format_timeline, startup_timeline
 from hetpipe.app.supervise import Supervisor
-from hetpipe.compute.build import VwLayout, dataset_of, model_of, vw_layouts
-from hetpipe.compute.evaluate import evaluate
-from hetpipe.compute.sizes import model_sizes
+from hetpipe.app.train_guards import (
+    check_memory,
+    check_options,
+    check_writable_dir,
+    refuse_earlier_checkpoints,
+    resume_point,
+)
+from hetpipe.app.train_loop import RunWatch, failure_error
+from hetpipe.app.train_summary import run_summary
+from hetpipe.compute.build import VwLayout, model_of, vw_layouts
 from hetpipe.core.config import ClusterConfig, apply_overrides, config_toml
 from hetpipe.core.errors import ConfigError, HetpipeError, UsageError
 from hetpipe.core.hardware.devices import stage_device
 from hetpipe.core.pipeline.profile_window import ProfileWindow
-from hetpipe.core.pipeline.resume import common_cut
-from hetpipe.core.planning.fit import memory_error, stage_needs
-from hetpipe.core.planning.memory import MemoryRule
 from hetpipe.core.protocol.keys import (
     ADMIN,
     ClientKeys,
@@ -50,16 +57,13 @@ from hetpipe.core.protocol.keys import (
     vw_user,
     write_keys,
 )
-from hetpipe.core.runs.metrics import MetricsWriter, format_progress, merge_traces
+from hetpipe.core.runs.metrics import MetricsWriter
 from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
-from hetpipe.core.wsp.audit import expected_ledger
 from hetpipe.models import ModelSpec
-from hetpipe.server.checkpoint import list_clocks, list_manifests
 from hetpipe.server.launch import serve_settings, shard_settings
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.jobs import cuda_devices, emulated_slowdowns, stage_jobs
 from hetpipe.worker.ps_client import PSClient
-from hetpipe.worker.snapshot import list_snapshots
 from hetpipe.worker.stage import run_stage
 
 __all__ = [
@@ -119,65 +123,6 @@ def run_keys(config: ClusterConfig, run_dir: Path, num_vws: int) -> RunKeys | No
     )
 
 
-def check_writable_dir(directory: Path, label: str) -> None:
-    """Create `directory` if needed and write a probe file in it; UsageError names the path and why not."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
-        blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
-        why = f"{blocker} is a file, not a directory" if blocker else (exc.strerror or str(exc))
-        raise UsageError(
-            f"{label} {directory}: cannot write there ({why}); choose a writable directory"
-        ) from None
-
-
-def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ...]) -> None:
-    """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs
-    too)."""
-    sizes = model_sizes(spec, config.train.batch_size, config.train.optimizer)
-    memory = {g: (config.gpu(g).name, int(config.gpu(g).memory_gib * 2**30)) for lay in vws for g in lay.gpus}
-    rule = MemoryRule.of(config, len(vws))
-    needs = stage_needs(sizes, [(lay.gpus, lay.split) for lay in vws], memory, rule)
-    problem = memory_error(needs, model=spec.name, batch_size=config.train.batch_size, rule=rule)
-    if problem:
-        raise ConfigError(f"{config.path}: {problem}")
-
-
-def _non_finite_stop(failures: dict[str, dict[str, Any]], log_dir: Path) -> HetpipeError | None:
-    """The error that ends a run whose stage stopped on a NaN or inf loss, or whose update the PS refused as
-    non-finite (no traceback: the cause is known)."""
-    for name, event in failures.items():
-        error = str(event.get("error", ""))
-        if error.startswith("NonFiniteLoss") or "non_finite:" in error:
-            wave = f" in wave {event['wave']}" if "wave" in event else ""
-            fix = (
-                ""
-                if "on_nan" in error
-                else (
-                    '; lower train.lr or check the data, or set train.on_nan = "skip" '
-                    "to skip such minibatches"
-                )
-            )
-            return HetpipeError(
-                f"stage {event['stage']} of virtual worker {event['vw']} ({name}) stopped the run"
-                f"{wave}: {error}\n  its log: {log_dir / (name + '.log')}{fix}"
-            )
-    return None
-
-
-def _collect_failures(events: Any, failures: dict[str, dict[str, Any]]) -> None:
-    """Stage failures still queued when a child's exit was seen first."""
-    while True:
-        try:
-            event = events.get(timeout=0.5)
-        except (queue_mod.Empty, OSError, ValueError):
-            return
-        if event.get("event") == "stage_failed":
-            failures[f"vw{event['vw']}-s{event['stage']}"] = event
-
-
 def _start_ps(
     group: ChildGroup,
     config: ClusterConfig,
@@ -208,69 +153,81 @@ def _start_ps(
     return endpoints, settings_list, children
 
 
-# After the last wave, how long `hetpipe train` keeps the PS up for the stages of a VW that rejoined through
-# `hetpipe worker --join` (not its children) to learn by heartbeat that their last pushes are in a checkpoint.
-REJOINED_GRACE_S = 3.0
+@dataclass(frozen=True)
+class _Run:
+    """One run as settled before anything starts: what it trains, where, from which wave, with which keys."""
 
-# Mitigations whose StageCompute state (beyond the optimizer's) stage snapshots do not save
-# (worker/snapshot.py).
-STATEFUL_MITIGATIONS = ("pipemare", "spectrain")
-
-
-def resume_point(config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...]) -> int:
-    """The newest wave every PS shard and every stage checkpointed in `run_dir`; UsageError saying what is
-    missing when there is none."""
-    if not config.checkpoint.enabled or config.checkpoint.every < 1 or not config.checkpoint.stages:
-        raise UsageError(
-            f"--resume {run_dir}: a run can be resumed with [checkpoint] dir not empty, every >= 1 and "
-            f"stages = true (this config: dir = {config.checkpoint.dir!r}, every = "
-            f"{config.checkpoint.every}, stages = {str(config.checkpoint.stages).lower()})"
-        )
-    stateful = [m for m in config.train.mitigations if m in STATEFUL_MITIGATIONS]
-    if stateful:
-        raise UsageError(
-            f"--resume {run_dir}: train.mitigation {'+'.join(stateful)} keeps state that stage snapshots "
-            "do not hold yet (PipeMare's moving average, SpecTrain's last step or pull), so the run would "
-            "not continue as it was; start the run again without --resume"
-        )
-    ps = [list_clocks(run_dir / "ps" / f"shard-{s}") for s in range(config.ps.shards)]
-    stages = {
-        (v, j): list_snapshots(run_dir, v, j) for v, lay in enumerate(vws) for j in range(len(lay.split))
-    }
-    cut = common_cut(ps, list(stages.values()))
-    if cut is None:
-        shown = "; ".join(
-            [f"PS shard {s}: clocks {c or 'none'}" for s, c in enumerate(ps)]
-            + [f"vw{v}-s{j}: waves {w or 'none'}" for (v, j), w in stages.items()]
-        )
-        raise UsageError(
-            f"--resume {run_dir}: no wave was checkpointed by every PS shard and every stage ({shown}); "
-            "start a new run instead"
-        )
-    if cut >= config.train.waves:
-        raise UsageError(f"--resume {run_dir}: the run finished all {config.train.waves} waves already")
-    return cut
-
-
-def _refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:
-    """A run dir that holds PS checkpoints would make the PS resume from them while the stages start at wave 0
-    (stages do not resume yet), and every pull would be refused: say so before starting anything."""
-    if not config.checkpoint.enabled:
-        return
-    found = [
-        m for shard in range(config.ps.shards) for m in list_manifests(run_dir / "ps" / f"shard-{shard}")
-    ]
-    if found:
-        raise UsageError(
-            f"{run_dir} already holds PS checkpoints of an earlier run ({found[-1]}); a new run would "
-            "resume the PS from them while its stages start from wave 0: continue that run with --resume, "
-            "give a new "
-            f"--run-dir, or remove {run_dir / 'ps'} to train from scratch there"
-        )
+    config: ClusterConfig
+    options: TrainOptions
+    spec: ModelSpec
+    run_dir: Path
+    vws: tuple[VwLayout, ...]
+    cut: int | None  # the wave a resumed run continues from; None for a new run
+    keys: RunKeys | None
+    slow: dict[str, float]  # each emulated GPU's slowdown; empty without emulation
+    eval_device: str
+    started_at: float  # the start-up timeline's zero
+    launcher: dict[str, float]  # the launcher's own start-up moments (Unix time), filled in as it goes
 
 
 def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict[str, Any]:
     """Run a whole training job locally (or continue one, options.resume); returns the summary."""
+    run = _settle(config, options)
+    progress = Progress(run.vws)
+    view = ProgressView(options.progress)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
+    _announce(run, say)
+    board = Board(options.tensorboard) if options.tensorboard else None
+    threads = torch.get_num_threads()
+    if torch.device(run.eval_device).type == "cpu":
+        torch.set_num_threads(1)  # live evaluations share the CPU with the stages: one thread, as each stage
+    started = time.monotonic()
+    group = ChildGroup(log_dir=run.run_dir / "logs")
+    events = group.ctx.Queue()
+    failures: dict[str, dict[str, Any]] = {}
+    trained = False
+    try:
+        with MetricsWriter(run.run_dir / "metrics.jsonl") as metrics:
+            endpoints, settings, shards, stages = _launch(run, group, events, metrics)
+            admin = _admin_client(run, endpoints)
+            supervisor = Supervisor(
+                config, group, run.run_dir, settings, shards, stages, admin, say=say, record=metrics.write
+            )
+            supervisor.write_pids()
+            live = LiveEvaluator(
+                config,
+                run.spec,
+                endpoints,
+                len(run.vws),
+                run.eval_device,
+                run.keys.admin if run.keys else None,
+            )
+            watch = RunWatch(
+                config, events, metrics, failures, progress, view, board, supervisor, live, started
+            )
+            wall, training = watch.until_done()
+            with admin() as ps:
+                final, infos = ps.read_each()
+            live.join()
+            watch.pump()
+            trained = True
+    except ChildFailed as exc:
+        group.stop()
+        raise failure_error(exc, events, failures, run.run_dir / "logs") from None
+    except KeyboardInterrupt:
+        group.stop()
+        raise HetpipeError("interrupted: stopped the PS and every stage") from None
+    finally:
+        group.stop(grace_s=30.0)
+        torch.set_num_threads(threads)
+        if board is not None and not trained:
+            board.close()
+    return _close(run, (final, infos, wall, training), progress, supervisor, board, say)
+
+
+def _settle(config: ClusterConfig, options: TrainOptions) -> _Run:
+    """Everything decided before a process starts: the model, the run dir, the VWs and their splits, the
+    wave a resumed run continues from, the checks (guards), the run dir's config and layouts, the keys."""
     launcher = {"launcher_ready": time.time()}
     started_at = options.started_at or launcher["launcher_ready"]
     warm_forkserver(PRELOAD)  # the CLI started it already; a no-op then
@@ -280,19 +237,8 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     check_memory(config, spec, vws)
     cut = resume_point(config, run_dir, vws) if options.resume else None
     if cut is None:
-        _refuse_earlier_checkpoints(config, run_dir)
-    if options.audit and config.ps.aggregation == "server":
-        raise UsageError(
-            '--audit proves the additive rules: ps.aggregation "server" applies no local updates '
-            'to tag; audit with aggregation "sum" or "mean"'
-        )
-    if options.audit and cut is not None and config.wsp.pull == "latest":
-        raise UsageError(
-            '--resume with --audit needs wsp.pull = "exact": a latest-pull PS cannot forget the updates '
-            "of waves after the resume wave, which the VWs that were ahead then compute again"
-        )
-    if options.profile is not None:
-        options.profile.check_fits(config.train.waves, config.wsp.nm)
+        refuse_earlier_checkpoints(config, run_dir)
+    check_options(config, audit=options.audit, resumed_from=cut, profile=options.profile)
     check_writable_dir(
         run_dir, "--run-dir" if options.run_dir else f"the run dir (train.out_dir of {config.path})"
     )
@@ -306,15 +252,18 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
         if cut is None or config.ps.keys_dir
         else _saved_keys(config, run_dir, len(vws))
     )
-    slow, time_scale = emulated_slowdowns(config, vws)
+    slow, _ = emulated_slowdowns(config, vws)
     eval_device = stage_device(config, vws[0].gpus[0], cuda_devices())
-    progress = Progress(vws)
-    view = ProgressView(options.progress)
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
+    return _Run(config, options, spec, run_dir, vws, cut, keys, slow, eval_device, started_at, launcher)
+
+
+def _announce(run: _Run, say: Callable[[str], None]) -> None:
+    """The run's headline and one line per VW (its GPUs, their slowdowns, its layers per stage)."""
+    config, vws, slow, cut = run.config, run.vws, run.slow, run.cut
     say(
-        f"hetpipe train: {config.name}: {len(vws)} virtual workers, model {spec.name}, "
+        f"hetpipe train: {config.name}: {len(vws)} virtual workers, model {run.spec.name}, "
         f"{config.train.waves} waves x nm={config.wsp.nm}, D={config.wsp.staleness}, "
-        f"pull={config.wsp.pull}; run dir {run_dir}"
+        f"pull={config.wsp.pull}; run dir {run.run_dir}"
         + (f"; resuming from wave {cut}" if cut is not None else "")
     )
     for i, lay in enumerate(vws):
@@ -322,142 +271,102 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
             f"{g} ({config.gpu(g).name}, x{slow.get(g, 1.0):.2f} slower)" if slow else g for g in lay.gpus
         ]
         say(f"  vw{i}: {' -> '.join(parts)}  layers per stage {list(lay.split)}")
-    board = Board(options.tensorboard) if options.tensorboard else None
-    threads = torch.get_num_threads()
-    if torch.device(eval_device).type == "cpu":
-        torch.set_num_threads(1)  # live evaluations share the CPU with the stages: one thread, as each stage
-    started = time.monotonic()
-    group = ChildGroup(log_dir=run_dir / "logs")
-    events = group.ctx.Queue()
-    failures: dict[str, dict[str, Any]] = {}
+
+
+def _launch(
+    run: _Run, group: ChildGroup, events: Any, metrics: MetricsWriter
+) -> tuple[list[str], list[ShardSettings], list[Any], dict[tuple[int, int], Any]]:
+    """Record the run's start, start the PS shards, then every stage of every VW, stamping the launcher's
+    start-up moments; returns the shards' endpoints, settings and children, and the stages' children."""
+    config, run_dir = run.config, run.run_dir
+    metrics.write(
+        "run_start", at=run.started_at, config=str(config.path), run_dir=str(run_dir), resumed_from=run.cut
+    )
+    run.launcher["checks_done"] = time.time()
+    endpoints, settings, shards = _start_ps(group, config, run_dir, run.keys, resume_clock=run.cut)
+    run.launcher["ps_ready"] = time.time()
+    (run_dir / "ps.json").write_text(
+        json.dumps({"endpoints": endpoints, "run": config.name, "audit": run.options.audit})
+    )  # for `hetpipe worker --join`
+    stages = _start_stages(run, group, endpoints, events)
+    run.launcher["stages_started"] = time.time()
+    return endpoints, settings, shards, stages
+
+
+def _start_stages(
+    run: _Run, group: ChildGroup, endpoints: list[str], events: Any
+) -> dict[tuple[int, int], Any]:
+    """One child per stage of every VW, each given its StageJob and the event queue; keyed by (VW, stage)."""
+    config, vws, options = run.config, run.vws, run.options
     snapshots = config.checkpoint.enabled and config.checkpoint.every >= 1
-    trained = False
-    try:
-        with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
-            metrics.write(
-                "run_start", at=started_at, config=str(config.path), run_dir=str(run_dir), resumed_from=cut
-            )
-            launcher["checks_done"] = time.time()
-            endpoints, settings, shards = _start_ps(group, config, run_dir, keys, resume_clock=cut)
-            launcher["ps_ready"] = time.time()
-            (run_dir / "ps.json").write_text(
-                json.dumps({"endpoints": endpoints, "run": config.name, "audit": options.audit})
-            )  # for `hetpipe worker --join`
-            stages = {}
-            for v in range(len(vws)):
-                jobs = stage_jobs(
-                    config,
-                    vws,
-                    v,
-                    run_dir=run_dir,
-                    ps_endpoints=tuple(endpoints),
-                    p2p_host="127.0.0.1",
-                    p2p_port=free_port(),
-                    audit=options.audit,
-                    dump_weights=options.dump_weights,
-                    ps_keys=keys.vws[v] if keys else None,
-                    resume_wave=cut or 0,
-                    snapshots=snapshots,
-                    profile=options.profile,
-                )
-                stages.update(
-                    {
-                        (v, job.stage): group.start(f"vw{v}-s{job.stage}", run_stage, job, events)
-                        for job in jobs
-                    }
-                )
-            launcher["stages_started"] = time.time()
+    stages = {}
+    for v in range(len(vws)):
+        jobs = stage_jobs(
+            config,
+            vws,
+            v,
+            run_dir=run.run_dir,
+            ps_endpoints=tuple(endpoints),
+            p2p_host="127.0.0.1",
+            p2p_port=free_port(),
+            audit=options.audit,
+            dump_weights=options.dump_weights,
+            ps_keys=run.keys.vws[v] if run.keys else None,
+            resume_wave=run.cut or 0,
+            snapshots=snapshots,
+            profile=options.profile,
+        )
+        stages.update(
+            {(v, job.stage): group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs}
+        )
+    return stages
 
-            def admin() -> PSClient:
-                return PSClient(
-                    endpoints,
-                    config.name,
-                    0,
-                    0,
-                    len(vws),
-                    1,
-                    {},
-                    timeout_s=60,
-                    retry_s=1,
-                    curve=keys.admin if keys else None,
-                )
 
-            def record(event: str, **fields: Any) -> None:
-                metrics.write(event, **fields)
+def _admin_client(run: _Run, endpoints: list[str]) -> Callable[[], PSClient]:
+    """Makes the launcher's own PS client (with the admin key under CURVE): for the supervisor and the final
+    read of the weights."""
+    config, keys = run.config, run.keys
 
-            supervisor = Supervisor(
-                config, group, run_dir, settings, shards, stages, admin, say=say, record=record
-            )
-            supervisor.write_pids()
-            live = LiveEvaluator(config, spec, endpoints, len(vws), eval_device, keys.admin if keys else None)
+    def admin() -> PSClient:
+        return PSClient(
+            endpoints,
+            config.name,
+            0,
+            0,
+            len(run.vws),
+            1,
+            {},
+            timeout_s=60,
+            retry_s=1,
+            curve=keys.admin if keys else None,
+        )
 
-            def pump() -> None:
-                for source in (events, live.results):
-                    while True:
-                        try:
-                            event = source.get_nowait()
-                        except queue_mod.Empty:
-                            break
-                        fields = {k: v for k, v in event.items() if k not in ("event", "time")}
-                        metrics.write(event["event"], at=event.get("time"), **fields)
-                        if event["event"] == "stage_failed":
-                            failures[f"vw{event['vw']}-s{event['stage']}"] = event
-                        progress.update(event)
-                        if board is not None:
-                            board.write(event, progress)
-                        live.wave_done(
-                            progress.c_global()
-                        )  # per event: every due point is seen, however late
-                progress.evicted = set(supervisor.evicted)
-                view.show(
-                    format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started)
-                )
+    return admin
 
-            while supervisor.stages_running() or not supervisor.all_live_done(config.train.waves):
-                pump()
-                supervisor.tick()
-                time.sleep(0.2)
-            if supervisor.evicted:
-                time.sleep(REJOINED_GRACE_S)  # a rejoined worker's stages hear "in a checkpoint" by heartbeat
-            pump()
-            supervisor.tick()
-            view.show(
-                format_progress(progress.rows(), config.train.waves, elapsed_s=time.monotonic() - started),
-                force=True,
-            )
-            finished = time.monotonic()
-            wall = finished - started
-            training = (progress.last_step or 0.0) - (progress.first_step or 0.0)
-            with admin() as ps:
-                final, infos = ps.read_each()
-            live.join()
-            pump()
-            trained = True
-    except ChildFailed as exc:
-        group.stop()
-        _collect_failures(events, failures)
-        stopped = _non_finite_stop(failures, run_dir / "logs")
-        if stopped is not None:
-            raise stopped from None
-        name = exc.child.name
-        why = failures.get(name, {}).get("error")
-        raise HetpipeError(f"{exc}" + (f"\n{name} failed with {why}" if why else "")) from None
-    except KeyboardInterrupt:
-        group.stop()
-        raise HetpipeError("interrupted: stopped the PS and every stage") from None
-    finally:
-        group.stop(grace_s=30.0)
-        torch.set_num_threads(threads)
-        if board is not None and not trained:
-            board.close()
-    timeline = startup_timeline(started_at, launcher, progress.startup.values(), progress.first_step)
+
+def _close(
+    run: _Run,
+    outcome: tuple[list[dict[str, Any]], list[dict[str, Any]], float, float],
+    progress: Progress,
+    supervisor: Supervisor,
+    board: Board | None,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """After every child stopped: say the start-up timeline, make the summary (run_summary, from `outcome`:
+    the shards' final tensors and infos, the wall and training seconds), complete it (timeline, PS restarts,
+    evictions), write summary.json and record the final evaluation in metrics.jsonl and TensorBoard."""
+    config, run_dir = run.config, run.run_dir
+    final, infos, wall, training = outcome
+    timeline = startup_timeline(run.started_at, run.launcher, progress.startup.values(), progress.first_step)
     say(format_timeline(timeline))
-    summary = _finish(config, spec, run_dir, final, infos, wall, training, progress, vws, eval_device)
+    summary = run_summary(
+        config, run.spec, run_dir, final, infos, wall, training, progress, run.vws, run.eval_device
+    )
     summary.update(
         startup_s=timeline,
         ps_restarts=sum(supervisor.restarts),
         evicted=sorted(supervisor.evicted),
-        resumed_from=cut,
+        resumed_from=run.cut,
     )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     final_eval = {k: summary[k] for k in (*EVAL_METRICS, "eval_samples") if k in summary}
@@ -486,95 +395,6 @@ def _saved_keys(config: ClusterConfig, run_dir: Path, num_vws: int) -> RunKeys |
         vws=tuple(client_keys(directory, vw_user(v)) for v in range(num_vws)),
         admin=client_keys(directory, ADMIN),
     )
-
-
-def _finish(
-    config,
-    spec,
-    run_dir: Path,
-    final,
-    infos,
-    wall: float,
-    training: float,
-    progress: Progress,
-    vws,
-    eval_device: str,
-) -> dict[str, Any]:
-    state = {
-        k: torch.from_numpy(v.copy())
-        for tensors in final
-        for k, v in tensors.items()
-        if not k.startswith("audit/")
-    }
-    torch.save(state, run_dir / "model.pt")
-    traces = sorted((run_dir / "trace").glob("vw*-s*.json"))
-    if traces:
-        merge_traces(traces, run_dir / "trace.json")
-    dataset = dataset_of(config)
-    samples = config.train.waves * config.wsp.nm * config.train.batch_size * len(vws)
-    summary: dict[str, Any] = {
-        "config": str(config.path),
-        "run_dir": str(run_dir),
-        "model": spec.name,
-        "virtual_workers": len(vws),
-        "waves": config.train.waves,
-        "nm": config.wsp.nm,
-        "staleness": config.wsp.staleness,
-        "pull": config.wsp.pull,
-        "samples": samples,
-        "wall_s": round(wall, 2),
-        # speed over the training itself: the minibatches finished after the first one, over the time from
-        # the first to the last (process start-up, data loading, registration and shutdown excluded)
-        "train_s": round(training, 2),
-        "samples_per_s": round((progress.steps - 1) * config.train.batch_size / max(training, 1e-9), 2),
-        "max_lead_waves": progress.max_lead,
-        "gate_wait_s": {
-            str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
-            for v in range(len(vws))
-        },
-        "final_train_loss": {str(v): progress.loss.get(v) for v in range(len(vws))},
-        # where each VW's waves went, ms per wave (its slowest stage in each part; see docs/architecture.md)
-        "wave_breakdown_ms": progress.breakdown_ms(config.train.waves),
-        "evals": progress.evals,
-    }
-    audit = _audit_ledgers(final, infos, config.wsp.nm)
-    if audit is not None:  # every (vw, minibatch) update must sit in the final weights exactly once
-        summary["audit_checks"] = progress.audit_checks
-        summary["audit_final_ledgers_exact"] = audit["lost"] == audit["duplicated"] == audit["stray"] == 0
-        summary["audit_ledger"] = audit
-    summary.update(
-        evaluate(
-            spec, state, dataset, batch_size=256, device=eval_device, max_samples=config.train.eval_samples
-        )
-    )
-    latest = Path(config.train.out_dir) / "latest"
-    try:
-        if latest.is_symlink() or latest.exists():
-            latest.unlink()
-        os.symlink(run_dir.resolve(), latest)
-    except OSError:
-        pass
-    return summary
-
-
-def _audit_ledgers(
-    final: list[dict[str, Any]], infos: list[dict[str, Any]], nm: int
-) -> dict[str, int] | None:
-    """Each shard's final ledgers against what its clock and its VWs' gaps say they must hold: every update of
-    a wave a VW contributed exactly once (lost: missing; duplicated: more than once; stray: in a gap)."""
-    counts = {"slots": 0, "lost": 0, "duplicated": 0, "stray": 0}
-    found = False
-    for tensors, info in zip(final, infos, strict=True):
-        for key, ledger in tensors.items():
-            if not key.startswith("audit/"):
-                continue
-            found = True
-            want = expected_ledger(ledger.shape, nm, info.get("gaps", []), info["c_global"])
-            counts["slots"] += ledger.size
-            counts["lost"] += int(((want == 1.0) & (ledger < 1.0)).sum())
-            counts["duplicated"] += int((ledger > 1.0).sum())
-            counts["stray"] += int(((want == 0.0) & (ledger > 0.0) & (ledger <= 1.0)).sum())
-    return counts if found else None
 
 
 def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, tuple[VwLayout, ...]]:

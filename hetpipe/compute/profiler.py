@@ -109,47 +109,9 @@ def profile_model(
     dtype_name = profile_dtype(spec, dtype)
     cast = getattr(torch, dtype_name)
     load_before = load_per_core()
-    layers = [spec.build_layer(i, dev).train() for i in range(spec.num_layers)]
-    x0 = spec.example_input(batch_size).to(dev)
-    if dtype is not None:
-        layers = [layer.to(cast) for layer in layers]
-        x0 = x0.to(cast) if x0.is_floating_point() else x0
-    target = _example_target(spec, batch_size).to(dev)
+    layers, x0, target = _built_model(spec, batch_size, dev, cast if dtype is not None else None)
     traced = _trace(spec, layers, x0, target)
-
-    profiles = []
-    for i, layer in enumerate(layers):
-        last = i == len(layers) - 1
-        x = (
-            x0
-            if i == 0
-            else traced.outputs[i - 1].detach().requires_grad_(traced.outputs[i - 1].is_floating_point())
-        )
-        grad_out = None if last else torch.ones_like(traced.outputs[i])
-        step = _Step(
-            i, layer, x, grad_out, spec.loss if last else None, target if last else None, dev, optimizer
-        )
-        for _ in range(WARMUP):  # lazy initialisation, allocator caches, kernel selection
-            step()
-        trainable = sum(tensor_bytes(p) for p in layer.parameters() if p.requires_grad)
-        input_grad = tensor_bytes(x) if x.requires_grad else 0
-        working = tensor_bytes(traced.outputs[i]) + input_grad
-        if dev.type == "cuda":
-            working = max(working, _measured_working(step, dev, traced.raw_saved[i] + trainable))
-        times = [step() for _ in range(repeats)]
-        profiles.append(
-            LayerProfile(
-                name=spec.layer_names[i],
-                forward_s=statistics.median(t[0] for t in times),
-                backward_s=statistics.median(t[1] for t in times),
-                param_bytes=sum(tensor_bytes(t) for t in _own_tensors(layer)),
-                optimizer_bytes=OPTIMIZER_STATE[optimizer] * trainable,
-                output_bytes=tensor_bytes(traced.outputs[i]),
-                saved_bytes=traced.saved[i],
-                working_bytes=working,
-                spread=round(repeat_spread([f + b for f, b in times]), 4),
-            )
-        )
+    measured = _measure_layers(spec, layers, x0, target, traced, dev, optimizer, repeats)
     profile = ModelProfile(
         model=spec.name,
         batch_size=batch_size,
@@ -157,27 +119,117 @@ def profile_model(
         dtype=dtype_name,
         torch_version=torch.__version__,
         input_bytes=tensor_bytes(x0),
-        layers=tuple(profiles),
+        layers=measured,
     )
     cost = emulation_cost(spec, layers, x0, target, optimizer, profile.step_s) if dev.type == "cpu" else 1.0
+    origin = _origin(profile, spec, dev, cast, optimizer, repeats, load_before, cost)
+    return replace(profile, origin=origin)
+
+
+def _built_model(
+    spec: ModelSpec, batch_size: int, device: torch.device, cast: torch.dtype | None
+) -> tuple[list[nn.Module], Tensor, Tensor]:
+    """The model's layers in training mode, an example input and its target on `device`; the layers and a
+    floating-point input converted to `cast` when one is given."""
+    layers = [spec.build_layer(i, device).train() for i in range(spec.num_layers)]
+    x0 = spec.example_input(batch_size).to(device)
+    if cast is not None:
+        layers = [layer.to(cast) for layer in layers]
+        x0 = x0.to(cast) if x0.is_floating_point() else x0
+    target = _example_target(spec, batch_size).to(device)
+    return layers, x0, target
+
+
+def _measure_layers(
+    spec: ModelSpec,
+    layers: Sequence[nn.Module],
+    x0: Tensor,
+    target: Tensor,
+    traced: _Trace,
+    device: torch.device,
+    optimizer: str,
+    repeats: int,
+) -> tuple[LayerProfile, ...]:
+    """Every layer measured alone, in order, on the previous layer's output from the chained forward."""
+    profiles = []
+    for i, layer in enumerate(layers):
+        x = (
+            x0
+            if i == 0
+            else traced.outputs[i - 1].detach().requires_grad_(traced.outputs[i - 1].is_floating_point())
+        )
+        profiles.append(_measure_layer(spec, i, layer, x, target, traced, device, optimizer, repeats))
+    return tuple(profiles)
+
+
+def _measure_layer(
+    spec: ModelSpec,
+    i: int,
+    layer: nn.Module,
+    x: Tensor,
+    target: Tensor,
+    traced: _Trace,
+    device: torch.device,
+    optimizer: str,
+    repeats: int,
+) -> LayerProfile:
+    """Layer `i`'s times (WARMUP untimed steps, then the median of `repeats` timed ones) and sizes, as
+    profile_model documents them; the last layer's step includes the loss."""
+    last = i == spec.num_layers - 1
+    grad_out = None if last else torch.ones_like(traced.outputs[i])
+    step = _Step(
+        i, layer, x, grad_out, spec.loss if last else None, target if last else None, device, optimizer
+    )
+    for _ in range(WARMUP):  # lazy initialisation, allocator caches, kernel selection
+        step()
+    trainable = sum(tensor_bytes(p) for p in layer.parameters() if p.requires_grad)
+    input_grad = tensor_bytes(x) if x.requires_grad else 0
+    working = tensor_bytes(traced.outputs[i]) + input_grad
+    if device.type == "cuda":
+        working = max(working, _measured_working(step, device, traced.raw_saved[i] + trainable))
+    times = [step() for _ in range(repeats)]
+    return LayerProfile(
+        name=spec.layer_names[i],
+        forward_s=statistics.median(t[0] for t in times),
+        backward_s=statistics.median(t[1] for t in times),
+        param_bytes=sum(tensor_bytes(t) for t in _own_tensors(layer)),
+        optimizer_bytes=OPTIMIZER_STATE[optimizer] * trainable,
+        output_bytes=tensor_bytes(traced.outputs[i]),
+        saved_bytes=traced.saved[i],
+        working_bytes=working,
+        spread=round(repeat_spread([f + b for f, b in times]), 4),
+    )
+
+
+def _origin(
+    profile: ModelProfile,
+    spec: ModelSpec,
+    device: torch.device,
+    cast: torch.dtype,
+    optimizer: str,
+    repeats: int,
+    load_before: float | None,
+    cost: float,
+) -> ProfileOrigin:
+    """Where, when and how noisily `profile` was measured: the load per core is the higher of before and now,
+    the device's matmul rate is measured now, and the flags are noise_flags'."""
     loads = [load for load in (load_before, load_per_core()) if load is not None]
     load = round(max(loads), 3) if loads else None
-    origin = ProfileOrigin(
+    return ProfileOrigin(
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        device=dev.type,
-        device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
+        device=device.type,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
         host=host_fingerprint(),
         profiler_version=PROFILER_VERSION,
         optimizer=optimizer,
         options_digest=options_digest(spec),
         repeats=repeats,
-        measured_batch=batch_size,
-        device_tflops=round(device_tflops(dev, cast), 4),
+        measured_batch=profile.batch_size,
+        device_tflops=round(device_tflops(device, cast), 4),
         load_per_core=load,
         flags=noise_flags(profile, load),
         emulation_cost=round(cost, 3),
     )
-    return replace(profile, origin=origin)
 
 
 def emulation_cost(

@@ -1,0 +1,203 @@
+"""The work of `hetpipe plan` once its options are parsed: search the config's plans (over minibatch sizes and
+training rules, each with its own profiles and calibration), print them, and write the best one to --out."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from hetpipe.app.plan_convergence import (
+    batch_note,
+    plan_calibration,
+    plan_over_batches,
+    plan_over_rules,
+    rule_of,
+)
+from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
+from hetpipe.core.config import ClusterConfig
+from hetpipe.core.planning.planner import (
+    D_VALUES,
+    Candidate,
+    best,
+    candidates_json,
+    explain,
+    format_plan,
+    format_table,
+    plan_candidates,
+)
+
+__all__ = ["PlanRequest", "PlanSearch", "print_plans", "run_plan", "search_plans", "write_best"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What `hetpipe plan` was asked to search: where the profiles are, the space of candidates, and how to
+    price them (the calibration, its target, whether to choose the training rule and the batch)."""
+
+    config_path: Path
+    profile_dir: Path | None
+    waves: int
+    d_values: tuple[int, ...]
+    nm_max: int | None
+    reserve_gib: float
+    policies: tuple[str, ...]
+    schedules: tuple[str, ...]
+    refresh: bool
+    calibration_path: Path | None
+    target: float | None
+    search_rules: bool
+    batches: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """What the search found: the candidates at the chosen batch, the config with the chosen training rule
+    and batch, the notes for the user, the PS's Gbit/s and the seconds the search took."""
+
+    candidates: list[Candidate]
+    ruled: ClusterConfig
+    notes: list[str]
+    ps_gbps: float
+    elapsed: float
+
+
+def run_plan(
+    config: ClusterConfig, request: PlanRequest, *, out_path: Path | None, show_why: bool, as_json: bool
+) -> None:
+    """`hetpipe plan`: search, print the candidates (tables or JSON) and write the best plan to `out_path`."""
+    found = search_plans(config, request)
+    chosen = best(found.candidates)
+    print_plans(config, request, found, chosen, show_why=show_why, as_json=as_json)
+    if out_path is not None:
+        write_best(request.config_path, found, chosen, out_path)
+
+
+def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
+    """Plan every batch of request.batches (default: the config's) under every training rule its calibration
+    measured (or only the config's), and keep the batch and rule soonest to target, with notes saying so."""
+    started = time.monotonic()
+    inputs_of: dict[int, tuple[list[str], float]] = {}  # per batch: its notes, the PS's Gbit/s
+    at_batch = _batch_planner(request, inputs_of)
+    candidates, ruled, tried, predicted = plan_over_batches(config, request.batches, at_batch, best)
+    batch = ruled.train.batch_size
+    notes, ps_gbps = inputs_of[batch]
+    if len(predicted) > 1:
+        notes.append(batch_note(predicted, batch))
+    _add_rule_note(notes, config, ruled, tried, request)
+    elapsed = time.monotonic() - started
+    return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed)
+
+
+def _batch_planner(
+    request: PlanRequest, inputs_of: dict[int, tuple[list[str], float]]
+) -> Callable[[ClusterConfig], tuple[list, ClusterConfig, int]]:
+    """The function plan_over_batches calls per variant of the config: plan_over_rules at the variant's batch,
+    with that batch's profiles and calibration; it records the batch's notes and PS Gbit/s in `inputs_of`."""
+
+    def at_batch(variant: ClusterConfig) -> tuple[list, ClusterConfig, int]:
+        """plan_over_rules at the variant's batch, with that batch's profiles and calibration."""
+        profiles, ps_gbps, link, notes = plan_profiles(
+            variant, request.profile_dir or default_profile_dir(), refresh=request.refresh
+        )
+        calibration, calibration_note = plan_calibration(
+            variant, request.calibration_path, target=request.target
+        )
+        inputs_of[variant.train.batch_size] = ([*notes, calibration_note], ps_gbps)
+
+        def planned(ruled: ClusterConfig) -> list:
+            return plan_candidates(
+                ruled,
+                profiles,
+                ps_gbps=ps_gbps,
+                link_gbps=link,
+                d_values=request.d_values or D_VALUES,
+                nm_max=request.nm_max,
+                waves=request.waves,
+                reserve_bytes=int(request.reserve_gib * 2**30),
+                policies=request.policies or None,
+                schedules=request.schedules or None,
+                slower_but_fewer=calibration is not None,
+            )
+
+        return plan_over_rules(variant, calibration, planned, best, search=request.search_rules)
+
+    return at_batch
+
+
+def _add_rule_note(
+    notes: list[str], config: ClusterConfig, ruled: ClusterConfig, tried: int, request: PlanRequest
+) -> None:
+    """Append the note on the training rule the search chose (another than the config's, or the config's
+    among several measured); none when no rule was searched."""
+    if rule_of(ruled) != rule_of(config):
+        notes.append(
+            f"training rule: {rule_of(ruled)}, the soonest to target of the {tried} rules the calibration "
+            f"measured (the config's: {rule_of(config)}); --out carries it, or set [ps] aggregation = "
+            f'"{ruled.ps.aggregation}" and [train] mitigation = "{ruled.train.mitigation}" in '
+            f"{request.config_path}"
+        )
+    elif request.search_rules and tried > 1:
+        notes.append(
+            f"training rule: the config's ({rule_of(config)}), the soonest to target of the {tried} rules "
+            "the calibration measured"
+        )
+
+
+def print_plans(
+    config: ClusterConfig,
+    request: PlanRequest,
+    found: PlanSearch,
+    chosen: Candidate,
+    *,
+    show_why: bool,
+    as_json: bool,
+) -> None:
+    """Print the candidates on stdout: as JSON with the search's inputs, or a headline, the notes, the table,
+    the best plan and (show_why) why each other candidate lost."""
+    batch = found.ruled.train.batch_size
+    if as_json:
+        inputs = {
+            "config": str(request.config_path),
+            "model": config.model.name,
+            "batch_size": batch,
+            "waves": request.waves,
+            "ps_gbps": found.ps_gbps,
+            "notes": found.notes,
+            "planning_s": round(found.elapsed, 3),
+            "aggregation": found.ruled.ps.aggregation,
+            "mitigation": found.ruled.train.mitigation,
+        }
+        click.echo(json.dumps(candidates_json(found.candidates, inputs), indent=1))
+        return
+    click.echo(
+        f"{config.name}: {config.model.name} at batch {batch}, {len(config.all_gpus())} GPUs; "
+        f"{len(found.candidates)} candidates planned in {found.elapsed:.2f} s ({request.waves} waves "
+        "simulated each)"
+    )
+    for note in found.notes:
+        click.echo(f"note: {note}")
+    click.echo("")
+    click.echo(format_table(found.candidates))
+    click.echo("")
+    click.echo("best: " + format_plan(chosen))
+    if show_why:
+        click.echo("")
+        click.echo(explain(found.candidates))
+
+
+def write_best(config_path: Path, found: PlanSearch, chosen: Candidate, out_path: Path) -> None:
+    """Write the best candidate's plan to `out_path` and say on stderr how to train with it."""
+    assert chosen.plan is not None
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(chosen.plan.to_json())
+    click.echo(
+        f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}` "
+        f"(its VWs, splits, nm={chosen.nm}, D={chosen.staleness}, schedule {chosen.plan.schedule}, "
+        f"{rule_of(found.ruled)}, batch {found.ruled.train.batch_size})",
+        err=True,
+    )

@@ -1,0 +1,132 @@
+"""The checks `hetpipe train` makes before it starts anything: every stage fits its GPU's memory, the run dir
+is writable and holds no earlier run's PS checkpoints, a resumed run has a wave to continue from, the options
+go together. Each raises the UsageError or ConfigError that says what to change; none starts a process."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hetpipe.compute.build import VwLayout
+from hetpipe.compute.sizes import model_sizes
+from hetpipe.core.config import ClusterConfig
+from hetpipe.core.errors import ConfigError, UsageError
+from hetpipe.core.pipeline.profile_window import ProfileWindow
+from hetpipe.core.pipeline.resume import common_cut
+from hetpipe.core.planning.fit import memory_error, stage_needs
+from hetpipe.core.planning.memory import MemoryRule
+from hetpipe.core.wsp.aggregation import AGGREGATIONS, get_aggregation
+from hetpipe.models import ModelSpec
+from hetpipe.server.checkpoint import list_clocks, list_manifests
+from hetpipe.worker.snapshot import list_snapshots
+
+__all__ = [
+    "STATEFUL_MITIGATIONS",
+    "check_memory",
+    "check_options",
+    "check_writable_dir",
+    "refuse_earlier_checkpoints",
+    "resume_point",
+]
+
+# Mitigations whose StageCompute state (beyond the optimizer's) stage snapshots do not save
+# (worker/snapshot.py).
+STATEFUL_MITIGATIONS = ("pipemare", "spectrain")
+
+
+def check_writable_dir(directory: Path, label: str) -> None:
+    """Create `directory` if needed and write a probe file in it; UsageError names the path and why not."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker else (exc.strerror or str(exc))
+        raise UsageError(
+            f"{label} {directory}: cannot write there ({why}); choose a writable directory"
+        ) from None
+
+
+def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ...]) -> None:
+    """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs
+    too)."""
+    sizes = model_sizes(spec, config.train.batch_size, config.train.optimizer)
+    memory = {g: (config.gpu(g).name, int(config.gpu(g).memory_gib * 2**30)) for lay in vws for g in lay.gpus}
+    rule = MemoryRule.of(config, len(vws))
+    needs = stage_needs(sizes, [(lay.gpus, lay.split) for lay in vws], memory, rule)
+    problem = memory_error(needs, model=spec.name, batch_size=config.train.batch_size, rule=rule)
+    if problem:
+        raise ConfigError(f"{config.path}: {problem}")
+
+
+def resume_point(config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...]) -> int:
+    """The newest wave every PS shard and every stage checkpointed in `run_dir`; UsageError saying what is
+    missing when there is none."""
+    if not config.checkpoint.enabled or config.checkpoint.every < 1 or not config.checkpoint.stages:
+        raise UsageError(
+            f"--resume {run_dir}: a run can be resumed with [checkpoint] dir not empty, every >= 1 and "
+            f"stages = true (this config: dir = {config.checkpoint.dir!r}, every = "
+            f"{config.checkpoint.every}, stages = {str(config.checkpoint.stages).lower()})"
+        )
+    stateful = [m for m in config.train.mitigations if m in STATEFUL_MITIGATIONS]
+    if stateful:
+        raise UsageError(
+            f"--resume {run_dir}: train.mitigation {'+'.join(stateful)} keeps state that stage snapshots "
+            "do not hold yet (PipeMare's moving average, SpecTrain's last step or pull), so the run would "
+            "not continue as it was; start the run again without --resume"
+        )
+    ps = [list_clocks(run_dir / "ps" / f"shard-{s}") for s in range(config.ps.shards)]
+    stages = {
+        (v, j): list_snapshots(run_dir, v, j) for v, lay in enumerate(vws) for j in range(len(lay.split))
+    }
+    cut = common_cut(ps, list(stages.values()))
+    if cut is None:
+        shown = "; ".join(
+            [f"PS shard {s}: clocks {c or 'none'}" for s, c in enumerate(ps)]
+            + [f"vw{v}-s{j}: waves {w or 'none'}" for (v, j), w in stages.items()]
+        )
+        raise UsageError(
+            f"--resume {run_dir}: no wave was checkpointed by every PS shard and every stage ({shown}); "
+            "start a new run instead"
+        )
+    if cut >= config.train.waves:
+        raise UsageError(f"--resume {run_dir}: the run finished all {config.train.waves} waves already")
+    return cut
+
+
+def refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:
+    """A run dir that holds PS checkpoints would make the PS resume from them while the stages start at wave 0
+    (stages do not resume yet), and every pull would be refused: say so before starting anything."""
+    if not config.checkpoint.enabled:
+        return
+    found = [
+        m for shard in range(config.ps.shards) for m in list_manifests(run_dir / "ps" / f"shard-{shard}")
+    ]
+    if found:
+        raise UsageError(
+            f"{run_dir} already holds PS checkpoints of an earlier run ({found[-1]}); a new run would "
+            "resume the PS from them while its stages start from wave 0: continue that run with --resume, "
+            "give a new "
+            f"--run-dir, or remove {run_dir / 'ps'} to train from scratch there"
+        )
+
+
+def check_options(
+    config: ClusterConfig, *, audit: bool, resumed_from: int | None, profile: ProfileWindow | None
+) -> None:
+    """UsageError for options that do not go with the config: --audit where the PS runs the optimizer, --audit
+    on a resumed latest-pull run, a --profile window past the run."""
+    if audit and not get_aggregation(config.ps.aggregation).local_optimizer:
+        local = " or ".join(f'"{name}"' for name, rule in AGGREGATIONS.items() if rule.local_optimizer)
+        raise UsageError(
+            f'--audit proves the additive rules: ps.aggregation "{config.ps.aggregation}" applies no local '
+            f"updates to tag; audit with aggregation {local}"
+        )
+    if audit and resumed_from is not None and config.wsp.pull == "latest":
+        raise UsageError(
+            '--resume with --audit needs wsp.pull = "exact": a latest-pull PS cannot forget the updates '
+            "of waves after the resume wave, which the VWs that were ahead then compute again"
+        )
+    if profile is not None:
+        profile.check_fits(config.train.waves, config.wsp.nm)

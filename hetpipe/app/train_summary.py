@@ -1,0 +1,114 @@
+"""The end of a `hetpipe train` run: the final model from the PS's weights (model.pt), the merged trace, the
+final evaluation and the summary's numbers, with the audit's check of the final ledgers. Runs after every
+child has stopped."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetpipe.app.progress import Progress
+from hetpipe.compute.build import VwLayout, dataset_of
+from hetpipe.compute.evaluate import evaluate
+from hetpipe.core.config import ClusterConfig
+from hetpipe.core.runs.metrics import merge_traces
+from hetpipe.core.wsp.audit import expected_ledger
+from hetpipe.models import ModelSpec
+
+__all__ = ["run_summary"]
+
+
+def run_summary(
+    config: ClusterConfig,
+    spec: ModelSpec,
+    run_dir: Path,
+    final: list[dict[str, Any]],
+    infos: list[dict[str, Any]],
+    wall: float,
+    training: float,
+    progress: Progress,
+    vws: tuple[VwLayout, ...],
+    eval_device: str,
+) -> dict[str, Any]:
+    """Save the final weights (each shard's `final` tensors, audit ledgers left out) as model.pt, merge the
+    stages' traces, evaluate the model on `eval_device` and point <train.out_dir>/latest at the run; returns
+    the summary: the run's shape, its speed, the progress's numbers, the audit's ledgers and the
+    evaluation."""
+    state = {
+        k: torch.from_numpy(v.copy())
+        for tensors in final
+        for k, v in tensors.items()
+        if not k.startswith("audit/")
+    }
+    torch.save(state, run_dir / "model.pt")
+    traces = sorted((run_dir / "trace").glob("vw*-s*.json"))
+    if traces:
+        merge_traces(traces, run_dir / "trace.json")
+    dataset = dataset_of(config)
+    samples = config.train.waves * config.wsp.nm * config.train.batch_size * len(vws)
+    summary: dict[str, Any] = {
+        "config": str(config.path),
+        "run_dir": str(run_dir),
+        "model": spec.name,
+        "virtual_workers": len(vws),
+        "waves": config.train.waves,
+        "nm": config.wsp.nm,
+        "staleness": config.wsp.staleness,
+        "pull": config.wsp.pull,
+        "samples": samples,
+        "wall_s": round(wall, 2),
+        # speed over the training itself: the minibatches finished after the first one, over the time from
+        # the first to the last (process start-up, data loading, registration and shutdown excluded)
+        "train_s": round(training, 2),
+        "samples_per_s": round((progress.steps - 1) * config.train.batch_size / max(training, 1e-9), 2),
+        "max_lead_waves": progress.max_lead,
+        "gate_wait_s": {
+            str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
+            for v in range(len(vws))
+        },
+        "final_train_loss": {str(v): progress.loss.get(v) for v in range(len(vws))},
+        # where each VW's waves went, ms per wave (its slowest stage in each part; see docs/architecture.md)
+        "wave_breakdown_ms": progress.breakdown_ms(config.train.waves),
+        "evals": progress.evals,
+    }
+    audit = _audit_ledgers(final, infos, config.wsp.nm)
+    if audit is not None:  # every (vw, minibatch) update must sit in the final weights exactly once
+        summary["audit_checks"] = progress.audit_checks
+        summary["audit_final_ledgers_exact"] = audit["lost"] == audit["duplicated"] == audit["stray"] == 0
+        summary["audit_ledger"] = audit
+    summary.update(
+        evaluate(
+            spec, state, dataset, batch_size=256, device=eval_device, max_samples=config.train.eval_samples
+        )
+    )
+    latest = Path(config.train.out_dir) / "latest"
+    try:
+        if latest.is_symlink() or latest.exists():
+            latest.unlink()
+        os.symlink(run_dir.resolve(), latest)
+    except OSError:
+        pass
+    return summary
+
+
+def _audit_ledgers(
+    final: list[dict[str, Any]], infos: list[dict[str, Any]], nm: int
+) -> dict[str, int] | None:
+    """Each shard's final ledgers against what its clock and its VWs' gaps say they must hold: every update of
+    a wave a VW contributed exactly once (lost: missing; duplicated: more than once; stray: in a gap)."""
+    counts = {"slots": 0, "lost": 0, "duplicated": 0, "stray": 0}
+    found = False
+    for tensors, info in zip(final, infos, strict=True):
+        for key, ledger in tensors.items():
+            if not key.startswith("audit/"):
+                continue
+            found = True
+            want = expected_ledger(ledger.shape, nm, info.get("gaps", []), info["c_global"])
+            counts["slots"] += ledger.size
+            counts["lost"] += int(((want == 1.0) & (ledger < 1.0)).sum())
+            counts["duplicated"] += int((ledger > 1.0).sum())
+            counts["stray"] += int(((want == 0.0) & (ledger > 0.0) & (ledger <= 1.0)).sum())
+    return counts if found else None
