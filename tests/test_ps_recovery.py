@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ledger_client import LedgerSpec, ledger_keys, ledger_stage
 
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient, PSError
 
 from conftest import start_shard
+from ledger_client import LedgerSpec, ledger_keys, ledger_stage
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from hetpipe.core.protocol import wire
 from hetpipe.core.wsp.aggregation import make_aggregation
-from hetpipe.core.wsp.state import ShardState, WspError, first_pulled_wave, gate_version, pending_bound
+from hetpipe.core.wsp.clock import first_pulled_wave, gate_version, pending_bound
+from hetpipe.core.wsp.state import ShardState, WspError
 
 
 def ledger_key(stage: int) -> str:

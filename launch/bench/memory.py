@@ -97,7 +97,7 @@ def _run(case: Case, out: Any) -> None:
     from hetpipe.compute.stage_compute import StageCompute, StageRules
     from hetpipe.core.pipeline.schedule import get_schedule
     from hetpipe.core.planning.memory import MemoryRule, stage_memory_terms
-    from hetpipe.core.wsp.state import gate_version
+    from hetpipe.core.wsp.clock import gate_version
     from hetpipe.models import build_stage, get_model
 
     torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from typing import Literal
 
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.registry import Registry
-from hetpipe.core.wsp.state import first_pulled_wave, gate_version
+from hetpipe.core.wsp.clock import first_pulled_wave, gate_version
 
 __all__ = [
     "BACKWARD",
@@ -202,7 +202,7 @@ def unstashed_forwards(actions: Sequence[Action]) -> frozenset[int]:
 
 
 def gate_of(action: Action, staleness: int) -> int | None:
-    """For WAIT c: the c_global it waits for (c - D - 1, hetpipe.core.wsp.state.gate_version); None
+    """For WAIT c: the c_global it waits for (c - D - 1, hetpipe.core.wsp.clock.gate_version); None
     otherwise."""
     return gate_version(action.index, staleness) if action.kind == WAIT else None
 

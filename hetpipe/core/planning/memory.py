@@ -228,7 +228,7 @@ def stage_memory(
 
 def ps_shard_bytes(model_bytes: int, shards: int, staleness: int, pull_mode: str) -> int:
     """What one PS shard holds at most for its share of a model (host memory): W_0, and with exact pulls up
-    to D + 2 versions and D + 2 wave sums (hetpipe.core.wsp.state.pending_bound); with latest pulls the
+    to D + 2 versions and D + 2 wave sums (hetpipe.core.wsp.clock.pending_bound); with latest pulls the
     running weights (each VW's newest buffers besides, small)."""
     share = -(-model_bytes // max(shards, 1))
     if pull_mode == "exact":

@@ -21,7 +21,7 @@ from hetpipe.core.pipeline.schedule import (
 )
 from hetpipe.core.pipeline.schedule import simulate as simulate_schedule
 from hetpipe.core.planning.plan import Plan, VwPlan
-from hetpipe.core.wsp.state import gate_version
+from hetpipe.core.wsp.clock import gate_version
 
 __all__ = [
     "BaselineResult",

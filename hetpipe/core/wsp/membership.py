@@ -1,0 +1,97 @@
+"""Which virtual workers take part in which waves: the run's VWs, each one's epochs (the wave spans it
+contributes), eviction at a wave boundary and rejoin from a later wave (docs/recovery.md#failed-vws)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetpipe.core.wsp.results import WspError
+
+__all__ = ["OPEN", "Membership"]
+
+OPEN = -1  # the end of a live VW's epoch
+
+
+@dataclass
+class Membership:
+    """The run's VWs and their epochs: vw -> [[start, end or OPEN], ...], [[0, OPEN]] until a first eviction.
+    A VW is live while its last epoch is open; wave t sums the VWs whose epoch covers t."""
+
+    num_vws: int | None = None  # set by the first registration
+    epochs: dict[int, list[list[int]]] = field(default_factory=dict)
+
+    def spans(self, vw: int) -> list[list[int]]:
+        """VW `vw`'s epochs (recorded as [[0, OPEN]] the first time it is asked about)."""
+        return self.epochs.setdefault(vw, [[0, OPEN]])
+
+    def live(self, vw: int) -> bool:
+        """A VW is live until evicted, and again once it rejoins."""
+        return self.spans(vw)[-1][1] == OPEN
+
+    def live_vws(self) -> list[int]:
+        return [v for v in range(self.num_vws or 0) if self.live(v)]
+
+    def start(self, vw: int) -> int:
+        """The first wave of VW `vw`'s last epoch."""
+        return self.spans(vw)[-1][0]
+
+    def end(self, vw: int) -> int:
+        """The wave boundary VW `vw` was last evicted at (OPEN while it is live)."""
+        return self.spans(vw)[-1][1]
+
+    def contributors(self, wave: int) -> list[int]:
+        """The VWs whose updates wave `wave` sums, in order: those whose epoch covers it."""
+        return [
+            v
+            for v in range(self.num_vws or 0)
+            if any(s <= wave and (e == OPEN or wave < e) for s, e in self.spans(v))
+        ]
+
+    def gaps(self) -> list[list[int]]:
+        """[vw, from, to) wave ranges a VW contributes nothing to (evicted, until it rejoined;
+        to = -1: open)."""
+        out = []
+        for v in range(self.num_vws or 0):
+            spans = self.spans(v)
+            for (_, end), nxt in zip(spans, [*spans[1:], None], strict=True):
+                if end != OPEN:
+                    out.append([v, end, OPEN if nxt is None else nxt[0]])
+        return out
+
+    def close(self, vw: int, completed: int) -> int:
+        """End live VW `vw`'s epoch at its wave boundary (it is evicted): the waves it `completed`, at least
+        its epoch's start. Returns that boundary."""
+        boundary = max(completed, self.start(vw))
+        self.spans(vw)[-1][1] = boundary
+        return boundary
+
+    def reopen(self, vw: int, start_wave: int, earliest: int, num_waves: int | None) -> bool:
+        """Start a new epoch of evicted VW `vw` at wave `start_wave` (it rejoins); False for a retried rejoin
+        (live from that wave already). Refused for a VW live from another wave, before `earliest`, or at or
+        past the run's `num_waves`."""
+        if self.live(vw):
+            start = self.start(vw)
+            if start == start_wave:
+                return False
+            raise WspError("conflict", f"vw {vw} is live (since wave {start}): only an evicted VW rejoins")
+        if start_wave < earliest:
+            raise WspError(
+                "stale", f"vw {vw} cannot rejoin at wave {start_wave}: the earliest it may is {earliest}"
+            )
+        if num_waves is not None and start_wave >= num_waves:
+            raise WspError(
+                "stale", f"vw {vw} cannot rejoin at wave {start_wave}: the run has {num_waves} waves"
+            )
+        self.spans(vw).append([start_wave, OPEN])
+        return True
+
+    def ever_changed(self) -> bool:
+        """Whether any VW was evicted (or rejoined) in this run."""
+        return any(spans != [[0, OPEN]] for spans in self.epochs.values())
+
+    def check(self, vw: int) -> None:
+        """Refuse a VW index that is not one of the run's."""
+        if self.num_vws is None or not 0 <= vw < self.num_vws:
+            raise WspError(
+                "bad_message", f"vw {vw} is not a virtual worker of this run ({self.num_vws or 0} known)"
+            )
