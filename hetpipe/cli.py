@@ -130,15 +130,14 @@ def _run_config(run_dir: Path, settings: tuple[str, ...]):
 )
 def server(config_path: Path | None, settings: tuple[str, ...], shard: int | None) -> None:
     """Run the parameter server of a cluster config (Ctrl-C or SIGTERM checkpoints, then stops)."""
-    from hetpipe.core.config import pack_config
-    from hetpipe.server.launch import run_shard, serve_all, shard_settings
+    from hetpipe.server.jobs import shard_jobs
+    from hetpipe.server.launch import serve_all, serve_job
 
     config = _load(config_path, settings)
     if shard is None:
         serve_all(config)
     else:
-        shard_settings(config, shard)  # validate the index before anything starts
-        run_shard(pack_config(config), shard)
+        serve_job(shard_jobs(config, shards=[shard])[0])
 
 
 @cli.command()

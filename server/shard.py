@@ -34,7 +34,7 @@ import zmq
 from hetpipe.core.protocol import wire
 from hetpipe.core.protocol.access import RefusalLog
 from hetpipe.core.protocol.keys import ServerKeys
-from hetpipe.core.wsp.aggregation import Aggregation, make_aggregation
+from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, OptimizerSettings, get_aggregation
 from hetpipe.core.wsp.state import ShardState, WspError
 from hetpipe.server.admission import check_access
 from hetpipe.server.guard import CurveGate
@@ -50,6 +50,9 @@ REQUEST_TYPES = tuple(REQUEST_HANDLERS)  # the requests a shard answers; the res
 
 @dataclass(frozen=True)
 class ShardSettings:
+    """What one shard runs by: hetpipe.server.jobs.shard_settings derives it from a ShardJob's config in the
+    shard's own process (tests and benchmarks may build a bare one)."""
+
     run: str
     shard: int
     endpoint: str  # tcp://host:port to bind
@@ -58,21 +61,16 @@ class ShardSettings:
     checkpoint_dir: Path | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # clocks between checkpoints; 0: only on SIGTERM
     checkpoint_keep: int = 3
-    aggregation: str = "sum"  # sum | mean | server (hetpipe.core.wsp.aggregation)
-    optimizer: str = "sgd"  # the PS-side optimizer of aggregation "server", with its settings
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    aggregation: str = DEFAULT_AGGREGATION  # the rule's name (hetpipe.core.wsp.aggregation)
+    optimizer: OptimizerSettings = OptimizerSettings()  # [train]'s, for a rule whose optimizer runs at the PS
 
     keys: ServerKeys | None = None  # None: no authentication (auth = "none")
     on_vw_failure: str = "stop"  # a stage silent for hung_after_s: "stop" the run | "evict" its VW
     hung_after_s: float = 0.0  # 0: no heartbeat checks
-    resume_clock: int | None = (
-        None  # start from this clock's checkpoint, cut back to it (hetpipe train --resume)
-    )
-    wire_dtype: str = (
-        "float32"  # pulled weights on the wire: float32 | bfloat16 (pushes come as their sender chose)
-    )
+    # start from this clock's checkpoint, cut back to it (hetpipe train --resume)
+    resume_clock: int | None = None
+    # pulled weights on the wire: float32 | bfloat16 (pushes come as their sender chose)
+    wire_dtype: str = "float32"
 
     @property
     def recoverable(self) -> bool:
@@ -80,7 +78,8 @@ class ShardSettings:
         return self.checkpoint_dir is not None and self.checkpoint_every > 0
 
     def make_aggregation(self) -> Aggregation:
-        return make_aggregation(self.aggregation, self.optimizer, self.lr, self.momentum, self.weight_decay)
+        """The rule this shard folds by, with its own state (a PS-side optimizer's)."""
+        return get_aggregation(self.aggregation)(self.optimizer)
 
 
 @dataclass

@@ -74,7 +74,7 @@ def _supervisor(tmp_path, lives: list[list[int]] | None) -> Supervisor:
         config,
         group=None,
         run_dir=tmp_path,
-        shard_settings=[],
+        shard_jobs=[],
         shards=[],
         stages={(0, 0): None, (1, 0): None},
         admin=lambda: _FakePS(lives),

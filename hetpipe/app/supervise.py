@@ -18,8 +18,8 @@ from typing import Any
 from hetpipe.core.config import ClusterConfig
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.runs.procs import Child, ChildFailed, ChildGroup, describe_exit
-from hetpipe.server.launch import serve_settings
-from hetpipe.server.shard import ShardSettings
+from hetpipe.server.jobs import ShardJob
+from hetpipe.server.launch import serve_job
 from hetpipe.worker.ps_client import PSClient
 from hetpipe.worker.stage import EXIT_STOPPED_BY_PS
 
@@ -74,7 +74,7 @@ class Supervisor:
     config: ClusterConfig
     group: ChildGroup
     run_dir: Path
-    shard_settings: list[ShardSettings]  # with the port each shard listens on
+    shard_jobs: list[ShardJob]  # with the port each shard listens on
     shards: list[Child]
     stages: dict[tuple[int, int], Child]
     admin: Callable[[], PSClient]
@@ -87,9 +87,8 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         self.restarts = [0] * len(self.shards)
-        self.shard_settings = [
-            replace(s, resume_clock=None) for s in self.shard_settings
-        ]  # a restart takes the newest
+        # a restart takes the newest checkpoint
+        self.shard_jobs = [replace(job, resume_clock=None) for job in self.shard_jobs]
 
     @property
     def num_vws(self) -> int:
@@ -174,7 +173,7 @@ class Supervisor:
             self.group.ctx.Queue()
         )  # (a queue collected before the child unpickles it
         self.group.children.remove(self.shards[i])  # takes its semaphore along)
-        self.shards[i] = self.group.start(f"ps-shard-{i}", serve_settings, self.shard_settings[i], queue)
+        self.shards[i] = self.group.start(f"ps-shard-{i}", serve_job, self.shard_jobs[i], queue)
         self.write_pids()
 
     def _evict(self, vw: int) -> None:

@@ -60,8 +60,8 @@ from hetpipe.core.protocol.keys import (
 from hetpipe.core.runs.metrics import MetricsWriter
 from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
 from hetpipe.models import ModelSpec
-from hetpipe.server.launch import serve_settings, shard_settings
-from hetpipe.server.shard import ShardSettings
+from hetpipe.server.jobs import ShardJob, shard_jobs
+from hetpipe.server.launch import serve_job
 from hetpipe.worker.jobs import cuda_devices, emulated_slowdowns, stage_jobs
 from hetpipe.worker.ps_client import PSClient
 from hetpipe.worker.stage import run_stage
@@ -129,28 +129,28 @@ def _start_ps(
     run_dir: Path,
     keys: RunKeys | None,
     resume_clock: int | None = None,
-) -> tuple[list[str], list[ShardSettings], list[Any]]:
-    endpoints, settings_list, children = [], [], []
-    for shard in range(config.ps.shards):
-        settings = shard_settings(
-            config,
-            shard,
-            port=0,
-            checkpoint_root=run_dir / "ps",
-            keys=keys.server if keys else None,
-            resume_clock=resume_clock,
-        )
+) -> tuple[list[str], list[ShardJob], list[Any]]:
+    """One child per PS shard, each on a free port it reports; returns the endpoints, each shard's job with
+    the port it listens on (a restart listens on the same one), and the children."""
+    endpoints, placed, children = [], [], []
+    jobs = shard_jobs(
+        config,
+        port=0,
+        checkpoint_root=run_dir / "ps",
+        keys=keys.server if keys else None,
+        resume_clock=resume_clock,
+    )
+    for job in jobs:
         port_queue = group.ctx.Queue()
-        child = group.start(f"ps-shard-{shard}", serve_settings, settings, port_queue)
+        child = group.start(f"ps-shard-{job.shard}", serve_job, job, port_queue)
         try:
             port = port_queue.get(timeout=60)
         except queue_mod.Empty:
             raise ChildFailed(child) from None
-        endpoint = f"tcp://{config.shard_host(shard)}:{port}"
-        endpoints.append(endpoint)
-        settings_list.append(replace(settings, endpoint=endpoint))  # a restart listens on the same port
+        endpoints.append(f"tcp://{config.shard_host(job.shard)}:{port}")
+        placed.append(replace(job, port=port))
         children.append(child)
-    return endpoints, settings_list, children
+    return endpoints, placed, children
 
 
 @dataclass(frozen=True)
@@ -188,10 +188,10 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     trained = False
     try:
         with MetricsWriter(run.run_dir / "metrics.jsonl") as metrics:
-            endpoints, settings, shards, stages = _launch(run, group, events, metrics)
+            endpoints, jobs, shards, stages = _launch(run, group, events, metrics)
             admin = _admin_client(run, endpoints)
             supervisor = Supervisor(
-                config, group, run.run_dir, settings, shards, stages, admin, say=say, record=metrics.write
+                config, group, run.run_dir, jobs, shards, stages, admin, say=say, record=metrics.write
             )
             supervisor.write_pids()
             live = LiveEvaluator(
@@ -275,22 +275,22 @@ def _announce(run: _Run, say: Callable[[str], None]) -> None:
 
 def _launch(
     run: _Run, group: ChildGroup, events: Any, metrics: MetricsWriter
-) -> tuple[list[str], list[ShardSettings], list[Any], dict[tuple[int, int], Any]]:
+) -> tuple[list[str], list[ShardJob], list[Any], dict[tuple[int, int], Any]]:
     """Record the run's start, start the PS shards, then every stage of every VW, stamping the launcher's
-    start-up moments; returns the shards' endpoints, settings and children, and the stages' children."""
+    start-up moments; returns the shards' endpoints, jobs and children, and the stages' children."""
     config, run_dir = run.config, run.run_dir
     metrics.write(
         "run_start", at=run.started_at, config=str(config.path), run_dir=str(run_dir), resumed_from=run.cut
     )
     run.launcher["checks_done"] = time.time()
-    endpoints, settings, shards = _start_ps(group, config, run_dir, run.keys, resume_clock=run.cut)
+    endpoints, jobs, shards = _start_ps(group, config, run_dir, run.keys, resume_clock=run.cut)
     run.launcher["ps_ready"] = time.time()
     (run_dir / "ps.json").write_text(
         json.dumps({"endpoints": endpoints, "run": config.name, "audit": run.options.audit})
     )  # for `hetpipe worker --join`
     stages = _start_stages(run, group, endpoints, events)
     run.launcher["stages_started"] = time.time()
-    return endpoints, settings, shards, stages
+    return endpoints, jobs, shards, stages
 
 
 def _start_stages(
