@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -73,6 +74,19 @@ def test_push_goes_out_in_the_background_and_one_vw_skips_the_pull_by_hand() -> 
     one = result.vws[0]
     assert one.wave_done_s == (4.0, 7.0, 10.0) and one.gate_wait_s == 0.0 and one.pull_s == 0.0
     assert result.gates == ()
+
+
+def test_one_vw_pulls_when_its_rule_runs_the_optimizer_at_the_ps_by_hand() -> None:
+    # The same VW under aggregation "server" (read off the rule's traits, not its name): its weights move only
+    # at pulls, so WAIT2 pulls W_1. PUSH0 3-4 on the link; the pull, handed over at 3, waits for the gate
+    # (wave 0 complete at 4) and goes 4-5; PUSH1 6-7. At WAIT2 (6) the pull is there: F2 6-7, B2 7-9, PUSH2
+    # 9-10.
+    served = dataclasses.replace(plan(vw(stage(1.0, 2.0, params=int(GB)))), aggregation="server")
+    result = simulate(served, waves=3, ps_gbps=8.0)
+    one = result.vws[0]
+    assert result.makespan_s == 10.0 and result.ps_utilisation == pytest.approx(4 / 10)
+    assert one.wave_done_s == (4.0, 7.0, 10.0) and one.pull_s == 1.0 and one.gate_wait_s == 0.0
+    assert [(g.vw, g.wave) for g in result.gates] == [(0, 2)]
 
 
 def test_push_and_pull_timed_on_the_shared_ps_link_by_hand() -> None:

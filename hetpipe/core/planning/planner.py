@@ -38,7 +38,6 @@ from hetpipe.core.planning.profile_sources import (
 )
 from hetpipe.core.planning.report import candidates_json, explain, format_plan, format_table
 from hetpipe.core.planning.simulate import PsNetwork, simulate
-from hetpipe.core.wsp.aggregation import get_aggregation
 
 __all__ = [
     "ALLREDUCE",
@@ -76,7 +75,6 @@ class _Prediction:
     ps_gbps: float
     shards: int
     network: PsNetwork | None
-    pulls_alone: bool  # a single VW pulls too (the PS runs the optimizer: hetpipe.core.wsp.aggregation)
 
 
 def plan_candidates(
@@ -120,13 +118,7 @@ def plan_candidates(
     check_profiles(config, profiles_by_type)
     ds = _d_values(d_values, config.wsp.staleness, waves)
     search = GroupingSearch(config, profiles_by_type, link_gbps or config.network.link_gbps, reserve_bytes)
-    how = _Prediction(
-        waves,
-        ps_gbps,
-        config.ps.shards,
-        ps_network,
-        not get_aggregation(config.ps.aggregation).local_optimizer,
-    )
+    how = _Prediction(waves, ps_gbps, config.ps.shards, ps_network)
     out: list[Candidate] = []
     for schedule in _schedules(config, schedules):
         for policy in _policies(config, policies):
@@ -228,7 +220,6 @@ def _predict(plan: Plan, notes: tuple[str, ...], how: _Prediction) -> Candidate:
         waves=how.waves,
         ps_gbps=how.ps_gbps,
         ps_shards=how.shards,
-        server_aggregation=how.pulls_alone,
         network=how.network,
     )
     per_wave = max(r.wave_s for r in result.vws)

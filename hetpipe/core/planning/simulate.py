@@ -15,12 +15,14 @@ from hetpipe.core.pipeline.schedule import (
     PUSH,
     WAIT,
     Action,
+    flushing_schedule,
     gate_of,
     get_schedule,
     needs,
 )
 from hetpipe.core.pipeline.schedule import simulate as simulate_schedule
 from hetpipe.core.planning.plan import Plan, VwPlan
+from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, get_aggregation, needs_pulls
 from hetpipe.core.wsp.clock import gate_version
 
 __all__ = [
@@ -393,7 +395,6 @@ def simulate(
     waves: int,
     ps_gbps: float,
     ps_shards: int = 1,
-    server_aggregation: bool = False,
     network: PsNetwork | None = None,
 ) -> SimResult:
     """Run every VW of `plan` for `waves` waves of its schedule under WSP with D = plan.staleness.
@@ -403,7 +404,7 @@ def simulate(
     completed wave c once every stage's push of c has arrived. WAIT c waits for the pull of W_{c-D-1}: the
     runtime hands it over early (after the stage's previous WAIT and its push of wave c - D - 2) and the PS
     sends it once c_global >= c - D - 1. A single VW skips WAIT, as the runtime does, unless the PS runs
-    the optimizer (`server_aggregation`).
+    the optimizer (the plan's aggregation rule: hetpipe.core.wsp.aggregation.needs_pulls).
     Pushes and pulls share one FIFO PS link; with balanced placement every transfer is spread
     evenly over the shards, each with its own `ps_gbps` link, so the link runs at ps_shards x ps_gbps
     (math.inf: free). With a `network`, each transfer instead queues on the node link it crosses
@@ -419,7 +420,8 @@ def simulate(
     if not plan.vws:
         raise UsageError("the plan has no virtual workers; allocate GPUs to at least one")
     links = _Links(ps_gbps * ps_shards * 1e9 / 8, network)
-    run = _Run(plan, waves, links, pulls=len(plan.vws) > 1 or server_aggregation)
+    rule = get_aggregation(plan.aggregation or DEFAULT_AGGREGATION)  # "": a plan file from before, as "sum"
+    run = _Run(plan, waves, links, pulls=needs_pulls(len(plan.vws), rule))
     run.run()
     makespan = max(e.end for e in run.events)
     results = []
@@ -480,7 +482,7 @@ def simulate_sync_pipeline(vw: VwPlan, microbatches: int, batch_size: int) -> Ba
     if microbatches < 1:
         raise UsageError(f"microbatches must be >= 1, got {microbatches}")
     forward, backward = stage_times(vw)
-    schedule = get_schedule("1f1b-flush")(len(vw.stages), microbatches, 1, 0)
+    schedule = flushing_schedule()(len(vw.stages), microbatches, 1, 0)
     timeline = simulate_schedule(
         schedule, [t / microbatches for t in forward], [t / microbatches for t in backward]
     )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hetpipe.core.wsp.aggregation import Aggregation, make_aggregation
+from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, make_aggregation
 from hetpipe.core.wsp.clock import first_pulled_wave, gate_version
 from hetpipe.core.wsp.results import WspError
 from hetpipe.core.wsp.sources import as_array
@@ -107,7 +107,7 @@ def from_state(
 
     `cut` (exact pulls only): the state as it was when every stage had pushed exactly the waves < cut and
     nothing more, what `hetpipe train --resume` restarts the stages from (docs/recovery.md)."""
-    aggregation = aggregation or make_aggregation(meta.get("aggregation", "sum"))
+    aggregation = aggregation or make_aggregation(meta.get("aggregation", DEFAULT_AGGREGATION))
     if meta.get("optimizer"):
         prefix = "o/"
         aggregation.load_state(

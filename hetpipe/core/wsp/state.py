@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hetpipe.core.wsp import snapshot
-from hetpipe.core.wsp.aggregation import Aggregation, KeyKind, make_aggregation
+from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, KeyKind, make_aggregation
 from hetpipe.core.wsp.clock import PULL_MODES, first_pulled_wave, gate_version
 from hetpipe.core.wsp.membership import Membership
 from hetpipe.core.wsp.registrations import Registrations, StageId
@@ -57,7 +57,7 @@ class ShardState:
             raise ValueError(f"pull_mode must be one of {PULL_MODES}, got {pull_mode!r}")
         self.staleness = staleness
         self.pull_mode = pull_mode
-        self.aggregation = aggregation or make_aggregation("sum")
+        self.aggregation = aggregation or make_aggregation(DEFAULT_AGGREGATION)
         self.pushed: dict[StageId, int] = {}  # waves pushed, contiguous from the epoch's start
         self.pulled: dict[StageId, int] = {}  # highest wave pulled (first_pulled_wave - 1 before any)
         self.membership = Membership()  # the run's VWs and the waves each contributes
