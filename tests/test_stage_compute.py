@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from hetpipe.compute.stage_compute import StageCompute, StageRules, stage_buffers
+from hetpipe.compute.stage_buffers import stage_buffers
+from hetpipe.compute.stage_compute import StageCompute, StageRules
 from hetpipe.core.pipeline.schedule import get_schedule
 from hetpipe.models import build_stage, get_model
 
