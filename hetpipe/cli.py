@@ -111,13 +111,14 @@ def _profile_option(f):
 
 
 def _load(config_path: Path | None, settings: tuple[str, ...] = ()):
-    from hetpipe.core.config import apply_overrides, default_config_path, load_config
+    from hetpipe.core.config.files import default_config_path, load_config
+    from hetpipe.core.config.overrides import apply_overrides
 
     return apply_overrides(load_config(config_path or default_config_path()), settings)
 
 
 def _run_config(run_dir: Path, settings: tuple[str, ...]):
-    from hetpipe.core.config import run_dir_config
+    from hetpipe.core.config.files import run_dir_config
 
     return run_dir_config(run_dir, settings)
 

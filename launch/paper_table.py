@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from hetpipe.core.config import ClusterConfig, ModelConfig, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.schema import ClusterConfig, ModelConfig
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.planning.planner import (
     ALLREDUCE,

@@ -24,7 +24,7 @@ import torch
 
 from hetpipe.app.plan_inputs import SHIPPED_DIR, shipped_name
 from hetpipe.compute.profiler import profile_checked
-from hetpipe.core.config import load_config
+from hetpipe.core.config.files import load_config
 from hetpipe.models import get_model
 
 CLUSTERS = Path(__file__).parent / "clusters"

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.config.serialize import pack_config, unpack_config
 from hetpipe.core.errors import UsageError
 from hetpipe.core.protocol.keys import ServerKeys, server_keys
 from hetpipe.core.wsp.aggregation import OptimizerSettings

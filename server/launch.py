@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.runs.procs import ChildGroup
 from hetpipe.server.jobs import ShardJob, shard_jobs, shard_keys

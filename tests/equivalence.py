@@ -10,7 +10,7 @@ import torch
 from hetpipe.app.train import TrainOptions, train
 from hetpipe.compute.build import VwLayout
 from hetpipe.compute.reference import run_reference
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 
 
 def layout(vws: int, stages: int) -> list[list[str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_bench_staleness import _TINY
 
-from hetpipe.core.config import load_config
+from hetpipe.core.config.files import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
 import dilation  # noqa: E402  (launch/bench is not a package)

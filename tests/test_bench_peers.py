@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.core.config import load_config
+from hetpipe.core.config.files import load_config
 from hetpipe.core.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hetpipe.core.config import apply_overrides, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
 import placement  # noqa: E402  (launch/bench is not a package)

@@ -184,7 +184,8 @@ def test_checkpoint_scores_read_the_weights_of_exact_and_latest_shards(tmp_path:
 
     from hetpipe.compute.build import dataset_of, model_of
     from hetpipe.compute.evaluate import evaluate
-    from hetpipe.core.config import apply_overrides, default_config_path, load_config
+    from hetpipe.core.config.files import default_config_path, load_config
+    from hetpipe.core.config.overrides import apply_overrides
     from hetpipe.core.runs.checkpoint import write_checkpoint
     from hetpipe.core.wsp.state import ShardState
     from hetpipe.models import build_stage

@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from hetpipe.compute.build import model_of
 from hetpipe.compute.reference import run_reference
-from hetpipe.core.config import apply_overrides, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.errors import UsageError
 from hetpipe.core.planning.convergence import Calibration, Setting, canonical, parse_setting
 from hetpipe.models import even_split, param_counts

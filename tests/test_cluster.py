@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetpipe.core.config import GpuRef, GpuType, Node, default_config_path, load_config, parse_config
+from hetpipe.core.config.files import default_config_path, load_config
+from hetpipe.core.config.parse import parse_config
+from hetpipe.core.config.schema import GpuRef, GpuType, Node
 from hetpipe.core.errors import UsageError
 from hetpipe.core.planning.cluster import allocate, vw_capacity
 from hetpipe.core.planning.plan import StagePlan

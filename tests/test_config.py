@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.core.config import (
+from hetpipe.core.config.files import default_config_path, load_config
+from hetpipe.core.config.parse import parse_config
+from hetpipe.core.config.schema import (
     AllocationConfig,
     CheckpointConfig,
     ClusterConfig,
@@ -24,9 +26,6 @@ from hetpipe.core.config import (
     TrainConfig,
     VirtualWorkerSpec,
     WspConfig,
-    default_config_path,
-    load_config,
-    parse_config,
 )
 from hetpipe.core.errors import ConfigError
 
@@ -748,7 +747,7 @@ SHIPPED = sorted((REPO / "launch" / "clusters").glob("*.toml")) + [default_confi
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_dict_form_round_trips_every_shipped_config(path: Path) -> None:
-    from hetpipe.core.config import pack_config, unpack_config
+    from hetpipe.core.config.serialize import pack_config, unpack_config
 
     config = load_config(path)
     assert parse_config(config.to_dict(), path) == config
@@ -760,7 +759,8 @@ def test_toml_form_loads_back_to_the_same_config(path: Path, tmp_path: Path) -> 
     """config_toml is what the testbed's `hetpipe server`/`worker` read: it must load to the same config."""
     from dataclasses import replace
 
-    from hetpipe.core.config import apply_overrides, config_toml
+    from hetpipe.core.config.overrides import apply_overrides
+    from hetpipe.core.config.serialize import config_toml
 
     config = apply_overrides(
         load_config(path), ['data.options={ block_size = 8, note = "a \\"quoted\\" text" }']
@@ -771,7 +771,7 @@ def test_toml_form_loads_back_to_the_same_config(path: Path, tmp_path: Path) -> 
 
 
 def test_set_overrides_are_typed_and_validated(tmp_path: Path) -> None:
-    from hetpipe.core.config import apply_overrides
+    from hetpipe.core.config.overrides import apply_overrides
 
     base = load_config(write(tmp_path, MINIMAL + '[model]\nname = "mlp"\noptions = { hidden = [8] }\n'))
     config = apply_overrides(
@@ -805,7 +805,7 @@ def test_set_overrides_are_typed_and_validated(tmp_path: Path) -> None:
     ],
 )
 def test_set_errors_name_the_key_and_the_fix(tmp_path: Path, setting: str, fragments: list[str]) -> None:
-    from hetpipe.core.config import apply_overrides
+    from hetpipe.core.config.overrides import apply_overrides
 
     base = load_config(write(tmp_path, MINIMAL))
     with pytest.raises(ConfigError) as info:

@@ -353,7 +353,7 @@ def test_a_search_over_batches_takes_the_batch_whose_best_plan_reaches_the_targe
 
 def test_cli_plan_over_batches_carries_the_batch_into_the_plan_file(tmp_path: Path) -> None:
     from hetpipe.app.train import apply_plan
-    from hetpipe.core.config import load_config
+    from hetpipe.core.config.files import load_config
     from hetpipe.core.planning.plan import Plan
 
     config = tmp_path / "small.toml"

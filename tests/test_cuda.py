@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hetpipe.app.train import TrainOptions, train
-from hetpipe.core.config import apply_overrides, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
 
 from conftest import write_config
 

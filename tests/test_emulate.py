@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetpipe.core.config import default_config_path, load_config
+from hetpipe.core.config.files import default_config_path, load_config
 from hetpipe.core.hardware.emulate import (
     CORE_SHARE,
     DilatedBlock,

@@ -13,7 +13,8 @@ import torch
 from hetpipe.app.export import load_model
 from hetpipe.cli import main
 from hetpipe.compute.build import model_of
-from hetpipe.core.config import config_toml, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.serialize import config_toml
 from hetpipe.core.errors import UsageError
 from hetpipe.models import build_stage
 

@@ -18,7 +18,10 @@ from click.testing import CliRunner
 
 from hetpipe.cli import cli
 from hetpipe.compute.reference import run_reference
-from hetpipe.core.config import ClusterConfig, apply_overrides, load_config, parse_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.parse import parse_config
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.pipeline.schedule import (
     SCHEDULES,
     ScheduleKind,

@@ -7,7 +7,7 @@ import threading
 from dataclasses import replace
 
 from hetpipe.app.live_eval import LiveEvaluator
-from hetpipe.core.config import default_config_path, load_config
+from hetpipe.core.config.files import default_config_path, load_config
 
 
 def evaluator(every: int, waves: int) -> tuple[LiveEvaluator, list[int], threading.Event]:

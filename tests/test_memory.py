@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from hetpipe.core.config import default_config_path, load_config
+from hetpipe.core.config.files import default_config_path, load_config
 from hetpipe.core.errors import UsageError
 from hetpipe.core.pipeline.schedule import BACKWARD, FORWARD, SCHEDULES, simulate, wsp_schedule
 from hetpipe.core.planning.memory import (

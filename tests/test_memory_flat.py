@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from hetpipe.app.train import TrainOptions, train
-from hetpipe.core.config import load_config
+from hetpipe.core.config.files import load_config
 
 from conftest import write_config
 

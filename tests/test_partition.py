@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from hetpipe.core.config import NetworkConfig
+from hetpipe.core.config.schema import NetworkConfig
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.planning.memory import MemoryRule, stage_memory
 from hetpipe.core.planning.partition import best_order_and_nm, minibatch_time_s, partition

@@ -77,7 +77,8 @@ def test_local_placement_errors_name_the_key_or_gpu():
 
 def test_a_run_with_local_placement_places_the_models_keys_by_its_first_vw(tmp_path):
     from hetpipe.compute.build import VwLayout, ps_placement
-    from hetpipe.core.config import apply_overrides, load_config
+    from hetpipe.core.config.files import load_config
+    from hetpipe.core.config.overrides import apply_overrides
     from hetpipe.models import get_model
 
     from conftest import write_config

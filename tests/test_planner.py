@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.core.config import ClusterConfig, parse_config
+from hetpipe.core.config.parse import parse_config
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.hardware.emulate import slowdowns
 from hetpipe.core.planning.plan import Plan
@@ -423,7 +424,7 @@ def resnet152(counts: list[int], gpu_type: str, tflops: float, batch: int = 32) 
 def paper_plan(
     counts: list[int], *, drop: str | None = None, baselines: bool = True, d_values: Sequence[int] = D_VALUES
 ) -> list[Candidate]:
-    from hetpipe.core.config import load_config
+    from hetpipe.core.config.files import load_config
 
     config = load_config(PAPER)
     if drop:
@@ -516,7 +517,7 @@ waves = 2
 
 def test_cli_plan_prints_a_table_and_writes_a_loadable_plan(tmp_path: Path) -> None:
     from hetpipe.app.train import apply_plan
-    from hetpipe.core.config import load_config
+    from hetpipe.core.config.files import load_config
 
     config = tmp_path / "small.toml"
     config.write_text(SMALL_TOML)
@@ -657,7 +658,7 @@ def test_real_gpus_without_profiles_are_derived_from_the_shipped_one(
     import dataclasses
 
     from hetpipe.app.plan_inputs import plan_profiles, shipped_name
-    from hetpipe.core.config import load_config
+    from hetpipe.core.config.files import load_config
 
     (tmp_path / "real.toml").write_text(REAL_TOML)
     config = load_config(tmp_path / "real.toml")  # fast: speed 2 (read as TFLOPS), slow: 1; batch 8
@@ -754,7 +755,7 @@ def test_shipped_profiles_are_measured_named_and_small() -> None:
 @pytest.mark.parametrize("config", CLUSTERS, ids=[p.stem for p in CLUSTERS])
 def test_every_config_has_a_shipped_profile(config: Path) -> None:
     from hetpipe.app.plan_inputs import shipped_profile
-    from hetpipe.core.config import load_config
+    from hetpipe.core.config.files import load_config
 
     c = load_config(config)
     spec = get_model(c.model.name, **c.model.options.to_dict())

@@ -3,6 +3,7 @@ properties, the validator."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -16,7 +17,6 @@ from hetpipe.core.pipeline.schedule import (
     Action,
     Schedule,
     ScheduleError,
-    ScheduleKind,
     StageProfile,
     format_grid,
     format_lists,
@@ -338,16 +338,7 @@ def test_unknown_schedule_lists_known_names_and_suggests() -> None:
 
 
 def test_register_schedule_adds_a_kind_and_refuses_duplicates() -> None:
-    kind = ScheduleKind(
-        "test-fill-drain",
-        SCHEDULES["gpipe"].order,
-        update_every="wave",
-        guarantee="wave",
-        stashing="none",
-        recompute=True,
-        drains=True,
-        summary="for the test",
-    )
+    kind = dataclasses.replace(SCHEDULES["gpipe"], name="test-fill-drain", summary="for the test")
     try:
         assert (
             register_schedule(kind) is kind

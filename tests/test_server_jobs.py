@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.core.config import parse_config
+from hetpipe.core.config.parse import parse_config
 from hetpipe.core.errors import UsageError
 from hetpipe.core.wsp.aggregation import OptimizerSettings
 from hetpipe.server.jobs import ShardJob, shard_jobs

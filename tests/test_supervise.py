@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hetpipe.app.supervise import Supervisor, on_exit
-from hetpipe.core.config import apply_overrides, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.errors import HetpipeError
 
 from conftest import write_config

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from hetpipe.app import testbed as tb
-from hetpipe.core.config import apply_overrides, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.runs.testbed import plan_topology, within
 
 from conftest import as_from_a_terminal

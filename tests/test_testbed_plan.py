@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.core.config import apply_overrides, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.errors import UsageError
 from hetpipe.core.runs.testbed import (
     LinkScale,

@@ -12,7 +12,9 @@ import torch
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
 from hetpipe.compute.reference import run_reference
-from hetpipe.core.config import ClusterConfig, apply_overrides, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.pipeline.schedule import SCHEDULES
 from hetpipe.models import build_stage
 

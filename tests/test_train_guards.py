@@ -10,7 +10,8 @@ import zmq
 
 from hetpipe.app.train import check_memory, check_writable_dir, run_keys
 from hetpipe.compute.build import model_of, vw_layouts
-from hetpipe.core.config import apply_overrides, load_config
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.errors import ConfigError, UsageError
 from hetpipe.core.protocol.keys import key_users, read_public, write_keys
 from hetpipe.worker.jobs import stage_jobs

@@ -18,7 +18,8 @@ import torch
 from hetpipe.app.train import TrainOptions, train
 from hetpipe.compute.build import model_of, vw_layouts
 from hetpipe.compute.reference import run_reference
-from hetpipe.core.config import apply_overrides, load_config, run_dir_config
+from hetpipe.core.config.files import load_config, run_dir_config
+from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.errors import UsageError
 from hetpipe.worker.snapshot import list_snapshots
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hetpipe.app.train import TrainOptions, train
-from hetpipe.core.config import load_config
+from hetpipe.core.config.files import load_config
 
 from conftest import as_from_a_terminal, free_port_block, write_config
 
@@ -460,7 +460,7 @@ def test_example_model_trains_evaluates_live_and_exports(tmp_path: Path):
     import torch
 
     from hetpipe.compute.build import dataset_of
-    from hetpipe.core.config import load_config
+    from hetpipe.core.config.files import load_config
 
     model = torch.load(tmp_path / "m.pt", weights_only=False)
     assert model.state_dict()["0.1.num_batches_tracked"].dtype == torch.int64

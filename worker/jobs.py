@@ -8,7 +8,8 @@ from functools import cached_property
 from pathlib import Path
 
 from hetpipe.compute.build import VwLayout
-from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.config.serialize import pack_config, unpack_config
 from hetpipe.core.hardware.devices import stage_device
 from hetpipe.core.hardware.emulate import cpu_cores, slowdowns
 from hetpipe.core.pipeline.profile_window import ProfileWindow

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from hetpipe.compute.build import model_of, vw_layouts
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.pipeline.profile_window import ProfileWindow
 from hetpipe.core.protocol.keys import ClientKeys, client_keys, vw_user

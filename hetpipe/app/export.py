@@ -10,7 +10,7 @@ from torch import nn
 
 from hetpipe.compute.build import model_of
 from hetpipe.compute.evaluate import load_ps_state
-from hetpipe.core.config import load_config
+from hetpipe.core.config.files import load_config
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.models import build_stage
 

@@ -16,7 +16,7 @@ import torch
 from hetpipe.compute.build import dataset_of
 from hetpipe.compute.data import DatasetSplit
 from hetpipe.compute.evaluate import evaluate
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.protocol.keys import ClientKeys
 from hetpipe.models import ModelSpec
 from hetpipe.worker.ps_client import PSClient

@@ -19,7 +19,7 @@ from hetpipe.app.plan_convergence import (
     rule_of,
 )
 from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.planning.planner import (
     D_VALUES,
     Candidate,

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from hetpipe.app.plan_inputs import SHIPPED_DIR
-from hetpipe.core.config import ClusterConfig, apply_overrides
+from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import ConfigError, UsageError
 from hetpipe.core.planning.convergence import Calibration, attach_samples, find_calibration, rules_of
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from hetpipe.core.config import ClusterConfig
+    from hetpipe.core.config.schema import ClusterConfig
     from hetpipe.core.planning.profile import ModelProfile
     from hetpipe.models.spec import ModelSpec
 

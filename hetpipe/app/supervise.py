@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.runs.procs import Child, ChildFailed, ChildGroup, describe_exit
 from hetpipe.server.jobs import ShardJob

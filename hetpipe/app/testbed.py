@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from hetpipe.core.config import ClusterConfig, config_toml
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.config.serialize import config_toml
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.runs.testbed import (
     LO_MTU,

@@ -21,7 +21,9 @@ from pathlib import Path
 
 from hetpipe.app.testbed import egress_bytes, netns_argv
 from hetpipe.compute.build import VwLayout, model_of, vw_layouts
-from hetpipe.core.config import ClusterConfig, apply_overrides, config_toml
+from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.config.serialize import config_toml
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.runs.procs import tail
 from hetpipe.core.runs.testbed import Topology, effective_config, layout_overrides, worker_places

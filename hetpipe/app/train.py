@@ -43,7 +43,9 @@ from hetpipe.app.train_guards import (
 from hetpipe.app.train_loop import RunWatch, failure_error
 from hetpipe.app.train_summary import run_summary
 from hetpipe.compute.build import VwLayout, model_of, vw_layouts
-from hetpipe.core.config import ClusterConfig, apply_overrides, config_toml
+from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.config.serialize import config_toml
 from hetpipe.core.errors import ConfigError, HetpipeError, UsageError
 from hetpipe.core.hardware.devices import stage_device
 from hetpipe.core.pipeline.profile_window import ProfileWindow

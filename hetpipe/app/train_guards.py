@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hetpipe.compute.build import VwLayout
 from hetpipe.compute.sizes import model_sizes
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import ConfigError, UsageError
 from hetpipe.core.pipeline.profile_window import ProfileWindow
 from hetpipe.core.pipeline.resume import common_cut

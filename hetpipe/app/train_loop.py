@@ -14,7 +14,7 @@ from hetpipe.app.board import Board
 from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
 from hetpipe.app.supervise import Supervisor
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.runs.metrics import MetricsWriter, format_progress
 from hetpipe.core.runs.procs import ChildFailed

@@ -13,7 +13,7 @@ import torch
 from hetpipe.app.progress import Progress
 from hetpipe.compute.build import VwLayout, dataset_of
 from hetpipe.compute.evaluate import evaluate
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.runs.metrics import merge_traces
 from hetpipe.core.wsp.audit import expected_ledger
 from hetpipe.models import ModelSpec

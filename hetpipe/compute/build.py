@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetpipe.compute import data as datalib
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.planning.cluster import allocate
 from hetpipe.core.protocol.placement import get_placement, layer_shards, local_placement

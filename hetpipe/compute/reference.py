@@ -43,7 +43,7 @@ from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
 from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
 from hetpipe.compute.stage_buffers import set_buffer, stage_buffers
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
 from hetpipe.core.pipeline.schedule import (
     BACKWARD,

@@ -43,7 +43,7 @@ from hetpipe.compute.stage_checkpoint import restore_stage, save_stage, saved_fl
 from hetpipe.compute.update_sums import Sums, UpdateSums
 from hetpipe.compute.weight_swap import WeightSwap
 from hetpipe.compute.weight_versions import Weights, WeightVersions
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.pipeline.mitigation import Lag, pipemare_lr_factor, stage_lags, warmup_lr_factor
 from hetpipe.core.pipeline.schedule import Action, get_schedule, unstashed_forwards
 from hetpipe.core.wsp.aggregation import get_aggregation

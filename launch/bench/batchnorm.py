@@ -29,7 +29,9 @@ import torch
 from hetpipe.app.train import TrainOptions, train
 from hetpipe.compute.build import model_of, vw_layouts
 from hetpipe.compute.reference import run_reference
-from hetpipe.core.config import ClusterConfig, apply_overrides, default_config_path, load_config
+from hetpipe.core.config.files import default_config_path, load_config
+from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.schema import ClusterConfig
 
 MODEL_OPTIONS = {  # CIFAR-sized variants on one-channel 32x32 images, ten classes
     "resnet18": "{ in_channels = 1, num_classes = 10, image_size = 32 }",

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import click
 
-from hetpipe.core.config import apply_overrides, default_config_path, load_config
+from hetpipe.core.config.files import default_config_path, load_config
+from hetpipe.core.config.overrides import apply_overrides
 
 # A small run unless --set says otherwise: a 3-layer MLP on MNIST-5k, one PS shard per --shards.
 SMALL = [

@@ -32,7 +32,9 @@ import throughput  # noqa: E402
 
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.optim import make_optimizer  # noqa: E402
-from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
+from hetpipe.core.config.files import load_config  # noqa: E402
+from hetpipe.core.config.overrides import apply_overrides  # noqa: E402
+from hetpipe.core.config.schema import ClusterConfig  # noqa: E402
 from hetpipe.core.hardware.emulate import cpu_cores, device_dilator, gpu_speeds, slowdowns  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402
 

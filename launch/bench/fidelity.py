@@ -28,7 +28,7 @@ import throughput  # noqa: E402
 
 from hetpipe.app.plan_inputs import default_profile_dir  # noqa: E402
 from hetpipe.compute.profiler import cached_profile  # noqa: E402
-from hetpipe.core.config import load_config  # noqa: E402
+from hetpipe.core.config.files import load_config  # noqa: E402
 from hetpipe.core.hardware.emulate import cpu_cores  # noqa: E402
 from hetpipe.core.planning.planner import (  # noqa: E402
     EMULATED_P2P_GBPS,

@@ -68,7 +68,9 @@ from hetpipe.compute import data as datalib  # noqa: E402
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.op_profile import op_profile, start_profiler, stop_profiler  # noqa: E402
 from hetpipe.compute.optim import make_optimizer  # noqa: E402
-from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
+from hetpipe.core.config.files import load_config  # noqa: E402
+from hetpipe.core.config.overrides import apply_overrides  # noqa: E402
+from hetpipe.core.config.schema import ClusterConfig  # noqa: E402
 from hetpipe.core.pipeline.profile_window import ProfileWindow  # noqa: E402
 from hetpipe.core.pipeline.schedule import SCHEDULES  # noqa: E402
 from hetpipe.models import build_stage  # noqa: E402

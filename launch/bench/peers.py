@@ -42,7 +42,8 @@ from hetpipe.compute.build import dataset_of, model_of
 from hetpipe.compute.heap import keep_freed_memory
 from hetpipe.compute.optim import make_optimizer
 from hetpipe.compute.profiler import cached_profile
-from hetpipe.core.config import ClusterConfig, pack_config, unpack_config
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.config.serialize import pack_config, unpack_config
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.hardware.emulate import Dilator, cpu_cores, device_dilator, gpu_speeds, slowdowns
 from hetpipe.core.planning.memory import PLAIN, format_bytes, stage_memory

@@ -33,7 +33,9 @@ import peers  # noqa: E402  (launch/bench is not a package)
 import throughput  # noqa: E402
 from testbed_options import profile_option  # noqa: E402
 
-from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
+from hetpipe.core.config.files import load_config  # noqa: E402
+from hetpipe.core.config.overrides import apply_overrides  # noqa: E402
+from hetpipe.core.config.schema import ClusterConfig  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
 from hetpipe.core.planning import planner  # noqa: E402
 

@@ -52,13 +52,10 @@ from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.evaluate import evaluate  # noqa: E402
 from hetpipe.compute.profiler import options_digest  # noqa: E402
 from hetpipe.compute.reference import run_reference  # noqa: E402
-from hetpipe.core.config import (  # noqa: E402
-    ClusterConfig,
-    apply_overrides,
-    load_config,
-    pack_config,
-    unpack_config,
-)
+from hetpipe.core.config.files import load_config  # noqa: E402
+from hetpipe.core.config.overrides import apply_overrides  # noqa: E402
+from hetpipe.core.config.schema import ClusterConfig  # noqa: E402
+from hetpipe.core.config.serialize import pack_config, unpack_config  # noqa: E402
 from hetpipe.core.planning.convergence import (  # noqa: E402
     Calibration,
     Measurement,

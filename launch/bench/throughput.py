@@ -55,7 +55,9 @@ import plots  # noqa: E402
 from testbed_options import profile_option, testbed_options  # noqa: E402
 
 from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
-from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
+from hetpipe.core.config.files import load_config  # noqa: E402
+from hetpipe.core.config.overrides import apply_overrides  # noqa: E402
+from hetpipe.core.config.schema import ClusterConfig  # noqa: E402
 from hetpipe.core.errors import HetpipeError  # noqa: E402
 from hetpipe.core.planning.profile import ModelProfile  # noqa: E402
 from hetpipe.core.planning.simulate import PsNetwork  # noqa: E402

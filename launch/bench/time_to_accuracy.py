@@ -62,7 +62,9 @@ from testbed_options import profile_option, testbed_options  # noqa: E402
 
 from hetpipe.compute.build import dataset_of, model_of  # noqa: E402
 from hetpipe.compute.evaluate import evaluate  # noqa: E402
-from hetpipe.core.config import ClusterConfig, apply_overrides, load_config  # noqa: E402
+from hetpipe.core.config.files import load_config  # noqa: E402
+from hetpipe.core.config.overrides import apply_overrides  # noqa: E402
+from hetpipe.core.config.schema import ClusterConfig  # noqa: E402
 from hetpipe.core.planning.convergence import Calibration, Setting, setting_of  # noqa: E402
 from hetpipe.core.runs.testbed import Topology  # noqa: E402
 from hetpipe.core.wsp.state import ShardState  # noqa: E402

@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import goals  # noqa: E402  (launch/bench is not a package)
 import staleness  # noqa: E402
 
-from hetpipe.core.config import ClusterConfig, apply_overrides  # noqa: E402
+from hetpipe.core.config.overrides import apply_overrides  # noqa: E402
+from hetpipe.core.config.schema import ClusterConfig  # noqa: E402
 from hetpipe.core.planning.convergence import Setting, canonical  # noqa: E402
 
 __all__ = ["TASKS", "Task", "sweep_lr"]

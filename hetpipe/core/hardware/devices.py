@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hetpipe.core.config import ClusterConfig, GpuRef
+from hetpipe.core.config.schema import ClusterConfig, GpuRef
 from hetpipe.core.errors import UsageError
 
 __all__ = ["p2p_backend", "stage_device"]

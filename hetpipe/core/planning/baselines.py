@@ -18,7 +18,7 @@ from hetpipe.core.planning.candidates import (
 )
 from hetpipe.core.planning.groupings import GroupingSearch
 from hetpipe.core.planning.memory import PLAIN, format_bytes, stage_memory_terms
-from hetpipe.core.planning.partition import Gpu, partition
+from hetpipe.core.planning.partition import Gpu
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.simulate import simulate_allreduce, simulate_sync_pipeline
 
@@ -103,16 +103,7 @@ def sync_pipeline(search: GroupingSearch) -> Candidate:
     error: HetpipeError | None = None
     for order in sorted(orders):
         try:
-            found.append(
-                partition(
-                    [search.profiles[g[1]] for g in order],
-                    order,
-                    search.links_of(order),
-                    1,
-                    rule=PLAIN,
-                    reserve_bytes=search.reserve,
-                )
-            )
+            found.append(search.split(order, 1, PLAIN))
         except HetpipeError as exc:
             error = error or exc
     if not found:

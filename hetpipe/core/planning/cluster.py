@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from hetpipe.core.config import ClusterConfig, GpuRef, GpuType, Node, VirtualWorkerSpec
+from hetpipe.core.config.schema import ClusterConfig, GpuRef, GpuType, Node, VirtualWorkerSpec
 from hetpipe.core.errors import UsageError, did_you_mean
 
 __all__ = [

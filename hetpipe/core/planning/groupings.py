@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from hetpipe.core.config import ClusterConfig, GpuRef
+from hetpipe.core.config.schema import ClusterConfig, GpuRef
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE, get_schedule
 from hetpipe.core.planning.candidates import first_line
@@ -57,6 +57,16 @@ class GroupingSearch:
             recompute=self.config.train.recompute and get_schedule(schedule).recompute,
         )
 
+    def split(
+        self, gpus: Sequence[Gpu], nm: int, rule: MemoryRule, fixed: Sequence[int] | None = None
+    ) -> VwPlan:
+        """The partitioner's split of `gpus` in this order at `nm` under `rule` (or `fixed`, checked), with
+        this cluster's profiles, links and memory reserve."""
+        profiles = [self.profiles[g[1]] for g in gpus]
+        return partition(
+            profiles, gpus, self.links_of(gpus), nm, rule=rule, reserve_bytes=self.reserve, fixed_split=fixed
+        )
+
     def with_memory(self, vw: VwPlan, rule: MemoryRule) -> VwPlan:
         """The VW's stages with their memory recomputed under `rule` (its D sets how many update sums a stage
         keeps), so every candidate shows the peak memory of its own D."""
@@ -104,17 +114,7 @@ class GroupingSearch:
                     vws.append(vw)
                     continue
                 try:
-                    vws.append(
-                        partition(
-                            [self.profiles[g[1]] for g in gpus],
-                            gpus,
-                            self.links_of(gpus),
-                            nm,
-                            rule=rule,
-                            reserve_bytes=self.reserve,
-                            fixed_split=split,
-                        )
-                    )
+                    vws.append(self.split(gpus, nm, rule, split))
                 except HetpipeError as exc:
                     dropped.append(
                         f"vw{v} ({gpu_list(gpus)}) left out: the others at nm={nm} without it predict "
@@ -196,7 +196,6 @@ class GroupingSearch:
 
     def fixed_order(self, gpus: list[Gpu], cap: int, split: Sequence[int] | None, rule: MemoryRule) -> VwPlan:
         """An explicit VW: GPUs in the listed stage order; the Nm in 1..cap with the best minibatch time."""
-        profiles = [self.profiles[g[1]] for g in gpus]
         found, error = None, None
 
         def time_of(vw: VwPlan) -> float:
@@ -204,15 +203,7 @@ class GroupingSearch:
 
         for nm in range(cap, 0, -1):
             try:
-                vw = partition(
-                    profiles,
-                    gpus,
-                    self.links_of(gpus),
-                    nm,
-                    rule=rule,
-                    reserve_bytes=self.reserve,
-                    fixed_split=split,
-                )
+                vw = self.split(gpus, nm, rule, split)
             except HetpipeError as exc:
                 error = error or exc
                 continue

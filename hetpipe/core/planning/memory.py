@@ -14,7 +14,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE, flushing_schedule, get_schedule, stage_profile
 from hetpipe.core.planning.profile import LayerProfile

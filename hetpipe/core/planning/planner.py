@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.pipeline.schedule import SCHEDULES, get_schedule
 from hetpipe.core.planning.baselines import allreduce, sync_pipeline

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hetpipe.core.config import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.hardware.emulate import auto_time_scale, gpu_speeds
 from hetpipe.core.planning.profile import ModelProfile, derive_profile

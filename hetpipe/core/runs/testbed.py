@@ -18,7 +18,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from hetpipe.core.config import ClusterConfig, apply_overrides
+from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.planning.simulate import PsNetwork
 
