@@ -4,8 +4,8 @@ valid global order by the schedule's dependency rules, with `exact` pulls.
 Plain and separate on purpose: it is the oracle the multi-process runtime is tested against bit for bit,
 so its stage arithmetic is written here again, the textbook way (`loss.backward()` into `.grad`, a copy of
 the weights per stashed forward), not shared with hetpipe.compute.stage_compute. What it shares is the
-schedule (hetpipe.core.pipeline.schedule) and the PS's fold (hetpipe.core.wsp.aggregation). Its order of
-operations:
+schedule (hetpipe.core.pipeline.schedule); its PS (hetpipe.compute.reference_ps) folds by its own arithmetic
+too. Its order of operations:
   backward of p:   .grad accumulates (stashed forwards: live .grad = first stashed grad, then +=)
   U p:             .grad /= n (n > 1 backwards); optimizer step; the wave's updates are folded in together:
                    Δ = t - baseline; sums[wave] += Δ; baseline = t when a U of another wave comes and before
@@ -42,6 +42,7 @@ from torch.func import functional_call
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
 from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
+from hetpipe.compute.reference_ps import ReferencePS
 from hetpipe.compute.stage_buffers import set_buffer, stage_buffers
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
@@ -57,7 +58,7 @@ from hetpipe.core.pipeline.schedule import (
     needs,
 )
 from hetpipe.core.protocol.wire import from_bfloat16_bits, to_bfloat16_bits
-from hetpipe.core.wsp.aggregation import Aggregation, get_aggregation, make_aggregation, needs_pulls
+from hetpipe.core.wsp.aggregation import get_aggregation, make_aggregation, needs_pulls
 from hetpipe.models import build_stage
 
 __all__ = ["ReferenceResult", "run_reference"]
@@ -132,53 +133,6 @@ def _state_of(st: RefStage) -> dict[str, Tensor]:
     }
 
 
-class _GlobalWeights:
-    """The PS of the reference: every VW's pushes by wave, and W_t built in VW order once every stage of every
-    VW has pushed wave t - 1."""
-
-    def __init__(
-        self,
-        stages: dict[StageId, RefStage],
-        splits: list[tuple[int, ...]],
-        rule: Aggregation,
-        on_version: Callable[[int, dict[str, np.ndarray]], None] | None,
-    ) -> None:
-        self.splits, self.rule, self.on_version = splits, rule, on_version
-        self.kinds = {
-            k: ("param" if k in dict(st.module.named_parameters()) else "buffer")
-            for st in stages.values()
-            for k in _state_of(st)
-        }
-        self.history = [
-            {k: w.detach().numpy().copy() for st in stages.values() for k, w in _state_of(st).items()}
-        ]  # W_0
-        self.pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> what was pushed
-        self.pushed = dict.fromkeys(stages, 0)
-
-    def c_global(self) -> int:
-        return min(min(self.pushed[(v, j)] for j in range(len(split))) for v, split in enumerate(self.splits))
-
-    def push(self, sid: StageId, wave: int, values: dict[str, np.ndarray]) -> None:
-        """Stage `sid`'s push of `wave`; builds every version that it completes."""
-        self.pushes.setdefault(wave, {}).setdefault(sid[0], {}).update(values)
-        self.pushed[sid] += 1
-        num_vws = len(self.splits)
-        while len(self.history) - 1 < self.c_global():
-            w = len(self.history) - 1
-            new = {}
-            for key, old in self.history[-1].items():
-                parts = [self.pushes[w][v][key] for v in range(num_vws)]
-                s = parts[0].copy()
-                for part in parts[1:]:
-                    s += part
-                new[key] = self.rule.fold(key, self.kinds[key], old, s, num_vws).astype(
-                    np.float32, copy=False
-                )
-            self.history.append(new)
-            if self.on_version is not None:
-                self.on_version(len(self.history) - 1, new)
-
-
 class _Reference:
     """Every stage of every VW in one process; `step` runs one stage's next action (a dispatch table by
     kind)."""
@@ -208,7 +162,15 @@ class _Reference:
         self.stages = self._build_stages()
         t = self.t
         rule = make_aggregation(config.ps.aggregation, t.optimizer, t.lr, t.momentum, t.weight_decay)
-        self.ps = _GlobalWeights(self.stages, splits, rule, on_version)
+        kinds = {
+            k: ("param" if k in dict(st.module.named_parameters()) else "buffer")
+            for st in self.stages.values()
+            for k in _state_of(st)
+        }
+        initial = {
+            k: w.detach().numpy().copy() for st in self.stages.values() for k, w in _state_of(st).items()
+        }
+        self.ps = ReferencePS(initial, kinds, splits, rule, on_version)
         self.acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
         self.grads: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> output gradient waiting there
         self.dispatch: dict[str, Callable[[int, int, RefStage, Action], None]] = {
