@@ -38,8 +38,13 @@ class StagePlan:
 @dataclass(frozen=True)
 class VwPlan:
     stages: tuple[StagePlan, ...]
-    nm: int
+    nm: int  # this VW's minibatches per wave (VWs may differ: docs/wsp.md#per-vw-work)
     param_bytes: int  # the whole model's weights (what a wave pushes and pulls)
+    batch_size: int = 0  # this VW's minibatch size; 0: the plan's batch_size
+
+    def batch(self, plan_batch: int) -> int:
+        """This VW's minibatch size in a plan whose batch_size is `plan_batch`."""
+        return self.batch_size or plan_batch
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -78,7 +83,10 @@ class Plan:
         data = json.loads(text)
         vws = tuple(
             VwPlan(
-                stages=tuple(StagePlan(**s) for s in vw["stages"]), nm=vw["nm"], param_bytes=vw["param_bytes"]
+                stages=tuple(StagePlan(**s) for s in vw["stages"]),
+                nm=vw["nm"],
+                param_bytes=vw["param_bytes"],
+                batch_size=vw.get("batch_size", 0),
             )
             for vw in data.pop("vws")
         )

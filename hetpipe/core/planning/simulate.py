@@ -215,6 +215,7 @@ class _Vw:
 
     def __init__(self, vw: VwPlan, waves: int, staleness: int, schedule: str, recompute: bool) -> None:
         self.schedule = get_schedule(schedule)(len(vw.stages), vw.nm, waves, staleness)
+        self.plan = vw
         self.k = len(vw.stages)
         self.forward, self.backward = stage_times(vw)
         if recompute:  # the backward runs the forward again first
@@ -429,9 +430,9 @@ def simulate(
         done = vw.wave_done_s()
         finish = max(e.end for e in run.events if e.vw == i)
         wave_s = _steady_wave_s(done)
-        samples = plan.batch_size * vw.schedule.num_minibatches
+        samples = vw.plan.batch(plan.batch_size) * vw.schedule.num_minibatches
         results.append(VwResult(done, wave_s, samples / finish, finish, vw.gate_wait_s, vw.pull_s))
-    total = plan.batch_size * sum(vw.schedule.num_minibatches for vw in run.vws)
+    total = sum(vw.plan.batch(plan.batch_size) * vw.schedule.num_minibatches for vw in run.vws)
     return SimResult(
         samples_per_s=total / makespan,
         makespan_s=makespan,
