@@ -43,6 +43,7 @@ def register_stage(shard: ShardServer, identity: bytes, msg: wire.Message) -> No
         kinds,
         f["num_waves"] or None,
         f["start_wave"],
+        tuple(f["vw_weights"]),
     )
     shard.identities[sid] = identity
     shard.beats[sid] = (time.monotonic(), shard.beats.get(sid, (0.0, 0))[1])

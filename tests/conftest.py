@@ -80,15 +80,21 @@ def write_config(
     batch_size: int = 16,
     device: str = "cpu",
     extra: str = "",
+    work: list[tuple[int, int]] | None = None,
 ) -> Path:
     """A cluster config for runtime tests: one node, one GPU type per entry of `speeds` (GPU i has type i
-    when speeds are given), the given VWs, a small MLP on MNIST. Every GPU computes on `device` (the CPU by
-    default, so the tests take the CPU path on a machine with a GPU too); `extra` is appended TOML."""
+    when speeds are given), the given VWs (with `work`: each one's own nm and batch_size), a small MLP on
+    MNIST. Every GPU computes on `device` (the CPU by default, so the tests take the CPU path on a machine
+    with a GPU too); `extra` is appended TOML."""
     num = sum(len(v) for v in vws)
     speeds = speeds or [1.0] * num
     types = "".join(f"[gpu_types.g{i}]\nspeed = {s}\nmemory_gib = 4.0\n" for i, s in enumerate(speeds))
     gpus = ", ".join(f'"g{i if len(speeds) == num else 0}"' for i in range(num))
-    vw_tables = "".join("[[virtual_workers]]\ngpus = [" + ", ".join(f'"{g}"' for g in v) + "]\n" for v in vws)
+    own = [f"nm = {nm_v}\nbatch_size = {b}\n" for nm_v, b in work] if work else [""] * len(vws)
+    vw_tables = "".join(
+        "[[virtual_workers]]\ngpus = [" + ", ".join(f'"{g}"' for g in v) + "]\n" + own[i]
+        for i, v in enumerate(vws)
+    )
     text = f"""name = "test"
 seed = 3
 {types}[[nodes]]

@@ -19,7 +19,7 @@ def layout(vws: int, stages: int) -> list[list[str]]:
 
 def run(tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]]):
     lays = tuple(
-        VwLayout(tuple(str(g) for g in vw.gpus), s)
+        VwLayout(tuple(str(g) for g in vw.gpus), s, vw.nm or 0, vw.batch_size or 0)
         for vw, s in zip(config.virtual_workers, splits, strict=True)
     )
     run_dir = tmp_path / "run"
@@ -30,6 +30,12 @@ def run(tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]]):
             stage_weights[(v, j)] = torch.load(run_dir / f"final-vw{v}-s{j}.pt", weights_only=True)
     ps_weights = torch.load(run_dir / "model.pt", weights_only=True)
     return summary, stage_weights, ps_weights
+
+
+def listed_work(config: ClusterConfig) -> list[tuple[int, int]]:
+    """Each listed VW's (Nm, minibatch size), the config's where it sets none of its own."""
+    wsp, t = config.wsp, config.train
+    return [(vw.nm or wsp.nm, vw.batch_size or t.batch_size) for vw in config.virtual_workers]
 
 
 def assert_bitwise(a: dict, b: dict, what: str) -> None:
@@ -43,7 +49,7 @@ def assert_equals_reference(
     tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]], order: int = 0
 ):
     summary, stage_weights, ps_weights = run(tmp_path, config, splits)
-    ref = run_reference(config, splits, order_seed=order)
+    ref = run_reference(config, splits, order_seed=order, work=listed_work(config))
     for sid, weights in stage_weights.items():
         assert_bitwise(weights, ref.stage_weights[sid], f"stage {sid}")
     assert_bitwise(ps_weights, ref.ps_weights, "PS weights")

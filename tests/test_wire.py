@@ -47,6 +47,7 @@ FIELDS: dict[str, dict] = {
         "buffers": ["2.bn.running_mean"],
         "ledgers": [],
         "start_wave": 0,
+        "vw_weights": [1, 5, 2],
     },
     "push": {"id": 2**63 - 1, "run": "r" * 128, "vw": 1, "stage": 0, "wave": 2**31 - 1},
     "pull": {"id": 3, "run": "run-7", "vw": 1, "stage": 0, "wave": 5},
@@ -207,6 +208,7 @@ REJECTIONS = [
     ("zero num_vws", _msg(_header("register", [], num_vws=0)), "bad_message", "register.num_vws"),
     ("own_through -2", _msg(_header("weights", [], own_through=-2)), "bad_message", "own_through"),
     ("buffers not names", _msg(_header("register", [], buffers=[1])), "bad_message", "register.buffers"),
+    ("zero weight", _msg(_header("register", [], vw_weights=[1, 0])), "bad_message", "register.vw_weights"),
     (
         "ledgers not a list",
         _msg(_header("register", [], ledgers="audit/0")),
@@ -348,6 +350,7 @@ FIELD_STRATEGIES = {
     "buffers": st.lists(st.text(min_size=1, max_size=8), max_size=3),
     "ledgers": st.lists(st.text(min_size=1, max_size=8), max_size=3),
     "start_wave": _u31,
+    "vw_weights": st.lists(st.integers(1, 2**31 - 1), max_size=3),
     "pushed": _u31,
     "keep_from": _u31,
     "progress": _u31,

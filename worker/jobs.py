@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from hetpipe.compute.build import VwLayout
+from hetpipe.compute.build import VwLayout, run_work, vw_config
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.config.serialize import pack_config, unpack_config
 from hetpipe.core.hardware.devices import stage_device
 from hetpipe.core.hardware.emulate import cpu_cores, slowdowns
 from hetpipe.core.pipeline.profile_window import ProfileWindow
 from hetpipe.core.protocol.keys import ClientKeys
+from hetpipe.core.wsp.work import VwWork, sample_weights
 
 __all__ = ["StageJob", "cuda_devices", "emulated_slowdowns", "stage_jobs"]
 
@@ -22,7 +23,7 @@ __all__ = ["StageJob", "cuda_devices", "emulated_slowdowns", "stage_jobs"]
 class StageJob:
     """Everything a stage process needs, passed to a spawned child; the config travels parsed (packed)."""
 
-    packed_config: bytes  # hetpipe.core.config.pack_config of the effective config
+    packed_config: bytes  # hetpipe.core.config.pack_config of the effective config, as this VW runs it
     run_dir: str
     vw: int
     stage: int
@@ -47,10 +48,27 @@ class StageJob:
     snapshot_keep: int = 3  # snapshots that may still match one of the PS's kept checkpoints
     first_vw: VwLayout | None = None  # the run's first VW: placement "local" puts each layer where it runs
     profile: ProfileWindow | None = None  # hetpipe train --profile: torch.profiler over these minibatches
+    work: tuple[VwWork, ...] = ()  # every VW's work per wave (Nm, batch); (): every VW as this config says
 
     @cached_property
     def config(self) -> ClusterConfig:
         return unpack_config(self.packed_config)
+
+    @property
+    def run_work(self) -> tuple[VwWork, ...]:
+        """Every VW's Nm and minibatch size, in VW order."""
+        config = self.config
+        return self.work or (VwWork(config.wsp.nm, config.train.batch_size),) * self.num_vws
+
+    @property
+    def nms(self) -> tuple[int, ...]:
+        """Every VW's Nm, in VW order."""
+        return tuple(w.nm for w in self.run_work)
+
+    @property
+    def vw_weights(self) -> tuple[int, ...]:
+        """Every VW's weight by samples (hetpipe.core.wsp.work)."""
+        return sample_weights(self.run_work)
 
     @property
     def num_stages(self) -> int:
@@ -100,7 +118,7 @@ def stage_jobs(
     `snapshots`: the stages save their state at the PS's checkpoint waves ([checkpoint] every, stages)."""
     lay = vws[vw]
     slow, time_scale = emulated_slowdowns(config, vws)
-    packed = pack_config(config)
+    packed = pack_config(vw_config(config, lay))
     cuda = cuda_devices()
     devices = tuple(stage_device(config, g, cuda) for g in lay.gpus)
     return [
@@ -128,6 +146,7 @@ def stage_jobs(
             snapshot_keep=config.checkpoint.keep,
             first_vw=vws[0],
             profile=profile,
+            work=run_work(config, vws),
         )
         for s in range(len(lay.split))
     ]

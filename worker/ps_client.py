@@ -65,6 +65,7 @@ class ClientSpec:
     retry_s: float
     curve: ClientKeys | None = None
     wire_dtype: str = "float32"
+    vw_weights: tuple[int, ...] = ()  # each VW's weight by samples (hetpipe.core.wsp.work); (): all 1
 
     def fields(self) -> dict[str, Any]:
         """Its fields as plain values (the agent process gets them over its pipe, as msgpack)."""
@@ -74,7 +75,13 @@ class ClientSpec:
     def of(cls, fields: Mapping[str, Any]) -> ClientSpec:
         """The spec `fields()` gave."""
         curve = fields["curve"]
-        return cls(**{**fields, "curve": ClientKeys(**curve) if curve else None})
+        return cls(
+            **{
+                **fields,
+                "curve": ClientKeys(**curve) if curve else None,
+                "vw_weights": tuple(fields.get("vw_weights", ())),
+            }
+        )
 
     def client(self) -> PSClient:
         return PSClient(
@@ -89,6 +96,7 @@ class ClientSpec:
             retry_s=self.retry_s,
             curve=self.curve,
             wire_dtype=self.wire_dtype,
+            vw_weights=self.vw_weights,
         )
 
 
@@ -111,10 +119,12 @@ class PSClient:
         retry_s: float = 2.0,
         curve: ClientKeys | None = None,
         wire_dtype: str = "float32",
+        vw_weights: tuple[int, ...] = (),
     ) -> None:
         self.endpoints = endpoints
         self.run, self.vw, self.stage = run, vw, stage
         self.num_vws, self.num_stages = num_vws, num_stages
+        self.vw_weights = tuple(vw_weights)
         self.placement = dict(placement)
         self.curve = curve
         self.keys: list[str] = []
@@ -219,6 +229,7 @@ class PSClient:
                 "want_weights": want_weights,
                 "num_waves": num_waves,
                 "start_wave": start_wave,
+                "vw_weights": list(self.vw_weights),
                 "buffers": [k for k in part if kinds.get(k) == "buffer"],
                 "ledgers": [k for k in part if kinds.get(k) == "ledger"],
             }

@@ -252,7 +252,7 @@ class StageRunner:
         )  # listening before any peer asks
         train = dataset_of(config).train
         self.startup["data"] = time.time()
-        indices = datalib.shard_indices(len(train.y), job.num_vws, job.vw, config.seed)
+        indices = datalib.shard_indices(len(train.y), job.num_vws, job.vw, config.seed, job.vw_weights)
         start, stop = job.layers
         module = build_stage(self.spec, start, stop, self.device)
         self.schedule, self.actions = stage_schedule(job)

@@ -123,6 +123,7 @@ class ComputeActions:
             fields = {
                 "time": time.time(),
                 "samples_per_s": self.samples / max(elapsed, 1e-9),
+                "batch": self.config.train.batch_size,
                 "skipped": skip,
             }
             if unread is not None:

@@ -21,7 +21,7 @@ class StageAudit:
         self.job, self.schedule = job, schedule
         self.ledgers: dict[str, torch.Tensor] = {}
         if job.audit:
-            shape = audit_shape(job.config, job.num_vws)
+            shape = audit_shape(job.config.train.waves, job.nms)
             start, stop = job.layers
             self.ledgers = {
                 audit_key(layer): torch.zeros(shape, device=device) for layer in range(start, stop)
@@ -45,7 +45,7 @@ class StageAudit:
                 ledger.cpu().numpy(),
                 self.job.vw,
                 p,
-                wsp.nm,
+                self.job.nms,
                 wsp.staleness,
                 own,
                 gaps,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hetpipe.compute.build import ps_placement
+from hetpipe.compute.build import audit_shape, ps_placement
 from hetpipe.core.hardware.emulate import LinkEmulator
 from hetpipe.core.pipeline.resume import rejoin_actions
 from hetpipe.core.pipeline.schedule import Action, Schedule, get_schedule
@@ -88,9 +88,12 @@ def client_spec(job: StageJob, spec: ModelSpec) -> ClientSpec:
         job.stage,
         job.num_vws,
         job.num_stages,
-        ps_placement(config, spec, job.num_vws if job.audit else 0, job.first_vw),
+        ps_placement(
+            config, spec, audit_shape(config.train.waves, job.nms) if job.audit else None, job.first_vw
+        ),
         timeout_s=config.ps.timeout_s,
         retry_s=min(5.0, config.ps.timeout_s / 4),
         curve=job.ps_keys,
         wire_dtype=config.ps.wire_dtype,
+        vw_weights=job.vw_weights,
     )

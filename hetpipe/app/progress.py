@@ -34,6 +34,7 @@ class Progress:
     )  # (vw, stage) -> its start-up points
     max_lead: int = 0
     steps: int = 0  # minibatches finished, over all VWs
+    samples: int = 0  # their samples, the first one's left out (it ends the start-up, not the training)
     first_step: float | None = None  # when the first and the last of them finished (the stages' clock)
     last_step: float | None = None
     evicted: set[int] = field(default_factory=set)  # VWs out of the run (on_vw_failure = "evict")
@@ -41,6 +42,7 @@ class Progress:
     def update(self, event: dict[str, Any]) -> None:
         vw = event.get("vw")
         if event["event"] == "minibatch":
+            self.samples += event.get("batch", 0) if self.steps else 0
             self.steps += 1
             self.first_step = (
                 event["time"] if self.first_step is None else min(self.first_step, event["time"])

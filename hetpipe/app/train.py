@@ -36,6 +36,7 @@ from hetpipe.app.supervise import Supervisor
 from hetpipe.app.train_guards import (
     check_memory,
     check_options,
+    check_work,
     check_writable_dir,
     refuse_earlier_checkpoints,
     resume_point,
@@ -61,6 +62,7 @@ from hetpipe.core.protocol.keys import (
 )
 from hetpipe.core.runs.metrics import MetricsWriter
 from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
+from hetpipe.core.wsp.work import VwWork
 from hetpipe.models import ModelSpec
 from hetpipe.server.jobs import ShardJob, shard_jobs
 from hetpipe.server.launch import serve_job
@@ -237,6 +239,7 @@ def _settle(config: ClusterConfig, options: TrainOptions) -> _Run:
     run_dir = options.run_dir or Path(config.train.out_dir) / time.strftime("run-%Y%m%d-%H%M%S")
     vws = options.layouts or _saved_layouts(run_dir, options.resume) or vw_layouts(config, spec)
     check_memory(config, spec, vws)
+    check_work(config, vws)
     cut = resume_point(config, run_dir, vws) if options.resume else None
     if cut is None:
         refuse_earlier_checkpoints(config, run_dir)
@@ -248,7 +251,9 @@ def _settle(config: ClusterConfig, options: TrainOptions) -> _Run:
         (run_dir / "config.toml").write_text(
             config_toml(config)
         )  # the effective config: `hetpipe export` reads it
-        (run_dir / "layouts.json").write_text(json.dumps([[list(lay.gpus), list(lay.split)] for lay in vws]))
+        (run_dir / "layouts.json").write_text(
+            json.dumps([[list(lay.gpus), list(lay.split), lay.nm, lay.batch] for lay in vws])
+        )
     keys = (
         run_keys(config, run_dir, len(vws))
         if cut is None or config.ps.keys_dir
@@ -264,7 +269,7 @@ def _announce(run: _Run, say: Callable[[str], None]) -> None:
     config, vws, slow, cut = run.config, run.vws, run.slow, run.cut
     say(
         f"hetpipe train: {config.name}: {len(vws)} virtual workers, model {run.spec.name}, "
-        f"{config.train.waves} waves x nm={config.wsp.nm}, D={config.wsp.staleness}, "
+        f"{config.train.waves} waves x {_work_text(config, vws)}, D={config.wsp.staleness}, "
         f"pull={config.wsp.pull}; run dir {run.run_dir}"
         + (f"; resuming from wave {cut}" if cut is not None else "")
     )
@@ -272,7 +277,18 @@ def _announce(run: _Run, say: Callable[[str], None]) -> None:
         parts = [
             f"{g} ({config.gpu(g).name}, x{slow.get(g, 1.0):.2f} slower)" if slow else g for g in lay.gpus
         ]
-        say(f"  vw{i}: {' -> '.join(parts)}  layers per stage {list(lay.split)}")
+        work = lay.work(config)
+        say(
+            f"  vw{i}: {' -> '.join(parts)}  layers per stage {list(lay.split)}, a wave of {work.nm} x "
+            f"{work.batch} samples"
+        )
+
+
+def _work_text(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> str:
+    """ "nm=4" when every VW runs the config's Nm and batch, else "per-VW work" (each VW's line says it)."""
+    if {lay.work(config) for lay in vws} == {VwWork(config.wsp.nm, config.train.batch_size)}:
+        return f"nm={config.wsp.nm}"
+    return "per-VW work (below)"
 
 
 def _launch(
@@ -384,7 +400,9 @@ def _saved_layouts(run_dir: Path, resume: bool) -> tuple[VwLayout, ...] | None:
     path = run_dir / "layouts.json"
     if not resume or not path.exists():
         return None
-    return tuple(VwLayout(tuple(gpus), tuple(split)) for gpus, split in json.loads(path.read_text()))
+    return tuple(
+        VwLayout(tuple(gpus), tuple(split), *work) for gpus, split, *work in json.loads(path.read_text())
+    )
 
 
 def _saved_keys(config: ClusterConfig, run_dir: Path, num_vws: int) -> RunKeys | None:
@@ -423,14 +441,9 @@ def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, t
                 f"{plan_path}: a split of {sum(vw.split)} layers, but {config.model.name} has {layers}: "
                 "plan again for this config"
             )
-    nms = {vw.nm for vw in plan.vws}
-    if len(nms) != 1:
-        raise UsageError(
-            f"{plan_path}: VWs with different Nm {sorted(nms)}; the runtime runs one Nm for all VWs"
-        )
     config = replace(
         config,
-        wsp=replace(config.wsp, nm=nms.pop(), staleness=plan.staleness),
+        wsp=replace(config.wsp, nm=plan.vws[0].nm, staleness=plan.staleness),
         train=replace(
             config.train,
             schedule=plan.schedule,
@@ -450,4 +463,5 @@ def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, t
             f"{plan_path}: its training rule ({', '.join(rule)}) does not fit: {exc}; plan again for "
             "this config"
         ) from None
-    return config, tuple(VwLayout(vw.gpus, vw.split) for vw in plan.vws)
+    batch = config.train.batch_size
+    return config, tuple(VwLayout(vw.gpus, vw.split, vw.nm, vw.batch(batch)) for vw in plan.vws)

@@ -5,9 +5,10 @@ go together. Each raises the UsageError or ConfigError that says what to change;
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from hetpipe.compute.build import VwLayout
+from hetpipe.compute.build import VwLayout, run_work, vw_config
 from hetpipe.compute.sizes import model_sizes
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import ConfigError, UsageError
@@ -16,6 +17,7 @@ from hetpipe.core.pipeline.resume import common_cut
 from hetpipe.core.planning.fit import memory_error, stage_needs
 from hetpipe.core.planning.memory import MemoryRule
 from hetpipe.core.wsp.aggregation import AGGREGATIONS, get_aggregation
+from hetpipe.core.wsp.work import sample_weights
 from hetpipe.models import ModelSpec
 from hetpipe.server.checkpoint import list_clocks, list_manifests
 from hetpipe.worker.snapshot import list_snapshots
@@ -51,13 +53,27 @@ def check_writable_dir(directory: Path, label: str) -> None:
 def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ...]) -> None:
     """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs
     too)."""
-    sizes = model_sizes(spec, config.train.batch_size, config.train.optimizer)
     memory = {g: (config.gpu(g).name, int(config.gpu(g).memory_gib * 2**30)) for lay in vws for g in lay.gpus}
-    rule = MemoryRule.of(config, len(vws))
-    needs = stage_needs(sizes, [(lay.gpus, lay.split) for lay in vws], memory, rule)
-    problem = memory_error(needs, model=spec.name, batch_size=config.train.batch_size, rule=rule)
-    if problem:
-        raise ConfigError(f"{config.path}: {problem}")
+    for v, lay in enumerate(vws):  # at each VW's own Nm and batch
+        own = vw_config(config, lay)
+        sizes = model_sizes(spec, own.train.batch_size, own.train.optimizer)
+        rule = MemoryRule.of(own, len(vws))
+        needs = [replace(need, vw=v) for need in stage_needs(sizes, [(lay.gpus, lay.split)], memory, rule)]
+        problem = memory_error(needs, model=spec.name, batch_size=own.train.batch_size, rule=rule)
+        if problem:
+            raise ConfigError(f"{config.path}: {problem}")
+
+
+def check_work(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> None:
+    """UsageError for per-VW work (Nm, batch) the run cannot honour: the "average" mitigation adds a VW's own
+    updates at 1 / VWs, which is its share only when every VW does the same work."""
+    weights = set(sample_weights(run_work(config, vws)))
+    if len(weights) > 1 and "average" in config.train.mitigations:
+        raise UsageError(
+            f'{config.path}: train.mitigation "average" shares each VW\'s own updates equally, but the VWs '
+            "do unequal work per wave (per-VW nm or batch_size): drop the mitigation or give every VW the "
+            "same nm and batch_size"
+        )
 
 
 def resume_point(config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...]) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hetpipe.app.progress import Progress
-from hetpipe.compute.build import VwLayout, dataset_of
+from hetpipe.compute.build import VwLayout, dataset_of, run_work
 from hetpipe.compute.evaluate import evaluate
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.runs.metrics import merge_traces
@@ -48,7 +48,8 @@ def run_summary(
     if traces:
         merge_traces(traces, run_dir / "trace.json")
     dataset = dataset_of(config)
-    samples = config.train.waves * config.wsp.nm * config.train.batch_size * len(vws)
+    work = run_work(config, vws)
+    samples = config.train.waves * sum(w.samples for w in work)
     summary: dict[str, Any] = {
         "config": str(config.path),
         "run_dir": str(run_dir),
@@ -56,6 +57,7 @@ def run_summary(
         "virtual_workers": len(vws),
         "waves": config.train.waves,
         "nm": config.wsp.nm,
+        "work": [{"nm": w.nm, "batch": w.batch} for w in work],  # each VW's wave (docs/wsp.md#per-vw-work)
         "staleness": config.wsp.staleness,
         "pull": config.wsp.pull,
         "samples": samples,
@@ -63,7 +65,7 @@ def run_summary(
         # speed over the training itself: the minibatches finished after the first one, over the time from
         # the first to the last (process start-up, data loading, registration and shutdown excluded)
         "train_s": round(training, 2),
-        "samples_per_s": round((progress.steps - 1) * config.train.batch_size / max(training, 1e-9), 2),
+        "samples_per_s": round(progress.samples / max(training, 1e-9), 2),
         "max_lead_waves": progress.max_lead,
         "gate_wait_s": {
             str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
@@ -74,7 +76,7 @@ def run_summary(
         "wave_breakdown_ms": progress.breakdown_ms(config.train.waves),
         "evals": progress.evals,
     }
-    audit = _audit_ledgers(final, infos, config.wsp.nm)
+    audit = _audit_ledgers(final, infos, tuple(w.nm for w in work))
     if audit is not None:  # every (vw, minibatch) update must sit in the final weights exactly once
         summary["audit_checks"] = progress.audit_checks
         summary["audit_final_ledgers_exact"] = audit["lost"] == audit["duplicated"] == audit["stray"] == 0
@@ -95,7 +97,7 @@ def run_summary(
 
 
 def _audit_ledgers(
-    final: list[dict[str, Any]], infos: list[dict[str, Any]], nm: int
+    final: list[dict[str, Any]], infos: list[dict[str, Any]], nms: tuple[int, ...]
 ) -> dict[str, int] | None:
     """Each shard's final ledgers against what its clock and its VWs' gaps say they must hold: every update of
     a wave a VW contributed exactly once (lost: missing; duplicated: more than once; stray: in a gap)."""
@@ -106,7 +108,7 @@ def _audit_ledgers(
             if not key.startswith("audit/"):
                 continue
             found = True
-            want = expected_ledger(ledger.shape, nm, info.get("gaps", []), info["c_global"])
+            want = expected_ledger(ledger.shape, nms, info.get("gaps", []), info["c_global"])
             counts["slots"] += ledger.size
             counts["lost"] += int(((want == 1.0) & (ledger < 1.0)).sum())
             counts["duplicated"] += int((ledger > 1.0).sum())

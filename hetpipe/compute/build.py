@@ -3,7 +3,7 @@ placement."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetpipe.compute import data as datalib
 from hetpipe.core.config.schema import ClusterConfig
@@ -11,17 +11,51 @@ from hetpipe.core.errors import UsageError
 from hetpipe.core.planning.cluster import allocate
 from hetpipe.core.protocol.placement import get_placement, layer_shards, local_placement
 from hetpipe.core.wsp.audit import audit_key
+from hetpipe.core.wsp.work import VwWork
 from hetpipe.models import ModelSpec, build_stage, even_split, get_model, named_stage_tensors, param_counts
 
-__all__ = ["VwLayout", "audit_shape", "dataset_of", "model_of", "ps_placement", "vw_layouts"]
+__all__ = [
+    "VwLayout",
+    "audit_shape",
+    "dataset_of",
+    "model_of",
+    "ps_placement",
+    "run_work",
+    "vw_config",
+    "vw_layouts",
+]
 
 
 @dataclass(frozen=True)
 class VwLayout:
-    """One virtual worker as it runs: its GPUs in stage order and the layers of each stage."""
+    """One virtual worker as it runs: its GPUs in stage order, the layers of each stage, and its work per wave
+    (Nm minibatches of `batch` samples; 0: the config's [wsp] nm and [train] batch_size)."""
 
     gpus: tuple[str, ...]
     split: tuple[int, ...]
+    nm: int = 0
+    batch: int = 0
+
+    def work(self, config: ClusterConfig) -> VwWork:
+        """This VW's Nm and minibatch size."""
+        return VwWork(self.nm or config.wsp.nm, self.batch or config.train.batch_size)
+
+
+def vw_config(config: ClusterConfig, layout: VwLayout) -> ClusterConfig:
+    """The config as one VW runs it: [wsp] nm and [train] batch_size are that VW's own."""
+    work = layout.work(config)
+    if (work.nm, work.batch) == (config.wsp.nm, config.train.batch_size):
+        return config
+    return replace(
+        config,
+        wsp=replace(config.wsp, nm=work.nm),
+        train=replace(config.train, batch_size=work.batch),
+    )
+
+
+def run_work(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> tuple[VwWork, ...]:
+    """Every VW's work per wave, in VW order."""
+    return tuple(lay.work(config) for lay in vws)
 
 
 def model_of(config: ClusterConfig) -> ModelSpec:
@@ -41,18 +75,24 @@ def vw_layouts(config: ClusterConfig, spec: ModelSpec) -> tuple[VwLayout, ...]:
     """The config's virtual workers with their splits (given, or balanced by parameter count)."""
     if config.allocation.policy != "explicit":
         groups = [tuple(str(g) for g in vw) for vw in allocate(config, config.allocation.policy)]
-        specs: list[tuple[tuple[str, ...], tuple[int, ...] | None]] = [(g, None) for g in groups]
+        specs: list[tuple[tuple[str, ...], tuple[int, ...] | None, int, int]] = [
+            (g, None, 0, 0) for g in groups
+        ]
     else:
-        specs = [(tuple(str(g) for g in vw.gpus), vw.layers) for vw in config.virtual_workers]
+        specs = [
+            (tuple(str(g) for g in vw.gpus), vw.layers, vw.nm or 0, vw.batch_size or 0)
+            for vw in config.virtual_workers
+        ]
     counts = param_counts(spec)
     out = []
-    for i, (gpus, split) in enumerate(specs):
+    for i, (gpus, split, nm, batch) in enumerate(specs):
         if split is not None and sum(split) != spec.num_layers:
             raise UsageError(
                 f"{config.path}: virtual_workers[{i}].layers sums to {sum(split)} but model "
                 f"{spec.name} has {spec.num_layers} layers: make the counts add up"
             )
-        out.append(VwLayout(gpus, tuple(split) if split else tuple(even_split(counts, len(gpus)))))
+        split = tuple(split) if split else tuple(even_split(counts, len(gpus)))
+        out.append(VwLayout(gpus, split, nm, batch))
     if not out:
         raise UsageError(
             f"{config.path}: no virtual workers: list [[virtual_workers]] or set [allocation] policy"
@@ -60,21 +100,24 @@ def vw_layouts(config: ClusterConfig, spec: ModelSpec) -> tuple[VwLayout, ...]:
     return tuple(out)
 
 
-def audit_shape(config: ClusterConfig, num_vws: int) -> tuple[int, int]:
-    """Shape of an audit ledger: one row per VW, one column per minibatch."""
-    return num_vws, config.train.waves * config.wsp.nm
+def audit_shape(waves: int, nms: tuple[int, ...]) -> tuple[int, int]:
+    """Shape of an audit ledger: one row per VW, one column per minibatch of the VW with the most."""
+    return len(nms), waves * max(nms)
 
 
 def ps_placement(
-    config: ClusterConfig, spec: ModelSpec, audit_vws: int = 0, first_vw: VwLayout | None = None
+    config: ClusterConfig,
+    spec: ModelSpec,
+    audit: tuple[int, int] | None = None,
+    first_vw: VwLayout | None = None,
 ) -> dict[str, int]:
-    """Shard of every synced key of the whole model (computed on the meta device, split-independent); the
-    "local" placement follows `first_vw`, the run's first VW (every stage of the run must pass the same
-    one)."""
+    """Shard of every synced key of the whole model (computed on the meta device, split-independent), with
+    audit ledgers of shape `audit`; the "local" placement follows `first_vw`, the run's first VW (every stage
+    of the run must pass the same one)."""
     whole = build_stage(spec, 0, spec.num_layers, "meta")
     sizes = {k: t.numel() * 4 for k, t in named_stage_tensors(whole).items()}  # the PS holds float32
-    if audit_vws:
-        rows, cols = audit_shape(config, audit_vws)
+    if audit:
+        rows, cols = audit
         sizes.update({audit_key(layer): rows * cols * 4 for layer in range(spec.num_layers)})
     if config.ps.placement == "local":
         if first_vw is None:

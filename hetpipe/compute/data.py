@@ -11,7 +11,7 @@ import inspect
 import itertools
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -389,18 +389,31 @@ def load_dataset(name: str, *, test_fraction: float = 0.1, seed: int = 0, **opti
 # --------------------------------------------------------------------------- shards and minibatches
 
 
-def shard_indices(n: int, num_vws: int, vw: int, seed: int) -> np.ndarray:
+def shard_indices(n: int, num_vws: int, vw: int, seed: int, weights: Sequence[int] = ()) -> np.ndarray:
     """Virtual worker vw's sample indices: slice vw of a seeded permutation of range(n).
 
-    Shards are disjoint and equal-sized (n // num_vws each), so every VW has the same epoch length;
-    the n % num_vws samples at the end of the permutation are left out.
+    Shards are disjoint, sized in proportion to the VWs' `weights` (their samples per wave,
+    hetpipe.core.wsp.work; () or equal weights: n // num_vws each), so every VW has about the same number of
+    waves per epoch; the samples left over at the end of the permutation are left out.
     """
     if not 0 <= vw < num_vws:
         raise UsageError(f"virtual worker {vw} does not exist among {num_vws}; use 0..{num_vws - 1}")
     if n < num_vws:
         raise UsageError(f"{n} samples cannot give each of {num_vws} virtual workers a shard; use fewer VWs")
-    size = n // num_vws
-    return np.random.default_rng(seed).permutation(n)[vw * size : (vw + 1) * size]
+    weights = list(weights) or [1] * num_vws
+    if len(set(weights)) == 1:
+        size = n // num_vws
+        start, stop = vw * size, (vw + 1) * size
+    else:
+        unit = n // sum(weights)
+        start = unit * sum(weights[:vw])
+        stop = start + unit * weights[vw]
+        if stop == start:
+            raise UsageError(
+                f"{n} samples cannot give virtual worker {vw} a shard in proportion to its work "
+                f"({weights[vw]} of {sum(weights)}); use more data or VWs of more equal work"
+            )
+    return np.random.default_rng(seed).permutation(n)[start:stop]
 
 
 @functools.lru_cache(maxsize=8)

@@ -11,7 +11,9 @@ too. Its order of operations:
                    Δ = t - baseline; sums[wave] += Δ; baseline = t when a U of another wave comes and before
                    PUSH and WAIT (after each U under pipemare T2 and spectrain with SGD, which use each Δ)
                    (aggregation server: gsum[wave] += .grad, no step)
-  PS:              W_{t+1} = fold(W_t, ((P_vw0 + P_vw1) + ...)), buffers averaged
+  PS:              W_{t+1} = fold(W_t, ((P_vw0 + P_vw1) + ...)), buffers averaged; under per-VW work (VW v's
+                   wave: nm_v minibatches of b_v samples) buffers and a mean or server fold weigh each VW's
+                   push by its samples per wave (hetpipe.compute.reference_ps)
   WAIT c:          t = W_{c-D-1} + own sums of waves > c-D-2 (in wave order); buffers replaced
   ps.wire_dtype:   bfloat16 rounds the weights (not buffers) of every push as it leaves a stage and of every
                    pull as it leaves the PS; the PS and the stages' own sums stay float32
@@ -30,6 +32,7 @@ Mitigations (train.mitigation, hetpipe.core.pipeline.mitigation), each written h
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,11 +145,17 @@ class _Reference:
         config: ClusterConfig,
         splits: list[tuple[int, ...]],
         on_version: Callable[[int, dict[str, np.ndarray]], None] | None,
+        work: list[tuple[int, int]] | None = None,
     ) -> None:
         self.config, self.splits = config, splits
         self.spec = model_of(config)
-        self.t, self.nm, self.D = config.train, config.wsp.nm, config.wsp.staleness
+        self.t, self.D = config.train, config.wsp.staleness
         self.num_vws = len(splits)
+        work = work or [(config.wsp.nm, config.train.batch_size)] * self.num_vws
+        self.nms, self.batches = [nm for nm, _ in work], [b for _, b in work]
+        samples = [nm * b for nm, b in work]
+        unit = math.gcd(*samples)
+        self.weights = [n // unit for n in samples]  # each VW's samples per wave over the common divisor
         self.flags = _Flags.of(config, self.num_vws)
         self.autocast = (
             (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
@@ -157,7 +166,8 @@ class _Reference:
         dataset = dataset_of(config)
         self.x, self.y = dataset.train.x, dataset.train.y
         self.shards = [
-            datalib.shard_indices(len(self.y), self.num_vws, v, config.seed) for v in range(self.num_vws)
+            datalib.shard_indices(len(self.y), self.num_vws, v, config.seed, self.weights)
+            for v in range(self.num_vws)
         ]
         self.stages = self._build_stages()
         t = self.t
@@ -170,7 +180,7 @@ class _Reference:
         initial = {
             k: w.detach().numpy().copy() for st in self.stages.values() for k, w in _state_of(st).items()
         }
-        self.ps = ReferencePS(initial, kinds, splits, rule, on_version)
+        self.ps = ReferencePS(initial, kinds, splits, rule, on_version, self.weights)
         self.acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
         self.grads: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> output gradient waiting there
         self.dispatch: dict[str, Callable[[int, int, RefStage, Action], None]] = {
@@ -186,7 +196,7 @@ class _Reference:
         kind = get_schedule(t.schedule)
         stages: dict[StageId, RefStage] = {}
         for v, split in enumerate(self.splits):
-            schedule = kind(len(split), self.nm, t.waves, self.D)
+            schedule = kind(len(split), self.nms[v], t.waves, self.D)
             for j in range(len(split)):
                 start = sum(split[:j])
                 module = build_stage(self.spec, start, start + split[j])
@@ -209,7 +219,7 @@ class _Reference:
 
     # ---- order -----------------------------------------------------------------------------------
     def batch(self, vw: int, p: int):
-        return datalib.minibatch(self.x, self.y, self.shards[vw], self.t.batch_size, self.config.seed, p)
+        return datalib.minibatch(self.x, self.y, self.shards[vw], self.batches[vw], self.config.seed, p)
 
     def on_wire(self, a: np.ndarray) -> np.ndarray:
         return from_bfloat16_bits(to_bfloat16_bits(a)) if self.packed else a
@@ -309,7 +319,7 @@ class _Reference:
     @torch.no_grad()
     def update(self, v: int, j: int, st: RefStage, a: Action) -> None:
         params = dict(st.module.named_parameters())
-        wave = a.index // self.nm
+        wave = a.index // self.nms[v]
         if self.flags.local:
             if st.covered > 1:
                 for w in params.values():
@@ -373,7 +383,7 @@ class _Reference:
             gsum = st.gsums.pop(a.index, {})
             out.update(
                 {
-                    k: (gsum[k] / self.nm if k in gsum else torch.zeros_like(w)).detach().numpy().copy()
+                    k: (gsum[k] / self.nms[v] if k in gsum else torch.zeros_like(w)).detach().numpy().copy()
                     for k, w in params.items()
                 }
             )
@@ -422,12 +432,13 @@ def run_reference(
     splits: list[tuple[int, ...]],
     order_seed: int = 0,
     on_version: Callable[[int, dict[str, np.ndarray]], None] | None = None,
+    work: list[tuple[int, int]] | None = None,
 ) -> ReferenceResult:
     """Train every VW of `splits` (layers per stage) by the config, each stage's next action at a time in a
     random valid order (`order_seed`); `on_version(t, W_t)` sees each global version as the PS builds it (e.g.
-    to score the weights wave by wave)."""
+    to score the weights wave by wave); `work`: each VW's (Nm, minibatch size), by default the config's."""
     torch.set_num_threads(1)
-    ref = _Reference(config, splits, on_version)
+    ref = _Reference(config, splits, on_version, work)
     rng = random.Random(order_seed)
     stages = ref.stages
     while any(s.pos < len(s.actions) for s in stages.values()):

@@ -2,8 +2,10 @@
 wave, and W_t built in VW order once every stage of every VW has pushed wave t - 1, folded by the oracle's own
 arithmetic, written here again in torch rather than taken from the PS (hetpipe.core.wsp.aggregation), so that
 a wrong fold at the PS shows as a difference: buffers averaged over the VWs, and for the rules hetpipe ships
-(a rule's subclasses included) the sum, the mean, or the PS-side optimizer on the VWs' mean gradient. A rule
-defined outside hetpipe is folded by its own `fold_param`: that is its definition."""
+(a rule's subclasses included) the sum, the mean, or the PS-side optimizer on the VWs' mean gradient. Where
+VWs do unequal work, the averages weigh each VW by its weight (its samples per wave over their common
+divisor): S = k_0 P_0 + k_1 P_1 + ..., divided by k_0 + k_1 + ...; the sum stays unweighted. A rule defined
+outside hetpipe is folded by its own `fold_param`, on what its `weighs` says: that is its definition."""
 
 from __future__ import annotations
 
@@ -77,8 +79,10 @@ class ReferencePS:
         splits: list[tuple[int, ...]],
         rule: Aggregation,
         on_version: Callable[[int, dict[str, np.ndarray]], None] | None,
+        weights: list[int] | None = None,
     ) -> None:
         self.splits, self.kinds, self.rule, self.on_version = splits, kinds, rule, on_version
+        self.weights = weights or [1] * len(splits)  # each VW's weight by samples
         self.history = [initial]  # W_0, W_1, ...
         self.pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> what was pushed
         self.pushed = {(v, j): 0 for v, split in enumerate(splits) for j in range(len(split))}
@@ -98,7 +102,11 @@ class ReferencePS:
             w = len(self.history) - 1
             new = {}
             for key, old in self.history[-1].items():
-                parts = [self.pushes[w][v][key] for v in range(num_vws)]
+                weigh = self.weighs(key)
+                parts = [
+                    np.asarray(self.pushes[w][v][key] * np.float32(self.weights[v] if weigh else 1))
+                    for v in range(num_vws)
+                ]
                 s = parts[0].copy()
                 for part in parts[1:]:
                     s += part
@@ -107,9 +115,20 @@ class ReferencePS:
             if self.on_version is not None:
                 self.on_version(len(self.history) - 1, new)
 
+    def weighs(self, key: str) -> bool:
+        """Whether VWs' pushes of `key` enter the sum times their weights: buffers, and params of a mean."""
+        kind, rule = self.kinds[key], self.rule
+        if kind == "buffer":
+            return True
+        if isinstance(rule, MeanAggregation | ServerAggregation):
+            return True
+        if isinstance(rule, SumAggregation):
+            return False
+        return rule.weighs(kind)  # a rule of its own: what it says
+
     def fold(self, key: str, old: np.ndarray, s: np.ndarray) -> np.ndarray:
         """W_{t+1}[key] from W_t[key] and the VW-ordered sum S_t[key]."""
-        n = len(self.splits)
+        n = sum(self.weights)
         w, total = torch.from_numpy(old), torch.from_numpy(s)
         rule = self.rule
         if self.kinds[key] == "buffer":  # values, averaged whatever the rule

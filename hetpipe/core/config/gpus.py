@@ -136,7 +136,9 @@ def _virtual_workers(
                 "give one layer count per GPU, in the same order as gpus (or drop layers to let "
                 "the partitioner choose)",
             )
-        specs.append(VirtualWorkerSpec(gpus=tuple(refs), layers=layers))
+        nm = table.integer("nm", ge=1) if "nm" in table.data else None
+        batch = table.integer("batch_size", ge=1) if "batch_size" in table.data else None
+        specs.append(VirtualWorkerSpec(gpus=tuple(refs), layers=layers, nm=nm, batch_size=batch))
     return tuple(specs)
 
 

@@ -276,10 +276,13 @@ class AllocationConfig:
 
 @dataclass(frozen=True)
 class VirtualWorkerSpec:
-    """A virtual worker listed by hand: its GPUs in stage order, optionally layers per stage."""
+    """A virtual worker listed by hand: its GPUs in stage order, optionally layers per stage and its own work
+    per wave (Nm and minibatch size; None: [wsp] nm and [train] batch_size; docs/wsp.md#per-vw-work)."""
 
     gpus: tuple[GpuRef, ...]
     layers: tuple[int, ...] | None = None
+    nm: int | None = None
+    batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -361,7 +364,12 @@ class ClusterConfig:
             doc["emulation"]["time_scale"] = "auto"
         if self.virtual_workers:
             doc["virtual_workers"] = [
-                {"gpus": [str(g) for g in vw.gpus], **({"layers": list(vw.layers)} if vw.layers else {})}
+                {
+                    "gpus": [str(g) for g in vw.gpus],
+                    **({"layers": list(vw.layers)} if vw.layers else {}),
+                    **({"nm": vw.nm} if vw.nm is not None else {}),
+                    **({"batch_size": vw.batch_size} if vw.batch_size is not None else {}),
+                }
                 for vw in self.virtual_workers
             ]
         return doc
@@ -425,4 +433,4 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
 _TOP_KEYS = ("name", "seed", "gpu_types", "nodes", *_SECTIONS, "virtual_workers")
 _GPU_TYPE_KEYS = ("speed", "memory_gib")
 _NODE_KEYS = ("name", "host", "gpus", "devices")
-_VW_KEYS = ("gpus", "layers")
+_VW_KEYS = ("gpus", "layers", "nm", "batch_size")

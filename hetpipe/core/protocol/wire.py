@@ -36,7 +36,7 @@ __all__ = [
     "to_bfloat16_bits",
 ]
 
-PROTOCOL_VERSION = 2  # 2: durable pushes (keep_from), heartbeats, eviction and rejoin
+PROTOCOL_VERSION = 3  # 2: durable pushes (keep_from), heartbeats, eviction and rejoin; 3: VW weights
 CHUNK_BYTES = 1 << 20  # one data frame; a multiple of every allowed itemsize
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 100_000
@@ -158,6 +158,16 @@ def _is_key_list(value: object) -> str | None:
     return None if ok else f"a list of at most {MAX_TENSORS} tensor names"
 
 
+def _is_weight_list(value: object) -> str | None:
+    """Each VW's weight by samples: a list of ints >= 1, one per VW ([] for every VW weighing 1)."""
+    ok = (
+        type(value) is list
+        and len(value) <= MAX_INFO_ENTRIES
+        and all(type(w) is int and 1 <= w < _I31 for w in value)
+    )
+    return None if ok else f"a list of at most {MAX_INFO_ENTRIES} ints in [1, 2**31)"
+
+
 _SCALARS = (type(None), bool, int, float, str, bytes)
 
 
@@ -226,6 +236,7 @@ FIELDS: dict[str, dict[str, Check]] = {
         "buffers": _is_key_list,
         "ledgers": _is_key_list,
         "start_wave": _INDEX,
+        "vw_weights": _is_weight_list,
     },
     "push": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
     "pull": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},

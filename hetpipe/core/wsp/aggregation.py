@@ -8,6 +8,11 @@ operation order.
 
 Kinds of keys: "param" (trainable weights: folded by the rule), "ledger" (audit counters: always summed)
 and "buffer" (BatchNorm statistics and counters: values, averaged over the VWs, never summed as deltas).
+
+Weights by samples (docs/wsp.md#per-vw-work): VW v's push of a key the rule `weighs` enters the wave's sum
+as k_v times itself (k_v: its samples per wave over the run's common divisor, hetpipe.core.wsp.work), and a
+fold's `total` is the summed k_v of the wave's contributors; with equal work every k_v is 1 and `total` is
+the number of VWs.
 """
 
 from __future__ import annotations
@@ -119,8 +124,8 @@ class Aggregation:
     # update (the change its own optimizer steps made); False, at the PS, which steps on the VWs' mean
     # gradients (each stage pushes its wave's mean gradient and its weights move only at pulls).
     local_optimizer: ClassVar[bool] = True
-    # How much of each VW's push reaches the weights: "whole" (n VWs apply n steps' worth) or "mean" (1 /
-    # VWs).
+    # How much of each VW's push reaches the weights: "whole" (n VWs apply n steps' worth) or "mean" (its
+    # weight by samples over the contributors' total: 1 / VWs when every VW does the same work).
     share: ClassVar[Share] = "whole"
     # fold_param is exactly W + S, so a shard may add a received push into W straight from its frames.
     plain_sum: ClassVar[bool] = False
@@ -128,14 +133,17 @@ class Aggregation:
     def __init__(self, optimizer: OptimizerSettings | None = None) -> None:
         self.optimizer_settings = optimizer or OptimizerSettings()
 
-    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
-        """W_{t+1}[key] of a parameter from W_t[key] and S_t[key], the VW-ordered sum of the wave's pushes."""
+    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, total: int) -> np.ndarray:
+        """W_{t+1}[key] of a parameter from W_t[key] and S_t[key], the VW-ordered sum of the wave's pushes
+        (each times its VW's weight where the rule `weighs` params); `total`: the contributors' summed
+        weight."""
         raise NotImplementedError(f"aggregation {self.name!r} must define fold_param")
 
-    def add_param_now(self, key: str, w: np.ndarray, src: np.ndarray, num_vws: int) -> np.ndarray | None:
-        """Latest pulls: one VW's push folded into the running weights as it arrives; new weights, or None
-        after adding into `w` in place. By default the fold of that one push."""
-        return self.fold_param(key, w, src, num_vws)
+    def add_param_now(self, key: str, w: np.ndarray, src: np.ndarray, total: int) -> np.ndarray | None:
+        """Latest pulls: one VW's push (times its weight where the rule `weighs` params) folded into the
+        running weights as it arrives; new weights, or None after adding into `w` in place. By default the
+        fold of that one push."""
+        return self.fold_param(key, w, src, total)
 
     def to_state(self) -> tuple[Any, dict[str, np.ndarray]]:
         """What the rule keeps between waves (a PS-side optimizer's state), for checkpoints: (meta,
@@ -146,29 +154,35 @@ class Aggregation:
         """Restore what to_state wrote."""
 
     # ---- every rule alike -------------------------------------------------------------------------
+    def weighs(self, kind: KeyKind) -> bool:
+        """Whether a VW's push of `kind` enters the wave's sum times its weight by samples: buffers (a
+        weighted mean of values) and, under a rule that shares each VW's push as a mean, params."""
+        return kind == "buffer" or (kind == "param" and self.share == "mean")
+
     def adds(self, kind: KeyKind) -> bool:
         """Whether fold is W + S for keys of `kind` (ledgers under every rule, params under a plain sum)."""
         return kind == "ledger" or (kind == "param" and self.plain_sum)
 
-    def fold(self, key: str, kind: KeyKind, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
-        """W_{t+1}[key] from W_t[key] and S_t[key] (exact pulls: once per complete wave)."""
+    def fold(self, key: str, kind: KeyKind, w: np.ndarray, s: np.ndarray, total: int) -> np.ndarray:
+        """W_{t+1}[key] from W_t[key] and S_t[key] (exact pulls: once per complete wave); `total`: the
+        contributors' summed weight."""
         if kind == "buffer":
-            out = s / _F32(num_vws)
+            out = s / _F32(total)
         elif kind == "ledger":
             out = w + s
         else:
-            out = self.fold_param(key, w, s, num_vws)
+            out = self.fold_param(key, w, s, total)
         return np.asarray(out, dtype=_F32)  # 0-d stays an array
 
     def add_now(
-        self, key: str, kind: KeyKind, w: np.ndarray, src: np.ndarray, num_vws: int
+        self, key: str, kind: KeyKind, w: np.ndarray, src: np.ndarray, total: int
     ) -> np.ndarray | None:
         """Latest pulls: fold one VW's push into the running weights as it arrives; returns new weights when
         the rule cannot add in place, None after adding `src` (scaled) into `w` in place."""
         if kind == "ledger":
             np.add(w, src, out=w)
             return None
-        new = self.add_param_now(key, w, src, num_vws)
+        new = self.add_param_now(key, w, src, total)
         return None if new is None else np.asarray(new, dtype=_F32)
 
 
@@ -202,10 +216,10 @@ class SumAggregation(Aggregation):
     summary = "W + S: every VW's summed update applied whole (n VWs apply n steps' worth, as Downpour SGD)"
     plain_sum = True
 
-    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
+    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, total: int) -> np.ndarray:
         return w + s
 
-    def add_param_now(self, key: str, w: np.ndarray, src: np.ndarray, num_vws: int) -> np.ndarray | None:
+    def add_param_now(self, key: str, w: np.ndarray, src: np.ndarray, total: int) -> np.ndarray | None:
         np.add(w, src, out=w)
         return None
 
@@ -213,21 +227,21 @@ class SumAggregation(Aggregation):
 @register_aggregation
 class MeanAggregation(Aggregation):
     name = "mean"
-    summary = "W + S / VWs: the mean of the VWs' updates"
+    summary = "W + S / VWs: the mean of the VWs' updates, each weighted by the samples behind it"
     share = "mean"
 
-    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
-        return w + s / _F32(num_vws)
+    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, total: int) -> np.ndarray:
+        return w + s / _F32(total)
 
-    def add_param_now(self, key: str, w: np.ndarray, src: np.ndarray, num_vws: int) -> np.ndarray | None:
-        np.add(w, src / _F32(num_vws), out=w)
+    def add_param_now(self, key: str, w: np.ndarray, src: np.ndarray, total: int) -> np.ndarray | None:
+        np.add(w, src / _F32(total), out=w)
         return None
 
 
 @register_aggregation
 class ServerAggregation(Aggregation):
     name = "server"
-    summary = "the PS runs the optimizer once per wave on the VWs' mean gradients"
+    summary = "the PS runs the optimizer once per wave on the VWs' gradients, averaged by samples"
     local_optimizer = False
     share = "mean"
 
@@ -236,8 +250,8 @@ class ServerAggregation(Aggregation):
         o = self.optimizer_settings
         self.optimizer = ServerOptimizer(o.name, o.lr, o.momentum, o.weight_decay)
 
-    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, num_vws: int) -> np.ndarray:
-        return self.optimizer.step(key, w, s / _F32(num_vws))
+    def fold_param(self, key: str, w: np.ndarray, s: np.ndarray, total: int) -> np.ndarray:
+        return self.optimizer.step(key, w, s / _F32(total))
 
     def to_state(self) -> tuple[Any, dict[str, np.ndarray]]:
         return self.optimizer.to_state()

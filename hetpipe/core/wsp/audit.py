@@ -1,9 +1,9 @@
 """Audit of what each forward saw: a tagged-update ledger checked against guarantees L and G
 (docs/schedules.md#guarantee-l, docs/wsp.md#guarantee-g).
 
-With auditing on, every layer gets an extra synced tensor of shape (num_vws, num_minibatches); the
-backward of minibatch p of VW i adds exactly 1.0 at [i, p], and that update travels like any other
-(wave sums, pushes, pulls, rebase). Before each forward the stage checks its ledger. Pure: no I/O.
+With auditing on, every layer gets an extra synced tensor of shape (num_vws, num_minibatches of the VW with
+the most); the backward of minibatch p of VW i adds exactly 1.0 at [i, p], and that update travels like any
+other (wave sums, pushes, pulls, rebase). Before each forward the stage checks its ledger. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -25,21 +25,31 @@ def audit_key(layer: int) -> str:
     return f"audit/{layer}"
 
 
-def gap_mask(shape: tuple[int, int], nm: int, gaps: Sequence[Sequence[int]]) -> np.ndarray:
+# Nm of every VW alike, or each VW's own (row v's minibatches come in waves of nm_v)
+Nms = int | Sequence[int]
+
+
+def _nm_of(nm: Nms, vw: int) -> int:
+    return nm if isinstance(nm, int) else nm[vw]
+
+
+def gap_mask(shape: tuple[int, int], nm: Nms, gaps: Sequence[Sequence[int]]) -> np.ndarray:
     """True at the slots of waves a VW contributed nothing to: [vw, from, to) wave ranges (to = -1: on), the
     spans it was evicted for (docs/recovery.md)."""
     mask = np.zeros(shape, dtype=bool)
     for v, start, end in gaps:
-        mask[v, start * nm : shape[1] if end < 0 else end * nm] = True
+        nm_v = _nm_of(nm, v)
+        mask[v, start * nm_v : shape[1] if end < 0 else end * nm_v] = True
     return mask
 
 
 def expected_ledger(
-    shape: tuple[int, int], nm: int, gaps: Sequence[Sequence[int]], through_wave: int
+    shape: tuple[int, int], nm: Nms, gaps: Sequence[Sequence[int]], through_wave: int
 ) -> np.ndarray:
     """The final ledger of a run whose waves < through_wave are folded: 1 at every slot outside the gaps."""
     want = np.zeros(shape, dtype=np.float32)
-    want[:, : through_wave * nm] = 1.0
+    for v in range(shape[0]):
+        want[v, : through_wave * _nm_of(nm, v)] = 1.0
     want[gap_mask(shape, nm, gaps)] = 0.0
     return want
 
@@ -48,7 +58,7 @@ def ledger_violations(
     ledger: np.ndarray,
     vw: int,
     p: int,
-    nm: int,
+    nm: Nms,
     staleness: int,
     own_through: int | None = None,
     gaps: Sequence[Sequence[int]] = (),
@@ -75,21 +85,24 @@ def ledger_violations(
             f"slot [vw {v}, minibatch {q}] is in a wave vw {v} was evicted for, yet holds {ledger[v, q]}"
         )
     present = (ledger == 1.0) | skip
-    through = p - nm if own_through is None else own_through
+    own_nm = _nm_of(nm, vw)
+    through = p - own_nm if own_through is None else own_through
     if through >= own_from and not present[vw, own_from : through + 1].all():
         q = own_from + int(np.argmin(present[vw, own_from : through + 1]))
         problems.append(f"L: own update of minibatch {q} <= {through} is missing")
     if (ledger[vw, p:] != 0.0).any():
         q = p + int(np.argmax(ledger[vw, p:] != 0.0))
         problems.append(f"own update of minibatch {q} >= p is already in")
-    wave = p // nm
-    through = (wave - staleness - 1) * nm  # minibatches of waves <= c - D - 2
-    if through > 0:
-        missing = np.argwhere(~present[:, :through])
+    wave = p // own_nm
+    for v in range(ledger.shape[0]):
+        nm_v = _nm_of(nm, v)
+        through = (wave - staleness - 1) * nm_v  # VW v's minibatches of waves <= c - D - 2
+        missing = np.argwhere(~present[v, : max(through, 0)])
         if len(missing):
-            v, q = missing[0]
+            q = int(missing[0][0])
             problems.append(
-                f"G: vw {v}'s update of minibatch {q} (wave {q // nm} <= c - D - 2 = "
+                f"G: vw {v}'s update of minibatch {q} (wave {q // nm_v} <= c - D - 2 = "
                 f"{wave - staleness - 2}) is missing"
             )
+            break
     return problems

@@ -19,6 +19,15 @@ class Membership:
 
     num_vws: int | None = None  # set by the first registration
     epochs: dict[int, list[list[int]]] = field(default_factory=dict)
+    weights: tuple[int, ...] = ()  # each VW's weight by samples (hetpipe.core.wsp.work); (): every VW 1
+
+    def weight(self, vw: int) -> int:
+        """VW `vw`'s weight by samples in a fold (1 when every VW does the same work)."""
+        return self.weights[vw] if self.weights else 1
+
+    def total(self, wave: int) -> int:
+        """The summed weight of wave `wave`'s contributors (at least 1)."""
+        return max(1, sum(self.weight(v) for v in self.contributors(wave)))
 
     def spans(self, vw: int) -> list[list[int]]:
         """VW `vw`'s epochs (recorded as [[0, OPEN]] the first time it is asked about)."""

@@ -47,9 +47,11 @@ class Registrations:
         kinds: Mapping[str, str] | None,
         num_waves: int | None,
         start_wave: int,
+        weights: tuple[int, ...] = (),
     ) -> list[str]:
         """Check a stage's registration and record its keys; returns the keys new to this shard."""
         self._check_run(vw, stage, num_vws, num_stages, num_waves, start_wave)
+        self._check_weights(vw, num_vws, weights)
         sid = (vw, stage)
         keys = tuple(tensors)
         if sid in self.stage_keys and set(self.stage_keys[sid]) != set(keys):
@@ -104,6 +106,23 @@ class Registrations:
                 "conflict",
                 f"vw {vw} stage {stage} starts at wave {start_wave}, but vw {vw} is live from "
                 f"wave {members.start(vw)}: every stage of a VW starts at the same wave",
+            )
+
+    def _check_weights(self, vw: int, num_vws: int, weights: tuple[int, ...]) -> None:
+        """Check a registration's weights by samples (one per VW, each >= 1; () for every VW 1) against what
+        earlier ones said, recording the first."""
+        members = self.membership
+        if weights and (len(weights) != num_vws or min(weights) < 1):
+            raise WspError(
+                "bad_message", f"vw {vw} gives weights {list(weights)}: one weight >= 1 per VW ({num_vws})"
+            )
+        if not self.stage_keys and not members.weights:
+            members.weights = tuple(weights)
+        elif tuple(weights) != members.weights:
+            raise WspError(
+                "conflict",
+                f"vw {vw} says the VWs weigh {list(weights) or 'alike'}, but the run's weights are "
+                f"{list(members.weights) or 'alike'}: every stage must come from the same config",
             )
 
     def _check_keys(self, vw: int, stage: int, tensors: Mapping[str, Source], kinds: dict[str, str]) -> None:

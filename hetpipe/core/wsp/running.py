@@ -24,14 +24,18 @@ class RunningWeights:
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     held: dict[int, dict[int, dict[str, Source]]] = field(default_factory=dict)  # vw -> wave -> pushes
     buffers: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # each VW's newest buffer values
+    vw_weights: dict[int, int] = field(default_factory=dict)  # each VW's weight by samples (absent: 1)
     lent: dict[str, list[Callable[[], bool]]] = field(default_factory=dict)  # key -> sends reading it
 
     def hold(self, vw: int, wave: int, tensors: Mapping[str, Source]) -> None:
         """Keep a stage's push of `wave` until every stage of VW `vw` has pushed the wave."""
         self.held.setdefault(vw, {}).setdefault(wave, {}).update(tensors)
 
-    def fold(self, vw: int, wave: int, kinds: Mapping[str, KeyKind], contributors: int) -> None:
-        """Fold VW `vw`'s complete wave into the running weights (buffers: keep its newest values)."""
+    def fold(self, vw: int, wave: int, kinds: Mapping[str, KeyKind], weight: int, total: int) -> None:
+        """Fold VW `vw`'s complete wave into the running weights (buffers: keep its newest values); `weight`:
+        the VW's weight by samples, `total`: the summed weight of the wave's contributors."""
+        if weight != 1:
+            self.vw_weights[vw] = weight
         for key, src in self.held[vw].pop(wave, {}).items():
             kind = kinds[key]
             if kind == "buffer":
@@ -40,7 +44,10 @@ class RunningWeights:
             if self.aggregation.adds(kind):  # W += S straight from the received frames, not copied out first
                 add_into(self._writable(key), src)
                 continue
-            new = self.aggregation.add_now(key, kind, self._writable(key), as_array(src), contributors)
+            part = as_array(src)
+            if weight != 1 and self.aggregation.weighs(kind):
+                part = np.asarray(part * np.float32(weight))  # 0-d stays an array
+            new = self.aggregation.add_now(key, kind, self._writable(key), part, total)
             if new is not None:
                 self.weights[key] = new.astype(np.float32, copy=False)
 
@@ -50,17 +57,22 @@ class RunningWeights:
         self.buffers.pop(vw, None)
 
     def value(self, key: str, kind: KeyKind, initial: np.ndarray) -> np.ndarray:
-        """The running weights of `key`; a buffer's: the mean of each VW's newest values (`initial` before
-        any)."""
+        """The running weights of `key`; a buffer's: the mean of each VW's newest values, weighted by
+        samples (`initial` before any)."""
         if kind != "buffer":
             return self.weights[key]
-        values = [self.buffers[v][key] for v in sorted(self.buffers) if key in self.buffers[v]]
-        if not values:
+        owners = [v for v in sorted(self.buffers) if key in self.buffers[v]]
+        if not owners:
             return initial
-        total = values[0].copy()
-        for part in values[1:]:
-            total += part
-        return np.asarray(total / np.float32(len(values)), dtype=np.float32)
+        total = None
+        for v in owners:
+            weight = self.vw_weights.get(v, 1)
+            part = (
+                self.buffers[v][key] if weight == 1 else np.asarray(self.buffers[v][key] * np.float32(weight))
+            )
+            total = part.copy() if total is None else total + part
+        count = sum(self.vw_weights.get(v, 1) for v in owners)
+        return np.asarray(total / np.float32(count), dtype=np.float32)
 
     def lend(self, key: str, is_done: Callable[[], bool]) -> None:
         """Mark weights[key] as read by an in-flight zero-copy send until is_done() turns true (the sends

@@ -38,6 +38,7 @@ def to_state(state: ShardState, detached: bool = False) -> tuple[dict[str, Any],
         "aggregation": state.aggregation.name,
         "optimizer": optimizer_meta,
         "num_vws": state.num_vws,
+        "weights": list(state.membership.weights),
         "num_waves": registrations.num_waves,
         "num_stages": {str(v): n for v, n in registrations.num_stages.items()},
         "epochs": {str(v): [list(span) for span in spans] for v, spans in state.membership.epochs.items()},
@@ -124,6 +125,7 @@ def _restore(state: ShardState, meta: Mapping[str, Any], arrays: Mapping[str, np
     """Fill a fresh `state` (built with the snapshot's staleness, pull mode and rule) from a snapshot."""
     registrations = state.registrations
     state.membership.num_vws = meta["num_vws"]
+    state.membership.weights = tuple(meta.get("weights", ()))
     registrations.num_waves = meta.get("num_waves")
     registrations.num_stages = {int(v): n for v, n in meta["num_stages"].items()}
     state.membership.epochs = {
@@ -150,6 +152,7 @@ def _restore(state: ShardState, meta: Mapping[str, Any], arrays: Mapping[str, np
     if state.pull_mode == "latest":
         running = state.running
         running.weights = {k: load(f"w/{k}") for k in kinds}
+        running.vw_weights = {v: w for v, w in enumerate(state.membership.weights) if w != 1}
         running.buffers = {
             int(v): {k: load(f"b/{v}/{k}") for k in keys} for v, keys in meta["latest_buffers"].items()
         }

@@ -170,11 +170,14 @@ class ShardState:
         kinds: Mapping[str, str] | None = None,
         num_waves: int | None = None,
         start_wave: int = 0,
+        weights: tuple[int, ...] = (),
     ) -> dict[str, np.ndarray]:
         """Declare a stage's keys (first registration of a key sets its W_0) and their kinds (default
-        "param"), and how many waves the run has (None: unknown); returns the PS's values. A stage registers
-        again after a restart of the shard (nothing changes) or of its VW (start_wave: where it rejoined)."""
-        new = self.registrations.admit(vw, stage, num_vws, num_stages, tensors, kinds, num_waves, start_wave)
+        "param"), the run's waves (None: unknown) and each VW's weight by samples (() for every VW 1);
+        returns the PS's values. A stage registers again after a restart of the shard (nothing changes) or
+        of its VW (start_wave: where it rejoined)."""
+        admit = self.registrations.admit
+        new = admit(vw, stage, num_vws, num_stages, tensors, kinds, num_waves, start_wave, weights)
         initial = self.registrations.initial
         if self.pull_mode == "latest":
             for key in new:
@@ -234,7 +237,7 @@ class ShardState:
         self.registrations.check_push(vw, stage, keys, tensors)
         completed = self.c_local(vw)
         if self.pull_mode == "exact":
-            self.exact.add(wave, vw, tensors)
+            self.exact.add(wave, vw, tensors, self.kinds, self.membership.weight(vw))
         else:
             self.running.hold(vw, wave, tensors)
         self.pushed[(vw, stage)] = done + 1
@@ -243,7 +246,7 @@ class ShardState:
             self.exact.merge(list(now_complete), self.membership.contributors, self.c_local)
         else:
             for t in now_complete:
-                self.running.fold(vw, t, self.kinds, max(1, len(self.membership.contributors(t))))
+                self.running.fold(vw, t, self.kinds, self.membership.weight(vw), self.membership.total(t))
         after = self.c_global
         self._build_versions()
         self._forget()
@@ -290,7 +293,7 @@ class ShardState:
         """Exact: build W_{t+1} from W_t and S_t for every wave t that every live VW has completed."""
         if self.pull_mode != "exact" or self.num_vws is None:
             return
-        self.exact.build(self.c_global, self.membership.contributors, self.kinds)
+        self.exact.build(self.c_global, self.membership.contributors, self.membership.total, self.kinds)
 
     def _forget(self) -> None:
         """Exact: drop versions no pull can ask for any more (ExactVersions.oldest_needed: from how far the
