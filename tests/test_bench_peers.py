@@ -106,3 +106,53 @@ def test_ddp_subsets_offer_the_fastest_types() -> None:
         "fit": ["n0:0", "n0:1", "n0:2"],
         "speed>=3": ["n0:0", "n0:2"],
     }
+
+
+def _reference_losses(config, batches: list[int], lr: float) -> tuple[float, float]:
+    """Rank 0's loss at step 1 after one step on all ranks' step-0 samples at once (the whole batch's mean
+    gradient), and after one step on the plain mean of the ranks' own mean gradients (DDP unweighted)."""
+    import torch
+
+    from hetpipe.compute import data as datalib
+    from hetpipe.compute.build import dataset_of, model_of
+    from hetpipe.compute.optim import make_optimizer
+    from hetpipe.models import build_stage
+
+    spec, data, t = model_of(config), dataset_of(config), config.train
+    shards = [
+        datalib.shard_indices(len(data.train.y), len(batches), r, config.seed) for r in range(len(batches))
+    ]
+    parts = [
+        datalib.minibatch(data.train.x, data.train.y, idx, b, config.seed, 0)
+        for idx, b in zip(shards, batches, strict=True)
+    ]
+    x1, y1 = datalib.minibatch(data.train.x, data.train.y, shards[0], batches[0], config.seed, 1)
+    out = []
+    for weights in ([b / sum(batches) for b in batches], [1 / len(batches)] * len(batches)):
+        model = build_stage(spec, 0, spec.num_layers)
+        optimizer = make_optimizer(list(model.parameters()), t.optimizer, lr, t.momentum, t.weight_decay)
+        loss = sum(w * spec.loss(model(x), y) for w, (x, y) in zip(weights, parts, strict=True))
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            out.append(float(spec.loss(model(x1), y1)))
+    return out[0], out[1]
+
+
+@pytest.mark.timeout(60)
+def test_ddp_with_batches_split_by_speed_updates_like_the_whole_batch(cluster, tmp_path: Path) -> None:
+    """Two ranks of 3 and 5 samples: rank 0's loss after the first step is the one after a step on all 8
+    samples' mean gradient (each rank's loss weighted by its share), not after the plain mean of the two."""
+    config, need = cluster
+    fit, _ = peers.ddp_members(peers.devices(config), need)
+    run = peers.run_ddp(config, fit, [3, 5], 2, tmp_path / "logs", lr=0.5)
+    assert run.samples_per_step == 8 and run.setting["batch"] == [3, 5] and run.setting["global_batch"] == 8
+    weighted, plain = _reference_losses(config, [3, 5], 0.5)
+    assert abs(weighted - plain) > 1e-4  # the test tells the two apart
+    assert run.losses[1] == pytest.approx(weighted, rel=1e-5, abs=1e-6)
+
+
+def test_speed_batches_of_the_tiny_cluster(cluster) -> None:
+    config, _ = cluster
+    devs = peers.devices(config)  # big, small, big: slowdowns 1, 2, 1
+    assert peers.speed_batches(devs, 20) == [8, 4, 8]

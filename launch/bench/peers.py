@@ -11,8 +11,11 @@ before any socket or thread) and gloo binds to the node's shaped veth, so the pe
 shaped links as hetpipe's.
 
 - DDP: torch DistributedDataParallel (gloo), synchronous, one replica per GPU that can hold the whole
-  model (memory rule: `whole_model_bytes`), each GPU one minibatch per step, same data shards and seeded
-  minibatches as hetpipe's virtual workers.
+  model (memory rule: `whole_model_bytes`), same data shards and seeded minibatches as hetpipe's virtual
+  workers. Either every GPU one minibatch of the same size per step (a step waits for the slowest GPU), or,
+  as heterogeneity-aware DDP (LB-BSP, Poplar) does, a global batch split in proportion to each GPU's speed
+  (`speed_batches`), each rank's loss scaled by its share (`rank_loss`) so the update is the gradient of
+  the whole global batch's mean loss.
 - Pipeline: one torch.distributed.pipelining pipeline over all GPUs (Schedule1F1B, or ScheduleGPipe),
   a flush and one optimizer step per minibatch of n_micro microbatches, split by hetpipe's partitioner.
 
@@ -54,17 +57,22 @@ from hetpipe.core.runs.testbed import NS_IFNAME, Topology
 from hetpipe.models import build_stage
 
 __all__ = [
+    "SPLIT_BY",
     "Device",
     "PeerRun",
     "PipelineLayout",
     "ddp_members",
     "ddp_subsets",
     "devices",
+    "loss_weight",
     "model_profile",
     "pipeline_layout",
+    "proportional_split",
+    "rank_loss",
     "run_ddp",
     "run_pipeline",
     "run_solo",
+    "speed_batches",
     "steady_rate",
     "whole_model_bytes",
 ]
@@ -152,6 +160,62 @@ def ddp_subsets(fit: Sequence[Device]) -> dict[str, list[Device]]:
     for speed in sorted({d.speed for d in fit}, reverse=True)[:-1]:
         out[f"speed>={speed:g}"] = [d for d in fit if d.speed >= speed]
     return out
+
+
+# ---------------------------------------------------------------------------------------------- batch split
+
+# What speed_batches splits by, for the rows' descriptions: the emulated GPU's speed, which is the config's
+# gpu_types speed (each GPU's slowdown is fastest speed / its speed x time_scale; all 1 without emulation).
+SPLIT_BY = "split by speed (1/slowdown, from the config's gpu_types speeds)"
+
+
+def proportional_split(global_batch: int, speeds: Sequence[float]) -> list[int]:
+    """Per-rank batches in proportion to `speeds` that sum to exactly `global_batch`, each at least 1.
+
+    Each rank gets the floor of its quota (global_batch x speed / total), at least 1; the samples still
+    missing go one each to the largest remainders (ties: the faster rank, then the earlier one); samples
+    over (from the minimum of 1) come back one each from the ranks most above their quota that keep 1.
+    """
+    n = len(speeds)
+    if n == 0:
+        raise UsageError("a batch split needs at least one GPU")
+    if not all(math.isfinite(s) and s > 0 for s in speeds):
+        raise UsageError(f"speeds {list(speeds)}: every GPU's speed must be a number > 0")
+    if global_batch < n:
+        raise UsageError(
+            f"a global batch of {global_batch} cannot give each of {n} GPUs a sample: use at least {n}"
+        )
+    total = sum(speeds)
+    quota = [global_batch * s / total for s in speeds]
+    out = [max(1, math.floor(q)) for q in quota]
+    while sum(out) < global_batch:
+        out[max(range(n), key=lambda r: (quota[r] - out[r], speeds[r], -r))] += 1
+    while sum(out) > global_batch:
+        over = [r for r in range(n) if out[r] > 1]
+        out[max(over, key=lambda r: (out[r] - quota[r], -speeds[r], r))] -= 1
+    return out
+
+
+def speed_batches(members: Sequence[Device], global_batch: int) -> list[int]:
+    """`global_batch` split over `members` by their emulated speed, 1/slowdown (SPLIT_BY), so that every
+    rank's step takes about as long."""
+    return proportional_split(global_batch, [1.0 / d.slowdown for d in members])
+
+
+def loss_weight(batch: int, world: int, global_batch: int) -> float:
+    """The factor on a rank's mean loss over its `batch` samples that makes DDP's all-reduce (the mean of the
+    `world` ranks' gradients) the gradient of the mean loss over all `global_batch` samples:
+    batch x world / global_batch (1.0 when every rank has global_batch / world)."""
+    if min(batch, world, global_batch) < 1:
+        raise UsageError(f"batch {batch}, world {world}, global batch {global_batch}: each must be >= 1")
+    return batch * world / global_batch
+
+
+def rank_loss(loss: torch.Tensor, batch: int, world: int, global_batch: int) -> torch.Tensor:
+    """The loss a DDP rank backpropagates: its mean loss x loss_weight (unchanged, not even multiplied, when
+    the weight is 1)."""
+    weight = loss_weight(batch, world, global_batch)
+    return loss if weight == 1.0 else loss * weight
 
 
 # ---------------------------------------------------------------------------------------------- pipeline plan
@@ -289,7 +353,7 @@ class _Job:
     world: int
     port: int
     slowdown: float
-    batch: int  # DDP and solo: per-GPU minibatch; pipeline: microbatch
+    batch: int  # DDP and solo: this GPU's minibatch; pipeline: microbatch
     steps: int
     n_micro: int = 1  # pipeline: microbatches per minibatch
     split: tuple[int, ...] = ()  # pipeline: layers per stage
@@ -299,6 +363,7 @@ class _Job:
     deadline_s: float = 0.0  # DDP: stop after the step that ends this long after the start (0: run all steps)
     netns: str = ""  # testbed: the network namespace of this rank's node ("": stay where the parent is)
     master: str = "127.0.0.1"  # rendezvous host: rank 0's address
+    global_batch: int = 0  # DDP: the samples of all ranks in one step (0: batch x world, every rank alike)
 
 
 def _init_group(job: _Job) -> None:
@@ -335,8 +400,9 @@ def _ddp_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
         x, y = datalib.minibatch(data.train.x, data.train.y, indices, job.batch, config.seed, step)
         with dilator.compute("F"):
             loss = spec.loss(model(x), y)
+            weighted = rank_loss(loss, job.batch, job.world, job.global_batch or job.batch * job.world)
         backward.start()
-        loss.backward()
+        weighted.backward()
         backward.end()  # normally already ended by the comm hook
         with dilator.compute("S"):
             optimizer.step()
@@ -576,7 +642,7 @@ def _peer_run(
 def run_ddp(
     config: ClusterConfig,
     members: Sequence[Device],
-    batch: int,
+    batch: int | Sequence[int],
     steps: int,
     log_dir: Path,
     *,
@@ -586,14 +652,18 @@ def run_ddp(
     timeout_s: float = 900.0,
     testbed: Topology | None = None,
 ) -> PeerRun:
-    """Synchronous DDP over `members` (one replica each), `steps` steps of `batch` per replica (fewer when
-    deadline_s > 0 runs out first); with snapshot_every, rank 0 scores its weights every that many steps.
-    With a testbed, each rank runs in its GPU's node's namespace."""
+    """Synchronous DDP over `members` (one replica each), `steps` steps (fewer when deadline_s > 0 runs out
+    first) of `batch` per replica, or of batch[r] on rank r (each rank's loss weighted by its share: the
+    update is the global batch's mean gradient); with snapshot_every, rank 0 scores its weights every that
+    many steps. With a testbed, each rank runs in its GPU's node's namespace."""
     if not members:
         raise UsageError(
             "DDP needs at least one GPU that holds the whole model: give the cluster a GPU type "
             "with more memory_gib, or lower batch_size"
         )
+    batches = [batch] * len(members) if isinstance(batch, int) else list(batch)
+    if len(batches) != len(members) or min(batches) < 1:
+        raise UsageError(f"DDP over {len(members)} GPUs needs {len(members)} batches >= 1, got {batches}")
     port = free_port()
     jobs = [
         _Job(
@@ -603,17 +673,23 @@ def run_ddp(
             len(members),
             port,
             d.slowdown,
-            batch,
+            b,
             steps,
             snapshot_every=snapshot_every,
             lr=lr,
             deadline_s=deadline_s,
+            global_batch=sum(batches),
         )
-        for r, d in enumerate(members)
+        for r, (d, b) in enumerate(zip(members, batches, strict=True))
     ]
     reports = _run(_placed(jobs, members, testbed), log_dir, timeout_s)
-    setting = {"batch": batch, "gpus": len(members), "lr": lr if lr is not None else config.train.lr}
-    return _peer_run("ddp", setting, members, batch * len(members), reports, 0)
+    setting = {
+        "batch": batch if isinstance(batch, int) else batches,
+        "global_batch": sum(batches),
+        "gpus": len(members),
+        "lr": lr if lr is not None else config.train.lr,
+    }
+    return _peer_run("ddp", setting, members, sum(batches), reports, 0)
 
 
 def run_pipeline(

@@ -1,13 +1,25 @@
 """Throughput benchmark: hetpipe vs DDP vs one torch pipeline on the same emulated cluster, in one run.
 
-Per repeat, in this order and under the same emulation (peers.py): hetpipe (the planner's best plan, run
-by hetpipe.app.train.train), DDP (each GPU set in --ddp-gpus, at --ddp-batch per GPU), and one
-torch.distributed.pipelining pipeline over all GPUs. Every rate is samples/s after warm-up: hetpipe's from
-its stage traces (backward ends on each VW's last stage), the peers' from their step end times.
+Per repeat, in this order and under the same emulation (peers.py), one row each:
+- hetpipe: the planner's best plan over every GPU (or the config's VWs, --no-planner), run by
+  hetpipe.app.train.train;
+- hetpipe-fastest (--hetpipe-fastest, on by default when the cluster has more than one GPU type): hetpipe with
+  one VW per GPU of the fastest type alone (policy dp on those GPUs; the planner picks Nm and D), at the same
+  slowdowns, so the table shows what the slower GPUs add to hetpipe;
+- ddp-fit: DDP over every GPU that holds the model, the same batch on every GPU (a step waits for the
+  slowest);
+- ddp-fastest: DDP over the fastest type that holds the model, the same batch on every GPU;
+- ddp-prop: DDP over every GPU that holds the model with the global batch split in proportion to each GPU's
+  speed (peers.speed_batches: the emulated speed 1/slowdown, i.e. the config's gpu_types speeds), as
+  heterogeneity-aware DDP (LB-BSP, Poplar) does, each rank's loss weighted by its share of the global batch;
+- pipeline: one torch.distributed.pipelining pipeline over all GPUs.
+Every rate is samples/s after warm-up: hetpipe's from its stage traces (backward ends on each VW's last
+stage), the peers' from their step end times.
 
 The capacity bound is the sum of the devices' speeds in the same unit: samples/s of the whole model on one
 process at slowdown 1 (measured first, same batch), divided by each GPU's slowdown, summed over all GPUs.
-Settings given as lists (--ddp-batch, --micro) are swept once first and the best one is repeated.
+Settings given as lists (--ddp's batches, --micro, --nm, --staleness) are swept once first and the best one
+is repeated.
 
 Network: free by default (every process on this machine's loopback, no link costs anything: say so with the
 figures). With --testbed every system runs in the shaped-network testbed (root; docs/testbed.md): each node of
@@ -18,17 +30,22 @@ egress (printed against the configured rate) and records it, the scale, and the 
 run.
 
     python launch/bench/throughput.py [--config launch/clusters/bench.toml] [--repeats 3] [--seconds 10]
-        [--ddp fit@256,fastest@512] [--micro 256x15] [--nm 4,8] [--staleness 0,4] [--out FILE.json]
+        [--ddp fit@256,fastest@512,prop@1024] [--micro 256x15] [--nm 4,8] [--staleness 0,4]
+        [--hetpipe-fastest/--no-hetpipe-fastest] [--out FILE.json]
+
+--ddp takes SET@BATCH[/BATCH..] items: fit@B and fastest@B run B samples per GPU; prop@G splits a global batch
+of G samples a step over every GPU that fits, by speed (prop alone: the config's batch x the GPUs that fit,
+the global batch of fit at the config's batch).
 
 Sweep first (each listed setting measured once, the best kept), e.g. what chose the defaults:
 
-    python launch/bench/throughput.py --repeats 1 --ddp fit@256/512,fastest@256/512/1024 \
+    python launch/bench/throughput.py --repeats 1 --ddp fit@256/512,fastest@256/512/1024,prop@512/1024 \
         --micro 256x6,256x12,256x15,128x30 --nm 4,8 --staleness 0,4
 
 In the testbed, on the communication-heavy model (the peers' defaults were swept on bench.toml; sweep again):
 
-    python launch/bench/throughput.py --config launch/clusters/bench-vgg.toml --testbed --ddp fit,fastest \
-        --micro 64x6 --seconds 60
+    python launch/bench/throughput.py --config launch/clusters/bench-vgg.toml --testbed \
+        --ddp fit,fastest,prop --micro 64x6 --seconds 60
 """
 
 from __future__ import annotations
@@ -77,8 +94,10 @@ WARMUP_WAVES = 1  # hetpipe: the rate starts when every VW finished its first wa
 # The peers' best settings found on the default cluster (sweeps in the module docstring; rerun them for
 # another cluster): DDP at hetpipe's batch over every GPU that fits (the issue's baseline), and over the
 # fastest type at its best batch; the pipeline at the most microbatches of hetpipe's batch that MNIST-5k's
-# 4000 samples allow.
-DEFAULT_DDP = "fit@256,fastest@512"
+# 4000 samples allow. DDP split by speed (prop) at 1024 a step: the global batch of the other two DDP rows
+# (4 x 256 and 2 x 512 on bench.toml), so the three differ only in how the GPUs share it (not swept).
+DEFAULT_DDP = "fit@256,fastest@512,prop@1024"
+DDP_SETS = ("fit", "fastest", "prop")
 DEFAULT_MICRO = "256x15"
 # hetpipe: the planner's plan under Nm caps 4 and 8, the faster one measured kept. The simulator predicts no
 # gain beyond Nm 4 (it has no timing noise); measured, Nm 8 buys slack against the jitter of sleeping emulated
@@ -139,12 +158,13 @@ def hetpipe_setup(
     nm: int | None = None,
     staleness: int | None = None,
     testbed: Topology | None = None,
+    policies: Sequence[str] | None = None,
 ) -> HetpipeSetup:
     """The planner's best plan (hetpipe.core.planning.planner) when asked and installed, else the config's own
     VWs.
 
     `nm` caps the planner's Nm (None: the planner's default cap); `staleness` fixes D (None: the plan's); with
-    a testbed the planner sees its shaped links.
+    a testbed the planner sees its shaped links; `policies`: the allocation policies it may use (None: all).
     """
     if use_planner and importlib.util.find_spec("hetpipe.core.planning.planner") is not None:
         from hetpipe.core.planning import planner
@@ -159,6 +179,7 @@ def hetpipe_setup(
             nm_max=nm,
             ps_network=network,
             d_values=planner.D_VALUES if staleness is None else (staleness,),
+            policies=policies,
         )
         if staleness is not None:
             candidates = [c for c in candidates if c.staleness in (None, staleness)]
@@ -177,6 +198,20 @@ def hetpipe_setup(
     vws = tuple((lay.gpus, lay.split) for lay in vw_layouts(config, model_of(config)))
     d = config.wsp.staleness if staleness is None else staleness
     return HetpipeSetup(vws, nm or config.wsp.nm, d, "config", None)
+
+
+def fastest_overrides(config: ClusterConfig, devs: Sequence[peers.Device]) -> list[str]:
+    """--set overrides that give `config` one VW per GPU of its fastest type and no other (policy dp on those
+    GPUs, listed as explicit VWs) at the slowdowns they have in the whole cluster (emulation.time_scale pinned
+    to the whole cluster's: the runtime derives slowdowns from its VWs' GPUs alone); [] when every GPU is of
+    one type (the same as hetpipe on all GPUs)."""
+    top = max(d.speed for d in devs)
+    fastest = [d for d in devs if d.speed == top]
+    if len(fastest) == len(devs):
+        return []
+    vws = ", ".join(f'{{ gpus = ["{d.gpu}"] }}' for d in fastest)
+    pinned = [f"emulation.time_scale={min(d.slowdown for d in devs)!r}"] if config.emulation.enabled else []
+    return ['allocation.policy="explicit"', f"virtual_workers=[{vws}]", *pinned]
 
 
 def hetpipe_config(
@@ -269,6 +304,37 @@ def run_hetpipe(
 # ---------------------------------------------------------------------------------------------- settings
 
 
+def fastest_peers(
+    config: ClusterConfig,
+    devs: Sequence[peers.Device],
+    profile: ModelProfile,
+    use_planner: bool,
+    nms: Sequence[int | None],
+    ds: Sequence[int | None],
+    capacity: float,
+    work: Path,
+    testbed: Topology | None = None,
+) -> list[Peer]:
+    """The hetpipe-fastest row's settings (fastest_overrides: one VW per GPU of the fastest type), each (Nm
+    cap, D) as for hetpipe, their plans printed; none, with the reason printed, when all GPUs are of one type
+    or no plan fits."""
+    overrides = fastest_overrides(config, devs)
+    if not overrides:
+        print("hetpipe-fastest: every GPU is of one type, so it is hetpipe's own row; left out")
+        return []
+    fast = apply_overrides(config, overrides)
+    try:
+        options, setups = hetpipe_peers(
+            fast, profile, use_planner, nms, ds, capacity, work, testbed, "hetpipe-fastest", ("explicit",)
+        )
+    except HetpipeError as exc:
+        print(f"hetpipe-fastest: left out: {exc}")
+        return []
+    for setup in setups:
+        print(f"hetpipe-fastest: {setup.label} ({setup.source})", flush=True)
+    return options
+
+
 def parse_micro(text: str) -> list[tuple[int, int]]:
     """ "256x12,128x24" -> [(256, 12), (128, 24)]: microbatch x microbatches per minibatch."""
     try:
@@ -310,13 +376,16 @@ def hetpipe_peers(
     capacity: float,
     work: Path,
     testbed: Topology | None = None,
+    name: str = "hetpipe",
+    policies: Sequence[str] | None = None,
 ) -> tuple[list[Peer], list[HetpipeSetup]]:
-    """hetpipe with each (Nm cap, D) asked for; each run gets its own run directory under work."""
+    """hetpipe with each (Nm cap, D) asked for, as the row `name` (planned with `policies`, default all);
+    each run gets its own run directory under work."""
     options, setups = [], []
     runs = iter(range(10**6))
     for nm in nms:
         for d in ds:
-            setup = hetpipe_setup(config, profile, use_planner, nm, d, testbed)
+            setup = hetpipe_setup(config, profile, use_planner, nm, d, testbed, policies)
             setups.append(setup)
 
             details: list[dict[str, Any]] = []
@@ -327,7 +396,7 @@ def hetpipe_peers(
                 per_wave = setup.nm * config.train.batch_size * len(setup.vws)
                 guess = min(setup.predicted or capacity, capacity) * 0.6  # emulated runs fall short of plans
                 waves = WARMUP_WAVES + max(5, math.ceil(seconds * guess / per_wave))
-                run_dir = work / f"hetpipe-{next(runs)}"
+                run_dir = work / f"{name}-{next(runs)}"
                 summary, rate = run_hetpipe(
                     hetpipe_config(config, setup, waves, run_dir), setup, run_dir, testbed
                 )
@@ -342,22 +411,25 @@ def hetpipe_peers(
                 )
                 return rate
 
-            options.append(Peer("hetpipe", f"{setup.label} [{setup.source}]", run, details))
+            options.append(Peer(name, f"{setup.label} [{setup.source}]", run, details))
     return options, setups
 
 
-def parse_ddp(text: str, default_batch: int) -> list[tuple[str, list[int]]]:
-    """ "fit@256,fastest@256/512" -> [("fit", [256]), ("fastest", [256, 512])]; a set without @ uses the
-    default."""
+def parse_ddp(text: str, default_batch: int, fit_gpus: int = 1) -> list[tuple[str, list[int]]]:
+    """ "fit@256,fastest@256/512,prop@1024" -> [("fit", [256]), ("fastest", [256, 512]), ("prop", [1024])]:
+    per-GPU batches for fit and fastest, global batches for prop. Without @: fit and fastest the default
+    batch, prop the default batch x fit_gpus (the global batch of fit at the default batch)."""
     out = []
     for item in text.split(","):
         name, _, batches = item.strip().partition("@")
-        if name not in ("fit", "fastest"):
+        if name not in DDP_SETS:
             raise click.BadParameter(
-                f"--ddp {item!r}: the GPU set is fit (every GPU that holds the model) or fastest "
-                "(the fastest type that holds it), e.g. fit@256,fastest@256/512"
+                f"--ddp {item!r}: the GPU set is fit (every GPU that holds the model) or fastest (the "
+                "fastest type that holds it), each at BATCH per GPU, or prop (every GPU that holds it, a "
+                "global batch split by speed), e.g. fit@256,fastest@256/512,prop@1024"
             )
-        out.append((name, parse_ints(batches.replace("/", ","), "batches") if batches else [default_batch]))
+        default = default_batch * max(1, fit_gpus) if name == "prop" else default_batch
+        out.append((name, parse_ints(batches.replace("/", ","), "batches") if batches else [default]))
     return out
 
 
@@ -373,6 +445,38 @@ def allreduce_s(param_bytes: int, members: Sequence[peers.Device], testbed: Topo
     return 2 * (n - 1) / n * param_bytes * 8 / (gbps * 1e9)
 
 
+def ddp_members_of(name: str, subsets: dict[str, list[peers.Device]]) -> tuple[list[peers.Device], str]:
+    """The GPUs of a --ddp set (fit and prop: every GPU that fits; fastest: the fastest type's) and their
+    description."""
+    key = next((k for k in subsets if k != "fit"), "fit") if name == "fastest" else "fit"
+    what = "all that fit" if key == "fit" else "the fastest type, " + key
+    return subsets.get(key, []), what
+
+
+def ddp_batches(name: str, batch: int, members: Sequence[peers.Device]) -> list[int]:
+    """Each rank's batch for a --ddp set at `batch`: per GPU for fit and fastest, split by speed for prop
+    (none without members: peers.run_ddp says what to change)."""
+    if name == "prop" and members:
+        if batch < len(members):
+            raise click.BadParameter(
+                f"--ddp prop@{batch}: a global batch of {batch} cannot give each of the {len(members)} GPUs "
+                f"a sample; use prop@{len(members)} or more"
+            )
+        return peers.speed_batches(members, batch)
+    return [batch] * len(members)
+
+
+def ddp_setting(
+    name: str, batch: int, members: Sequence[peers.Device], what: str, batches: Sequence[int]
+) -> str:
+    """A DDP row's description: its GPUs and how the batch (`batch` from --ddp, `batches` per rank) is
+    shared."""
+    if name == "prop":
+        split = "/".join(map(str, batches))
+        return f"{len(members)} GPUs ({what}), global batch {batch} {peers.SPLIT_BY}: {split}"
+    return f"{len(members)} GPUs ({what}), batch {batch}/GPU"
+
+
 def ddp_peers(
     config: ClusterConfig,
     subsets: dict[str, list[peers.Device]],
@@ -384,30 +488,30 @@ def ddp_peers(
     """Per GPU set asked for: the DDP settings to try (one per batch); with a testbed, each rank in its node's
     namespace, and its steps' all-reduce counted in how many steps fill the seconds asked for."""
     groups = []
-    for name, batches in wanted:
-        key = "fit" if name == "fit" else next((k for k in subsets if k != "fit"), "fit")
-        members = subsets[key]
+    for name, sizes in wanted:
+        members, what = ddp_members_of(name, subsets)
         options = []
-        for batch in batches:
+        for size in sizes:
+            batches = ddp_batches(name, size, members)
 
             def run(
-                seconds: float, logs: Path, members: list[peers.Device] = members, batch: int = batch
+                seconds: float, logs: Path, members: list[peers.Device] = members, batches: list = batches
             ) -> float:
-                step_s = solo_step_s * batch / config.train.batch_size * max(
-                    d.slowdown for d in members
-                ) + allreduce_s(param_bytes, members, testbed)
+                slowest = max((b * d.slowdown for b, d in zip(batches, members, strict=True)), default=0.0)
+                step_s = solo_step_s * slowest / config.train.batch_size + allreduce_s(
+                    param_bytes, members, testbed
+                )
                 result = peers.run_ddp(
                     config,
                     members,
-                    batch,
+                    batches,
                     peers.predicted_steps(seconds, step_s, WARMUP_STEPS),
                     logs,
                     testbed=testbed,
                 )
                 return result.rate(WARMUP_STEPS)
 
-            what = "all that fit" if key == "fit" else "the fastest type, " + key
-            options.append(Peer(f"ddp-{name}", f"{len(members)} GPUs ({what}), batch {batch}/GPU", run))
+            options.append(Peer(f"ddp-{name}", ddp_setting(name, size, members, what, batches), run))
         groups.append(options)
     return groups
 
@@ -468,16 +572,16 @@ def summarize(values: Sequence[float], digits: int = 1) -> dict[str, float]:
 
 
 def table(rows: list[dict[str, Any]], capacity: float) -> str:
-    lines = [f"{'system':<14} {'samples/s':>9} {'min-max':>13} {'eff.':>5} {'hetpipe x':>9}  setting"]
+    lines = [f"{'system':<16} {'samples/s':>9} {'min-max':>13} {'eff.':>5} {'hetpipe x':>9}  setting"]
     top = next(r for r in rows if r["system"] == "hetpipe")["samples_per_s"]["median"]
     for row in rows:
         s = row["samples_per_s"]
         lines.append(
-            f"{row['system']:<14} {s['median']:>9.0f} {s['min']:>6.0f}-{s['max']:<6.0f} "
+            f"{row['system']:<16} {s['median']:>9.0f} {s['min']:>6.0f}-{s['max']:<6.0f} "
             f"{s['median'] / capacity:>5.0%} {top / s['median']:>9.2f}  {row['setting']}"
         )
     lines.append(
-        f"{'capacity':<14} {capacity:>9.0f} {'':>13} {1:>5.0%} {top / capacity:>9.2f}  "
+        f"{'capacity':<16} {capacity:>9.0f} {'':>13} {1:>5.0%} {top / capacity:>9.2f}  "
         "sum over GPUs of (one process's samples/s at slowdown 1) / slowdown"
     )
     return "\n".join(lines)
@@ -595,7 +699,7 @@ def _best(
     for option in options:
         rate = network.run(option, seconds, logs)
         sweep.append({"system": option.name, "setting": option.setting, "samples_per_s": round(rate, 1)})
-        print(f"  sweep {option.name:<12} {rate:>8.0f} samples/s  {option.setting}", flush=True)
+        print(f"  sweep {option.name:<15} {rate:>8.0f} samples/s  {option.setting}", flush=True)
         scored.append((rate, option))
     return max(scored, key=lambda item: item[0])[1]
 
@@ -647,6 +751,14 @@ def _best(
 )
 @click.option("--staleness", default=None, help="hetpipe: D values to try (comma list); default: the plan's.")
 @click.option(
+    "--hetpipe-fastest/--no-hetpipe-fastest",
+    "with_fastest",
+    default=True,
+    show_default=True,
+    help="Also the row hetpipe-fastest: hetpipe with one VW per GPU of the fastest type only (same --nm and "
+    "--staleness), beside hetpipe on all GPUs.",
+)
+@click.option(
     "--set", "settings", multiple=True, help="Config override SECTION.KEY=VALUE (TOML value), repeatable."
 )
 @testbed_options
@@ -676,6 +788,7 @@ def main(
     planner: bool,
     nm: str | None,
     staleness: str | None,
+    with_fastest: bool,
     settings: tuple[str, ...],
     use_testbed: bool,
     testbed_scale: float | None,
@@ -696,6 +809,7 @@ def main(
             planner,
             nm,
             staleness,
+            with_fastest,
             settings,
             use_testbed,
             testbed_scale,
@@ -718,6 +832,7 @@ def _main(
     planner: bool,
     nm: str | None,
     staleness: str | None,
+    with_fastest: bool,
     settings: tuple[str, ...],
     use_testbed: bool,
     testbed_scale: float | None,
@@ -739,7 +854,7 @@ def _main(
     need = peers.whole_model_bytes(profile)
     fit, left_out = peers.ddp_members(devs, need)
     subsets = peers.ddp_subsets(fit)
-    wanted = parse_ddp(ddp_spec, batch)
+    wanted = parse_ddp(ddp_spec, batch, len(fit))
     print(
         f"{config.name}: {len(devs)} emulated GPUs, model {config.model.name}, batch {batch}; slowdowns "
         + ", ".join(f"{d.gpu} {d.gpu_type} x{d.slowdown:.2f}" for d in devs),
@@ -769,9 +884,15 @@ def _main(
     hetpipe_options, setups = hetpipe_peers(config, profile, planner, nms, ds, capacity, work, topology)
     for setup in setups:
         print(f"hetpipe: {setup.label} ({setup.source})", flush=True)
+    fastest = (
+        fastest_peers(config, devs, profile, planner, nms, ds, capacity, work, topology)
+        if with_fastest
+        else []
+    )
     param_bytes = sum(layer.param_bytes for layer in profile.layers)
     groups = [
         hetpipe_options,
+        *([fastest] if fastest else []),
         *ddp_peers(config, subsets, wanted, solo_step_s, topology, param_bytes),
         pipeline_peers(config, devs, parse_micro(micro), schedule, cache, topology),
     ]

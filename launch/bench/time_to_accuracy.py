@@ -1,7 +1,9 @@
 """Time-to-accuracy benchmark (docs/convergence.md): wall time to a target for hetpipe (the planner's choice,
 ranked by predicted time to target) against what users run instead on the same emulated GPUs: DDP over every
-GPU that holds the model, DDP over the fastest type alone, and one torch.distributed.pipelining pipeline over
-all GPUs.
+GPU that holds the model (ddp-fit), DDP over the fastest type alone (ddp-fastest), DDP over every GPU that
+holds the model with ddp-fit's global batch split by speed (ddp-prop, peers.speed_batches: heterogeneity-aware
+DDP as LB-BSP and Poplar do; the same update as ddp-fit, each rank's loss weighted by its share), and one
+torch.distributed.pipelining pipeline over all GPUs.
 
 Per task (tta_tasks.TASKS: mnist, shakespeare, resnet; a shipped cluster config and `--set` overrides):
 1. The learning-rate sweep, the same for every system: in the single-process reference, samples to the target
@@ -70,7 +72,7 @@ from hetpipe.core.runs.testbed import Topology  # noqa: E402
 from hetpipe.core.wsp.state import ShardState  # noqa: E402
 from hetpipe.server.checkpoint import list_manifests, read_checkpoint  # noqa: E402
 
-SYSTEMS = ("hetpipe", "ddp-fit", "ddp-fastest", "pipeline")
+SYSTEMS = ("hetpipe", "ddp-fit", "ddp-fastest", "ddp-prop", "pipeline")
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -224,8 +226,16 @@ class Bench:
         self._capacity: float | None = None
 
     def members(self, system: str) -> list[peers.Device]:
-        key = "fit" if system == "ddp-fit" else next((k for k in self.subsets if k != "fit"), "fit")
-        return self.subsets.get(key, [])
+        members, _ = throughput.ddp_members_of(system.removeprefix("ddp-"), self.subsets)
+        return members
+
+    def ddp_batch(self, system: str) -> int | list[int]:
+        """A DDP system's batch: this bench's per GPU, or for ddp-prop ddp-fit's global batch (the bench's
+        batch x its GPUs) split by speed."""
+        if system != "ddp-prop":
+            return self.batch
+        members = self.members(system)
+        return peers.speed_batches(members, self.batch * len(members))
 
     def plan(self) -> tuple[throughput.HetpipeSetup, Any, Calibration | None]:
         if self._plan is None:
@@ -261,10 +271,13 @@ class Bench:
                 f"{k} x {self.batch} microbatches, 1f1b, lr {lr:g}"
             )
         members = self.members(system)
-        return (
-            f"{len(members)} GPUs ({', '.join(d.gpu_type for d in members)}), "
-            f"batch {self.batch}/GPU, lr {lr:g}"
+        batch = self.ddp_batch(system)
+        shared = (
+            f"batch {batch}/GPU"
+            if isinstance(batch, int)
+            else f"global batch {sum(batch)} {peers.SPLIT_BY}: {'/'.join(map(str, batch))}"
         )
+        return f"{len(members)} GPUs ({', '.join(d.gpu_type for d in members)}), {shared}, lr {lr:g}"
 
     def capacity(self) -> float:
         if self._capacity is None:
@@ -294,7 +307,7 @@ class Bench:
             run = peers.run_ddp(
                 config,
                 self.members(system),
-                self.batch,
+                self.ddp_batch(system),
                 10**6,
                 logs,
                 lr=lr,
@@ -362,7 +375,7 @@ class Bench:
             run = peers.run_ddp(
                 config,
                 self.members(system),
-                self.batch,
+                self.ddp_batch(system),
                 10**6,
                 logs,
                 snapshot_every=self.snapshot_every,
