@@ -91,6 +91,21 @@ def test_a_mean_and_buffers_weigh_each_vw_by_its_samples(mode: str) -> None:
     assert not np.array_equal(folded(UnweightedMean()).read().tensors["k"], want)
 
 
+@pytest.mark.parametrize("mode", ["exact", "latest"])
+def test_after_an_eviction_a_mean_divides_by_the_live_vws_weights(mode: str) -> None:
+    """Weights 1, 2, 3; VW 2 is evicted after wave 0: wave 0 folds over 6, wave 1 over 1 + 2 = 3."""
+    state = _pushes((1, 2, 3), mode, MeanAggregation())
+    zero = {"b": np.zeros(4, F32), "t": np.asarray(F32(0))}
+    for vw in range(3):
+        state.push(vw, 0, 0, {"k": np.full(4, F32(6)), **zero})
+    state.evict(2)
+    for vw in range(2):
+        state.push(vw, 0, 1, {"k": np.full(4, F32(3)), **zero})
+    # wave 0: (6 + 2 * 6 + 3 * 6) / 6 = 6; wave 1: (3 + 2 * 3) / 3 = 3
+    want = np.arange(4, dtype=F32) + F32(9)
+    assert np.array_equal(state.read().tensors["k"], want)
+
+
 def test_a_sum_stays_unweighted() -> None:
     state = _pushes((1, 4), "exact", SumAggregation())
     for vw in range(2):

@@ -30,11 +30,15 @@ pytestmark = pytest.mark.slow
 SETTINGS = ["checkpoint.every=2", "checkpoint.keep=2", 'checkpoint.dir="ps"']  # hetpipe train: <run dir>/ps
 
 
-def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(tmp_path: Path):
+@pytest.mark.parametrize("work", [None, [(2, 16), (3, 32)]], ids=["same-work", "per-vw-work"])
+def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
+    tmp_path: Path, work: list[tuple[int, int]] | None
+):
     """The uninterrupted run is the single-process reference, which the runtime equals bit for bit
-    (tests/test_train_equivalence.py)."""
+    (tests/test_train_equivalence.py); with per-VW work too (docs/wsp.md#per-vw-work)."""
     path = write_config(
         tmp_path,
+        work=work,
         vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]],
         nm=2,
         staleness=1,
@@ -83,7 +87,7 @@ def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(tmp_path: Path
     assert 4 <= resumed["resumed_from"] < 10 and resumed["audit_final_ledgers_exact"] is True
     splits = [lay.split for lay in vw_layouts(config, model_of(config))]
     assert all(len(split) == 2 for split in splits)
-    ref = run_reference(config, splits)
+    ref = run_reference(config, splits, work=work)
     got = {(v, j): torch.load(cut / f"final-vw{v}-s{j}.pt", weights_only=True) for v, j in stages}
     for sid, want in ref.stage_weights.items():
         assert set(got[sid]) == set(want)
