@@ -203,6 +203,11 @@ def test_window_rate_counts_minibatches_while_every_vw_runs_and_refuses_vws_that
     # VW 0 ends minibatches at 1..6 s, VW 1 at 2..7 s; warm-up 2: from 3 s (VW 1's 2nd) to 6 s (VW 0's last)
     streams = {0: [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 1: [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]}
     assert gpu.throughput.window_rate(streams, batch=10, warmup=2) == (3 + 3) * 10 / 3
+    # per-VW work: VW 0 at batch 10 with a warm-up of 1, VW 1 at batch 30 with 3: from 4 s to 6 s
+    assert (
+        gpu.throughput.window_rate(streams, batch={0: 10, 1: 30}, warmup={0: 1, 1: 3})
+        == (2 * 10 + 2 * 30) / 2
+    )
     with pytest.raises(HetpipeError, match="never ran together"):
         gpu.throughput.window_rate({0: [1.0, 2.0, 3.0, 4.0], 1: [5.0, 6.0, 7.0, 8.0]}, batch=10, warmup=2)
 
@@ -397,3 +402,14 @@ def test_profile_on_the_cpu_writes_each_rows_op_profile(tmp_path: Path):
     for row in rows:
         assert row["profile"]["aten_calls"] > 0 and row["profile"]["by_host"], row["system"]
     assert rows[0]["profile"]["minibatches"] == 4 and rows[1]["profile"]["window"][0] == 2
+
+
+def test_a_setup_of_unequal_work_runs_each_vw_at_its_own_nm_and_batch():
+    setup = gpu.throughput.HetpipeSetup(
+        ((("n0:0",), (6,)), (("n1:0", "n1:1"), (3, 3))), 2, 0, "planner", None, work=((2, 16), (5, 32))
+    )
+    assert [(lay.nm, lay.batch) for lay in setup.layouts] == [(2, 16), (5, 32)]
+    assert setup.samples_per_wave(16) == 2 * 16 + 5 * 32
+    assert "Nm 5 x 32" in setup.label and "Nm=" not in setup.label
+    same = gpu.throughput.HetpipeSetup(((("n0:0",), (6,)), (("n1:0",), (6,))), 4, 0, "config", None)
+    assert same.samples_per_wave(16) == 2 * 4 * 16 and [lay.nm for lay in same.layouts] == [0, 0]

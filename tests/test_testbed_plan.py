@@ -177,12 +177,14 @@ def test_worker_places() -> None:
 def test_layout_overrides_list_the_virtual_workers() -> None:
     config = apply_overrides(load_config(BENCH), ["allocation.policy=np", "virtual_workers=[]"])
     config = apply_overrides(
-        config, layout_overrides([(("n0:0", "n1:0", "n2:0"), (4, 3, 3)), (("n0:1",), (10,))])
+        config, layout_overrides([(("n0:0", "n1:0", "n2:0"), (4, 3, 3), 0, 0), (("n0:1",), (10,), 6, 64)])
     )
     assert config.allocation.policy == "explicit"
-    assert [([str(g) for g in vw.gpus], vw.layers) for vw in config.virtual_workers] == [
-        (["n0:0", "n1:0", "n2:0"], (4, 3, 3)),
-        (["n0:1"], (10,)),
+    assert [
+        ([str(g) for g in vw.gpus], vw.layers, vw.nm, vw.batch_size) for vw in config.virtual_workers
+    ] == [
+        (["n0:0", "n1:0", "n2:0"], (4, 3, 3), None, None),
+        (["n0:1"], (10,), 6, 64),
     ]
 
 

@@ -132,7 +132,9 @@ def train_in_testbed(
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     if layouts is not None:
-        config = apply_overrides(config, layout_overrides((lay.gpus, lay.split) for lay in layouts))
+        config = apply_overrides(
+            config, layout_overrides((lay.gpus, lay.split, lay.nm, lay.batch) for lay in layouts)
+        )
     config = effective_config(config, topology)
     vws = vw_layouts(config, model_of(config))
     config_path = run_dir / "cluster.toml"

@@ -185,7 +185,7 @@ def _main(
     for repeat in range(repeats):
         for name in PLACEMENTS:
             setup, cfg = setups[name], configs[name]
-            per_wave = setup.nm * cfg.train.batch_size * len(setup.vws)
+            per_wave = setup.samples_per_wave(cfg.train.batch_size)
             waves = throughput.WARMUP_WAVES + max(
                 5, math.ceil(seconds * (setup.predicted or 1.0) * 0.8 / per_wave)
             )

@@ -58,7 +58,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,18 +124,32 @@ class HetpipeSetup:
     source: str
     predicted: float | None
     schedule: str | None = None  # the plan's schedule (None: the config's)
+    # each VW's own (Nm, minibatch size) where the plan gives VWs unequal work (docs/wsp.md#per-vw-work); ()
+    # every VW at `nm` and the config's batch
+    work: tuple[tuple[int, int], ...] = ()
 
     @property
     def layouts(self) -> tuple[VwLayout, ...]:
-        return tuple(VwLayout(gpus, split) for gpus, split in self.vws)
+        work = self.work or ((0, 0),) * len(self.vws)
+        return tuple(VwLayout(gpus, split, *w) for (gpus, split), w in zip(self.vws, work, strict=True))
+
+    def samples_per_wave(self, batch: int) -> int:
+        """Samples all VWs train in one wave each (`batch`: the config's minibatch size)."""
+        if not self.work:
+            return self.nm * batch * len(self.vws)
+        return sum(nm * b for nm, b in self.work)
 
     @property
     def label(self) -> str:
         schedule = f", {self.schedule}" if self.schedule else ""
+        own = [f" Nm {nm} x {b}" for nm, b in self.work] if self.work else [""] * len(self.vws)
         return (
             f"{len(self.vws)} VWs "
-            + " | ".join("-".join(g) + " " + "/".join(map(str, s)) for g, s in self.vws)
-            + f", Nm={self.nm}, D={self.staleness}{schedule}"
+            + " | ".join(
+                "-".join(g) + " " + "/".join(map(str, s)) + o for (g, s), o in zip(self.vws, own, strict=True)
+            )
+            + (f", Nm={self.nm}" if not self.work else "")
+            + f", D={self.staleness}{schedule}"
         )
 
 
@@ -184,14 +198,18 @@ def hetpipe_setup(
         if staleness is not None:
             candidates = [c for c in candidates if c.staleness in (None, staleness)]
         top = planner.best(candidates)
-        vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
+        plan = top.plan
+        vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in plan.vws)
+        work = tuple((vw.nm, vw.batch(plan.batch_size)) for vw in plan.vws)
+        uniform = len(set(work)) == 1 and work[0][1] == config.train.batch_size
         return HetpipeSetup(
             vws,
-            top.plan.vws[0].nm,
-            top.plan.staleness,
+            plan.vws[0].nm,
+            plan.staleness,
             f"planner: {top.label}",
             top.samples_per_s,
-            top.plan.schedule,
+            plan.schedule,
+            () if uniform else work,
         )
     from hetpipe.compute.build import model_of, vw_layouts
 
@@ -258,22 +276,30 @@ def trace_start(run_dir: Path) -> float:
     return min(starts)
 
 
-def window_rate(streams: dict[int, list[float]], batch: int, warmup: int) -> float:
+def window_rate(
+    streams: dict[int, list[float]], batch: int | Mapping[int, int], warmup: int | Mapping[int, int]
+) -> float:
     """Samples/s of all VWs together while all of them run: from the latest end of a VW's warm-up to the
-    earliest end of a VW's last minibatch, counting the minibatches every VW finished in between."""
-    if any(len(s) <= warmup + 1 for s in streams.values()):
+    earliest end of a VW's last minibatch, counting the samples every VW finished in between (`batch`,
+    `warmup` in minibatches: alike for every VW, or per VW)."""
+
+    def of(value: int | Mapping[int, int], vw: int) -> int:
+        return value if isinstance(value, int) else value[vw]
+
+    short = [v for v, s in streams.items() if len(s) <= of(warmup, v) + 1]
+    if short:
         raise HetpipeError(
-            f"a VW finished {min(len(s) for s in streams.values())} minibatches, not more than the "
-            f"{warmup} of warm-up: run more waves"
+            f"vw {short[0]} finished {len(streams[short[0]])} minibatches, not more than the "
+            f"{of(warmup, short[0])} of warm-up: run more waves"
         )
-    t0 = max(s[warmup - 1] for s in streams.values())
+    t0 = max(s[of(warmup, v) - 1] for v, s in streams.items())
     t1 = min(s[-1] for s in streams.values())
     if t1 <= t0:
         raise HetpipeError(
             "one VW finished before another was past its warm-up, so they never ran together: run more waves"
         )
-    count = sum(sum(1 for t in s if t0 < t <= t1) for s in streams.values())
-    return count * batch / (t1 - t0)
+    samples = sum(of(batch, v) * sum(1 for t in s if t0 < t <= t1) for v, s in streams.items())
+    return samples / (t1 - t0)
 
 
 def run_hetpipe(
@@ -297,7 +323,12 @@ def run_hetpipe(
     summary["stage_breakdown_ms"] = {
         f"vw{v}-s{j}": parts for (v, j), parts in stage_breakdown_ms(times, config.train.waves).items()
     }
-    rate = window_rate(trace_streams(run_dir), config.train.batch_size, WARMUP_WAVES * config.wsp.nm)
+    work = [lay.work(config) for lay in setup.layouts]
+    rate = window_rate(
+        trace_streams(run_dir),
+        {v: w.batch for v, w in enumerate(work)},
+        {v: WARMUP_WAVES * w.nm for v, w in enumerate(work)},
+    )
     return summary, rate
 
 
@@ -393,7 +424,7 @@ def hetpipe_peers(
             def run(
                 seconds: float, logs: Path, setup: HetpipeSetup = setup, details: list = details
             ) -> float:
-                per_wave = setup.nm * config.train.batch_size * len(setup.vws)
+                per_wave = setup.samples_per_wave(config.train.batch_size)
                 guess = min(setup.predicted or capacity, capacity) * 0.6  # emulated runs fall short of plans
                 waves = WARMUP_WAVES + max(5, math.ceil(seconds * guess / per_wave))
                 run_dir = work / f"{name}-{next(runs)}"

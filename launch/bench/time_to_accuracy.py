@@ -322,7 +322,7 @@ class Bench:
         logs = self.work / "logs"
         if system == "hetpipe":
             setup, top, _ = self.plan()
-            per_wave = setup.nm * self.batch * len(setup.vws)
+            per_wave = setup.samples_per_wave(self.batch)
             # waves for at least --max-seconds: 1.3x the plan's rate (it predicts 10-20% high), capped by the
             # capacity bound; checkpoints after --max-seconds are not scored, so hetpipe trains as long as the
             # peers

@@ -362,15 +362,19 @@ def worker_places(vw_gpus: Sequence[Sequence[str]]) -> list[WorkerPlace]:
     return places
 
 
-def layout_overrides(layouts: Iterable[tuple[Sequence[str], Sequence[int]]]) -> list[str]:
-    """`--set` overrides listing virtual workers (GPUs, layers per stage) by hand, e.g. a plan's."""
+def layout_overrides(layouts: Iterable[tuple[Sequence[str], Sequence[int], int, int]]) -> list[str]:
+    """`--set` overrides listing virtual workers (GPUs, layers per stage, and each one's own Nm and minibatch
+    size, 0: the config's) by hand, e.g. a plan's."""
     tables = ", ".join(
         "{ gpus = ["
         + ", ".join(f'"{g}"' for g in gpus)
         + "], layers = ["
         + ", ".join(str(n) for n in split)
-        + "] }"
-        for gpus, split in layouts
+        + "]"
+        + (f", nm = {nm}" if nm else "")
+        + (f", batch_size = {batch}" if batch else "")
+        + " }"
+        for gpus, split, nm, batch in layouts
     )
     return ["allocation.policy=explicit", f"virtual_workers=[{tables}]"]
 
