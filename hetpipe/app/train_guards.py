@@ -4,7 +4,9 @@ go together. Each raises the UsageError or ConfigError that says what to change;
 
 from __future__ import annotations
 
+import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,14 +15,15 @@ from hetpipe.compute.sizes import model_sizes
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import ConfigError, UsageError
 from hetpipe.core.pipeline.profile_window import ProfileWindow
-from hetpipe.core.pipeline.resume import common_cut
+from hetpipe.core.pipeline.resume import common_cuts
 from hetpipe.core.planning.fit import memory_error, stage_needs
 from hetpipe.core.planning.memory import MemoryRule
+from hetpipe.core.runs.checkpoint import CheckpointError, list_clocks, load_clock
 from hetpipe.core.wsp.aggregation import AGGREGATIONS, get_aggregation
 from hetpipe.core.wsp.work import sample_weights
 from hetpipe.models import ModelSpec
-from hetpipe.server.checkpoint import list_clocks, list_manifests
-from hetpipe.worker.snapshot import list_snapshots
+from hetpipe.server.checkpoint import list_manifests
+from hetpipe.worker.snapshot import snapshot_dir
 
 __all__ = [
     "STATEFUL_MITIGATIONS",
@@ -50,6 +53,10 @@ def check_writable_dir(directory: Path, label: str) -> None:
         ) from None
 
 
+def _stderr(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
 def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ...]) -> None:
     """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs
     too)."""
@@ -76,9 +83,11 @@ def check_work(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> None:
         )
 
 
-def resume_point(config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...]) -> int:
-    """The newest wave every PS shard and every stage checkpointed in `run_dir`; UsageError saying what is
-    missing when there is none."""
+def resume_point(
+    config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...], say: Callable[[str], None] = _stderr
+) -> int:
+    """The newest wave every PS shard and every stage checkpointed intact in `run_dir` (a damaged newer one
+    is passed over, and `say` tells which); UsageError saying what is missing when there is none."""
     if not config.checkpoint.enabled or config.checkpoint.every < 1 or not config.checkpoint.stages:
         raise UsageError(
             f"--resume {run_dir}: a run can be resumed with [checkpoint] dir not empty, every >= 1 and "
@@ -92,23 +101,48 @@ def resume_point(config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...]
             "do not hold yet (PipeMare's moving average, SpecTrain's last step or pull), so the run would "
             "not continue as it was; start the run again without --resume"
         )
-    ps = [list_clocks(run_dir / "ps" / f"shard-{s}") for s in range(config.ps.shards)]
-    stages = {
-        (v, j): list_snapshots(run_dir, v, j) for v, lay in enumerate(vws) for j in range(len(lay.split))
-    }
-    cut = common_cut(ps, list(stages.values()))
-    if cut is None:
-        shown = "; ".join(
-            [f"PS shard {s}: clocks {c or 'none'}" for s, c in enumerate(ps)]
-            + [f"vw{v}-s{j}: waves {w or 'none'}" for (v, j), w in stages.items()]
-        )
+    parts = {f"PS shard {s}": run_dir / "ps" / f"shard-{s}" for s in range(config.ps.shards)}
+    parts.update(
+        {
+            f"vw{v}-s{j}": snapshot_dir(run_dir, v, j)
+            for v, lay in enumerate(vws)
+            for j in range(len(lay.split))
+        }
+    )
+    held = {name: list_clocks(directory) for name, directory in parts.items()}
+    cuts = common_cuts(list(held.values()), [])
+    if not cuts:
+        kinds = {name: "clocks" if name.startswith("PS") else "waves" for name in held}
+        shown = "; ".join(f"{name}: {kinds[name]} {c or 'none'}" for name, c in held.items())
         raise UsageError(
             f"--resume {run_dir}: no wave was checkpointed by every PS shard and every stage ({shown}); "
             "start a new run instead"
         )
-    if cut >= config.train.waves:
+    if cuts[0] >= config.train.waves:
         raise UsageError(f"--resume {run_dir}: the run finished all {config.train.waves} waves already")
-    return cut
+    bad: list[str] = []
+    for cut in cuts:  # the newest wave that every part holds intact
+        broken = [f"{name} at {cut}: {problem}" for name, problem in _damaged(parts, cut)]
+        if not broken:
+            if bad:
+                say(f"--resume {run_dir}: from wave {cut}, not {cuts[0]}: " + "; ".join(bad))
+            return cut
+        bad.extend(broken)
+    raise UsageError(
+        f"--resume {run_dir}: no wave that every PS shard and every stage holds is intact "
+        f"({'; '.join(bad)}); start a new run instead"
+    )
+
+
+def _damaged(parts: dict[str, Path], cut: int) -> list[tuple[str, str]]:
+    """The parts whose checkpoint of `cut` does not verify (truncated, changed, unreadable), with why."""
+    found = []
+    for name, directory in parts.items():
+        try:
+            load_clock(directory, cut)
+        except CheckpointError as exc:
+            found.append((name, str(exc)))
+    return found
 
 
 def refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:

@@ -15,6 +15,7 @@ from hetpipe.core.pipeline.schedule import BACKWARD, FORWARD, PUSH, UPDATE, Acti
 
 __all__ = [
     "common_cut",
+    "common_cuts",
     "cut_position",
     "forwarded_before",
     "rejoin_actions",
@@ -55,10 +56,15 @@ def snapshot_floor(c_global: int, every: int, keep: int) -> int:
     return max(0, (c_global // every - keep + 1) * every)
 
 
-def common_cut(ps_clocks: Sequence[Sequence[int]], stage_waves: Sequence[Sequence[int]]) -> int | None:
-    """The newest wave at which every shard has a checkpoint and every stage a snapshot (None: there is
-    none)."""
+def common_cuts(ps_clocks: Sequence[Sequence[int]], stage_waves: Sequence[Sequence[int]]) -> list[int]:
+    """The waves > 0 at which every shard has a checkpoint and every stage a snapshot, newest first."""
     sets = [set(c) for c in ps_clocks] + [set(w) for w in stage_waves]
     common = set.intersection(*sets) if sets else set()
     common.discard(0)
-    return max(common, default=None)
+    return sorted(common, reverse=True)
+
+
+def common_cut(ps_clocks: Sequence[Sequence[int]], stage_waves: Sequence[Sequence[int]]) -> int | None:
+    """The newest wave at which every shard has a checkpoint and every stage a snapshot (None: there is
+    none)."""
+    return next(iter(common_cuts(ps_clocks, stage_waves)), None)
