@@ -241,6 +241,10 @@ def train(
         if config_path or resume_dir is None
         else _run_config(resume_dir, settings)
     )
+    if resume_dir is not None:
+        from hetpipe.app.resume_check import check_resume
+
+        check_resume(resume_dir, config, audit=audit)
 
     from hetpipe.app.startup import PRELOAD
     from hetpipe.core.runs.procs import warm_forkserver
@@ -647,8 +651,8 @@ def plan(
     batches: tuple[int, ...],
     settings: tuple[str, ...],
 ) -> None:
-    """Search allocation policy x GPU order, split and Nm x D for a cluster; predict each and pick the
-    best."""
+    """Search allocation policy x GPU order, split and Nm (one for all VWs, or each VW its own Nm and batch)
+    x D for a cluster; predict each against the cluster's capacity and pick the best."""
     from hetpipe.app.plan_command import PlanRequest, run_plan
 
     config = _load(config_path, settings)

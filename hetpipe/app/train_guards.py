@@ -29,6 +29,7 @@ __all__ = [
     "STATEFUL_MITIGATIONS",
     "check_memory",
     "check_options",
+    "check_work",
     "check_writable_dir",
     "refuse_earlier_checkpoints",
     "resume_point",
