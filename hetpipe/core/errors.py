@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import errno
+import os
 from collections.abc import Iterable
 
-__all__ = ["ConfigError", "HetpipeError", "UsageError", "did_you_mean"]
+__all__ = ["ConfigError", "HetpipeError", "UsageError", "WriteError", "did_you_mean"]
 
 
 class HetpipeError(Exception):
@@ -18,6 +20,21 @@ class ConfigError(HetpipeError):
     """A cluster config that cannot be used: the message names the file, field, bad value and fix."""
 
     exit_code = 2
+
+
+class WriteError(HetpipeError):
+    """A file that could not be written (a full disk, a lost mount, permissions): names the errno and path."""
+
+    @classmethod
+    def of(cls, path: object, exc: OSError) -> WriteError:
+        code = errno.errorcode.get(exc.errno or 0, "")
+        reason = f"{exc.strerror or exc} ({code})" if code else str(exc.strerror or exc)
+        fix = (
+            "free space there, or point train.out_dir and checkpoint.dir at another disk"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "check that the directory exists and is writable"
+        )
+        return cls(f"cannot write {os.fspath(path)}: {reason}; {fix}")  # type: ignore[arg-type]
 
 
 class UsageError(HetpipeError):

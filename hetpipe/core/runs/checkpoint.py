@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from hetpipe.core.errors import HetpipeError
+from hetpipe.core.errors import HetpipeError, WriteError
 
 __all__ = [
     "Checkpoint",
@@ -65,13 +65,17 @@ def _atomic_write(path: Path, chunks: list[bytes | memoryview]) -> str:
     """Write chunks to path via a temp file + fsync + rename; returns the sha256 of the content."""
     digest = hashlib.sha256()
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-            digest.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                digest.update(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk above all: no half-written temp file stays behind
+        tmp.unlink(missing_ok=True)
+        raise WriteError.of(tmp, exc) from None
     return digest.hexdigest()
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-from hetpipe.core.errors import UsageError
+from hetpipe.core.errors import UsageError, WriteError
 
 __all__ = [
     "STAGE_PARTS",
@@ -64,6 +64,7 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self._failed = False  # a write failed (its line may still sit in the buffer)
 
     def write(self, event: str, at: float | None = None, **fields: Any) -> None:
         """Append `{"t": at (default now), "event", **fields}`; fields must be JSON values (numpy scalars and
@@ -71,13 +72,21 @@ class MetricsWriter:
         if self._file is None:
             raise ValueError(f"MetricsWriter for {self.path} is closed")
         record = {"t": round(self._clock() if at is None else at, 6), "event": event, **fields}
-        self._file.write(json.dumps(record, default=_jsonable) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, default=_jsonable) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a full disk: say so, naming the file, not a raw traceback
+            self._failed = True
+            raise WriteError.of(self.path, exc) from None
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as exc:
+                if not self._failed:  # after a failed write its unwritten line fails again: said already
+                    raise WriteError.of(self.path, exc) from None
 
     def __enter__(self) -> MetricsWriter:
         return self
