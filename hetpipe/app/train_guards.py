@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetpipe.compute.build import VwLayout, run_work, vw_config
+from hetpipe.compute.data import check_dataset
 from hetpipe.compute.sizes import model_sizes
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import ConfigError, UsageError
@@ -167,7 +168,9 @@ def check_options(
     config: ClusterConfig, *, audit: bool, resumed_from: int | None, profile: ProfileWindow | None
 ) -> None:
     """UsageError for options that do not go with the config: --audit where the PS runs the optimizer, --audit
-    on a resumed latest-pull run, a --profile window past the run."""
+    on a resumed latest-pull run, a --profile window past the run; and a dataset that cannot load (an unknown
+    name or option, a missing directory), before any process starts."""
+    check_dataset(config.data.name, **config.data.options.to_dict())
     if audit and not get_aggregation(config.ps.aggregation).local_optimizer:
         local = " or ".join(f'"{name}"' for name, rule in AGGREGATIONS.items() if rule.local_optimizer)
         raise UsageError(

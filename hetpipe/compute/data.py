@@ -11,7 +11,7 @@ import inspect
 import itertools
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +39,7 @@ __all__ = [
     "on_device",
     "unigram_loss",
     "check_model_fits",
+    "check_dataset",
     "data_cache_dir",
 ]
 
@@ -357,22 +358,55 @@ def _from_function(target: str, test_fraction: float, seed: int, options: dict[s
     )
 
 
+def _check_options(name: str, options: Mapping[str, Any]) -> None:
+    """UsageError for an option the built-in dataset `name` does not take, with a did-you-mean."""
+    accepted = [p for p in inspect.signature(DATASETS[name]).parameters if p not in ("test_fraction", "seed")]
+    for key in options:
+        if key not in accepted:
+            hint = did_you_mean(key, accepted)
+            raise UsageError(
+                f'dataset "{name}" has no option "{key}"{hint}; its options are: '
+                f"{', '.join(accepted) or 'none'}"
+            )
+
+
+def check_dataset(name: str, **options: Any) -> None:
+    """What load_dataset would refuse about `name` and `options`, found without loading anything: an unknown
+    name or option, a directory that is not there, a "package.module:function" whose module is missing."""
+    if name in DATASETS:
+        _check_options(name, options)
+        return
+    if Path(name).is_dir():
+        if options:
+            raise UsageError(f"a directory dataset takes no options (got {', '.join(options)})")
+        return
+    if ":" in name:
+        module = name.split(":", 1)[0]
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise UsageError(
+                f'dataset "{name}": no module {module!r} to import; check the name and PYTHONPATH'
+            )
+        return
+    if os.sep in name or name.startswith("."):
+        raise UsageError(
+            f'dataset "{name}": no such directory (a directory dataset holds x.npy + y.npy or data.npz); '
+            "check [data] name"
+        )
+    load_dataset(name, **options)  # raises the unknown-name error with its hint; nothing to load for it
+
+
 def load_dataset(name: str, *, test_fraction: float = 0.1, seed: int = 0, **options: Any) -> DatasetSplit:
     """A dataset by name ("mnist", "shakespeare", "synthetic"), a directory of arrays, or
     "package.module:function". test_fraction of it becomes the test side (seeded, by class for labels)."""
     if not 0 <= test_fraction < 1:
         raise UsageError(f"test_fraction must be in [0, 1) (got {test_fraction})")
     if name in DATASETS:
-        loader = DATASETS[name]
-        accepted = [p for p in inspect.signature(loader).parameters if p not in ("test_fraction", "seed")]
-        for key in options:
-            if key not in accepted:
-                hint = did_you_mean(key, accepted)
-                raise UsageError(
-                    f'dataset "{name}" has no option "{key}"{hint}; its options are: '
-                    f"{', '.join(accepted) or 'none'}"
-                )
-        return loader(test_fraction=test_fraction, seed=seed, **options)
+        _check_options(name, options)
+        return DATASETS[name](test_fraction=test_fraction, seed=seed, **options)
     if Path(name).is_dir():
         if options:
             raise UsageError(f"a directory dataset takes no options (got {', '.join(options)})")
