@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from hetpipe.compute.build import model_of, vw_layouts
+from hetpipe.compute.build import VwLayout, model_of, vw_layouts
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.pipeline.profile_window import ProfileWindow
@@ -61,11 +61,7 @@ def worker_jobs(
     """The stage jobs of VW `vw` for a multi-machine run: the PS at [ps] host:port+i, the VW's P2P
     rendezvous on its first GPU's node at ps.port + 100 + vw (open these ports between the machines). With
     `join`, the PS of that `hetpipe train` run and a free local port."""
-    vws = vw_layouts(config, model_of(config))
-    if not 0 <= vw < len(vws):
-        raise UsageError(
-            f"--vw {vw} is out of range: {config.path} has {len(vws)} virtual workers (0..{len(vws) - 1})"
-        )
+    vws = _checked_vws(config, vw)
     first_node = vws[vw].gpus[0].split(":")[0]
     host, port = (
         ("127.0.0.1", free_port()) if join else (config.node(first_node).host, config.ps.port + 100 + vw)
@@ -84,6 +80,16 @@ def worker_jobs(
         audit=audit,
         profile=profile,
     )
+
+
+def _checked_vws(config: ClusterConfig, vw: int) -> tuple[VwLayout, ...]:
+    """The config's VWs; UsageError when `vw` is not one of them."""
+    vws = vw_layouts(config, model_of(config))
+    if not 0 <= vw < len(vws):
+        raise UsageError(
+            f"--vw {vw} is out of range: {config.path} has {len(vws)} virtual workers (0..{len(vws) - 1})"
+        )
+    return vws
 
 
 def join_wave(
@@ -163,6 +169,7 @@ def run_worker(
 ) -> None:
     """Run one VW's stages (or one stage) against a running PS; owned children, logs in run_dir (and with
     `profile` each stage's op profile in run_dir/profile, as `hetpipe train --profile` writes it)."""
+    _checked_vws(config, vw)  # before anything waits on the PS
     if profile is not None:
         profile.check_fits(config.train.waves, config.wsp.nm)
     run_dir = run_dir or (join / f"worker-vw{vw}-{time.strftime('%H%M%S')}" if join else Path("runs/worker"))

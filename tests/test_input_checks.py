@@ -1,5 +1,6 @@
-"""A dataset that cannot load is refused before any process starts (hetpipe.compute.data.check_dataset, called
-by `hetpipe train`'s guards): a missing directory, an unknown name or option, a module that is not there."""
+"""Inputs refused before any process starts or waits: a dataset that cannot load (check_dataset, called by
+`hetpipe train`'s guards: a missing directory, an unknown name or option, a missing module), a VW the run
+lacks."""
 
 from __future__ import annotations
 
@@ -45,3 +46,19 @@ def test_train_refuses_a_missing_data_directory_before_starting_anything(tmp_pat
     assert done.returncode == 2, done.stderr
     assert f'dataset "{missing}": no such directory' in done.stderr and "Traceback" not in done.stderr
     assert not (run_dir / "logs").exists()  # no PS, no stage
+
+
+def test_a_worker_for_a_vw_the_run_does_not_have_is_refused_before_it_waits_on_the_ps(tmp_path: Path) -> None:
+    """`hetpipe worker --vw 7 --join RUN` on a 2-VW run: exit 2 at once, not after the PS wait (30 s)."""
+    path = write_config(tmp_path, vws=[["n0:0"], ["n0:1"]], nm=2, staleness=0, waves=2)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ps.json").write_text('{"endpoints": ["tcp://127.0.0.1:9"], "run": "test", "audit": false}')
+    done = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "worker", "--config", str(path), "--vw", "7", "--join", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=25,  # a hang guard: the PS wait alone is 30 s
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--vw 7 is out of range" in done.stderr and "Traceback" not in done.stderr
