@@ -59,3 +59,11 @@ def test_with_no_intact_common_wave_the_resume_is_refused_naming_the_damage(tmp_
         UsageError, match=r"no wave that every PS shard and every stage holds is intact .*vw0-s0"
     ):
         resume_point(config, run_dir, VWS, print)
+
+
+def test_a_finished_run_is_not_resumed_again(tmp_path: Path) -> None:
+    """Its last checkpoint may lie before its last wave (every = 2): its model.pt says it finished."""
+    run_dir, config = _run_dir(tmp_path)
+    (run_dir / "model.pt").write_bytes(b"")
+    with pytest.raises(UsageError, match="finished all 20 waves already"):
+        resume_point(config, run_dir, VWS, print)

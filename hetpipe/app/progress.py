@@ -19,6 +19,7 @@ class Progress:
     """The launcher's view of every VW, fed by the stages' events."""
 
     layouts: tuple[VwLayout, ...]
+    start_wave: int = 0  # a resumed run's first wave: every VW has completed the waves before it
     waves: dict[int, int] = field(default_factory=dict)
     loss: dict[int, float] = field(default_factory=dict)
     speed: dict[int, float] = field(default_factory=dict)
@@ -76,7 +77,7 @@ class Progress:
         return {str(v): found.get(str(v), {}) for v in range(len(self.layouts))}
 
     def completed(self, vw: int) -> int:
-        return min(self.pushed.get((vw, s), 0) for s in range(len(self.layouts[vw].split)))
+        return min(self.pushed.get((vw, s), self.start_wave) for s in range(len(self.layouts[vw].split)))
 
     def rows(self) -> list[VwProgress]:
         c_global = min(self.completed(v) for v in range(len(self.layouts)))

@@ -177,7 +177,7 @@ class _Run:
 def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict[str, Any]:
     """Run a whole training job locally (or continue one, options.resume); returns the summary."""
     run = _settle(config, options)
-    progress = Progress(run.vws)
+    progress = Progress(run.vws, start_wave=run.cut or 0)
     view = ProgressView(options.progress)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
     _announce(run, say)

@@ -120,8 +120,11 @@ def resume_point(
             f"--resume {run_dir}: no wave was checkpointed by every PS shard and every stage ({shown}); "
             "start a new run instead"
         )
-    if cuts[0] >= config.train.waves:
-        raise UsageError(f"--resume {run_dir}: the run finished all {config.train.waves} waves already")
+    if cuts[0] >= config.train.waves or (run_dir / "model.pt").exists():
+        raise UsageError(
+            f"--resume {run_dir}: the run finished all {config.train.waves} waves already (its model.pt is "
+            "written); start a new run to train further"
+        )
     bad: list[str] = []
     for cut in cuts:  # the newest wave that every part holds intact
         broken = [f"{name} at {cut}: {problem}" for name, problem in _damaged(parts, cut)]

@@ -49,7 +49,7 @@ def run_summary(
         merge_traces(traces, run_dir / "trace.json")
     dataset = dataset_of(config)
     work = run_work(config, vws)
-    samples = config.train.waves * sum(w.samples for w in work)
+    samples = (config.train.waves - progress.start_wave) * sum(w.samples for w in work)  # this run's part
     summary: dict[str, Any] = {
         "config": str(config.path),
         "run_dir": str(run_dir),
