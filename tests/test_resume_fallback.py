@@ -1,6 +1,6 @@
-"""`hetpipe train --resume` falls back past damaged checkpoints: the resume point is the newest wave that every
-PS shard and every stage holds intact (hetpipe.app.train_guards.resume_point), and it says which files it
-passed over."""
+"""`hetpipe train --resume` falls back past damaged checkpoints: the resume point is the newest wave that
+every PS shard and every stage holds intact (hetpipe.app.train_guards.resume_point), and it says which files
+it passed over."""
 
 from __future__ import annotations
 
