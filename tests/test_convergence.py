@@ -268,7 +268,12 @@ def test_a_time_to_target_search_offers_fewer_vws_and_smaller_nm_and_can_pick_th
         )
         if c.runnable
     ]
-    shape = lambda c: (c.policy, c.schedule, c.nm, tuple(tuple(vw.gpus) for vw in c.plan.vws))  # noqa: E731
+    shape = lambda c: (  # noqa: E731
+        c.policy,
+        c.schedule,
+        c.nm,
+        tuple((tuple(vw.gpus), vw.nm, vw.batch_size) for vw in c.plan.vws),
+    )
     assert {shape(c) for c in plain} < {shape(c) for c in wide}  # everything the plain search has, and more
     assert len({shape(c) for c in wide}) == len(wide)  # each distinct set of VWs once
     assert min(len(c.plan.vws) for c in wide) == 1 == min(len(c.plan.vws) for c in plain)  # fewer VWs: both

@@ -163,10 +163,12 @@ def test_the_planner_memory_and_convergence_models_read_their_traits() -> None:
     top = best(mine)
     plan = top.plan
     assert plan is not None and plan.aggregation == RULE
-    # the simulator: every VW paced by its minibatches one at a time, the WSP gate open (D >= 0, fast PS)
+    # the simulator: every VW paced by its minibatches one at a time, its wave Nm of them (each VW its own
+    # work per wave), the WSP gate open (D >= 0, fast PS): the slowest wave paces every VW's wave
     result = simulate_plan(plan, waves=6, ps_gbps=1e6)
-    paced = max(minibatch_time_s(vw, SCHEDULE) for vw in plan.vws)
-    assert top.samples_per_s == pytest.approx(len(plan.vws) * plan.batch_size / paced, rel=0.02)
+    wave_s = max(vw.nm * minibatch_time_s(vw, SCHEDULE) for vw in plan.vws)
+    per_wave = sum(vw.nm * vw.batch(plan.batch_size) for vw in plan.vws)
+    assert top.samples_per_s == pytest.approx(per_wave / wave_s, rel=0.02)
     assert result.samples_per_s <= top.samples_per_s * 1.001
     # the memory model: nothing in flight but one minibatch, no stashed weights (stashing "none")
     keep = MemoryRule.of(config, len(plan.vws)).with_nm(2).keeping(0, 2)

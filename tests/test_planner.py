@@ -103,19 +103,31 @@ def test_candidates_cover_policies_d_and_baselines() -> None:
     for c in found:
         assert c.feasible and c.samples_per_s > 0 and c.bottleneck
         assert (c.plan is not None) == (c.policy not in (ALLREDUCE, SYNC_PIPELINE))
-    # one Nm for every VW of a plan (the runtime runs one), and every GPU's memory within its limit
+    # every policy keeps its candidate at one common Nm and batch; one with per-VW work says so in a note; the
+    # Nm shown is the largest; every GPU's memory within its limit at its VW's own Nm and batch
     for c in found:
         if c.plan is not None:
-            assert len({vw.nm for vw in c.plan.vws}) == 1 and c.nm == c.plan.vws[0].nm
-            assert c.staleness == c.plan.staleness
+            work = {(vw.nm, vw.batch(c.plan.batch_size)) for vw in c.plan.vws}
+            assert len(work) == 1 or any(note.startswith("per-VW work") for note in c.notes), c.notes
+            assert c.nm == max(vw.nm for vw in c.plan.vws) and c.staleness == c.plan.staleness
         assert all(u.memory_bytes <= u.limit_bytes for u in c.memory)
+    for label in per_schedule:
+        assert any(
+            c.label == label and len({(vw.nm, vw.batch_size) for vw in c.plan.vws}) == 1
+            for c in found
+            if c.plan is not None
+        ), label
 
 
 def test_best_is_the_max_prediction_and_a_larger_d_must_buy_more_than_the_tolerance() -> None:
     config, profiles = small()
     one_d = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,))
     runnable = [c for c in one_d if c.runnable]
-    assert best(one_d).samples_per_s == max(c.samples_per_s for c in runnable)
+    # one D: the least local staleness among those within the tolerance of the highest, then the higher rate
+    high = max(c.samples_per_s for c in runnable)
+    close = [c for c in runnable if c.samples_per_s >= high * (1 - D_TOLERANCE)]
+    lag = min(own_lag(c.plan) for c in close)
+    assert best(one_d).samples_per_s == max(c.samples_per_s for c in close if own_lag(c.plan) == lag)
     found = plan_candidates(config, profiles, ps_gbps=10.0)
     top = max(c.samples_per_s for c in found if c.runnable)
     chosen = best(found)
@@ -783,3 +795,21 @@ def test_every_shipped_config_plans_on_a_fresh_cache(config: Path, tmp_path: Pat
     )
     assert result.returncode == 0, result.stderr
     assert "\nbest: " in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["paper-16gpu", "uneven-14gpu", "bench", "bench-vgg"])
+def test_shipped_clusters_reach_90_percent_of_capacity_or_name_the_bound(name: str) -> None:
+    """The acceptance of per-VW work (docs/planning.md#capacity): the paper's and the uneven cluster's best
+    plans reach 90% of every GPU's standalone rate summed; the benchmark clusters (emulated, profiled on this
+    machine) reach it or say what bounds them."""
+    config = Path(__file__).parent.parent / "launch" / "clusters" / f"{name}.toml"
+    result = hetpipe("plan", str(config), "--json", timeout=600)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    top = data["candidates"][data["best"]]
+    assert top["capacity_samples_per_s"] > top["samples_per_s"] * 0.999
+    if name in ("paper-16gpu", "uneven-14gpu"):
+        assert top["capacity_share"] >= 0.9, top["bounds"]
+    else:
+        assert top["capacity_share"] >= 0.9 or top["bounds"]

@@ -171,6 +171,7 @@ def print_plans(
             "planning_s": round(found.elapsed, 3),
             "aggregation": found.ruled.ps.aggregation,
             "mitigation": found.ruled.train.mitigation,
+            "capacity_samples_per_s": chosen.capacity,
         }
         click.echo(json.dumps(candidates_json(found.candidates, inputs), indent=1))
         return
@@ -179,6 +180,11 @@ def print_plans(
         f"{len(found.candidates)} candidates planned in {found.elapsed:.2f} s ({request.waves} waves "
         "simulated each)"
     )
+    if chosen.capacity > 0:
+        click.echo(
+            f"capacity: {chosen.capacity:.4g} samples/s, every GPU's standalone rate summed (batch / the "
+            "whole model's forward + backward on its type); the capacity column is each candidate's share"
+        )
     for note in found.notes:
         click.echo(f"note: {note}")
     click.echo("")
@@ -197,7 +203,16 @@ def write_best(config_path: Path, found: PlanSearch, chosen: Candidate, out_path
     out_path.write_text(chosen.plan.to_json())
     click.echo(
         f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}` "
-        f"(its VWs, splits, nm={chosen.nm}, D={chosen.staleness}, schedule {chosen.plan.schedule}, "
+        f"(its VWs, splits, {_work(chosen)}, D={chosen.staleness}, schedule {chosen.plan.schedule}, "
         f"{rule_of(found.ruled)}, batch {found.ruled.train.batch_size})",
         err=True,
     )
+
+
+def _work(chosen: Candidate) -> str:
+    """`nm=4`, or each VW's Nm x batch when they differ."""
+    assert chosen.plan is not None
+    plan = chosen.plan
+    if len({(vw.nm, vw.batch(plan.batch_size)) for vw in plan.vws}) == 1:
+        return f"nm={chosen.nm}"
+    return "per VW nm x batch " + ", ".join(f"{vw.nm}x{vw.batch(plan.batch_size)}" for vw in plan.vws)

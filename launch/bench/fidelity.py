@@ -72,12 +72,17 @@ def predict(config_path: Path, plan_out: Path) -> dict:
         v: sorted(e.end for e in sim.events if e.vw == v and e.action.kind == "B" and e.stage == last[v])
         for v in last
     }
-    rate = throughput.window_rate(streams, config.train.batch_size, throughput.WARMUP_WAVES * chosen.nm)
+    rate = throughput.window_rate(
+        streams,
+        {v: vw.batch(plan.batch_size) for v, vw in enumerate(plan.vws)},
+        {v: throughput.WARMUP_WAVES * vw.nm for v, vw in enumerate(plan.vws)},
+    )
     return {
         "config": str(config_path),
         "batch_size": config.train.batch_size,
         "policy": policy,
         "nm": chosen.nm,
+        "work": [[vw.nm, vw.batch(plan.batch_size)] for vw in plan.vws],
         "staleness": chosen.staleness,
         "vws": [list(vw.gpus) for vw in plan.vws],
         "splits": [list(vw.split) for vw in plan.vws],

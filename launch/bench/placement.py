@@ -168,13 +168,8 @@ def _main(
     for name, cfg in configs.items():
         top = predicted(cfg, profile, topology, policy)
         predictions[name] = top.samples_per_s
-        setups[name] = throughput.HetpipeSetup(
-            tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws),
-            top.plan.vws[0].nm,
-            top.plan.staleness,
-            f"planner: {top.label}",
-            top.samples_per_s,
-            top.plan.schedule,
+        setups[name] = throughput.HetpipeSetup.of_plan(
+            top.plan, cfg.train.batch_size, f"planner: {top.label}", top.samples_per_s
         )
         print(
             f"{name}: {setups[name].label}; predicted {top.samples_per_s:.1f} samples/s ({top.bottleneck})",

@@ -133,6 +133,17 @@ class HetpipeSetup:
         work = self.work or ((0, 0),) * len(self.vws)
         return tuple(VwLayout(gpus, split, *w) for (gpus, split), w in zip(self.vws, work, strict=True))
 
+    @classmethod
+    def of_plan(cls, plan: Any, batch: int, source: str, predicted: float | None) -> HetpipeSetup:
+        """A planner's plan (hetpipe.core.planning.plan.Plan) as a setup; `batch`: the config's minibatch size
+        (a plan whose VWs all run it at one Nm needs no per-VW work)."""
+        vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in plan.vws)
+        work = tuple((vw.nm, vw.batch(plan.batch_size)) for vw in plan.vws)
+        uniform = len(set(work)) == 1 and work[0][1] == batch
+        return cls(
+            vws, plan.vws[0].nm, plan.staleness, source, predicted, plan.schedule, () if uniform else work
+        )
+
     def samples_per_wave(self, batch: int) -> int:
         """Samples all VWs train in one wave each (`batch`: the config's minibatch size)."""
         if not self.work:
@@ -198,18 +209,8 @@ def hetpipe_setup(
         if staleness is not None:
             candidates = [c for c in candidates if c.staleness in (None, staleness)]
         top = planner.best(candidates)
-        plan = top.plan
-        vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in plan.vws)
-        work = tuple((vw.nm, vw.batch(plan.batch_size)) for vw in plan.vws)
-        uniform = len(set(work)) == 1 and work[0][1] == config.train.batch_size
-        return HetpipeSetup(
-            vws,
-            plan.vws[0].nm,
-            plan.staleness,
-            f"planner: {top.label}",
-            top.samples_per_s,
-            plan.schedule,
-            () if uniform else work,
+        return HetpipeSetup.of_plan(
+            top.plan, config.train.batch_size, f"planner: {top.label}", top.samples_per_s
         )
     from hetpipe.compute.build import model_of, vw_layouts
 
@@ -428,9 +429,15 @@ def hetpipe_peers(
                 guess = min(setup.predicted or capacity, capacity) * 0.6  # emulated runs fall short of plans
                 waves = WARMUP_WAVES + max(5, math.ceil(seconds * guess / per_wave))
                 run_dir = work / f"{name}-{next(runs)}"
-                summary, rate = run_hetpipe(
-                    hetpipe_config(config, setup, waves, run_dir), setup, run_dir, testbed
-                )
+                try:
+                    summary, rate = run_hetpipe(
+                        hetpipe_config(config, setup, waves, run_dir), setup, run_dir, testbed
+                    )
+                except HetpipeError as exc:  # this row's run failed: say why, not a traceback
+                    print(f"{name}: the run in {run_dir} failed: {exc}", flush=True)
+                    details.append({"run_dir": str(run_dir), "waves": waves, "error": str(exc)})
+                    details[-1].update(wave_breakdown_ms={}, stage_breakdown_ms={})
+                    return float("nan")
                 details.append(
                     {
                         "run_dir": str(run_dir),

@@ -171,14 +171,11 @@ def planned(
 
     candidates, chosen, tried = plan_over_rules(config, calibration, plan, planner.best, search=search_rules)
     top = planner.best(candidates)
-    vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in top.plan.vws)
-    setup = throughput.HetpipeSetup(
-        vws,
-        top.plan.vws[0].nm,
-        top.plan.staleness,
+    setup = throughput.HetpipeSetup.of_plan(
+        top.plan,
+        chosen.train.batch_size,
         f"planner: {top.label}, {rule_of(chosen)} (of {tried} rules); {note}",
         top.samples_per_s,
-        top.plan.schedule,
     )
     return setup, top, calibration, chosen
 

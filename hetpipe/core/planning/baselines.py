@@ -4,7 +4,9 @@ every minibatch), each predicted by the simulator. Pure."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.planning.candidates import (
@@ -16,13 +18,14 @@ from hetpipe.core.planning.candidates import (
     gpu_uses,
     slowest_stage_text,
 )
+from hetpipe.core.planning.capacity import CAPACITY_TARGET, left_out_bound
 from hetpipe.core.planning.groupings import GroupingSearch
 from hetpipe.core.planning.memory import PLAIN, format_bytes, stage_memory_terms
 from hetpipe.core.planning.partition import Gpu
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.simulate import simulate_allreduce, simulate_sync_pipeline
 
-__all__ = ["allreduce", "sync_pipeline", "whole_model"]
+__all__ = ["allreduce", "baseline_bounds", "sync_pipeline", "whole_model"]
 
 
 def whole_model(search: GroupingSearch, gpu: Gpu) -> tuple[int, str]:
@@ -126,6 +129,29 @@ def sync_pipeline(search: GroupingSearch) -> Candidate:
         notes=tuple(notes),
         nm=micro,
     )
+
+
+def baseline_bounds(c: Candidate, rates: Mapping[str, float]) -> Candidate:
+    """A baseline with what bounds it below CAPACITY_TARGET of the capacity (the sum of `rates`): its idle
+    GPUs and its synchronisation."""
+    capacity = sum(rates.values())
+    if not c.feasible or not capacity or c.samples_per_s >= CAPACITY_TARGET * capacity:
+        return c
+    used = {u.gpu for u in c.memory}
+    bounds = []
+    left = left_out_bound([g for g in rates if g not in used], rates, c.notes)
+    if left:
+        bounds.append(left[1])
+    if c.policy == ALLREDUCE:
+        bounds.append(
+            f"synchronous steps: every step waits for the slowest replica ({c.bottleneck}); synchronising "
+            f"takes {c.comm_share:.0%} of the step"
+        )
+    else:
+        bounds.append(
+            f"one pipeline flushed every minibatch: its fill and drain, slowest stage {c.bottleneck}"
+        )
+    return dataclasses.replace(c, bounds=tuple(bounds))
 
 
 def _reserve_text(search: GroupingSearch) -> str:

@@ -73,6 +73,10 @@ class Candidate:
     # was given).
     samples_to_target: float | None = None
     samples_source: str = ""
+    # The cluster's capacity (hetpipe.core.planning.capacity: every GPU's standalone rate, summed; 0.0 when
+    # not known) and, for a candidate below CAPACITY_TARGET of it, what bounds it, largest loss first.
+    capacity: float = 0.0
+    bounds: tuple[str, ...] = ()
 
     @property
     def feasible(self) -> bool:
@@ -92,6 +96,11 @@ class Candidate:
             if self.schedule
             else f"{self.policy} D={self.staleness}"
         )
+
+    @property
+    def capacity_share(self) -> float | None:
+        """Predicted samples/s over the cluster's capacity (None when the capacity is not known)."""
+        return self.samples_per_s / self.capacity if self.capacity > 0 else None
 
     @property
     def gpus_used(self) -> int:

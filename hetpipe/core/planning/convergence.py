@@ -545,10 +545,10 @@ def mitigation_ratio(calibration: Calibration, setting: Setting) -> tuple[float,
 
 
 def setting_of(candidate: Any, aggregation: str, mitigation: tuple[str, ...]) -> Setting | None:
-    """The training setting a planner candidate runs, for samples to target: a hetpipe plan's VWs, Nm, stages
-    (the deepest VW's), schedule and D with the config's aggregation and mitigations; all-reduce over G GPUs
-    is gradient accumulation of G minibatches (1xG/1 with a flush schedule); the synchronous pipeline is
-    sequential training (1x1/1); None for a candidate that cannot run."""
+    """The training setting a planner candidate runs, for samples to target: a hetpipe plan's VWs, Nm (the
+    largest VW's), stages (the deepest VW's), schedule and D with the config's aggregation and mitigations;
+    all-reduce over G GPUs is gradient accumulation of G minibatches (1xG/1 with a flush schedule); the
+    synchronous pipeline is sequential training (1x1/1); None for a candidate that cannot run."""
     if not candidate.feasible:
         return None
     if candidate.policy == ALLREDUCE:
@@ -559,9 +559,8 @@ def setting_of(candidate: Any, aggregation: str, mitigation: tuple[str, ...]) ->
     if plan is None:
         return None
     stages = max(len(vw.stages) for vw in plan.vws)
-    return Setting(
-        len(plan.vws), plan.vws[0].nm, stages, plan.schedule, aggregation, mitigation, plan.staleness
-    )
+    nm = max(vw.nm for vw in plan.vws)  # per-VW work: priced at the largest Nm, the most staleness
+    return Setting(len(plan.vws), nm, stages, plan.schedule, aggregation, mitigation, plan.staleness)
 
 
 def attach_samples(

@@ -1,11 +1,13 @@
 """The HetPipe side of the planner's search: the cluster's GPUs as the partitioner sees them, and for an
-allocation policy and a schedule its virtual workers at one common Nm (each VW's GPU order and split from the
-partitioner), the variants with fewer or slower VWs, and each VW's memory under a candidate's D. Pure."""
+allocation policy and a schedule its virtual workers, each at its own best GPU order, split and Nm (`fit`; the
+per-VW work of hetpipe.core.planning.per_vw_work starts there) or at one common Nm (`grouping`), the variants
+with fewer or slower VWs, and each VW's memory under a candidate's D at its own Nm and batch. Pure."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from hetpipe.core.config.schema import ClusterConfig, GpuRef
 from hetpipe.core.errors import HetpipeError, UsageError
@@ -16,10 +18,23 @@ from hetpipe.core.planning.partition import Gpu, best_order_and_nm, minibatch_ti
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.profile import ModelProfile
 
-__all__ = ["Grouping", "GroupingSearch", "gpu_list"]
+__all__ = ["Fitted", "Grouping", "GroupingSearch", "gpu_list"]
 
 Grouping = tuple[tuple[VwPlan, ...], tuple[str, ...]]  # the VWs of a policy, and notes on what was left out
+# a VW that holds the model: its index in the policy, its GPUs in stage order, a fixed split or None, its plan
+FittedVw = tuple[int, list[Gpu], "Sequence[int] | None", VwPlan]
 _GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A policy's VWs that hold the model, each at its own best order, split and Nm; notes on those left out;
+    the memory rule they were split under and the Nm cap."""
+
+    vws: tuple[FittedVw, ...]
+    left_out: tuple[str, ...]
+    rule: MemoryRule
+    cap: int
 
 
 class GroupingSearch:
@@ -38,6 +53,8 @@ class GroupingSearch:
             config.nodes[0].gpus[0]
         ]  # the model's layers and sizes (same on every type)
         self.solved: dict[tuple, VwPlan | HetpipeError] = {}
+        self.fitted: dict[tuple, Fitted | str] = {}
+        self.at_batch: dict[tuple[str, int], ModelProfile] = {}
 
     def gpu(self, ref: GpuRef) -> Gpu:
         t = self.config.gpu(ref)
@@ -67,22 +84,47 @@ class GroupingSearch:
             profiles, gpus, self.links_of(gpus), nm, rule=rule, reserve_bytes=self.reserve, fixed_split=fixed
         )
 
-    def with_memory(self, vw: VwPlan, rule: MemoryRule) -> VwPlan:
-        """The VW's stages with their memory recomputed under `rule` (its D sets how many update sums a stage
-        keeps), so every candidate shows the peak memory of its own D."""
+    def profile(self, gpu_type: str, batch: int) -> ModelProfile:
+        """The model on `gpu_type` at minibatch size `batch`: the planner's profile, rescaled by proportion
+        (ModelProfile.at_batch) when the batch is another than the config's; cached."""
+        if batch == self.batch:
+            return self.profiles[gpu_type]
+        key = (gpu_type, batch)
+        if key not in self.at_batch:
+            self.at_batch[key] = self.profiles[gpu_type].at_batch(batch)
+        return self.at_batch[key]
+
+    def stage_bytes(self, vw: VwPlan, rule: MemoryRule) -> list[int]:
+        """Each stage's peak memory under `rule` at the VW's Nm and its own minibatch size."""
         k = len(vw.stages)
-        stages = []
+        out = []
         for j, s in enumerate(vw.stages):
-            profile = self.profiles[s.gpu_type]
+            profile = self.profile(s.gpu_type, vw.batch(self.batch))
             act_in = profile.input_bytes if s.start == 0 else profile.layers[s.start - 1].output_bytes
             memory = stage_memory_terms(
                 profile.layers[s.start : s.stop], j, k, rule.with_nm(vw.nm), input_bytes=act_in
             )
-            stages.append(dataclasses.replace(s, memory_bytes=memory.total))
-        return dataclasses.replace(vw, stages=tuple(stages))
+            out.append(memory.total)
+        return out
 
-    def grouping(self, policy: str, nm_max: int | None, schedule: str = DEFAULT_SCHEDULE) -> Grouping | str:
-        """The VWs of `policy` at one common Nm under `schedule`, with notes; or why the policy cannot run."""
+    def with_memory(self, vw: VwPlan, rule: MemoryRule) -> VwPlan:
+        """The VW's stages with their memory recomputed under `rule` (its D sets how many update sums a stage
+        keeps) at the VW's Nm and minibatch size, so every candidate shows the peak memory of its own D."""
+        stages = tuple(
+            dataclasses.replace(s, memory_bytes=m)
+            for s, m in zip(vw.stages, self.stage_bytes(vw, rule), strict=True)
+        )
+        return dataclasses.replace(vw, stages=stages)
+
+    def fit(self, policy: str, nm_max: int | None, schedule: str = DEFAULT_SCHEDULE) -> Fitted | str:
+        """The VWs of `policy` under `schedule` that hold the model, each at its own best GPU order, split and
+        Nm (up to the schedule's cap), with notes on those left out; or why the policy cannot run. Cached."""
+        key = (policy, nm_max, schedule)
+        if key not in self.fitted:
+            self.fitted[key] = self._fit(policy, nm_max, schedule)
+        return self.fitted[key]
+
+    def _fit(self, policy: str, nm_max: int | None, schedule: str) -> Fitted | str:
         from hetpipe.core.planning.cluster import allocate
 
         try:
@@ -93,7 +135,7 @@ class GroupingSearch:
         listed = self.config.virtual_workers if policy == "explicit" else None
         deepest = max(len(g) for g in groups)
         cap = nm_max if nm_max is not None else get_schedule(schedule).nm_cap(self.config.wsp.nm, deepest)
-        fitted: list[tuple[int, list[Gpu], tuple[int, ...] | None, VwPlan]] = []
+        fitted: list[FittedVw] = []
         left_out: list[str] = []
         for v, refs in enumerate(groups):
             gpus = [self.gpu(ref) for ref in refs]
@@ -106,10 +148,18 @@ class GroupingSearch:
             fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], split, vw))
         if not fitted:
             return "no virtual worker of this policy can hold the model:\n    " + "\n    ".join(left_out)
+        return Fitted(tuple(fitted), tuple(left_out), rule, cap)
+
+    def grouping(self, policy: str, nm_max: int | None, schedule: str = DEFAULT_SCHEDULE) -> Grouping | str:
+        """The VWs of `policy` at one common Nm under `schedule`, with notes; or why the policy cannot run."""
+        fitted = self.fit(policy, nm_max, schedule)
+        if isinstance(fitted, str):
+            return fitted
+        rule = fitted.rule
         chosen: tuple[tuple[float, int], tuple[VwPlan, ...], list[str]] | None = None
-        for nm in sorted({vw.nm for *_, vw in fitted}):
+        for nm in sorted({vw.nm for *_, vw in fitted.vws}):
             vws, dropped = [], []
-            for v, gpus, split, vw in fitted:
+            for v, gpus, split, vw in fitted.vws:
                 if vw.nm == nm:
                     vws.append(vw)
                     continue
@@ -128,7 +178,7 @@ class GroupingSearch:
                 chosen = (score, tuple(vws), dropped)
         assert chosen is not None  # the smallest chosen nm always fits every VW that chose a larger one
         _, vws, dropped = chosen
-        return tuple(self.with_params(vw) for vw in vws), tuple(left_out + dropped)
+        return tuple(self.with_params(vw) for vw in vws), (*fitted.left_out, *dropped)
 
     def slower_but_fewer(self, grouping: Grouping, policy: str, schedule: str) -> list[Grouping]:
         """`grouping`, then the policy's groupings at every smaller Nm cap, then each of these with only its

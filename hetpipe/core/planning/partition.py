@@ -22,7 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetpipe.core.errors import HetpipeError, UsageError
-from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE, flushing_schedule, get_schedule, simulate
+from hetpipe.core.pipeline.schedule import (
+    DEFAULT_SCHEDULE,
+    Schedule,
+    flushing_schedule,
+    get_schedule,
+    simulate,
+    validate,
+)
 from hetpipe.core.planning.memory import WSP, MemoryRule, format_bytes, stage_memory_terms
 from hetpipe.core.planning.plan import StagePlan, VwPlan
 from hetpipe.core.planning.profile import ModelProfile
@@ -534,9 +541,18 @@ def _steady(
     fwd = [max(f, 1e-12) for f in forward]  # simulate wants times > 0
     bwd = [max(b, 1e-12) for b in backward]
     waves = -(-2 * k // nm) + 2
-    kind = get_schedule(schedule)
 
     def makespan(w: int) -> float:
-        return simulate(kind(k, nm, w, w), fwd, bwd).makespan  # D = w: a lone VW never waits
+        return simulate(_checked(schedule, k, nm, w), fwd, bwd, check=False).makespan  # D = w: never waits
 
     return (makespan(2 * waves) - makespan(waves)) / (waves * nm)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked(schedule: str, k: int, nm: int, waves: int) -> Schedule:
+    """The schedule's lists for one VW (D = waves), validated once: _steady runs them many times with other
+    times, and the check (what pipeline.schedule.simulate does first on every run) would cost more than the
+    run."""
+    lists = get_schedule(schedule)(k, nm, waves, waves)
+    validate(lists)
+    return lists

@@ -1,7 +1,8 @@
 """The planner's search (docs/planning.md): for every schedule and allocation policy, the virtual workers and
-their splits and Nm (hetpipe.core.planning.groupings), each D, its memory and its prediction by the simulator,
-then the baselines. This module is the planner's entry point: it also re-exports what callers use of the
-candidates, profile sources and output modules. Pure."""
+their splits and Nm (hetpipe.core.planning.groupings; per VW: per_vw_work), each D, its memory, its prediction
+by the simulator and its share of the cluster's capacity, then the baselines. This module is the planner's
+entry point: it also re-exports what callers use of the candidates, profile sources and output modules.
+Pure."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.pipeline.schedule import SCHEDULES, get_schedule
-from hetpipe.core.planning.baselines import allreduce, sync_pipeline
+from hetpipe.core.planning.baselines import allreduce, baseline_bounds, sync_pipeline
 from hetpipe.core.planning.candidates import (
     ALLREDUCE,
     D_TOLERANCE,
@@ -25,9 +26,11 @@ from hetpipe.core.planning.candidates import (
     own_lag,
     slowest_stage_text,
 )
+from hetpipe.core.planning.capacity import PsFigures, plan_bounds, standalone_rates
 from hetpipe.core.planning.groupings import Grouping, GroupingSearch
 from hetpipe.core.planning.memory import format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
+from hetpipe.core.planning.per_vw_work import PerVwWork
 from hetpipe.core.planning.plan import Plan, VwPlan
 from hetpipe.core.planning.profile import ModelProfile
 from hetpipe.core.planning.profile_sources import (
@@ -38,6 +41,7 @@ from hetpipe.core.planning.profile_sources import (
 )
 from hetpipe.core.planning.report import candidates_json, explain, format_plan, format_table
 from hetpipe.core.planning.simulate import PsNetwork, simulate
+from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, get_aggregation, needs_pulls
 
 __all__ = [
     "ALLREDUCE",
@@ -69,12 +73,15 @@ EMULATED_PS_GBPS = 36.0
 
 @dataclass(frozen=True)
 class _Prediction:
-    """How each candidate is predicted: simulated for `waves` waves over the PS's links."""
+    """How each candidate is predicted: simulated for `waves` waves over the PS's links; measured against the
+    GPUs' standalone rates (capacity.standalone_rates), naming what bounds it over the GPUs' links."""
 
     waves: int
     ps_gbps: float
     shards: int
     network: PsNetwork | None
+    rates: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    link: Callable[[str, str], float] | None = None
 
 
 def plan_candidates(
@@ -97,16 +104,18 @@ def plan_candidates(
 
     For each allocation policy (np, ed, hd, dp; explicit when the config lists VWs) each VW gets its GPU
     order, split and Nm from the partitioner (Nm up to `nm_max`, default the schedule's nm_cap: max(config's
-    nm, the largest VW)). The runtime runs one Nm for all VWs, so the planner then picks one common Nm among
-    those the VWs chose (the one with the highest n_vws x slowest-VW rate, larger on ties) and re-splits the
-    others at it. A VW whose GPUs cannot hold the model is left out, with a note; a policy none of whose VWs
-    fit is infeasible. Each such grouping is simulated for every D in `d_values` (and the config's D) for
-    `waves` waves. All of this for each schedule of `schedules` (default: the config's train.schedule first,
-    then the other registered schedules the planner searches); a schedule changes both the partition (what a
-    stage keeps: hetpipe.core.planning.memory) and the time. `slower_but_fewer`: for a ranking by time to
-    target, also what trades samples/s for samples to target: each grouping with Nm capped below the one it
-    chose, and with only its fastest 1, 2, ... VWs (less staleness and a smaller global batch); groupings that
-    come out the same are planned once.
+    nm, the largest VW)). Then two kinds of grouping: one common Nm among those the VWs chose (the one with
+    the highest n_vws x slowest-VW rate, larger on ties), the others re-split at it; and per-VW work
+    (hetpipe.core.planning.per_vw_work: each VW its own Nm and minibatch size, so that the waves take about as
+    long). A VW whose GPUs cannot hold the model is left out, with a note; a policy none of whose VWs fit is
+    infeasible. Every candidate carries the cluster's capacity (hetpipe.core.planning.capacity) and, below
+    90% of it, what bounds it. Each such grouping is simulated for every D in `d_values` (and the config's D)
+    for `waves` waves. All of this for each schedule of `schedules` (default: the config's train.schedule
+    first, then the other registered schedules the planner searches); a schedule changes both the partition
+    (what a stage keeps: hetpipe.core.planning.memory) and the time. `slower_but_fewer`: for a ranking by
+    time to target, also what trades samples/s for samples to target: each grouping with Nm capped below the
+    one it chose, and with only its fastest 1, 2, ... VWs (less staleness and a smaller global batch);
+    groupings that come out the same are planned once.
 
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
     GPUs (default: NetworkConfig.link_gbps of [network]); `ps_network`: the nodes' own links the PS traffic
@@ -118,7 +127,9 @@ def plan_candidates(
     check_profiles(config, profiles_by_type)
     ds = _d_values(d_values, config.wsp.staleness, waves)
     search = GroupingSearch(config, profiles_by_type, link_gbps or config.network.link_gbps, reserve_bytes)
-    how = _Prediction(waves, ps_gbps, config.ps.shards, ps_network)
+    rates = standalone_rates(config, profiles_by_type)
+    how = _Prediction(waves, ps_gbps, config.ps.shards, ps_network, rates, search.link)
+    work = PerVwWork(search, ps_gbps * config.ps.shards * 1e9 / 8)
     out: list[Candidate] = []
     for schedule in _schedules(config, schedules):
         for policy in _policies(config, policies):
@@ -131,10 +142,21 @@ def plan_candidates(
                 if slower_but_fewer
                 else search.fewer([grouping], schedule)
             )
+            groupings = _distinct(groupings + work.groupings(search.fit(policy, nm_max, schedule)))  # type: ignore[arg-type]
             for found, d in itertools.product(groupings, ds):
                 out.append(_candidate(search, policy, schedule, found, d, how))
     if baselines:
-        out += [allreduce(search), sync_pipeline(search)]
+        out += [baseline_bounds(c, rates) for c in (allreduce(search), sync_pipeline(search))]
+    capacity = sum(rates.values())
+    return [dataclasses.replace(c, capacity=capacity) for c in out]
+
+
+def _distinct(groupings: list[Grouping]) -> list[Grouping]:
+    """Each distinct set of VWs once, the first listed kept."""
+    out: list[Grouping] = []
+    for vws, notes in groupings:
+        if all(vws != seen for seen, _ in out):
+            out.append((vws, notes))
     return out
 
 
@@ -223,18 +245,21 @@ def _predict(plan: Plan, notes: tuple[str, ...], how: _Prediction) -> Candidate:
         network=how.network,
     )
     per_wave = max(r.wave_s for r in result.vws)
-    steady = (
-        len(plan.vws) * plan.batch_size * plan.vws[0].nm / per_wave if per_wave > 0 else result.samples_per_s
-    )
+    samples = sum(vw.nm * vw.batch(plan.batch_size) for vw in plan.vws)  # one wave of every VW
+    steady = samples / per_wave if per_wave > 0 else result.samples_per_s
     uses = tuple(u for vw in plan.vws for u in gpu_uses(vw))
-    busy = sum(s.time_s for vw in plan.vws for s in vw.stages) * how.waves * plan.vws[0].nm
+    busy = sum(s.time_s * vw.nm for vw in plan.vws for s in vw.stages) * how.waves
     gate = sum(r.gate_wait_s for r in result.vws)
     slow = max(
-        range(len(plan.vws)), key=lambda v: minibatch_time_s(plan.vws[v], plan.schedule, plan.recompute)
+        range(len(plan.vws)),
+        key=lambda v: plan.vws[v].nm * minibatch_time_s(plan.vws[v], plan.schedule, plan.recompute),
     )
     bottleneck = slowest_stage_text(plan.vws[slow], slow, "vw")
     if result.ps_utilisation > 0.9:
         bottleneck = f"PS link ({result.ps_utilisation:.0%} busy); then {bottleneck}"
+    moved = sum(vw.param_bytes for vw in plan.vws) * (2 if _pulls(plan) else 1)
+    ps = PsFigures(how.ps_gbps, how.shards, result.ps_utilisation, result.ps_link, moved, per_wave)
+    bounds = plan_bounds(plan, steady, how.rates, notes, ps, how.link) if how.link and how.rates else ()
     return Candidate(
         plan.policy,
         plan.staleness,
@@ -243,9 +268,15 @@ def _predict(plan: Plan, notes: tuple[str, ...], how: _Prediction) -> Candidate:
         uses,
         bottleneck,
         notes=notes,
-        nm=plan.vws[0].nm,
+        nm=max(vw.nm for vw in plan.vws),
         gate_wait_share=gate / max(busy + gate, 1e-12),
         ps_utilisation=result.ps_utilisation,
         run_samples_per_s=result.samples_per_s,
         schedule=plan.schedule,
+        bounds=bounds,
     )
+
+
+def _pulls(plan: Plan) -> bool:
+    """Whether the plan's VWs pull every wave (hetpipe.core.wsp.aggregation.needs_pulls)."""
+    return needs_pulls(len(plan.vws), get_aggregation(plan.aggregation or DEFAULT_AGGREGATION))

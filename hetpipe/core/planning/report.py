@@ -39,12 +39,13 @@ def format_table(candidates: Sequence[Candidate]) -> str:
         "GPUs",
         "layers per stage",
         "samples/s",
+        "capacity",
         "peak memory (fullest GPU)",
         "bottleneck",
     )
     converge = any(c.samples_source for c in candidates)
     if converge:
-        header = (*header[:9], "samples to target", "s to target", *header[9:])
+        header = (*header[:10], "samples to target", "s to target", *header[10:])
     rows = []
     for c in candidates:
         peak = c.peak
@@ -67,20 +68,21 @@ def format_table(candidates: Sequence[Candidate]) -> str:
             c.policy,
             c.schedule or "-",
             "-" if c.staleness is None else str(c.staleness),
-            "-" if c.nm is None else str(c.nm),
+            _nm_text(c),
             vws,
             str(c.gpus_used) if c.feasible else "-",
             splits,
             rate,
+            _capacity_text(c),
             memory,
             c.bottleneck if c.feasible else c.reason.split("\n")[0],
         )
         if converge:
             row = (
-                *row[:9],
+                *row[:10],
                 _samples_text(c),
                 "-" if c.time_to_target_s is None else f"{c.time_to_target_s:.4g}",
-                *row[9:],
+                *row[10:],
             )
         rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
@@ -96,12 +98,16 @@ def format_plan(candidate: Candidate) -> str:
     assert candidate.plan is not None
     plan = candidate.plan
     lines = [
-        f"{candidate.label}, nm={candidate.nm}: {candidate.samples_per_s:.4g} samples/s predicted "
-        f"(gate waits {candidate.gate_wait_share:.0%} of stage time, PS link "
+        f"{candidate.label}, {_work_label(candidate)}: {candidate.samples_per_s:.4g} samples/s predicted"
+        f"{_of_capacity(candidate)} (gate waits {candidate.gate_wait_share:.0%} of stage time, PS link "
         f"{candidate.ps_utilisation:.0%} busy)"
     ]
     for v, vw in enumerate(plan.vws):
-        lines.append(f"  vw{v}: {minibatch_time_s(vw):.3g} s/minibatch")
+        per_minibatch = minibatch_time_s(vw, plan.schedule, plan.recompute)
+        lines.append(
+            f"  vw{v}: nm {vw.nm} x batch {vw.batch(plan.batch_size)}, {per_minibatch:.3g} s/minibatch, "
+            f"a wave {vw.nm * per_minibatch:.3g} s"
+        )
         for j, s in enumerate(vw.stages):
             lines.append(
                 f"    stage {j}  {s.gpu:<8} {s.gpu_type:<12} layers {s.start:>3}-{s.stop - 1:<3} "
@@ -109,7 +115,41 @@ def format_plan(candidate: Candidate) -> str:
                 f"{format_bytes(s.memory_limit_bytes)}"
             )
     lines += [f"  note: {note}" for note in candidate.notes]
+    lines += [f"  bound: {bound}" for bound in candidate.bounds]
     return "\n".join(lines)
+
+
+def _nm_text(c: Candidate) -> str:
+    """The Nm column: "4", or with per-VW work each VW's Nm x batch ("4x72 x2, 4x48 x3")."""
+    if c.plan is None or c.nm is None:
+        return "-" if c.nm is None else str(c.nm)
+    work = [(vw.nm, vw.batch(c.plan.batch_size)) for vw in c.plan.vws]
+    if all(w == (c.nm, c.plan.batch_size) for w in work):
+        return str(c.nm)
+    runs: list[list] = []
+    for w in work:
+        if runs and runs[-1][0] == w:
+            runs[-1][1] += 1
+        else:
+            runs.append([w, 1])
+    return ", ".join(f"{nm}x{b}" + (f" x{n}" if n > 1 else "") for (nm, b), n in runs)
+
+
+def _work_label(c: Candidate) -> str:
+    """`nm=4`, or `per-VW work` when the VWs' Nm or batch differ."""
+    text = _nm_text(c)
+    return f"nm={text}" if text.isdigit() or text == "-" else "per-VW work (nm x batch)"
+
+
+def _capacity_text(c: Candidate) -> str:
+    share = c.capacity_share
+    return "-" if share is None or not c.feasible else f"{share:.0%}"
+
+
+def _of_capacity(c: Candidate) -> str:
+    """`, 99% of the cluster's capacity (1937 samples/s)`, or "" when it is not known."""
+    share = c.capacity_share
+    return "" if share is None else f", {share:.0%} of the cluster's capacity ({c.capacity:.4g} samples/s)"
 
 
 def _samples_text(c: Candidate) -> str:
@@ -139,9 +179,10 @@ def explain(candidates: Sequence[Candidate]) -> str:
     with a convergence calibration, both factors of every candidate's predicted time to target."""
     top = best(candidates)
     lines = [
-        f"best: {top.label}, nm={top.nm}, {top.samples_per_s:.4g} samples/s on {top.gpus_used} GPUs"
-        f"{_target_text(top)}; bottleneck {top.bottleneck}",
+        f"best: {top.label}, {_work_label(top)}, {top.samples_per_s:.4g} samples/s on {top.gpus_used} GPUs"
+        f"{_of_capacity(top)}{_target_text(top)}; bottleneck {top.bottleneck}",
         f"    memory per GPU: {_memory_per_gpu(top)}",
+        *(f"    bound: {bound}" for bound in top.bounds),
     ]
     for c in candidates:
         if c is top:
@@ -150,11 +191,20 @@ def explain(candidates: Sequence[Candidate]) -> str:
             lines.append(f"{c.label}: cannot run: {c.reason}")
             continue
         share = c.samples_per_s / top.samples_per_s if top.samples_per_s else 0.0
-        head = f"{c.label}: {c.samples_per_s:.4g} samples/s ({share:.0%} of the best){_target_text(c, top)}"
+        head = (
+            f"{c.label}: {c.samples_per_s:.4g} samples/s ({share:.0%} of the best{_capacity_part(c)})"
+            f"{_target_text(c, top)}"
+        )
         lines.append(f"{head}: {'; '.join(_why(c, top)) or 'the same prediction; the best is listed first'}")
         lines.append(f"    memory per GPU: {_memory_per_gpu(c)}")
         lines += [f"    note: {note}" for note in c.notes]
+        lines += [f"    bound: {bound}" for bound in c.bounds]
     return "\n".join(lines)
+
+
+def _capacity_part(c: Candidate) -> str:
+    share = c.capacity_share
+    return "" if share is None else f", {share:.0%} of capacity"
 
 
 def _memory_per_gpu(c: Candidate) -> str:
@@ -244,7 +294,8 @@ def _why_other_plan(c: Candidate, top: Candidate) -> list[str]:
     """Another plan: within 1% of the best, VWs of unequal speed, a gain not worth its staleness, or
     slower."""
     assert c.plan is not None
-    rates = [minibatch_time_s(vw) for vw in c.plan.vws]
+    # each VW's wave alone (its Nm x its time per minibatch): WSP paces every VW's waves by the slowest's
+    rates = [vw.nm * minibatch_time_s(vw, c.plan.schedule, c.plan.recompute) for vw in c.plan.vws]
     if abs(c.samples_per_s - top.samples_per_s) <= 0.01 * top.samples_per_s and c.gpus_used == top.gpus_used:
         lags = (own_lag(c.plan), own_lag(top.plan))
         return [
@@ -258,7 +309,8 @@ def _why_other_plan(c: Candidate, top: Candidate) -> list[str]:
     if max(rates) > 1.1 * min(rates):
         slow, fast = rates.index(max(rates)), rates.index(min(rates))
         return [
-            f"its VWs differ in speed (vw{slow} {max(rates):.3g} s/minibatch vs vw{fast} {min(rates):.3g}); "
+            f"its VWs differ in speed (a wave of vw{slow} takes {max(rates):.3g} s, of vw{fast} "
+            f"{min(rates):.3g}); "
             f"WSP holds the fast ones to the slowest ({c.bottleneck})"
         ]
     if c.samples_per_s > top.samples_per_s and c.staleness == top.staleness:
@@ -318,6 +370,9 @@ def candidates_json(
                 "samples_to_target": c.samples_to_target,
                 "samples_source": c.samples_source,
                 "time_to_target_s": c.time_to_target_s,
+                "capacity_samples_per_s": c.capacity,
+                "capacity_share": c.capacity_share,
+                "bounds": list(c.bounds),
                 "memory": [dataclasses.asdict(u) for u in c.memory],
                 "plan": dataclasses.asdict(c.plan) if c.plan is not None else None,
             }

@@ -16,7 +16,6 @@ from hetpipe.core.pipeline.schedule import (
     WAIT,
     Action,
     flushing_schedule,
-    gate_of,
     get_schedule,
     needs,
 )
@@ -91,6 +90,7 @@ class SimResult:
     vws: tuple[VwResult, ...]
     gates: tuple[GateRecord, ...]
     events: tuple[SimEvent, ...]
+    ps_link: str = ""  # the busiest link's name: "PS" (one link for all), or a PsNetwork's ("n1 egress")
 
 
 @dataclass(frozen=True)
@@ -231,8 +231,13 @@ class _Vw:
         self.push_landed: list[list[float]] = [[] for _ in range(waves)]
         self.pushed = [0] * self.k  # waves each stage has handed to its PS agent
         self.waits = [[a.index for a in actions if a.kind == WAIT] for actions in self.schedule.stages]
+        # what each action waits for on the other stages, by position (pipeline.schedule.needs)
+        self.needs = [
+            [needs(a, j, self.k) for a in actions] for j, actions in enumerate(self.schedule.stages)
+        ]
         self.next_wait = [0] * self.k  # index into waits[j] of the stage's next WAIT
         self.pull_handed: list[dict[int, float]] = [{} for _ in range(self.k)]  # wave -> when handed over
+        self.pull_pending: list[list[int]] = [[] for _ in range(self.k)]  # handed over, not sent yet
         self.pull_arrived: list[dict[int, float]] = [{} for _ in range(self.k)]  # wave -> when it arrived
         self.completed = 0  # waves completed by the current time (advanced by `completed_at`)
         self.gate_wait_s = 0.0
@@ -282,6 +287,10 @@ class _Links:
         """The busiest link's busy share of `makespan`."""
         return max((link.busy_s for link in self.by_name.values()), default=0.0) / makespan
 
+    def busiest(self) -> str:
+        """The busiest link's name ("PS" without a PsNetwork, else e.g. "n1 egress"); "" when none is used."""
+        return max(self.by_name, key=lambda name: self.by_name[name].busy_s, default="")
+
 
 class _Run:
     """All virtual workers on one clock and one set of PS links, so the D bound couples them."""
@@ -297,9 +306,10 @@ class _Run:
 
     def ready(self, i: int, j: int, action: Action, now: float) -> bool:
         vw = self.vws[i]
-        if not all(vw.finished(peer, other, now) for peer, other in needs(action, j, vw.k)):
-            return False
-        if gate_of(action, self.staleness) is None or not self.pulls:
+        for peer, other in vw.needs[j][vw.position[j]]:
+            if vw.done[peer].get(other, math.inf) > now:
+                return False
+        if action.kind != WAIT or not self.pulls:
             return True
         return vw.pull_arrived[j].get(action.index, math.inf) <= now
 
@@ -314,18 +324,19 @@ class _Run:
         wave = vw.waits[j][vw.next_wait[j]]
         if wave not in vw.pull_handed[j] and vw.pushed[j] >= gate_version(wave, self.staleness):
             vw.pull_handed[j][wave] = now
+            vw.pull_pending[j].append(wave)
 
     def serve_pulls(self, now: float) -> None:
         """The PS sends every handed-over pull whose gate is open at `now`, first come first served."""
+        if not any(pending for vw in self.vws for pending in vw.pull_pending):
+            return
         c_global = self.c_global(now)
         for vw in self.vws:
             for j in range(vw.k):
-                for wave, handed in vw.pull_handed[j].items():
-                    if (
-                        wave not in vw.pull_arrived[j]
-                        and handed <= now
-                        and c_global >= gate_version(wave, self.staleness)
-                    ):
+                pending = vw.pull_pending[j]
+                for wave in list(pending):
+                    if vw.pull_handed[j][wave] <= now and c_global >= gate_version(wave, self.staleness):
+                        pending.remove(wave)
                         arrived = self.links.transfer(vw, j, push=False, now=now)
                         vw.pull_arrived[j][wave] = arrived
                         vw.pull_s += arrived - now
@@ -440,6 +451,7 @@ def simulate(
         vws=tuple(results),
         gates=tuple(run.gates),
         events=tuple(run.events),
+        ps_link=links.busiest(),
     )
 
 

@@ -1,0 +1,128 @@
+"""The planner's per-VW work (docs/planning.md#per-vw-work): the VWs of a grouping each at its own Nm and
+minibatch size, from the options its split allows (hetpipe.core.planning.wave_balance chooses), as the VwPlans
+the simulator runs; with only the fastest 1, 2, ... VWs too. Pure."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from hetpipe.core.planning.groupings import Fitted, Grouping, GroupingSearch
+from hetpipe.core.planning.memory import MemoryRule, format_bytes
+from hetpipe.core.planning.partition import minibatch_time_s
+from hetpipe.core.planning.plan import VwPlan
+from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder
+from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
+
+__all__ = ["KEEP_FEWER", "PerVwWork", "work_text"]
+
+KEEP_FEWER = 0.9  # only the fastest VWs: planned when the estimate is within 10% of the best one's
+
+
+class PerVwWork:
+    """Per-VW work for the groupings of one GroupingSearch; the PS's links carry `ps_bytes_per_s` in all."""
+
+    def __init__(self, search: GroupingSearch, ps_bytes_per_s: float) -> None:
+        self.search, self.ps_bytes_per_s = search, ps_bytes_per_s
+        self.options_of: dict[tuple, tuple[WorkOption, ...]] = {}
+        rule = get_aggregation(search.config.ps.aggregation)
+        self.pulls = lambda n: needs_pulls(n, rule)
+        # the "average" mitigation shares a VW's own updates at 1 / n: the runtime refuses unequal work then
+        self.enabled = "average" not in search.config.train.mitigations
+
+    def options(self, vw: VwPlan, rule: MemoryRule, cap: int) -> tuple[WorkOption, ...]:
+        """Every (Nm, batch) the VW may run with its split: Nm its own, or from its depth (a full pipe) to the
+        cap; each batch of batch_ladder. A wave's time is scaled from the config's batch by proportion (as
+        ModelProfile.at_batch scales every time, transfers included); memory by the memory model."""
+        kind = tuple((s.gpu_type, s.start, s.stop, s.time_s, s.memory_limit_bytes) for s in vw.stages)
+        key = (kind, rule, cap)
+        if key not in self.options_of:
+            base = self.search.batch
+            out = []
+            for nm in sorted({vw.nm, *range(len(vw.stages), cap + 1)}):
+                per_minibatch = minibatch_time_s(
+                    dataclasses.replace(vw, nm=nm), rule.schedule, rule.recompute
+                )
+                for batch in batch_ladder(base):
+                    sized = self.at(vw, nm, batch)
+                    needs = self.search.stage_bytes(sized, rule)
+                    over = "; ".join(
+                        f"{s.gpu} ({s.gpu_type}) needs {format_bytes(m)} of "
+                        f"{format_bytes(s.memory_limit_bytes)}"
+                        for s, m in zip(sized.stages, needs, strict=True)
+                        if m > s.memory_limit_bytes
+                    )
+                    out.append(WorkOption(nm, batch, nm * per_minibatch * batch / base, over))
+            self.options_of[key] = tuple(out)
+        return self.options_of[key]
+
+    def at(self, vw: VwPlan, nm: int, batch: int) -> VwPlan:
+        """The VW at `nm` and minibatch size `batch`: each stage time x batch / the config's batch."""
+        base = self.search.batch
+        f = batch / base
+        stages = tuple(
+            dataclasses.replace(
+                s,
+                forward_s=s.forward_s * f,
+                backward_s=s.backward_s * f,
+                recv_s=s.recv_s * f,
+                send_s=s.send_s * f,
+            )
+            for s in vw.stages
+        )
+        return dataclasses.replace(vw, stages=stages, nm=nm, batch_size=0 if batch == base else batch)
+
+    def ps_s(self, vws: Sequence[VwPlan]) -> float:
+        """The PS's seconds per wave: each VW pushes its weights every wave, and pulls them when it must."""
+        return sum(vw.param_bytes * (2 if self.pulls(len(vws)) else 1) for vw in vws) / self.ps_bytes_per_s
+
+    def balanced(self, vws: Sequence[VwPlan], fitted: Fitted) -> Balance | None:
+        """wave_balance.balance over these VWs' options, under the memory rule of this many VWs."""
+        rule = dataclasses.replace(fitted.rule, pulls=self.pulls(len(vws)))
+        options = [self.options(vw, rule, fitted.cap) for vw in vws]
+        return balance(options, self.ps_s(vws), self.search.batch)
+
+    def groupings(self, fitted: Fitted | str) -> list[Grouping]:
+        """The policy's VWs at per-VW work, then only its fastest 1, 2, ... at theirs, each kept when its
+        estimate is within KEEP_FEWER of the best one's; none when the policy cannot run."""
+        if isinstance(fitted, str) or not self.enabled:
+            return []
+        vws = [vw for *_, vw in fitted.vws]
+        rule = fitted.rule
+        fastest = sorted(vws, key=lambda vw: minibatch_time_s(vw, rule.schedule, rule.recompute))
+        found: list[tuple[Balance, list[VwPlan]]] = []
+        for n in range(len(vws), 0, -1):
+            kept = [vw for vw in vws if any(vw is f for f in fastest[:n])]
+            chosen = self.balanced(kept, fitted)
+            if chosen is not None:
+                found.append((chosen, kept))
+        top = max((b.samples_per_s for b, _ in found), default=0.0)
+        out = []
+        for chosen, kept in found:
+            if chosen.samples_per_s < KEEP_FEWER * top:
+                continue
+            plans = tuple(
+                self.search.with_params(self.at(vw, o.nm, o.batch))
+                for vw, o in zip(kept, chosen.work, strict=True)
+            )
+            out.append((plans, (*fitted.left_out, *self.notes(chosen, plans, len(vws)))))
+        return out
+
+    def notes(self, chosen: Balance, vws: Sequence[VwPlan], of: int) -> list[str]:
+        """What per-VW work chose, the VWs memory held back, and the VWs left out."""
+        notes = [
+            f"per-VW work (Nm x batch per VW): {work_text(vws, self.search.batch)}, so that every wave takes "
+            f"about {chosen.wave_s:.3g} s"
+        ]
+        notes += [
+            f"memory: vw{v} would do {option.nm} x {option.batch} per wave, but {option.over}"
+            for v, option in chosen.held
+        ]
+        if len(vws) < of:
+            notes.append(f"only the {len(vws)} fastest of the policy's {of} VWs, at per-VW work")
+        return notes
+
+
+def work_text(vws: Sequence[VwPlan], base_batch: int) -> str:
+    """`4x32, 4x64, 2x32`: each VW's Nm x minibatch size."""
+    return ", ".join(f"{vw.nm}x{vw.batch(base_batch)}" for vw in vws)

@@ -1,0 +1,136 @@
+"""Per-VW work per wave (hetpipe/core/planning/wave_balance.py, per_vw_work.py): each VW's Nm and minibatch
+size chosen so that the VWs' waves take about as long: against tables worked out by hand, in the planner."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from test_planner import cluster, small, toy_profile
+
+from hetpipe.core.config.parse import parse_config
+from hetpipe.core.planning.planner import plan_candidates
+from hetpipe.core.planning.wave_balance import WorkOption, balance, batch_ladder
+
+
+def options(
+    per_sample_s: float,
+    nms: Sequence[int] = (1, 2),
+    batches: Sequence[int] = (2, 4, 8),
+    most: int | None = None,
+) -> list[WorkOption]:
+    """A VW whose wave takes per_sample_s x its samples; samples over `most` do not fit its memory."""
+    return [
+        WorkOption(nm, b, nm * b * per_sample_s, "" if most is None or nm * b <= most else "n0:0 needs more")
+        for nm in nms
+        for b in batches
+    ]
+
+
+def work(found) -> list[tuple[int, int]]:
+    return [(o.nm, o.batch) for o in found.work]
+
+
+def test_batch_ladder_is_quarters_of_the_batch_up_to_four_times_it() -> None:
+    assert batch_ladder(32) == tuple(range(8, 129, 8))
+    assert batch_ladder(4) == tuple(range(1, 17))
+    assert batch_ladder(6) == tuple(range(1, 25))  # under 8: every size from 1
+    assert batch_ladder(1) == (1, 2, 3, 4)
+
+
+def test_a_vw_twice_as_fast_does_twice_the_work_in_a_wave_at_the_configs_batch() -> None:
+    # fast: 0.01 s a sample, slow: 0.02 s. Wave times T in {0.04, 0.08, 0.16} all give 150 samples/s (fast 100
+    # + slow 50); at T = 0.08 both keep batch 4 (fast 2 x 4, slow 1 x 4), at 0.04 the slow one would run 1 x 2
+    # and at 0.16 the fast one 2 x 8: the fewest batch changes win
+    found = balance([options(0.01), options(0.02)], ps_s=0.0, base_batch=4)
+    assert found is not None
+    assert work(found) == [(2, 4), (1, 4)]
+    assert found.wave_s == pytest.approx(0.08) and found.samples_per_s == pytest.approx(150.0)
+    assert found.held == ()
+
+
+def test_when_the_ps_bounds_the_wave_every_vw_does_more_per_wave() -> None:
+    # the PS takes 0.1 s a wave: T = 0.08 gives 12 samples / 0.1 s = 120; T = 0.16 gives 24 / 0.16 = 150;
+    # T = 0.32 gives (16 + 16) / 0.32 = 100
+    found = balance([options(0.01), options(0.02)], ps_s=0.1, base_batch=4)
+    assert found is not None
+    assert work(found) == [(2, 8), (2, 4)]
+    assert found.samples_per_s == pytest.approx(150.0) and found.ps_s == 0.1
+
+
+def test_memory_caps_a_vws_work_and_says_what_it_would_have_done() -> None:
+    # the fast VW holds at most 8 samples of a wave; PS 0.16 s a wave: T = 0.16 gives (8 + 8) / 0.16 = 100,
+    # T = 0.08 12 / 0.16 = 75, T = 0.32 (8 + 16) / 0.32 = 75. At T = 0.16 the fast VW would run 2 x 8.
+    found = balance([options(0.01, most=8), options(0.02)], ps_s=0.16, base_batch=4)
+    assert found is not None
+    assert work(found) == [(2, 4), (2, 4)] and found.samples_per_s == pytest.approx(100.0)
+    assert [(v, o.nm, o.batch, o.over) for v, o in found.held] == [(0, 2, 8, "n0:0 needs more")]
+
+
+def test_equal_vws_get_equal_work_and_a_vw_that_fits_nothing_gives_none() -> None:
+    found = balance([options(0.01), options(0.01)], ps_s=0.0, base_batch=4)
+    assert found is not None and work(found) == [(1, 4), (1, 4)]  # equal rates: the shortest wave
+    assert balance([options(0.01), options(0.02, most=1)], ps_s=0.0, base_batch=4) is None
+    assert balance([], ps_s=0.0, base_batch=4) is None
+
+
+# --------------------------------------------------------------------------------------------- in the planner
+
+
+def test_the_planner_gives_a_faster_vw_more_work_per_wave_and_keeps_the_common_nm_one() -> None:
+    """small(): np makes a VW of two fast GPUs (6 x 30 ms over 2: 90 ms a minibatch of 4) and one of two
+    slow ones (180 ms). At one Nm the slow one paces both: 2 x 4 / 0.18 = 44.4 samples/s. With per-VW work
+    the fast VW's wave holds twice the slow one's samples, and the two run at their own rates: 4 / 0.09 +
+    4 / 0.18 = 66.7 samples/s, every GPU's standalone rate (capacity 2 x 4 / 0.18 + 2 x 4 / 0.36)."""
+    config, profiles = small()
+    found = plan_candidates(
+        config, profiles, ps_gbps=10.0, d_values=(0,), policies=["np"], schedules=["wsp"], baselines=False
+    )
+    common = found[0]
+    assert {(vw.nm, vw.batch_size) for vw in common.plan.vws} == {(2, 0)}
+    assert common.samples_per_s == pytest.approx(2 * 4 / 0.18, rel=0.01)
+    per_vw = next(c for c in found if any(n.startswith("per-VW work") for n in c.notes))
+    fast, slow = per_vw.plan.vws
+    assert {s.gpu_type for s in fast.stages} == {"fast"} and {s.gpu_type for s in slow.stages} == {"slow"}
+    assert fast.nm * fast.batch(4) == 2 * slow.nm * slow.batch(4)
+    assert per_vw.samples_per_s == pytest.approx(4 / 0.09 + 4 / 0.18, rel=0.02)
+    assert per_vw.capacity == pytest.approx(2 * 4 / 0.18 + 2 * 4 / 0.36)
+    assert per_vw.capacity_share > 0.95 > 0.7 > common.capacity_share
+    assert all(u.memory_bytes <= u.limit_bytes for u in per_vw.memory)
+
+
+def test_memory_at_a_larger_batch_holds_a_vw_back_and_is_named() -> None:
+    """A slow PS link (0.1 Gbit/s: two VWs' 6 MiB pushes and pulls take 2 s a wave) asks for long waves, but
+    the fast GPUs' 31.7 MiB hold the fast VW's stage 0 at nm 2 x batch 4 (31.5 MiB) and no more: the note
+    says what memory refused."""
+    config = cluster([["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 0.031), "slow": (1.0, 8.0)})
+    profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
+    found = plan_candidates(
+        config, profiles, ps_gbps=0.1, d_values=(0,), policies=["np"], schedules=["wsp"], baselines=False
+    )
+    per_vw = next(c for c in found if any(n.startswith("per-VW work") for n in c.notes))
+    fast = per_vw.plan.vws[0]
+    assert {s.gpu_type for s in fast.stages} == {"fast"} and (fast.nm, fast.batch(4)) == (2, 4)
+    assert per_vw.plan.vws[1].nm * per_vw.plan.vws[1].batch(4) > 8  # the slow VW's wave grows instead
+    held = [n for n in per_vw.notes if n.startswith("memory: vw0 would do")]
+    assert held and "n0:0 (fast) needs" in held[0] and "of 31.74 MiB" in held[0]
+    assert all(u.memory_bytes <= u.limit_bytes for u in per_vw.memory)
+
+
+def test_the_average_mitigation_keeps_equal_work() -> None:
+    """The runtime refuses unequal work with "average" (it shares a VW's own updates at 1 / n)."""
+    data = {
+        "name": "t",
+        "gpu_types": {"fast": {"speed": 2.0, "memory_gib": 8.0}, "slow": {"speed": 1.0, "memory_gib": 4.0}},
+        "nodes": [{"name": "n0", "gpus": ["fast", "fast"]}, {"name": "n1", "gpus": ["slow", "slow"]}],
+        "wsp": {"nm": 2},
+        "train": {"batch_size": 4, "optimizer": "momentum", "mitigation": "average"},
+        "ps": {"aggregation": "mean"},
+    }
+    config = parse_config(data, Path("t.toml"))
+    _, profiles = small()
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), schedules=["wsp"], baselines=False)
+    assert found and all(
+        len({vw.nm * vw.batch(4) for vw in c.plan.vws}) == 1 for c in found if c.plan is not None
+    )
