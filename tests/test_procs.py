@@ -73,7 +73,8 @@ if __name__ == "__main__":
 )
 def test_children_fork_from_a_server_holding_no_threads(tmp_path: Path) -> None:
     """The fork server imported torch and numpy and started no thread (not even OpenBLAS's): what it forks is
-    one thread with torch already loaded."""
+    one thread with torch already loaded, to which the child adds one, the watch on its launcher
+    (procs._watch_launcher)."""
     script = tmp_path / "children.py"
     script.write_text(textwrap.dedent(CHILDREN))
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
@@ -82,4 +83,4 @@ def test_children_fork_from_a_server_holding_no_threads(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     reports = json.loads(result.stdout.strip().splitlines()[-1])
-    assert reports == [{"torch_loaded": True, "threads": 1, "parent_threads": 1, "entered": True}] * 2
+    assert reports == [{"torch_loaded": True, "threads": 2, "parent_threads": 1, "entered": True}] * 2

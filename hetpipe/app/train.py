@@ -17,6 +17,7 @@ and summary numbers in hetpipe.app.train_summary.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue as queue_mod
 import sys
@@ -62,6 +63,7 @@ from hetpipe.core.protocol.keys import (
 )
 from hetpipe.core.runs.metrics import MetricsWriter
 from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
+from hetpipe.core.runs.run_lock import RunLock, lock_run_dir
 from hetpipe.core.wsp.work import VwWork
 from hetpipe.models import ModelSpec
 from hetpipe.server.jobs import ShardJob, shard_jobs
@@ -172,11 +174,22 @@ class _Run:
     eval_device: str
     started_at: float  # the start-up timeline's zero
     launcher: dict[str, float]  # the launcher's own start-up moments (Unix time), filled in as it goes
+    lock: RunLock  # the run dir's, held until train() returns (and by every child while it lives)
 
 
 def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict[str, Any]:
-    """Run a whole training job locally (or continue one, options.resume); returns the summary."""
+    """Run a whole training job locally (or continue one, options.resume); returns the summary. The run dir
+    is locked while this or any of its children runs (hetpipe.core.runs.run_lock)."""
     run = _settle(config, options)
+    try:
+        return _train(run)
+    finally:
+        run.lock.release()
+
+
+def _train(run: _Run) -> dict[str, Any]:
+    """Start, watch and finish the settled run."""
+    config, options = run.config, run.options
     progress = Progress(run.vws, start_wave=run.cut or 0)
     view = ProgressView(options.progress)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
@@ -186,7 +199,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
     if torch.device(run.eval_device).type == "cpu":
         torch.set_num_threads(1)  # live evaluations share the CPU with the stages: one thread, as each stage
     started = time.monotonic()
-    group = ChildGroup(log_dir=run.run_dir / "logs")
+    group = ChildGroup(log_dir=run.run_dir / "logs", hold=run.lock.fd)  # each child keeps the dir locked
     events = group.ctx.Queue()
     failures: dict[str, dict[str, Any]] = {}
     trained = False
@@ -240,28 +253,38 @@ def _settle(config: ClusterConfig, options: TrainOptions) -> _Run:
     vws = options.layouts or _saved_layouts(run_dir, options.resume) or vw_layouts(config, spec)
     check_memory(config, spec, vws)
     check_work(config, vws)
-    cut = resume_point(config, run_dir, vws) if options.resume else None
-    if cut is None:
-        refuse_earlier_checkpoints(config, run_dir)
-    check_options(config, audit=options.audit, resumed_from=cut, profile=options.profile)
+    with contextlib.ExitStack() as undo:  # the lock is let go if a later check fails
+        lock = _lock(config, options, run_dir)
+        undo.callback(lock.release)
+        cut = resume_point(config, run_dir, vws) if options.resume else None
+        if cut is None:
+            refuse_earlier_checkpoints(config, run_dir)
+        check_options(config, audit=options.audit, resumed_from=cut, profile=options.profile)
+        if cut is None:
+            (run_dir / "config.toml").write_text(
+                config_toml(config)
+            )  # the effective config: `hetpipe export` reads it
+            (run_dir / "layouts.json").write_text(
+                json.dumps([[list(lay.gpus), list(lay.split), lay.nm, lay.batch] for lay in vws])
+            )
+        keys = (
+            run_keys(config, run_dir, len(vws))
+            if cut is None or config.ps.keys_dir
+            else _saved_keys(config, run_dir, len(vws))
+        )
+        slow, _ = emulated_slowdowns(config, vws)
+        eval_device = stage_device(config, vws[0].gpus[0], cuda_devices())
+        undo.pop_all()
+    return _Run(config, options, spec, run_dir, vws, cut, keys, slow, eval_device, started_at, launcher, lock)
+
+
+def _lock(config: ClusterConfig, options: TrainOptions, run_dir: Path) -> RunLock:
+    """The run dir, made if new, locked for this run before anything reads or writes it; UsageError when
+    another run holds it."""
     check_writable_dir(
         run_dir, "--run-dir" if options.run_dir else f"the run dir (train.out_dir of {config.path})"
     )
-    if cut is None:
-        (run_dir / "config.toml").write_text(
-            config_toml(config)
-        )  # the effective config: `hetpipe export` reads it
-        (run_dir / "layouts.json").write_text(
-            json.dumps([[list(lay.gpus), list(lay.split), lay.nm, lay.batch] for lay in vws])
-        )
-    keys = (
-        run_keys(config, run_dir, len(vws))
-        if cut is None or config.ps.keys_dir
-        else _saved_keys(config, run_dir, len(vws))
-    )
-    slow, _ = emulated_slowdowns(config, vws)
-    eval_device = stage_device(config, vws[0].gpus[0], cuda_devices())
-    return _Run(config, options, spec, run_dir, vws, cut, keys, slow, eval_device, started_at, launcher)
+    return lock_run_dir(run_dir)
 
 
 def _announce(run: _Run, say: Callable[[str], None]) -> None:

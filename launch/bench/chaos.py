@@ -19,6 +19,14 @@ clock and its VWs' gaps (waves an evicted VW did not take part in) say it must h
     python launch/bench/chaos.py --kills 50 [--shards 2] [--stages | --stages-only] [--seed 0] [--out FILE]
         [--config CONFIG] [--waves N] [--set KEY=VALUE ...]
 
+Two more faults, one per run (--fault; --kills does not apply), for the launcher itself (issue 36):
+  launcher    SIGKILL of the `hetpipe train` process at a random wave; 5 s later no process of the run may
+              be left (stages, shards, fork server, resource tracker: `left`), and `hetpipe train --resume`
+              started at once must finish the run with the ledger clean
+  stop-stage  SIGSTOP of a random stage under on_vw_failure = "evict" (hung_after_s = 5): the PS evicts its
+              VW, the launcher kills the stopped stage (`stopped_left` must be false) and the other VWs finish
+              the run with the ledger clean (no rejoin)
+
 Smoke check: --kills 3. The run's own files (logs, metrics.jsonl with each child_exit and vw_evicted, the
 summary) stay in --run-dir (default: a temporary directory, printed).
 """
@@ -164,6 +172,50 @@ class Chaos:
             )
         return True
 
+    # ---- launcher faults (--fault) -------------------------------------------------------------------------
+    def kill_launcher(self, resume: list[str], log_path: Path, jitter_s: float) -> dict:
+        """SIGKILL `hetpipe train` at a random wave of the run's middle half, list what of its processes is
+        left 5 s later (and end those), then start `resume` at once as the run to wait for."""
+        target = self.rng.randint(max(2, self.waves // 4), max(2, self.waves // 2))
+        if not self.wait_until(lambda: self.wave() >= target, 600):
+            return {"left": None}
+        time.sleep(self.rng.uniform(0, jitter_s))
+        processes = _descendants(self.train.pid)
+        wave = self.wave()
+        os.kill(self.train.pid, signal.SIGKILL)
+        self.train.wait()
+        self.kills.append({"target": "launcher", "pid": self.train.pid, "wave": wave, "t": self._t()})
+        print(f"  SIGKILL hetpipe train (pid {self.train.pid}) at wave {wave}", flush=True)
+        time.sleep(5.0)
+        left = {pid: _command(pid) for pid in processes if _running(pid)}
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        print(f"  5 s later: {len(left)} of its {len(processes)} processes left {sorted(left.values())}")
+        with open(log_path, "a") as log:
+            self.train = subprocess.Popen(resume, stdout=log, stderr=subprocess.STDOUT)
+        return {"left": sorted(left.values()), "processes": len(processes)}
+
+    def stop_stage(self, jitter_s: float) -> dict:
+        """SIGSTOP a random stage at a random wave of the run's first half (hetpipe train is to evict its VW
+        and kill it)."""
+        target = self.rng.randint(2, max(2, self.waves // 2))
+        if not self.wait_until(lambda: self.wave() >= target, 600):
+            return {"stopped": None}
+        time.sleep(self.rng.uniform(0, jitter_s))
+        pids = self.pids()
+        name = self.rng.choice(sorted(n for n in pids if n.startswith("vw") and _alive(pids[n])))
+        wave = self.wave()
+        os.kill(pids[name], signal.SIGSTOP)
+        self.kills.append(
+            {"target": name, "pid": pids[name], "wave": wave, "t": self._t(), "signal": "SIGSTOP"}
+        )
+        print(f"  SIGSTOP {name} (pid {pids[name]}) at wave {wave}", flush=True)
+        return {"stopped": name, "stopped_pid": pids[name]}
+
+    def _t(self) -> float:
+        return round(time.monotonic() - self.t0, 2)
+
     def rejoin(self, vw: int) -> None:
         """Once the PS evicted `vw`, bring it back with `hetpipe worker --vw --join`."""
         evicted = self.wait_until(
@@ -212,6 +264,37 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (dead, not yet reaped: PID 1 of a container may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _command(pid: int) -> str:
+    try:
+        return f"{pid} " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
+    except OSError:
+        return str(pid)
+
+
+def _descendants(root: int) -> set[int]:
+    """Every process below `root` now (Linux /proc)."""
+    parents = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+    found, todo = set(), [root]
+    while todo:
+        top = todo.pop()
+        kids = {pid for pid, parent in parents.items() if parent == top}
+        found |= kids
+        todo.extend(kids)
+    return found
+
+
 @click.command()
 @click.option(
     "--kills", type=click.IntRange(min=0), default=5, show_default=True, help="SIGKILLs to deliver."
@@ -230,6 +313,14 @@ def _alive(pid: int) -> bool:
     type=click.IntRange(min=4),
     default=None,
     help="Waves of the run (default: 20 + 6 per kill, 40 with stage kills: a rejoin takes time).",
+)
+@click.option(
+    "--fault",
+    type=click.Choice(["kill", "launcher", "stop-stage"]),
+    default="kill",
+    show_default=True,
+    help="kill: --kills SIGKILLs of shards (and stages); launcher: one SIGKILL of `hetpipe train`, then "
+    "--resume; stop-stage: one SIGSTOP of a stage under evict.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds which child dies when.")
 @click.option(
@@ -258,6 +349,7 @@ def main(
     stages: str | None,
     shards: int,
     waves: int | None,
+    fault: str,
     seed: int,
     jitter_s: float,
     config_path: Path | None,
@@ -267,7 +359,7 @@ def main(
     out: Path | None,
 ) -> None:
     stages = stages or "no"
-    waves = waves or 20 + (6 if stages == "no" else 40) * kills
+    waves = waves or (30 if fault != "kill" else 20 + (6 if stages == "no" else 40) * kills)
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="hetpipe-chaos-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = [
@@ -279,15 +371,16 @@ def main(
         f"ps.max_restarts={kills + 5}",
         "ps.heartbeat_s=1",
         "ps.hung_after_s=60",
-        *(["ps.on_vw_failure=evict"] if stages != "no" else []),
+        *(["ps.on_vw_failure=evict"] if stages != "no" or fault == "stop-stage" else []),
+        *(["ps.hung_after_s=5"] if fault == "stop-stage" else []),
         *settings,
     ]
     config = apply_overrides(
         load_config(config_path or default_config_path()), overrides
     )  # fail here, not later
+    what = "PS shards" if stages == "no" else "PS shards and stages" if stages == "also" else "stages"
     print(
-        f"chaos: {kills} kills ("
-        f"{'PS shards' if stages == 'no' else 'PS shards and stages' if stages == 'also' else 'stages'}), "
+        f"chaos: {f'{kills} kills ({what})' if fault == 'kill' else f'fault {fault}'}, "
         f"{config.ps.shards} shards, {waves} waves, seed {seed}; run dir {run_dir}",
         flush=True,
     )
@@ -306,11 +399,17 @@ def main(
         str(run_dir / "chaos-summary.json"),
         *[a for s in overrides for a in ("--set", s)],
     ]
+    resume = [*command[:4], "--resume", str(run_dir), "--audit", "--quiet", *command[9:11]]  # with --summary
     with open(run_dir / "train.log", "w") as log:
         chaos.train = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    faulted: dict = {}
     try:
         chaos.wait_until(lambda: chaos.wave() >= 0 and (run_dir / "pids.json").exists(), 600)
-        for number in range(kills):
+        if fault == "launcher":
+            faulted = chaos.kill_launcher(resume, run_dir / "train.log", jitter_s)
+        elif fault == "stop-stage":
+            faulted = chaos.stop_stage(jitter_s)
+        for number in range(kills if fault == "kill" else 0):
             if not chaos.kill_one(number, jitter_s):
                 print(f"  the run ended before kill {number + 1}", flush=True)
                 break
@@ -365,7 +464,11 @@ def main(
         "audit_checks": summary.get("audit_checks"),
         "run_dir": str(run_dir),
         "victims": chaos.kills,
+        "fault": fault,
+        **faulted,
     }
+    if fault == "stop-stage":
+        result["stopped_left"] = faulted.get("stopped_pid") is not None and _running(faulted["stopped_pid"])
     print(
         f"kills {result['kills']} (PS shards {result['kills_ps']}, stages {result['kills_stages']}, rejoins "
         f"{chaos.rejoins}); PS restarts {result['ps_restarts']}; ledger slots {result['ledger_slots']}: lost "
@@ -378,6 +481,12 @@ def main(
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
     ok = completed and result["lost"] == 0 and result["duplicated"] == 0 and result["stray"] == 0
+    if fault != "kill":  # the fault was dealt, and dealt with: nothing left behind, the stopped VW evicted
+        ok = ok and bool(chaos.kills) and not result.get("left") and not result.get("stopped_left")
+        if fault == "stop-stage":
+            ok = ok and int(faulted["stopped"][2:].split("-")[0]) in (summary.get("evicted") or [])
+        left = result.get("left", result.get("stopped_left"))
+        print(f"fault {fault}: {json.dumps(faulted)}; left behind: {left}")
     raise SystemExit(0 if ok else 1)
 
 

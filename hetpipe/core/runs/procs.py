@@ -1,7 +1,14 @@
 """Child processes owned by a launcher: started, logged to files, watched, and all stopped together.
 
 No process is left behind: `stop()` sends SIGTERM, waits, then SIGKILLs stragglers; a launcher that
-sees one child fail stops the rest and reports the failed child's exit and its last log lines.
+sees one child fail stops the rest and reports the failed child's exit and its last log lines. Nor does any
+outlive its launcher, even one killed with SIGKILL: each child holds the read end of a pipe whose write end
+only the launcher holds, and a thread of the child (`_watch_launcher`) waits for its EOF, then ends the child
+with SIGTERM (a PS shard checkpoints on it) and LAUNCHER_GONE_GRACE_S later with SIGKILL. (A parent-death
+signal, prctl(PR_SET_PDEATHSIG), would not do: a child's parent is the fork server, not the launcher, and the
+fork server lives on while any child holds its alive pipe.) With the children gone the fork server and the
+resource tracker end too. A child's log is appended to, with a header line at each start, so a restarted
+child's log keeps the lines of the one before.
 
 Children start from a fork server where the platform has one (`HETPIPE_START_METHOD` = forkserver or spawn
 chooses): a clean process, exec'd like a spawned child, that has only imported modules (`warm_forkserver`
@@ -21,9 +28,12 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -44,6 +54,7 @@ __all__ = [
 ]
 
 _entered_at: float | None = None  # when _child_main began in this process (its target's imports done)
+LAUNCHER_GONE_GRACE_S = 3.0  # a child whose launcher died: from its SIGTERM to its SIGKILL
 
 
 def start_method() -> str:
@@ -119,17 +130,70 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _child_main(log_path: str | None, target: Callable[..., Any], args: tuple[Any, ...]) -> None:
+@dataclass
+class _Held:
+    """A file descriptor of the launcher that each child holds open for its life (the run dir's lock: an
+    flock is released only when every descriptor of it is closed); arrives in the child as its number."""
+
+    fd: int
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_held_fd, (reduction.DupFd(self.fd),))
+
+
+def _held_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+@dataclass
+class _ChildSetup:
+    """What `_child_main` does before the child's target: its log, and the watch on its launcher."""
+
+    name: str
+    log: str | None
+    lifeline: Connection  # read end of the launcher's pipe: EOF once the launcher is gone
+    launcher: int  # its PID, for the log
+    held: int | None = None  # kept open, never used (see _Held)
+
+
+def _child_main(setup: _ChildSetup, target: Callable[..., Any], args: tuple[Any, ...]) -> None:
     global _entered_at
     _entered_at = time.time()
-    if log_path is not None:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    if setup.log is not None:
+        fd = os.open(setup.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
+        print(
+            f"==== {setup.name} (pid {os.getpid()}, launcher pid {setup.launcher}) started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')} ====",
+            flush=True,
+        )
+    threading.Thread(
+        target=_watch_launcher, args=(setup.lifeline,), name="launcher-watch", daemon=True
+    ).start()
     target(*args)
+
+
+def _watch_launcher(lifeline: Connection) -> None:
+    """Wait for the launcher to go (EOF on the pipe it alone writes to), then end this process: SIGTERM, and
+    SIGKILL if it is still there LAUNCHER_GONE_GRACE_S later."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv_bytes()  # nothing is ever sent: this returns (or raises) at EOF
+    print(f"hetpipe: the launcher is gone; pid {os.getpid()} ends too", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(LAUNCHER_GONE_GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _start_child(
+    setup: _ChildSetup, held: int | None, target: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    """The child's entry point: `held` arrives as the child's own descriptor of the launcher's (see _Held)."""
+    setup.held = held
+    _child_main(setup, target, args)
 
 
 @dataclass
@@ -140,11 +204,17 @@ class Child:
 
 
 class ChildFailed(Exception):
-    def __init__(self, child: Child) -> None:
+    """`child` ended badly (`how`: its describe_exit unless given); `also`: others that ended with it."""
+
+    def __init__(self, child: Child, how: str | None = None, also: Sequence[Child] = ()) -> None:
         self.child = child
-        detail = describe_exit(child.process.exitcode)
+        detail = how or describe_exit(child.process.exitcode)
         last = tail(child.log) if child.log else ""
         text = f"{child.name} (pid {child.process.pid}) {detail}"
+        if also:
+            text += "; ended with it: " + ", ".join(
+                f"{c.name} ({describe_exit(c.process.exitcode)})" for c in also
+            )
         if last:
             text += f"; its last log lines ({child.log}):\n{last}"
         super().__init__(text)
@@ -153,30 +223,35 @@ class ChildFailed(Exception):
 class ChildGroup:
     """Children that live and die together (started as `start_method()` says, or as `method` says)."""
 
-    def __init__(self, log_dir: Path | None = None, method: str | None = None) -> None:
+    def __init__(
+        self, log_dir: Path | None = None, method: str | None = None, hold: int | None = None
+    ) -> None:
+        """`hold`: a file descriptor every child keeps open for its life (the run dir's lock)."""
         self.ctx = mp.get_context(method or start_method())
         self.log_dir = log_dir
         self.children: list[Child] = []
+        self.hold = hold
+        # the children's lifeline: this process alone holds the write end, so they see EOF when it is gone
+        self._lifeline, self._lifeline_w = self.ctx.Pipe(duplex=False)
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, target: Callable[..., Any], *args: Any) -> Child:
+        """Start `name`, its output appended to <log_dir>/<name>.log (a restart keeps the earlier lines)."""
         log = self.log_dir / f"{name}.log" if self.log_dir is not None else None
-        if log is not None:
-            log.write_text("")
-        proc = self.ctx.Process(target=_child_main, args=(str(log) if log else None, target, args), name=name)
+        setup = _ChildSetup(name, str(log) if log else None, self._lifeline, os.getpid())
+        held = _Held(self.hold) if self.hold is not None else None
+        proc = self.ctx.Process(target=_start_child, args=(setup, held, target, args), name=name)
         proc.start()
         child = Child(name, proc, log)
         self.children.append(child)
         return child
 
     def failed(self) -> Child | None:
-        """The first child that ended with a non-zero exit, if any."""
-        for child in self.children:
-            code = child.process.exitcode
-            if code is not None and code != 0:
-                return child
-        return None
+        """A child that ended with a non-zero exit, if any: the first killed by a signal, else the first."""
+        ended = [c for c in self.children if c.process.exitcode not in (None, 0)]
+        signalled = [c for c in ended if (c.process.exitcode or 0) < 0]
+        return (signalled or ended or [None])[0]
 
     def all_done(self) -> bool:
         return all(c.process.exitcode is not None for c in self.children)
