@@ -12,7 +12,15 @@ from hetpipe.server.pulls import refuse_parked
 if TYPE_CHECKING:
     from hetpipe.server.shard import ShardServer, ShardSettings
 
-__all__ = ["check_heartbeats", "evict_vw", "fresh_beats", "rejoin_vw", "require_evict_policy", "stop_run"]
+__all__ = [
+    "check_checkpoints",
+    "check_heartbeats",
+    "evict_vw",
+    "fresh_beats",
+    "rejoin_vw",
+    "require_evict_policy",
+    "stop_run",
+]
 
 
 def require_evict_policy(settings: ShardSettings, what: str) -> None:
@@ -53,6 +61,22 @@ def check_heartbeats(shard: ShardServer, now: float) -> None:
         else:
             stop_run(shard, why)
         return
+
+
+def check_checkpoints(shard: ShardServer) -> None:
+    """CHECKPOINT_FAILURES_FATAL periodic checkpoints failed in a row: a crash of this shard could no longer
+    be recovered, so the run stops (stage requests are refused with the reason, and the stages stop)."""
+    writer = shard.checkpoints.writer
+    if writer is None or not writer.health.fatal or shard.failed is not None:
+        return
+    health = writer.health
+    shard.failed = (
+        f"shard {shard.settings.shard}: {health.in_a_row} checkpoints in a row failed (last: "
+        f"{health.last_error}), so a crash of this shard could not be recovered: free disk space or file "
+        "descriptors (ulimit -n), then continue with `hetpipe train --resume RUN_DIR`"
+    )
+    shard.say(shard.failed)
+    refuse_parked(shard, "vw_failed", shard.failed)
 
 
 def stop_run(shard: ShardServer, why: str) -> None:

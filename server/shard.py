@@ -37,9 +37,16 @@ from hetpipe.core.protocol.keys import ServerKeys
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, OptimizerSettings, get_aggregation
 from hetpipe.core.wsp.state import ShardState, WspError
 from hetpipe.server.admission import check_access
+from hetpipe.server.doors import Doors, connection_cap, open_files, raise_fd_limit
 from hetpipe.server.guard import CurveGate
 from hetpipe.server.handlers import REQUEST_HANDLERS, STAGE_REQUESTS
-from hetpipe.server.liveness import check_heartbeats, evict_vw, fresh_beats, require_evict_policy
+from hetpipe.server.liveness import (
+    check_checkpoints,
+    check_heartbeats,
+    evict_vw,
+    fresh_beats,
+    require_evict_policy,
+)
 from hetpipe.server.pulls import Parked, answer_opened_pulls
 from hetpipe.server.recovery import ShardCheckpoints, local_clocks
 
@@ -104,6 +111,7 @@ class ShardServer:
         self.parked: dict[tuple[int, int], Parked] = {}  # (vw, stage) -> its one pull waiting for the gate
         self.refusals = RefusalLog()
         self.gate: CurveGate | None = None
+        self.doors: Doors | None = None
         self.traffic = Traffic()
         self.beats: dict[tuple[int, int], tuple[float, int]] = {}  # (vw, stage) -> (last heartbeat, progress)
         self.failed: str | None = None  # why the run stopped (on_vw_failure = "stop")
@@ -127,15 +135,17 @@ class ShardServer:
 
     def serve(self, ready: Callable[[int], None] | None = None) -> None:
         """Bind, then handle requests until stop() or SIGTERM (which checkpoints first)."""
+        soft_limit, _ = raise_fd_limit()  # connections are capped well below it (server/doors.py)
         ctx = zmq.Context()
         if self.settings.keys is not None:
-            self.gate = CurveGate(
-                ctx, self.settings.keys, self.log, self.refusals, f"[shard {self.settings.shard}]"
-            )
+            self.gate = CurveGate(ctx, self.settings.keys)
         sock = self._sock = ctx.socket(zmq.ROUTER)
         wire.configure_socket(sock, router=True)
         if self.gate is not None:
             self.gate.secure(sock)
+        self.doors = Doors(sock, connection_cap(soft_limit, open_files()), self.refusals, self.say)
+        if self.gate is not None:
+            self.gate.doors = self.doors
         port = self._bind(sock)
         if threading_main():
             signal.signal(signal.SIGTERM, lambda *_: self.stop())
@@ -153,6 +163,7 @@ class ShardServer:
             if self.settings.checkpoint_dir is not None and self.state.stage_keys:
                 self.checkpoint(reason="stop")
             self.checkpoints.close()
+            self.doors.close()
             if self.gate is not None:
                 self.gate.close()
             sock.close(linger=0)
@@ -161,18 +172,20 @@ class ShardServer:
     def _loop(self, sock: zmq.Socket) -> None:
         """Poll the ROUTER (and the CURVE gate's sockets), check heartbeats, handle requests until stop()."""
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        for gate_sock in self.gate.sockets if self.gate else []:
-            poller.register(gate_sock, zmq.POLLIN)
+        for watched in (sock, self.doors.monitor, *([self.gate.zap] if self.gate else [])):
+            poller.register(watched, zmq.POLLIN)
         while not self._stopping:
             events = dict(poller.poll(100))
-            self._check_heartbeats(time.monotonic())
+            now = time.monotonic()
+            self._check_heartbeats(now)
+            check_checkpoints(self)
+            self.doors.tick(now)
             if not events:
                 continue
-            if self.gate is not None:
-                for gate_sock in self.gate.sockets:
-                    if gate_sock in events:
-                        self.gate.handle(gate_sock)
+            if self.doors.monitor in events:
+                self.doors.handle()
+            if self.gate is not None and self.gate.zap in events:
+                self.gate.handle()
             for _ in range(64):  # drain a burst, then look at the stop flag again
                 try:
                     frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
@@ -273,6 +286,8 @@ class ShardServer:
                 if v in live and self.keep_from((v, st)) < self.state.pushed[(v, st)]
             ],
             progress={f"{v}/{st}": n for (v, st), (_, n) in sorted(self.beats.items())},
+            connections=len(self.doors.table.peers) if self.doors else 0,
+            **(self.checkpoints.writer.health.info() if self.checkpoints.writer else {}),
         )
         return info
 

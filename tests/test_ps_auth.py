@@ -122,6 +122,7 @@ def test_five_unauthorised_clients_are_refused_and_logged(children, keys: Path, 
                 "buffers": [],
                 "ledgers": [],
                 "start_wave": 0,
+                "vw_weights": [],
             }
             sock.send_multipart(
                 wire.encode("register", register, {"k": np.zeros(3, np.float32)}), flags=zmq.NOBLOCK

@@ -37,3 +37,15 @@ def test_metrics_on_a_full_device_name_enospc_and_the_file() -> None:
     ):
         writer.write("run_start", config="c.toml")
     writer.close()  # closing after the failure raises nothing more: the buffer went with the failed flush
+
+
+def test_failed_checkpoints_reach_the_summary_and_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
+    from hetpipe.app.train_summary import _checkpoint_failures
+
+    assert _checkpoint_failures([{"c_global": 4}, {"checkpoint_failures": 0}]) == {}
+    infos = [{"checkpoint_failures": 2, "checkpoint_error": "clock 4: cannot write x: ENOSPC"}, {}]
+    assert _checkpoint_failures(infos) == {
+        "checkpoint_failures": 2,
+        "checkpoint_errors": ["clock 4: cannot write x: ENOSPC"],
+    }
+    assert "warning: 2 PS checkpoint(s) failed" in capsys.readouterr().err

@@ -19,6 +19,9 @@ a stage sends for minibatch p + Nm its neighbour has already received everything
 from __future__ import annotations
 
 import datetime
+import errno
+import os
+import socket
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -57,18 +60,24 @@ class P2P:
         asked before the store listened would retry with backoff (measured here: up to 0.7 s)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         if rank == 0:
+            # torch's TCPStore server listens on every interface; handed a socket bound to `host`, it
+            # listens there only (a rendezvous open to any address took set/get from anyone)
+            listener = _listen(host, port)
+            bound = listener.getsockname()[1]
+            fd = listener.detach()  # the store owns the descriptor from here and closes it
             try:
                 return dist.TCPStore(
-                    host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+                    host,
+                    bound,
+                    world_size,
+                    is_master=True,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=fd,
                 )
-            except dist.DistNetworkError as exc:
-                if "EADDRINUSE" not in str(exc):
-                    raise
-                raise HetpipeError(
-                    f"stage 0 cannot serve its virtual worker's rendezvous on {host}:{port}: the port is in "
-                    "use on this machine. `hetpipe worker` uses ps.port + 100 + vw: choose another [ps] "
-                    "port, or stop what holds this one"
-                ) from exc
+            except BaseException:
+                os.close(fd)
+                raise
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
     @classmethod
@@ -164,3 +173,26 @@ class P2P:
         self._pending.clear()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to host:port (port 0: any free one), for the rendezvous store."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        if exc.errno != errno.EADDRINUSE:
+            raise HetpipeError(
+                f"stage 0 cannot serve its virtual worker's rendezvous on {host}:{port}: {exc}; check the "
+                "VW's host in the config (it must be an address of this machine)"
+            ) from None
+        raise HetpipeError(
+            f"stage 0 cannot serve its virtual worker's rendezvous on {host}:{port}: the port is in "
+            "use on this machine. `hetpipe worker` uses ps.port + 100 + vw: choose another [ps] "
+            "port, or stop what holds this one"
+        ) from None
+    return sock

@@ -1,4 +1,10 @@
-"""Calls to the PS shards: requests sent, resent every retry_s under their id, timed out, answered."""
+"""Calls to the PS shards: requests sent, resent every retry_s under their id, timed out, answered.
+
+A call that moves many bytes (a register with W_0, a pull of the weights) over a slow link is given time for
+them: timeout_s plus its bytes at the link's rate, and its resends wait as long. Once timeout_s has passed the
+shard is asked for its status over a fresh connection (on the call's own connection the answer would queue
+behind the bytes still arriving): an answering PS is alive and the call waits out its bytes; a silent one
+fails the call at once."""
 
 from __future__ import annotations
 
@@ -14,7 +20,17 @@ import zmq
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.protocol import wire
 
-__all__ = ["NOT_ASKED", "Call", "PSError", "PSTimeout", "ReplyWatcher", "Request", "ShardCalls"]
+__all__ = [
+    "BULK_BYTES",
+    "SLOWEST_LINK_BYTES_PER_S",
+    "NOT_ASKED",
+    "Call",
+    "PSError",
+    "PSTimeout",
+    "ReplyWatcher",
+    "Request",
+    "ShardCalls",
+]
 
 Request = tuple[str, dict[str, Any], Mapping[str, np.ndarray] | None]  # (type, fields, tensors) to one shard
 
@@ -31,6 +47,8 @@ class PSTimeout(HetpipeError):
     """No answer in time."""
 
 
+BULK_BYTES = 64 << 10  # a call moving more than this waits for its bytes beyond timeout_s
+SLOWEST_LINK_BYTES_PER_S = 125_000.0  # 1 Mbit/s: the rate assumed when the client is told none
 NOT_ASKED = wire.Message("none", {}, {})  # the reply slot of a shard a call does not go to
 
 
@@ -48,6 +66,8 @@ class Call:
     error: HetpipeError | None = None
     wave: int = -1  # a push's wave
     background: str = ""  # "": the caller waits for it; else what the client itself sent it for
+    moved: list[int] = field(default_factory=list)  # per shard: bytes of the request and the reply expected
+    probed: dict[str, Any] | None = None  # the status a shard it waits for gave on a fresh connection
 
     @property
     def done(self) -> bool:
@@ -99,6 +119,9 @@ class ShardCalls:
         self.packed_keys: set[str] = set()  # the weights ("param" keys): buffers and ledgers go as they are
         self.watcher, self.describe_timeout = watcher, describe_timeout
         self.fatal: HetpipeError | None = None  # a request the client sent by itself failed for good
+        self.link_bytes_per_s: float | None = None  # the link's rate (None: SLOWEST_LINK_BYTES_PER_S)
+        self.run = ""  # the run the requests name (for the status probe)
+        self.held_bytes = [0] * len(sockets)  # per shard: bytes of the keys registered there (a pull's reply)
         self._ids = iter(range(1, 2**62))
         self._open: dict[tuple[int, int], Call] = {}  # (shard, request id) -> the call waiting for it
 
@@ -109,10 +132,12 @@ class ShardCalls:
         reads the replies."""
         frames: list[list[Any]] = []
         ids: list[int] = []
-        for request in requests:
+        moved: list[int] = []
+        for shard, request in enumerate(requests):
             if request is None:
                 frames.append([])
                 ids.append(-1)
+                moved.append(0)
                 continue
             msg_type, fields, tensors = request
             rid = next(self._ids)
@@ -126,6 +151,8 @@ class ShardCalls:
                     pack_only=self.packed_keys,
                 )
             )
+            moved.append(self._bytes_moved(shard, msg_type, fields, frames[-1]))
+            self.run = fields.get("run", self.run)
         call = Call(
             what,
             frames,
@@ -135,6 +162,7 @@ class ShardCalls:
             [-1e9] * len(requests),
             wave=wave,
             background=background,
+            moved=moved,
         )
         for shard, rid in enumerate(ids):
             if rid >= 0:
@@ -151,9 +179,9 @@ class ShardCalls:
                 continue
             if self.watcher.holds_back(shard, rid):
                 continue
-            if now - call.started > self.timeout_s:
+            if now - call.started > self.timeout_s and self._expired(call, shard, now - call.started):
                 expired.append(call)
-            elif now - call.sent_at[shard] >= self.retry_s:
+            elif now - call.sent_at[shard] >= max(self.retry_s, self._link_s(call.moved[shard])):
                 # never block: a DEALER whose connection failed its handshake has nowhere to queue; an
                 # unsent request is tried again after retry_s, and the timeout still counts
                 with contextlib.suppress(zmq.Again):
@@ -164,8 +192,52 @@ class ShardCalls:
             call.error = PSTimeout(f"{call.what} timed out")
             self._forget(call)
         for call in expired:
-            call.error = PSTimeout(self.describe_timeout(call.what, now - call.started, call.gate))
+            waited = now - call.started
+            if call.probed is not None and not _parked(call.probed, call.gate):
+                call.error = PSTimeout(self._slow_link_message(call, waited))
+            else:
+                call.error = PSTimeout(self.describe_timeout(call.what, waited, call.gate))
             self._background_failed(call)
+
+    # ---- slow links ---------------------------------------------------------------------------------
+    def _bytes_moved(self, shard: int, msg_type: str, fields: dict[str, Any], frames: list[Any]) -> int:
+        """Bytes a request to `shard` moves: its own, and those its reply is expected to bring."""
+        sent = sum(len(memoryview(f)) for f in frames)
+        if msg_type == "register":
+            self.held_bytes[shard] = sent
+            return 2 * sent if fields.get("want_weights") else sent
+        return sent + (self.held_bytes[shard] if msg_type == "pull" else 0)
+
+    def _link_s(self, nbytes: int) -> float:
+        """Seconds `nbytes` take over the link (0 below BULK_BYTES)."""
+        if nbytes < BULK_BYTES:
+            return 0.0
+        return nbytes / (self.link_bytes_per_s or SLOWEST_LINK_BYTES_PER_S)
+
+    def _expired(self, call: Call, shard: int, waited: float) -> bool:
+        """Past timeout_s: a call still moving bytes waits for them while the shard answers a fresh connection
+        (asked once); a silent shard, or one whose time is up, ends it."""
+        allowance = self.timeout_s + self._link_s(call.moved[shard])
+        if allowance <= self.timeout_s or waited > allowance:
+            return True
+        if call.probed is None:
+            probe = getattr(self.sockets, "probe", None)  # ShardSocketList's (worker/ps_sockets.py)
+            call.probed = probe and probe(shard, self.run, min(5.0, max(1.0, 2 * self.retry_s)))
+            return call.probed is None or _parked(call.probed, call.gate)
+        return False
+
+    def _slow_link_message(self, call: Call, waited: float) -> str:
+        """Why a call the PS is alive for timed out: its bytes have not all arrived."""
+        mb = max(call.moved) / 1e6
+        rate = self.link_bytes_per_s or SLOWEST_LINK_BYTES_PER_S
+        who = getattr(self.watcher, "who", "")
+        by = f" by {who}" if who else ""
+        return (
+            f"{call.what}{by} got no complete answer in {waited:.0f} s, though the PS answers status on a "
+            f"fresh connection (it is running): its {mb:.2f} MB (request and reply) are still crossing a slow"
+            f" link, or the request stalls. The wait allowed [ps] timeout_s = {self.timeout_s:g} s plus those"
+            f" bytes at {rate * 8 / 1e6:g} Mbit/s: raise [ps] timeout_s, or check the link"
+        )
 
     def resend_to(self, shard: int) -> None:
         """Let every open request to `shard` go again at the next `send_due`."""
@@ -237,3 +309,10 @@ class ShardCalls:
             return wire.decode(raw)
         except wire.WireError as exc:
             raise PSError(exc.code, f"shard {shard} sent an invalid reply: {exc}") from None
+
+
+def _parked(info: dict[str, Any], gate: int) -> bool:
+    """The shard's status says a pull of wave `gate` waits for its gate (not for bytes)."""
+    if gate < 0 or "c_global" not in info:
+        return False
+    return info["c_global"] < gate - info.get("staleness", 0) - 1

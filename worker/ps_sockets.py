@@ -1,20 +1,51 @@
-"""A PS client's connections: one DEALER socket per shard, in a zmq context of their own. No requests."""
+"""A PS client's connections: one DEALER socket per shard, in a zmq context of their own, and a status probe
+over a fresh connection. No other requests."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import zmq
 
 from hetpipe.core.protocol import wire
 from hetpipe.core.protocol.keys import ClientKeys
 
-__all__ = ["ShardSockets", "routing_id"]
+__all__ = ["ShardSocketList", "ShardSockets", "routing_id"]
 
 
 def routing_id(run: str, vw: int, stage: int) -> bytes:
     """`<run>/vw<i>/s<j>/<pid>/<random>`: the identity every socket of one client connects with."""
     return f"{run}/vw{vw}/s{stage}/{os.getpid()}/{os.urandom(4).hex()}".encode()
+
+
+class ShardSocketList(list):
+    """The DEALERs, one per shard, and how to reach each shard on a fresh connection (`probe`)."""
+
+    def __init__(self, context: zmq.Context, endpoints: list[str], curve: ClientKeys | None) -> None:
+        super().__init__()
+        self.context, self.endpoints, self.curve = context, endpoints, curve
+
+    def probe(self, shard: int, run: str, timeout_s: float) -> dict[str, Any] | None:
+        """The shard's status asked over a new connection of its own, so that it does not queue behind the
+        bytes of a large reply on the client's connection; None when no answer comes within timeout_s."""
+        sock = self.context.socket(zmq.DEALER)
+        try:
+            wire.configure_socket(sock, router=False)
+            if self.curve is not None:
+                sock.curve_serverkey = self.curve.server_public
+                sock.curve_publickey = self.curve.public
+                sock.curve_secretkey = self.curve.secret
+            sock.connect(self.endpoints[shard])
+            sock.send_multipart(wire.encode("status", {"id": 1, "run": run}), flags=zmq.NOBLOCK)
+            if not sock.poll(int(timeout_s * 1000)):
+                return None
+            reply = wire.decode(sock.recv_multipart(copy=False))
+        except (zmq.ZMQError, wire.WireError):
+            return None
+        finally:
+            sock.close(linger=0)
+        return reply.fields["info"] if reply.type == "status_reply" else {}
 
 
 class ShardSockets:
@@ -23,7 +54,7 @@ class ShardSockets:
 
     def __init__(self, endpoints: list[str], identity: bytes, curve: ClientKeys | None) -> None:
         self.context = zmq.Context()
-        self.sockets: list[zmq.Socket] = []
+        self.sockets = ShardSocketList(self.context, endpoints, curve)
         for endpoint in endpoints:
             sock = self.context.socket(zmq.DEALER)
             wire.configure_socket(sock, router=False)

@@ -5,6 +5,7 @@ child has stopped."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ def run_summary(
         "wave_breakdown_ms": progress.breakdown_ms(config.train.waves),
         "evals": progress.evals,
     }
+    summary.update(_checkpoint_failures(infos))
     audit = _audit_ledgers(final, infos, tuple(w.nm for w in work))
     if audit is not None:  # every (vw, minibatch) update must sit in the final weights exactly once
         summary["audit_checks"] = progress.audit_checks
@@ -114,3 +116,19 @@ def _audit_ledgers(
             counts["duplicated"] += int((ledger > 1.0).sum())
             counts["stray"] += int(((want == 0.0) & (ledger > 0.0) & (ledger <= 1.0)).sum())
     return counts if found else None
+
+
+def _checkpoint_failures(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards' failed checkpoints over the run (each shard logged them as they came; a run that ends well
+    must still say so): their count and errors for the summary, and a warning; {} when none failed."""
+    failed = sum(info.get("checkpoint_failures", 0) for info in infos)
+    if not failed:
+        return {}
+    errors = [info["checkpoint_error"] for info in infos if info.get("checkpoint_error")]
+    print(
+        f"warning: {failed} PS checkpoint(s) failed during the run (e.g. {errors[0] if errors else '?'}); a "
+        "crash of a shard then would have lost pushes: free disk space or file descriptors",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {"checkpoint_failures": failed, "checkpoint_errors": errors}

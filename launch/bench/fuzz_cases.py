@@ -51,6 +51,7 @@ REGISTER = {
     "buffers": [],
     "ledgers": [],
     "start_wave": 0,
+    "vw_weights": [],
 }  # a registration's fields
 MAXMSGSIZE = wire.MAX_FRAME_BYTES + (
     64 << 10

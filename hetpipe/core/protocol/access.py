@@ -20,6 +20,7 @@ __all__ = [
     "VW_REQUESTS",
     "ZAP_DOMAIN",
     "ZAP_ENDPOINT",
+    "HandshakeLimit",
     "RefusalLog",
     "ZapDecision",
     "refusal",
@@ -116,7 +117,8 @@ def zap_decide(request: Sequence[bytes], clients: Mapping[bytes, str]) -> ZapDec
 class RefusalLog:
     """Refusals to log: each distinct line once per `window_s`, at most `budget` distinct lines per window;
     repeats (a client retrying a bad handshake every 100 ms) and lines over the budget (a flood) are counted,
-    and the counts logged when a refusal arrives after the window ended. Bounded memory: at most `budget`
+    and the counts logged once the window ended: by the next refusal, or by `flush`, which the shard's loop
+    calls every turn (so a flood's summary appears when the flood ends). Bounded memory: at most `budget`
     lines kept."""
 
     budget: int = 20
@@ -141,6 +143,14 @@ class RefusalLog:
             self._over_budget += 1
         return out
 
+    def flush(self, now: float) -> list[str]:
+        """The summary of a window that has ended (counts not logged yet); [] while it runs or if none."""
+        if self._start is None or now - self._start < self.window_s:
+            return []
+        out = self._summary(now - self._start)
+        self._start, self._repeats, self._over_budget = None, {}, 0
+        return out
+
     def _summary(self, elapsed: float) -> list[str]:
         out = [
             f"{line} (and {n} more time{'s' * (n > 1)} in the last {elapsed:.0f} s)"
@@ -150,3 +160,49 @@ class RefusalLog:
         if self._over_budget:
             out.append(f"{self._over_budget} more refusals were not logged in the last {elapsed:.0f} s")
         return out
+
+
+@dataclass
+class HandshakeLimit:
+    """Failed handshakes per peer address (an unknown key, no CURVE, garbage): an address with `limit` of them
+    in one window of `window_s` has every new connection closed before its handshake, for the rest of that
+    window and the next one. A client with the run's key never fails a handshake, so it never counts; one on
+    the same address as a flood waits (ZeroMQ reconnects) until the flood stops. Bounded memory: at most
+    `max_addresses` windows kept, the oldest forgotten first."""
+
+    limit: int = 20
+    window_s: float = 1.0
+    max_addresses: int = 4096
+    _windows: dict[str, tuple[float, int]] = field(
+        default_factory=dict
+    )  # address -> (window start, failures)
+    _blocked: dict[str, float] = field(default_factory=dict)  # address -> refused until
+
+    def failed(self, address: str, now: float) -> str | None:
+        """Count one failed handshake of `address`; a line to log when this one blocks the address."""
+        start, count = self._windows.get(address, (now, 0))
+        if now - start >= self.window_s:
+            start, count = now, 0
+        self._windows.pop(address, None)  # re-inserted last: the dict stays oldest first
+        self._windows[address] = (start, count + 1)
+        if len(self._windows) > self.max_addresses:
+            del self._windows[next(iter(self._windows))]
+        if count + 1 != self.limit:
+            return None
+        self._blocked[address] = start + 2 * self.window_s
+        if len(self._blocked) > self.max_addresses:
+            del self._blocked[next(iter(self._blocked))]
+        return (
+            f"closing new connections from {address} for {2 * self.window_s:.0f} s: {self.limit} failed "
+            f"handshakes within {self.window_s:.0f} s (a flood, or a client with the wrong keys)"
+        )
+
+    def blocked(self, address: str, now: float) -> bool:
+        """New connections from `address` are closed now."""
+        until = self._blocked.get(address)
+        if until is None:
+            return False
+        if now < until:
+            return True
+        del self._blocked[address]
+        return False
