@@ -19,6 +19,9 @@ from hetpipe.worker.snapshot import list_snapshots
 
 from conftest import write_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
+import chaos  # noqa: E402  (launch/bench is not a package)
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc"),
@@ -79,25 +82,6 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _descendants(root: int) -> set[int]:
-    """Every process below `root` now (the fork server and resource tracker, the stages and shards)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                try:
-                    parents[int(entry)] = int(stat.read().rsplit(b")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        kids = {p for p, parent in parents.items() if parent == pid}
-        found |= kids
-        todo.extend(kids)
-    return found
-
-
 def _alive(pids) -> list[int]:
     return [pid for pid in pids if _state(pid) not in (None, "Z")]
 
@@ -150,7 +134,7 @@ def test_a_killed_launchers_children_end_and_the_run_resumes_at_once(tmp_path: P
     processes: set[int] = set()
     try:
         _until(lambda: all(max(list_snapshots(run, v, 0), default=0) >= 4 for v in range(2)), first)
-        processes = _descendants(first.pid)
+        processes = chaos.descendants(first.pid)
         assert len(processes) >= 5, processes  # the fork server, the resource tracker, a shard, two stages
         for pid in [first.pid, *processes]:  # frozen, so that it cannot finish while the second one starts
             os.kill(pid, signal.SIGSTOP)

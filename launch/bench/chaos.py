@@ -180,7 +180,7 @@ class Chaos:
         if not self.wait_until(lambda: self.wave() >= target, 600):
             return {"left": None}
         time.sleep(self.rng.uniform(0, jitter_s))
-        processes = _descendants(self.train.pid)
+        processes = descendants(self.train.pid)
         wave = self.wave()
         os.kill(self.train.pid, signal.SIGKILL)
         self.train.wait()
@@ -280,7 +280,7 @@ def _command(pid: int) -> str:
         return str(pid)
 
 
-def _descendants(root: int) -> set[int]:
+def descendants(root: int) -> set[int]:
     """Every process below `root` now (Linux /proc)."""
     parents = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
