@@ -253,13 +253,14 @@ def _settle(config: ClusterConfig, options: TrainOptions) -> _Run:
     vws = options.layouts or _saved_layouts(run_dir, options.resume) or vw_layouts(config, spec)
     check_memory(config, spec, vws)
     check_work(config, vws)
+    # before the run dir is made: a refused option leaves nothing behind
+    check_options(config, audit=options.audit, resuming=options.resume, profile=options.profile)
     with contextlib.ExitStack() as undo:  # the lock is let go if a later check fails
         lock = _lock(config, options, run_dir)
         undo.callback(lock.release)
         cut = resume_point(config, run_dir, vws) if options.resume else None
         if cut is None:
             refuse_earlier_checkpoints(config, run_dir)
-        check_options(config, audit=options.audit, resumed_from=cut, profile=options.profile)
         if cut is None:
             (run_dir / "config.toml").write_text(
                 config_toml(config)

@@ -168,7 +168,7 @@ def refuse_earlier_checkpoints(config: ClusterConfig, run_dir: Path) -> None:
 
 
 def check_options(
-    config: ClusterConfig, *, audit: bool, resumed_from: int | None, profile: ProfileWindow | None
+    config: ClusterConfig, *, audit: bool, resuming: bool, profile: ProfileWindow | None
 ) -> None:
     """UsageError for options that do not go with the config: --audit where the PS runs the optimizer, --audit
     on a resumed latest-pull run, a --profile window past the run; and a dataset that cannot load (an unknown
@@ -180,7 +180,7 @@ def check_options(
             f'--audit proves the additive rules: ps.aggregation "{config.ps.aggregation}" applies no local '
             f"updates to tag; audit with aggregation {local}"
         )
-    if audit and resumed_from is not None and config.wsp.pull == "latest":
+    if audit and resuming and config.wsp.pull == "latest":
         raise UsageError(
             '--resume with --audit needs wsp.pull = "exact": a latest-pull PS cannot forget the updates '
             "of waves after the resume wave, which the VWs that were ahead then compute again"
