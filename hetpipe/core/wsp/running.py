@@ -21,21 +21,20 @@ class RunningWeights:
     completed on this shard yet."""
 
     aggregation: Aggregation
+    weight: Callable[[int], int] = lambda vw: 1  # each VW's weight by samples (the shard's membership's)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     held: dict[int, dict[int, dict[str, Source]]] = field(default_factory=dict)  # vw -> wave -> pushes
     buffers: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # each VW's newest buffer values
-    vw_weights: dict[int, int] = field(default_factory=dict)  # each VW's weight by samples (absent: 1)
     lent: dict[str, list[Callable[[], bool]]] = field(default_factory=dict)  # key -> sends reading it
 
     def hold(self, vw: int, wave: int, tensors: Mapping[str, Source]) -> None:
         """Keep a stage's push of `wave` until every stage of VW `vw` has pushed the wave."""
         self.held.setdefault(vw, {}).setdefault(wave, {}).update(tensors)
 
-    def fold(self, vw: int, wave: int, kinds: Mapping[str, KeyKind], weight: int, total: int) -> None:
-        """Fold VW `vw`'s complete wave into the running weights (buffers: keep its newest values); `weight`:
-        the VW's weight by samples, `total`: the summed weight of the wave's contributors."""
-        if weight != 1:
-            self.vw_weights[vw] = weight
+    def fold(self, vw: int, wave: int, kinds: Mapping[str, KeyKind], total: int) -> None:
+        """Fold VW `vw`'s complete wave into the running weights (buffers: keep its newest values), its pushes
+        times its weight by samples where the rule weighs them; `total`: the wave's contributors' weight."""
+        weight = self.weight(vw)
         for key, src in self.held[vw].pop(wave, {}).items():
             kind = kinds[key]
             if kind == "buffer":
@@ -57,8 +56,8 @@ class RunningWeights:
         self.buffers.pop(vw, None)
 
     def value(self, key: str, kind: KeyKind, initial: np.ndarray) -> np.ndarray:
-        """The running weights of `key`; a buffer's: the mean of each VW's newest values, weighted by
-        samples (`initial` before any)."""
+        """The running weights of `key`; a buffer's: the mean of each VW's newest values, each times its
+        weight by samples (`initial` before any)."""
         if kind != "buffer":
             return self.weights[key]
         owners = [v for v in sorted(self.buffers) if key in self.buffers[v]]
@@ -66,12 +65,10 @@ class RunningWeights:
             return initial
         total = None
         for v in owners:
-            weight = self.vw_weights.get(v, 1)
-            part = (
-                self.buffers[v][key] if weight == 1 else np.asarray(self.buffers[v][key] * np.float32(weight))
-            )
+            k = self.weight(v)
+            part = self.buffers[v][key] if k == 1 else np.asarray(self.buffers[v][key] * np.float32(k))
             total = part.copy() if total is None else total + part
-        count = sum(self.vw_weights.get(v, 1) for v in owners)
+        count = sum(self.weight(v) for v in owners)
         return np.asarray(total / np.float32(count), dtype=np.float32)
 
     def lend(self, key: str, is_done: Callable[[], bool]) -> None:

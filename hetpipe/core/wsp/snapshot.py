@@ -152,7 +152,6 @@ def _restore(state: ShardState, meta: Mapping[str, Any], arrays: Mapping[str, np
     if state.pull_mode == "latest":
         running = state.running
         running.weights = {k: load(f"w/{k}") for k in kinds}
-        running.vw_weights = {v: w for v, w in enumerate(state.membership.weights) if w != 1}
         running.buffers = {
             int(v): {k: load(f"b/{v}/{k}") for k in keys} for v, keys in meta["latest_buffers"].items()
         }

@@ -65,7 +65,7 @@ class ShardState:
         self.exact = ExactVersions(
             {0: self.registrations.initial}, self.aggregation, staleness
         )  # W_t, S_t (exact)
-        self.running = RunningWeights(self.aggregation)  # the running weights (latest)
+        self.running = RunningWeights(self.aggregation, self.membership.weight)  # latest: running weights
 
     # ---- the parts' state, by the names the server and the tests read -------------------------------
     @property
@@ -246,7 +246,7 @@ class ShardState:
             self.exact.merge(list(now_complete), self.membership.contributors, self.c_local)
         else:
             for t in now_complete:
-                self.running.fold(vw, t, self.kinds, self.membership.weight(vw), self.membership.total(t))
+                self.running.fold(vw, t, self.kinds, self.membership.total(t))
         after = self.c_global
         self._build_versions()
         self._forget()
