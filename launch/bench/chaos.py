@@ -19,7 +19,7 @@ clock and its VWs' gaps (waves an evicted VW did not take part in) say it must h
     python launch/bench/chaos.py --kills 50 [--shards 2] [--stages | --stages-only] [--seed 0] [--out FILE]
         [--config CONFIG] [--waves N] [--set KEY=VALUE ...]
 
-Two more faults, one per run (--fault; --kills does not apply), for the launcher itself (issue 36):
+Two more faults, one per run (--fault; --kills does not apply), for the launcher itself:
   launcher    SIGKILL of the `hetpipe train` process at a random wave; 5 s later no process of the run may
               be left (stages, shards, fork server, resource tracker: `left`), and `hetpipe train --resume`
               started at once must finish the run with the ledger clean
