@@ -49,3 +49,40 @@ def test_failed_checkpoints_reach_the_summary_and_a_warning(capsys: pytest.Captu
         "checkpoint_errors": ["clock 4: cannot write x: ENOSPC"],
     }
     assert "warning: 2 PS checkpoint(s) failed" in capsys.readouterr().err
+
+
+def test_a_stage_that_failed_is_not_hidden_by_a_neighbour_gone_while_it_closes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hetpipe.worker.stage import close_all
+
+    closed = []
+
+    def gone() -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:8115")
+
+    close_all([gone, lambda: closed.append("p2p")], failed=True)  # the snapshot's WriteError goes on up
+    assert closed == ["p2p"]  # every closer ran
+    said = capsys.readouterr().err
+    assert "while closing after the failure: RuntimeError: Connection closed by peer" in said
+    with pytest.raises(RuntimeError, match="closed by peer"):  # a stage that did not fail: the error is its
+        close_all([gone, lambda: closed.append("p2p")], failed=False)
+    assert closed == ["p2p", "p2p"]
+
+
+def test_the_error_shown_is_the_cause_not_a_neighbour_that_lost_its_peer() -> None:
+    from hetpipe.app.train_loop import root_cause
+
+    gloo = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:8115"
+    disk = "WriteError: cannot write run/stages/vw0-s1/.ckpt-8.bin.tmp: No space left on device (ENOSPC)"
+    failures = {
+        "vw0-s0": {"error": gloo, "time": 1.0},
+        "vw1-s1": {"error": disk.replace("vw0-s1", "vw1-s1"), "time": 2.5},
+        "vw0-s1": {"error": disk, "time": 2.0},
+        "vw1-s0": {"error": "RuntimeError: Connection reset by peer", "time": 0.5},
+    }
+    assert root_cause("vw0-s0", failures) == "vw0-s1"  # the first that said what went wrong
+    assert root_cause("vw1-s1", failures) == "vw1-s1"  # its own error: kept
+    only_peers = {name: f for name, f in failures.items() if name in ("vw0-s0", "vw1-s0")}
+    assert root_cause("vw0-s0", only_peers) == "vw0-s0"  # nobody said more
+    assert root_cause("ps-shard-0", failures) == "ps-shard-0"  # no stage error of its own: it is the one

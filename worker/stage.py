@@ -314,9 +314,10 @@ class StageRunner:
         self.started = self.compute_actions.started = time.monotonic()
         try:
             self._train(resend)
-        finally:
-            self.link.close(timeout_s=30)
-            self.p2p.close()
+        except BaseException:
+            close_all([lambda: self.link.close(timeout_s=30), self.p2p.close], failed=True)
+            raise
+        close_all([lambda: self.link.close(timeout_s=30), self.p2p.close], failed=False)
         try:
             if not self.link.wait_durable(self.config.ps.timeout_s, progress=self.position):
                 print(
@@ -508,6 +509,21 @@ class StageRunner:
         handover.next_wait, handover.pushed = runner["next_wait"], runner["pushed"]
         handover.c_global, compute_actions.samples = runner["c_global"], runner["samples"]
         return resend
+
+
+def close_all(closers: Sequence[Callable[[], None]], *, failed: bool) -> None:
+    """Run every closer. When the stage failed already, a closer's own error (a neighbour that went away with
+    it) is printed, not raised: it would replace the error that stopped the stage (a full disk)."""
+    errors: list[BaseException] = []
+    for close in closers:
+        try:
+            close()
+        except Exception as exc:
+            errors.append(exc)
+    for exc in errors if failed else ():
+        print(f"while closing after the failure: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    if errors and not failed:
+        raise errors[0]
 
 
 def run_stage(job: StageJob, events: Any = None) -> None:

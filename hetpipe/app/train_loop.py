@@ -19,7 +19,7 @@ from hetpipe.core.errors import HetpipeError
 from hetpipe.core.runs.metrics import MetricsWriter, format_progress
 from hetpipe.core.runs.procs import ChildFailed
 
-__all__ = ["REJOINED_GRACE_S", "RunWatch", "failure_error"]
+__all__ = ["PEER_LOST", "REJOINED_GRACE_S", "RunWatch", "failure_error", "root_cause"]
 
 # After the last wave, how long `hetpipe train` keeps the PS up for the stages of a VW that rejoined through
 # `hetpipe worker --join` (not its children) to learn by heartbeat that their last pushes are in a checkpoint.
@@ -101,9 +101,27 @@ def failure_error(
     stopped = _non_finite_stop(failures, log_dir)
     if stopped is not None:
         return stopped
-    name = exc.child.name
+    name = root_cause(exc.child.name, failures)
     why = failures.get(name, {}).get("error")
     return HetpipeError(f"{exc}" + (f"\n{name} failed with {why}" if why else ""))
+
+
+# what a stage says when a neighbour died under it: its failure is the neighbour's, not its own
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def root_cause(name: str, failures: dict[str, dict[str, Any]]) -> str:
+    """The stage whose error to show for a run that lost `name`: `name`, unless all it said is that a peer
+    went away while another stage said what went wrong (a full disk, an error of its own); then the first of
+    those."""
+
+    def lost_a_peer(stage: str) -> bool:
+        return any(text in failures.get(stage, {}).get("error", "") for text in PEER_LOST)
+
+    if not lost_a_peer(name):
+        return name
+    causes = [stage for stage, failure in failures.items() if failure.get("error") and not lost_a_peer(stage)]
+    return min(causes, key=lambda stage: failures[stage].get("time", 0.0)) if causes else name
 
 
 def _non_finite_stop(failures: dict[str, dict[str, Any]], log_dir: Path) -> HetpipeError | None:

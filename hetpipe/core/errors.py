@@ -30,7 +30,9 @@ class WriteError(HetpipeError):
         code = errno.errorcode.get(exc.errno or 0, "")
         reason = f"{exc.strerror or exc} ({code})" if code else str(exc.strerror or exc)
         fix = (
-            "free space there, or point train.out_dir and checkpoint.dir at another disk"
+            "free space there (a run with checkpoints then goes on with `hetpipe train --resume RUN_DIR`), "
+            "or give the run a dir on another disk (--run-dir, train.out_dir; `hetpipe server`: "
+            "checkpoint.dir)"
             if exc.errno in (errno.ENOSPC, errno.EDQUOT)
             else "check that the directory exists and is writable"
         )
