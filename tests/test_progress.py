@@ -27,3 +27,22 @@ def test_samples_leave_out_the_first_minibatch_and_add_each_vws_own_batch() -> N
         event = {"event": "minibatch", "vw": vw, "p": 0, "loss": 1.0, "time": 1.0, "samples_per_s": 1.0}
         progress.update({**event, "batch": batch})
     assert progress.steps == 3 and progress.samples == 64
+
+
+def test_an_evicted_vw_does_not_count_in_the_lead() -> None:
+    progress = Progress(LAYOUTS)
+    _push(progress, 1, 0, 0), _push(progress, 0, 0, 0), _push(progress, 0, 1, 0)
+    progress.evicted = {0}  # vw 0 stops at wave 1; vw 1 goes on alone
+    for wave in range(1, 6):
+        _push(progress, 1, 0, wave)
+    assert progress.max_lead == 1 and progress.c_global() == 6  # wave 1 reached one VW first; not 5
+
+
+def test_a_resumed_stage_rates_only_the_samples_it_trained_itself() -> None:
+    from hetpipe.worker.stage_actions import ComputeActions
+
+    actions = ComputeActions.__new__(ComputeActions)  # its clock only: no stage behind it
+    actions.samples = 20 * 64  # restored from the snapshot of wave 20
+    actions.begin(100.0)
+    actions.samples += 2 * 64  # two minibatches since the resume, in 4 s
+    assert actions.samples_per_s(104.0) == 32.0  # not (22 * 64) / 4

@@ -92,3 +92,14 @@ def test_memory_check_passes_what_fits_and_names_what_does_not(tmp_path: Path) -
     message = str(err.value)
     assert message.startswith(f"{config.path}: stage ") and "(g0) needs " in message
     assert "but the GPU has 107,374 bytes" in message and err.value.exit_code == 2
+
+
+def test_ctrl_c_says_how_to_go_on_or_that_the_run_cannot() -> None:
+    from hetpipe.app.train_guards import interrupted
+    from hetpipe.core.config.files import default_config_path
+
+    default = load_config(default_config_path())  # checkpoint.every = 0: nothing to resume from
+    said = interrupted(default, Path("runs/r1"))
+    assert "cannot be resumed" in said and "every = 0" in said and "--resume" not in said
+    resumable = apply_overrides(default, ["checkpoint.every=1", 'checkpoint.dir="ps"'])
+    assert "`hetpipe train --resume runs/r1`" in interrupted(resumable, Path("runs/r1"))

@@ -311,7 +311,8 @@ class StageRunner:
         resend = self._resume() if job.resume_wave else {}
         self.handover.start(self.link, layout)
         self._connect()
-        self.started = self.compute_actions.started = time.monotonic()
+        self.started = time.monotonic()
+        self.compute_actions.begin(self.started)
         try:
             self._train(resend)
         except BaseException:

@@ -60,8 +60,9 @@ class ComputeActions:
         self._sync_blocks = self.device.type == "cuda" and job.slowdown > 1.0
         self.links = neighbour_links(job)
         self.p2p: P2P | None = None  # set once the stage has joined its VW's process group
-        self.started = 0.0  # time.monotonic() at the first action
-        self.samples = 0
+        self.started = 0.0  # time.monotonic() at the first action (begin)
+        self.samples = 0  # trained on by this VW since wave 0 (a resumed stage restores it)
+        self.samples_at_start = 0  # of those, the ones before this process began
         self.targets: dict[int, torch.Tensor] = {}  # last stage: each forwarded minibatch's target, for its B
         self.losses = LossReader(self.device)  # last stage: each minibatch's loss, read once a wave
 
@@ -119,10 +120,9 @@ class ComputeActions:
                 self.send(grad_in, job.stage - 1)
         self.samples += self.config.train.batch_size
         if self.last:
-            elapsed = time.monotonic() - self.started
             fields = {
                 "time": time.time(),
-                "samples_per_s": self.samples / max(elapsed, 1e-9),
+                "samples_per_s": self.samples_per_s(time.monotonic()),
                 "batch": self.config.train.batch_size,
                 "skipped": skip,
             }
@@ -130,6 +130,13 @@ class ComputeActions:
                 unread.update(fields)  # reported once its loss is read
             else:
                 self.report({"event": "minibatch", "vw": job.vw, "p": p, "loss": value, **fields})
+
+    def begin(self, now: float) -> None:
+        """Start this process's samples/s clock: a resumed stage's restored samples are not this run's."""
+        self.started, self.samples_at_start = now, self.samples
+
+    def samples_per_s(self, now: float) -> float:
+        return (self.samples - self.samples_at_start) / max(now - self.started, 1e-9)
 
     def update(self, p: int) -> None:
         """U p: the optimizer step (or, where the PS runs the optimizer, the gradient into the wave's sum)."""

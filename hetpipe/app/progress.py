@@ -62,8 +62,8 @@ class Progress:
         elif event["event"] == "push":
             self.pushed[(vw, event["stage"])] = event["wave"] + 1
             self.gate_wait[(vw, event["stage"])] = event["gate_wait_s"]
-            done = [self.completed(v) for v in range(len(self.layouts))]
-            self.max_lead = max(self.max_lead, max(done) - min(done))
+            done = [self.completed(v) for v in range(len(self.layouts)) if v not in self.evicted]
+            self.max_lead = max(self.max_lead, max(done, default=0) - min(done, default=0))
 
     def c_global(self) -> int:
         live = [v for v in range(len(self.layouts)) if v not in self.evicted]

@@ -39,6 +39,7 @@ from hetpipe.app.train_guards import (
     check_options,
     check_work,
     check_writable_dir,
+    interrupted,
     refuse_earlier_checkpoints,
     resume_point,
 )
@@ -233,7 +234,7 @@ def _train(run: _Run) -> dict[str, Any]:
         raise failure_error(exc, events, failures, run.run_dir / "logs") from None
     except KeyboardInterrupt:
         group.stop()
-        raise HetpipeError("interrupted: stopped the PS and every stage") from None
+        raise HetpipeError(interrupted(config, run.run_dir)) from None
     finally:
         group.stop(grace_s=30.0)
         torch.set_num_threads(threads)

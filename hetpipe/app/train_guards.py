@@ -32,6 +32,8 @@ __all__ = [
     "check_options",
     "check_work",
     "check_writable_dir",
+    "interrupted",
+    "not_resumable",
     "refuse_earlier_checkpoints",
     "resume_point",
 ]
@@ -85,17 +87,36 @@ def check_work(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> None:
         )
 
 
+def not_resumable(config: ClusterConfig) -> str | None:
+    """Why a run of `config` cannot be resumed (its checkpoints are off), or None when it can."""
+    if config.checkpoint.enabled and config.checkpoint.every >= 1 and config.checkpoint.stages:
+        return None
+    return (
+        "a run can be resumed with [checkpoint] dir not empty, every >= 1 and stages = true (this config: "
+        f"dir = {config.checkpoint.dir!r}, every = {config.checkpoint.every}, stages = "
+        f"{str(config.checkpoint.stages).lower()})"
+    )
+
+
+def interrupted(config: ClusterConfig, run_dir: Path) -> str:
+    """What `hetpipe train` says when Ctrl-C stopped it: how to go on, or that this run cannot."""
+    why_not = not_resumable(config)
+    if why_not:
+        return f"interrupted: stopped the PS and every stage; this run cannot be resumed: {why_not}"
+    return (
+        f"interrupted: stopped the PS and every stage; go on with `hetpipe train --resume {run_dir}` (from "
+        "the newest wave every shard and stage checkpointed)"
+    )
+
+
 def resume_point(
     config: ClusterConfig, run_dir: Path, vws: tuple[VwLayout, ...], say: Callable[[str], None] = _stderr
 ) -> int:
     """The newest wave every PS shard and every stage checkpointed intact in `run_dir` (a damaged newer one
     is passed over, and `say` tells which); UsageError saying what is missing when there is none."""
-    if not config.checkpoint.enabled or config.checkpoint.every < 1 or not config.checkpoint.stages:
-        raise UsageError(
-            f"--resume {run_dir}: a run can be resumed with [checkpoint] dir not empty, every >= 1 and "
-            f"stages = true (this config: dir = {config.checkpoint.dir!r}, every = "
-            f"{config.checkpoint.every}, stages = {str(config.checkpoint.stages).lower()})"
-        )
+    why_not = not_resumable(config)
+    if why_not:
+        raise UsageError(f"--resume {run_dir}: {why_not}")
     stateful = [m for m in config.train.mitigations if m in STATEFUL_MITIGATIONS]
     if stateful:
         raise UsageError(

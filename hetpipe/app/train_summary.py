@@ -66,7 +66,8 @@ def run_summary(
         # speed over the training itself: the minibatches finished after the first one, over the time from
         # the first to the last (process start-up, data loading, registration and shutdown excluded)
         "train_s": round(training, 2),
-        "samples_per_s": round(progress.samples / max(training, 1e-9), 2),
+        "timed_samples": progress.samples,  # the samples train_s covers: every minibatch after the first
+        "samples_per_s": round(progress.samples / max(training, 1e-9), 2),  # timed_samples / train_s
         "max_lead_waves": progress.max_lead,
         "gate_wait_s": {
             str(v): round(max((w for (vv, _), w in progress.gate_wait.items() if vv == v), default=0.0), 3)
