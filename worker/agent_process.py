@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from hetpipe.core.runs.procs import is_stopped
 from hetpipe.worker.agent_pipe import PipeWriter, read_message
 from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.ps_agent import PSAgent, PushDone
@@ -80,6 +81,7 @@ def serve(stdin: Any, out: PipeWriter) -> int:
     setup = read_message(stdin)
     if setup is None:
         return 0
+    stage_pid = os.getppid()  # the stage that started this agent: its heartbeats stop while it is stopped
     shared = SharedHost.attach(setup["path"], setup["numel"])
     layout = FlatLayout(tuple(setup["keys"]), tuple(tuple(s) for s in setup["shapes"]))
     slots = [layout.array_views(slot) for slot in shared.slots]
@@ -105,6 +107,7 @@ def serve(stdin: Any, out: PipeWriter) -> int:
                         heartbeat_s=setup["heartbeat_s"],
                         progress=lambda: int(shared.progress[0]),
                         on_fatal=lambda exc: out.send("fatal", error=describe_error(exc)),
+                        stage_alive=lambda: not is_stopped(stage_pid),
                     )
                     out.send("done", id=job, keys=sorted(w0))
                 elif op in ("push", "pull"):

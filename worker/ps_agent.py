@@ -68,14 +68,17 @@ class PSAgent:
         progress: Callable[[], int] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         pull_into_free: Callable[[], None] | None = None,
+        stage_alive: Callable[[], bool] = lambda: True,
     ) -> None:
         """`pull_into_free()` blocks until `pull_into` may be overwritten (the stage's last read of it is
-        done)."""
+        done). `stage_alive()` false withholds the heartbeats: an agent in a process of its own beats for a
+        stage that is stopped or gone only while it says so, or the PS could not see the stage hang."""
         self.client = client
         self.pull_into, self.pull_into_free = pull_into, pull_into_free
         self.trace, self.trace_tid = trace, trace_tid
         self.heartbeat_s, self.progress, self.on_fatal = heartbeat_s, progress or (lambda: 0), on_fatal
         self._next_beat = 0.0
+        self.stage_alive = stage_alive
         self._jobs: deque[_Job] = deque()
         self._active: list[_Job] = []
         self._stopping = False
@@ -157,7 +160,7 @@ class PSAgent:
         if self.heartbeat_s <= 0 or self._stopping:
             return
         now = time.monotonic()
-        if now >= self._next_beat:
+        if now >= self._next_beat and self.stage_alive():
             self._next_beat = now + self.heartbeat_s
             self.client.send_heartbeat(self.progress())
 

@@ -99,6 +99,17 @@ def process_started_at(pid: int | None = None) -> float | None:
         return None
 
 
+def is_stopped(pid: int) -> bool:
+    """Process `pid` is stopped (SIGSTOP, SIGTSTP, a debugger) or gone; False where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t", b"Z", b"X")
+    except FileNotFoundError:
+        return os.path.isdir("/proc/self")  # /proc is there: the process is gone
+    except (OSError, IndexError):
+        return False
+
+
 def child_entered_at() -> float | None:
     """In a child of a ChildGroup: when its entry point began (after the imports its target needed)."""
     return _entered_at
