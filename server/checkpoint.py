@@ -3,8 +3,10 @@ it too) and the thread that writes them while the shard goes on serving."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,11 @@ Job = tuple[int, Mapping[str, Any], Mapping[str, np.ndarray], Callable[[Path], N
 
 CHECKPOINT_FAILURES_FATAL = 3  # periodic checkpoints failed in a row that stop the run (a constant)
 RESERVED_FILES = 8  # descriptors the writer holds between checkpoints and frees just before writing one
+# a write that finds no descriptor is tried again this many times, WAIT_FOR_FILES_S apart: connections over
+# the shard's limits are closed within milliseconds of their accept, but while a flood lasts they hold
+# descriptors for that moment and may take the ones the reserve just freed
+OUT_OF_FILES_RETRIES = 20
+WAIT_FOR_FILES_S = 0.05
 
 
 @dataclass
@@ -104,6 +111,26 @@ class FileReserve:
         self.fds = []
 
 
+def out_of_files(exc: BaseException) -> bool:
+    """`exc` says no file descriptor was free (this process's, or the system's)."""
+    return getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE)
+
+
+def write_out_of_files_retried(
+    write: Callable[[], Path], sleep: Callable[[float], None] = time.sleep
+) -> Path:
+    """`write()`, tried again up to OUT_OF_FILES_RETRIES times while it finds no free descriptor (EMFILE,
+    ENFILE); any other error, or the last one, is raised."""
+    for _ in range(OUT_OF_FILES_RETRIES):
+        try:
+            return write()
+        except Exception as exc:  # an OSError, or the WriteError that names it (with its errno)
+            if not out_of_files(exc):
+                raise
+        sleep(WAIT_FOR_FILES_S)
+    return write()
+
+
 class BackgroundWriter:
     """Writes checkpoints in a thread (file writes, sha256 and fsync let the shard's loop run meanwhile). One
     is written at a time; one more may wait, and a newer one replaces it. `done(path)` runs in the writer
@@ -162,7 +189,9 @@ class BackgroundWriter:
         clock, meta, arrays, done = job
         self._reserve.release()
         try:
-            path = write_checkpoint(self.directory, clock, meta, arrays, self.keep)
+            path = write_out_of_files_retried(
+                lambda: write_checkpoint(self.directory, clock, meta, arrays, self.keep)
+            )
             self.health.succeeded()
             done(path)
         except Exception as exc:  # a full disk must not take the shard down; the next one tries again

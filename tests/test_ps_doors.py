@@ -3,6 +3,8 @@ checkpoints; failed handshakes limited per address; the refusal summary logged o
 
 from __future__ import annotations
 
+import errno
+import os
 import resource
 import socket
 import time
@@ -12,9 +14,16 @@ import numpy as np
 import pytest
 import zmq
 
+from hetpipe.core.errors import WriteError
 from hetpipe.core.protocol.access import HandshakeLimit, RefusalLog
 from hetpipe.core.protocol.keys import client_keys, key_users, server_keys, write_keys
-from hetpipe.server.checkpoint import CHECKPOINT_FAILURES_FATAL, CheckpointHealth
+from hetpipe.server.checkpoint import (
+    CHECKPOINT_FAILURES_FATAL,
+    OUT_OF_FILES_RETRIES,
+    WAIT_FOR_FILES_S,
+    CheckpointHealth,
+    write_out_of_files_retried,
+)
 from hetpipe.server.doors import ConnectionTable, connection_cap
 from hetpipe.server.launch import serve_settings
 from hetpipe.server.shard import ShardSettings
@@ -82,6 +91,32 @@ def test_checkpoint_failures_warn_and_stop_after_some_in_a_row() -> None:
         "checkpoint_failures_in_a_row": CHECKPOINT_FAILURES_FATAL,
         "checkpoint_error": "clock 7: [Errno 28] No space left on device",
     }
+
+
+def test_a_checkpoint_that_finds_no_descriptor_tries_again_until_one_is_free() -> None:
+    # a flood's connections, accepted and then closed over the limits, took the descriptors the reserve had
+    # just freed: the manifest's write failed with EMFILE though the shard was within its limits
+    tries, waits = [], []
+
+    def write(fails: int, errno_: int):
+        def attempt() -> Path:
+            tries.append(1)
+            if len(tries) <= fails:
+                raise WriteError.of(Path("ckpt/.ckpt-1.json.tmp"), OSError(errno_, os.strerror(errno_)))
+            return Path("ckpt/ckpt-00000001.bin")
+
+        return attempt
+
+    assert write_out_of_files_retried(write(3, errno.EMFILE), waits.append) == Path("ckpt/ckpt-00000001.bin")
+    assert len(tries) == 4 and waits == [WAIT_FOR_FILES_S] * 3
+    tries.clear()
+    with pytest.raises(WriteError, match="EMFILE"):  # never a descriptor: the failure is counted after all
+        write_out_of_files_retried(write(10**6, errno.EMFILE), waits.append)
+    assert len(tries) == OUT_OF_FILES_RETRIES + 1
+    tries.clear()
+    with pytest.raises(WriteError, match="ENOSPC"):  # a full disk is not waited out
+        write_out_of_files_retried(write(10**6, errno.ENOSPC), waits.append)
+    assert len(tries) == 1
 
 
 # ---- live shards -------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ class ConfigError(HetpipeError):
 class WriteError(HetpipeError):
     """A file that could not be written (a full disk, a lost mount, permissions): names the errno and path."""
 
+    errno: int | None = None  # the OSError's
+
     @classmethod
     def of(cls, path: object, exc: OSError) -> WriteError:
         code = errno.errorcode.get(exc.errno or 0, "")
@@ -36,7 +38,9 @@ class WriteError(HetpipeError):
             if exc.errno in (errno.ENOSPC, errno.EDQUOT)
             else "check that the directory exists and is writable"
         )
-        return cls(f"cannot write {os.fspath(path)}: {reason}; {fix}")  # type: ignore[arg-type]
+        error = cls(f"cannot write {os.fspath(path)}: {reason}; {fix}")  # type: ignore[arg-type]
+        error.errno = exc.errno
+        return error
 
 
 class UsageError(HetpipeError):
