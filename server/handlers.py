@@ -55,6 +55,7 @@ def register_stage(shard: ShardServer, identity: bytes, msg: wire.Message) -> No
         "c_global": state.c_global,
         "pushed": state.pushed[sid],
         "keep_from": shard.keep_from(sid),
+        "ckpt_from": shard.checkpoints.oldest,
     }
     shard.send(identity, wire.encode("registered", fields, tensors), lent=tensors)
 
@@ -72,6 +73,7 @@ def apply_push(shard: ShardServer, identity: bytes, msg: wire.Message) -> None:
         "applied": result.applied,
         "c_global": result.c_global,
         "keep_from": shard.keep_from(sid),
+        "ckpt_from": shard.checkpoints.oldest,
     }
     shard.send(identity, wire.encode("ack", ack))
     if result.clock_advanced:
@@ -85,7 +87,12 @@ def note_heartbeat(shard: ShardServer, identity: bytes, msg: wire.Message) -> No
     shard.state.stage_keys_of(f["vw"], f["stage"])  # "evicted" once its VW is out
     sid = (f["vw"], f["stage"])
     shard.beats[sid] = (time.monotonic(), f["progress"])
-    beat = {"id": f["id"], "c_global": shard.state.c_global, "keep_from": shard.keep_from(sid)}
+    beat = {
+        "id": f["id"],
+        "c_global": shard.state.c_global,
+        "keep_from": shard.keep_from(sid),
+        "ckpt_from": shard.checkpoints.oldest,
+    }
     shard.send(identity, wire.encode("beat", beat))
 
 

@@ -14,6 +14,7 @@ from hetpipe.core.wsp.state import ShardState, WspError
 from hetpipe.server.checkpoint import (
     BackgroundWriter,
     discard_after,
+    list_clocks,
     load_clock,
     load_newest,
     write_checkpoint,
@@ -33,6 +34,7 @@ class ShardCheckpoints:
         self.say = say  # logs one line as this shard
         self.last_clock = -1  # the clock of the newest checkpoint written (or resumed from)
         self.durable: dict[tuple[int, int], int] = {}  # (vw, stage) -> its pushes in the newest checkpoint
+        self.kept: list[int] = []  # clocks of the checkpoints on disk, oldest first (pruned as they are)
         self.writer: BackgroundWriter | None = None
 
     def restore(self) -> ShardState | None:
@@ -67,6 +69,7 @@ class ShardCheckpoints:
                 self.say(f"resuming from clock {cut}: dropped the later checkpoints {dropped}")
         self.last_clock = ckpt.clock
         self.durable = dict(state.pushed)
+        self.kept = [c for c in list_clocks(directory) if c <= ckpt.clock]
         self.say(f"resumed from {ckpt.path} at clock {ckpt.clock} (c_local {state.status()['c_local']})")
         return state
 
@@ -108,6 +111,8 @@ class ShardCheckpoints:
 
         def done(path: Path) -> None:
             self.durable = pushed  # one assignment: the loop thread sees the old dict or this one
+            kept = [*self.kept, clock]
+            self.kept = kept[-settings.checkpoint_keep :] if settings.checkpoint_keep > 0 else kept
             self.say(f"checkpoint {path.name} written ({reason})")
 
         if background and self.writer is not None:
@@ -118,6 +123,12 @@ class ShardCheckpoints:
         path = write_checkpoint(directory, clock, full_meta, arrays, settings.checkpoint_keep)
         done(path)
         return path
+
+    @property
+    def oldest(self) -> int:
+        """The clock of the oldest checkpoint on disk (0: none yet): a stage keeps its snapshots from there,
+        so that a resume finds a wave both hold though newer checkpoints failed (a full disk)."""
+        return self.kept[0] if self.kept else 0
 
     def keep_from(self, state: ShardState, sid: tuple[int, int]) -> int:
         """The first wave of this stage whose push the client must keep: the shard may lose it in a crash."""

@@ -109,3 +109,26 @@ def test_sigkill_restart_resumes_bit_for_bit(children, tmp_path: Path):
     log = server.log.read_text()
     assert "refusing checkpoint ckpt-00000004.bin: sha256 does not match" in log
     assert "resumed from" in log and "ckpt-00000003.bin" in log
+
+
+def test_acks_say_the_oldest_checkpoint_kept_so_stages_keep_snapshots_back_to_it(children, tmp_path: Path):
+    # a full disk under the PS's checkpoints left it holding clocks 8-10 while the stages, counting on
+    # checkpoints at every clock up to c_global, had dropped their snapshots before 11: no resume was possible
+    ckdir = tmp_path / "ckpt"
+    settings = ShardSettings(
+        "fl", 0, "tcp://127.0.0.1:0", 0, "exact", ckdir, checkpoint_every=1, checkpoint_keep=2
+    )
+    endpoint, _ = start_shard(children, settings, name="ps-floor")
+    with PSClient([endpoint], "fl", 0, 0, 1, 1, {"x": 0}, timeout_s=10, retry_s=0.5) as ps:
+        ps.register({"x": np.zeros(4, np.float32)})
+        assert ps.checkpoint_floor == 0  # none on disk yet: a stage keeps every snapshot
+        for wave in range(3):
+            ps.push(wave, {"x": np.ones(4, np.float32)})
+            wait_for(ckdir / f"ckpt-{wave + 1:08d}.json")
+        deadline = time.monotonic() + 10
+        while ps.checkpoint_floor != 2 and time.monotonic() < deadline:  # the writer thread notes it after
+            ps.send_heartbeat(0)  # its reply says it (so do acks and registration replies)
+            ps.status()  # a call that reads the replies come in meanwhile
+            time.sleep(0.05)
+        assert [c for c in range(1, 4) if (ckdir / f"ckpt-{c:08d}.json").exists()] == [2, 3]
+        assert ps.checkpoint_floor == 2

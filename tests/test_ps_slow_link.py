@@ -50,7 +50,13 @@ class SlowShard:
                     )
             for identity, (at, msg) in list(pending.items()):
                 if time.monotonic() >= at:
-                    fields = {"id": msg.fields["id"], "c_global": 0, "pushed": 0, "keep_from": 0}
+                    fields = {
+                        "id": msg.fields["id"],
+                        "c_global": 0,
+                        "pushed": 0,
+                        "keep_from": 0,
+                        "ckpt_from": 0,
+                    }
                     tensors = {k: v.to_array() for k, v in msg.tensors.items()}
                     self.sock.send_multipart([identity, *wire.encode("registered", fields, tensors)])
                     pending[identity] = (float("inf"), msg)

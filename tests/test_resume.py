@@ -72,6 +72,11 @@ def test_snapshot_floor_keeps_what_the_ps_may_still_hold():
     assert snapshot_floor(c_global=9, every=2, keep=3) == 4  # the PS keeps checkpoints 4, 6, 8
     assert snapshot_floor(c_global=3, every=2, keep=3) == 0
     assert snapshot_floor(c_global=10, every=5, keep=1) == 10
+    # the PS's checkpoints of clocks 11-13 failed (a full disk): it keeps 8, 9, 10, so do the stages
+    assert snapshot_floor(c_global=14, every=1, keep=3) == 12
+    assert snapshot_floor(c_global=14, every=1, keep=3, ps_oldest=8) == 8
+    assert snapshot_floor(c_global=14, every=1, keep=3, ps_oldest=0) == 0  # none on disk: keep them all
+    assert snapshot_floor(c_global=9, every=2, keep=3, ps_oldest=6) == 4  # never above the window
 
 
 def test_common_cut_is_the_newest_wave_everyone_saved():

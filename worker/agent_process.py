@@ -108,6 +108,7 @@ def serve(stdin: Any, out: PipeWriter) -> int:
                         progress=lambda: int(shared.progress[0]),
                         on_fatal=lambda exc: out.send("fatal", error=describe_error(exc)),
                         stage_alive=lambda: not is_stopped(stage_pid),
+                        after_replies=lambda: shared.checkpoint_floor.__setitem__(0, client.checkpoint_floor),
                     )
                     out.send("done", id=job, keys=sorted(w0))
                 elif op in ("push", "pull"):

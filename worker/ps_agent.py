@@ -69,16 +69,19 @@ class PSAgent:
         on_fatal: Callable[[BaseException], None] | None = None,
         pull_into_free: Callable[[], None] | None = None,
         stage_alive: Callable[[], bool] = lambda: True,
+        after_replies: Callable[[], None] = lambda: None,
     ) -> None:
         """`pull_into_free()` blocks until `pull_into` may be overwritten (the stage's last read of it is
         done). `stage_alive()` false withholds the heartbeats: an agent in a process of its own beats for a
-        stage that is stopped or gone only while it says so, or the PS could not see the stage hang."""
+        stage that is stopped or gone only while it says so, or the PS could not see the stage hang.
+        `after_replies()` runs in the agent thread after each turn of its loop (an agent process publishes
+        there what the replies said)."""
         self.client = client
         self.pull_into, self.pull_into_free = pull_into, pull_into_free
         self.trace, self.trace_tid = trace, trace_tid
         self.heartbeat_s, self.progress, self.on_fatal = heartbeat_s, progress or (lambda: 0), on_fatal
         self._next_beat = 0.0
-        self.stage_alive = stage_alive
+        self.stage_alive, self.after_replies = stage_alive, after_replies
         self._jobs: deque[_Job] = deque()
         self._active: list[_Job] = []
         self._stopping = False
@@ -146,6 +149,7 @@ class PSAgent:
                     self._send(self._jobs.popleft())
                 self._complete()
                 self._beat()
+                self.after_replies()
         except BaseException as exc:  # the stage thread must hear of it through every future
             self._failed = exc
             for job in [*self._active, *self._jobs]:

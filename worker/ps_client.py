@@ -164,6 +164,11 @@ class PSClient:
         return self.calls.fatal
 
     @property
+    def checkpoint_floor(self) -> int:
+        """The clock of the oldest checkpoint any shard keeps on disk (0: none yet)."""
+        return self.recovery.checkpoint_floor()
+
+    @property
     def keep_from(self) -> list[int]:
         """Per shard: this stage's pushes of earlier waves are in its checkpoint."""
         return self.recovery.keep_from

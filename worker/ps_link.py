@@ -56,6 +56,10 @@ class PSLink(Protocol):
         """Seconds of the agent: pushes in flight, pulls' round trips less parking, parked at the PS."""
         ...
 
+    def checkpoint_floor(self) -> int:
+        """The clock of the oldest checkpoint any PS shard keeps on disk (0: none yet), as last heard."""
+        ...
+
     def register(
         self,
         values: Mapping[str, torch.Tensor],
@@ -124,6 +128,9 @@ class ThreadLink:
         self.trace, self.trace_tid, self.heartbeat_s, self.on_fatal = trace, trace_tid, heartbeat_s, on_fatal
         self.progress = np.zeros(1, np.int64)
         self.agent: PSAgent | None = None
+
+    def checkpoint_floor(self) -> int:
+        return self.client.checkpoint_floor
 
     def register(
         self,
@@ -246,6 +253,7 @@ class ProcessLink:
         self.push_slots = [torch.from_numpy(a) for a in self.shared.slots]
         self.pull_host = torch.from_numpy(self.shared.pull)
         self.progress = self.shared.progress
+        self._floor = self.shared.checkpoint_floor
         self._pull_free: Callable[[], None] = lambda: None
         self._ids = iter(range(1 << 62))
         self._open: dict[int, tuple[Future, str, int]] = {}  # id -> (future, op, wave)
@@ -343,6 +351,9 @@ class ProcessLink:
     @property
     def totals(self) -> tuple[float, float, float]:
         return self._totals
+
+    def checkpoint_floor(self) -> int:
+        return int(self._floor[0])
 
     # ---- threads ------------------------------------------------------------------------------------------
     def _send_loop(self) -> None:

@@ -38,6 +38,7 @@ class ShardRecovery:
             tuple[dict[str, Any], dict[str, np.ndarray]]
         ] = []  # per shard: fields, copies
         self.keep_from = [0] * shards  # per shard: pushes of earlier waves are in its checkpoint
+        self.ckpt_from = [0] * shards  # per shard: the clock of its oldest checkpoint on disk (0: none)
         self.retained: dict[
             int, tuple[Mapping[str, np.ndarray], Call]
         ] = {}  # wave -> its push, until durable
@@ -60,6 +61,7 @@ class ShardRecovery:
         wave on each still needs the pushes kept."""
         self.next_wave = max(start_wave, min(r.fields["pushed"] for r in replies))
         self.keep_from = [r.fields["keep_from"] for r in replies]
+        self.ckpt_from = [r.fields["ckpt_from"] for r in replies]
 
     def keep_push(self, wave: int, tensors: Mapping[str, np.ndarray], call: Call, reused: bool) -> None:
         """Keep the push of `wave` until every shard has it in a checkpoint; `reused`: the caller will change
@@ -68,6 +70,11 @@ class ShardRecovery:
         self.retained[wave] = (tensors, call)
         if reused:
             self._copy_on_retain.add(wave)
+
+    def checkpoint_floor(self) -> int:
+        """The oldest wave a stage snapshot may be needed for: the oldest checkpoint any shard keeps (a
+        resume needs a wave every shard and every stage holds)."""
+        return min(self.ckpt_from, default=0)
 
     def durable(self) -> bool:
         """Every shard has this stage's pushes in a checkpoint (a shard restarting now would lose none)."""
@@ -93,6 +100,8 @@ class ShardRecovery:
     def answered(self, calls: ShardCalls, shard: int, msg: wire.Message, call: Call) -> None:
         """Acks and heartbeat replies say how far the shard's checkpoint goes; a registration again says
         what the restarted shard holds."""
+        if msg.type in ("ack", "beat", "registered"):
+            self.ckpt_from[shard] = msg.fields["ckpt_from"]
         if msg.type in ("ack", "beat"):
             self._acknowledged(shard, msg.fields["keep_from"], call)
         elif msg.type == "registered" and self._rejoining.get(shard) == msg.fields["id"]:

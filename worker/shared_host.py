@@ -23,7 +23,9 @@ from hetpipe.core.errors import HetpipeError
 __all__ = ["SharedHost", "shared_dir"]
 
 PAGE = mmap.PAGESIZE
-PROGRESS_BYTES = PAGE  # one int64 cell: how many actions the stage has run (the agent's heartbeats report it)
+# two int64 cells: how many actions the stage has run (the agent's heartbeats report it), and the clock of the
+# oldest checkpoint any PS shard keeps (the agent writes it, the stage keeps its snapshots from there)
+PROGRESS_BYTES = PAGE
 
 
 def _free_bytes(folder: Path) -> int:
@@ -69,8 +71,8 @@ class _Layout:
 
 
 class SharedHost:
-    """The mapped file: `slots` (two float32 arrays), `pull` (one) and `progress` (an int64 cell), all numpy
-    views."""
+    """The mapped file: `slots` (two float32 arrays), `pull` (one), `progress` and `checkpoint_floor` (int64
+    cells), all numpy views."""
 
     def __init__(self, path: Path, numel: int, create: bool) -> None:
         self.path, self.numel = path, numel
@@ -84,6 +86,7 @@ class SharedHost:
         finally:
             os.close(fd)
         self.progress = np.frombuffer(self._map, np.int64, 1, 0)
+        self.checkpoint_floor = np.frombuffer(self._map, np.int64, 1, 8)
         self.slots = [np.frombuffer(self._map, np.float32, numel, layout.offset(i)) for i in range(2)]
         self.pull = np.frombuffer(self._map, np.float32, numel, layout.offset(2))
         self._registered: list[int] = []
@@ -132,7 +135,7 @@ class SharedHost:
             for ptr in self._registered:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
             self._registered = []
-        self.progress = self.pull = None  # type: ignore[assignment]
+        self.progress = self.checkpoint_floor = self.pull = None  # type: ignore[assignment]
         self.slots = []
         with contextlib.suppress(
             BufferError

@@ -490,7 +490,7 @@ class StageRunner:
             "c_global": handover.c_global,
             "samples": self.compute_actions.samples,
         }
-        save_stage_snapshot(self.job, self.compute, wave, runner)
+        save_stage_snapshot(self.job, self.compute, wave, runner, self.link.checkpoint_floor())
 
     def _resume(self) -> dict[int, torch.Tensor]:
         """Load this stage's snapshot of job.resume_wave and go on from its place; returns the activations to

@@ -17,11 +17,14 @@ from hetpipe.worker.snapshot import load_snapshot, save_snapshot, snapshot_dir
 __all__ = ["load_stage_snapshot", "save_stage_snapshot"]
 
 
-def save_stage_snapshot(job: StageJob, compute: StageCompute, wave: int, runner: dict[str, int]) -> None:
+def save_stage_snapshot(
+    job: StageJob, compute: StageCompute, wave: int, runner: dict[str, int], ps_oldest: int
+) -> None:
     """Save the stage's state at wave `wave`: its compute's, and the runner's place (`runner`: the next
-    action's index, the next WAIT's, the waves pushed, c_global, the samples trained on)."""
+    action's index, the next WAIT's, the waves pushed, c_global, the samples trained on); keep the older
+    snapshots back to the oldest checkpoint the PS keeps (`ps_oldest`, 0: none yet)."""
     meta, tensors = compute.state_dict()
-    keep_from = snapshot_floor(runner["c_global"], job.snapshot_every, job.snapshot_keep)
+    keep_from = snapshot_floor(runner["c_global"], job.snapshot_every, job.snapshot_keep, ps_oldest)
     save_snapshot(
         snapshot_dir(job.run_dir, job.vw, job.stage),
         wave,

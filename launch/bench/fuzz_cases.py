@@ -225,7 +225,10 @@ class CaseGenerator:
                 wire.encode("pull", {"id": 5, **base, "wave": 4}),
                 wire.encode("status", {"id": 6, "run": RUN}),
                 wire.encode("read", {"id": 7, "run": RUN}),
-                wire.encode("ack", {"id": 8, "wave": 0, "applied": True, "c_global": 0, "keep_from": 0}),
+                wire.encode(
+                    "ack",
+                    {"id": 8, "wave": 0, "applied": True, "c_global": 0, "keep_from": 0, "ckpt_from": 0},
+                ),
                 wire.encode("heartbeat", {"id": 10, **base, "progress": 3}),
                 wire.encode("evict", {"id": 11, "run": RUN, "vw": 1}),
                 wire.encode("rejoin", {"id": 12, "run": RUN, "vw": 1, "start_wave": 9}),

@@ -50,10 +50,13 @@ def rejoin_actions(actions: Sequence[Action], start_wave: int, nm: int) -> list[
     return [a for a in actions if wave_of_action(a, nm) >= start_wave]
 
 
-def snapshot_floor(c_global: int, every: int, keep: int) -> int:
-    """The oldest stage snapshot worth keeping: one that may match a checkpoint the PS still keeps (its newest
-    `keep` ones, written at multiples of `every` up to c_global)."""
-    return max(0, (c_global // every - keep + 1) * every)
+def snapshot_floor(c_global: int, every: int, keep: int, ps_oldest: int | None = None) -> int:
+    """The oldest stage snapshot worth keeping: one that may match a checkpoint the PS still keeps. Its newest
+    `keep` ones would be at multiples of `every` up to c_global; but checkpoints that failed (a full disk) or
+    were passed over leave the PS's on disk older, so `ps_oldest`, the oldest checkpoint any shard says it
+    keeps (0: none yet), lowers the floor to it."""
+    floor = max(0, (c_global // every - keep + 1) * every)
+    return floor if ps_oldest is None else min(floor, ps_oldest)
 
 
 def common_cuts(ps_clocks: Sequence[Sequence[int]], stage_waves: Sequence[Sequence[int]]) -> list[int]:

@@ -36,7 +36,8 @@ __all__ = [
     "to_bfloat16_bits",
 ]
 
-PROTOCOL_VERSION = 3  # 2: durable pushes (keep_from), heartbeats, eviction and rejoin; 3: VW weights
+# 2: durable pushes (keep_from), heartbeats, eviction and rejoin; 3: VW weights; 4: ckpt_from
+PROTOCOL_VERSION = 4
 CHUNK_BYTES = 1 << 20  # one data frame; a multiple of every allowed itemsize
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 100_000
@@ -246,9 +247,18 @@ FIELDS: dict[str, dict[str, Check]] = {
     "evict": {"id": _ID, "run": _RUN, "vw": _INDEX},
     "rejoin": {"id": _ID, "run": _RUN, "vw": _INDEX, "start_wave": _INDEX},
     # pushed: waves of this stage the shard holds; keep_from: the client may drop its pushes of earlier waves
-    # (they are in a checkpoint, or the shard keeps none and a crash of it cannot be recovered anyway)
-    "registered": {"id": _ID, "c_global": _INDEX, "pushed": _INDEX, "keep_from": _INDEX},
-    "ack": {"id": _ID, "wave": _INDEX, "applied": _is_bool, "c_global": _INDEX, "keep_from": _INDEX},
+    # (they are in a checkpoint, or the shard keeps none and a crash of it cannot be recovered anyway);
+    # ckpt_from: the clock of the oldest checkpoint the shard keeps on disk (0: none), from which on a stage
+    # keeps its snapshots
+    "registered": {"id": _ID, "c_global": _INDEX, "pushed": _INDEX, "keep_from": _INDEX, "ckpt_from": _INDEX},
+    "ack": {
+        "id": _ID,
+        "wave": _INDEX,
+        "applied": _is_bool,
+        "c_global": _INDEX,
+        "keep_from": _INDEX,
+        "ckpt_from": _INDEX,
+    },
     "weights": {
         "id": _ID,
         "wave": _INDEX,
@@ -257,7 +267,7 @@ FIELDS: dict[str, dict[str, Check]] = {
         "parked_ms": _INDEX,
         "gaps": _is_gaps,
     },
-    "beat": {"id": _ID, "c_global": _INDEX, "keep_from": _INDEX},
+    "beat": {"id": _ID, "c_global": _INDEX, "keep_from": _INDEX, "ckpt_from": _INDEX},
     "evicted": {"id": _ID, "vw": _INDEX, "at_wave": _INDEX},
     "rejoined": {"id": _ID, "vw": _INDEX, "start_wave": _INDEX},
     "status_reply": {"id": _ID, "info": _is_info},
