@@ -62,3 +62,18 @@ def test_half_written_temporaries_are_found_and_freeing_no_filler_is_harmless(tm
     (tmp_path / "ps" / "ckpt-00000002.bin").write_bytes(b"whole")
     assert chaos_disk.temporaries(tmp_path) == ["ps/.ckpt-00000003.bin.tmp"]
     chaos_disk.free(tmp_path)  # no filler yet: nothing to do
+
+
+def test_the_totals_of_many_runs_count_failures_and_the_flood_rates() -> None:
+    import chaos_runs
+
+    base = {"completed": True, "lost": 0, "duplicated": 0, "stray": 0, "ledger_slots": 960}
+    flood = [
+        {**base, "waves_per_s_before": 2.0, "waves_per_s_during": 1.5, "checkpoint_failures": 0},
+        {**base, "waves_per_s_before": 2.4, "waves_per_s_during": 2.0, "checkpoint_failures": 0},
+        {**base, "lost": 3, "waves_per_s_before": 2.2, "waves_per_s_during": 1.0, "checkpoint_failures": 1},
+    ]
+    found = chaos_runs.totals(flood, [0, 0, 1, 1])  # the fourth run wrote no result
+    assert (found["runs"], found["passed"], found["no_result"], found["lost"]) == (4, 2, 1, 3)
+    assert found["waves_per_s_during"] == {"median": 1.5, "min": 1.0, "max": 2.0}
+    assert found["checkpoint_failures"] == 1 and "enospc_named" not in found
