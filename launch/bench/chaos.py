@@ -288,8 +288,10 @@ class Chaos:
         before and during it."""
         from hetpipe.core.protocol.keys import server_keys
 
+        if not self.wait_until(lambda: self.wave() >= 2, 600):  # past the start-up: a steady rate before
+            return {"flood_handshakes": None}
         first = self.wave(), time.monotonic()
-        target = self.rng.randint(max(3, first[0] + 2), max(3, self.waves // 3))
+        target = self.rng.randint(first[0] + 3, max(first[0] + 3, self.waves // 3))
         if not self.wait_until(lambda: self.wave() >= target, 600):
             return {"flood_handshakes": None}
         time.sleep(self.rng.uniform(0, jitter_s))
