@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from hetpipe.app.worker_check import check_vw_index
 from hetpipe.compute.build import VwLayout, model_of, vw_layouts
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError, UsageError
@@ -84,12 +85,8 @@ def worker_jobs(
 
 def _checked_vws(config: ClusterConfig, vw: int) -> tuple[VwLayout, ...]:
     """The config's VWs; UsageError when `vw` is not one of them."""
-    vws = vw_layouts(config, model_of(config))
-    if not 0 <= vw < len(vws):
-        raise UsageError(
-            f"--vw {vw} is out of range: {config.path} has {len(vws)} virtual workers (0..{len(vws) - 1})"
-        )
-    return vws
+    check_vw_index(config, vw)
+    return vw_layouts(config, model_of(config))
 
 
 def join_wave(
