@@ -633,6 +633,20 @@ def profile(
     "each batch is planned with its own profiles and the calibration at that batch (a batch without "
     "one is not ranked); --out carries it. Default: the config's train.batch_size.",
 )
+@click.option(
+    "--budget",
+    "budget_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop the search after this many seconds and plan with the best found so far (progress on stderr). "
+    "Default: search to the end (the same plan every run).",
+)
+@click.option(
+    "--exhaustive",
+    is_flag=True,
+    help="Plan and simulate every candidate, as before the fast search (slow on large clusters; always so "
+    "with a convergence calibration).",
+)
 @_set_option
 def plan(
     config_path: Path,
@@ -651,6 +665,8 @@ def plan(
     target: float | None,
     search_rules: bool,
     batches: tuple[int, ...],
+    budget_s: float | None,
+    exhaustive: bool,
     settings: tuple[str, ...],
 ) -> None:
     """Search allocation policy x GPU order, split and Nm (one for all VWs, or each VW its own Nm and batch)
@@ -677,6 +693,8 @@ def plan(
         target=target,
         search_rules=search_rules,
         batches=batches,
+        budget_s=budget_s,
+        exhaustive=exhaustive,
     )
     run_plan(config, request, out_path=out_path, show_why=show_why, as_json=as_json)
 

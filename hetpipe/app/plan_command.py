@@ -30,6 +30,7 @@ from hetpipe.core.planning.planner import (
     format_table,
     plan_candidates,
 )
+from hetpipe.core.planning.search import search_candidates
 
 __all__ = ["PlanRequest", "PlanSearch", "print_plans", "run_plan", "search_plans", "write_best"]
 
@@ -52,6 +53,8 @@ class PlanRequest:
     target: float | None
     search_rules: bool
     batches: tuple[int, ...]
+    budget_s: float | None = None  # stop the fast search after this many seconds: the best found so far
+    exhaustive: bool = False  # plan and simulate every candidate (plan_candidates), as before the fast search
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class PlanSearch:
     notes: list[str]
     ps_gbps: float
     elapsed: float
+    footer: str = ""  # what the fast search counted but does not show ("" for the exhaustive search)
 
 
 def run_plan(
@@ -82,7 +86,8 @@ def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
     measured (or only the config's), and keep the batch and rule soonest to target, with notes saying so."""
     started = time.monotonic()
     inputs_of: dict[int, tuple[list[str], float]] = {}  # per batch: its notes, the PS's Gbit/s
-    at_batch = _batch_planner(request, inputs_of)
+    footers: dict[int, str] = {}
+    at_batch = _batch_planner(request, inputs_of, footers)
     candidates, ruled, tried, predicted = plan_over_batches(config, request.batches, at_batch, best)
     batch = ruled.train.batch_size
     notes, ps_gbps = inputs_of[batch]
@@ -90,14 +95,17 @@ def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
         notes.append(batch_note(predicted, batch))
     _add_rule_note(notes, config, ruled, tried, request)
     elapsed = time.monotonic() - started
-    return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed)
+    return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed, footers.get(batch, ""))
 
 
 def _batch_planner(
-    request: PlanRequest, inputs_of: dict[int, tuple[list[str], float]]
+    request: PlanRequest, inputs_of: dict[int, tuple[list[str], float]], footers: dict[int, str]
 ) -> Callable[[ClusterConfig], tuple[list, ClusterConfig, int]]:
     """The function plan_over_batches calls per variant of the config: plan_over_rules at the variant's batch,
-    with that batch's profiles and calibration; it records the batch's notes and PS Gbit/s in `inputs_of`."""
+    with that batch's profiles and calibration; it records the batch's notes and PS Gbit/s in `inputs_of`,
+    and the fast search's counts in `footers`. The fast search (hetpipe.core.planning.search) unless the
+    request is exhaustive or a calibration ranks by time to target (not the samples/s the bounds prune by):
+    then every candidate (plan_candidates)."""
 
     def at_batch(variant: ClusterConfig) -> tuple[list, ClusterConfig, int]:
         """plan_over_rules at the variant's batch, with that batch's profiles and calibration."""
@@ -110,6 +118,23 @@ def _batch_planner(
         inputs_of[variant.train.batch_size] = ([*notes, calibration_note], ps_gbps)
 
         def planned(ruled: ClusterConfig) -> list:
+            if not request.exhaustive and calibration is None:
+                found = search_candidates(
+                    ruled,
+                    profiles,
+                    ps_gbps=ps_gbps,
+                    link_gbps=link,
+                    d_values=request.d_values or D_VALUES,
+                    nm_max=request.nm_max,
+                    waves=request.waves,
+                    reserve_bytes=int(request.reserve_gib * 2**30),
+                    policies=request.policies or None,
+                    schedules=request.schedules or None,
+                    budget_s=request.budget_s,
+                    progress=_progress if request.budget_s is not None else None,
+                )
+                footers[ruled.train.batch_size] = found.footer()
+                return found.candidates
             return plan_candidates(
                 ruled,
                 profiles,
@@ -127,6 +152,11 @@ def _batch_planner(
         return plan_over_rules(variant, calibration, planned, best, search=request.search_rules)
 
     return at_batch
+
+
+def _progress(line: str) -> None:
+    """The fast search's progress, on stderr."""
+    click.echo(line, err=True)
 
 
 def _add_rule_note(
@@ -172,13 +202,18 @@ def print_plans(
             "aggregation": found.ruled.ps.aggregation,
             "mitigation": found.ruled.train.mitigation,
             "capacity_samples_per_s": chosen.capacity,
+            "search": found.footer or "exhaustive: every candidate planned and simulated",
         }
         click.echo(json.dumps(candidates_json(found.candidates, inputs), indent=1))
         return
     click.echo(
         f"{config.name}: {config.model.name} at batch {batch}, {len(config.all_gpus())} GPUs; "
-        f"{len(found.candidates)} candidates planned in {found.elapsed:.2f} s ({request.waves} waves "
-        "simulated each)"
+        + (
+            f"planned in {found.elapsed:.2f} s ({request.waves} waves simulated for each finalist)"
+            if found.footer
+            else f"{len(found.candidates)} candidates planned in {found.elapsed:.2f} s "
+            f"({request.waves} waves simulated each)"
+        )
     )
     if chosen.capacity > 0:
         click.echo(
@@ -189,11 +224,15 @@ def print_plans(
         click.echo(f"note: {note}")
     click.echo("")
     click.echo(format_table(found.candidates))
+    if found.footer:
+        click.echo(found.footer)
     click.echo("")
     click.echo("best: " + format_plan(chosen))
     if show_why:
         click.echo("")
         click.echo(explain(found.candidates))
+        if found.footer:
+            click.echo(f"search: {found.footer}")
 
 
 def write_best(config_path: Path, found: PlanSearch, chosen: Candidate, out_path: Path) -> None:

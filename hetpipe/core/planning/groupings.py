@@ -13,6 +13,7 @@ from hetpipe.core.config.schema import ClusterConfig, GpuRef
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE, get_schedule
 from hetpipe.core.planning.candidates import first_line
+from hetpipe.core.planning.kinds import links_node_blind, order_kind, rename, rename_in_order, vw_kind
 from hetpipe.core.planning.memory import MemoryRule, stage_memory_terms
 from hetpipe.core.planning.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
 from hetpipe.core.planning.plan import VwPlan
@@ -55,6 +56,17 @@ class GroupingSearch:
         self.solved: dict[tuple, VwPlan | HetpipeError] = {}
         self.fitted: dict[tuple, Fitted | str] = {}
         self.at_batch: dict[tuple[str, int], ModelProfile] = {}
+        self.splits: dict[tuple, VwPlan | HetpipeError] = {}
+        self._node_blind: bool | None = None
+
+    @property
+    def node_blind(self) -> bool:
+        """Whether the links depend only on two GPUs sharing a node (kinds.links_node_blind): then VWs of one
+        kind are partitioned once (kinds.vw_kind)."""
+        if self._node_blind is None:
+            by_node = [[f"{node.name}:{i}" for i in range(len(node.gpus))] for node in self.config.nodes]
+            self._node_blind = links_node_blind(self.link, by_node)
+        return self._node_blind
 
     def gpu(self, ref: GpuRef) -> Gpu:
         t = self.config.gpu(ref)
@@ -78,7 +90,22 @@ class GroupingSearch:
         self, gpus: Sequence[Gpu], nm: int, rule: MemoryRule, fixed: Sequence[int] | None = None
     ) -> VwPlan:
         """The partitioner's split of `gpus` in this order at `nm` under `rule` (or `fixed`, checked), with
-        this cluster's profiles, links and memory reserve."""
+        this cluster's profiles, links and memory reserve. Solved once per order_kind when the links are
+        node-blind."""
+        if not self.node_blind:
+            return self._split(gpus, nm, rule, fixed)
+        key = (order_kind(gpus), nm, rule, None if fixed is None else tuple(fixed))
+        if key not in self.splits:
+            try:
+                self.splits[key] = self._split(gpus, nm, rule, fixed)
+            except HetpipeError as exc:
+                self.splits[key] = exc
+        found = self.splits[key]
+        if isinstance(found, HetpipeError):
+            raise found
+        return rename_in_order(found, gpus)
+
+    def _split(self, gpus: Sequence[Gpu], nm: int, rule: MemoryRule, fixed: Sequence[int] | None) -> VwPlan:
         profiles = [self.profiles[g[1]] for g in gpus]
         return partition(
             profiles, gpus, self.links_of(gpus), nm, rule=rule, reserve_bytes=self.reserve, fixed_split=fixed
@@ -218,8 +245,11 @@ class GroupingSearch:
 
     def best_order(self, gpus: list[Gpu], cap: int, rule: MemoryRule) -> VwPlan:
         """best_order_and_nm, solved once per kind of VW: VWs whose GPUs have the same types, memories and
-        nodes (ED and HD make several) get the same plan with their own GPU names."""
-        key = (tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus)), cap, rule)
+        nodes (ED and HD make several) get the same plan with their own GPU names; with node-blind links, VWs
+        of one kinds.vw_kind, whatever their nodes."""
+        blind = self.node_blind
+        kind = vw_kind(gpus) if blind else tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus))
+        key = (kind, cap, rule)
         if key not in self.solved:
             try:
                 self.solved[key] = best_order_and_nm(
@@ -230,6 +260,8 @@ class GroupingSearch:
         found = self.solved[key]
         if isinstance(found, HetpipeError):
             raise found
+        if blind:
+            return rename(found, gpus, self.reserve)
         free = list(gpus)
         stages = []
         for s in found.stages:

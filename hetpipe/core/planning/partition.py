@@ -34,7 +34,14 @@ from hetpipe.core.planning.memory import WSP, MemoryRule, format_bytes, stage_me
 from hetpipe.core.planning.plan import StagePlan, VwPlan
 from hetpipe.core.planning.profile import ModelProfile
 
-__all__ = ["Gpu", "best_order_and_nm", "minibatch_time_s", "partition"]
+__all__ = [
+    "Gpu",
+    "best_order_and_nm",
+    "least_bottleneck",
+    "minibatch_time_s",
+    "partition",
+    "round_trip_bound",
+]
 
 Gpu = tuple[str, str, int]  # (GPU reference "node:index", GPU type, memory in bytes)
 _TIE = 1e-9  # relative: stage times this close count as equal for the memory tie-break
@@ -122,6 +129,7 @@ def best_order_and_nm(
         problem = _Problem.build([profiles[t] for _, t, _ in order], order, links, reserve_bytes, tables)
         chosen: tuple[tuple[float, int, float], _Solution] | None = None
         filled_best = math.inf
+        beaten = False  # some Nm fits but cannot beat the best order so far
         for nm in range(nm_max, 0, -1):  # largest first; the bottleneck can only improve as nm falls
             found = problem.solve(rule.with_nm(nm))
             if found is None:
@@ -129,13 +137,21 @@ def best_order_and_nm(
             if nm >= k and not get_schedule(rule.schedule).drains:  # the pipe fills and never drains
                 time_s = found.bottleneck
                 filled_best = min(filled_best, time_s)
-            elif found.bottleneck < min(filled_best, chosen[0][0] if chosen else math.inf):
-                time_s = problem.steady_time(found.split, rule.with_nm(nm))
             else:
-                continue  # cannot beat what a larger Nm already gives
+                # the simulated steady time, only when it could beat what a larger Nm gives in this order and
+                # the best order so far (it can be no less than round_trip_bound)
+                lower = problem.round_trip(found.split, rule.with_nm(nm))
+                if best is not None and lower > best[0][0]:
+                    beaten = True
+                    continue
+                if lower >= min(filled_best, chosen[0][0] if chosen else math.inf):
+                    continue
+                time_s = problem.steady_time(found.split, rule.with_nm(nm))
             key = (time_s, -nm, found.peak)
             if chosen is None or key < chosen[0]:
                 chosen = (key, found)
+        if chosen is None and beaten:
+            continue
         if chosen is None:
             worst = problem.least_overcommit(rule.with_nm(1))[0]
             if closest is None or worst < closest[0]:
@@ -150,6 +166,55 @@ def best_order_and_nm(
         raise HetpipeError(closest[1].infeasible_message(rule.with_nm(1), orders_tried=True))
     (_, _, nm, _), problem, found = best
     return problem.plan(found.split, rule.with_nm(nm))
+
+
+def least_bottleneck(
+    profiles: Mapping[str, ModelProfile],
+    gpus: Sequence[Gpu],
+    link_gbps: Callable[[str, str], float],
+    *,
+    rule: MemoryRule = WSP,
+    reserve_bytes: int = 0,
+    max_orders: int = 720,
+    in_order: bool = False,
+) -> float:
+    """The least bottleneck (slowest stage's time per minibatch) of any split of `gpus` at Nm 1 (the least
+    memory, so the most splits fit) in any order best_order_and_nm tries (only this one with `in_order`):
+    no split, order or Nm of these GPUs runs a minibatch faster, whatever the schedule. math.inf when none
+    fits."""
+    orders = [tuple(gpus)] if in_order else _orders(gpus, max_orders)
+    tables: dict[int, _Tables] = {}
+    out = math.inf
+    for order in orders:
+        links = [_link(link_gbps, a[0], b[0]) for a, b in itertools.pairwise(order)]
+        problem = _Problem.build([profiles[t] for _, t, _ in order], order, links, reserve_bytes, tables)
+        found = problem.solve(rule.with_nm(1))
+        if found is not None:
+            out = min(out, found.bottleneck)
+    return out
+
+
+def round_trip_bound(vw: VwPlan, schedule: str = DEFAULT_SCHEDULE, recompute: bool = False) -> float:
+    """A lower bound on minibatch_time_s: the bottleneck stage; a minibatch's round trip through every stage
+    over the Nm minibatches a VW keeps in flight at most (every schedule keeps at most Nm); and for a
+    schedule that flushes every wave, each stage j's Nm minibatches plus the trip to it and back from it,
+    per minibatch. Less 2% on the last two: the steady time is measured over a few waves (_steady), which
+    can come out under them by a fraction of a percent."""
+    forward = [s.forward_s + (s.recv_s + s.send_s) / 2 for s in vw.stages]
+    backward = [s.backward_s + (s.recv_s + s.send_s) / 2 for s in vw.stages]
+    if recompute:
+        backward = [b + f for f, b in zip(forward, backward, strict=True)]
+    both = [f + b for f, b in zip(forward, backward, strict=True)]
+    return _round_trip(both, vw.nm, get_schedule(schedule).drains)
+
+
+def _round_trip(both: Sequence[float], nm: int, drains: bool) -> float:
+    """round_trip_bound from each stage's forward + backward per minibatch."""
+    bound = sum(both) / nm
+    if drains:
+        before = list(itertools.accumulate(both, initial=0.0))
+        bound = max(bound, max((before[j] + nm * both[j]) / nm for j in range(len(both))))
+    return max(max(both) * (1 - 1e-9), bound * 0.98)
 
 
 def minibatch_time_s(vw: VwPlan, schedule: str = DEFAULT_SCHEDULE, recompute: bool = False) -> float:
@@ -268,7 +333,10 @@ class _Problem:
                 f"one layer; use at most {n} GPUs in this virtual worker"
             )
         cache = {} if cache is None else cache
-        tables = tuple(cache.setdefault(id(p), _Tables.of(p)) for p in profiles)
+        for p in profiles:
+            if id(p) not in cache:
+                cache[id(p)] = _Tables.of(p)
+        tables = tuple(cache[id(p)] for p in profiles)
         caps = tuple(int(mem) - reserve_bytes for _, _, mem in gpus)
         return cls(
             tuple(profiles), tuple(gpus), tuple(float(r) for r in link_gbps), caps, reserve_bytes, tables
@@ -418,6 +486,14 @@ class _Problem:
             stages=stages, nm=rule.nm, param_bytes=sum(layer.param_bytes for layer in self.profiles[0].layers)
         )
 
+    def round_trip(self, split: Sequence[int], rule: MemoryRule) -> float:
+        """round_trip_bound of the split, from the time tables (the plan only with a recomputing backward)."""
+        if rule.recompute:
+            return round_trip_bound(self.plan(split, rule), rule.schedule, True)
+        bounds = [0, *itertools.accumulate(split)]
+        both = [float(self.times[j][s, e]) for j, (s, e) in enumerate(itertools.pairwise(bounds))]
+        return _round_trip(both, rule.nm, get_schedule(rule.schedule).drains)
+
     def steady_time(self, split: Sequence[int], rule: MemoryRule) -> float:
         return minibatch_time_s(self.plan(split, rule), rule.schedule, rule.recompute)
 
@@ -545,6 +621,8 @@ def _steady(
     def makespan(w: int) -> float:
         return simulate(_checked(schedule, k, nm, w), fwd, bwd, check=False).makespan  # D = w: never waits
 
+    if get_schedule(schedule).drains:  # waves never overlap: one wave's makespan is the period (to 1e-14)
+        return makespan(1) / nm
     return (makespan(2 * waves) - makespan(waves)) / (waves * nm)
 
 

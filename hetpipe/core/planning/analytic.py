@@ -1,0 +1,140 @@
+"""The steady-state model of a candidate's wave time (docs/planning.md#search-at-scale): each VW's pipeline
+alone (compute and transfers between stages), its gate cycle (its push and pull of the weights, with the PS
+link shared by traffic, and the work the schedule does between a WAIT and the next PUSH), and the PS link's
+seconds per wave; and the upper bound the search prunes with. VWs that are alike are counted, not repeated, so
+the model costs O(kinds). The event simulator (simulate.py) decides among the finalists. Pure."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetpipe.core.pipeline.schedule import BACKWARD, FORWARD, PUSH, WAIT, get_schedule
+from hetpipe.core.planning.partition import minibatch_time_s
+from hetpipe.core.planning.plan import VwPlan
+from hetpipe.core.planning.simulate import stage_param_bytes, stage_times
+
+__all__ = ["Kind", "WaveModel", "compute_wave_s", "gate_points", "upper_bound", "wave_model"]
+
+Kind = tuple[VwPlan, int]  # a VW and how many VWs of the candidate are like it
+
+
+@dataclass(frozen=True)
+class WaveModel:
+    """A candidate in steady state: every VW completes a wave every `wave_s` (WSP holds the fast ones to the
+    slowest), the larger of the slowest VW's pipeline (`compute_s`), its gate cycle (`gate_s`) and the PS
+    link's seconds per wave (`ps_s`)."""
+
+    wave_s: float
+    compute_s: float
+    gate_s: float
+    ps_s: float
+    samples_per_wave: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples_per_wave / self.wave_s if self.wave_s > 0 else 0.0
+
+    @property
+    def ps_utilisation(self) -> float:
+        return min(self.ps_s / self.wave_s, 1.0) if self.wave_s > 0 else 0.0
+
+
+def compute_wave_s(vw: VwPlan, schedule: str, recompute: bool) -> float:
+    """One wave of the VW alone: Nm x its steady time per minibatch (partition.minibatch_time_s)."""
+    return vw.nm * minibatch_time_s(vw, schedule, recompute)
+
+
+def _traffic(vw: VwPlan, pulls: bool) -> float:
+    """Bytes a VW moves over the PS link per wave: its weights pushed, and pulled when it pulls."""
+    return sum(stage_param_bytes(vw)) * (2 if pulls else 1)
+
+
+def upper_bound(
+    kinds: Sequence[Kind], batch: int, schedule: str, recompute: bool, pulls: bool, ps_bytes_per_s: float
+) -> float:
+    """Samples/s no run of these VWs can beat: one wave of every VW over the larger of the slowest VW's
+    pipeline alone and the PS link's seconds per wave (wave_model adds the gate to these, so it is never
+    above)."""
+    samples = sum(n * vw.nm * vw.batch(batch) for vw, n in kinds)
+    slowest = max(compute_wave_s(vw, schedule, recompute) for vw, _ in kinds)
+    ps_s = sum(n * _traffic(vw, pulls) for vw, n in kinds) / ps_bytes_per_s
+    wave = max(slowest, ps_s)
+    return samples / wave if wave > 0 else math.inf
+
+
+def wave_model(
+    kinds: Sequence[Kind],
+    batch: int,
+    schedule: str,
+    recompute: bool,
+    staleness: int,
+    pulls: bool,
+    ps_bytes_per_s: float,
+    contention: float = 0.0,
+) -> WaveModel:
+    """The steady state of every VW of `kinds` under WSP with D = `staleness` (docs/planning.md).
+
+    Per VW: its pipeline alone (compute_wave_s); with pulls, its gate cycle: WAIT c needs every VW's push of
+    wave c - D - 2 landed and then its pull, and after it the stage works until its next PUSH, so the waves
+    between those two pushes take at least the push, the pull and that work. A transfer's latency is its
+    bytes over the PS link, plus `contention` x the other VWs' share of the link (0: alone on it, the
+    estimate; 1: behind every other VW's transfers, the pessimistic figure the search prunes against). The
+    PS link: every VW's traffic of one wave over its rate."""
+    total = sum(n * _traffic(vw, pulls) for vw, n in kinds)
+    ps_s = total / ps_bytes_per_s
+    compute = gate = 0.0
+    for vw, _ in kinds:
+        compute = max(compute, compute_wave_s(vw, schedule, recompute))
+        if pulls and total > 0:
+            gate = max(gate, _gate_s(vw, schedule, recompute, staleness, ps_bytes_per_s, total, contention))
+    samples = sum(n * vw.nm * vw.batch(batch) for vw, n in kinds)
+    return WaveModel(max(compute, gate, ps_s), compute, gate, ps_s, samples)
+
+
+def _gate_s(
+    vw: VwPlan, schedule: str, recompute: bool, staleness: int, rate: float, total: float, contention: float
+) -> float:
+    """The VW's gate cycle per wave: for each stage, (its push and pull at its share of the link + the work
+    from its WAIT to its next PUSH, at the VW's pace) over the waves between the two pushes; the slowest."""
+    k = len(vw.stages)
+    forward, backward = stage_times(vw)
+    if recompute:
+        backward = [b + f for f, b in zip(forward, backward, strict=True)]
+    per_minibatch = minibatch_time_s(vw, schedule, recompute)
+    own = _traffic(vw, True)
+    weights = stage_param_bytes(vw)
+    out = 0.0
+    for j, (n_forward, n_backward, periods) in enumerate(gate_points(schedule, k, vw.nm, staleness)):
+        busy = forward[j] + backward[j]
+        pace = max(per_minibatch / busy, 1.0) if busy > 0 else 1.0
+        work = (n_forward * forward[j] + n_backward * backward[j]) * pace
+        latency = 2 * weights[j] / rate * (1 + contention * (total - own) / own) if own > 0 else 0.0
+        out = max(out, (latency + work) / periods)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def gate_points(schedule: str, k: int, nm: int, staleness: int) -> tuple[tuple[int, int, int], ...]:
+    """Per stage of the schedule's lists in steady state: (forwards, backwards) from a WAIT c to the stage's
+    next PUSH p, and p - (c - D - 2): the waves between the push WAIT c needs and that next push."""
+    waves = staleness + 6
+    lists = get_schedule(schedule)(k, nm, waves, staleness)
+    out = []
+    for actions in lists.stages:
+        waits = [i for i, a in enumerate(actions) if a.kind == WAIT]
+        found = (0, 0, 1)
+        for i in reversed(waits):
+            c = actions[i].index
+            nxt = next((m for m in range(i + 1, len(actions)) if actions[m].kind == PUSH), None)
+            if nxt is None:
+                continue
+            between = actions[i + 1 : nxt]
+            n_forward = sum(1 for a in between if a.kind == FORWARD)
+            n_backward = sum(1 for a in between if a.kind == BACKWARD)
+            found = (n_forward, n_backward, max(actions[nxt].index - (c - staleness - 2), 1))
+            break
+        out.append(found)
+    return tuple(out)

@@ -1,0 +1,341 @@
+"""The planner's fast search (docs/planning.md#search-at-scale): plan_candidates' groupings, alike VWs counted
+by kind, each D predicted by the steady-state model (analytic.py) unless its upper bound says it cannot win;
+the top N kept, the rest counted; the finalists run by the event simulator, which decides. Anytime: with a
+budget it stops and returns the best so far. Pure but the clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.errors import HetpipeError
+from hetpipe.core.pipeline.schedule import get_schedule
+from hetpipe.core.planning.analytic import WaveModel, upper_bound, wave_model
+from hetpipe.core.planning.baselines import allreduce, baseline_bounds, sync_pipeline
+from hetpipe.core.planning.candidates import Candidate, gpu_uses, slowest_stage_text
+from hetpipe.core.planning.capacity import PsFigures, plan_bounds, standalone_rates
+from hetpipe.core.planning.groupings import GroupingSearch
+from hetpipe.core.planning.kinds import vw_kind
+from hetpipe.core.planning.memory import MemoryRule
+from hetpipe.core.planning.partition import least_bottleneck, minibatch_time_s
+from hetpipe.core.planning.per_vw_work import PerVwWork
+from hetpipe.core.planning.plan import Plan
+from hetpipe.core.planning.planner import (
+    D_VALUES,
+    _candidate,
+    _d_values,
+    _policies,
+    _Prediction,
+    _schedules,
+)
+from hetpipe.core.planning.profile import ModelProfile
+from hetpipe.core.planning.profile_sources import check_profiles
+from hetpipe.core.planning.search_shapes import Interner, Shape, kinds_of, shapes
+from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
+
+__all__ = [
+    "FINAL_MARGIN",
+    "MAX_FINALISTS",
+    "WINDOW",
+    "MODEL_NOTE",
+    "TOP_N",
+    "SearchResult",
+    "search_candidates",
+]
+
+# The pruning and the finalists, against the best pessimistic estimate (contention 1) less FINAL_MARGIN: a
+# candidate whose upper bound x WINDOW is below it is skipped; the others are finalists, simulated as far as
+# SIM_STAGES (all VWs' stages summed over the finalists) goes, the highest estimates first, smaller D on ties.
+# WINDOW: the simulator measures a wave over `waves` waves, fill and drain left out, and can come out above
+# the steady state's bound by up to 1 / (waves - 2) (a PS queue that builds up), 15% at 10 waves.
+FINAL_MARGIN = 0.05
+WINDOW = 1.15
+MAX_FINALISTS = 12  # beyond this many, only finalists of at most SMALL stages
+SMALL = 8
+SIM_STAGES = 600
+TOP_N = 40  # candidates kept for the table, JSON and --explain; the rest are counted
+SIM_MAX_STAGES = 256  # a finalist with more stages (all VWs) than this keeps the model's prediction
+MEMORY_ROWS = 5  # candidates a stage's memory refuses at their D, shown with the reason; the rest counted
+MODEL_NOTE = "predicted by the steady-state model (docs/planning.md#search-at-scale), not simulated"
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What the search kept: the candidates to show (enumeration order, then the baselines) and the counts."""
+
+    candidates: list[Candidate]
+    planned: int  # groupings x D the model predicted
+    skipped: int  # left out by their upper bound: could not come within FINAL_MARGIN of the best
+    infeasible: int  # a stage's memory at that D, or a policy that cannot run
+    not_shown: int  # planned but not among the top N
+    simulated: int  # finalists the event simulator ran
+    skipped_policies: int  # policy x schedule left out whole: its VWs' pipelines together cannot win
+    complete: bool  # False when the budget ran out first
+    elapsed_s: float
+
+    def footer(self) -> str:
+        """What the table leaves out, in one line."""
+        shown = sum(1 for c in self.candidates if c.plan is not None)
+        text = (
+            f"{self.planned + self.skipped + self.infeasible} candidates: {self.planned} predicted by the "
+            f"steady-state model, {self.simulated} finalists simulated, {self.skipped} skipped by their "
+            f"upper bound (compute, PS link, memory) as unable to win, {self.infeasible} that do not fit; "
+            f"{shown} shown, {self.not_shown} more not shown"
+            + (
+                f"; {self.skipped_policies} policy x schedule searches skipped whole by their bound"
+                if self.skipped_policies
+                else ""
+            )
+        )
+        return text if self.complete else text + "; the --budget ran out: the best plan found so far"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    seq: int
+    policy: str
+    schedule: str
+    shape: Shape
+    d: int
+    model: WaveModel
+    bound: float
+
+
+def search_candidates(
+    config: ClusterConfig,
+    profiles_by_type: Mapping[str, ModelProfile],
+    *,
+    ps_gbps: float,
+    d_values: Iterable[int] = D_VALUES,
+    link_gbps: Callable[[str, str], float] | None = None,
+    policies: Sequence[str] | None = None,
+    nm_max: int | None = None,
+    waves: int = 10,
+    reserve_bytes: int = 0,
+    baselines: bool = True,
+    schedules: Sequence[str] | None = None,
+    top: int = TOP_N,
+    budget_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> SearchResult:
+    """plan_candidates' search (its arguments, without slower_but_fewer and ps_network) at scale: the same
+    groupings and D values, each predicted by analytic.wave_model unless its upper_bound is below the best
+    estimate so far less FINAL_MARGIN (counted as skipped); the `top` best kept; those within FINAL_MARGIN of
+    the best (at most MAX_FINALISTS) simulated as plan_candidates does, so `best` picks among simulated
+    figures. `budget_s`: stop enumerating after that many seconds and return the best found so far;
+    `progress` gets a line about once a second."""
+    started = clock()
+    check_profiles(config, profiles_by_type)
+    ds = _d_values(d_values, config.wsp.staleness, waves)
+    search = GroupingSearch(config, profiles_by_type, link_gbps or config.network.link_gbps, reserve_bytes)
+    rates = standalone_rates(config, profiles_by_type)
+    how = _Prediction(waves, ps_gbps, config.ps.shards, None, rates, search.link)
+    ps_rate = ps_gbps * config.ps.shards * 1e9 / 8
+    work = PerVwWork(search, ps_rate)
+    aggregation = get_aggregation(config.ps.aggregation)
+    interner = Interner()
+    batch = config.train.batch_size
+    heap: list[tuple[float, int, _Entry]] = []
+    shown_infeasible: list[tuple[int, Candidate]] = []
+    memory_over: dict[tuple[int, MemoryRule], bool] = {}
+    best_est = 0.0
+    planned = skipped = infeasible = shapes_seen = skipped_policies = 0
+    seq = 0
+    complete = True
+    last_report = started
+    for schedule in _schedules(config, schedules):
+        recompute = config.train.recompute and get_schedule(schedule).recompute
+        for policy in _policies(config, policies):
+            if _policy_bound(search, policy, schedule) * WINDOW < best_est:
+                skipped_policies += 1  # no grouping of its VWs can come within FINAL_MARGIN of the best
+                continue
+            found = shapes(search, work, policy, schedule, nm_max, interner)
+            if isinstance(found, str):
+                seq += 1
+                infeasible += 1
+                shown_infeasible.append(
+                    (seq, Candidate(policy, None, None, 0.0, reason=found, schedule=schedule))
+                )
+                continue
+            seen: set[tuple[int, int]] = set()
+            for shape in found:
+                if budget_s is not None and clock() - started > budget_s:
+                    complete = False
+                    break
+                if progress is not None and clock() - last_report >= 1.0:
+                    last_report = clock()
+                    progress(
+                        f"plan: {shapes_seen} groupings, {planned} predicted, {skipped} skipped, best "
+                        f"{best_est:.4g} samples/s so far ({last_report - started:.0f} s; "
+                        f"{schedule} {policy})"
+                    )
+                if shape.key in seen:
+                    continue
+                seen.add(shape.key)
+                shapes_seen += 1
+                kinds = kinds_of(shape)
+                pulls = needs_pulls(shape.k, aggregation)
+                bound = upper_bound(kinds, batch, schedule, recompute, pulls, ps_rate)
+                for d in ds:
+                    seq += 1
+                    if bound * WINDOW < best_est:
+                        skipped += 1
+                        continue
+                    rule = search.rule(schedule, d, shape.k)
+                    if _over(search, shape, rule, memory_over):
+                        infeasible += 1
+                        if len(shown_infeasible) < MEMORY_ROWS:
+                            cand = _candidate(search, policy, schedule, shape.grouping(), d, how)
+                            shown_infeasible.append((seq, cand))
+                        continue
+                    model = wave_model(kinds, batch, schedule, recompute, d, pulls, ps_rate)
+                    floor = wave_model(kinds, batch, schedule, recompute, d, pulls, ps_rate, contention=1.0)
+                    planned += 1
+                    best_est = max(best_est, floor.samples_per_s * (1 - FINAL_MARGIN))
+                    entry = _Entry(seq, policy, schedule, shape, d, model, bound)
+                    heapq.heappush(heap, (model.samples_per_s, -seq, entry))
+                    if len(heap) > top:
+                        heapq.heappop(heap)
+            if not complete:
+                break
+        if not complete:
+            break
+    entries = [e for _, _, e in heap]
+    chosen: set[int] = set()
+    stages_left = SIM_STAGES
+    for e in sorted(
+        (e for e in entries if e.bound * WINDOW >= best_est),
+        key=lambda e: (-e.model.samples_per_s, e.d, e.seq),
+    ):
+        stages = sum(n * len(vw.stages) for _, vw, n in e.shape.kinds)
+        if stages <= min(stages_left, SIM_MAX_STAGES) and (len(chosen) < MAX_FINALISTS or stages <= SMALL):
+            chosen.add(e.seq)
+            stages_left -= stages
+    kept: list[tuple[int, Candidate]] = list(shown_infeasible)
+    simulated = 0
+    for e in entries:
+        grouping = e.shape.grouping()
+        if e.seq in chosen:
+            kept.append((e.seq, _candidate(search, e.policy, e.schedule, grouping, e.d, how)))
+            simulated += 1
+        else:
+            kept.append((e.seq, _modelled(search, e, how)))
+    kept.sort(key=lambda item: item[0])
+    out = [c for _, c in kept]
+    if baselines:
+        out += [baseline_bounds(c, rates) for c in (allreduce(search), sync_pipeline(search))]
+    capacity = sum(rates.values())
+    return SearchResult(
+        [dataclasses.replace(c, capacity=capacity) for c in out],
+        planned,
+        skipped,
+        infeasible,
+        planned - len(entries),
+        simulated,
+        skipped_policies,
+        complete,
+        clock() - started,
+    )
+
+
+def _policy_bound(search: GroupingSearch, policy: str, schedule: str) -> float:
+    """Samples/s no grouping of the policy's VWs under `schedule` can beat: each VW at its least bottleneck
+    (partition.least_bottleneck: any order and split at Nm 1), summed; math.inf for explicit VWs and when the
+    policy cannot allocate (its own candidate says why)."""
+    from hetpipe.core.planning.cluster import allocate
+
+    if policy == "explicit":
+        return math.inf
+    try:
+        groups = allocate(search.config, policy)
+    except HetpipeError:
+        return math.inf
+    rule = search.rule(schedule, search.config.wsp.staleness, len(groups))
+    total = 0.0
+    for refs in groups:
+        gpus = [search.gpu(ref) for ref in refs]
+        key = ("least", vw_kind(gpus) if search.node_blind else tuple(gpus), rule)
+        if key not in search.solved:
+            try:
+                search.solved[key] = least_bottleneck(  # type: ignore[assignment]
+                    search.profiles, gpus, search.link, rule=rule, reserve_bytes=search.reserve
+                )
+            except HetpipeError:  # more GPUs than layers: the VW is left out (its note says why)
+                search.solved[key] = math.inf  # type: ignore[assignment]
+        least = search.solved[key]
+        if isinstance(least, float) and least < math.inf:
+            total += search.batch / least
+    return total
+
+
+def _over(
+    search: GroupingSearch,
+    shape: Shape,
+    rule: MemoryRule,
+    cache: dict[tuple[int, MemoryRule], bool],
+) -> bool:
+    """Whether a stage of some kind of the shape needs more memory at `rule` (its D) than its GPU has."""
+    for kind_id, vw, _ in shape.kinds:
+        key = (kind_id, rule)
+        if key not in cache:
+            cache[key] = any(
+                m > s.memory_limit_bytes for m, s in zip(search.stage_bytes(vw, rule), vw.stages, strict=True)
+            )
+        if cache[key]:
+            return True
+    return False
+
+
+def _modelled(search: GroupingSearch, e: _Entry, how: _Prediction) -> Candidate:
+    """A candidate predicted by the model alone: its plan with each D's memory, as _candidate builds it."""
+    config = search.config
+    vws, notes = e.shape.grouping()
+    rule = search.rule(e.schedule, e.d, len(vws))
+    sized = tuple(search.with_memory(vw, rule) for vw in vws)
+    plan = Plan(
+        e.policy,
+        search.any_profile.model,
+        config.train.batch_size,
+        e.d,
+        sized,
+        placement=config.ps.placement,
+        schedule=e.schedule,
+        recompute=config.train.recompute and get_schedule(e.schedule).recompute,
+        aggregation=config.ps.aggregation,
+        mitigation=config.train.mitigation,
+    )
+    m = e.model
+    slow = max(
+        range(len(sized)),
+        key=lambda v: sized[v].nm * minibatch_time_s(sized[v], plan.schedule, plan.recompute),
+    )
+    bottleneck = slowest_stage_text(sized[slow], slow, "vw")
+    if m.ps_utilisation > 0.9:
+        bottleneck = f"PS link ({m.ps_utilisation:.0%} busy); then {bottleneck}"
+    pulls = needs_pulls(len(sized), get_aggregation(config.ps.aggregation))
+    moved = sum(vw.param_bytes for vw in sized) * (2 if pulls else 1)
+    ps = PsFigures(how.ps_gbps, how.shards, m.ps_utilisation, "PS", moved, m.wave_s)
+    notes = (*notes, MODEL_NOTE)
+    bounds = plan_bounds(plan, m.samples_per_s, how.rates, notes, ps, how.link) if how.link else ()
+    gate = max(m.gate_s - m.compute_s, 0.0) / m.wave_s if m.wave_s > 0 and not math.isinf(m.wave_s) else 0.0
+    return Candidate(
+        e.policy,
+        e.d,
+        plan,
+        m.samples_per_s,
+        tuple(u for vw in sized for u in gpu_uses(vw)),
+        bottleneck,
+        notes=notes,
+        nm=max(vw.nm for vw in sized),
+        gate_wait_share=gate,
+        ps_utilisation=m.ps_utilisation,
+        run_samples_per_s=m.samples_per_s,
+        schedule=e.schedule,
+        bounds=bounds,
+    )
