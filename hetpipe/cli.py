@@ -342,7 +342,7 @@ def worker(
         if join_dir is not None and config_path is None
         else _load(config_path, settings)
     )
-    from hetpipe.app.worker_check import check_vw_index
+    from hetpipe.core.planning.cluster import check_vw_index
 
     check_vw_index(config, vw)  # before torch is imported: a wrong --vw is refused at once
     from hetpipe.app.startup import PRELOAD

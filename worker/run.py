@@ -9,11 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from hetpipe.app.worker_check import check_vw_index
 from hetpipe.compute.build import VwLayout, model_of, vw_layouts
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.pipeline.profile_window import ProfileWindow
+from hetpipe.core.planning.cluster import check_vw_index
 from hetpipe.core.protocol.keys import ClientKeys, client_keys, vw_user
 from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port
 from hetpipe.worker.jobs import StageJob, stage_jobs

@@ -12,7 +12,9 @@ __all__ = [
     "POLICIES",
     "Cluster",
     "allocate",
+    "check_vw_index",
     "vw_capacity",
+    "vw_count",
 ]
 
 # A validated config, or just its GPU types and nodes (enough for every policy but "explicit").
@@ -186,3 +188,20 @@ _POLICY_FUNCTIONS: dict[str, Callable[[_Parts, int | None], list[list[GpuRef]]]]
     "dp": _dp,
     "explicit": _explicit,
 }
+
+
+def vw_count(config: ClusterConfig) -> int:
+    """How many virtual workers the config makes: those it lists, or its allocation policy's groups."""
+    if config.allocation.policy != "explicit":
+        return len(allocate(config, config.allocation.policy))
+    return len(config.virtual_workers)
+
+
+def check_vw_index(config: ClusterConfig, vw: int) -> None:
+    """UsageError when `vw` is not one of the config's virtual workers (imports no torch: `hetpipe worker`
+    refuses a wrong --vw at once, before it imports torch)."""
+    count = vw_count(config)
+    if not 0 <= vw < count:
+        raise UsageError(
+            f"--vw {vw} is out of range: {config.path} has {count} virtual workers (0..{count - 1})"
+        )
