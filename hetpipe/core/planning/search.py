@@ -106,6 +106,36 @@ class _Entry:
     bound: float
 
 
+@dataclass(frozen=True)
+class _Context:
+    """What every grouping of a search is predicted with."""
+
+    search: GroupingSearch
+    how: _Prediction
+    ds: list[int]
+    batch: int
+    aggregation: object
+    ps_rate: float
+    top: int
+
+
+@dataclass
+class _Tally:
+    """The search so far: the `top` best estimates (a heap), the candidates shown as not fitting, counts."""
+
+    heap: list[tuple[float, int, _Entry]] = dataclasses.field(default_factory=list)
+    shown_infeasible: list[tuple[int, Candidate]] = dataclasses.field(default_factory=list)
+    memory_over: dict[tuple[int, MemoryRule], bool] = dataclasses.field(default_factory=dict)
+    best_est: float = 0.0
+    planned: int = 0
+    skipped: int = 0
+    infeasible: int = 0
+    shapes_seen: int = 0
+    skipped_policies: int = 0
+    seq: int = 0
+    complete: bool = True
+
+
 def search_candidates(
     config: ClusterConfig,
     profiles_by_type: Mapping[str, ModelProfile],
@@ -132,81 +162,91 @@ def search_candidates(
     `progress` gets a line about once a second."""
     started = clock()
     check_profiles(config, profiles_by_type)
-    ds = _d_values(d_values, config.wsp.staleness, waves)
     search = GroupingSearch(config, profiles_by_type, link_gbps or config.network.link_gbps, reserve_bytes)
     rates = standalone_rates(config, profiles_by_type)
-    how = _Prediction(waves, ps_gbps, config.ps.shards, None, rates, search.link)
     ps_rate = ps_gbps * config.ps.shards * 1e9 / 8
+    ctx = _Context(
+        search,
+        _Prediction(waves, ps_gbps, config.ps.shards, None, rates, search.link),
+        _d_values(d_values, config.wsp.staleness, waves),
+        config.train.batch_size,
+        get_aggregation(config.ps.aggregation),
+        ps_rate,
+        top,
+    )
     work = PerVwWork(search, ps_rate)
-    aggregation = get_aggregation(config.ps.aggregation)
     interner = Interner()
-    batch = config.train.batch_size
-    heap: list[tuple[float, int, _Entry]] = []
-    shown_infeasible: list[tuple[int, Candidate]] = []
-    memory_over: dict[tuple[int, MemoryRule], bool] = {}
-    best_est = 0.0
-    planned = skipped = infeasible = shapes_seen = skipped_policies = 0
-    seq = 0
-    complete = True
+    tally = _Tally()
     last_report = started
     for schedule in _schedules(config, schedules):
         recompute = config.train.recompute and get_schedule(schedule).recompute
         for policy in _policies(config, policies):
-            if _policy_bound(search, policy, schedule) * WINDOW < best_est:
-                skipped_policies += 1  # no grouping of its VWs can come within FINAL_MARGIN of the best
+            if _policy_bound(search, policy, schedule) * WINDOW < tally.best_est:
+                tally.skipped_policies += 1  # no grouping of its VWs can come within FINAL_MARGIN of the best
                 continue
             found = shapes(search, work, policy, schedule, nm_max, interner)
             if isinstance(found, str):
-                seq += 1
-                infeasible += 1
-                shown_infeasible.append(
-                    (seq, Candidate(policy, None, None, 0.0, reason=found, schedule=schedule))
+                tally.seq += 1
+                tally.infeasible += 1
+                tally.shown_infeasible.append(
+                    (tally.seq, Candidate(policy, None, None, 0.0, reason=found, schedule=schedule))
                 )
                 continue
             seen: set[tuple[int, int]] = set()
             for shape in found:
                 if budget_s is not None and clock() - started > budget_s:
-                    complete = False
+                    tally.complete = False
                     break
                 if progress is not None and clock() - last_report >= 1.0:
                     last_report = clock()
                     progress(
-                        f"plan: {shapes_seen} groupings, {planned} predicted, {skipped} skipped, best "
-                        f"{best_est:.4g} samples/s so far ({last_report - started:.0f} s; "
-                        f"{schedule} {policy})"
+                        f"plan: {tally.shapes_seen} groupings, {tally.planned} predicted, {tally.skipped} "
+                        f"skipped, best {tally.best_est:.4g} samples/s so far "
+                        f"({last_report - started:.0f} s; {schedule} {policy})"
                     )
-                if shape.key in seen:
-                    continue
-                seen.add(shape.key)
-                shapes_seen += 1
-                kinds = kinds_of(shape)
-                pulls = needs_pulls(shape.k, aggregation)
-                bound = upper_bound(kinds, batch, schedule, recompute, pulls, ps_rate)
-                for d in ds:
-                    seq += 1
-                    if bound * WINDOW < best_est:
-                        skipped += 1
-                        continue
-                    rule = search.rule(schedule, d, shape.k)
-                    if _over(search, shape, rule, memory_over):
-                        infeasible += 1
-                        if len(shown_infeasible) < MEMORY_ROWS:
-                            cand = _candidate(search, policy, schedule, shape.grouping(), d, how)
-                            shown_infeasible.append((seq, cand))
-                        continue
-                    model = wave_model(kinds, batch, schedule, recompute, d, pulls, ps_rate)
-                    floor = wave_model(kinds, batch, schedule, recompute, d, pulls, ps_rate, contention=1.0)
-                    planned += 1
-                    best_est = max(best_est, floor.samples_per_s * (1 - FINAL_MARGIN))
-                    entry = _Entry(seq, policy, schedule, shape, d, model, bound)
-                    heapq.heappush(heap, (model.samples_per_s, -seq, entry))
-                    if len(heap) > top:
-                        heapq.heappop(heap)
-            if not complete:
+                if shape.key not in seen:
+                    seen.add(shape.key)
+                    _visit(ctx, tally, policy, schedule, recompute, shape)
+            if not tally.complete:
                 break
-        if not complete:
+        if not tally.complete:
             break
-    entries = [e for _, _, e in heap]
+    return _result(ctx, tally, rates, baselines, clock() - started)
+
+
+def _visit(ctx: _Context, tally: _Tally, policy: str, schedule: str, recompute: bool, shape: Shape) -> None:
+    """Predict one grouping at every D (each skipped when its bound cannot come near the best so far, or
+    counted when a stage's memory refuses it), keeping the `top` best estimates."""
+    search = ctx.search
+    tally.shapes_seen += 1
+    kinds = kinds_of(shape)
+    pulls = needs_pulls(shape.k, ctx.aggregation)
+    bound = upper_bound(kinds, ctx.batch, schedule, recompute, pulls, ctx.ps_rate)
+    for d in ctx.ds:
+        tally.seq += 1
+        if bound * WINDOW < tally.best_est:
+            tally.skipped += 1
+            continue
+        rule = search.rule(schedule, d, shape.k)
+        if _over(search, shape, rule, tally.memory_over):
+            tally.infeasible += 1
+            if len(tally.shown_infeasible) < MEMORY_ROWS:
+                cand = _candidate(search, policy, schedule, shape.grouping(), d, ctx.how)
+                tally.shown_infeasible.append((tally.seq, cand))
+            continue
+        model = wave_model(kinds, ctx.batch, schedule, recompute, d, pulls, ctx.ps_rate)
+        floor = wave_model(kinds, ctx.batch, schedule, recompute, d, pulls, ctx.ps_rate, contention=1.0)
+        tally.planned += 1
+        tally.best_est = max(tally.best_est, floor.samples_per_s * (1 - FINAL_MARGIN))
+        entry = _Entry(tally.seq, policy, schedule, shape, d, model, bound)
+        heapq.heappush(tally.heap, (model.samples_per_s, -tally.seq, entry))
+        if len(tally.heap) > ctx.top:
+            heapq.heappop(tally.heap)
+
+
+def _finalists(entries: list[_Entry], best_est: float) -> set[int]:
+    """The kept candidates to simulate: those whose bound could still reach the best, the highest estimates
+    first (smaller D on ties), within SIM_STAGES stages in all and MAX_FINALISTS (more when small)."""
     chosen: set[int] = set()
     stages_left = SIM_STAGES
     for e in sorted(
@@ -217,15 +257,25 @@ def search_candidates(
         if stages <= min(stages_left, SIM_MAX_STAGES) and (len(chosen) < MAX_FINALISTS or stages <= SMALL):
             chosen.add(e.seq)
             stages_left -= stages
-    kept: list[tuple[int, Candidate]] = list(shown_infeasible)
+    return chosen
+
+
+def _result(
+    ctx: _Context, tally: _Tally, rates: Mapping[str, float], baselines: bool, elapsed: float
+) -> SearchResult:
+    """The kept candidates in search order, the finalists simulated and the others as the model predicts
+    them, with the baselines and the counts."""
+    search = ctx.search
+    entries = [e for _, _, e in tally.heap]
+    chosen = _finalists(entries, tally.best_est)
+    kept: list[tuple[int, Candidate]] = list(tally.shown_infeasible)
     simulated = 0
     for e in entries:
-        grouping = e.shape.grouping()
         if e.seq in chosen:
-            kept.append((e.seq, _candidate(search, e.policy, e.schedule, grouping, e.d, how)))
+            kept.append((e.seq, _candidate(search, e.policy, e.schedule, e.shape.grouping(), e.d, ctx.how)))
             simulated += 1
         else:
-            kept.append((e.seq, _modelled(search, e, how)))
+            kept.append((e.seq, _modelled(search, e, ctx.how)))
     kept.sort(key=lambda item: item[0])
     out = [c for _, c in kept]
     if baselines:
@@ -233,14 +283,14 @@ def search_candidates(
     capacity = sum(rates.values())
     return SearchResult(
         [dataclasses.replace(c, capacity=capacity) for c in out],
-        planned,
-        skipped,
-        infeasible,
-        planned - len(entries),
+        tally.planned,
+        tally.skipped,
+        tally.infeasible,
+        tally.planned - len(entries),
         simulated,
-        skipped_policies,
-        complete,
-        clock() - started,
+        tally.skipped_policies,
+        tally.complete,
+        elapsed,
     )
 
 
