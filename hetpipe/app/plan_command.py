@@ -118,36 +118,27 @@ def _batch_planner(
         inputs_of[variant.train.batch_size] = ([*notes, calibration_note], ps_gbps)
 
         def planned(ruled: ClusterConfig) -> list:
+            shared = {
+                "ps_gbps": ps_gbps,
+                "link_gbps": link,
+                "d_values": request.d_values or D_VALUES,
+                "nm_max": request.nm_max,
+                "waves": request.waves,
+                "reserve_bytes": int(request.reserve_gib * 2**30),
+                "policies": request.policies or None,
+                "schedules": request.schedules or None,
+            }
             if not request.exhaustive and calibration is None:
                 found = search_candidates(
                     ruled,
                     profiles,
-                    ps_gbps=ps_gbps,
-                    link_gbps=link,
-                    d_values=request.d_values or D_VALUES,
-                    nm_max=request.nm_max,
-                    waves=request.waves,
-                    reserve_bytes=int(request.reserve_gib * 2**30),
-                    policies=request.policies or None,
-                    schedules=request.schedules or None,
+                    **shared,
                     budget_s=request.budget_s,
                     progress=_progress if request.budget_s is not None else None,
                 )
                 footers[ruled.train.batch_size] = found.footer()
                 return found.candidates
-            return plan_candidates(
-                ruled,
-                profiles,
-                ps_gbps=ps_gbps,
-                link_gbps=link,
-                d_values=request.d_values or D_VALUES,
-                nm_max=request.nm_max,
-                waves=request.waves,
-                reserve_bytes=int(request.reserve_gib * 2**30),
-                policies=request.policies or None,
-                schedules=request.schedules or None,
-                slower_but_fewer=calibration is not None,
-            )
+            return plan_candidates(ruled, profiles, **shared, slower_but_fewer=calibration is not None)
 
         return plan_over_rules(variant, calibration, planned, best, search=request.search_rules)
 
