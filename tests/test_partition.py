@@ -507,3 +507,75 @@ def test_resnet152_partitions_quickly() -> None:
     )
     print(f"  NP VWs: {fits}")
     assert sum(best.split) == 52
+
+
+# ---------------------------------------------------------------------------------------------- the Nm search
+
+
+def test_a_stages_memory_never_falls_as_nm_grows() -> None:
+    """What _filled's bisection over Nm stands on: under every schedule, each count a stage keeps per
+    minibatch or per copy is non-decreasing in Nm (so a split that fits at Nm fits at every smaller Nm)."""
+    from hetpipe.core.pipeline.schedule import SCHEDULES
+
+    for name in SCHEDULES.names():
+        for stash, recompute, staleness in itertools.product((False, True), (False, True), (0, 2)):
+            rule = MemoryRule(schedule=name, weight_stashing=stash, recompute=recompute, staleness=staleness)
+            for k in range(1, 6):
+                for j in range(k):
+                    counts = [
+                        (x.in_flight, x.saved, x.stashed, x.update_sums, nm)
+                        for nm in range(1, 2 * k + 3)
+                        for x in [rule.with_nm(nm).keeping(j, k)]
+                    ]
+                    for small, large in itertools.pairwise(counts):
+                        assert all(a <= b for a, b in zip(small, large, strict=True)), (
+                            name,
+                            k,
+                            j,
+                            small,
+                            large,
+                        )
+
+
+def test_best_order_and_nm_is_the_best_of_every_order_and_nm_under_every_schedule() -> None:
+    """Its bounds and bisection skip work, never a winner: under each schedule the chosen VW's
+    minibatch_time_s equals the least over every order and every Nm of the split `partition` gives there, and
+    no larger Nm in its order is as fast."""
+    from hetpipe.core.pipeline.schedule import SCHEDULES
+
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(40):
+        profiles, devices, links, _, stash = random_instance(rng)
+        k = len(devices)
+        if k == 4:  # 24 orders x 6 Nm x every schedule, simulated: keep k <= 3
+            continue
+        by_type = {p.gpu_type: p for p in profiles}
+        rate = {frozenset((devices[j][0], devices[j + 1][0])): links[j] for j in range(k - 1)}
+
+        def link(a: str, b: str, rate: dict = rate) -> float:
+            return rate.get(frozenset((a, b)), 1e-5)
+
+        for name in SCHEDULES.names():
+            rule = MemoryRule(schedule=name, weight_stashing=stash, ps=False)
+            times: dict[tuple[tuple, int], float] = {}
+            for order in itertools.permutations(devices):
+                hops = [link(a[0], b[0]) for a, b in itertools.pairwise(order)]
+                for nm in range(1, k + 3):
+                    try:
+                        vw = partition([by_type[t] for _, t, _ in order], order, hops, nm, rule=rule)
+                    except HetpipeError:
+                        continue
+                    times[(order, nm)] = minibatch_time_s(vw, name)
+            try:
+                chosen = best_order_and_nm(by_type, devices, link, k + 2, rule=rule)
+            except HetpipeError:
+                assert not times, name
+                continue
+            time_s = minibatch_time_s(chosen, name)
+            assert time_s == pytest.approx(min(times.values()), rel=1e-9, abs=1e-12), name
+            order = tuple((s.gpu, s.gpu_type, s.memory_limit_bytes) for s in chosen.stages)
+            larger = [t for (o, nm), t in times.items() if o == order and nm > chosen.nm]
+            assert all(t > time_s for t in larger), (name, chosen.nm, time_s, larger)
+            checked += 1
+    assert checked > 60, checked

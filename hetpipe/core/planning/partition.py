@@ -120,39 +120,16 @@ def best_order_and_nm(
             f"no profile for GPU type(s) {', '.join(missing)}: profile the model on them "
             f"(hetpipe.compute.profiler.cached_profile) or derive one (derive_profile)"
         )
-    k = len(gpus)
     tables: dict[int, _Tables] = {}
     best: tuple[tuple[float, float, int, int], _Problem, _Solution] | None = None
     closest: tuple[float, _Problem] | None = None
     for index, order in enumerate(_orders(gpus, max_orders)):
         links = [_link(link_gbps, a[0], b[0]) for a, b in itertools.pairwise(order)]
         problem = _Problem.build([profiles[t] for _, t, _ in order], order, links, reserve_bytes, tables)
-        chosen: tuple[tuple[float, int, float], _Solution] | None = None
-        filled_best = math.inf
-        beaten = False  # some Nm fits but cannot beat the best order so far
-        for nm in range(nm_max, 0, -1):  # largest first; the bottleneck can only improve as nm falls
-            found = problem.solve(rule.with_nm(nm))
-            if found is None:
-                continue
-            if nm >= k and not get_schedule(rule.schedule).drains:  # the pipe fills and never drains
-                time_s = found.bottleneck
-                filled_best = min(filled_best, time_s)
-            else:
-                # the simulated steady time, only when it could beat what a larger Nm gives in this order and
-                # the best order so far (it can be no less than round_trip_bound)
-                lower = problem.round_trip(found.split, rule.with_nm(nm))
-                if best is not None and lower > best[0][0]:
-                    beaten = True
-                    continue
-                if lower >= min(filled_best, chosen[0][0] if chosen else math.inf):
-                    continue
-                time_s = problem.steady_time(found.split, rule.with_nm(nm))
-            key = (time_s, -nm, found.peak)
-            if chosen is None or key < chosen[0]:
-                chosen = (key, found)
-        if chosen is None and beaten:
-            continue
+        chosen = _best_nm(problem, rule, nm_max, best[0][0] if best is not None else math.inf)
         if chosen is None:
+            if best is not None:  # this order cannot win; `closest` only matters when no order fits
+                continue
             worst = problem.least_overcommit(rule.with_nm(1))[0]
             if closest is None or worst < closest[0]:
                 closest = (worst, problem)
@@ -166,6 +143,69 @@ def best_order_and_nm(
         raise HetpipeError(closest[1].infeasible_message(rule.with_nm(1), orders_tried=True))
     (_, _, nm, _), problem, found = best
     return problem.plan(found.split, rule.with_nm(nm))
+
+
+_Chosen = tuple[tuple[float, int, float], "_Solution"]  # ((time per minibatch, -Nm, peak), split)
+
+
+def _best_nm(problem: _Problem, rule: MemoryRule, nm_max: int, to_beat: float) -> _Chosen | None:
+    """One order's best Nm in 1..nm_max by (time, -Nm, peak) and its split; None when nothing fits or nothing
+    can beat `to_beat` (the best order's time so far: what could not win is not computed).
+
+    A pipe that fills (Nm >= k) and never drains takes the bottleneck: _filled bisects for it. The other Nm
+    take the simulated steady time, computed only when its lower bound (round_trip) could win. The bound's
+    split-free floor, the least work of a split that could win over Nm, rises as Nm falls and ends the walk
+    down once it cannot.
+    """
+    k = len(problem.gpus)
+    chosen: _Chosen | None = None
+    top = nm_max
+    if k <= nm_max and not get_schedule(rule.schedule).drains:
+        filled = _filled(problem, rule, k, nm_max, to_beat)
+        if filled is not None:
+            nm, found = filled
+            chosen = ((found.bottleneck, -nm, found.peak), found)
+        top = k - 1
+    bar = min(to_beat, chosen[0][0] if chosen is not None else math.inf)
+    work = problem.least_total_under(bar)
+    for nm in range(top, 0, -1):
+        floor = work * 0.98 * (1 - 1e-6) / nm  # <= round_trip at this Nm of a split that could win
+        if floor > to_beat or (chosen is not None and floor >= chosen[0][0]):
+            break
+        found = problem.solve(rule.with_nm(nm))
+        if found is None:
+            continue
+        lower = problem.round_trip(found.split, rule.with_nm(nm))
+        if lower > to_beat or (chosen is not None and lower >= chosen[0][0]):
+            continue
+        key = (problem.steady_time(found.split, rule.with_nm(nm)), -nm, found.peak)
+        if chosen is None or key < chosen[0]:
+            chosen = (key, found)
+            if key[0] < bar:
+                bar = key[0]
+                work = problem.least_total_under(bar)
+    return chosen
+
+
+def _filled(
+    problem: _Problem, rule: MemoryRule, k: int, nm_max: int, to_beat: float
+) -> tuple[int, _Solution] | None:
+    """The largest Nm in k..nm_max whose split has the least bottleneck of that range, and the split; None
+    when nothing fits at Nm = k (or Nm = k when its bottleneck is over `to_beat`: no Nm of the range can
+    win). By bisection: a stage's memory only grows with Nm (test_partition), so the splits that fit only
+    shrink and the least bottleneck only rises."""
+    least = problem.solve(rule.with_nm(k))
+    if least is None:
+        return None
+    lo, hi, found = k, nm_max if least.bottleneck <= to_beat else k, least
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        at = problem.solve(rule.with_nm(mid))
+        if at is not None and at.bottleneck == least.bottleneck:
+            lo, found = mid, at
+        else:
+            hi = mid - 1
+    return lo, found
 
 
 def least_bottleneck(
@@ -271,6 +311,46 @@ class _Tables:
         return cls(compute, act_in, weights, optimizer, working, saved, inputs, outputs)
 
 
+def _stack(tables: Sequence[_Tables]) -> dict[str, np.ndarray]:
+    """The memory tables of every position, stacked: prefix sums (k, n+1) for the spans (weights, optimizer,
+    saved), per first layer (inputs) and last layer (outputs) (k, n+1), working (k, n+1, n+1)."""
+    stack = functools.partial(np.stack, dtype=np.float64)  # exact: bytes are integers far below 2**53
+    rows = {
+        name: stack([getattr(t, name)[0] for t in tables])
+        for name in ("weights", "optimizer", "saved", "outputs")
+    }
+    rows["inputs"] = stack([t.inputs[:, 0] for t in tables])
+    rows["working"] = stack([t.working for t in tables])
+    return rows
+
+
+def _memories(t: dict[str, np.ndarray], rule: MemoryRule, out: np.ndarray | None) -> np.ndarray:
+    """_Problem.memories from the stacked tables (_stack)."""
+    k = t["working"].shape[0]
+    keeps = [rule.keeping(j, k) for j in range(k)]
+
+    def per_stage(counts: Sequence[int]) -> np.ndarray:
+        return np.asarray(counts, dtype=np.float64)[:, None]
+
+    # weights, gradients, stashed copies, update sums, the update baseline, the push staging copy
+    copies = per_stage([2 + x.stashed + x.update_sums + int(x.baseline) + int(x.push_staging) for x in keeps])
+    spans = (
+        copies * t["weights"]
+        + per_stage([int(x.optimizer) for x in keeps]) * t["optimizer"]
+        + per_stage([x.saved for x in keeps]) * t["saved"]
+    )  # prefix sums: [s, e) is spans[e] - spans[s]
+    # inputs kept per minibatch in flight, and (but on stage 0) input gradients sent back (P2P window)
+    inputs = per_stage([x.in_flight + (rule.nm + 1 if j > 0 else 0) for j, x in enumerate(keeps)])
+    # (but on the last stage) outputs kept as backward roots, and the output gradient received
+    outputs = per_stage([x.in_flight + 1 if j < k - 1 else 0 for j, x in enumerate(keeps)])
+    out = np.empty_like(t["working"]) if out is None else out
+    np.subtract(spans[:, None, :], spans[:, :, None], out=out)
+    out += t["working"]
+    out += (inputs * t["inputs"])[:, :, None]
+    out += (outputs * t["outputs"])[:, None, :]
+    return out
+
+
 @dataclass(frozen=True)
 class _Solution:
     split: tuple[int, ...]
@@ -349,6 +429,23 @@ class _Problem:
         """stage_time of every position (independent of Nm, so computed once)."""
         return [self.stage_time(j) for j in range(len(self.gpus))]
 
+    @functools.cached_property
+    def stacked_times(self) -> np.ndarray:
+        """`times` as one array (k, n+1, n+1)."""
+        return np.stack(self.times)
+
+    @functools.cached_property
+    def _caps(self) -> np.ndarray:
+        """Usable bytes per position, shaped to divide the stacked tables (k, 1, 1)."""
+        return np.asarray(self.caps, dtype=np.float64)[:, None, None]
+
+    def least_total_under(self, bar: float) -> float:
+        """The least sum of stage times over the splits whose every stage takes at most `bar` (plus rounding),
+        memory aside (inf when none): the round trip of a split at Nm is at least its sum over Nm, and one
+        with a slower stage has a round trip over `bar` at any Nm."""
+        times = self.stacked_times
+        return self._min_max(times, times <= bar * (1 + 1e-6), np.add)[0]
+
     def _rate(self, link: int) -> float:
         """Bytes per second of link `link` (between GPU link and link + 1)."""
         return self.links[link] * 1e9 / 8
@@ -366,43 +463,50 @@ class _Problem:
             time += (boundary / self._rate(j))[None, :]
         return time
 
-    def stage_memory(self, j: int, rule: MemoryRule) -> np.ndarray:
-        """stage_memory_terms(...).total of every [s, e) at position j, as a table."""
-        t, k = self.tables[j], len(self.gpus)
-        keep = rule.keeping(j, k)
-        copies = (
-            2 + keep.stashed + keep.update_sums + int(keep.baseline) + int(keep.push_staging)
-        )  # weights, gradients, ...
-        boundary = keep.in_flight * t.inputs
-        if j < k - 1:  # outputs kept as backward roots, and the output gradient received
-            boundary = boundary + (keep.in_flight + 1) * t.outputs
-        if j > 0:  # input gradients sent back, in the P2P window
-            boundary = boundary + (rule.nm + 1) * t.inputs
-        return (
-            copies * t.weights
-            + (t.optimizer if keep.optimizer else 0)
-            + t.working
-            + keep.saved * t.saved
-            + boundary
-        )
+    @functools.cached_property
+    def _stacked(self) -> dict[str, np.ndarray]:
+        return _stack(self.tables)
+
+    def memories(self, rule: MemoryRule, out: np.ndarray | None = None) -> np.ndarray:
+        """stage_memory_terms(...).total of every [s, e) at every position j, as tables (k, n+1, n+1), in
+        `out` when given (solve's scratch: a new array this large costs more than the sums)."""
+        return _memories(self._stacked, rule, out)
 
     # -- the dynamic programme
 
     def _min_max(
-        self, values: Sequence[np.ndarray], allowed: Sequence[np.ndarray]
+        self,
+        values: np.ndarray,
+        allowed: np.ndarray,
+        combine: np.ufunc = np.maximum,
+        scratch: np.ndarray | None = None,
     ) -> tuple[float, list[np.ndarray]]:
-        """min over splits of max_j values[j][s_j, e_j], stages restricted to `allowed`; argmins per stage."""
-        n = values[0].shape[0] - 1
-        lower = np.tri(n + 1, dtype=bool)  # stop <= start
+        """min over splits of max_j values[j][s_j, e_j] (or their sum, with combine=np.add), stages restricted
+        to `allowed` (both (k, n+1, n+1)); argmins per stage. `scratch`: an array like `values` to use."""
+        n = values.shape[1] - 1
+        masked = np.empty_like(values) if scratch is None else scratch
+        masked.fill(np.inf)
+        np.copyto(masked, values, where=allowed & self._upper)
         after = np.full(n + 1, np.inf)
-        after[n] = -np.inf  # no layers left after the last stage: nothing to add
+        after[n] = -np.inf if combine is np.maximum else 0.0  # no layers left after the last stage
         choices = []
+        rows = np.arange(n + 1)
         for j in range(len(self.gpus) - 1, -1, -1):
-            cand = np.maximum(values[j], after[None, :])
-            cand[lower | ~allowed[j]] = np.inf
-            choices.append(cand.argmin(axis=1))
-            after = cand.min(axis=1)
+            cand = combine(masked[j], after[None, :])
+            choice = cand.argmin(axis=1)
+            choices.append(choice)
+            after = cand[rows, choice]
         return float(after[0]), choices[::-1]
+
+    @functools.cached_property
+    def _upper(self) -> np.ndarray:
+        """Where stop > start: the spans that are stages."""
+        return ~np.tri(self.tables[0].compute.shape[0], dtype=bool)
+
+    @functools.cached_property
+    def _scratch(self) -> tuple[np.ndarray, np.ndarray]:
+        """Two float arrays like the stacked tables, reused by solve."""
+        return np.empty_like(self.stacked_times), np.empty_like(self.stacked_times)
 
     @staticmethod
     def _walk(choices: Sequence[np.ndarray]) -> tuple[int, ...]:
@@ -415,26 +519,22 @@ class _Problem:
 
     def solve(self, rule: MemoryRule) -> _Solution | None:
         """The split with the least bottleneck, then the least peak memory use; None when nothing fits."""
-        k = len(self.gpus)
-        times = self.times
-        mems = [self.stage_memory(j, rule) for j in range(k)]
-        fits = [mems[j] <= self.caps[j] for j in range(k)]
-        bottleneck, _ = self._min_max(times, fits)
+        times, caps = self.stacked_times, self._caps
+        mems, masked = self._scratch
+        self.memories(rule, out=mems)
+        fits = mems <= caps
+        bottleneck, _ = self._min_max(times, fits, scratch=masked)
         if math.isinf(bottleneck):
             return None
-        use = [mems[j] / self.caps[j] for j in range(k)]
         limit = bottleneck * (1 + _TIE)  # equal up to rounding (prefix sums vs plain sums)
-        peak, choices = self._min_max(use, [fits[j] & (times[j] <= limit) for j in range(k)])
+        use = np.divide(mems, caps, out=mems)
+        peak, choices = self._min_max(use, fits & (times <= limit), scratch=masked)
         return _Solution(self._walk(choices), bottleneck, peak)
 
     def least_overcommit(self, rule: MemoryRule) -> tuple[float, tuple[int, ...]]:
         """The split whose fullest GPU is least full (memory / usable memory, may exceed 1), ignoring time."""
-        k = len(self.gpus)
-        use = []
-        for j in range(k):
-            use.append(self.stage_memory(j, rule) / max(self.caps[j], 1))
-        everything = [np.ones_like(u, dtype=bool) for u in use]
-        worst, choices = self._min_max(use, everything)
+        use = self.memories(rule) / np.maximum(self._caps, 1)
+        worst, choices = self._min_max(use, np.ones_like(use, dtype=bool))
         return worst, self._walk(choices)
 
     # -- results
@@ -521,7 +621,8 @@ class _Problem:
     def infeasible_message(self, rule: MemoryRule, *, orders_tried: bool = False) -> str:
         _, split = self.least_overcommit(rule)
         k = len(self.gpus)
-        usage = [self.stage_memory(j, rule)[sum(split[:j]), sum(split[: j + 1])] for j in range(k)]
+        mems = self.memories(rule)
+        usage = [mems[j][sum(split[:j]), sum(split[: j + 1])] for j in range(k)]
         j = max(range(k), key=lambda i: usage[i] / max(self.caps[i], 1))
         which = (
             f"the best case (the split {list(split)}, which needs the least memory, "
