@@ -10,7 +10,8 @@ On a CPU the big image models are measured at a smaller batch (CPU_BATCH: batch 
 than 5 minutes per model on one core) and `hetpipe plan` rescales them by proportion (ModelProfile.at_batch);
 on CUDA every model is measured at its config's batch. Each profile is measured as `hetpipe profile` does (one
 thread, WARMUP + --repeats runs per layer, once more when noisy or busy) and records its origin; see
-hetpipe/profiles/README.md.
+hetpipe/profiles/README.md. Every run also writes hetpipe/profiles/models.json, the catalog that lets `hetpipe
+plan` find these profiles without importing torch; `--catalog` writes only it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from hetpipe.app.model_catalog import write_catalog
 from hetpipe.app.plan_inputs import SHIPPED_DIR, shipped_name
 from hetpipe.compute.profiler import profile_checked
 from hetpipe.core.config.files import load_config
-from hetpipe.models import get_model
+from hetpipe.models import get_model, model_names
 
 CLUSTERS = Path(__file__).parent / "clusters"
 EXTRA = [("vgg19", {}, 32, "momentum")]  # paper-16gpu.toml with [model] name = "vgg19"
@@ -43,11 +45,16 @@ def wanted(all_models: bool) -> list[tuple[str, dict, int, str]]:
     return [entry for i, entry in enumerate(found) if entry not in found[:i]]
 
 
+def catalog_variants() -> list[tuple[str, dict]]:
+    """(model, options) the catalog lists: every built-in model at its defaults, and every variant shipped."""
+    variants = [(name, {}) for name in model_names()]
+    variants += [(model, options) for model, options, _, _ in wanted(True)]
+    return [entry for i, entry in enumerate(variants) if entry not in variants[:i]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument(
-        "--folder", required=True, help="hetpipe/profiles/<folder>: the device measured on, e.g. cpu, h100"
-    )
+    parser.add_argument("--folder", help="hetpipe/profiles/<folder>: the device measured on, e.g. cpu, h100")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
         "--dtype", action="append", choices=["float32", "bfloat16"], help="repeatable; default float32"
@@ -57,7 +64,13 @@ def main() -> None:
         "--all-models", action="store_true", help="also resnet18, resnet50 and vgg11 at 224 px"
     )
     parser.add_argument("--models", nargs="*", help="only these model names")
+    parser.add_argument("--catalog", action="store_true", help="only write hetpipe/profiles/models.json")
     args = parser.parse_args()
+    write_catalog(catalog_variants())
+    if args.catalog:
+        return
+    if not args.folder:
+        parser.error("--folder is required (the device measured on, e.g. cpu, h100)")
     torch.set_num_threads(1)  # as every stage process does; on CUDA it only affects the host side
     out = SHIPPED_DIR / args.folder
     for model, options, batch, optimizer in wanted(args.all_models):

@@ -766,12 +766,13 @@ def test_shipped_profiles_are_measured_named_and_small() -> None:
 
 @pytest.mark.parametrize("config", CLUSTERS, ids=[p.stem for p in CLUSTERS])
 def test_every_config_has_a_shipped_profile(config: Path) -> None:
+    from hetpipe.app.model_catalog import key_of
     from hetpipe.app.plan_inputs import shipped_profile
     from hetpipe.core.config.files import load_config
 
     c = load_config(config)
     spec = get_model(c.model.name, **c.model.options.to_dict())
-    found = shipped_profile(spec, c.train.batch_size, optimizer=c.train.optimizer)
+    found = shipped_profile(key_of(spec), c.train.batch_size, optimizer=c.train.optimizer)
     assert found is not None, f"no shipped profile for {config.name}: run launch/ship_profiles.py"
     assert found[1].batch_size == c.train.batch_size and found[1].num_layers == spec.num_layers
 

@@ -40,8 +40,7 @@ def plan_calibration(
     """(the calibration to rank candidates by time to target, a note for the user); (None, why) without one.
     `path`: a calibration file to use whatever its model (its own note says what it was measured for);
     `target`: the one in `folder` measured to that target."""
-    from hetpipe.compute.build import model_of
-    from hetpipe.compute.profiler import options_digest
+    from hetpipe.app.model_catalog import model_key
     from hetpipe.core.errors import UsageError
 
     if path is not None:
@@ -61,9 +60,10 @@ def plan_calibration(
             f"setting at its best lr of {', '.join(f'{v:g}' for v in cal.lrs)}, target {cal.metric} "
             f"{cal.target:g}"
         )
-    spec = model_of(config)
+    # the seed too, as the calibration's run built the model (hetpipe.compute.build.model_of)
+    key = model_key(config.model.name, {"seed": config.seed, **config.model.options.to_dict()})
     t = config.train
-    return find_calibration(folder, spec.name, options_digest(spec), t.batch_size, t.optimizer, target)
+    return find_calibration(folder, key.name, key.options_digest, t.batch_size, t.optimizer, target)
 
 
 def rule_of(config: ClusterConfig) -> str:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
+    from hetpipe.app.model_catalog import ModelKey
     from hetpipe.core.config.schema import ClusterConfig
     from hetpipe.core.planning.profile import ModelProfile
-    from hetpipe.models.spec import ModelSpec
 
 __all__ = [
     "SHIPPED_DIR",
@@ -129,7 +129,7 @@ def shipped_name(profile) -> str:
 
 
 def shipped_profile(
-    spec,
+    key: ModelKey,
     batch: int,
     *,
     optimizer: str,
@@ -137,16 +137,16 @@ def shipped_profile(
     device: str | None = None,
     root: Path | None = None,
 ):
-    """(file, profile) of the measured profile shipped for this model variant, optimizer and dtype (default:
-    the model's), or None. Among several: measured on CUDA before CPU, at `batch` before others, then the
-    nearest batch; one measured at another batch comes rescaled to `batch` by ModelProfile.at_batch. `device`:
-    only profiles measured on that kind ("cpu" or "cuda"). `root`: default SHIPPED_DIR."""
+    """(file, profile) of the measured profile shipped for this model variant (a model_catalog key), optimizer
+    and dtype (default: the model's), or None. Among several: measured on CUDA before CPU, at `batch` before
+    others, then the nearest batch; one measured at another batch comes rescaled to `batch` by
+    ModelProfile.at_batch. `device`: only profiles measured on that kind ("cpu" or "cuda"). `root`: default
+    SHIPPED_DIR."""
     import math
 
-    from hetpipe.compute.profiler import options_digest, profile_dtype
     from hetpipe.core.planning.profile import ModelProfile
 
-    want = (spec.name, options_digest(spec), profile_dtype(spec, dtype), optimizer)
+    want = (key.name, key.options_digest, dtype or key.dtype, optimizer)
     found = []
     for path in sorted((root or SHIPPED_DIR).glob("*/*.json")):
         try:
@@ -157,7 +157,7 @@ def shipped_profile(
         if (
             o is None
             or (p.model, o.options_digest, p.dtype, o.optimizer) != want
-            or p.num_layers != spec.num_layers
+            or p.num_layers != key.num_layers
         ):
             continue
         if device is None or o.device == device:
@@ -196,7 +196,12 @@ def like_profile(
         source = cached_profile(spec, batch, like, cache_dir, optimizer=optimizer, dtype=dtype, measure=False)
         where = f"this machine's cached {like} profile"
     except HetpipeError:
-        shipped = shipped_profile(spec, batch, optimizer=optimizer, dtype=dtype, device=like)
+        from hetpipe.app.model_catalog import key_of
+        from hetpipe.compute.profiler import profile_dtype
+
+        shipped = shipped_profile(
+            key_of(spec), batch, optimizer=optimizer, dtype=profile_dtype(spec, dtype), device=like
+        )
         if shipped is not None:
             source, where = shipped[1], f"the shipped {like} profile {_shipped_label(shipped[0])}"
         elif like == "cpu":
@@ -321,17 +326,18 @@ def plan_profiles(config: ClusterConfig, profile_dir: Path, *, refresh: bool = F
             f"measure its GPUs on their machines (`hetpipe profile {config.model.name} --batch {batch} "
             "--device cuda --refresh`) and pass --profile-dir"
         )
-    # Files named <type>.json are read first and checked against the config's model name and batch; the model
-    # itself (and torch, ~2 s to import) is loaded only to look for `hetpipe profile` cache names.
+    # Files named <type>.json are read first and checked against the config's model name and batch; then
+    # `hetpipe profile` cache names, then the shipped profiles. The model's key comes from the catalog, so a
+    # built-in model is not built (nor torch imported, ~2 s) to plan.
     found = _typed_files(config, profile_dir)
     if not found:
-        from hetpipe.models import get_model
+        from hetpipe.app.model_catalog import model_key
 
-        spec = get_model(config.model.name, **config.model.options.to_dict())
-        found = _cached_files(config, spec, profile_dir)
-        shipped = None if found else shipped_profile(spec, batch, optimizer=optimizer)
+        key = model_key(config.model.name, config.model.options.to_dict())
+        found = _cached_files(config, key, profile_dir)
+        shipped = None if found else shipped_profile(key, batch, optimizer=optimizer)
         if shipped is not None:
-            return _shipped_inputs(config, spec, *shipped)
+            return _shipped_inputs(config, key, *shipped)
     return _supplied_inputs(config, profile_dir, found, now)
 
 
@@ -375,21 +381,27 @@ def _typed_files(config: ClusterConfig, profile_dir: Path) -> dict[str, ModelPro
     return found
 
 
-def _cached_files(config: ClusterConfig, spec: ModelSpec, profile_dir: Path) -> dict[str, ModelProfile]:
+def _cached_files(config: ClusterConfig, key: ModelKey, profile_dir: Path) -> dict[str, ModelProfile]:
     """The profiles in profile_dir under `hetpipe profile` cache names, per GPU type of the config, checked
-    against the model, its layers and the batch."""
-    from hetpipe.compute.profiler import profile_cache_path
+    against the model, its layers and the batch. The names carry torch's version: torch is imported only when
+    a file of some version is there."""
+    from hetpipe.core.planning.profile import cache_file_name
 
     batch, optimizer = config.train.batch_size, config.train.optimizer
     found = {}
     for name in config.gpu_types:
-        path = profile_cache_path(spec, batch, name, profile_dir, optimizer=optimizer)
+        parts = (key.name, key.options_digest, batch, name, key.dtype, optimizer)
+        if not any(profile_dir.glob(cache_file_name(*parts, None))):
+            continue
+        import torch
+
+        path = profile_dir / cache_file_name(*parts, torch.__version__)
         if path.exists():
-            found[name] = _load_profile(path, spec.name, batch, spec.num_layers)
+            found[name] = _load_profile(path, key.name, batch, key.num_layers)
     return found
 
 
-def _shipped_inputs(config: ClusterConfig, spec: ModelSpec, path: Path, measured: ModelProfile) -> PlanInputs:
+def _shipped_inputs(config: ClusterConfig, key: ModelKey, path: Path, measured: ModelProfile) -> PlanInputs:
     """plan_profiles for real GPUs none of which was measured: every type derived from the shipped profile at
     `path` by FLOP rate, the [network] links, and notes saying where the profile came from and how to measure
     one's own."""
@@ -408,7 +420,7 @@ def _shipped_inputs(config: ClusterConfig, spec: ModelSpec, path: Path, measured
         0,
         f"real GPUs, none measured: profiles from the shipped {_shipped_label(path)} "
         f"(measured {o.measured_at[:10]} on {o.device_name}{rescaled}); measure yours with "
-        f"`hetpipe profile {spec.name} --batch {batch} --device cuda --gpu-type TYPE` on each GPU "
+        f"`hetpipe profile {key.name} --batch {batch} --device cuda --gpu-type TYPE` on each GPU "
         f"type, or derive one with `--gpu-type TYPE --like cpu --speed RATIO`; links from "
         f"[network], each PS shard at {config.network.inter_node_gbps:g} Gbit/s",
     )

@@ -8,11 +8,8 @@ measured once more.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,11 +24,14 @@ from hetpipe.compute.heap import keep_freed_memory
 from hetpipe.compute.machine import cpu_model, host_fingerprint, load_per_core
 from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.planning.profile import (
+    PROFILER_VERSION,
     LayerProfile,
     ModelProfile,
     ProfileOrigin,
+    cache_file_name,
     noise_flags,
     repeat_spread,
+    variant_digest,
 )
 from hetpipe.models.spec import ModelSpec
 
@@ -57,7 +57,6 @@ DTYPES = ("float32", "bfloat16")  # what a model may be profiled in besides its 
 
 
 WARMUP = 3  # untimed forward+backward runs per layer before the timed ones
-PROFILER_VERSION = 7  # part of the cache key: bump when what a profile measures changes (7: emulation_cost)
 COST_SLOWDOWN = 10.0  # the dilation emulation_cost is measured at: bench.toml's fastest type's on 2 cores
 COST_BUDGET_S = (
     2.0  # wall seconds of dilated steps emulation_cost times (1 to 15 steps; each sleeps ~slowdown x)
@@ -505,15 +504,7 @@ def _model_dtype(spec: ModelSpec) -> str:
 
 def options_digest(spec: ModelSpec) -> str:
     """12 hex digits naming the model's variant: its options, input shape and input dtype."""
-    options = json.dumps(
-        {
-            "options": [[k, repr(v)] for k, v in spec.options],
-            "input_shape": list(spec.input_shape),
-            "input_dtype": str(spec.input_dtype),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(options.encode()).hexdigest()[:12]
+    return variant_digest(spec.options, spec.input_shape, str(spec.input_dtype))
 
 
 def profile_cache_path(
@@ -528,17 +519,16 @@ def profile_cache_path(
     """Where cached_profile keeps (or looks for) this profile: one JSON file per model, options, batch,
     GPU type, dtype, optimizer, torch version and PROFILER_VERSION. Copy a profile measured elsewhere to this
     path to use it."""
-    parts = (
+    name = cache_file_name(
         spec.name,
         options_digest(spec),
-        f"b{batch_size}",
+        batch_size,
         gpu_type,
         dtype or _model_dtype(spec),
         optimizer,
-        f"torch{torch.__version__}",
-        f"p{PROFILER_VERSION}",
+        torch.__version__,
     )
-    return Path(cache_dir) / ("-".join(_safe(p) for p in parts) + ".json")
+    return Path(cache_dir) / name
 
 
 def cached_profile(
@@ -608,10 +598,6 @@ def cached_profile(
 def write_profile(path: Path, profile: ModelProfile) -> None:
     """Store `profile` at `path` atomically (a reader never sees half a file)."""
     _write_atomic(path, profile.to_json())
-
-
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -7,28 +7,64 @@ Data and pure rules only (plus JSON round trip); measuring lives in hetpipe.comp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from hetpipe.core.errors import UsageError
 
 __all__ = [
+    "PROFILER_VERSION",
     "BUSY_LOAD",
     "NOISY_SPREAD",
     "STALE_DAYS",
     "LayerProfile",
     "ModelProfile",
     "ProfileOrigin",
+    "cache_file_name",
+    "variant_digest",
     "derive_profile",
     "noise_flags",
     "origin_warnings",
     "repeat_spread",
 ]
+
+PROFILER_VERSION = 7  # part of the cache key: bump when what a profile measures changes (7: emulation_cost)
+
+
+def variant_digest(options: Iterable[tuple[str, Any]], input_shape: Iterable[int], input_dtype: str) -> str:
+    """12 hex digits naming a model variant in profile and calibration names: the options it was built with
+    (sorted (name, value) pairs), its input shape and input dtype (str of the torch dtype)."""
+    text = json.dumps(
+        {
+            "options": [[k, repr(v)] for k, v in options],
+            "input_shape": list(input_shape),
+            "input_dtype": input_dtype,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def cache_file_name(
+    model: str, digest: str, batch: int, gpu_type: str, dtype: str, optimizer: str, torch_version: str | None
+) -> str:
+    """The name `hetpipe profile` caches a profile under: model, options digest, batch, GPU type, dtype,
+    optimizer, torch and PROFILER_VERSION, each part reduced to [A-Za-z0-9_.+-]; torch_version None: a glob
+    pattern matching any torch."""
+    parts = [model, digest, f"b{batch}", gpu_type, dtype, optimizer, f"torch{torch_version}"]
+    name = "-".join(re.sub(r"[^A-Za-z0-9_.+-]", "_", p) for p in parts)
+    if torch_version is None:
+        name = name.removesuffix("torchNone") + "torch*"
+    return f"{name}-p{PROFILER_VERSION}.json"
+
 
 # A profile is flagged when either holds while it is measured (the profiler then measures once more and keeps
 # the quieter of the two, flagged if that one is still noisy):
