@@ -4,9 +4,11 @@ against the exhaustive one (planner.plan_candidates), on random small clusters (
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import random
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 import synth_cluster  # noqa: E402  (launch is not a package)
 
 GIB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def toy_profile(gpu_type: str, speed: float, *, layers: int = 6, batch: int = 32) -> ModelProfile:
@@ -169,28 +172,66 @@ def test_least_bottleneck_is_no_more_than_the_partitioner_s_choice() -> None:
 # ---------------------------------------------------------------------------------------------- the model
 
 
-def test_the_model_matches_the_simulator_on_the_best_candidates() -> None:
-    """Within 3% of the event simulator on the 10 best candidates of a cluster whose PS link keeps up (the
-    shipped configs: launch/bench/plan_scale.py --check)."""
+def model_of(c, config, ps_gbps: float):
+    """analytic.wave_model of candidate c's plan, every VW its own kind."""
     from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
+    plan = c.plan
+    pulls = needs_pulls(len(plan.vws), get_aggregation(plan.aggregation))
+    kinds = [(vw, 1) for vw in plan.vws]
+    rate = ps_gbps * config.ps.shards * 1e9 / 8
+    return wave_model(kinds, plan.batch_size, plan.schedule, plan.recompute, plan.staleness, pulls, rate)
+
+
+def test_the_model_matches_the_simulator_on_the_best_candidates() -> None:
+    """Within 3% of the event simulator on the 10 best candidates of a cluster whose PS link keeps up."""
     cluster = synth_cluster.synth_cluster(2, 8, 2)
     config, profiles = config_of(cluster), profiles_of(cluster)
     found = plan_candidates(config, profiles, **{**SMALL, "ps_gbps": 200.0}, baselines=False)
     top = sorted((c for c in found if c.runnable), key=lambda c: -c.samples_per_s)[:10]
     for c in top:
-        plan = c.plan
-        pulls = needs_pulls(len(plan.vws), get_aggregation(plan.aggregation))
-        model = wave_model(
-            [(vw, 1) for vw in plan.vws],
-            plan.batch_size,
-            plan.schedule,
-            plan.recompute,
-            plan.staleness,
-            pulls,
-            200.0 * config.ps.shards * 1e9 / 8,
-        )
-        assert model.samples_per_s == pytest.approx(c.samples_per_s, rel=0.03), c.label
+        assert model_of(c, config, 200.0).samples_per_s == pytest.approx(c.samples_per_s, rel=0.03), c.label
+
+
+SHIPPED = sorted((ROOT / "launch" / "clusters").glob("*.toml")) + [
+    ROOT / "hetpipe" / "clusters" / "local.toml"
+]
+
+
+@functools.cache
+def shipped_exhaustive(path: Path) -> tuple:
+    """(config, profiles, PS Gbit/s, link function, every candidate simulated) of a shipped config as a real
+    cluster: its GPUs derived from the shipped profiles, as `hetpipe plan --set emulation.enabled=false`."""
+    from hetpipe.app.plan_inputs import plan_profiles
+
+    raw = tomllib.loads(path.read_text())
+    raw.setdefault("emulation", {})["enabled"] = False
+    config = parse_config(raw, path)
+    with tempfile.TemporaryDirectory() as empty:
+        profiles, ps_gbps, link, _ = plan_profiles(config, Path(empty))
+    return config, profiles, ps_gbps, link, plan_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_the_model_matches_the_simulator_on_every_shipped_configs_best_ten(path: Path) -> None:
+    """Within 3% of the event simulator on the 10 best candidates (every one simulated: plan_candidates) of
+    each shipped config. Slow: the exhaustive search takes ~10 s on paper-16gpu and uneven-14gpu."""
+    config, _, ps_gbps, _, found = shipped_exhaustive(path)
+    top = sorted((c for c in found if c.runnable and c.plan), key=lambda c: -c.samples_per_s)[:10]
+    assert len(top) == 10
+    for c in top:
+        assert model_of(c, config, ps_gbps).samples_per_s == pytest.approx(c.samples_per_s, rel=0.03), c.label
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_fast_search_finds_the_exhaustive_best_on_every_shipped_config(path: Path) -> None:
+    config, profiles, ps_gbps, link, exhaustive = shipped_exhaustive(path)
+    fast = search_candidates(config, profiles, ps_gbps=ps_gbps, link_gbps=link)
+    got, want = best(fast.candidates), best(exhaustive)
+    assert got.samples_per_s == pytest.approx(want.samples_per_s, rel=1e-9)
+    assert (got.label, got.staleness) == (want.label, want.staleness)
 
 
 # ---------------------------------------------------------------------------------------------- kinds

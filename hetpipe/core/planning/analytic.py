@@ -16,7 +16,7 @@ from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.simulate import stage_param_bytes, stage_times
 
-__all__ = ["Kind", "WaveModel", "compute_wave_s", "gate_points", "upper_bound", "wave_model"]
+__all__ = ["Kind", "WaveModel", "compute_wave_s", "gate_points", "least_wave_s", "upper_bound", "wave_model"]
 
 Kind = tuple[VwPlan, int]  # a VW and how many VWs of the candidate are like it
 
@@ -59,10 +59,17 @@ def upper_bound(
     pipeline alone and the PS link's seconds per wave (wave_model adds the gate to these, so it is never
     above)."""
     samples = sum(n * vw.nm * vw.batch(batch) for vw, n in kinds)
-    slowest = max(compute_wave_s(vw, schedule, recompute) for vw, _ in kinds)
-    ps_s = sum(n * _traffic(vw, pulls) for vw, n in kinds) / ps_bytes_per_s
-    wave = max(slowest, ps_s)
+    wave = least_wave_s(kinds, schedule, recompute, pulls, ps_bytes_per_s)
     return samples / wave if wave > 0 else math.inf
+
+
+def least_wave_s(
+    kinds: Sequence[Kind], schedule: str, recompute: bool, pulls: bool, ps_bytes_per_s: float
+) -> float:
+    """Seconds per wave no long run of these VWs can beat: WSP holds every VW to the slowest, which takes at
+    least its pipeline alone, and the PS link carries every VW's traffic of a wave."""
+    slowest = max(compute_wave_s(vw, schedule, recompute) for vw, _ in kinds)
+    return max(slowest, sum(n * _traffic(vw, pulls) for vw, n in kinds) / ps_bytes_per_s)
 
 
 def wave_model(

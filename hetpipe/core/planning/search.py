@@ -51,10 +51,10 @@ __all__ = [
 # The pruning and the finalists, against the best pessimistic estimate (contention 1) less FINAL_MARGIN: a
 # candidate whose upper bound x WINDOW is below it is skipped; the others are finalists, simulated as far as
 # SIM_STAGES (all VWs' stages summed over the finalists) goes, the highest estimates first, smaller D on ties.
-# WINDOW: the simulator measures a wave over `waves` waves, fill and drain left out, and can come out above
-# the steady state's bound by up to 1 / (waves - 2) (a PS queue that builds up), 15% at 10 waves.
+# WINDOW: rounding only. A prediction's wave time is at least analytic.least_wave_s (planner._predict), so no
+# candidate's predicted samples/s is above its upper bound.
 FINAL_MARGIN = 0.05
-WINDOW = 1.15
+WINDOW = 1 + 1e-9
 MAX_FINALISTS = 12  # beyond this many, only finalists of at most SMALL stages
 SMALL = 8
 SIM_STAGES = 600
