@@ -4,7 +4,10 @@ the median of 3 runs with their spread, and each run's peak memory
 (resource.getrusage maxrss of the child). With --check, also that the default search's best plan predicts what
 the exhaustive search's does on every shipped config (slow: minutes).
 
-    python launch/bench/plan_scale.py [--runs 3] [--only paper,64,1024] [--check]
+    python launch/bench/plan_scale.py [--runs 3] [--only paper,64,1024] [--peer] [--check]
+
+--peer also times the exhaustive search (`hetpipe plan --exhaustive`, every candidate simulated) on
+paper-16gpu, side by side.
 """
 
 from __future__ import annotations
@@ -84,22 +87,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--only", default="paper,64,1024")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument(
+        "--peer", action="store_true", help="also time the exhaustive search (--exhaustive) on paper-16gpu"
+    )
     args = parser.parse_args(argv)
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start")
     with tempfile.TemporaryDirectory() as folder:
-        for name, config in clusters(Path(folder)).items():
+        runs = [(name, config, []) for name, config in clusters(Path(folder)).items()]
+        if args.peer:
+            runs.insert(1, ("paper", runs[0][1], ["--exhaustive"]))
+        for name, config, extra in runs:
             if name not in args.only.split(","):
                 continue
             times, peaks, cpus, best = [], [], [], ""
             for _ in range(args.runs):
-                elapsed, peak, best, cpu = run_once(config, [])
+                elapsed, peak, best, cpu = run_once(config, extra)
                 times.append(elapsed)
                 peaks.append(peak)
                 cpus.append(cpu)
             median = statistics.median(times)
             verdict = "met" if median < TARGETS[name] and max(peaks) < MEMORY_TARGET_GIB else "NOT met"
+            if extra:
+                verdict = "the peer, no target"
             print(
-                f"{name:>5}: median {median:.2f} s (spread {min(times):.2f}-{max(times):.2f} s, "
+                f"{name:>5}{' '.join(['', *extra])}: median {median:.2f} s "
+                f"(spread {min(times):.2f}-{max(times):.2f} s, "
                 f"{args.runs} runs; CPU {statistics.median(cpus):.2f} s), "
                 f"peak memory {max(peaks):.2f} GiB; target < {TARGETS[name]:g} s: {verdict}\n       {best}"
             )
