@@ -699,6 +699,68 @@ def plan(
     run_plan(config, request, out_path=out_path, show_why=show_why, as_json=as_json)
 
 
+@cli.command()
+@click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--plan",
+    "plan_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Run this plan's VWs, splits, Nm, D and schedule (a file from `hetpipe plan --out`).",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the script, the config and the run go, on storage every node sees (default: "
+    "runs/slurm-<cluster>).",
+)
+@click.option(
+    "--address",
+    type=click.Choice(["ip", "hostname"]),
+    default="ip",
+    show_default=True,
+    help="How nodes find each other: each node's first address (hostname -I), or its Slurm name (DNS).",
+)
+@click.option(
+    "--gres/--no-gres", default=None, help="Ask for each node's GPUs (default: when emulation is off)."
+)
+@click.option(
+    "--ps-node", default=None, help="The node that runs the PS (default: ps.host's, else the first)."
+)
+@click.option("--python", default=sys.executable, show_default=True, help="The Python on every node.")
+@click.option("--dry-run", is_flag=True, help="Print the script; write nothing.")
+@_set_option
+def slurm(
+    config_path: Path,
+    plan_path: Path | None,
+    run_dir: Path | None,
+    address: str,
+    gres: bool | None,
+    ps_node: str | None,
+    python: str,
+    dry_run: bool,
+    settings: tuple[str, ...],
+) -> None:
+    """Write a Slurm batch script that trains CONFIG_PATH on the nodes Slurm gives it: a heterogeneous job,
+    one component per node (docs/clusters.md#slurm). Submit it with `sbatch`."""
+    from hetpipe.app.slurm_job import slurm_files
+
+    config = _load(config_path, settings)
+    run_dir = run_dir or Path("runs") / f"slurm-{config.name}"
+    files = slurm_files(
+        config, run_dir, plan_path=plan_path, python=python, address=address, gres=gres, ps_node=ps_node
+    )
+    if dry_run:
+        click.echo(files.script, nl=False)
+        return
+    files.config_path.parent.mkdir(parents=True, exist_ok=True)
+    (files.config_path.parent / "logs").mkdir(exist_ok=True)
+    files.config_path.write_text(files.config)
+    files.script_path.write_text(files.script)
+    click.echo(f"wrote {files.script_path} and {files.config_path}; submit with: sbatch {files.script_path}")
+
+
 @cli.group()
 def testbed() -> None:
     """A shaped-network testbed: each node its own network namespace and address, its egress shaped with tbf

@@ -1,0 +1,202 @@
+"""A cluster config as a Slurm heterogeneous job, as plain data and text (docs/clusters.md#slurm): one
+component per config node that runs something, the `hetpipe server` and `hetpipe worker` steps each runs (the
+testbed's places: hetpipe.core.runs.testbed), and the batch script that starts them. No I/O.
+
+The script runs on the job's first node: it learns each component's address (the node's first address, or
+its Slurm hostname), points the config's nodes and PS at them (`--set`), starts the PS and waits until every
+shard listens, starts the workers, waits for them (stopping everything when one fails), then stops the PS
+with SIGTERM, which checkpoints.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.errors import UsageError
+from hetpipe.core.runs.testbed import worker_places
+
+__all__ = ["ADDRESS_MODES", "SlurmJob", "Step", "job_script", "slurm_job"]
+
+Address = Literal["ip", "hostname"]
+ADDRESS_MODES: tuple[Address, ...] = ("ip", "hostname")
+LISTEN_TIMEOUT_S = 120  # the PS's shards must listen within this
+
+
+@dataclass(frozen=True)
+class Step:
+    """One `srun` step: `hetpipe ARGS` on config node `node`, its output in logs/`log` of the run dir."""
+
+    node: str
+    args: tuple[str, ...]
+    log: str
+    server: bool
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The job of a config: its het components (config nodes, in config order, with their GPU counts), the
+    PS steps, then the worker steps."""
+
+    name: str
+    nodes: tuple[str, ...]
+    gpus: tuple[int, ...]
+    node_index: tuple[int, ...]  # each component's index among the config's nodes (for --set nodes.I.host)
+    ps_node: str
+    steps: tuple[Step, ...]
+
+    def component(self, node: str) -> int:
+        return self.nodes.index(node)
+
+
+def slurm_job(
+    config: ClusterConfig, vw_gpus: Sequence[Sequence[str]], ps_node: str | None = None
+) -> SlurmJob:
+    """The job that runs `config`'s PS and its VWs (`vw_gpus`: each VW's GPUs, "node:index"). The PS runs on
+    `ps_node`, else the node whose host is ps.host, else the first node; with placement "local", shard i on
+    node i."""
+    names = [n.name for n in config.nodes]
+    if ps_node is None:
+        ps_node = next((n.name for n in config.nodes if n.host == config.ps.host), names[0])
+    elif ps_node not in names:
+        raise UsageError(f"--ps-node {ps_node!r}: {config.path} has nodes {', '.join(names)}")
+    steps: list[Step] = []
+    if config.ps.placement == "local":
+        steps += [
+            Step(n, ("server", "--shard", str(i)), f"server-{i}.log", True) for i, n in enumerate(names)
+        ]
+    else:
+        steps.append(Step(ps_node, ("server",), "server.log", True))
+    for place in worker_places(vw_gpus):
+        log = f"worker-vw{place.vw}" + ("" if place.stage is None else f"-s{place.stage}") + ".log"
+        steps.append(Step(place.node, ("worker", *place.args()), log, False))
+    used = {s.node for s in steps}
+    index = [i for i, n in enumerate(names) if n in used]
+    gpus = [len(config.nodes[i].gpus) for i in index]
+    return SlurmJob(
+        config.name, tuple(names[i] for i in index), tuple(gpus), tuple(index), ps_node, tuple(steps)
+    )
+
+
+def job_script(
+    job: SlurmJob,
+    *,
+    config_file: str,
+    run_dir: str,
+    python: str = "python3",
+    address: Address = "ip",
+    gres: bool = False,
+    shards: int = 1,
+) -> str:
+    """The batch script of `job`: `sbatch` it as it is. `config_file`, `run_dir` and `python` as every node
+    sees them (shared storage); `address`: how a component's address is found ("ip": the first of `hostname
+    -I` on it; "hostname": its Slurm node name, resolved by DNS); `gres`: ask for each node's GPUs
+    (--gres=gpu:N); `shards`: the PS's shard count (each prints "listening on port" once)."""
+    if address not in ADDRESS_MODES:
+        raise UsageError(f"address {address!r}: choose one of {', '.join(ADDRESS_MODES)}")
+    q = shlex.quote
+    lines = [
+        "#!/bin/bash",
+        f"# hetpipe: cluster {job.name} as a Slurm heterogeneous job, one component per node (written by",
+        "# `hetpipe slurm`; docs/clusters.md#slurm). Submit it as it is: sbatch THIS_FILE",
+        f"#SBATCH --job-name=hetpipe-{job.name}",
+        f"#SBATCH --output={run_dir}/logs/slurm-%j.out",
+    ]
+    for c, (node, gpus) in enumerate(zip(job.nodes, job.gpus, strict=True)):
+        if c:
+            lines.append("#SBATCH hetjob")
+        # the whole node: its steps (the PS, a worker per VW or stage) overlap in one task's allocation
+        lines.append(
+            "#SBATCH --nodes=1 --ntasks=1 --exclusive" + (f" --gres=gpu:{gpus}" if gres and gpus else "")
+        )
+        lines.append(f"#   component {c}: config node {node}")
+    lines += _body(job, q(config_file), q(run_dir), q(python), address, gres, shards)
+    return "\n".join(lines) + "\n"
+
+
+def _body(
+    job: SlurmJob, config_file: str, run_dir: str, python: str, address: str, gres: bool, shards: int
+) -> list[str]:
+    """The script after its #SBATCH lines (bash; arguments already quoted)."""
+    het = len(job.nodes) > 1  # one component: a plain job, without --het-group or HET_GROUP variables
+    if address == "ip":
+        group = ' --het-group="$1"' if het else ""
+        find = f"srun{group} --nodes=1 --ntasks=1 --overlap hostname -I | awk '{{print $1}}'"
+    else:
+        nodelist = "$(eval echo \\$SLURM_JOB_NODELIST_HET_GROUP_$1)" if het else "$SLURM_JOB_NODELIST"
+        find = f'scontrol show hostnames "{nodelist}" | head -n 1'
+    out = [
+        "set -euo pipefail",
+        f"RUN_DIR={run_dir}",
+        f"CONFIG={config_file}",
+        f"PY={python}",
+        'mkdir -p "$RUN_DIR/logs"',
+        f"address() {{ {find}; }}",
+        "SETS=()",
+    ]
+    for c, index in enumerate(job.node_index):
+        out.append(f'A{c}=$(address {c}); SETS+=(--set "nodes.{index}.host=$A{c}")')
+        out.append(f'echo "node {job.nodes[c]}: $A{c}"')
+    ps = job.component(job.ps_node) if job.ps_node in job.nodes else 0
+    out.append(f'SETS+=(--set "ps.host=$A{ps}")')
+    out += [
+        "PIDS=()",
+        'stop() { kill -TERM "${PIDS[@]}" 2>/dev/null || true; wait || true; }',
+        "trap 'stop; exit 1' INT TERM",
+    ]
+    servers = [s for s in job.steps if s.server]
+    workers = [s for s in job.steps if not s.server]
+    for s in servers:
+        out.append(
+            _srun(job, s, gres) + ' --config "$CONFIG" "${SETS[@]}" > "$RUN_DIR/logs/' + s.log + '" 2>&1 &'
+        )
+        out.append("PIDS+=($!)")
+    want = shards if len(servers) == 1 else 1
+    logs = " ".join(f'"$RUN_DIR/logs/{s.log}"' for s in servers)
+    out += [
+        f"for _ in $(seq {LISTEN_TIMEOUT_S * 10}); do  # every shard listening, or give up",
+        f"  n=$(cat {logs} 2>/dev/null | grep -c 'listening on port' || true)",
+        f'  [ "$n" -ge {want * len(servers)} ] && break',
+        "  sleep 0.1",
+        "done",
+        f'if [ "$n" -lt {want * len(servers)} ]; then',
+        f'  echo "the PS did not listen within {LISTEN_TIMEOUT_S} s: see $RUN_DIR/logs/server*.log" >&2',
+        "  stop; exit 1",
+        "fi",
+        'SERVERS=("${PIDS[@]}")',
+        "WORKERS=()",
+    ]
+    for s in workers:
+        out.append(
+            _srun(job, s, gres)
+            + ' --config "$CONFIG" --run-dir "$RUN_DIR" "${SETS[@]}" > "$RUN_DIR/logs/'
+            + s.log
+            + '" 2>&1 &'
+        )
+        out += ["WORKERS+=($!)", "PIDS+=($!)"]
+    out += [
+        "status=0",
+        'for _ in "${WORKERS[@]}"; do  # the first worker to fail stops the run',
+        '  if ! wait -n "${WORKERS[@]}"; then',
+        '    status=1; echo "a worker failed: see $RUN_DIR/logs" >&2; break',
+        "  fi",
+        "done",
+        'if [ "$status" -ne 0 ]; then stop; exit 1; fi',
+        'kill -TERM "${SERVERS[@]}"  # the PS checkpoints (when on), then exits',
+        'wait "${SERVERS[@]}" || true',
+        'echo "hetpipe: every worker finished; logs in $RUN_DIR/logs"',
+    ]
+    return out
+
+
+def _srun(job: SlurmJob, step: Step, gres: bool) -> str:
+    """The srun prefix of one step: its node's component, one task (steps overlap: a worker's stages share
+    its node's allocation)."""
+    c = job.component(step.node)
+    group = f" --het-group={c}" if len(job.nodes) > 1 else ""
+    extra = f" --gres=gpu:{job.gpus[c]}" if gres and job.gpus[c] else ""
+    args = " ".join(shlex.quote(a) for a in step.args)
+    return f'srun{group} --nodes=1 --ntasks=1 --overlap{extra} "$PY" -m hetpipe {args}'
