@@ -700,6 +700,35 @@ def plan(
 
 
 @cli.command()
+@_config_option
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="The run's directory (the workers' --run-dir): model.pt and summary.json go there.",
+)
+@click.option(
+    "--wall-s",
+    type=float,
+    required=True,
+    help="The workers' wall time in seconds, which the summary's speed is measured over.",
+)
+@click.option("--eval-device", default="cpu", show_default=True, help="Where to evaluate the final model.")
+@_set_option
+def finish(
+    config_path: Path | None, run_dir: Path, wall_s: float, eval_device: str, settings: tuple[str, ...]
+) -> None:
+    """End a run of `hetpipe server` + `hetpipe worker`s as `hetpipe train` ends one: the final model from the
+    running PS as model.pt, its evaluation and summary.json in the run dir (then stop the PS)."""
+    from hetpipe.app.finish import finish_run
+    from hetpipe.core.runs.metrics import format_summary
+
+    summary = finish_run(_load(config_path, settings), run_dir, wall_s, eval_device)
+    click.echo(format_summary(summary))
+    click.echo(f"wrote {run_dir / 'model.pt'} and {run_dir / 'summary.json'}")
+
+
+@cli.command()
 @click.argument("config_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--plan",

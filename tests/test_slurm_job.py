@@ -3,6 +3,7 @@ data, the batch script's text, and the script run end to end here with stand-ins
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -13,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.parse import parse_config
@@ -182,6 +184,13 @@ def test_the_script_trains_end_to_end_with_stand_ins_for_srun(tmp_path: Path) ->
     assert re.search(r"clock 3\s+c_local \[3, 3\]", (logs / "server.log").read_text())
     for name, stage in (("worker-vw0-s0", "vw0-s0"), ("worker-vw0-s1", "vw0-s1"), ("worker-vw1", "vw1-s0")):
         assert f"{stage} finished 3 waves" in (logs / f"{name}.log").read_text()
+    # it ends as `hetpipe train` does: the PS's final model, evaluated, and the summary
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["waves"] == 3 and summary["virtual_workers"] == 2 and summary["launcher"] == "distributed"
+    assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["samples"] == 3 * 2 * 2 * 16
+    state = torch.load(run_dir / "model.pt")
+    assert sorted(state) and all(not k.startswith("audit/") for k in state)
+    assert "model.pt" in done.stdout and "test_accuracy" in done.stdout
 
 
 @pytest.mark.slow

@@ -4,8 +4,9 @@ testbed's places: hetpipe.core.runs.testbed), and the batch script that starts t
 
 The script runs on the job's first node: it learns each component's address (the node's first address, or
 its Slurm hostname), points the config's nodes and PS at them (`--set`), starts the PS and waits until every
-shard listens, starts the workers, waits for them (stopping everything when one fails), then stops the PS
-with SIGTERM, which checkpoints.
+shard listens, starts the workers and waits for them (stopping everything when one fails), then runs `hetpipe
+finish` (the final model from the PS, evaluated, and the summary, as `hetpipe train` leaves them) and stops
+the PS with SIGTERM, which checkpoints.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def _body(
             + '" 2>&1 &'
         )
         out += ["WORKERS+=($!)", "PIDS+=($!)"]
+    out.insert(out.index("WORKERS=()"), "STARTED=$(date +%s%N)")
     out += [
         "status=0",
         'for _ in "${WORKERS[@]}"; do  # the first worker to fail stops the run',
@@ -185,9 +187,18 @@ def _body(
         "  fi",
         "done",
         'if [ "$status" -ne 0 ]; then stop; exit 1; fi',
+        "WALL_MS=$(( ($(date +%s%N) - STARTED) / 1000000 ))",
+        "# as `hetpipe train` ends: the final model from the PS, evaluated, and the summary",
+        _srun(
+            job,
+            Step(job.ps_node if job.ps_node in job.nodes else job.nodes[0], ("finish",), "", False),
+            False,
+        )
+        + ' --config "$CONFIG" --run-dir "$RUN_DIR" --wall-s "${WALL_MS}e-3" "${SETS[@]}" || status=1',
         'kill -TERM "${SERVERS[@]}"  # the PS checkpoints (when on), then exits',
         'wait "${SERVERS[@]}" || true',
-        'echo "hetpipe: every worker finished; logs in $RUN_DIR/logs"',
+        'echo "hetpipe: every worker finished; model, summary and logs in $RUN_DIR"',
+        'exit "$status"',
     ]
     return out
 
