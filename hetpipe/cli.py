@@ -342,9 +342,14 @@ def worker(
         if join_dir is not None and config_path is None
         else _load(config_path, settings)
     )
-    from hetpipe.core.planning.cluster import check_vw_index
+    import os
+
+    from hetpipe.core.planning.cluster import check_vw_index, vw_gpus
+    from hetpipe.core.runs.roles import stage_of
 
     check_vw_index(config, vw)  # before torch is imported: a wrong --vw is refused at once
+    if stage is None and join_dir is None:  # torchrun or srun with a process per stage: the stage is the rank
+        stage = stage_of(os.environ, vw, len(vw_gpus(config)[vw]))
     from hetpipe.app.startup import PRELOAD
     from hetpipe.core.runs.procs import warm_forkserver
 

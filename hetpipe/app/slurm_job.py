@@ -10,7 +10,7 @@ from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.config.serialize import config_toml
 from hetpipe.core.errors import UsageError
-from hetpipe.core.planning.cluster import allocate
+from hetpipe.core.planning.cluster import vw_gpus
 from hetpipe.core.runs.slurm import Address, job_script, slurm_job
 from hetpipe.core.runs.testbed import layout_overrides
 
@@ -47,17 +47,14 @@ def slurm_files(
         config = apply_overrides(
             config, layout_overrides((lay.gpus, lay.split, lay.nm, lay.batch) for lay in layouts)
         )
-    if config.allocation.policy == "explicit":
-        vw_gpus = [[str(g) for g in vw.gpus] for vw in config.virtual_workers]
-    else:
-        vw_gpus = [[str(g) for g in vw] for vw in allocate(config, config.allocation.policy)]
-    if not vw_gpus:
+    groups = vw_gpus(config)
+    if not groups:
         raise UsageError(
             f"{config.path}: no virtual workers: list [[virtual_workers]] or set [allocation] policy"
         )
     run_dir = run_dir.resolve()
     config_path = run_dir / "cluster.toml"
-    job = slurm_job(config, vw_gpus, ps_node)
+    job = slurm_job(config, groups, ps_node)
     script = job_script(
         job,
         config_file=str(config_path),

@@ -15,6 +15,7 @@ __all__ = [
     "check_vw_index",
     "vw_capacity",
     "vw_count",
+    "vw_gpus",
 ]
 
 # A validated config, or just its GPU types and nodes (enough for every policy but "explicit").
@@ -192,9 +193,15 @@ _POLICY_FUNCTIONS: dict[str, Callable[[_Parts, int | None], list[list[GpuRef]]]]
 
 def vw_count(config: ClusterConfig) -> int:
     """How many virtual workers the config makes: those it lists, or its allocation policy's groups."""
+    return len(vw_gpus(config))
+
+
+def vw_gpus(config: ClusterConfig) -> list[list[str]]:
+    """Each virtual worker's GPUs ("node:index", in stage order): those the config lists, or its allocation
+    policy's groups."""
     if config.allocation.policy != "explicit":
-        return len(allocate(config, config.allocation.policy))
-    return len(config.virtual_workers)
+        return [[str(g) for g in vw] for vw in allocate(config, config.allocation.policy)]
+    return [[str(g) for g in vw.gpus] for vw in config.virtual_workers]
 
 
 def check_vw_index(config: ClusterConfig, vw: int) -> None:
