@@ -41,6 +41,7 @@ port = PORT
 [wsp]
 staleness = 0
 nm = 2
+pull = "exact"
 [checkpoint]
 dir = ""
 [model]
@@ -191,6 +192,19 @@ def test_the_script_trains_end_to_end_with_stand_ins_for_srun(tmp_path: Path) ->
     state = torch.load(run_dir / "model.pt")
     assert sorted(state) and all(not k.startswith("audit/") for k in state)
     assert "model.pt" in done.stdout and "test_accuracy" in done.stdout
+    # the same model, bit for bit, as `hetpipe train` of the same config on one machine (exact pulls)
+    local = tmp_path / "local"
+    trained = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "train", str(run_dir / "cluster.toml"), "--run-dir", str(local)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert trained.returncode == 0, trained.stderr
+    want = torch.load(local / "model.pt")
+    assert sorted(state) == sorted(want) and all(torch.equal(state[k], want[k]) for k in want)
+    assert summary["test_accuracy"] == json.loads((local / "summary.json").read_text())["test_accuracy"]
 
 
 @pytest.mark.slow
