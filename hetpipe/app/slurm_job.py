@@ -63,5 +63,6 @@ def slurm_files(
         address=address,
         gres=(not config.emulation.enabled) if gres is None else gres,
         shards=config.ps.shards,
+        evict=config.ps.on_vw_failure == "evict",
     )
     return SlurmFiles(run_dir / "job.sbatch", script, config_path, config_toml(config))

@@ -91,11 +91,14 @@ def job_script(
     address: Address = "ip",
     gres: bool = False,
     shards: int = 1,
+    evict: bool = False,
 ) -> str:
     """The batch script of `job`: `sbatch` it as it is. `config_file`, `run_dir` and `python` as every node
     sees them (shared storage); `address`: how a component's address is found ("ip": the first of `hostname
     -I` on it; "hostname": its Slurm node name, resolved by DNS); `gres`: ask for each node's GPUs
-    (--gres=gpu:N); `shards`: the PS's shard count (each prints "listening on port" once)."""
+    (--gres=gpu:N); `shards`: the PS's shard count (each prints "listening on port" once); `evict`: the
+    config's on_vw_failure is "evict", so a failed worker leaves the others going (and its VW can be started
+    again into the job: the script prints the srun to do it) instead of stopping the job."""
     if address not in ADDRESS_MODES:
         raise UsageError(f"address {address!r}: choose one of {', '.join(ADDRESS_MODES)}")
     q = shlex.quote
@@ -114,12 +117,19 @@ def job_script(
             "#SBATCH --nodes=1 --ntasks=1 --exclusive" + (f" --gres=gpu:{gpus}" if gres and gpus else "")
         )
         lines.append(f"#   component {c}: config node {node}")
-    lines += _body(job, q(config_file), q(run_dir), q(python), address, gres, shards)
+    lines += _body(job, q(config_file), q(run_dir), q(python), address, gres, shards, evict)
     return "\n".join(lines) + "\n"
 
 
 def _body(
-    job: SlurmJob, config_file: str, run_dir: str, python: str, address: str, gres: bool, shards: int
+    job: SlurmJob,
+    config_file: str,
+    run_dir: str,
+    python: str,
+    address: str,
+    gres: bool,
+    shards: int,
+    evict: bool,
 ) -> list[str]:
     """The script after its #SBATCH lines (bash; arguments already quoted)."""
     het = len(job.nodes) > 1  # one component: a plain job, without --het-group or HET_GROUP variables
@@ -170,23 +180,16 @@ def _body(
         'SERVERS=("${PIDS[@]}")',
         "WORKERS=()",
     ]
+    out.insert(out.index("WORKERS=()"), "declare -A STEP WHOLE  # pid -> the step (and whether a whole VW)")
     for s in workers:
-        out.append(
-            _srun(job, s, gres)
-            + ' --config "$CONFIG" --run-dir "$RUN_DIR" "${SETS[@]}" > "$RUN_DIR/logs/'
-            + s.log
-            + '" 2>&1 &'
-        )
-        out += ["WORKERS+=($!)", "PIDS+=($!)"]
+        command = _srun(job, s, gres) + ' --config "$CONFIG" --run-dir "$RUN_DIR" "${SETS[@]}"'
+        out.append(command + ' > "$RUN_DIR/logs/' + s.log + '" 2>&1 &')
+        shown = command.replace('"', "")  # expanded when assigned: a command to copy
+        whole = "--stage" not in s.args  # a whole VW rejoins when started again; one stage of it cannot yet
+        out += ["WORKERS+=($!)", "PIDS+=($!)", f'STEP[$!]="{shown}"; WHOLE[$!]={int(whole)}']
     out.insert(out.index("WORKERS=()"), "STARTED=$(date +%s%N)")
+    out += ["status=0", "failed=0"] + (_wait_evicting() if evict else _wait_stopping())
     out += [
-        "status=0",
-        'for _ in "${WORKERS[@]}"; do  # the first worker to fail stops the run',
-        '  if ! wait -n "${WORKERS[@]}"; then',
-        '    status=1; echo "a worker failed: see $RUN_DIR/logs" >&2; break',
-        "  fi",
-        "done",
-        'if [ "$status" -ne 0 ]; then stop; exit 1; fi',
         "WALL_MS=$(( ($(date +%s%N) - STARTED) / 1000000 ))",
         "# as `hetpipe train` ends: the final model from the PS, evaluated, and the summary",
         _srun(
@@ -201,6 +204,36 @@ def _body(
         'exit "$status"',
     ]
     return out
+
+
+def _wait_stopping() -> list[str]:
+    """Wait for the workers; the first to fail stops the job."""
+    return [
+        'for _ in "${WORKERS[@]}"; do',
+        '  if ! wait -n -p DONE "${WORKERS[@]}"; then',
+        '    echo "failed: ${STEP[$DONE]}; stopping the job" >&2; stop; exit 1',
+        "  fi",
+        "done",
+    ]
+
+
+def _wait_evicting() -> list[str]:
+    """Wait for every worker; one that fails is evicted by the PS and the others go on (on_vw_failure =
+    "evict"); the job fails only when every worker did. `hetpipe finish` then waits for a VW started
+    again."""
+    return [
+        'for _ in "${WORKERS[@]}"; do',
+        '  if ! wait -n -p DONE "${WORKERS[@]}"; then',
+        "    failed=$((failed + 1))",
+        '    echo "failed: ${STEP[$DONE]}; the PS evicts its VW and the others go on" >&2',
+        '    if [ "${WHOLE[$DONE]}" = 1 ]; then',
+        '      echo "start it again into this job (it rejoins):"'
+        ' "srun --jobid=$SLURM_JOB_ID ${STEP[$DONE]#srun }" >&2',
+        "    fi",
+        "  fi",
+        "done",
+        'if [ "$failed" -eq "${#WORKERS[@]}" ]; then echo "every worker failed" >&2; stop; exit 1; fi',
+    ]
 
 
 def _srun(job: SlurmJob, step: Step, gres: bool) -> str:
