@@ -10,6 +10,12 @@ extras='[test]'
 [ "${1:-}" = "--runtime" ] && extras=''
 "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "hetpipe needs Python >= 3.11 (tomllib); set PYTHON=python3.11")'
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# A real Slurm for the tests of launch/slurm_testbed.py (which starts the daemons itself; no init needed)
+if [ "${CI:-}" = true ] && [ "$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends slurm-wlm munge \
+    || { apt-get update -q && apt-get install -y -q --no-install-recommends slurm-wlm munge; }
+fi
 stamp=.venv/.hetpipe-setup
 want="$(cat setup.cfg pyproject.toml launch/setup.sh | sha256sum | cut -c1-16) ${extras:-runtime}"
 quick='import importlib.metadata as m, zmq, msgpack, hetpipe; print("hetpipe", hetpipe.__version__, "| torch", m.version("torch"), "| zmq", zmq.zmq_version())'

@@ -5,6 +5,7 @@ evaluation, summary.json and the final metrics line, in the run directory."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from hetpipe.app.progress import Progress
 from hetpipe.app.train_summary import run_summary
 from hetpipe.compute.build import model_of, vw_layouts
 from hetpipe.core.config.schema import ClusterConfig
-from hetpipe.core.errors import UsageError
+from hetpipe.core.errors import HetpipeError, UsageError
 from hetpipe.core.protocol.keys import ADMIN, client_keys
 from hetpipe.core.runs.metrics import MetricsWriter
 from hetpipe.worker.ps_client import PSClient
@@ -21,12 +22,29 @@ from hetpipe.worker.ps_client import PSClient
 __all__ = ["finish_run"]
 
 
+def _until_done(ps: PSClient, waves: int, wait_s: float) -> None:
+    """Wait until every shard has every live VW at `waves` completed waves; HetpipeError after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        behind = sorted({v for info in ps.status() for v in info["live"] if info["c_local"][v] < waves})
+        if not behind:
+            return
+        if time.monotonic() > deadline:
+            raise HetpipeError(
+                f"vw {', '.join(map(str, behind))} still short of {waves} waves after {wait_s:.0f} s: is its "
+                'worker running? (the PS evicts a VW whose worker died when on_vw_failure = "evict")'
+            )
+        time.sleep(1.0)
+
+
 def finish_run(
-    config: ClusterConfig, run_dir: Path, wall_s: float, eval_device: str = "cpu"
+    config: ClusterConfig, run_dir: Path, wall_s: float, eval_device: str = "cpu", wait_s: float = 600.0
 ) -> dict[str, Any]:
-    """Read the final weights from the PS (which must still run), save model.pt, evaluate it and write
-    summary.json; returns the summary. `wall_s`: the workers' wall time, which the speed is measured over (the
-    workers report no per-minibatch events to a launcher here, so the summary's speed is samples / wall)."""
+    """Once every VW the PS counts live has completed the run's waves (a VW that rejoined after an eviction
+    may still be at work; at most `wait_s`), read the final weights from the PS (which must still run), save
+    model.pt, evaluate it and write summary.json; returns the summary. `wall_s`: the workers' wall time, which
+    the speed is measured over (the workers report no per-minibatch events to a launcher here, so the
+    summary's speed is samples / wall)."""
     if wall_s <= 0:
         raise UsageError(f"--wall-s {wall_s}: give the workers' wall time in seconds, > 0")
     if config.ps.auth == "curve" and not config.ps.keys_dir:
@@ -41,6 +59,7 @@ def finish_run(
         config.ps_endpoints(), config.name, 0, 0, len(vws), 1, {}, timeout_s=60, retry_s=1, curve=admin
     )
     with client as ps:
+        _until_done(ps, config.train.waves, wait_s)
         final, infos = ps.read_each()
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = run_summary(

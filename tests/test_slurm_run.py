@@ -1,0 +1,102 @@
+"""`hetpipe slurm`'s job on a real Slurm (launch/slurm_testbed.py: one slurmd per node of the config, each in
+its own network namespace with its own address and hostname): it trains the model `hetpipe train` trains, bit
+for bit, and leaves the same outputs. Root only; slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from test_slurm_job import CONFIG  # noqa: E402  (the stand-in test's cluster: the same job, here for real)
+from test_slurm_testbed import skip_reason  # noqa: E402
+
+SCRIPT = ROOT / "launch" / "slurm_testbed.py"
+# three nodes, one component each: VW 0 over n0 and n1, VW 1 on n2, the PS on n0
+THREE_NODES = CONFIG.replace('gpus = ["n1:1"]', 'gpus = ["n2:0"]')
+
+
+@pytest.fixture(scope="module")
+def slurm_conf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A Slurm testbed of the three-node config for this module: (SLURM_CONF, the config); torn down after."""
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    folder = tmp_path_factory.mktemp("slurm")
+    config = folder / "three.toml"
+    config.write_text(THREE_NODES.replace("PORT", "7750").replace("OUT", str(folder / "runs")))
+    run = f"j{os.getpid() % 16**7:x}"
+    up = subprocess.run(
+        [sys.executable, str(SCRIPT), "up", str(config), "--run", run, "--scale", "1"],
+        capture_output=True,
+        text=True,
+        timeout=700,
+        check=False,
+    )
+    try:
+        assert up.returncode == 0, f"the Slurm testbed did not come up:\n{up.stderr}"
+        yield f"/run/hetpipe-slurm/{run}/slurm.conf", config
+    finally:
+        subprocess.run([sys.executable, str(SCRIPT), "down", "--run", run], timeout=120, check=False)
+
+
+def sbatch_wait(script: Path, conf: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SLURM_CONF": conf, "GLOO_SOCKET_IFNAME": "hpnet"}  # the nodes' own interface
+    return subprocess.run(
+        ["sbatch", "--wait", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_slurm_job_trains_hetpipe_trains_model_bit_for_bit(slurm_conf, tmp_path: Path) -> None:
+    conf, config = slurm_conf
+    run_dir = tmp_path / "run"
+    made = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "slurm", str(config), "--run-dir", str(run_dir), "--no-gres"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    started = time.monotonic()
+    done = sbatch_wait(run_dir / "job.sbatch", conf)
+    outs = list((run_dir / "logs").glob("slurm-*.out"))
+    assert len(outs) == 1, done.stdout + done.stderr
+    (out,) = outs
+    text = out.read_text()
+    assert done.returncode == 0, done.stdout + done.stderr + text
+    print(f"job: {time.monotonic() - started:.1f} s")
+    # every node's own address, and each worker on its node
+    assert "node n0: 10.77.0.2" in text and "node n1: 10.77.0.3" in text and "node n2: 10.77.0.4" in text
+    logs = run_dir / "logs"
+    for name, stage in (("worker-vw0-s0", "vw0-s0"), ("worker-vw0-s1", "vw0-s1"), ("worker-vw1", "vw1-s0")):
+        assert f"{stage} finished 3 waves" in (logs / f"{name}.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    local = tmp_path / "local"
+    trained = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "train", str(run_dir / "cluster.toml"), "--run-dir", str(local)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert trained.returncode == 0, trained.stderr
+    got, want = torch.load(run_dir / "model.pt"), torch.load(local / "model.pt")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert summary["test_accuracy"] == json.loads((local / "summary.json").read_text())["test_accuracy"]
