@@ -100,3 +100,78 @@ def test_the_slurm_job_trains_hetpipe_trains_model_bit_for_bit(slurm_conf, tmp_p
     got, want = torch.load(run_dir / "model.pt"), torch.load(local / "model.pt")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert summary["test_accuracy"] == json.loads((local / "summary.json").read_text())["test_accuracy"]
+
+
+def slurm_out(argv: list[str], conf: str) -> str:
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, env={**os.environ, "SLURM_CONF": conf}, check=False
+    )
+    assert done.returncode == 0, f"{' '.join(argv)}: {done.stderr}"
+    return done.stdout
+
+
+def wait_for(what: str, ready, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_cancelled_vw_step_is_evicted_the_others_go_on_and_it_rejoins(slurm_conf, tmp_path: Path) -> None:
+    """Under on_vw_failure = "evict": `scancel` of VW 1's step (on n2) evicts VW 1 and VW 0 goes on; the srun
+    the job prints starts VW 1 again into the job, it rejoins at a wave boundary, and the job ends with every
+    live VW at the last wave and the model, as a run without the failure."""
+    conf, config = slurm_conf
+    run_dir = tmp_path / "run"
+    settings = ["ps.on_vw_failure=evict", "ps.heartbeat_s=0.5", "ps.hung_after_s=3", "train.waves=1500"]
+    made = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "slurm", str(config), "--run-dir", str(run_dir), "--no-gres"]
+        + [arg for s in settings for arg in ("--set", s)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    env = {**os.environ, "SLURM_CONF": conf, "GLOO_SOCKET_IFNAME": "hpnet"}
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(run_dir / "job.sbatch")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    logs = run_dir / "logs"
+    server = logs / "server.log"
+    wait_for("clock 20 at the PS", lambda: server.exists() and "clock 20 " in server.read_text(), 180)
+    steps = slurm_out(["squeue", "--steps", "--noheader", "--format=%i %N"], conf).split()
+    on_n2 = [steps[i] for i in range(0, len(steps), 2) if steps[i + 1] == "n2"]
+    assert len(on_n2) == 1, steps  # VW 1's worker is the only step left on n2
+    slurm_out(["scancel", on_n2[0]], conf)
+    (out,) = logs.glob("slurm-*.out")
+    wait_for(
+        "the job's word on the failed step", lambda: "start it again into this job" in out.read_text(), 120
+    )
+    again = out.read_text().split("start it again into this job (it rejoins): ")[1].splitlines()[0]
+    assert again.startswith(f"srun --jobid={job} ") and "--vw 1 " in again
+    with open(tmp_path / "again.log", "w") as log:
+        rejoin = subprocess.Popen(again.split(), stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(
+            "the job's end", lambda: job not in slurm_out(["squeue", "--noheader", "--format=%i"], conf), 600
+        )
+        assert rejoin.wait(timeout=60) == 0, (tmp_path / "again.log").read_text()
+    finally:
+        if rejoin.poll() is None:
+            rejoin.kill()
+    text = out.read_text()
+    assert "every worker finished" in text and (run_dir / "model.pt").exists(), text
+    assert "rejoining at wave" in (tmp_path / "again.log").read_text()
+    assert "finished 1500 waves" in (tmp_path / "again.log").read_text()
+    assert "evict" in server.read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["waves"] == 1500 and 0.0 <= summary["test_accuracy"] <= 1.0
