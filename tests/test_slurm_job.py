@@ -195,7 +195,7 @@ def test_the_script_trains_end_to_end_with_stand_ins_for_srun(tmp_path: Path) ->
     # the same model, bit for bit, as `hetpipe train` of the same config on one machine (exact pulls)
     local = tmp_path / "local"
     trained = subprocess.run(
-        [sys.executable, "-m", "hetpipe", "train", str(run_dir / "cluster.toml"), "--run-dir", str(local)],
+        [sys.executable, "-m", "hetpipe", "train", str(run_dir / "config.toml"), "--run-dir", str(local)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -205,6 +205,10 @@ def test_the_script_trains_end_to_end_with_stand_ins_for_srun(tmp_path: Path) ->
     want = torch.load(local / "model.pt")
     assert sorted(state) == sorted(want) and all(torch.equal(state[k], want[k]) for k in want)
     assert summary["test_accuracy"] == json.loads((local / "summary.json").read_text())["test_accuracy"]
+    exported = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "export", str(run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert exported.returncode == 0 and (run_dir / "model-module.pt").exists(), exported.stderr
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def test_the_slurm_job_trains_hetpipe_trains_model_bit_for_bit(slurm_conf, tmp_p
     summary = json.loads((run_dir / "summary.json").read_text())
     local = tmp_path / "local"
     trained = subprocess.run(
-        [sys.executable, "-m", "hetpipe", "train", str(run_dir / "cluster.toml"), "--run-dir", str(local)],
+        [sys.executable, "-m", "hetpipe", "train", str(run_dir / "config.toml"), "--run-dir", str(local)],
         capture_output=True,
         text=True,
         timeout=240,

@@ -53,7 +53,7 @@ def slurm_files(
             f"{config.path}: no virtual workers: list [[virtual_workers]] or set [allocation] policy"
         )
     run_dir = run_dir.resolve()
-    config_path = run_dir / "cluster.toml"
+    config_path = run_dir / "config.toml"  # as `hetpipe train` names it: export and --join read it
     job = slurm_job(config, groups, ps_node)
     script = job_script(
         job,
