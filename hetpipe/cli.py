@@ -323,6 +323,11 @@ def export(run_dir: Path, out_path: Path | None) -> None:
     default=None,
     help="Join the running `hetpipe train` of this run dir (its PS, keys and config.toml unless --config).",
 )
+@click.option(
+    "--audit",
+    is_flag=True,
+    help="Carry a tagged-update ledger (give it to every worker of the run; `hetpipe finish` checks it).",
+)
 @_profile_option
 @_set_option
 def worker(
@@ -331,6 +336,7 @@ def worker(
     stage: int | None,
     run_dir: Path | None,
     join_dir: Path | None,
+    audit: bool,
     profile: ProfileWindow | None,
     settings: tuple[str, ...],
 ) -> None:
@@ -356,7 +362,7 @@ def worker(
     warm_forkserver(PRELOAD)  # its stages fork ready, as under `hetpipe train`
     from hetpipe.worker.run import run_worker
 
-    run_worker(config, vw, stage, run_dir, join_dir, profile)
+    run_worker(config, vw, stage, run_dir, join_dir, profile, audit)
 
 
 @cli.command()

@@ -58,6 +58,7 @@ def worker_jobs(
     join: Path | None = None,
     start_wave: int = 0,
     profile: ProfileWindow | None = None,
+    audit: bool = False,
 ) -> list[StageJob]:
     """The stage jobs of VW `vw` for a multi-machine run: the PS at [ps] host:port+i, the VW's P2P
     rendezvous on its first GPU's node at ps.port + 100 + vw (open these ports between the machines). With
@@ -67,7 +68,9 @@ def worker_jobs(
     host, port = (
         ("127.0.0.1", free_port()) if join else (config.node(first_node).host, config.ps.port + 100 + vw)
     )
-    audit = bool(join and _joined(join).get("audit"))  # the run's stages carry ledgers: this VW's must too
+    # the run's stages carry ledgers (every worker of a run started with --audit, or a joined `hetpipe train
+    # --audit`): this VW's must too
+    audit = audit or bool(join and _joined(join).get("audit"))
     return stage_jobs(
         config,
         vws,
@@ -163,9 +166,12 @@ def run_worker(
     run_dir: Path | None,
     join: Path | None = None,
     profile: ProfileWindow | None = None,
+    audit: bool = False,
 ) -> None:
     """Run one VW's stages (or one stage) against a running PS; owned children, logs in run_dir (and with
-    `profile` each stage's op profile in run_dir/profile, as `hetpipe train --profile` writes it)."""
+    `profile` each stage's op profile in run_dir/profile, as `hetpipe train --profile` writes it). `audit`:
+    the stages carry tagged-update ledgers (every worker of the run must; `hetpipe finish` then checks the
+    PS's final ledgers)."""
     _checked_vws(config, vw)  # before anything waits on the PS
     if profile is not None:
         profile.check_fits(config.train.waves, config.wsp.nm)
@@ -173,7 +179,7 @@ def run_worker(
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     endpoints, keys = _endpoints(config, join), _keys(config, vw, join)
     start = join_wave(config, vw, endpoints, keys, say) if stage is None else 0
-    jobs = worker_jobs(config, vw, run_dir, join, start, profile)
+    jobs = worker_jobs(config, vw, run_dir, join, start, profile, audit)
     if stage is not None:
         if not 0 <= stage < len(jobs):
             raise UsageError(
