@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,31 @@ exec /bin/hostname "$@"
 """
 
 
+def assert_trains_as_hetpipe_train(run_dir: Path, local: Path) -> None:
+    """The run in `run_dir` left the model `hetpipe train` of its config.toml trains on one machine, bit for
+    bit (exact pulls), and the same accuracy."""
+    trained = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "train", str(run_dir / "config.toml"), "--run-dir", str(local)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert trained.returncode == 0, trained.stderr
+    got, want = torch.load(run_dir / "model.pt"), torch.load(local / "model.pt")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    accuracy = json.loads((local / "summary.json").read_text())["test_accuracy"]
+    assert json.loads((run_dir / "summary.json").read_text())["test_accuracy"] == accuracy
+
+
+def wait_for(what: str, ready: Callable[[], bool], timeout_s: float) -> None:
+    """Poll `ready` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.3)
+
+
 def written_script(tmp_path: Path, port: int) -> tuple[Path, dict[str, str]]:
     """`hetpipe slurm`'s script for the test config, and an environment whose srun and hostname are the
     stand-ins."""
@@ -192,19 +218,7 @@ def test_the_script_trains_end_to_end_with_stand_ins_for_srun(tmp_path: Path) ->
     state = torch.load(run_dir / "model.pt")
     assert sorted(state) and all(not k.startswith("audit/") for k in state)
     assert "model.pt" in done.stdout and "test_accuracy" in done.stdout
-    # the same model, bit for bit, as `hetpipe train` of the same config on one machine (exact pulls)
-    local = tmp_path / "local"
-    trained = subprocess.run(
-        [sys.executable, "-m", "hetpipe", "train", str(run_dir / "config.toml"), "--run-dir", str(local)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert trained.returncode == 0, trained.stderr
-    want = torch.load(local / "model.pt")
-    assert sorted(state) == sorted(want) and all(torch.equal(state[k], want[k]) for k in want)
-    assert summary["test_accuracy"] == json.loads((local / "summary.json").read_text())["test_accuracy"]
+    assert_trains_as_hetpipe_train(run_dir, tmp_path / "local")
     exported = subprocess.run(
         [sys.executable, "-m", "hetpipe", "export", str(run_dir)], capture_output=True, text=True, timeout=120
     )

@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_slurm_job import CONFIG  # noqa: E402  (the stand-in test's cluster: the same job, here for real)
+from test_slurm_job import CONFIG, assert_trains_as_hetpipe_train, wait_for  # noqa: E402
 from test_slurm_testbed import skip_reason  # noqa: E402
 
 SCRIPT = ROOT / "launch" / "slurm_testbed.py"
@@ -87,19 +86,7 @@ def test_the_slurm_job_trains_hetpipe_trains_model_bit_for_bit(slurm_conf, tmp_p
     logs = run_dir / "logs"
     for name, stage in (("worker-vw0-s0", "vw0-s0"), ("worker-vw0-s1", "vw0-s1"), ("worker-vw1", "vw1-s0")):
         assert f"{stage} finished 3 waves" in (logs / f"{name}.log").read_text()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    local = tmp_path / "local"
-    trained = subprocess.run(
-        [sys.executable, "-m", "hetpipe", "train", str(run_dir / "config.toml"), "--run-dir", str(local)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert trained.returncode == 0, trained.stderr
-    got, want = torch.load(run_dir / "model.pt"), torch.load(local / "model.pt")
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    assert summary["test_accuracy"] == json.loads((local / "summary.json").read_text())["test_accuracy"]
+    assert_trains_as_hetpipe_train(run_dir, tmp_path / "local")
 
 
 def slurm_out(argv: list[str], conf: str) -> str:
@@ -108,13 +95,6 @@ def slurm_out(argv: list[str], conf: str) -> str:
     )
     assert done.returncode == 0, f"{' '.join(argv)}: {done.stderr}"
     return done.stdout
-
-
-def wait_for(what: str, ready, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
-        time.sleep(0.5)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_slurm_job import wait_for  # noqa: E402
 from test_testbed import needs_testbed, run_id  # noqa: E402
 
 CONFIG = """name = "trun"
@@ -64,13 +65,6 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 def in_node(run: str, node: str, argv: list[str]) -> list[str]:
     """`argv` in the testbed node's namespace, gloo on the node's own interface."""
     return ["ip", "netns", "exec", f"hp-{run}-{node}", "env", "GLOO_SOCKET_IFNAME=hpnet", *argv]
-
-
-def wait_for(what: str, ready, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
-        time.sleep(0.3)
 
 
 @pytest.mark.slow
