@@ -158,36 +158,20 @@ def _body(
         'stop() { kill -TERM "${PIDS[@]}" 2>/dev/null || true; wait || true; }',
         "trap 'stop; exit 1' INT TERM",
     ]
-    servers = [s for s in job.steps if s.server]
     workers = [s for s in job.steps if not s.server]
-    for s in servers:
-        out.append(
-            _srun(job, s, gres) + ' --config "$CONFIG" "${SETS[@]}" > "$RUN_DIR/logs/' + s.log + '" 2>&1 &'
-        )
-        out.append("PIDS+=($!)")
-    want = shards if len(servers) == 1 else 1
-    logs = " ".join(f'"$RUN_DIR/logs/{s.log}"' for s in servers)
+    out += _start_servers(job, gres, shards)
     out += [
-        f"for _ in $(seq {LISTEN_TIMEOUT_S * 10}); do  # every shard listening, or give up",
-        f"  n=$(cat {logs} 2>/dev/null | grep -c 'listening on port' || true)",
-        f'  [ "$n" -ge {want * len(servers)} ] && break',
-        "  sleep 0.1",
-        "done",
-        f'if [ "$n" -lt {want * len(servers)} ]; then',
-        f'  echo "the PS did not listen within {LISTEN_TIMEOUT_S} s: see $RUN_DIR/logs/server*.log" >&2',
-        "  stop; exit 1",
-        "fi",
         'SERVERS=("${PIDS[@]}")',
+        "STARTED=$(date +%s%N)",
+        "declare -A STEP WHOLE  # pid -> the step (and whether a whole VW)",
         "WORKERS=()",
     ]
-    out.insert(out.index("WORKERS=()"), "declare -A STEP WHOLE  # pid -> the step (and whether a whole VW)")
     for s in workers:
         command = _srun(job, s, gres) + ' --config "$CONFIG" --run-dir "$RUN_DIR" "${SETS[@]}"'
         out.append(command + ' > "$RUN_DIR/logs/' + s.log + '" 2>&1 &')
         shown = command.replace('"', "")  # expanded when assigned: a command to copy
         whole = "--stage" not in s.args  # a whole VW rejoins when started again; one stage of it cannot yet
         out += ["WORKERS+=($!)", "PIDS+=($!)", f'STEP[$!]="{shown}"; WHOLE[$!]={int(whole)}']
-    out.insert(out.index("WORKERS=()"), "STARTED=$(date +%s%N)")
     out += ["status=0", "failed=0"] + (_wait_evicting() if evict else _wait_stopping())
     out += [
         "WALL_MS=$(( ($(date +%s%N) - STARTED) / 1000000 ))",
@@ -204,6 +188,30 @@ def _body(
         'exit "$status"',
     ]
     return out
+
+
+def _start_servers(job: SlurmJob, gres: bool, shards: int) -> list[str]:
+    """Start the PS steps, then wait until every shard listens (LISTEN_TIMEOUT_S at most)."""
+    servers = [s for s in job.steps if s.server]
+    out = []
+    for s in servers:
+        out.append(
+            _srun(job, s, gres) + ' --config "$CONFIG" "${SETS[@]}" > "$RUN_DIR/logs/' + s.log + '" 2>&1 &'
+        )
+        out.append("PIDS+=($!)")
+    want = (shards if len(servers) == 1 else 1) * len(servers)
+    logs = " ".join(f'"$RUN_DIR/logs/{s.log}"' for s in servers)
+    return out + [
+        f"for _ in $(seq {LISTEN_TIMEOUT_S * 10}); do  # every shard listening, or give up",
+        f"  n=$(cat {logs} 2>/dev/null | grep -c 'listening on port' || true)",
+        f'  [ "$n" -ge {want} ] && break',
+        "  sleep 0.1",
+        "done",
+        f'if [ "$n" -lt {want} ]; then',
+        f'  echo "the PS did not listen within {LISTEN_TIMEOUT_S} s: see $RUN_DIR/logs/server*.log" >&2',
+        "  stop; exit 1",
+        "fi",
+    ]
 
 
 def _wait_stopping() -> list[str]:
