@@ -785,6 +785,7 @@ def slurm(
     """Write a Slurm batch script that trains CONFIG_PATH on the nodes Slurm gives it: a heterogeneous job,
     one component per node (docs/clusters.md#slurm). Submit it with `sbatch`."""
     from hetpipe.app.slurm_job import slurm_files
+    from hetpipe.core.errors import UsageError
 
     config = _load(config_path, settings)
     run_dir = run_dir or Path("runs") / f"slurm-{config.name}"
@@ -794,6 +795,12 @@ def slurm(
     if dry_run:
         click.echo(files.script, nl=False)
         return
+    ran = [n for n in ("model.pt", "summary.json", "logs") if (files.config_path.parent / n).exists()]
+    if ran:
+        raise UsageError(
+            f"{files.config_path.parent} already holds a run ({', '.join(ran)}): give another --run-dir, or "
+            "remove that one"
+        )
     files.config_path.parent.mkdir(parents=True, exist_ok=True)
     (files.config_path.parent / "logs").mkdir(exist_ok=True)
     files.config_path.write_text(files.config)

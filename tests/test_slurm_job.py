@@ -126,6 +126,18 @@ def test_the_script_asks_for_each_node_and_runs_each_step_on_its_component(tmp_p
         job_script(job, config_file="c", run_dir="r", address="dns")  # type: ignore[arg-type]
 
 
+def test_hetpipe_slurm_writes_the_script_and_config_and_never_over_a_run(tmp_path: Path) -> None:
+    _, path = config_of(tmp_path)
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "hetpipe", "slurm", str(path), "--run-dir", str(run_dir)]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert first.returncode == 0, first.stderr
+    assert (run_dir / "job.sbatch").read_text().startswith("#!/bin/bash")
+    assert 'virtual_workers = [{ gpus = ["n0:0", "n1:0"] }' in (run_dir / "config.toml").read_text()
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert again.returncode == 2 and "already holds a run (logs)" in again.stderr, again.stderr
+
+
 def test_one_node_is_a_plain_job_without_het_groups(tmp_path: Path) -> None:
     config, _ = config_of(tmp_path)
     job = slurm_job(config, [["n1:0", "n1:1"]], ps_node="n1")
