@@ -130,11 +130,17 @@ def _run_config(run_dir: Path, settings: tuple[str, ...]):
     "--shard", type=int, default=None, help="Serve only this shard (default: all, as child processes)."
 )
 def server(config_path: Path | None, settings: tuple[str, ...], shard: int | None) -> None:
-    """Run the parameter server of a cluster config (Ctrl-C or SIGTERM checkpoints, then stops)."""
+    """Run the parameter server of a cluster config (Ctrl-C or SIGTERM checkpoints, then stops). Under
+    torchrun or an srun step of one task per shard, each process serves the shard of its rank."""
+    import os
+
+    from hetpipe.core.runs.roles import shard_of
     from hetpipe.server.jobs import shard_jobs
     from hetpipe.server.launch import serve_all, serve_job
 
     config = _load(config_path, settings)
+    if shard is None:
+        shard = shard_of(os.environ, config.ps.shards)
     if shard is None:
         serve_all(config)
     else:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hetpipe.core.errors import UsageError
-from hetpipe.core.runs.roles import Launch, launch_of, stage_of
+from hetpipe.core.runs.roles import Launch, launch_of, shard_of, stage_of
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "r1", "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}
 SRUN = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "4", "SLURM_PROCID": "1", "SLURM_NTASKS": "3"}
@@ -20,6 +20,9 @@ SRUN = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "4", "SLURM_PROCID": "1", "SLURM_N
 def test_torchrun_and_srun_steps_say_the_rank_and_the_batch_script_says_nothing() -> None:
     assert launch_of(TORCHRUN) == Launch("torchrun", 2, 3)
     assert launch_of(SRUN) == Launch("srun", 1, 3)
+    assert launch_of({**SRUN, "SLURM_STEP_NUM_TASKS": "2"}) == Launch(
+        "srun", 1, 2
+    )  # the step's, not the job's
     assert launch_of({**SRUN, "SLURM_STEP_ID": "batch"}) is None  # the batch script: no step of its own
     assert launch_of({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) is None
     assert launch_of({}) is None
@@ -55,3 +58,24 @@ def test_hetpipe_worker_under_torchrun_refuses_a_task_count_that_is_not_its_stag
     )
     assert done.returncode == 2, done.stderr
     assert "torchrun started 3 processes but vw 0 has 2 stages" in done.stderr
+
+
+def test_a_process_per_shard_serves_its_rank_and_a_wrong_count_is_refused() -> None:
+    assert shard_of(TORCHRUN, 3) == 2 and shard_of(SRUN, 3) == 1
+    assert shard_of({}, 3) is None and shard_of({**SRUN, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, 3) is None
+    with pytest.raises(UsageError, match=r"srun started 3 processes but the PS has 2 shards.*--ntasks = 2"):
+        shard_of(SRUN, 2)
+
+
+def test_hetpipe_server_under_srun_refuses_a_task_count_that_is_not_its_shards() -> None:
+    config = Path(__file__).resolve().parents[1] / "hetpipe" / "clusters" / "local.toml"
+    done = subprocess.run(
+        [sys.executable, "-m", "hetpipe", "server", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **SRUN},  # 3 tasks; local.toml's PS has fewer shards
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "srun started 3 processes but the PS has" in done.stderr

@@ -1,4 +1,4 @@
-"""Which stage of a virtual worker a process is, from its launcher (docs/clusters.md#torchrun):
+"""Which stage of a virtual worker (or PS shard) a process is, from its launcher (docs/clusters.md#torchrun):
 torchrun's RANK and WORLD_SIZE, or srun's SLURM_PROCID and SLURM_NTASKS in a step of several tasks. Pure."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from hetpipe.core.errors import UsageError
 
-__all__ = ["Launch", "launch_of", "stage_of"]
+__all__ = ["Launch", "launch_of", "shard_of", "stage_of"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ def launch_of(env: Mapping[str, str]) -> Launch | None:
     if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
         return Launch("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"))
     if "SLURM_PROCID" in env and env.get("SLURM_STEP_ID", "").isdigit():  # a step, not the batch script
-        return Launch("srun", _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"))
+        tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"  # the step's own
+        return Launch("srun", _int(env, "SLURM_PROCID"), _int(env, tasks))
     return None
 
 
@@ -42,6 +43,21 @@ def stage_of(env: Mapping[str, str], vw: int, num_stages: int) -> int | None:
         raise UsageError(
             f"{launch.launcher} started {launch.world_size} processes but vw {vw} has {num_stages} stages: "
             f"start one process per stage ({what} = {num_stages}), or one process for the whole VW"
+        )
+    return launch.rank
+
+
+def shard_of(env: Mapping[str, str], shards: int) -> int | None:
+    """The PS shard (of `shards`) this process serves when a launcher started one process per shard (its
+    rank; the task count must be the shard count), else None: every shard, as child processes."""
+    launch = launch_of(env)
+    if launch is None or launch.world_size == 1:
+        return None
+    if launch.world_size != shards:
+        what = "--nproc-per-node x --nnodes" if launch.launcher == "torchrun" else "--ntasks"
+        raise UsageError(
+            f"{launch.launcher} started {launch.world_size} processes but the PS has {shards} shards "
+            f"([ps] shards): start one process per shard ({what} = {shards}), or one for all of them"
         )
     return launch.rank
 
