@@ -35,29 +35,38 @@ def launch_of(env: Mapping[str, str]) -> Launch | None:
 def stage_of(env: Mapping[str, str], vw: int, num_stages: int) -> int | None:
     """The stage of VW `vw` (of `num_stages`) this process runs when a launcher started one process per stage
     (its rank; the launcher's task count must be the VW's stage count), else None: every stage of the VW."""
-    launch = launch_of(env)
-    if launch is None or launch.world_size == 1:
-        return None
-    if launch.world_size != num_stages:
-        what = "--nproc-per-node x --nnodes" if launch.launcher == "torchrun" else "--ntasks"
-        raise UsageError(
-            f"{launch.launcher} started {launch.world_size} processes but vw {vw} has {num_stages} stages: "
-            f"start one process per stage ({what} = {num_stages}), or one process for the whole VW"
-        )
-    return launch.rank
+    return _rank(
+        env,
+        num_stages,
+        f"vw {vw} has {num_stages} stages",
+        "one process per stage",
+        "one process for the whole VW",
+    )
 
 
 def shard_of(env: Mapping[str, str], shards: int) -> int | None:
     """The PS shard (of `shards`) this process serves when a launcher started one process per shard (its
     rank; the task count must be the shard count), else None: every shard, as child processes."""
+    return _rank(
+        env,
+        shards,
+        f"the PS has {shards} shards ([ps] shards)",
+        "one process per shard",
+        "one for all of them",
+    )
+
+
+def _rank(env: Mapping[str, str], count: int, has: str, each: str, whole: str) -> int | None:
+    """This process's rank when a launcher started several, which must be `count` (else UsageError: the
+    launcher started N processes but `has`; start `each` or `whole`); None for one process or none."""
     launch = launch_of(env)
     if launch is None or launch.world_size == 1:
         return None
-    if launch.world_size != shards:
+    if launch.world_size != count:
         what = "--nproc-per-node x --nnodes" if launch.launcher == "torchrun" else "--ntasks"
         raise UsageError(
-            f"{launch.launcher} started {launch.world_size} processes but the PS has {shards} shards "
-            f"([ps] shards): start one process per shard ({what} = {shards}), or one for all of them"
+            f"{launch.launcher} started {launch.world_size} processes but {has}: start {each} ({what} = "
+            f"{count}), or {whole}"
         )
     return launch.rank
 
