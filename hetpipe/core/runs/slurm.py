@@ -151,8 +151,7 @@ def _body(
     for c, index in enumerate(job.node_index):
         out.append(f'A{c}=$(address {c}); SETS+=(--set "nodes.{index}.host=$A{c}")')
         out.append(f'echo "node {job.nodes[c]}: $A{c}"')
-    ps = job.component(job.ps_node) if job.ps_node in job.nodes else 0
-    out.append(f'SETS+=(--set "ps.host=$A{ps}")')
+    out.append(f'SETS+=(--set "ps.host=$A{job.component(job.ps_node)}")')  # the PS's node runs a server step
     out += [
         "PIDS=()",
         'stop() { kill -TERM "${PIDS[@]}" 2>/dev/null || true; wait || true; }',
@@ -167,7 +166,7 @@ def _body(
         "WORKERS=()",
     ]
     for s in workers:
-        command = _srun(job, s, gres) + ' --config "$CONFIG" --run-dir "$RUN_DIR" "${SETS[@]}"'
+        command = _srun(job, s.node, s.args, gres) + ' --config "$CONFIG" --run-dir "$RUN_DIR" "${SETS[@]}"'
         out.append(command + ' > "$RUN_DIR/logs/' + s.log + '" 2>&1 &')
         shown = command.replace('"', "")  # expanded when assigned: a command to copy
         whole = "--stage" not in s.args  # a whole VW rejoins when started again; one stage of it cannot yet
@@ -176,11 +175,7 @@ def _body(
     out += [
         "WALL_MS=$(( ($(date +%s%N) - STARTED) / 1000000 ))",
         "# as `hetpipe train` ends: the final model from the PS, evaluated, and the summary",
-        _srun(
-            job,
-            Step(job.ps_node if job.ps_node in job.nodes else job.nodes[0], ("finish",), "", False),
-            False,
-        )
+        _srun(job, job.ps_node, ("finish",), False)
         + ' --config "$CONFIG" --run-dir "$RUN_DIR" --wall-s "${WALL_MS}e-3" "${SETS[@]}" || status=1',
         'kill -TERM "${SERVERS[@]}"  # the PS checkpoints (when on), then exits',
         'wait "${SERVERS[@]}" || true',
@@ -196,7 +191,10 @@ def _start_servers(job: SlurmJob, gres: bool, shards: int) -> list[str]:
     out = []
     for s in servers:
         out.append(
-            _srun(job, s, gres) + ' --config "$CONFIG" "${SETS[@]}" > "$RUN_DIR/logs/' + s.log + '" 2>&1 &'
+            _srun(job, s.node, s.args, gres)
+            + ' --config "$CONFIG" "${SETS[@]}" > "$RUN_DIR/logs/'
+            + s.log
+            + '" 2>&1 &'
         )
         out.append("PIDS+=($!)")
     want = (shards if len(servers) == 1 else 1) * len(servers)
@@ -244,11 +242,11 @@ def _wait_evicting() -> list[str]:
     ]
 
 
-def _srun(job: SlurmJob, step: Step, gres: bool) -> str:
-    """The srun prefix of one step: its node's component, one task (steps overlap: a worker's stages share
+def _srun(job: SlurmJob, node: str, args: Sequence[str], gres: bool) -> str:
+    """`hetpipe ARGS` as an srun step on `node`'s component, one task (steps overlap: a worker's stages share
     its node's allocation)."""
-    c = job.component(step.node)
+    c = job.component(node)
     group = f" --het-group={c}" if len(job.nodes) > 1 else ""
     extra = f" --gres=gpu:{job.gpus[c]}" if gres and job.gpus[c] else ""
-    args = " ".join(shlex.quote(a) for a in step.args)
-    return f'srun{group} --nodes=1 --ntasks=1 --overlap{extra} "$PY" -m hetpipe {args}'
+    quoted = " ".join(shlex.quote(a) for a in args)
+    return f'srun{group} --nodes=1 --ntasks=1 --overlap{extra} "$PY" -m hetpipe {quoted}'
