@@ -250,11 +250,7 @@ class ScheduleKind:
 
     def __call__(self, num_stages: int, nm: int, num_waves: int, staleness: int = 0) -> Schedule:
         _check_parameters(num_stages, nm, num_waves, staleness)
-        lists = tuple(
-            _decorate(self.order(j, num_stages, nm, num_waves), nm, staleness, self.update_every)
-            for j in range(num_stages)
-        )
-        return Schedule(num_stages, nm, num_waves, staleness, self.name, lists, self.guarantee, self.stashing)
+        return _built(self, num_stages, nm, num_waves, staleness)
 
     def modes(self, weight_stashing: bool, recompute: bool) -> StageModes:
         """The stage's effective modes from [train] weight_stashing and recompute: stashing where the schedule
@@ -272,6 +268,17 @@ class ScheduleKind:
 
 
 @functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024)
+def _built(kind: ScheduleKind, num_stages: int, nm: int, num_waves: int, staleness: int) -> Schedule:
+    """The kind's lists for these arguments, built once: a Schedule is immutable, and the planner asks for
+    the same one for every stage's memory and every alike VW it simulates."""
+    lists = tuple(
+        _decorate(kind.order(j, num_stages, nm, num_waves), nm, staleness, kind.update_every)
+        for j in range(num_stages)
+    )
+    return Schedule(num_stages, nm, num_waves, staleness, kind.name, lists, kind.guarantee, kind.stashing)
+
+
 def _own_lag(kind: ScheduleKind, num_stages: int, nm: int) -> int:
     return 2 * nm - 1 - kind(num_stages, nm, 3, 0).own_through(0, 2 * nm)
 
