@@ -181,7 +181,7 @@ def search_candidates(
     for schedule in _schedules(config, schedules):
         recompute = config.train.recompute and get_schedule(schedule).recompute
         for policy in _policies(config, policies):
-            if _policy_bound(search, policy, schedule) * WINDOW < tally.best_est:
+            if tally.best_est > 0 and _policy_bound(search, policy, schedule) * WINDOW < tally.best_est:
                 tally.skipped_policies += 1  # no grouping of its VWs can come within FINAL_MARGIN of the best
                 continue
             found = shapes(search, work, policy, schedule, nm_max, interner)
@@ -310,7 +310,11 @@ def _policy_bound(search: GroupingSearch, policy: str, schedule: str) -> float:
     total = 0.0
     for refs in groups:
         gpus = [search.gpu(ref) for ref in refs]
-        key = ("least", vw_kind(gpus) if search.node_blind else tuple(gpus), rule)
+        # the bound sees the rule only through what each stage keeps at Nm 1 (partition._memories), which
+        # the searched schedules share: one solve serves them all
+        at_one = rule.with_nm(1)
+        keeps = tuple(at_one.keeping(j, len(gpus)) for j in range(len(gpus)))
+        key = ("least", vw_kind(gpus) if search.node_blind else tuple(gpus), keeps)
         if key not in search.solved:
             try:
                 search.solved[key] = least_bottleneck(  # type: ignore[assignment]
