@@ -564,7 +564,15 @@ def profile(
     default=None,
     help="Write the best plan here, for `hetpipe train CONFIG --plan PLAN`.",
 )
-@click.option("--explain", "show_why", is_flag=True, help="Say why each other candidate lost.")
+@click.option(
+    "--all",
+    "show_all",
+    is_flag=True,
+    help="Print every candidate kept, in the order the planner chooses (default: the 5 best distinct plans).",
+)
+@click.option(
+    "--explain", "show_why", is_flag=True, help="Print every candidate and say why each other one lost."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the candidates as JSON instead of tables.")
 @click.option(
     "--profile-dir",
@@ -655,7 +663,7 @@ def profile(
     "budget_s",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="Stop the search after this many seconds and plan with the best found so far (progress on stderr). "
+    help="Stop the search after this many seconds and plan with the best found so far. "
     "Default: search to the end (the same plan every run).",
 )
 @click.option(
@@ -668,6 +676,7 @@ def profile(
 def plan(
     config_path: Path,
     out_path: Path | None,
+    show_all: bool,
     show_why: bool,
     as_json: bool,
     profile_dir: Path | None,
@@ -713,7 +722,7 @@ def plan(
         budget_s=budget_s,
         exhaustive=exhaustive,
     )
-    run_plan(config, request, out_path=out_path, show_why=show_why, as_json=as_json)
+    run_plan(config, request, out_path=out_path, show_why=show_why, as_json=as_json, show_all=show_all)
 
 
 @cli.command()

@@ -4,6 +4,7 @@ training rules, each with its own profiles and calibration), print them, and wri
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from hetpipe.app.plan_convergence import (
 from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.planning.planner import (
+    ALLREDUCE,
     D_VALUES,
+    SYNC_PIPELINE,
     Candidate,
     best,
     candidates_json,
@@ -29,10 +32,21 @@ from hetpipe.core.planning.planner import (
     format_plan,
     format_table,
     plan_candidates,
+    ranked,
+    search_space,
 )
-from hetpipe.core.planning.search import search_candidates
+from hetpipe.core.planning.search import SearchResult, search_candidates
+from hetpipe.core.planning.summary import default_view, wrap
 
-__all__ = ["PlanRequest", "PlanSearch", "print_plans", "run_plan", "search_plans", "write_best"]
+__all__ = [
+    "PlanRequest",
+    "PlanSearch",
+    "ProgressLine",
+    "print_plans",
+    "run_plan",
+    "search_plans",
+    "write_best",
+]
 
 
 @dataclass(frozen=True)
@@ -68,15 +82,23 @@ class PlanSearch:
     ps_gbps: float
     elapsed: float
     footer: str = ""  # what the fast search counted but does not show ("" for the exhaustive search)
+    searched: SearchResult | None = None  # the fast search's counts (None for the exhaustive search)
 
 
 def run_plan(
-    config: ClusterConfig, request: PlanRequest, *, out_path: Path | None, show_why: bool, as_json: bool
+    config: ClusterConfig,
+    request: PlanRequest,
+    *,
+    out_path: Path | None,
+    show_why: bool,
+    as_json: bool,
+    show_all: bool = False,
 ) -> None:
-    """`hetpipe plan`: search, print the candidates (tables or JSON) and write the best plan to `out_path`."""
+    """`hetpipe plan`: search, print the candidates (the best few, all of them, or JSON) and write the best
+    plan to `out_path`."""
     found = search_plans(config, request)
     chosen = best(found.candidates)
-    print_plans(config, request, found, chosen, show_why=show_why, as_json=as_json)
+    print_plans(config, request, found, chosen, show_why=show_why, as_json=as_json, show_all=show_all)
     if out_path is not None:
         write_best(request.config_path, found, chosen, out_path)
 
@@ -86,8 +108,8 @@ def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
     measured (or only the config's), and keep the batch and rule soonest to target, with notes saying so."""
     started = time.monotonic()
     inputs_of: dict[int, tuple[list[str], float]] = {}  # per batch: its notes, the PS's Gbit/s
-    footers: dict[int, str] = {}
-    at_batch = _batch_planner(request, inputs_of, footers)
+    footers: dict[int, SearchResult] = {}
+    at_batch = _batch_planner(request, inputs_of, footers, ProgressLine(_progress))
     candidates, ruled, tried, predicted = plan_over_batches(config, request.batches, at_batch, best)
     batch = ruled.train.batch_size
     notes, ps_gbps = inputs_of[batch]
@@ -95,17 +117,22 @@ def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
         notes.append(batch_note(predicted, batch))
     _add_rule_note(notes, config, ruled, tried, request)
     elapsed = time.monotonic() - started
-    return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed, footers.get(batch, ""))
+    searched = footers.get(batch)
+    footer = searched.footer() if searched is not None else ""
+    return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed, footer, searched)
 
 
 def _batch_planner(
-    request: PlanRequest, inputs_of: dict[int, tuple[list[str], float]], footers: dict[int, str]
+    request: PlanRequest,
+    inputs_of: dict[int, tuple[list[str], float]],
+    footers: dict[int, SearchResult],
+    progress: Callable[[str], None],
 ) -> Callable[[ClusterConfig], tuple[list, ClusterConfig, int]]:
     """The function plan_over_batches calls per variant of the config: plan_over_rules at the variant's batch,
     with that batch's profiles and calibration; it records the batch's notes and PS Gbit/s in `inputs_of`,
-    and the fast search's counts in `footers`. The fast search (hetpipe.core.planning.search) unless the
-    request is exhaustive or a calibration ranks by time to target (not the samples/s the bounds prune by):
-    then every candidate (plan_candidates)."""
+    and the fast search's counts in `footers`; both searches report to `progress`. The fast search
+    (hetpipe.core.planning.search) unless the request is exhaustive or a calibration ranks by time to target
+    (not the samples/s the bounds prune by): then every candidate (plan_candidates)."""
 
     def at_batch(variant: ClusterConfig) -> tuple[list, ClusterConfig, int]:
         """plan_over_rules at the variant's batch, with that batch's profiles and calibration."""
@@ -134,11 +161,13 @@ def _batch_planner(
                     profiles,
                     **shared,
                     budget_s=request.budget_s,
-                    progress=_progress if request.budget_s is not None else None,
+                    progress=progress,
                 )
-                footers[ruled.train.batch_size] = found.footer()
+                footers[ruled.train.batch_size] = found
                 return found.candidates
-            return plan_candidates(ruled, profiles, **shared, slower_but_fewer=calibration is not None)
+            return plan_candidates(
+                ruled, profiles, **shared, slower_but_fewer=calibration is not None, progress=progress
+            )
 
         return plan_over_rules(variant, calibration, planned, best, search=request.search_rules)
 
@@ -146,8 +175,32 @@ def _batch_planner(
 
 
 def _progress(line: str) -> None:
-    """The fast search's progress, on stderr."""
+    """The search's progress, on stderr (stdout stays the table or the JSON)."""
     click.echo(line, err=True)
+
+
+class ProgressLine:
+    """Passes a search's progress lines on to `emit`: none in the first `quiet_s` seconds (a short search
+    prints nothing), then at most one every `every_s` seconds."""
+
+    def __init__(
+        self,
+        emit: Callable[[str], None],
+        *,
+        quiet_s: float = 2.0,
+        every_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.emit, self.quiet_s, self.every_s, self.clock = emit, quiet_s, every_s, clock
+        self.started = clock()
+        self.last: float | None = None
+
+    def __call__(self, line: str) -> None:
+        now = self.clock()
+        if now - self.started < self.quiet_s or (self.last is not None and now - self.last < self.every_s):
+            return
+        self.last = now
+        self.emit(line)
 
 
 def _add_rule_note(
@@ -177,53 +230,111 @@ def print_plans(
     *,
     show_why: bool,
     as_json: bool,
+    show_all: bool = False,
 ) -> None:
-    """Print the candidates on stdout: as JSON with the search's inputs, or a headline, the notes, the table,
-    the best plan and (show_why) why each other candidate lost."""
-    batch = found.ruled.train.batch_size
+    """Print the candidates on stdout: as JSON with the search's inputs; or a header, the notes and the best
+    few distinct plans with why each lost (summary.default_view); or (show_all, show_why) every candidate in
+    the planner's order, the best plan and (show_why) why each other candidate lost, wrapped to the
+    terminal."""
     if as_json:
-        inputs = {
-            "config": str(request.config_path),
-            "model": config.model.name,
-            "batch_size": batch,
-            "waves": request.waves,
-            "ps_gbps": found.ps_gbps,
-            "notes": found.notes,
-            "planning_s": round(found.elapsed, 3),
-            "aggregation": found.ruled.ps.aggregation,
-            "mitigation": found.ruled.train.mitigation,
-            "capacity_samples_per_s": chosen.capacity,
-            "search": found.footer or "exhaustive: every candidate planned and simulated",
-        }
-        click.echo(json.dumps(candidates_json(found.candidates, inputs), indent=1))
-        return
-    click.echo(
-        f"{config.name}: {config.model.name} at batch {batch}, {len(config.all_gpus())} GPUs; "
-        + (
-            f"planned in {found.elapsed:.2f} s ({request.waves} waves simulated for each finalist)"
-            if found.footer
-            else f"{len(found.candidates)} candidates planned in {found.elapsed:.2f} s "
-            f"({request.waves} waves simulated each)"
-        )
-    )
-    if chosen.capacity > 0:
         click.echo(
-            f"capacity: {chosen.capacity:.4g} samples/s, every GPU's standalone rate summed (batch / the "
-            "whole model's forward + backward on its type); the capacity column is each candidate's share"
+            json.dumps(
+                candidates_json(found.candidates, _json_inputs(config, request, found, chosen)), indent=1
+            )
         )
+        return
+    width = shutil.get_terminal_size((100, 24)).columns
+    _, _, ds = _space(found.ruled, request)
+    click.echo("\n".join(_header(config, request, found, chosen)))
     for note in found.notes:
         click.echo(f"note: {note}")
     click.echo("")
-    click.echo(format_table(found.candidates))
+    if not (show_all or show_why):
+        click.echo(default_view(found.candidates, ds, _considered(found), width))
+        return
+    click.echo(format_table(ranked(found.candidates)))
     if found.footer:
         click.echo(found.footer)
     click.echo("")
     click.echo("best: " + format_plan(chosen))
     if show_why:
         click.echo("")
-        click.echo(explain(found.candidates))
+        click.echo(wrap(explain(found.candidates), width))
         if found.footer:
-            click.echo(f"search: {found.footer}")
+            click.echo(wrap(f"search: {found.footer}", width))
+
+
+def _json_inputs(config: ClusterConfig, request: PlanRequest, found: PlanSearch, chosen: Candidate) -> dict:
+    """The search's inputs, for --json."""
+    return {
+        "config": str(request.config_path),
+        "model": config.model.name,
+        "batch_size": found.ruled.train.batch_size,
+        "waves": request.waves,
+        "ps_gbps": found.ps_gbps,
+        "notes": found.notes,
+        "planning_s": round(found.elapsed, 3),
+        "aggregation": found.ruled.ps.aggregation,
+        "mitigation": found.ruled.train.mitigation,
+        "capacity_samples_per_s": chosen.capacity,
+        "search": found.footer or "exhaustive: every candidate planned and simulated",
+    }
+
+
+def _space(ruled: ClusterConfig, request: PlanRequest) -> tuple[list[str], list[str], list[int]]:
+    """The policies, schedules and D values searched."""
+    return search_space(
+        ruled,
+        request.policies or None,
+        request.schedules or None,
+        request.d_values or D_VALUES,
+        request.waves,
+    )
+
+
+def _header(config: ClusterConfig, request: PlanRequest, found: PlanSearch, chosen: Candidate) -> list[str]:
+    """The cluster, model, batch, GPUs and capacity; what was searched, in how long, and what came of it."""
+    policies, schedules, ds = _space(found.ruled, request)
+    batch = found.ruled.train.batch_size
+    lines = [
+        f"{config.name} ({request.config_path}): {config.model.name} at batch {batch}, "
+        f"{len(config.all_gpus())} GPUs"
+        + (
+            f"; capacity {chosen.capacity:.4g} samples/s (every GPU's standalone rate summed; the capacity "
+            "column is each candidate's share)"
+            if chosen.capacity > 0
+            else ""
+        ),
+        f"searched: policies {', '.join(policies)} x schedules {', '.join(schedules)} x D "
+        f"{', '.join(map(str, ds))} in {found.elapsed:.2f} s",
+    ]
+    counted = found.searched
+    if counted is None:
+        lines.append(
+            f"candidates: {len(found.candidates)}, every one planned and simulated for {request.waves} waves"
+        )
+        return lines
+    lines.append(
+        f"candidates: {counted.planned + counted.skipped + counted.infeasible}: {counted.planned} predicted "
+        f"by the steady-state model ({counted.simulated} of them simulated for {request.waves} waves), "
+        f"{counted.skipped} skipped by their upper bound, {counted.infeasible} that do not fit"
+        + (
+            f"; {counted.skipped_policies} policy x schedule searches skipped whole by their bound"
+            if counted.skipped_policies
+            else ""
+        )
+        + ("" if counted.complete else "; the --budget ran out: the best plan found so far")
+    )
+    return lines
+
+
+def _considered(found: PlanSearch) -> int:
+    """Every candidate the search looked at: those it counted (the fast search) or kept, and the baselines."""
+    if found.searched is None:
+        return len(found.candidates)
+    counted = found.searched
+    baselines = sum(c.policy in (ALLREDUCE, SYNC_PIPELINE) for c in found.candidates)
+    return counted.planned + counted.skipped + counted.infeasible + baselines
 
 
 def write_best(config_path: Path, found: PlanSearch, chosen: Candidate, out_path: Path) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "first_line",
     "gpu_uses",
     "own_lag",
+    "ranked",
     "slowest_stage_text",
 ]
 
@@ -145,6 +146,31 @@ def best(candidates: Sequence[Candidate]) -> Candidate:
     return min(
         close, key=lambda c: (c.staleness or 0, own_lag(c.plan), -c.samples_per_s, candidates.index(c))
     )
+
+
+def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates in the order `best` chooses among them, best first: the runnable ones (those timed to
+    target first, by time to target, smaller D, listing; then those within D_TOLERANCE of the highest
+    samples/s, by D, own_lag, samples/s, listing; then the rest by samples/s, D, listing); then the baselines
+    and other candidates hetpipe does not run, by samples/s; then the infeasible ones as listed."""
+    index = {id(c): i for i, c in enumerate(candidates)}
+    runnable = [c for c in candidates if c.runnable]
+    top = max((c.samples_per_s for c in runnable), default=0.0)
+    timed = any(c.time_to_target_s is not None for c in runnable)
+
+    def key(c: Candidate) -> tuple:
+        at = index[id(c)]
+        if not c.feasible:
+            return (4, at)
+        if not c.runnable:
+            return (3, -c.samples_per_s, at)
+        if c.time_to_target_s is not None:
+            return (0, c.time_to_target_s, c.staleness or 0, at)
+        if not timed and c.samples_per_s >= top * (1 - D_TOLERANCE):
+            return (1, c.staleness or 0, own_lag(c.plan), -c.samples_per_s, at)
+        return (2, -c.samples_per_s, c.staleness or 0, at)
+
+    return sorted(candidates, key=key)
 
 
 def own_lag(plan: Plan | None) -> int:

@@ -25,6 +25,7 @@ from hetpipe.core.planning.candidates import (
     best,
     gpu_uses,
     own_lag,
+    ranked,
     slowest_stage_text,
 )
 from hetpipe.core.planning.capacity import PsFigures, plan_bounds, standalone_rates
@@ -62,6 +63,8 @@ __all__ = [
     "format_table",
     "own_lag",
     "plan_candidates",
+    "ranked",
+    "search_space",
     "supplied_profiles",
 ]
 
@@ -100,6 +103,7 @@ def plan_candidates(
     schedules: Sequence[str] | None = None,
     slower_but_fewer: bool = False,
     ps_network: PsNetwork | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Candidate]:
     """Every candidate plan for `config` with its prediction, then the baselines (docs/planning.md).
 
@@ -121,7 +125,8 @@ def plan_candidates(
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
     GPUs (default: NetworkConfig.link_gbps of [network]); `ps_network`: the nodes' own links the PS traffic
     crosses (hetpipe.core.planning.simulate.PsNetwork, e.g. the testbed's), each capped by the PS's rate;
-    None: one link for all. With [ps] placement = "local" each layer's shard is on the node where the plan's
+    None: one link for all. `progress` gets a line after every candidate (the caller limits how often it
+    prints). With [ps] placement = "local" each layer's shard is on the node where the plan's
     first VW runs it. The baselines: ALLREDUCE over the GPUs whose memory holds the whole model, SYNC_PIPELINE
     over all GPUs (at most one per layer, fastest first).
     """
@@ -146,6 +151,8 @@ def plan_candidates(
             groupings = _distinct(groupings + work.groupings(search.fit(policy, nm_max, schedule)))  # type: ignore[arg-type]
             for found, d in itertools.product(groupings, ds):
                 out.append(_candidate(search, policy, schedule, found, d, how))
+                if progress is not None:
+                    progress(f"plan: {len(out)} candidates planned and simulated ({schedule} {policy})")
     if baselines:
         out += [baseline_bounds(c, rates) for c in (allreduce(search), sync_pipeline(search))]
     capacity = sum(rates.values())
@@ -169,6 +176,21 @@ def _d_values(d_values: Iterable[int], config_d: int, waves: int) -> list[int]:
     if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
         raise UsageError(f"waves must be an integer >= 1, got {waves!r}")
     return ds
+
+
+def search_space(
+    config: ClusterConfig,
+    policies: Sequence[str] | None,
+    schedules: Sequence[str] | None,
+    d_values: Iterable[int],
+    waves: int,
+) -> tuple[list[str], list[str], list[int]]:
+    """The policies, schedules and D values plan_candidates and the fast search plan for these arguments."""
+    return (
+        _policies(config, policies),
+        _schedules(config, schedules),
+        _d_values(d_values, config.wsp.staleness, waves),
+    )
 
 
 def _schedules(config: ClusterConfig, schedules: Sequence[str] | None) -> list[str]:

@@ -12,9 +12,22 @@ from hetpipe.core.pipeline.schedule import get_schedule
 from hetpipe.core.planning.candidates import ALLREDUCE, D_TOLERANCE, SYNC_PIPELINE, Candidate, best, own_lag
 from hetpipe.core.planning.memory import format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
-from hetpipe.core.planning.plan import Plan
+from hetpipe.core.planning.plan import Plan, VwPlan
 
-__all__ = ["candidates_json", "explain", "format_plan", "format_table"]
+__all__ = [
+    "D_COLUMN",
+    "MEMORY_COLUMN",
+    "TableRow",
+    "candidates_json",
+    "explain",
+    "format_plan",
+    "format_table",
+    "gpu_set",
+    "memory_text",
+    "render_table",
+    "table_header",
+    "table_row",
+]
 
 
 def _splits(plan: Plan) -> str:
@@ -29,6 +42,18 @@ def format_table(candidates: Sequence[Candidate]) -> str:
         top = best(candidates)
     except HetpipeError:
         top = None
+    converge = any(c.samples_source for c in candidates)
+    return render_table(table_header(converge), [table_row(c, c is top, converge) for c in candidates])
+
+
+TableRow = tuple[str, ...]
+D_COLUMN = 3  # the column of D in table_header's row
+MEMORY_COLUMN = -2  # peak memory (fullest GPU)
+
+
+def table_header(converge: bool) -> TableRow:
+    """The table's column names; with `converge` (a calibration priced the candidates) both factors of the
+    time to target after the capacity."""
     header = (
         "",
         "policy",
@@ -43,48 +68,49 @@ def format_table(candidates: Sequence[Candidate]) -> str:
         "peak memory (fullest GPU)",
         "bottleneck",
     )
-    converge = any(c.samples_source for c in candidates)
+    return (*header[:10], "samples to target", "s to target", *header[10:]) if converge else header
+
+
+def table_row(c: Candidate, is_best: bool, converge: bool) -> TableRow:
+    """One candidate's cells under table_header(converge); the first is `*` for the best."""
+    if c.plan is not None:
+        vws, splits = str(len(c.plan.vws)), _splits(c.plan)
+    elif c.policy == ALLREDUCE and c.feasible:
+        vws, splits = f"{c.gpus_used} replicas", "whole model"
+    elif c.policy == SYNC_PIPELINE and c.feasible:
+        vws, splits = "1 pipeline", "-"
+    else:
+        vws, splits = "-", "-"
+    row = (
+        "*" if is_best else "",
+        c.policy,
+        c.schedule or "-",
+        "-" if c.staleness is None else str(c.staleness),
+        _nm_text(c),
+        vws,
+        str(c.gpus_used) if c.feasible else "-",
+        splits,
+        f"{c.samples_per_s:.4g}" if c.feasible else "infeasible",
+        _capacity_text(c),
+        memory_text(c),
+        c.bottleneck if c.feasible else c.reason.split("\n")[0],
+    )
     if converge:
-        header = (*header[:10], "samples to target", "s to target", *header[10:])
-    rows = []
-    for c in candidates:
-        peak = c.peak
-        memory = (
-            f"{format_bytes(peak.memory_bytes)}/{format_bytes(peak.limit_bytes)} {peak.gpu} {peak.gpu_type}"
-            if peak
-            else "-"
-        )
-        if c.plan is not None:
-            vws, splits = str(len(c.plan.vws)), _splits(c.plan)
-        elif c.policy == ALLREDUCE and c.feasible:
-            vws, splits = f"{c.gpus_used} replicas", "whole model"
-        elif c.policy == SYNC_PIPELINE and c.feasible:
-            vws, splits = "1 pipeline", "-"
-        else:
-            vws, splits = "-", "-"
-        rate = f"{c.samples_per_s:.4g}" if c.feasible else "infeasible"
-        row = (
-            "*" if c is top else "",
-            c.policy,
-            c.schedule or "-",
-            "-" if c.staleness is None else str(c.staleness),
-            _nm_text(c),
-            vws,
-            str(c.gpus_used) if c.feasible else "-",
-            splits,
-            rate,
-            _capacity_text(c),
-            memory,
-            c.bottleneck if c.feasible else c.reason.split("\n")[0],
-        )
-        if converge:
-            row = (
-                *row[:10],
-                _samples_text(c),
-                "-" if c.time_to_target_s is None else f"{c.time_to_target_s:.4g}",
-                *row[10:],
-            )
-        rows.append(row)
+        ttt = "-" if c.time_to_target_s is None else f"{c.time_to_target_s:.4g}"
+        row = (*row[:10], _samples_text(c), ttt, *row[10:])
+    return row
+
+
+def memory_text(c: Candidate) -> str:
+    """The fullest GPU: `7.81 GiB/8.00 GiB n3:0 p4000`, or `-`."""
+    peak = c.peak
+    if peak is None:
+        return "-"
+    return f"{format_bytes(peak.memory_bytes)}/{format_bytes(peak.limit_bytes)} {peak.gpu} {peak.gpu_type}"
+
+
+def render_table(header: TableRow, rows: Sequence[TableRow]) -> str:
+    """The rows under the header, each column as wide as its widest cell but the last."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
@@ -93,8 +119,10 @@ def format_table(candidates: Sequence[Candidate]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def format_plan(candidate: Candidate) -> str:
-    """The VWs of one candidate, stage by stage: GPU, layers, time, memory."""
+def format_plan(candidate: Candidate, *, fold_alike: bool = False) -> str:
+    """The VWs of one candidate, stage by stage: GPU, layers, time, memory. `fold_alike`: VWs next to each
+    other with the same work, GPU types, layers, times and memory share one block (`vw0-3`), each stage
+    naming all their GPUs (`n1:0-3`)."""
     assert candidate.plan is not None
     plan = candidate.plan
     lines = [
@@ -102,21 +130,58 @@ def format_plan(candidate: Candidate) -> str:
         f"{_of_capacity(candidate)} (gate waits {candidate.gate_wait_share:.0%} of stage time, PS link "
         f"{candidate.ps_utilisation:.0%} busy)"
     ]
-    for v, vw in enumerate(plan.vws):
+    for first, vws in _alike_runs(plan, fold_alike):
+        vw = vws[0]
         per_minibatch = minibatch_time_s(vw, plan.schedule, plan.recompute)
+        name = f"vw{first}" if len(vws) == 1 else f"vw{first}-{first + len(vws) - 1}"
         lines.append(
-            f"  vw{v}: nm {vw.nm} x batch {vw.batch(plan.batch_size)}, {per_minibatch:.3g} s/minibatch, "
+            f"  {name}: nm {vw.nm} x batch {vw.batch(plan.batch_size)}, {per_minibatch:.3g} s/minibatch, "
             f"a wave {vw.nm * per_minibatch:.3g} s"
         )
         for j, s in enumerate(vw.stages):
+            gpus = gpu_set([other.stages[j].gpu for other in vws])
             lines.append(
-                f"    stage {j}  {s.gpu:<8} {s.gpu_type:<12} layers {s.start:>3}-{s.stop - 1:<3} "
+                f"    stage {j}  {gpus:<8} {s.gpu_type:<12} layers {s.start:>3}-{s.stop - 1:<3} "
                 f"{s.time_s:8.3g} s  {format_bytes(s.memory_bytes):>10} of "
                 f"{format_bytes(s.memory_limit_bytes)}"
             )
     lines += [f"  note: {note}" for note in candidate.notes]
     lines += [f"  bound: {bound}" for bound in candidate.bounds]
     return "\n".join(lines)
+
+
+def _alike_runs(plan: Plan, fold: bool) -> list[tuple[int, list[VwPlan]]]:
+    """The plan's VWs as (index of the first, the VWs) runs: each VW alone, or with `fold` the VWs next to
+    each other that print the same but for their GPUs."""
+
+    def look(vw: VwPlan) -> tuple:
+        stages = tuple((s.gpu_type, s.start, s.stop, f"{s.time_s:.3g}", s.memory_bytes) for s in vw.stages)
+        return (vw.nm, vw.batch(plan.batch_size), stages)
+
+    runs: list[tuple[int, list[VwPlan]]] = []
+    for v, vw in enumerate(plan.vws):
+        if fold and runs and look(runs[-1][1][0]) == look(vw):
+            runs[-1][1].append(vw)
+        else:
+            runs.append((v, [vw]))
+    return runs
+
+
+def gpu_set(gpus: Sequence[str]) -> str:
+    """GPUs in few characters: `n1:0-3` for n1:0, n1:1, n1:2, n1:3; `n0:1,n2:0-1` across nodes."""
+    parts: list[tuple[str, list[int]]] = []
+    for gpu in gpus:
+        node, _, index = gpu.rpartition(":")
+        if not node or not index.isdigit():
+            parts.append((gpu, []))
+        elif parts and parts[-1][0] == node and parts[-1][1] and parts[-1][1][-1] == int(index) - 1:
+            parts[-1][1].append(int(index))
+        else:
+            parts.append((node, [int(index)]))
+    return ",".join(
+        node if not run else f"{node}:{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else "")
+        for node, run in parts
+    )
 
 
 def _nm_text(c: Candidate) -> str:
