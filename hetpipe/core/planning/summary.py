@@ -90,7 +90,7 @@ def folded_table(folds: Sequence[Fold], top: Candidate | None, searched: Sequenc
 
 def percent(share: float) -> str:
     """`3%`, or `0.4%` under 10% (so that a small difference does not print as 0%)."""
-    return f"{share:.0%}" if abs(share) >= 0.1 else f"{share:.1%}"
+    return f"{share:.0%}" if round(abs(share), 4) >= 0.1 else f"{share:.1%}"
 
 
 def loser_reason(c: Candidate, top: Candidate) -> str:
