@@ -138,14 +138,7 @@ def best(candidates: Sequence[Candidate]) -> Candidate:
             f"no plan fits this cluster:\n{reasons}\n  lower batch_size, use a smaller model, "
             "or add GPUs with more memory"
         )
-    timed = [c for c in runnable if c.time_to_target_s is not None]
-    if timed:
-        return min(timed, key=lambda c: (c.time_to_target_s, c.staleness or 0, candidates.index(c)))
-    top = max(c.samples_per_s for c in runnable)
-    close = [c for c in runnable if c.samples_per_s >= top * (1 - D_TOLERANCE)]
-    return min(
-        close, key=lambda c: (c.staleness or 0, own_lag(c.plan), -c.samples_per_s, candidates.index(c))
-    )
+    return ranked(candidates)[0]
 
 
 def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:
