@@ -23,6 +23,7 @@ from hetpipe.core.config.sections import (
 from hetpipe.core.config.table import _Table
 from hetpipe.core.pipeline.mitigation import mitigation_conflicts
 from hetpipe.core.pipeline.schedule import SCHEDULES
+from hetpipe.core.wsp.aggregation import AGGREGATIONS, get_aggregation
 
 __all__ = ["parse_config"]
 
@@ -87,3 +88,27 @@ def _check_across_sections(
         weight_stashing=train.weight_stashing,
     ):
         sections["train"].fail("mitigation", what, fix)
+    _check_local_controls(sections["train"], ps, train)
+
+
+def _check_local_controls(t: _Table, ps: PsConfig, train: TrainConfig) -> None:
+    """lr_schedule and clip_grad_norm act on the stages' local updates, which an aggregation rule running the
+    optimizer at the PS does not make."""
+    if get_aggregation(ps.aggregation).local_optimizer:
+        return
+    local = [n for n, r in AGGREGATIONS.items() if r.local_optimizer]
+    fix = f"set [ps] aggregation = {' or '.join(repr(n) for n in local)}".replace("'", '"')
+    if train.lr_schedule != "constant":
+        t.fail(
+            "lr_schedule",
+            f'is "{train.lr_schedule}", but with ps.aggregation = "{ps.aggregation}" the PS runs the '
+            "optimizer at a fixed learning rate",
+            f'{fix}, or lr_schedule = "constant"',
+        )
+    if train.clip_grad_norm:
+        t.fail(
+            "clip_grad_norm",
+            f'is {train.clip_grad_norm:g}, but with ps.aggregation = "{ps.aggregation}" the stages make no '
+            "local updates to clip",
+            f"{fix}, or clip_grad_norm = 0",
+        )

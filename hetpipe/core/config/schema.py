@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from hetpipe.core.pipeline.lr_schedule import LrSchedule, LrScheduleName
 from hetpipe.core.pipeline.mitigation import parse_mitigation
 from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION
@@ -44,6 +45,11 @@ OnVwFailure = Literal["stop", "evict"]
 WireDtype = Literal["float32", "bfloat16"]
 PsAgent = Literal["auto", "thread", "process"]
 AllocationPolicy = Literal["explicit", "np", "ed", "hd", "dp"]
+BUILTIN_LOSSES = (
+    "cross_entropy",
+    "mse",
+    "nll",
+)  # train.loss's names (hetpipe.compute.losses), else "pkg.mod:fn"
 
 _GPU_REF = re.compile(r"(?P<node>[A-Za-z0-9_-]+):(?P<index>[0-9]+)")
 
@@ -250,11 +256,35 @@ class TrainConfig:
         "none"  # staleness mitigations, "+"-joined (hetpipe.core.pipeline.mitigation, docs/convergence.md)
     )
     warmup_waves: int = 10  # waves of the "warmup" ramp and of PipeMare's learning-rate annealing
+    # the learning rate by wave (hetpipe.core.pipeline.lr_schedule; a step is a wave)
+    lr_schedule: LrScheduleName = "constant"
+    warmup_steps: int = 0  # cosine: waves of linear warm-up
+    total_steps: int = 0  # cosine: waves to decay over (0: the run's waves)
+    min_lr: float = 0.0  # cosine: the learning rate it decays to
+    lr_step_every: int = 0  # step: waves between decays
+    lr_step_gamma: float = 0.1  # step: the factor of each decay
+    clip_grad_norm: float = 0.0  # each local update's gradient clipped to this norm, per stage (0: off)
+    loss: str = (
+        "cross_entropy"  # cross_entropy, mse, nll or "package.module:function" (hetpipe.compute.losses)
+    )
 
     @property
     def mitigations(self) -> tuple[str, ...]:
         """The mitigations in canonical order; () for "none"."""
         return parse_mitigation(self.mitigation)
+
+    @property
+    def schedule_of_lr(self) -> LrSchedule:
+        """The learning-rate schedule with its total resolved (total_steps, else the run's waves)."""
+        return LrSchedule(
+            name=self.lr_schedule,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            total=self.total_steps or self.waves,
+            min_lr=self.min_lr,
+            every=max(1, self.lr_step_every),
+            gamma=self.lr_step_gamma,
+        )
 
 
 @dataclass(frozen=True)
@@ -426,6 +456,14 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
         "on_nan",
         "mitigation",
         "warmup_waves",
+        "lr_schedule",
+        "warmup_steps",
+        "total_steps",
+        "min_lr",
+        "lr_step_every",
+        "lr_step_gamma",
+        "clip_grad_norm",
+        "loss",
     ),
     "emulation": ("enabled", "time_scale", "link_bandwidth", "device"),
     "allocation": ("policy",),

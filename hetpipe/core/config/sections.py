@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import get_args
+from typing import Any, get_args
 
 from hetpipe.core.config.messages import _show
 from hetpipe.core.config.schema import (
+    BUILTIN_LOSSES,
     AllocationConfig,
     AllocationPolicy,
     BufferPolicy,
@@ -32,6 +33,8 @@ from hetpipe.core.config.schema import (
 )
 from hetpipe.core.config.table import _Table
 from hetpipe.core.errors import UsageError, did_you_mean
+from hetpipe.core.imports import import_target
+from hetpipe.core.pipeline.lr_schedule import LrScheduleName
 from hetpipe.core.pipeline.schedule import SCHEDULES
 from hetpipe.core.wsp.aggregation import AGGREGATIONS
 
@@ -138,7 +141,10 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         on_nan=t.choice("on_nan", d.on_nan, get_args(OnNan)),
         mitigation=t.string("mitigation", d.mitigation, nonempty=True),
         warmup_waves=t.integer("warmup_waves", d.warmup_waves, ge=0),
+        clip_grad_norm=t.number("clip_grad_norm", d.clip_grad_norm, ge=0),
+        loss=_loss(t, d.loss),
     )
+    train = replace(train, **_lr_schedule(t, train.waves, train.lr))
     try:
         train = replace(train, mitigation="+".join(train.mitigations) or "none")
     except UsageError as exc:
@@ -160,6 +166,78 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
             f"set recompute = false {t.under}, or choose a schedule that flushes: {able}",
         )
     return train
+
+
+def _loss(t: _Table, default: str) -> str:
+    """A built-in loss's name, or "package.module:function" that imports and is callable."""
+    name = t.string("loss", default, nonempty=True)
+    if name in BUILTIN_LOSSES:
+        return name
+    if ":" not in name:
+        t.fail(
+            "loss",
+            f"unknown loss {_show(name)}",
+            f"choose one of: {', '.join(BUILTIN_LOSSES)}{did_you_mean(name, BUILTIN_LOSSES)}, or name your "
+            'own as "package.module:function" (called as fn(output, target) -> a 0-d tensor)',
+        )
+    try:
+        import_target(name, f"train.loss {_show(name)}")
+    except UsageError as exc:
+        t.fail("loss", f"cannot use {_show(name)}", str(exc))
+    return name
+
+
+_LR_KEYS = {"cosine": ("warmup_steps", "total_steps", "min_lr"), "step": ("lr_step_every", "lr_step_gamma")}
+
+
+def _lr_schedule(t: _Table, waves: int, lr: float) -> dict[str, Any]:
+    """lr_schedule and the settings of the schedule it names; another schedule's setting (not at its default)
+    is refused."""
+    d = TrainConfig()
+    name = t.choice("lr_schedule", d.lr_schedule, get_args(LrScheduleName))
+    for other, keys in _LR_KEYS.items():
+        for key in keys:
+            if other != name and t.data.get(key, getattr(d, key)) != getattr(d, key):
+                t.fail(
+                    key,
+                    f'is a setting of lr_schedule = "{other}", but lr_schedule is "{name}"',
+                    (f'set lr_schedule = "{other}" {t.under}, or remove {key}'),
+                )
+    out: dict[str, Any] = {"lr_schedule": name}
+    if name == "cosine":
+        out.update(
+            warmup_steps=t.integer("warmup_steps", d.warmup_steps, ge=0),
+            total_steps=t.integer("total_steps", d.total_steps, ge=0),
+            min_lr=t.number("min_lr", d.min_lr, ge=0),
+        )
+        if out["min_lr"] > lr:
+            t.fail(
+                "min_lr",
+                f"is {out['min_lr']:g}, above lr = {lr:g}",
+                f"set min_lr to at most {lr:g} {t.under}",
+            )
+        total = out["total_steps"] or waves
+        if out["warmup_steps"] >= total:
+            what = (
+                f"total_steps = {total}" if out["total_steps"] else f"the run's {waves} waves (train.waves)"
+            )
+            t.fail(
+                "warmup_steps",
+                f"is {out['warmup_steps']}, not below {what}: the warm-up would never end",
+                f"set warmup_steps below {total} {t.under} (a step is a wave), or raise total_steps",
+            )
+    elif name == "step":
+        out.update(
+            lr_step_every=t.integer("lr_step_every", ge=1),
+            lr_step_gamma=t.number("lr_step_gamma", d.lr_step_gamma, gt=0),
+        )
+        if out["lr_step_gamma"] > 1:
+            t.fail(
+                "lr_step_gamma",
+                f"is {out['lr_step_gamma']:g}: each step would raise the learning rate",
+                f"set lr_step_gamma to a factor in (0, 1] {t.under}, e.g. 0.1",
+            )
+    return out
 
 
 def _emulation(t: _Table) -> EmulationConfig:
