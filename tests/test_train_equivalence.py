@@ -15,6 +15,7 @@ from hetpipe.compute.reference import run_reference
 from hetpipe.core.config.files import load_config
 from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.pipeline.lr_schedule import lr_at
 from hetpipe.core.pipeline.schedule import SCHEDULES
 from hetpipe.models import build_stage
 
@@ -229,3 +230,30 @@ def test_ps_agent_in_a_process_equals_the_reference(tmp_path: Path, staleness: i
     assert all(part["push"] > 0 for part in summary["wave_breakdown_ms"].values()), summary[
         "wave_breakdown_ms"
     ]
+
+
+def test_trainer_controls_equal_the_reference_and_each_one_acts(tmp_path: Path, monkeypatch):
+    """[train] lr_schedule (cosine warm-up), clip_grad_norm and loss: 2 VWs equal the reference bit for bit;
+    the reference without each control, or with the schedule one wave late, is another run."""
+    path = write_config(tmp_path, vws=layout(2, 2), nm=3, staleness=1, waves=4)
+    schedule = ['train.lr_schedule="cosine"', "train.warmup_steps=1", "train.min_lr=0.005"]
+    clip, loss = ["train.clip_grad_norm=0.05"], ['train.loss="mse"']
+    config = apply_overrides(load_config(path), schedule + clip + loss)
+    splits, work = [(2, 2), (3, 1)], [(3, 16), (3, 16)]
+    _, stage_weights = assert_equals_reference(tmp_path, config, splits, order=1)
+
+    def differs(ref) -> bool:
+        return any(
+            not torch.equal(stage_weights[sid][k], ref.stage_weights[sid][k])
+            for sid in stage_weights
+            for k in stage_weights[sid]
+        )
+
+    for without in (clip + loss, schedule + loss, schedule + clip):
+        assert differs(run_reference(apply_overrides(load_config(path), without), splits, 1, work=work)), (
+            without
+        )
+    import hetpipe.compute.reference as reference
+
+    monkeypatch.setattr(reference, "lr_at", lambda schedule, wave: lr_at(schedule, wave + 1))
+    assert differs(run_reference(config, splits, 1, work=work)), "the schedule one wave late changed nothing"

@@ -501,7 +501,7 @@ class StageRunner:
             self.schedule,
             self.actions,
             self.compute,
-            self.spec.loss,
+            compute_actions.loss_fn,
             compute_actions.batch,
             compute_actions.targets,
         )

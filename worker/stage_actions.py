@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from hetpipe.compute import data as datalib
+from hetpipe.compute.losses import loss_function
 from hetpipe.compute.stage_compute import StageCompute
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.hardware.emulate import device_dilator
@@ -49,6 +50,7 @@ class ComputeActions:
         report: Callable[[dict[str, Any]], None],
     ) -> None:
         self.job, self.config, self.spec, self.compute = job, job.config, spec, compute
+        self.loss_fn = loss_function(job.config.train.loss)  # train.loss (hetpipe.compute.losses)
         self.trace, self.times, self.report = trace, times, report
         self.device = torch.device(job.device)
         self.first, self.last = job.stage == 0, job.stage == job.num_stages - 1
@@ -79,7 +81,7 @@ class ComputeActions:
             started = time.perf_counter()
             with self.dilator.compute(f"F{p}"):
                 output = self.compute.forward(
-                    p, inputs, target if self.last else None, self.spec.loss, input_grad=not self.first
+                    p, inputs, target if self.last else None, self.loss_fn, input_grad=not self.first
                 )
                 self.sync_block()
             self._timed("compute", started)
@@ -99,7 +101,7 @@ class ComputeActions:
             target = self.targets.pop(p) if self.last else None
             unread = None
             if self.last:
-                loss = self.compute.loss_of(p, target, self.spec.loss)
+                loss = self.compute.loss_of(p, target, self.loss_fn)
                 if self.config.train.on_nan == "skip":  # skipping needs the value before the backward
                     value = float(loss)
                     skip = not np.isfinite(value)
@@ -113,7 +115,7 @@ class ComputeActions:
                     self.compute.skip(p)
                     grad_in = P2P.SKIPPED
                 else:
-                    grad_in, _ = self.compute.backward(p, grad, target, self.spec.loss)
+                    grad_in, _ = self.compute.backward(p, grad, target, self.loss_fn)
                 self.sync_block()
             self._timed("compute", started)
             if not self.first:

@@ -22,6 +22,10 @@ The schedule's modes and the aggregation rule's traits come from their registrie
 stands for any rule whose optimizer runs at the PS.
 Mitigations (train.mitigation, hetpipe.core.pipeline.mitigation), each written here again:
   warmup/pipemare: lr of U p = lr * (warm-up factor * PipeMare T1 factor), set before the step
+  lr_schedule:     lr above = the schedule's lr of U p's wave (hetpipe.core.pipeline.lr_schedule)
+  clip_grad_norm:  after .grad /= n, before the step: .grad *= min(1, max / (||(||g_k||)_k|| + 1e-6)), the
+                   norms over the stage's own parameters (the VW's other stages are not part of it)
+  train.loss:      the last stage's loss (hetpipe.compute.losses)
   pipemare T2:     an unstashed backward recomputes on w - dc * s; dc = dc * gamma + Δ * (1 - gamma) after
                    each U
   spectrain:       a stashed forward runs on w + predicted step * s, s the lag of its version's first forward;
@@ -44,10 +48,12 @@ from torch.func import functional_call
 
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
+from hetpipe.compute.losses import loss_function
 from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
 from hetpipe.compute.reference_ps import ReferencePS
 from hetpipe.compute.stage_buffers import set_buffer, stage_buffers
 from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.pipeline.lr_schedule import lr_at
 from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
 from hetpipe.core.pipeline.schedule import (
     BACKWARD,
@@ -105,7 +111,7 @@ class _Flags:
     recompute: bool
     local: bool  # the stages run the optimizer (else the PS does, on the VWs' mean gradients)
     pulls: bool  # WAITs pull (else a lone VW skips them)
-    scale_lr: bool  # warmup or pipemare set the learning rate of every update
+    scale_lr: bool  # warmup, pipemare or an lr_schedule set the learning rate of every update
     predict: bool  # spectrain: stashed versions predicted ahead
     predict_pulls: bool  # spectrain with the PS's optimizer: pulls predicted ahead
     correct: bool  # pipemare T2: unstashed recomputed backwards corrected
@@ -121,7 +127,7 @@ class _Flags:
             recompute=modes.recompute,
             local=local,
             pulls=needs_pulls(num_vws, rule),
-            scale_lr=local and ("warmup" in mit or "pipemare" in mit),
+            scale_lr=local and ("warmup" in mit or "pipemare" in mit or t.lr_schedule != "constant"),
             predict="spectrain" in mit and local and modes.stashing,
             predict_pulls="spectrain" in mit and not local,
             correct="pipemare" in mit and local and not modes.stashing and modes.recompute,
@@ -149,7 +155,9 @@ class _Reference:
     ) -> None:
         self.config, self.splits = config, splits
         self.spec = model_of(config)
+        self.loss_fn = loss_function(config.train.loss)
         self.t, self.D = config.train, config.wsp.staleness
+        self.lr_schedule = self.t.schedule_of_lr
         self.num_vws = len(splits)
         work = work or [(config.wsp.nm, config.train.batch_size)] * self.num_vws
         self.nms, self.batches = [nm for nm, _ in work], [b for _, b in work]
@@ -265,7 +273,7 @@ class _Reference:
             out = self.run_forward(st, inputs, weights)
             st.saved[a.index] = (
                 inputs,
-                self.spec.loss(out, self.batch(v, a.index)[1]) if last else out,
+                self.loss_fn(out, self.batch(v, a.index)[1]) if last else out,
                 weights,
             )
         if not last:
@@ -300,7 +308,7 @@ class _Reference:
             out = self.run_forward(st, inputs, weights)
             for key, value in kept.items():
                 set_buffer(st.module, key, value)
-            root = self.spec.loss(out, self.batch(v, a.index)[1]) if last else out
+            root = self.loss_fn(out, self.batch(v, a.index)[1]) if last else out
         if root.requires_grad:  # a first stage without weights has nothing to differentiate
             root.backward(None if last else self.grads.pop((v, j, a.index)))
         else:
@@ -327,7 +335,9 @@ class _Reference:
                         w.grad = w.grad / st.covered
             if st.optimizer is not None:
                 if self.flags.scale_lr:
-                    set_lr(st.optimizer, self.t.lr * self.lr_factor(st, a.index, wave))
+                    set_lr(st.optimizer, lr_at(self.lr_schedule, wave) * self.lr_factor(st, a.index, wave))
+                if self.t.clip_grad_norm:
+                    clip(params, self.t.clip_grad_norm)
                 st.optimizer.step()
                 st.optimizer.zero_grad(set_to_none=True)
             if st.open_wave is not None and st.open_wave != wave:
@@ -425,6 +435,20 @@ class _Reference:
             now = torch.from_numpy(pulled).clone()
             w.copy_(now + (now - st.last_pulled[k]) * float(self.D + 1))
             st.last_pulled[k] = now
+
+
+def clip(params: dict[str, Tensor], max_norm: float) -> None:
+    """The stage's gradients scaled by min(1, max_norm / (norm + 1e-6)), norm the 2-norm of the norms of its
+    parameters' gradients (torch.nn.utils.clip_grad_norm_'s arithmetic)."""
+    grads = {k: w.grad for k, w in params.items() if w.grad is not None}
+    if not grads:
+        return
+    norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads.values()]), 2.0
+    )
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for k, g in grads.items():
+        params[k].grad = g * coef
 
 
 def run_reference(

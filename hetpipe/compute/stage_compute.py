@@ -24,6 +24,10 @@ Mitigations (train.mitigation, hetpipe.core.pipeline.mitigation; "none" leaves a
                            predicted next step, plain SGD its last update; s: updates between F p and p's U);
                            aggregation server: the rebase sets t = pulled + (pulled - last pulled) * (D + 1)
   average:                 the rebase adds own parameter sums as sums[w] / VWs (ledgers whole)
+Trainer controls ([train], docs/clusters.md; default off, leaving all of the above untouched):
+  lr_schedule:             lr above = lr_at(schedule, U p's wave) (hetpipe.core.pipeline.lr_schedule)
+  clip_grad_norm:          after grad = acc / n, before the step: torch.nn.utils.clip_grad_norm_ over this
+                           stage's parameters only (a VW's other stages hold the rest of its gradient)
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import clip_grad_norm_
 
 from hetpipe.compute.multi_tensor import add_into, float_copies
 from hetpipe.compute.optim import make_optimizer, set_lr
@@ -44,6 +49,7 @@ from hetpipe.compute.update_sums import Sums, UpdateSums
 from hetpipe.compute.weight_swap import WeightSwap
 from hetpipe.compute.weight_versions import Weights, WeightVersions
 from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.pipeline.lr_schedule import LrSchedule, lr_at
 from hetpipe.core.pipeline.mitigation import Lag, pipemare_lr_factor, stage_lags, warmup_lr_factor
 from hetpipe.core.pipeline.schedule import Action, get_schedule, unstashed_forwards
 from hetpipe.core.wsp.aggregation import get_aggregation
@@ -73,6 +79,8 @@ class StageRules:
     # minibatches whose weights no U or WAIT changes between F and B (hetpipe.core.pipeline.schedule
     # .unstashed_forwards): forwards on the live weights, no stashed copy (the same numbers, a copy less)
     unstashed: frozenset[int] = frozenset()
+    lr_schedule: LrSchedule | None = None  # the learning rate by wave (None: constant, the optimizer's own)
+    clip_grad_norm: float = 0.0  # each update's gradient clipped to this norm over the stage (0: off)
 
     @classmethod
     def of(cls, config: ClusterConfig, actions: Sequence[Action], num_vws: int) -> StageRules:
@@ -93,6 +101,8 @@ class StageRules:
             staleness=config.wsp.staleness,
             lags=stage_lags(actions) if t.mitigations else None,
             unstashed=unstashed_forwards(actions),
+            lr_schedule=None if t.lr_schedule == "constant" else t.schedule_of_lr,
+            clip_grad_norm=t.clip_grad_norm,
         )
 
 
@@ -152,7 +162,8 @@ class StageCompute:
             torch.autocast(device.type, dtype=torch.bfloat16) if rules.precision == "bf16" else None
         )
         self.base_lr = lr
-        self._scale_lr = self.optimizer is not None and ("warmup" in mit or "pipemare" in mit)
+        scaled = "warmup" in mit or "pipemare" in mit or rules.lr_schedule is not None
+        self._scale_lr = self.optimizer is not None and scaled
         self._predict_pulls = "spectrain" in mit and self.optimizer is None
         self._last_pulled: dict[str, Tensor] = {}  # spectrain, aggregation server: the weights last pulled
 
@@ -298,11 +309,15 @@ class StageCompute:
         wave = self.wave_of(p)
         if self.optimizer is not None:
             if self._scale_lr:
-                set_lr(self.optimizer, self.base_lr * self._lr_factor(p))
+                set_lr(self.optimizer, self._lr_of(wave) * self._lr_factor(p))
             if count > 1 and self.acc:  # the mean gradient; acc is ours, so in place
                 torch._foreach_div_(list(self.acc.values()), float(count))
             for key, param in self.params.items():
                 param.grad = self.acc.get(key)
+            if self.rules.clip_grad_norm and self.acc:  # over this stage's gradients (docs/convergence.md)
+                clip_grad_norm_(
+                    [w for w in self.params.values() if w.grad is not None], self.rules.clip_grad_norm
+                )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         elif self.params:  # aggregation server: the PS steps on the wave's mean gradient
@@ -312,6 +327,12 @@ class StageCompute:
             self.on_update(covered)
         self.updates.record(wave)
         self._new_version()
+
+    def _lr_of(self, wave: int) -> float:
+        """The learning rate of wave's updates before the mitigations' factor (hetpipe.core.pipeline
+        .lr_schedule)."""
+        schedule = self.rules.lr_schedule
+        return self.base_lr if schedule is None else lr_at(schedule, wave)
 
     def _lr_factor(self, p: int) -> float:
         """warmup x PipeMare T1 for the update of minibatch p (hetpipe.core.pipeline.mitigation)."""
