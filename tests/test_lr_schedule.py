@@ -17,7 +17,7 @@ def test_constant_is_lr_at_every_wave():
 
 
 def test_cosine_warms_up_linearly_then_decays_to_min_lr_and_stays():
-    # lr 1, warm-up 2, total 6: waves 0, 1 ramp (1/2, 2/2); waves 2..5 decay at q = 0, 1/4, 2/4, 3/4; then q = 1
+    # lr 1, warm-up 2, total 6: waves 0, 1 ramp (1/2, 2/2); waves 2..5 at q = 0, 1/4, 2/4, 3/4; then q = 1
     s = LrSchedule("cosine", 1.0, warmup_steps=2, total=6, min_lr=0.0)
     expected = [0.5, 1.0, 1.0, (1 + HALF_SQRT2) / 2, 0.5, (1 - HALF_SQRT2) / 2, 0.0, 0.0]
     assert [lr_at(s, c) for c in range(8)] == pytest.approx(expected, rel=0, abs=1e-15)

@@ -309,14 +309,14 @@ class StageCompute:
         wave = self.wave_of(p)
         if self.optimizer is not None:
             if self._scale_lr:
-                set_lr(self.optimizer, self._lr_of(wave) * self._lr_factor(p))
+                set_lr(self.optimizer, _update_lr(self.rules, self.base_lr, self._lags.get(p), wave))
             if count > 1 and self.acc:  # the mean gradient; acc is ours, so in place
                 torch._foreach_div_(list(self.acc.values()), float(count))
             for key, param in self.params.items():
                 param.grad = self.acc.get(key)
             if self.rules.clip_grad_norm and self.acc:  # over this stage's gradients (docs/convergence.md)
                 clip_grad_norm_(
-                    [w for w in self.params.values() if w.grad is not None], self.rules.clip_grad_norm
+                    [w for k, w in self.params.items() if k in self.acc], self.rules.clip_grad_norm
                 )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -327,22 +327,6 @@ class StageCompute:
             self.on_update(covered)
         self.updates.record(wave)
         self._new_version()
-
-    def _lr_of(self, wave: int) -> float:
-        """The learning rate of wave's updates before the mitigations' factor (hetpipe.core.pipeline
-        .lr_schedule)."""
-        schedule = self.rules.lr_schedule
-        return self.base_lr if schedule is None else lr_at(schedule, wave)
-
-    def _lr_factor(self, p: int) -> float:
-        """warmup x PipeMare T1 for the update of minibatch p (hetpipe.core.pipeline.mitigation)."""
-        wave, rules = self.wave_of(p), self.rules
-        factor = 1.0
-        if "warmup" in rules.mitigation:
-            factor *= warmup_lr_factor(wave, rules.num_vws, rules.warmup_waves)
-        if "pipemare" in rules.mitigation:
-            factor *= pipemare_lr_factor(self._lags[p].update, wave, rules.warmup_waves)
-        return factor
 
     # ---- WSP --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -423,6 +407,19 @@ class StageCompute:
                     outputs[p] = output.detach()
             self.in_flight[p] = flight
         return outputs
+
+
+def _update_lr(rules: StageRules, base_lr: float, lag: Lag | None, wave: int) -> float:
+    """The learning rate of an update of `wave`: the schedule's (hetpipe.core.pipeline.lr_schedule; base_lr
+    when constant) x warmup x PipeMare T1 (hetpipe.core.pipeline.mitigation; `lag`: the minibatch's)."""
+    lr = base_lr if rules.lr_schedule is None else lr_at(rules.lr_schedule, wave)
+    factor = 1.0
+    if "warmup" in rules.mitigation:
+        factor *= warmup_lr_factor(wave, rules.num_vws, rules.warmup_waves)
+    if "pipemare" in rules.mitigation:
+        assert lag is not None
+        factor *= pipemare_lr_factor(lag.update, wave, rules.warmup_waves)
+    return lr * factor
 
 
 def _device_of(params: Mapping[str, Tensor]) -> torch.device:
