@@ -74,6 +74,15 @@ def _config_option(f):
     )(f)
 
 
+def _one_config(positional: Path | None, flag: Path | None) -> Path | None:
+    """CONFIG_PATH or --config; both only when they name the same file."""
+    from hetpipe.core.errors import UsageError
+
+    if positional is not None and flag is not None and positional.resolve() != flag.resolve():
+        raise UsageError(f"two configs given: CONFIG_PATH {positional} and --config {flag}; give one of them")
+    return positional if positional is not None else flag
+
+
 def _set_option(f):
     return click.option(
         "--set",
@@ -214,10 +223,18 @@ def schedule(stages: int, nm: int, waves: int, staleness: int, name: str, lists:
     help="Continue the stopped run in this run dir from the newest wave the PS and every stage "
     "checkpointed (needs [checkpoint] every >= 1); its config.toml unless CONFIG is given.",
 )
+@click.option(
+    "--config",
+    "config_flag",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The cluster config, as CONFIG_PATH (either one; both only if they name the same file).",
+)
 @_profile_option
 @_set_option
 def train(
     config_path: Path | None,
+    config_flag: Path | None,
     plan_path: Path | None,
     run_dir: Path | None,
     summary_path: Path | None,
@@ -231,6 +248,7 @@ def train(
     """Train on a cluster config, everything local: the PS and every stage of every virtual worker."""
     from hetpipe.core.errors import UsageError
 
+    config_path = _one_config(config_path, config_flag)
     if resume_dir is not None:
         if run_dir is not None and run_dir != resume_dir:
             raise UsageError("--resume RUN_DIR continues that run in its own dir: leave out --run-dir")

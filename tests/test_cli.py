@@ -218,3 +218,21 @@ def test_server_and_worker_with_curve_need_a_keys_dir(tmp_path: Path):
         result.returncode == 2
         and f"{tmp_path / 'none' / 'server.key_secret'}: no such key file" in result.stderr
     )
+
+
+def test_train_takes_the_config_as_config_option_too(tmp_path: Path):
+    """`hetpipe train --config PATH` reads PATH as CONFIG_PATH does; two different configs are refused."""
+    path, other = tmp_path / "ok.toml", tmp_path / "other.toml"
+    path.write_text(GOOD_HEAD)
+    other.write_text(GOOD_HEAD)
+
+    def train(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "hetpipe", "train", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    read = train("--config", str(path), "--set", 'train.lr_schedule="cos"')
+    assert read.returncode == 2 and f"{path} with --set" in read.stderr, read.stderr
+    both = train(str(path), "--config", str(other))
+    assert both.returncode == 2 and "two configs given" in both.stderr and "give one of them" in both.stderr
+    same = train(str(path), "--config", str(path), "--set", 'train.lr_schedule="cos"')
+    assert same.returncode == 2 and 'did you mean "cosine"' in same.stderr, same.stderr
