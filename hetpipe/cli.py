@@ -280,7 +280,7 @@ def train(
     from hetpipe.app.train import TrainOptions, apply_plan, check_writable_dir
     from hetpipe.app.train import train as run_train
     from hetpipe.core.errors import UsageError
-    from hetpipe.core.runs.metrics import format_summary
+    from hetpipe.core.runs.summary_text import format_run_summary
 
     layouts = None
     if plan_path:
@@ -302,7 +302,7 @@ def train(
         profile=profile,
     )
     summary = run_train(config, options)
-    click.echo(format_summary(summary))
+    click.echo(format_run_summary(summary, started=STARTED, also_json=summary_path))
     if summary_path:
         import json
 
@@ -765,11 +765,10 @@ def finish(
     """End a run of `hetpipe server` + `hetpipe worker`s as `hetpipe train` ends one: the final model from the
     running PS as model.pt, its evaluation and summary.json in the run dir (then stop the PS)."""
     from hetpipe.app.finish import finish_run
-    from hetpipe.core.runs.metrics import format_summary
+    from hetpipe.core.runs.summary_text import format_run_summary
 
     summary = finish_run(_load(config_path, settings), run_dir, wall_s, eval_device)
-    click.echo(format_summary(summary))
-    click.echo(f"wrote {run_dir / 'model.pt'} and {run_dir / 'summary.json'}")
+    click.echo(format_run_summary(summary))
 
 
 @cli.command()

@@ -15,7 +15,6 @@ from hetpipe.core.runs.metrics import (
     TraceRecorder,
     VwProgress,
     format_progress,
-    format_summary,
     merge_traces,
     read_jsonl,
     stage_breakdown_ms,
@@ -243,20 +242,3 @@ def test_write_summary(tmp_path: Path) -> None:
     assert json.loads(text) == SUMMARY
     assert list(json.loads(text)) == ["accuracy", "emulated", "gpus", "loss", "pull", "vws", "waves"]
     assert text.endswith("}\n")
-
-
-def test_format_summary_shows_a_list_of_records() -> None:
-    evals = {"evals": [{"wave": 3, "test_accuracy": 0.5}, {"wave": 6, "test_accuracy": 0.75}]}
-    assert format_summary(evals) == "evals: (wave=3 test_accuracy=0.5), (wave=6 test_accuracy=0.75)"
-
-
-def test_format_summary() -> None:
-    assert format_summary(SUMMARY) == (
-        "accuracy:              -\n"
-        "emulated:              true\n"
-        "gpus:                  n0:0, n0:1\n"
-        "loss:                  0.412346\n"
-        "pull:                  exact\n"
-        "vws.vw0.samples_per_s: 312.5\n"
-        "waves:                 20"
-    )

@@ -229,7 +229,9 @@ def test_the_script_trains_end_to_end_with_stand_ins_for_srun(tmp_path: Path) ->
     assert 0.0 <= summary["test_accuracy"] <= 1.0 and summary["samples"] == 3 * 2 * 2 * 16
     state = torch.load(run_dir / "model.pt")
     assert sorted(state) and all(not k.startswith("audit/") for k in state)
-    assert "model.pt" in done.stdout and "test_accuracy" in done.stdout
+    # `hetpipe finish` prints the block `hetpipe train` does (hetpipe.core.runs.summary_text)
+    assert f"model     {run_dir / 'model.pt'}" in done.stdout.splitlines()
+    assert f"accuracy  {summary['test_accuracy']:.4g}  (test loss " in done.stdout
     assert_trains_as_hetpipe_train(run_dir, tmp_path / "local")
     exported = subprocess.run(
         [sys.executable, "-m", "hetpipe", "export", str(run_dir)], capture_output=True, text=True, timeout=120

@@ -161,7 +161,15 @@ def test_train_cli_writes_summary_and_model(tmp_path: Path):
     summary = json.loads(out.read_text())
     assert {"test_accuracy", "samples_per_s", "wall_s"} <= set(summary)
     assert (summary["waves"], summary["nm"]) == (3, 3)
-    assert "test_accuracy" in result.stdout and "wave 3/3" in result.stderr
+    # the printed block (hetpipe.core.runs.summary_text): the result first, the model's and summaries' paths
+    lines = result.stdout.splitlines()
+    assert lines[1] == (
+        f"accuracy  {summary['test_accuracy']:.4g}  (test loss {summary['test_loss']:.4g}, "
+        f"{summary['eval_samples']} held-out samples)"
+    ), result.stdout
+    assert f"model     {tmp_path / 'r' / 'model.pt'}" in lines
+    assert f"summary   {tmp_path / 'r' / 'summary.json'} and {out} (every number)" in lines
+    assert "wave 3/3" in result.stderr
     metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert max(m["p"] for m in metrics if m["event"] == "minibatch") == 3 * 3 - 1
     import torch

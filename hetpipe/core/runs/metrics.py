@@ -22,7 +22,6 @@ __all__ = [
     "TraceRecorder",
     "VwProgress",
     "format_progress",
-    "format_summary",
     "merge_traces",
     "read_jsonl",
     "stage_breakdown_ms",
@@ -377,35 +376,3 @@ def write_summary(path: str | Path, summary: Mapping[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=_jsonable) + "\n", encoding="utf-8")
-
-
-def _flatten(summary: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    items = []
-    for key in sorted(summary):
-        value = summary[key]
-        if isinstance(value, Mapping):
-            items += _flatten(value, f"{prefix}{key}.")
-        else:
-            items.append((f"{prefix}{key}", value))
-    return items
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, list | tuple):
-        return ", ".join(_show(item) for item in value)
-    if isinstance(value, Mapping):  # e.g. one of the live evaluations in a list
-        return "(" + " ".join(f"{key}={_show(item)}" for key, item in value.items()) + ")"
-    return str(value)
-
-
-def format_summary(summary: Mapping[str, Any]) -> str:
-    """`key: value` lines, sorted, values aligned; nested mappings become dotted keys (vw0.loss)."""
-    items = _flatten(summary)
-    width = max((len(key) for key, _ in items), default=0) + 1
-    return "\n".join(f"{key + ':':<{width}} {_show(value)}" for key, value in items)
