@@ -299,14 +299,21 @@ def _announce(run: _Run, say: Callable[[str], None]) -> None:
         + (f"; resuming from wave {cut}" if cut is not None else "")
     )
     for i, lay in enumerate(vws):
-        parts = [
-            f"{g} ({config.gpu(g).name}, x{slow.get(g, 1.0):.2f} slower)" if slow else g for g in lay.gpus
-        ]
+        parts = [_gpu_text(g, config.gpu(g).name, slow.get(g), config.emulation.device) for g in lay.gpus]
         work = lay.work(config)
         say(
             f"  vw{i}: {' -> '.join(parts)}  layers per stage {list(lay.split)}, a wave of {work.nm} x "
             f"{work.batch} samples"
         )
+
+
+def _gpu_text(gpu: str, type_name: str, slowdown: float | None, device: str) -> str:
+    """ "n0:1 (slow, emulated: 4.00x slower than this CPU)": under emulation each block of a GPU's compute is
+    stretched to `slowdown` times its own time on the device that runs it (docs/emulation.md); else "n0:1"."""
+    if slowdown is None:
+        return gpu
+    runs_on = "this CPU" if device == "cpu" else "this machine's CUDA device"
+    return f"{gpu} ({type_name}, emulated: {slowdown:.2f}x slower than {runs_on})"
 
 
 def _work_text(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> str:
