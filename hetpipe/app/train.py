@@ -308,8 +308,9 @@ def _announce(run: _Run, say: Callable[[str], None]) -> None:
 
 
 def _gpu_text(gpu: str, type_name: str, slowdown: float | None, device: str) -> str:
-    """ "n0:1 (slow, emulated: 4.00x slower than this CPU)": under emulation each block of a GPU's compute is
-    stretched to `slowdown` times its own time on the device that runs it (docs/emulation.md); else "n0:1"."""
+    """ "n0:1 (slow, emulated: 4.00x slower than this CPU)": under emulation each block of a GPU's compute
+    takes `slowdown` times its own time on the device that runs it (docs/emulation.md#slowdowns); else
+    "n0:1"."""
     if slowdown is None:
         return gpu
     runs_on = "this CPU" if device == "cpu" else "this machine's CUDA device"
