@@ -63,9 +63,9 @@ def test_a_classifier_run() -> None:
         "summary   /tmp/runs/r1/summary.json (every number)\n"
         "\n"
         "evaluations while training (2):\n"
-        "wave  since start  loss  accuracy\n"
-        "   2        6.0 s  2.25     0.245\n"
-        "   4        7.5 s  2.01    0.3125"
+        "wave  since start   loss  accuracy\n"
+        "   2        6.0 s  2.250     0.245\n"
+        "   4        7.5 s  2.010     0.312"
     )
 
 
@@ -89,7 +89,7 @@ def test_a_loss_only_model() -> None:
     lines = format_run_summary(summary, started=T0).splitlines()
     assert lines[1] == "loss      3.5  (perplexity 33.12, a unigram model's loss 4.1, 1000 held-out samples)"
     assert "accuracy" not in "\n".join(lines)
-    assert lines[-2:] == ["wave  since start  loss  perplexity", "   3       10.0 s   3.9        49.4"]
+    assert lines[-2:] == ["wave  since start   loss  perplexity", "   3       10.0 s  3.900      49.402"]
 
 
 def test_more_than_ten_evaluations_show_the_first_the_last_and_between() -> None:
@@ -103,9 +103,9 @@ def test_more_than_ten_evaluations_show_the_first_the_last_and_between() -> None
 def test_without_a_start_the_seconds_count_from_the_first_evaluation() -> None:
     lines = format_run_summary(BASE).splitlines()
     assert lines[-3:] == [
-        "wave  since 1st  loss  accuracy",
-        "   2      0.0 s  2.25     0.245",
-        "   4      1.5 s  2.01    0.3125",
+        "wave  since 1st   loss  accuracy",
+        "   2      0.0 s  2.250     0.245",
+        "   4      1.5 s  2.010     0.312",
     ]
 
 

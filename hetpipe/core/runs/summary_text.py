@@ -120,8 +120,8 @@ def _evals_table(evals: Sequence[Mapping[str, Any]], started: float | None) -> l
         (
             str(e.get("wave", "-")),
             f"{e['time'] - zero:.1f} s" if "time" in e else "-",
-            _num(e.get("test_loss", e.get("val_loss"))),
-            _num(e.get("test_accuracy", e.get("val_perplexity"))),
+            _fixed(e.get("test_loss", e.get("val_loss"))),
+            _fixed(e.get("test_accuracy", e.get("val_perplexity"))),
         )
         for e in (evals[i] for i in shown_evals(len(evals)))
     ]
@@ -143,6 +143,11 @@ def _num(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
     return str(value)
+
+
+def _fixed(value: Any) -> str:
+    """A table's score: 3 decimals, so that a column's figures line up."""
+    return f"{value:.3f}" if isinstance(value, float) else _num(value)
 
 
 def _seconds(value: Any) -> str:
