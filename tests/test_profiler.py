@@ -147,6 +147,19 @@ def test_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert cached_profile(spec, 2, "titan-v", tmp_path, measure=False) == first
 
 
+def test_measuring_reports_each_layer_through_the_cache(tmp_path: Path) -> None:
+    """cached_profile passes `progress` down to every layer measured; a cached profile measures nothing."""
+    spec = get_model("mlp", image_size=4, hidden=(8,))
+    heard: list[tuple[int, int]] = []
+    cached_profile(spec, 2, "cpu", tmp_path, repeats=1, progress=lambda done, n: heard.append((done, n)))
+    n = spec.num_layers
+    # once per layer, in order; a flagged (noisy) first measurement is measured again from the first layer
+    assert heard[:n] == [(i, n) for i in range(1, n + 1)] and len(heard) in (n, 2 * n)
+    heard.clear()
+    cached_profile(spec, 2, "cpu", tmp_path, repeats=1, progress=lambda done, n: heard.append((done, n)))
+    assert heard == []
+
+
 def test_cache_key_sensitivity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = get_model("mlp", image_size=4, hidden=(8,))
     base = profile_cache_path(spec, 2, "titan-v", tmp_path)

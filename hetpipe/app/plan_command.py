@@ -20,6 +20,7 @@ from hetpipe.app.plan_convergence import (
     rule_of,
 )
 from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
+from hetpipe.app.progress import ProgressLine
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.planning.planner import (
     ALLREDUCE,
@@ -41,7 +42,6 @@ from hetpipe.core.planning.summary import default_view, wrap
 __all__ = [
     "PlanRequest",
     "PlanSearch",
-    "ProgressLine",
     "print_plans",
     "run_plan",
     "search_plans",
@@ -177,30 +177,6 @@ def _batch_planner(
 def _progress(line: str) -> None:
     """The search's progress, on stderr (stdout stays the table or the JSON)."""
     click.echo(line, err=True)
-
-
-class ProgressLine:
-    """Passes a search's progress lines on to `emit`: none in the first `quiet_s` seconds (a short search
-    prints nothing), then at most one every `every_s` seconds."""
-
-    def __init__(
-        self,
-        emit: Callable[[str], None],
-        *,
-        quiet_s: float = 2.0,
-        every_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.emit, self.quiet_s, self.every_s, self.clock = emit, quiet_s, every_s, clock
-        self.started = clock()
-        self.last: float | None = None
-
-    def __call__(self, line: str) -> None:
-        now = self.clock()
-        if now - self.started < self.quiet_s or (self.last is not None and now - self.last < self.every_s):
-            return
-        self.last = now
-        self.emit(line)
 
 
 def _add_rule_note(

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from hetpipe.app.progress import ProgressLine
+
 if TYPE_CHECKING:
     from hetpipe.app.model_catalog import ModelKey
     from hetpipe.core.config.schema import ClusterConfig
@@ -99,6 +101,11 @@ def measure_profile(
         _say(f"  not trusted ({'; '.join(first.origin.flags)}): measuring once more ...")
 
     started = time.monotonic()
+    line = ProgressLine(_say)
+
+    def measured(done: int, layers: int) -> None:
+        line(f"  {done} of {layers} layers measured ({time.monotonic() - started:.0f} s)")
+
     profile = cached_profile(
         spec,
         batch,
@@ -110,6 +117,7 @@ def measure_profile(
         dtype=dtype,
         refresh=refresh,
         on_flagged=again,
+        progress=measured,
     )
     _say(
         f"profile from the cache: {path}"

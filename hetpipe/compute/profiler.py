@@ -72,9 +72,10 @@ def profile_model(
     device: str = "cpu",
     gpu_type: str | None = None,
     dtype: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ModelProfile:
     """Measure every layer of `spec` at `batch_size` on `device`; label the result `gpu_type` (default:
-    device).
+    device). `progress(done, layers)` hears after each layer measured.
 
     dtype: one of DTYPES to convert the weights and floating-point inputs to (default: the model's own).
 
@@ -110,7 +111,7 @@ def profile_model(
     load_before = load_per_core()
     layers, x0, target = _built_model(spec, batch_size, dev, cast if dtype is not None else None)
     traced = _trace(spec, layers, x0, target)
-    measured = _measure_layers(spec, layers, x0, target, traced, dev, optimizer, repeats)
+    measured = _measure_layers(spec, layers, x0, target, traced, dev, optimizer, repeats, progress)
     profile = ModelProfile(
         model=spec.name,
         batch_size=batch_size,
@@ -148,8 +149,10 @@ def _measure_layers(
     device: torch.device,
     optimizer: str,
     repeats: int,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[LayerProfile, ...]:
-    """Every layer measured alone, in order, on the previous layer's output from the chained forward."""
+    """Every layer measured alone, in order, on the previous layer's output from the chained forward;
+    `progress(done, layers)` after each."""
     profiles = []
     for i, layer in enumerate(layers):
         x = (
@@ -158,6 +161,8 @@ def _measure_layers(
             else traced.outputs[i - 1].detach().requires_grad_(traced.outputs[i - 1].is_floating_point())
         )
         profiles.append(_measure_layer(spec, i, layer, x, target, traced, device, optimizer, repeats))
+        if progress is not None:
+            progress(i + 1, len(layers))
     return tuple(profiles)
 
 
@@ -292,10 +297,11 @@ def profile_checked(
     gpu_type: str | None = None,
     dtype: str | None = None,
     on_flagged: Callable[[ModelProfile], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ModelProfile:
     """profile_model; when its origin is flagged (noisy or busy), measured once more and the quieter of the
     two kept (the second on a tie), still flagged if it is. `on_flagged(first)` is called before measuring
-    again."""
+    again; `progress` goes to each profile_model."""
 
     def measure() -> ModelProfile:
         return profile_model(
@@ -306,6 +312,7 @@ def profile_checked(
             device=device,
             gpu_type=gpu_type,
             dtype=dtype,
+            progress=progress,
         )
 
     first = measure()
@@ -544,13 +551,15 @@ def cached_profile(
     measure: bool = True,
     refresh: bool = False,
     on_flagged: Callable[[ModelProfile], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ModelProfile:
     """The profile from the cache when there, else measured on `device` (labelled `gpu_type`) and stored.
 
-    Measuring is profile_checked's: a flagged measurement is taken once more (`on_flagged` hears of it) and
-    the quieter one stored, its flags kept. refresh=True measures even when the cache holds the profile and
-    replaces the entry. measure=False only reads: a GPU type this machine does not have needs a profile file
-    measured there (or one made with derive_profile); HetpipeError names the path it looked for.
+    Measuring is profile_checked's: a flagged measurement is taken once more (`on_flagged` hears of it, and
+    `progress` of each layer measured) and the quieter one stored, its flags kept. refresh=True measures
+    even when the cache holds the profile and replaces the entry. measure=False only reads: a GPU type this
+    machine does not have needs a profile file measured there (or one made with derive_profile);
+    HetpipeError names the path it looked for.
     """
     _check_options(spec, batch_size, optimizer, repeats)
     dtype = profile_dtype(spec, dtype)
@@ -590,6 +599,7 @@ def cached_profile(
         gpu_type=gpu_type,
         dtype=dtype,
         on_flagged=on_flagged,
+        progress=progress,
     )
     write_profile(path, profile)
     return profile
