@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hetpipe.app.progress import ProgressLine
+from hetpipe.app.progress_line import ProgressLine
 
 
 def test_progress_is_quiet_for_two_seconds_then_at_most_once_a_second() -> None:

@@ -20,7 +20,7 @@ from hetpipe.app.plan_convergence import (
     rule_of,
 )
 from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
-from hetpipe.app.progress import ProgressLine
+from hetpipe.app.progress_line import ProgressLine
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.planning.planner import (
     ALLREDUCE,

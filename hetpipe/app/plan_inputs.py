@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from hetpipe.app.progress import ProgressLine
+from hetpipe.app.progress_line import ProgressLine
 
 if TYPE_CHECKING:
     from hetpipe.app.model_catalog import ModelKey

@@ -1,32 +1,116 @@
-"""A progress line for long work on stderr: silent for a short job, then about once a second."""
+"""What `hetpipe train` shows while it runs: its view of every VW, fed by the stages' events, and the
+progress block redrawn in place on a terminal (or printed every few seconds to a log)."""
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["ProgressLine"]
+from hetpipe.compute.build import VwLayout
+from hetpipe.core.runs.metrics import VwProgress, wave_breakdown_ms
+
+__all__ = ["Progress", "ProgressView"]
 
 
-class ProgressLine:
-    """Passes a search's progress lines on to `emit`: none in the first `quiet_s` seconds (a short search
-    prints nothing), then at most one every `every_s` seconds."""
+@dataclass
+class Progress:
+    """The launcher's view of every VW, fed by the stages' events."""
 
-    def __init__(
-        self,
-        emit: Callable[[str], None],
-        *,
-        quiet_s: float = 2.0,
-        every_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.emit, self.quiet_s, self.every_s, self.clock = emit, quiet_s, every_s, clock
-        self.started = clock()
-        self.last: float | None = None
+    layouts: tuple[VwLayout, ...]
+    start_wave: int = 0  # a resumed run's first wave: every VW has completed the waves before it
+    waves: dict[int, int] = field(default_factory=dict)
+    loss: dict[int, float] = field(default_factory=dict)
+    speed: dict[int, float] = field(default_factory=dict)
+    gate_wait: dict[tuple[int, int], float] = field(default_factory=dict)
+    pushed: dict[tuple[int, int], int] = field(default_factory=dict)
+    audit_checks: int = 0
+    times: dict[tuple[int, int], dict[str, float]] = field(
+        default_factory=dict
+    )  # (vw, stage) -> seconds by part
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    startup: dict[tuple[int, int], dict[str, float]] = field(
+        default_factory=dict
+    )  # (vw, stage) -> its start-up points
+    max_lead: int = 0
+    steps: int = 0  # minibatches finished, over all VWs
+    samples: int = 0  # their samples, the first one's left out (it ends the start-up, not the training)
+    first_step: float | None = None  # when the first and the last of them finished (the stages' clock)
+    last_step: float | None = None
+    evicted: set[int] = field(default_factory=set)  # VWs out of the run (on_vw_failure = "evict")
 
-    def __call__(self, line: str) -> None:
-        now = self.clock()
-        if now - self.started < self.quiet_s or (self.last is not None and now - self.last < self.every_s):
+    def update(self, event: dict[str, Any]) -> None:
+        vw = event.get("vw")
+        if event["event"] == "minibatch":
+            self.samples += event.get("batch", 0) if self.steps else 0
+            self.steps += 1
+            self.first_step = (
+                event["time"] if self.first_step is None else min(self.first_step, event["time"])
+            )
+            self.last_step = event["time"] if self.last_step is None else max(self.last_step, event["time"])
+        if event["event"] == "stage_done":
+            self.audit_checks += event.get("audit_checks", 0)
+            self.times[(vw, event["stage"])] = event.get("times_s", {})
+        if event["event"] == "eval":
+            self.evals.append({k: v for k, v in event.items() if k != "event"})
+        if event["event"] == "startup":
+            self.startup[(vw, event["stage"])] = event["points"]
+        if event["event"] == "minibatch":
+            self.loss[vw] = event["loss"]
+            self.speed[vw] = event["samples_per_s"]
+        elif event["event"] == "push":
+            self.pushed[(vw, event["stage"])] = event["wave"] + 1
+            self.gate_wait[(vw, event["stage"])] = event["gate_wait_s"]
+            done = [self.completed(v) for v in range(len(self.layouts)) if v not in self.evicted]
+            self.max_lead = max(self.max_lead, max(done, default=0) - min(done, default=0))
+
+    def c_global(self) -> int:
+        live = [v for v in range(len(self.layouts)) if v not in self.evicted]
+        return min((self.completed(v) for v in live), default=0)
+
+    def breakdown_ms(self, waves: int) -> dict[str, dict[str, float]]:
+        """Per VW, ms per wave spent in each part (compute, recv, d2h, push, gate_wait, pull, h2d, ...): the
+        most any of its stages spent there (wave_breakdown_ms); a VW none of whose stages reported has
+        none."""
+        found = wave_breakdown_ms(self.times, waves)
+        return {str(v): found.get(str(v), {}) for v in range(len(self.layouts))}
+
+    def completed(self, vw: int) -> int:
+        return min(self.pushed.get((vw, s), self.start_wave) for s in range(len(self.layouts[vw].split)))
+
+    def rows(self) -> list[VwProgress]:
+        c_global = min(self.completed(v) for v in range(len(self.layouts)))
+        return [
+            VwProgress(
+                vw=v,
+                gpus=",".join(lay.gpus),
+                wave=self.completed(v),
+                loss=self.loss.get(v),
+                samples_per_s=self.speed.get(v, 0.0),
+                lead=self.completed(v) - c_global,
+                gate_wait_s=max((w for (vv, _), w in self.gate_wait.items() if vv == v), default=0.0),
+            )
+            for v, lay in enumerate(self.layouts)
+        ]
+
+
+class ProgressView:
+    """Redraws the progress block in place on a terminal; prints it every few seconds otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.lines = 0
+        self.last = 0.0
+
+    def show(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self.last < (0.5 if self.tty else 10.0)):
             return
         self.last = now
-        self.emit(line)
+        if self.tty and self.lines:
+            sys.stderr.write(f"\x1b[{self.lines}F\x1b[J")
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+        self.lines = text.count("\n") + 1
