@@ -32,6 +32,7 @@ from hetpipe.core.planning.planner import (
     supplied_profiles,
 )
 from hetpipe.core.planning.profile import LayerProfile, ModelProfile, ProfileOrigin
+from hetpipe.core.planning.search import search_candidates
 from hetpipe.core.planning.simulate import PsNetwork
 from hetpipe.models import get_model, param_counts
 
@@ -814,3 +815,27 @@ def test_shipped_clusters_reach_90_percent_of_capacity_or_name_the_bound(name: s
         assert top["capacity_share"] >= 0.9, top["bounds"]
     else:
         assert top["capacity_share"] >= 0.9 or top["bounds"]
+
+
+def test_bfloat16_on_the_wire_is_priced_as_half_the_bytes_over_the_same_links() -> None:
+    """[ps] wire_dtype = "bfloat16": every candidate predicts what float32 does over links twice as fast
+    (half the bytes, the packing not priced), so a plan bound by the PS link goes faster; the report gives
+    the link's own Gbit/s and the bytes on the wire."""
+    _, profiles = small()
+    types = {"fast": (2.0, 8.0), "slow": (1.0, 4.0)}
+    nodes = [["fast", "fast"], ["slow", "slow"]]
+    packed = cluster(nodes, types, extra={"ps": {"wire_dtype": "bfloat16"}})
+    plain = cluster(nodes, types)
+    slow_ps = 0.05  # Gbit/s: a wave's 6 MiB per VW keeps this link busy
+    got = plan_candidates(packed, profiles, ps_gbps=slow_ps, d_values=(0,), baselines=False)
+    fast = plan_candidates(plain, profiles, ps_gbps=2 * slow_ps, d_values=(0,), baselines=False)
+    same = plan_candidates(plain, profiles, ps_gbps=slow_ps, d_values=(0,), baselines=False)
+    assert [c.samples_per_s for c in got] == [c.samples_per_s for c in fast]
+    searched = search_candidates(packed, profiles, ps_gbps=slow_ps, d_values=(0,), baselines=False)
+    doubled = search_candidates(plain, profiles, ps_gbps=2 * slow_ps, d_values=(0,), baselines=False)
+    assert best(searched.candidates).samples_per_s == best(doubled.candidates).samples_per_s
+    assert best(got).samples_per_s > 1.2 * best(same).samples_per_s  # the PS link bounds both
+    ps_text = next(b for c in got if len(c.plan.vws) == 2 for b in c.bounds if "the PS link" in b)
+    # the link's own figure, not the doubled one; two VWs of 6 x 1 MiB each push and pull a wave: 24 MiB as
+    # float32, 12 MiB on a bfloat16 wire
+    assert f"x {slow_ps:g} Gbit/s" in ps_text and "2 VWs move 12.00 MiB per wave" in ps_text, ps_text

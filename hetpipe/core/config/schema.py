@@ -43,6 +43,8 @@ PsAuth = Literal["none", "curve"]
 OnNan = Literal["stop", "skip"]
 OnVwFailure = Literal["stop", "evict"]
 WireDtype = Literal["float32", "bfloat16"]
+# bytes one float32 weight takes on the PS's wire ([ps] wire_dtype, docs/ps-protocol.md#frames)
+WIRE_BYTES_PER_VALUE: dict[str, int] = {"float32": 4, "bfloat16": 2}
 PsAgent = Literal["auto", "thread", "process"]
 AllocationPolicy = Literal["explicit", "np", "ed", "hd", "dp"]
 BUILTIN_LOSSES = (

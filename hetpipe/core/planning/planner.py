@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.config.schema import WIRE_BYTES_PER_VALUE, ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.pipeline.schedule import SCHEDULES, get_schedule
 from hetpipe.core.planning.analytic import least_wave_s
@@ -81,11 +81,45 @@ class _Prediction:
     GPUs' standalone rates (capacity.standalone_rates), naming what bounds it over the GPUs' links."""
 
     waves: int
-    ps_gbps: float
+    ps_gbps: float  # each shard's link as float32 weights see it: its Gbit/s / `wire`
     shards: int
-    network: PsNetwork | None
+    network: PsNetwork | None  # the nodes' links, likewise
     rates: Mapping[str, float] = dataclasses.field(default_factory=dict)
     link: Callable[[str, str], float] | None = None
+    wire: float = 1.0  # bytes on the PS's wire per byte of float32 weights ([ps] wire_dtype)
+
+    @classmethod
+    def of(
+        cls,
+        config: ClusterConfig,
+        waves: int,
+        ps_gbps: float,
+        network: PsNetwork | None,
+        rates: Mapping[str, float],
+        link: Callable[[str, str], float] | None,
+    ) -> _Prediction:
+        """With [ps] wire_dtype = "bfloat16" the weights cross every PS link in half the bytes: each link is
+        counted at twice its Gbit/s for them (the packing, 1-2 GB/s on one CPU core, is not priced: it pays
+        where the links are slower than that; BatchNorm buffers, sent as float32, are counted as packed)."""
+        wire = WIRE_BYTES_PER_VALUE[config.ps.wire_dtype] / WIRE_BYTES_PER_VALUE["float32"]
+        if network is not None and wire != 1.0:
+            network = dataclasses.replace(
+                network,
+                egress_gbps={k: v / wire for k, v in network.egress_gbps.items()},
+                inside_gbps={k: v / wire for k, v in network.inside_gbps.items()},
+            )
+        return cls(waves, ps_gbps / wire, config.ps.shards, network, rates, link, wire)
+
+    @property
+    def ps_bytes_per_s(self) -> float:
+        """All shards' links together, in float32 bytes of weights per second."""
+        return self.ps_gbps * self.shards * 1e9 / 8
+
+    def ps_figures(self, utilisation: float, link: str, float32_bytes: float, wave_s: float) -> PsFigures:
+        """What the report says of the PS: its links at their own Gbit/s, the bytes on the wire."""
+        return PsFigures(
+            self.ps_gbps * self.wire, self.shards, utilisation, link, float32_bytes * self.wire, wave_s
+        )
 
 
 def plan_candidates(
@@ -134,8 +168,8 @@ def plan_candidates(
     ds = _d_values(d_values, config.wsp.staleness, waves)
     search = GroupingSearch(config, profiles_by_type, link_gbps or config.network.link_gbps, reserve_bytes)
     rates = standalone_rates(config, profiles_by_type)
-    how = _Prediction(waves, ps_gbps, config.ps.shards, ps_network, rates, search.link)
-    work = PerVwWork(search, ps_gbps * config.ps.shards * 1e9 / 8)
+    how = _Prediction.of(config, waves, ps_gbps, ps_network, rates, search.link)
+    work = PerVwWork(search, how.ps_bytes_per_s)
     out: list[Candidate] = []
     for schedule in _schedules(config, schedules):
         for policy in _policies(config, policies):
@@ -275,7 +309,7 @@ def _predict(plan: Plan, notes: tuple[str, ...], how: _Prediction) -> Candidate:
         plan.schedule,
         plan.recompute,
         _pulls(plan),
-        how.ps_gbps * how.shards * 1e9 / 8,
+        how.ps_bytes_per_s,
     )
     per_wave = max(max(r.wave_s for r in result.vws), floor)
     samples = sum(vw.nm * vw.batch(plan.batch_size) for vw in plan.vws)  # one wave of every VW
@@ -291,7 +325,7 @@ def _predict(plan: Plan, notes: tuple[str, ...], how: _Prediction) -> Candidate:
     if result.ps_utilisation > 0.9:
         bottleneck = f"PS link ({result.ps_utilisation:.0%} busy); then {bottleneck}"
     moved = sum(vw.param_bytes for vw in plan.vws) * (2 if _pulls(plan) else 1)
-    ps = PsFigures(how.ps_gbps, how.shards, result.ps_utilisation, result.ps_link, moved, per_wave)
+    ps = how.ps_figures(result.ps_utilisation, result.ps_link, moved, per_wave)
     bounds = plan_bounds(plan, steady, how.rates, notes, ps, how.link) if how.link and how.rates else ()
     return Candidate(
         plan.policy,

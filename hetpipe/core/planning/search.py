@@ -18,7 +18,7 @@ from hetpipe.core.pipeline.schedule import get_schedule
 from hetpipe.core.planning.analytic import WaveModel, upper_bound, wave_model
 from hetpipe.core.planning.baselines import allreduce, baseline_bounds, sync_pipeline
 from hetpipe.core.planning.candidates import Candidate, gpu_uses, slowest_stage_text
-from hetpipe.core.planning.capacity import PsFigures, plan_bounds, standalone_rates
+from hetpipe.core.planning.capacity import plan_bounds, standalone_rates
 from hetpipe.core.planning.groupings import GroupingSearch
 from hetpipe.core.planning.kinds import vw_kind
 from hetpipe.core.planning.memory import MemoryRule
@@ -164,10 +164,11 @@ def search_candidates(
     check_profiles(config, profiles_by_type)
     search = GroupingSearch(config, profiles_by_type, link_gbps or config.network.link_gbps, reserve_bytes)
     rates = standalone_rates(config, profiles_by_type)
-    ps_rate = ps_gbps * config.ps.shards * 1e9 / 8
+    how = _Prediction.of(config, waves, ps_gbps, None, rates, search.link)
+    ps_rate = how.ps_bytes_per_s
     ctx = _Context(
         search,
-        _Prediction(waves, ps_gbps, config.ps.shards, None, rates, search.link),
+        how,
         _d_values(d_values, config.wsp.staleness, waves),
         config.train.batch_size,
         get_aggregation(config.ps.aggregation),
@@ -374,7 +375,7 @@ def _modelled(search: GroupingSearch, e: _Entry, how: _Prediction) -> Candidate:
         bottleneck = f"PS link ({m.ps_utilisation:.0%} busy); then {bottleneck}"
     pulls = needs_pulls(len(sized), get_aggregation(config.ps.aggregation))
     moved = sum(vw.param_bytes for vw in sized) * (2 if pulls else 1)
-    ps = PsFigures(how.ps_gbps, how.shards, m.ps_utilisation, "PS", moved, m.wave_s)
+    ps = how.ps_figures(m.ps_utilisation, "PS", moved, m.wave_s)
     notes = (*notes, MODEL_NOTE)
     bounds = plan_bounds(plan, m.samples_per_s, how.rates, notes, ps, how.link) if how.link else ()
     gate = max(m.gate_s - m.compute_s, 0.0) / m.wave_s if m.wave_s > 0 and not math.isinf(m.wave_s) else 0.0
