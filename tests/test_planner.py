@@ -839,3 +839,29 @@ def test_bfloat16_on_the_wire_is_priced_as_half_the_bytes_over_the_same_links() 
     # the link's own figure, not the doubled one; two VWs of 6 x 1 MiB each push and pull a wave: 24 MiB as
     # float32, 12 MiB on a bfloat16 wire
     assert f"x {slow_ps:g} Gbit/s" in ps_text and "2 VWs move 12.00 MiB per wave" in ps_text, ps_text
+
+
+def test_cli_plan_names_what_bfloat16_on_the_wire_would_give_a_plan_the_ps_link_binds() -> None:
+    """A chosen plan whose PS link is busy gets a note with the best plan at bfloat16 weights on the wire,
+    which that config then chooses; a plan the PS link does not bind gets none."""
+
+    def plan(*settings: str) -> list[str]:
+        args = [sys.executable, "-m", "hetpipe", "plan", str(PAPER)]
+        for setting in settings:
+            args += ["--set", setting]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()
+
+    def best_rate(lines: list[str]) -> float:
+        line = next(line for line in lines if line.startswith("best: "))
+        return float(line.split(" samples/s predicted")[0].split(": ")[-1])
+
+    slow = "network.inter_node_gbps=1"
+    plain = plan(slow)
+    notes = [line for line in plain if line.startswith("note: the PS link is")]
+    assert len(notes) == 1 and 'wire_dtype = "bfloat16"' in notes[0], plain
+    packed = plan(slow, 'ps.wire_dtype="bfloat16"')
+    promised = float(notes[0].split(" samples/s predicted")[0].split(": ")[-1])
+    assert best_rate(packed) == promised > 1.02 * best_rate(plain)
+    assert not any(line.startswith("note: the PS link is") for line in packed + plan())

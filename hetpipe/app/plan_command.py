@@ -45,6 +45,7 @@ __all__ = [
     "print_plans",
     "run_plan",
     "search_plans",
+    "wire_note",
     "write_best",
 ]
 
@@ -98,9 +99,36 @@ def run_plan(
     plan to `out_path`."""
     found = search_plans(config, request)
     chosen = best(found.candidates)
+    note = wire_note(config, request, chosen)
+    if note:
+        found.notes.append(note)
     print_plans(config, request, found, chosen, show_why=show_why, as_json=as_json, show_all=show_all)
     if out_path is not None:
         write_best(request.config_path, found, chosen, out_path)
+
+
+WIRE_BUSY = 0.85  # a chosen plan whose PS link is at least this busy is planned again with bfloat16 weights
+WIRE_GAIN = 1.02  # and the note given when that plan predicts more than this factor
+
+
+def wire_note(config: ClusterConfig, request: PlanRequest, chosen: Candidate) -> str | None:
+    """When the chosen plan is bound by the PS link and the weights cross it as float32: the same search with
+    [ps] wire_dtype = "bfloat16" (half the bytes), and a note of its best plan when that predicts more. The
+    user chooses: bfloat16 weights on the wire train other numbers than float32 (docs/ps-protocol.md)."""
+    if config.ps.wire_dtype != "float32" or chosen.ps_utilisation < WIRE_BUSY:
+        return None
+    from hetpipe.core.config.overrides import apply_overrides
+
+    packed = search_plans(apply_overrides(config, ['ps.wire_dtype="bfloat16"']), request)
+    other = best(packed.candidates)
+    gain = other.samples_per_s / chosen.samples_per_s if chosen.samples_per_s > 0 else 0.0
+    if gain <= WIRE_GAIN:
+        return None
+    return (
+        f"the PS link is {chosen.ps_utilisation:.0%} busy: with the weights on the wire as bfloat16 "
+        f'(set [ps] wire_dtype = "bfloat16"; half the bytes, not the float32 run\'s numbers bit for bit) the '
+        f"best plan would be {other.label}: {other.samples_per_s:.4g} samples/s predicted, {gain:.2f}x"
+    )
 
 
 def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
