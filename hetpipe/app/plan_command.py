@@ -82,8 +82,12 @@ class PlanSearch:
     notes: list[str]
     ps_gbps: float
     elapsed: float
-    footer: str = ""  # what the fast search counted but does not show ("" for the exhaustive search)
     searched: SearchResult | None = None  # the fast search's counts (None for the exhaustive search)
+
+    @property
+    def footer(self) -> str:
+        """What the fast search counted but does not show ("" for the exhaustive search)."""
+        return self.searched.footer() if self.searched is not None else ""
 
 
 def run_plan(
@@ -145,9 +149,7 @@ def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
         notes.append(batch_note(predicted, batch))
     _add_rule_note(notes, config, ruled, tried, request)
     elapsed = time.monotonic() - started
-    searched = footers.get(batch)
-    footer = searched.footer() if searched is not None else ""
-    return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed, footer, searched)
+    return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed, footers.get(batch))
 
 
 def _batch_planner(

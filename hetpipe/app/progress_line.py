@@ -10,7 +10,7 @@ __all__ = ["ProgressLine"]
 
 
 class ProgressLine:
-    """Passes a search's progress lines on to `emit`: none in the first `quiet_s` seconds (a short search
+    """Passes progress lines on to `emit`: none in the first `quiet_s` seconds (a short search or profile
     prints nothing), then at most one every `every_s` seconds."""
 
     def __init__(

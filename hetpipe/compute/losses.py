@@ -17,7 +17,8 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
 def cross_entropy(output: Tensor, target: Tensor) -> Tensor:
-    """Mean cross-entropy of (B, C) logits with (B,) targets, or (B, T, V) with (B, T) (ModelSpec.loss)."""
+    """Mean cross-entropy of (B, C) logits with (B,) targets, or (B, T, V) with (B, T): every built-in model's
+    own (ModelSpec.loss)."""
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 

@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from hetpipe.compute.losses import cross_entropy
 from hetpipe.core.errors import UsageError
 
 __all__ = ["ModelSpec", "Task", "layer_seed"]
@@ -93,8 +93,9 @@ class ModelSpec:
         return layer if device is None else layer.to(device)
 
     def loss(self, output: Tensor, target: Tensor) -> Tensor:
-        """Mean cross-entropy; (B, C) logits with (B,) targets, or (B, T, V) with (B, T) for language."""
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+        """Mean cross-entropy; (B, C) logits with (B,) targets, or (B, T, V) with (B, T) for language
+        (hetpipe.compute.losses.cross_entropy, train.loss's default)."""
+        return cross_entropy(output, target)
 
     def example_input(self, batch_size: int, seed: int = 0) -> Tensor:
         """A random input batch of the right shape and dtype (for shape checks and profiling)."""

@@ -39,10 +39,6 @@ class LrSchedule:
     every: int = 1
     gamma: float = 0.1
 
-    @property
-    def constant(self) -> bool:
-        return self.name == "constant"
-
 
 def lr_at(schedule: LrSchedule, wave: int) -> float:
     """The learning rate of the updates of `wave` (0-based)."""
