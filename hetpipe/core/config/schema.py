@@ -190,6 +190,10 @@ class PsConfig:
     # own (shared buffers, no copies; an agent thread's GIL use slows a CUDA stage's issuing thread); auto: a
     # process for a CUDA stage, a thread for a CPU one (docs/architecture.md#the-ps-path)
     agent: PsAgent = "auto"
+    # node-local aggregation (docs/wsp.md#node-local-aggregation): the VWs that sit wholly on one node push
+    # and pull through one relay on that node, which adds their wave updates and pulls once for them all, so
+    # one update and one copy of the weights cross the node's link each wave instead of one per VW
+    node_aggregation: bool = False
 
 
 @dataclass(frozen=True)
@@ -436,6 +440,7 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
         "max_restarts",
         "wire_dtype",
         "agent",
+        "node_aggregation",
     ),
     "wsp": ("staleness", "nm", "pull"),
     "checkpoint": ("dir", "every", "keep", "stages"),

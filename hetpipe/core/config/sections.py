@@ -86,6 +86,7 @@ def _ps(t: _Table) -> PsConfig:
         max_restarts=t.integer("max_restarts", d.max_restarts, ge=0),
         wire_dtype=t.choice("wire_dtype", d.wire_dtype, get_args(WireDtype)),
         agent=t.choice("agent", d.agent, get_args(PsAgent)),
+        node_aggregation=t.boolean("node_aggregation", d.node_aggregation),
     )
 
 
