@@ -44,6 +44,7 @@ def register_stage(shard: ShardServer, identity: bytes, msg: wire.Message) -> No
         f["num_waves"] or None,
         f["start_wave"],
         tuple(f["vw_weights"]),
+        tuple(f["members"]),
     )
     shard.identities[sid] = identity
     shard.beats[sid] = (time.monotonic(), shard.beats.get(sid, (0.0, 0))[1])
@@ -55,7 +56,7 @@ def register_stage(shard: ShardServer, identity: bytes, msg: wire.Message) -> No
         "c_global": state.c_global,
         "pushed": state.pushed[sid],
         "keep_from": shard.keep_from(sid),
-        "ckpt_from": shard.checkpoints.oldest,
+        "ckpt_from": shard.ckpt_from(),
     }
     shard.send(identity, wire.encode("registered", fields, tensors), lent=tensors)
 
@@ -73,7 +74,7 @@ def apply_push(shard: ShardServer, identity: bytes, msg: wire.Message) -> None:
         "applied": result.applied,
         "c_global": result.c_global,
         "keep_from": shard.keep_from(sid),
-        "ckpt_from": shard.checkpoints.oldest,
+        "ckpt_from": shard.ckpt_from(),
     }
     shard.send(identity, wire.encode("ack", ack))
     if result.clock_advanced:
@@ -91,7 +92,7 @@ def note_heartbeat(shard: ShardServer, identity: bytes, msg: wire.Message) -> No
         "id": f["id"],
         "c_global": shard.state.c_global,
         "keep_from": shard.keep_from(sid),
-        "ckpt_from": shard.checkpoints.oldest,
+        "ckpt_from": shard.ckpt_from(),
     }
     shard.send(identity, wire.encode("beat", beat))
 

@@ -106,6 +106,7 @@ class ShardServer:
         self.settings = settings
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.state = ShardState(settings.staleness, settings.pull_mode, settings.make_aggregation())
+        self.handlers = REQUEST_HANDLERS  # request type -> handler (a node relay answers with its own)
         self.identities: dict[tuple[int, int], bytes] = {}
         self.evicted_identities: dict[bytes, int] = {}  # connections of stages whose VW was evicted -> the VW
         self.parked: dict[tuple[int, int], Parked] = {}  # (vw, stage) -> its one pull waiting for the gate
@@ -233,7 +234,7 @@ class ShardServer:
                 raise wire.WireError("bad_message", "empty message")
             msg = wire.decode(body)
             request_id = msg.fields["id"]
-            handler = REQUEST_HANDLERS.get(msg.type)
+            handler = self.handlers.get(msg.type)
             if handler is None:
                 raise wire.WireError("bad_message", f"{msg.type!r} is a reply, not a request")
             if msg.fields["run"] != self.settings.run:
@@ -256,6 +257,10 @@ class ShardServer:
         except Exception as exc:  # a bug must not take the shard down; say so loudly and go on
             self.say(f"internal error: {exc}\n{traceback.format_exc()}")
             self.send(identity, wire.error_frames(request_id, "internal", f"internal error: {exc}"))
+
+    def ckpt_from(self) -> int:
+        """The oldest checkpoint's clock on disk (0: none): stages keep their snapshots from there."""
+        return self.checkpoints.oldest
 
     def keep_from(self, sid: tuple[int, int]) -> int:
         """The first wave of this stage whose push the client must keep: the shard may lose it in a crash."""

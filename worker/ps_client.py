@@ -120,8 +120,10 @@ class PSClient:
         curve: ClientKeys | None = None,
         wire_dtype: str = "float32",
         vw_weights: tuple[int, ...] = (),
+        members: tuple[int, ...] = (),
     ) -> None:
         self.endpoints = endpoints
+        self.members = tuple(members)  # a node relay's group (docs/wsp.md#node-local-aggregation); ()
         self.run, self.vw, self.stage = run, vw, stage
         self.num_vws, self.num_stages = num_vws, num_stages
         self.vw_weights = tuple(vw_weights)
@@ -235,6 +237,7 @@ class PSClient:
                 "num_waves": num_waves,
                 "start_wave": start_wave,
                 "vw_weights": list(self.vw_weights),
+                "members": list(self.members),
                 "buffers": [k for k in part if kinds.get(k) == "buffer"],
                 "ledgers": [k for k in part if kinds.get(k) == "ledger"],
             }

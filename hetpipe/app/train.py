@@ -32,6 +32,7 @@ import torch
 from hetpipe.app.board import EVAL_METRICS, Board
 from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
+from hetpipe.app.relays import start_relays
 from hetpipe.app.startup import PRELOAD, format_timeline, startup_timeline
 from hetpipe.app.supervise import Supervisor
 from hetpipe.app.train_guards import (
@@ -339,15 +340,17 @@ def _launch(
     (run_dir / "ps.json").write_text(
         json.dumps({"endpoints": endpoints, "run": config.name, "audit": run.options.audit})
     )  # for `hetpipe worker --join`
-    stages = _start_stages(run, group, endpoints, events)
+    per_vw, _relays = start_relays(group, config, run.vws, endpoints, jobs)  # node aggregation's, if on
+    stages = _start_stages(run, group, per_vw, events)
     run.launcher["stages_started"] = time.time()
     return endpoints, jobs, shards, stages
 
 
 def _start_stages(
-    run: _Run, group: ChildGroup, endpoints: list[str], events: Any
+    run: _Run, group: ChildGroup, endpoints: list[list[str]], events: Any
 ) -> dict[tuple[int, int], Any]:
-    """One child per stage of every VW, each given its StageJob and the event queue; keyed by (VW, stage)."""
+    """One child per stage of every VW, each given its StageJob and the event queue; keyed by (VW, stage).
+    `endpoints[v]`: where VW v's stages find the PS (its node's relays under node aggregation)."""
     config, vws, options = run.config, run.vws, run.options
     snapshots = config.checkpoint.enabled and config.checkpoint.every >= 1
     stages = {}
@@ -357,7 +360,7 @@ def _start_stages(
             vws,
             v,
             run_dir=run.run_dir,
-            ps_endpoints=tuple(endpoints),
+            ps_endpoints=tuple(endpoints[v]),
             p2p_host="127.0.0.1",
             p2p_port=free_port(),
             audit=options.audit,

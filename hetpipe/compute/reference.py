@@ -142,6 +142,20 @@ def _state_of(st: RefStage) -> dict[str, Tensor]:
     }
 
 
+def _node_groups(config: ClusterConfig) -> list[list[int]]:
+    """Node-local aggregation's groups, worked out here from the listed VWs' GPUs: on each node the VWs that
+    sit wholly on it (a group when two or more), every other VW alone; ordered by their first VW."""
+    on_node: dict[str, list[int]] = {}
+    groups = []
+    for v, vw in enumerate(config.virtual_workers):
+        nodes = sorted({str(g).split(":")[0] for g in vw.gpus})
+        if len(nodes) == 1:
+            on_node.setdefault(nodes[0], []).append(v)
+        else:
+            groups.append([v])
+    return sorted(groups + list(on_node.values()))
+
+
 class _Reference:
     """Every stage of every VW in one process; `step` runs one stage's next action (a dispatch table by
     kind)."""
@@ -188,7 +202,8 @@ class _Reference:
         initial = {
             k: w.detach().numpy().copy() for st in self.stages.values() for k, w in _state_of(st).items()
         }
-        self.ps = ReferencePS(initial, kinds, splits, rule, on_version, self.weights)
+        groups = _node_groups(config) if config.ps.node_aggregation else None
+        self.ps = ReferencePS(initial, kinds, splits, rule, on_version, self.weights, groups)
         self.acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
         self.grads: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> output gradient waiting there
         self.dispatch: dict[str, Callable[[int, int, RefStage, Action], None]] = {

@@ -4,8 +4,10 @@ arithmetic, written here again in torch rather than taken from the PS (hetpipe.c
 a wrong fold at the PS shows as a difference: buffers averaged over the VWs, and for the rules hetpipe ships
 (a rule's subclasses included) the sum, the mean, or the PS-side optimizer on the VWs' mean gradient. Where
 VWs do unequal work, the averages weigh each VW by its weight (its samples per wave over their common
-divisor): S = k_0 P_0 + k_1 P_1 + ..., divided by k_0 + k_1 + ...; the sum stays unweighted. A rule defined
-outside hetpipe is folded by its own `fold_param`, on what its `weighs` says: that is its definition."""
+divisor): S = k_0 P_0 + k_1 P_1 + ..., divided by k_0 + k_1 + ...; the sum stays unweighted. Under node-local
+aggregation the sum adds each node group's own sum in turn, S = (k_0 P_0 + k_1 P_1) + (k_2 P_2 + ...), as
+the relays do. A rule defined outside hetpipe is folded by its own `fold_param`, on what its `weighs` says:
+that is its definition."""
 
 from __future__ import annotations
 
@@ -37,6 +39,14 @@ def _div(a: Tensor, x: float) -> Tensor:
     """a / x, each element correctly rounded: torch divides by a scalar as a product with its reciprocal (an
     ulp off where 1 / x is not exact), so the divisor is a full tensor."""
     return a / torch.full_like(a, float(np.float32(x)))
+
+
+def _added(parts: list[np.ndarray]) -> np.ndarray:
+    """((a + b) + c) + ..., in a new array."""
+    s = parts[0].copy()
+    for part in parts[1:]:
+        s += part
+    return s
 
 
 class _PsOptimizer:
@@ -80,9 +90,12 @@ class ReferencePS:
         rule: Aggregation,
         on_version: Callable[[int, dict[str, np.ndarray]], None] | None,
         weights: list[int] | None = None,
+        groups: list[list[int]] | None = None,
     ) -> None:
         self.splits, self.kinds, self.rule, self.on_version = splits, kinds, rule, on_version
         self.weights = weights or [1] * len(splits)  # each VW's weight by samples
+        # node-local aggregation: the VWs whose sum is made first and added as one (default: each VW alone)
+        self.groups = groups or [[v] for v in range(len(splits))]
         self.history = [initial]  # W_0, W_1, ...
         self.pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> what was pushed
         self.pushed = {(v, j): 0 for v, split in enumerate(splits) for j in range(len(split))}
@@ -107,9 +120,7 @@ class ReferencePS:
                     np.asarray(self.pushes[w][v][key] * np.float32(self.weights[v] if weigh else 1))
                     for v in range(num_vws)
                 ]
-                s = parts[0].copy()
-                for part in parts[1:]:
-                    s += part
+                s = _added([_added([parts[v] for v in group]) for group in self.groups])
                 new[key] = self.fold(key, old, s).astype(np.float32, copy=False)
             self.history.append(new)
             if self.on_version is not None:

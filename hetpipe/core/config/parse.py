@@ -8,7 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from hetpipe.core.config.gpus import _gpu_types, _nodes, _virtual_workers
-from hetpipe.core.config.schema import _SECTIONS, _TOP_KEYS, ClusterConfig, Node, PsConfig, TrainConfig
+from hetpipe.core.config.schema import (
+    _SECTIONS,
+    _TOP_KEYS,
+    ClusterConfig,
+    Node,
+    PsConfig,
+    TrainConfig,
+    WspConfig,
+)
 from hetpipe.core.config.sections import (
     _allocation,
     _checkpoint,
@@ -50,7 +58,7 @@ def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = No
     emulation = _emulation(sections["emulation"])
     allocation = _allocation(sections["allocation"], listed=bool(data.get("virtual_workers")))
     virtual_workers = _virtual_workers(top, allocation, nodes)
-    _check_across_sections(sections, nodes, ps, train)
+    _check_across_sections(sections, nodes, ps, train, wsp)
     return ClusterConfig(
         path=path,
         name=name,
@@ -71,7 +79,7 @@ def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = No
 
 
 def _check_across_sections(
-    sections: Mapping[str, _Table], nodes: tuple[Node, ...], ps: PsConfig, train: TrainConfig
+    sections: Mapping[str, _Table], nodes: tuple[Node, ...], ps: PsConfig, train: TrainConfig, wsp: WspConfig
 ) -> None:
     """What no section can check alone: one shard per node under placement "local", and mitigations that fit
     the aggregation rule and the schedule's weight stashing."""
@@ -89,6 +97,30 @@ def _check_across_sections(
     ):
         sections["train"].fail("mitigation", what, fix)
     _check_local_controls(sections["train"], ps, train)
+    _check_node_aggregation(sections["ps"], ps, wsp)
+
+
+def _check_node_aggregation(t: _Table, ps: PsConfig, wsp: WspConfig) -> None:
+    """Node-local aggregation's relays serve exact pulls, stop the run when a VW fails, and take no CURVE keys
+    yet (docs/wsp.md#node-local-aggregation)."""
+    if not ps.node_aggregation:
+        return
+    for field, value, needed, fix in (
+        ("on_vw_failure", ps.on_vw_failure, "stop", 'set [ps] on_vw_failure = "stop"'),
+        ("auth", ps.auth, "none", 'set [ps] auth = "none" (the relays take no CURVE keys yet)'),
+    ):
+        if value != needed:
+            t.fail(
+                field,
+                f"is {value!r} but node_aggregation = true needs {needed!r}",
+                f"{fix}, or node_aggregation = false",
+            )
+    if wsp.pull != "exact":
+        t.fail(
+            "node_aggregation",
+            f'is true but [wsp] pull = "{wsp.pull}": a relay serves exact pulls only',
+            '[wsp] pull = "exact", or node_aggregation = false',
+        )
 
 
 def _check_local_controls(t: _Table, ps: PsConfig, train: TrainConfig) -> None:

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # 2: durable pushes (keep_from), heartbeats, eviction and rejoin; 3: VW weights; 4: ckpt_from
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 CHUNK_BYTES = 1 << 20  # one data frame; a multiple of every allowed itemsize
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 100_000
@@ -169,6 +169,18 @@ def _is_weight_list(value: object) -> str | None:
     return None if ok else f"a list of at most {MAX_INFO_ENTRIES} ints in [1, 2**31)"
 
 
+def _is_member_list(value: object) -> str | None:
+    """The VWs a node's relay pushes for (docs/wsp.md#node-local-aggregation): a list of distinct VW indices
+    ([] for a stage that pushes for its own VW)."""
+    ok = (
+        type(value) is list
+        and len(value) <= MAX_INFO_ENTRIES
+        and all(type(v) is int and 0 <= v < _I31 for v in value)
+        and len(set(value)) == len(value)
+    )
+    return None if ok else f"a list of at most {MAX_INFO_ENTRIES} distinct ints in [0, 2**31)"
+
+
 _SCALARS = (type(None), bool, int, float, str, bytes)
 
 
@@ -238,6 +250,7 @@ FIELDS: dict[str, dict[str, Check]] = {
         "ledgers": _is_key_list,
         "start_wave": _INDEX,
         "vw_weights": _is_weight_list,
+        "members": _is_member_list,
     },
     "push": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
     "pull": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},

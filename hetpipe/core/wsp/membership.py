@@ -20,14 +20,38 @@ class Membership:
     num_vws: int | None = None  # set by the first registration
     epochs: dict[int, list[list[int]]] = field(default_factory=dict)
     weights: tuple[int, ...] = ()  # each VW's weight by samples (hetpipe.core.wsp.work); (): every VW 1
+    # node-local aggregation (docs/wsp.md#node-local-aggregation): each VW of a relayed group -> the group's
+    # first VW, as which its relay registers and pushes the group's sum; VWs not listed push for themselves
+    leaders: dict[int, int] = field(default_factory=dict)
+
+    def leader(self, vw: int) -> int:
+        """The VW whose pushes carry VW `vw`'s updates: its group's first VW, or itself."""
+        return self.leaders.get(vw, vw)
+
+    def relays(self, vw: int) -> bool:
+        """Whether VW `vw`'s pushes come from a relay: its group's sum, each member's part already times its
+        weight by samples."""
+        return self.leaders.get(vw) == vw
+
+    def join_group(self, leader: int, members: list[int]) -> None:
+        """Record a relay's group (its first VW `leader` and every member); refused when a member belongs to
+        another group already."""
+        if leader not in members or min(members) != leader:
+            raise WspError("bad_message", f"a relay registers as its group's first VW, not vw {leader}")
+        for m in members:
+            if self.leaders.get(m, leader) != leader:
+                raise WspError(
+                    "conflict", f"vw {m} is relayed by vw {self.leaders[m]}'s relay, not vw {leader}'s"
+                )
+        self.leaders.update(dict.fromkeys(members, leader))
 
     def weight(self, vw: int) -> int:
         """VW `vw`'s weight by samples in a fold (1 when every VW does the same work)."""
         return self.weights[vw] if self.weights else 1
 
     def total(self, wave: int) -> int:
-        """The summed weight of wave `wave`'s contributors (at least 1)."""
-        return max(1, sum(self.weight(v) for v in self.contributors(wave)))
+        """The summed weight of wave `wave`'s VWs (at least 1), the relayed ones included."""
+        return max(1, sum(self.weight(v) for v in self._covering(wave)))
 
     def spans(self, vw: int) -> list[list[int]]:
         """VW `vw`'s epochs (recorded as [[0, OPEN]] the first time it is asked about)."""
@@ -49,7 +73,12 @@ class Membership:
         return self.spans(vw)[-1][1]
 
     def contributors(self, wave: int) -> list[int]:
-        """The VWs whose updates wave `wave` sums, in order: those whose epoch covers it."""
+        """Whose pushes wave `wave` sums, in order: the VWs whose epoch covers it, each relayed group as its
+        first VW."""
+        return [v for v in self._covering(wave) if self.leader(v) == v]
+
+    def _covering(self, wave: int) -> list[int]:
+        """The VWs whose epoch covers wave `wave`, in order."""
         return [
             v
             for v in range(self.num_vws or 0)

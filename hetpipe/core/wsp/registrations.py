@@ -48,10 +48,22 @@ class Registrations:
         num_waves: int | None,
         start_wave: int,
         weights: tuple[int, ...] = (),
+        members: tuple[int, ...] = (),
     ) -> list[str]:
-        """Check a stage's registration and record its keys; returns the keys new to this shard."""
+        """Check a stage's registration and record its keys; returns the keys new to this shard. `members`:
+        the VWs a node's relay, registering as its group's first VW, pushes for (): a stage of its own."""
         self._check_run(vw, stage, num_vws, num_stages, num_waves, start_wave)
         self._check_weights(vw, num_vws, weights)
+        if members:
+            if any(not 0 <= m < num_vws for m in members):
+                raise WspError("bad_message", f"relay of vw {vw}: members {list(members)} out of range")
+            self.membership.join_group(vw, list(members))
+        elif self.membership.leader(vw) != vw:
+            raise WspError(
+                "conflict",
+                f"vw {vw} is relayed by vw {self.membership.leader(vw)}'s node relay: its stages "
+                "register with the relay, not with the shard",
+            )
         sid = (vw, stage)
         keys = tuple(tensors)
         if sid in self.stage_keys and set(self.stage_keys[sid]) != set(keys):

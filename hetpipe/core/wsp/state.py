@@ -171,13 +171,17 @@ class ShardState:
         num_waves: int | None = None,
         start_wave: int = 0,
         weights: tuple[int, ...] = (),
+        members: tuple[int, ...] = (),
     ) -> dict[str, np.ndarray]:
         """Declare a stage's keys (first registration of a key sets its W_0) and their kinds (default
         "param"), the run's waves (None: unknown) and each VW's weight by samples (() for every VW 1);
         returns the PS's values. A stage registers again after a restart of the shard (nothing changes) or
-        of its VW (start_wave: where it rejoined)."""
+        of its VW (start_wave: where it rejoined). A node's relay registers as its group's first VW, stage 0,
+        naming the group's `members` (docs/wsp.md#node-local-aggregation)."""
+        if members and self.pull_mode != "exact":
+            raise WspError("bad_message", 'node-local aggregation needs exact pulls ([wsp] pull = "exact")')
         admit = self.registrations.admit
-        new = admit(vw, stage, num_vws, num_stages, tensors, kinds, num_waves, start_wave, weights)
+        new = admit(vw, stage, num_vws, num_stages, tensors, kinds, num_waves, start_wave, weights, members)
         initial = self.registrations.initial
         if self.pull_mode == "latest":
             for key in new:
@@ -193,7 +197,9 @@ class ShardState:
 
     # ---- clocks -------------------------------------------------------------------------------------
     def c_local(self, vw: int) -> int:
-        """Waves VW `vw` has completed on this shard: every one of its stages pushed them."""
+        """Waves VW `vw` has completed on this shard: every one of its stages pushed them (a relayed VW's:
+        its relay, as its group's first VW)."""
+        vw = self.membership.leader(vw)
         stages = self.registrations.num_stages.get(vw)
         if stages is None:
             return 0
@@ -237,7 +243,8 @@ class ShardState:
         self.registrations.check_push(vw, stage, keys, tensors)
         completed = self.c_local(vw)
         if self.pull_mode == "exact":
-            self.exact.add(wave, vw, tensors, self.kinds, self.membership.weight(vw))
+            weight = 1 if self.membership.relays(vw) else self.membership.weight(vw)  # a relay's: weighed
+            self.exact.add(wave, vw, tensors, self.kinds, weight)
         else:
             self.running.hold(vw, wave, tensors)
         self.pushed[(vw, stage)] = done + 1
