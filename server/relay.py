@@ -112,6 +112,7 @@ class RelayServer(ShardServer):
         initial = self.client.register(tensors, kinds=kinds, num_waves=state.num_waves or 0)
         for key, value in initial.items():
             state.registrations.initial[key] = value
+        state.caught_up(self.client.recovery.next_wave)  # the group's waves upstream holds already
         self.say(f"registered upstream for vws {list(job.members)} ({len(tensors)} keys)")
         for sid, (identity, request_id, want) in sorted(self.waiting.items()):
             self._registered(identity, request_id, sid, want)

@@ -30,12 +30,18 @@ pytestmark = pytest.mark.slow
 SETTINGS = ["checkpoint.every=2", "checkpoint.keep=2", 'checkpoint.dir="ps"']  # hetpipe train: <run dir>/ps
 
 
-@pytest.mark.parametrize("work", [None, [(2, 16), (3, 32)]], ids=["same-work", "per-vw-work"])
+@pytest.mark.parametrize(
+    ("work", "extra"),
+    [(None, []), ([(2, 16), (3, 32)], []), ([(2, 16), (3, 32)], ["ps.node_aggregation=true"])],
+    ids=["same-work", "per-vw-work", "node-aggregation"],
+)
 def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
-    tmp_path: Path, work: list[tuple[int, int]] | None
+    tmp_path: Path, work: list[tuple[int, int]] | None, extra: list[str]
 ):
     """The uninterrupted run is the single-process reference, which the runtime equals bit for bit
-    (tests/test_train_equivalence.py); with per-VW work too (docs/wsp.md#per-vw-work)."""
+    (tests/test_train_equivalence.py); with per-VW work too (docs/wsp.md#per-vw-work), and with both VWs
+    (on one node) through a node relay (docs/wsp.md#node-local-aggregation)."""
+    settings = SETTINGS + extra
     path = write_config(
         tmp_path,
         work=work,
@@ -47,7 +53,7 @@ def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
         time_scale=15.0,
         speeds=[1.0, 1.0, 1.0, 1.0],
     )
-    config = apply_overrides(load_config(path), SETTINGS)
+    config = apply_overrides(load_config(path), settings)
     cut = tmp_path / "cut"
     proc = subprocess.Popen(
         [
@@ -60,7 +66,7 @@ def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
             str(cut),
             "--quiet",
             "--audit",
-            *[a for s in SETTINGS for a in ("--set", s)],
+            *[a for s in settings for a in ("--set", s)],
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -85,6 +91,8 @@ def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
         TrainOptions(run_dir=cut, progress=False, dump_weights=True, audit=True, resume=True),
     )
     assert 4 <= resumed["resumed_from"] < 10 and resumed["audit_final_ledgers_exact"] is True
+    relayed = [p.read_text() for p in (cut / "logs").glob("relay-*.log")]
+    assert bool(extra) == any("registered upstream for vws [0, 1]" in log for log in relayed)
     splits = [lay.split for lay in vw_layouts(config, model_of(config))]
     assert all(len(split) == 2 for split in splits)
     ref = run_reference(config, splits, work=work)

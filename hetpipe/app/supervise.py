@@ -106,6 +106,9 @@ class Supervisor:
     admin: Callable[[], PSClient]
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
     record: Callable[..., None] = lambda event, **fields: None
+    relays: list[Child] = field(
+        default_factory=list
+    )  # node aggregation's (docs/wsp.md#node-local-aggregation)
     restarts: list[int] = field(default_factory=list)
     evicted: set[int] = field(default_factory=set)
     _handled: set[str] = field(default_factory=set)  # stages whose end was dealt with
@@ -138,6 +141,11 @@ class Supervisor:
                 self._stop(child, decision, len(self.live_vws()))
             self._log(decision, child)
             self._restart_shard(i)
+        for child in self.relays:  # a relay holds its group's waves until upstream has them: none restarts
+            code = child.process.exitcode
+            if code is not None:
+                why = f"{child.name} {describe_exit(code)}; a node relay is not restarted, so its VWs stop"
+                self._stop(child, Decision("stop", why), len(self.live_vws()))
         for (vw, _), child in self.stages.items():
             code = child.process.exitcode
             if code in (None, 0) or (vw in self.evicted and child.name in self._handled):
@@ -156,7 +164,7 @@ class Supervisor:
     def _note_ends(self) -> None:
         """Remember when each child was first seen ended (by PID: a restarted shard is a new process)."""
         now = time.monotonic()
-        for child in [*self.shards, *self.stages.values()]:
+        for child in [*self.shards, *self.relays, *self.stages.values()]:
             if child.process.exitcode is not None:
                 self._ended.setdefault(child.process.pid, now)
 
@@ -183,7 +191,8 @@ class Supervisor:
 
     def _failed_children(self) -> list[Child]:
         """The shards and the stages of live VWs that ended with a non-zero exit."""
-        children = [*self.shards, *(c for (vw, _), c in self.stages.items() if vw not in self.evicted)]
+        live_stages = (c for (vw, _), c in self.stages.items() if vw not in self.evicted)
+        children = [*self.shards, *self.relays, *live_stages]
         return [c for c in children if c.process.exitcode not in (None, 0)]
 
     def _first_failed(self, child: Child) -> Child:

@@ -207,10 +207,19 @@ def _train(run: _Run) -> dict[str, Any]:
     trained = False
     try:
         with MetricsWriter(run.run_dir / "metrics.jsonl") as metrics:
-            endpoints, jobs, shards, stages = _launch(run, group, events, metrics)
+            endpoints, jobs, shards, relays, stages = _launch(run, group, events, metrics)
             admin = _admin_client(run, endpoints)
             supervisor = Supervisor(
-                config, group, run.run_dir, jobs, shards, stages, admin, say=say, record=metrics.write
+                config,
+                group,
+                run.run_dir,
+                jobs,
+                shards,
+                stages,
+                admin,
+                say=say,
+                record=metrics.write,
+                relays=relays,
             )
             supervisor.write_pids()
             live = LiveEvaluator(
@@ -327,9 +336,10 @@ def _work_text(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> str:
 
 def _launch(
     run: _Run, group: ChildGroup, events: Any, metrics: MetricsWriter
-) -> tuple[list[str], list[ShardJob], list[Any], dict[tuple[int, int], Any]]:
-    """Record the run's start, start the PS shards, then every stage of every VW, stamping the launcher's
-    start-up moments; returns the shards' endpoints, jobs and children, and the stages' children."""
+) -> tuple[list[str], list[ShardJob], list[Any], list[Any], dict[tuple[int, int], Any]]:
+    """Record the run's start, start the PS shards, node aggregation's relays, then every stage of every VW,
+    stamping the launcher's start-up moments; returns the shards' endpoints, jobs and children, the relays'
+    children, and the stages'."""
     config, run_dir = run.config, run.run_dir
     metrics.write(
         "run_start", at=run.started_at, config=str(config.path), run_dir=str(run_dir), resumed_from=run.cut
@@ -340,10 +350,10 @@ def _launch(
     (run_dir / "ps.json").write_text(
         json.dumps({"endpoints": endpoints, "run": config.name, "audit": run.options.audit})
     )  # for `hetpipe worker --join`
-    per_vw, _relays = start_relays(group, config, run.vws, endpoints, jobs)  # node aggregation's, if on
+    per_vw, relays = start_relays(group, config, run.vws, endpoints, jobs)  # node aggregation's, if on
     stages = _start_stages(run, group, per_vw, events)
     run.launcher["stages_started"] = time.time()
-    return endpoints, jobs, shards, stages
+    return endpoints, jobs, shards, relays, stages
 
 
 def _start_stages(

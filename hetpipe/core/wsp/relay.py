@@ -42,6 +42,7 @@ class RelayState:
         self.sums: dict[int, WaveSums] = {}
         self.outbox: dict[int, dict[str, Source]] = {}  # complete group sums, by wave, not sent upstream yet
         self.completed = 0  # waves every member completed here
+        self.start = 0  # the wave the member stages start at (> 0: a resumed run)
         self.versions: dict[int, dict[str, np.ndarray]] = {}  # W_t pulled from upstream
         self.upstream_c_global = 0
 
@@ -113,7 +114,7 @@ class RelayState:
     ) -> dict[str, np.ndarray]:
         """A member stage's registration; returns its keys' W_0 as the first registration gave them (the
         relay registers upstream, and the stages hear upstream's W_0, once every member stage is in:
-        `registered`)."""
+        `registered`). `start_wave` > 0: a resumed run's stages start there, all at the same wave."""
         if members:
             raise WspError("bad_message", "a relay takes stages, not another relay")
         if vw not in self.members:
@@ -122,12 +123,18 @@ class RelayState:
                 f"vw {vw} is not one of this relay's VWs {list(self.members)}: its stages talk to the PS or "
                 "to their own node's relay (check the run's layouts)",
             )
-        if start_wave:
-            raise WspError("bad_message", "a relay's VWs start at wave 0 (no rejoin under node aggregation)")
+        if self.stage_keys and start_wave != self.start:
+            raise WspError(
+                "conflict",
+                f"vw {vw} stage {stage} starts at wave {start_wave}, the relay's other stages at {self.start}: "
+                "a relay's VWs start together (no rejoin under node aggregation)",
+            )
+        self.start = start_wave
         self.registrations.admit(vw, stage, num_vws, num_stages, tensors, kinds, num_waves, 0, weights)
         sid = (vw, stage)
-        self.pushed.setdefault(sid, 0)
-        self.pulled.setdefault(sid, first_pulled_wave(self.staleness) - 1)
+        self.pushed.setdefault(sid, start_wave)
+        self.pulled.setdefault(sid, max(first_pulled_wave(self.staleness), start_wave) - 1)
+        self.completed = max(self.completed, start_wave)
         return {key: self.registrations.initial[key] for key in tensors}
 
     def registered(self) -> bool:
@@ -136,6 +143,14 @@ class RelayState:
         return all(
             m in stages and all((m, s) in self.stage_keys for s in range(stages[m])) for m in self.members
         )
+
+    def caught_up(self, upstream_pushed: int) -> None:
+        """Upstream holds the group's waves before `upstream_pushed` (this relay restarted, or the run
+        resumed): every member stage goes on from there."""
+        for sid in self.pushed:
+            self.pushed[sid] = max(self.pushed[sid], upstream_pushed)
+        self.completed = max(self.completed, upstream_pushed)
+        self.sums = {t: s for t, s in self.sums.items() if t >= upstream_pushed}
 
     def group_keys(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """The group's keys on this shard with their W_0, and their kinds, for the upstream registration."""
