@@ -157,6 +157,42 @@ def server(config_path: Path | None, settings: tuple[str, ...], shard: int | Non
 
 
 @cli.command()
+@_config_option
+@_set_option
+@click.option("--node", required=True, help="The node (a [[nodes]] name) whose relay to run.")
+def relay(config_path: Path | None, settings: tuple[str, ...], node: str) -> None:
+    """Run a node's relay for [ps] node_aggregation (one per shard, at ps.port + 50 + the node's index x
+    shards + the shard): the node's VWs push and pull through it (docs/wsp.md#node-local-aggregation). Start
+    it on that node after the PS, before its workers."""
+    from hetpipe.app.relays import node_group, relay_jobs
+    from hetpipe.compute.build import model_of, vw_layouts
+    from hetpipe.core.errors import UsageError
+    from hetpipe.core.runs.procs import ChildGroup
+    from hetpipe.server.relay import serve_relay
+
+    config = _load(config_path, settings)
+    if node not in [n.name for n in config.nodes]:
+        names = ", ".join(n.name for n in config.nodes)
+        raise UsageError(f"--node {node!r} is not a node of {config.path} (its nodes: {names})")
+    vws = vw_layouts(config, model_of(config))
+    members = node_group(config, vws, node)
+    ports = [int(e.rsplit(":", 1)[1]) for e in config.relay_endpoints(node)]
+    jobs = relay_jobs(config, vws, members, config.ps_endpoints(), ports)
+    if len(jobs) == 1:
+        serve_relay(jobs[0])
+        return
+    group = ChildGroup()
+    try:
+        for job in jobs:
+            group.start(f"relay-{node}-{job.settings.shard}", serve_relay, job)
+        group.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        group.stop(grace_s=10.0)
+
+
+@cli.command()
 @click.option("--stages", type=int, default=4, show_default=True, help="Stages (GPUs) of the virtual worker.")
 @click.option(
     "--nm", type=int, default=4, show_default=True, help="Minibatches in flight (a wave is nm minibatches)."

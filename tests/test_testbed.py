@@ -384,3 +384,52 @@ def test_ddp_and_the_pipeline_cross_the_shaped_links(tmp_path: Path) -> None:
         assert after_ddp[node] - before[node] > steps * PARAM_BYTES / 2
         assert after_pipe[node] - after_ddp[node] > 0  # activations one way, gradients the other
     assert leftovers(topology.run) == []
+
+
+@pytest.mark.slow
+@needs_testbed
+@pytest.mark.timeout(600)
+def test_a_node_relay_halves_what_its_two_vws_send_over_the_nodes_link(tmp_path: Path, reaper) -> None:
+    """VW 0 on n0 (the PS's node), VWs 1 and 2 on n1; 10 waves. With node_aggregation on, `hetpipe relay`
+    runs in n1's namespace and n1 sends one push a wave instead of two (docs/wsp.md#node-local-aggregation);
+    both runs train every wave."""
+    text = (
+        TWO_NODES.replace('gpus = ["n0:0", "n1:0"]', 'gpus = ["n0:0"]')
+        .replace('gpus = ["n1:1"]', 'gpus = ["n1:0"]\n[[virtual_workers]]\ngpus = ["n1:1"]')
+        .replace("waves = 3", "waves = 10")
+    )
+    sent = {}
+    for on in (False, True):
+        path = tmp_path / f"tb-{on}.toml"
+        path.write_text(
+            text.replace("OUT", str(tmp_path / "runs")).replace(
+                "[ps]\n", f"[ps]\nnode_aggregation = {str(on).lower()}\n"
+            )
+        )
+        run, run_dir = run_id("r" if on else "s"), tmp_path / f"run-{on}"
+        proc = hetpipe(
+            "testbed",
+            "train",
+            str(path),
+            "--scale",
+            "0.01",
+            "--run",
+            run,
+            "--run-dir",
+            str(run_dir),
+            "--no-probe",
+        )
+        reaper.append(proc)
+        out, err = proc.communicate(timeout=280)
+        assert proc.returncode == 0, err + out
+        logs = run_dir / "logs"
+        assert "clock 10  c_local [10, 10, 10]" in (logs / "server.log").read_text()
+        assert ("n1 (10.77.0.3): -m hetpipe relay" in out) == on
+        sent[on] = {
+            node: int(b) for node, b in re.findall(r"(n\d) (\d+)", out.split("bytes sent per node:")[1])
+        }
+        assert leftovers(run) == []
+    # n1 pushes 10 waves of the MLP: two VWs' worth without the relay, one with it (the rest: handshakes,
+    # heartbeats, registration)
+    assert sent[False]["n1"] > 2 * 10 * PARAM_BYTES
+    assert sent[True]["n1"] < 0.6 * sent[False]["n1"]

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from hetpipe.app.relays import vw_endpoints
 from hetpipe.compute.build import VwLayout, model_of, vw_layouts
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError, UsageError
@@ -47,8 +48,16 @@ def _joined(join: Path) -> dict:
         ) from None
 
 
-def _endpoints(config: ClusterConfig, join: Path | None) -> list[str]:
+def _shard_endpoints(config: ClusterConfig, join: Path | None) -> list[str]:
+    """The PS shards: the config's, or those of the joined run."""
     return config.ps_endpoints() if join is None else list(_joined(join)["endpoints"])
+
+
+def _endpoints(config: ClusterConfig, join: Path | None, vws: tuple[VwLayout, ...], vw: int) -> list[str]:
+    """Where VW `vw`'s stages push and pull: the shards, or its node's relays when node aggregation relays
+    it (docs/wsp.md#node-local-aggregation)."""
+    shards = _shard_endpoints(config, join)
+    return shards if join is not None else vw_endpoints(config, vws, vw, shards)
 
 
 def worker_jobs(
@@ -76,7 +85,7 @@ def worker_jobs(
         vws,
         vw,
         run_dir=run_dir,
-        ps_endpoints=tuple(_endpoints(config, join)),
+        ps_endpoints=tuple(_endpoints(config, join, vws, vw)),
         p2p_host=host,
         p2p_port=port,
         ps_keys=_keys(config, vw, join),
@@ -177,7 +186,7 @@ def run_worker(
         profile.check_fits(config.train.waves, config.wsp.nm)
     run_dir = run_dir or (join / f"worker-vw{vw}-{time.strftime('%H%M%S')}" if join else Path("runs/worker"))
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    endpoints, keys = _endpoints(config, join), _keys(config, vw, join)
+    endpoints, keys = _shard_endpoints(config, join), _keys(config, vw, join)
     start = join_wave(config, vw, endpoints, keys, say) if stage is None else 0
     jobs = worker_jobs(config, vw, run_dir, join, start, profile, audit)
     if stage is not None:
@@ -190,7 +199,7 @@ def run_worker(
     names = ", ".join(f"vw{job.vw}-s{job.stage}" for job in jobs)
     joined = f" (rejoining at wave {start})" if start else ""
     say(
-        f"hetpipe worker: starting {names}{joined} against the PS at {', '.join(endpoints)}; "
+        f"hetpipe worker: starting {names}{joined} against the PS at {', '.join(jobs[0].ps_endpoints)}; "
         f"logs in {run_dir / 'logs'}"
     )
     try:

@@ -27,6 +27,7 @@ from hetpipe.core.config.serialize import config_toml
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.runs.procs import tail
 from hetpipe.core.runs.testbed import Topology, effective_config, layout_overrides, worker_places
+from hetpipe.core.wsp.groups import group_node, node_groups, relayed
 
 __all__ = ["TestbedRun", "train_in_testbed"]
 
@@ -116,6 +117,13 @@ def _server_places(config: ClusterConfig, topology: Topology) -> list[tuple[str,
     return [(topology.ps_node, None)]
 
 
+def _relay_nodes(config: ClusterConfig, vws: Sequence[VwLayout]) -> list[str]:
+    """The nodes that run a relay: those of node aggregation's relayed groups."""
+    gpus = [lay.gpus for lay in vws]
+    groups = relayed(node_groups(gpus, config.ps.node_aggregation))
+    return [group_node(gpus, members) for members in groups]
+
+
 def train_in_testbed(
     config: ClusterConfig,
     topology: Topology,
@@ -153,6 +161,18 @@ def train_in_testbed(
             lines.append(f"{node} ({topology.node(node).address}): {' '.join(argv[1:])}")
         for server in servers:
             _wait_listening(commands, server, 1 if len(servers) > 1 else config.ps.shards, timeout_s=120)
+        relays = []
+        for node in _relay_nodes(config, vws):  # node aggregation's, each in its node's namespace
+            argv = _hetpipe("relay", "--config", str(config_path), "--node", node)
+            relay = commands.start(
+                f"hetpipe relay --node {node}",
+                netns_argv(topology, node, argv),
+                run_dir / "logs" / f"relay-{node}.log",
+            )
+            _wait_listening(commands, relay, config.ps.shards, timeout_s=120)
+            relays.append(relay)
+            lines.append(f"{node} ({topology.node(node).address}): {' '.join(argv[1:])}")
+        servers += relays
         before = egress_bytes(topology)
         started = time.monotonic()
         workers = []

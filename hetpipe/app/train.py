@@ -350,7 +350,7 @@ def _launch(
     (run_dir / "ps.json").write_text(
         json.dumps({"endpoints": endpoints, "run": config.name, "audit": run.options.audit})
     )  # for `hetpipe worker --join`
-    per_vw, relays = start_relays(group, config, run.vws, endpoints, jobs)  # node aggregation's, if on
+    per_vw, relays = start_relays(group, config, run.vws, endpoints)  # node aggregation's, if on
     stages = _start_stages(run, group, per_vw, events)
     run.launcher["stages_started"] = time.time()
     return endpoints, jobs, shards, relays, stages

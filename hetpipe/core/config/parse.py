@@ -97,14 +97,21 @@ def _check_across_sections(
     ):
         sections["train"].fail("mitigation", what, fix)
     _check_local_controls(sections["train"], ps, train)
-    _check_node_aggregation(sections["ps"], ps, wsp)
+    _check_node_aggregation(sections["ps"], ps, wsp, len(nodes))
 
 
-def _check_node_aggregation(t: _Table, ps: PsConfig, wsp: WspConfig) -> None:
-    """Node-local aggregation's relays serve exact pulls, stop the run when a VW fails, and take no CURVE keys
-    yet (docs/wsp.md#node-local-aggregation)."""
+def _check_node_aggregation(t: _Table, ps: PsConfig, wsp: WspConfig, nodes: int) -> None:
+    """Node-local aggregation's relays serve exact pulls, stop the run when a VW fails, take no CURVE keys
+    yet, and listen between the shards' ports and the VWs' rendezvous ports (ps.port + 50 ..; docs/wsp.md)."""
     if not ps.node_aggregation:
         return
+    if ps.shards > 50 or 50 + nodes * ps.shards > 100:
+        t.fail(
+            "node_aggregation",
+            f"is true with {ps.shards} shards on {nodes} nodes: the relays' ports ps.port + 50 + "
+            "node x shards + shard would run into the VWs' rendezvous ports (ps.port + 100 + vw)",
+            "use fewer shards, or node_aggregation = false",
+        )
     for field, value, needed, fix in (
         ("on_vw_failure", ps.on_vw_failure, "stop", 'set [ps] on_vw_failure = "stop"'),
         ("auth", ps.auth, "none", 'set [ps] auth = "none" (the relays take no CURVE keys yet)'),

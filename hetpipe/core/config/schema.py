@@ -373,6 +373,13 @@ class ClusterConfig:
         """ZeroMQ endpoints of the PS shards, shard i at port + i on shard_host(i)."""
         return [f"tcp://{self.shard_host(i)}:{self.ps.port + i}" for i in range(self.ps.shards)]
 
+    def relay_endpoints(self, node: str) -> list[str]:
+        """Where node `node`'s relays listen under node aggregation, one per shard, on a multi-machine run
+        (`hetpipe relay`): its host at ps.port + 50 + the node's index x shards + the shard."""
+        index = [n.name for n in self.nodes].index(node)
+        base = self.ps.port + 50 + index * self.ps.shards
+        return [f"tcp://{self.node(node).host}:{base + i}" for i in range(self.ps.shards)]
+
     def to_dict(self) -> dict[str, Any]:
         """The config as a TOML-shaped document: parse_config(config.to_dict(), config.path) == config."""
         doc: dict[str, Any] = {

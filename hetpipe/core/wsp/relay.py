@@ -126,8 +126,8 @@ class RelayState:
         if self.stage_keys and start_wave != self.start:
             raise WspError(
                 "conflict",
-                f"vw {vw} stage {stage} starts at wave {start_wave}, the relay's other stages at {self.start}: "
-                "a relay's VWs start together (no rejoin under node aggregation)",
+                f"vw {vw} stage {stage} starts at wave {start_wave}, the relay's other stages at "
+                f"{self.start}: a relay's VWs start together (no rejoin under node aggregation)",
             )
         self.start = start_wave
         self.registrations.admit(vw, stage, num_vws, num_stages, tensors, kinds, num_waves, 0, weights)
