@@ -52,6 +52,7 @@ REGISTER = {
     "ledgers": [],
     "start_wave": 0,
     "vw_weights": [],
+    "members": [],
 }  # a registration's fields
 MAXMSGSIZE = wire.MAX_FRAME_BYTES + (
     64 << 10
