@@ -21,7 +21,7 @@ from hetpipe.core.wsp.relay import RelayState
 from hetpipe.core.wsp.results import WspError
 from hetpipe.server.admission import check_finite
 from hetpipe.server.handlers import REQUEST_HANDLERS
-from hetpipe.server.pulls import answer_opened_pulls
+from hetpipe.server.pulls import answer_opened_pulls, refuse_parked
 from hetpipe.server.shard import ShardServer, ShardSettings
 from hetpipe.worker.ps_calls import Call
 from hetpipe.worker.ps_client import PSClient
@@ -51,8 +51,8 @@ class RelayServer(ShardServer):
 
     def __init__(self, job: RelayJob, log: Callable[[str], None] | None = None) -> None:
         settings = replace(job.settings, checkpoint_dir=None, wire_dtype="float32", pull_mode="exact")
-        super().__init__(settings, log)
         self.job = job
+        super().__init__(settings, log)
         self.state = RelayState(job.members, settings.staleness, settings.make_aggregation())  # type: ignore[assignment]
         self.handlers = {**REQUEST_HANDLERS, "register": _register, "evict": _refuse, "rejoin": _refuse}
         self.waiting: dict[tuple[int, int], tuple[bytes, int, bool]] = {}  # registrations held back
@@ -67,6 +67,13 @@ class RelayServer(ShardServer):
     def _loop(self, sock: zmq.Socket) -> None:
         """The shard's loop, with the upstream client's replies read (and its calls moved on) between
         requests."""
+        try:
+            self._serve_both(sock)
+        finally:
+            if self.client is not None:
+                self.client.close()
+
+    def _serve_both(self, sock: zmq.Socket) -> None:
         while not self._stopping:
             now = time.monotonic()
             self._check_heartbeats(now)
@@ -170,8 +177,6 @@ class RelayServer(ShardServer):
         if self.failed is None:
             self.failed = why
             self.say(f"stopping the group: {why}")
-            from hetpipe.server.pulls import refuse_parked
-
             refuse_parked(self, "vw_failed", why)
 
     # ---- what the stages hear -----------------------------------------------------------------------
