@@ -75,6 +75,21 @@ def test_fast_search_finds_the_exhaustive_best_on_random_small_clusters(seed: in
     assert (got.label, got.staleness) == (want.label, want.staleness)
 
 
+@pytest.mark.parametrize("seed", [28, 33, 37, 41, 43, 46])
+def test_fast_search_finds_the_exhaustive_best_with_node_aggregation(seed: int) -> None:
+    """Random small clusters whose best plans relay some VWs ([ps] node_aggregation) over a slow PS link: the
+    model's relays (by kind) and per-VW work's PS seconds (by node) lead to the simulated best."""
+    cluster = synth_cluster.random_cluster(random.Random(seed), max_gpus=8, max_types=3)
+    config, profiles = config_of(cluster), profiles_of(cluster)
+    config = dataclasses.replace(config, ps=dataclasses.replace(config.ps, node_aggregation=True))
+    small = {**SMALL, "ps_gbps": 1.0}
+    want = best(plan_candidates(config, profiles, **small))
+    got = best(search_candidates(config, profiles, **small).candidates)
+    assert want.relayed
+    assert got.samples_per_s == pytest.approx(want.samples_per_s, rel=1e-9)
+    assert (got.label, got.staleness, got.relayed) == (want.label, want.staleness, want.relayed)
+
+
 def test_fast_search_counts_every_candidate_and_keeps_only_the_top() -> None:
     cluster = synth_cluster.synth_cluster(4, 16, 4, model="mnist-cnn")
     config = config_of(cluster)

@@ -11,6 +11,7 @@ from hetpipe.core.planning.groupings import Fitted, Grouping, GroupingSearch
 from hetpipe.core.planning.memory import MemoryRule, format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import VwPlan
+from hetpipe.core.planning.relays import plan_relays, ps_bytes_per_wave
 from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
@@ -29,6 +30,7 @@ class PerVwWork:
         self.pulls = lambda n: needs_pulls(n, rule)
         # the "average" mitigation shares a VW's own updates at 1 / n: the runtime refuses unequal work then
         self.enabled = "average" not in search.config.train.mitigations
+        self.node_aggregation = search.config.ps.node_aggregation
 
     def options(self, vw: VwPlan, rule: MemoryRule, cap: int) -> tuple[WorkOption, ...]:
         """Every (Nm, batch) the VW may run with its split: Nm its own, or from its depth (a full pipe) to the
@@ -73,7 +75,11 @@ class PerVwWork:
         return dataclasses.replace(vw, stages=stages, nm=nm, batch_size=0 if batch == base else batch)
 
     def ps_s(self, vws: Sequence[VwPlan]) -> float:
-        """The PS's seconds per wave: each VW pushes its weights every wave, and pulls them when it must."""
+        """The PS's seconds per wave: each VW pushes its weights every wave, and pulls them when it must; with
+        [ps] node_aggregation a relayed group's once for all its VWs (relays.ps_bytes_per_wave)."""
+        if self.node_aggregation:
+            relays = plan_relays([vw.gpus for vw in vws], True, lambda node: 0.0)
+            return ps_bytes_per_wave(vws, relays, self.pulls(len(vws))) / self.ps_bytes_per_s
         return sum(vw.param_bytes * (2 if self.pulls(len(vws)) else 1) for vw in vws) / self.ps_bytes_per_s
 
     def balanced(self, vws: Sequence[VwPlan], fitted: Fitted) -> Balance | None:

@@ -53,12 +53,14 @@ class Interner:
 @dataclass(frozen=True)
 class Shape:
     """One grouping, lazily: its size, its VWs counted by kind (kind id, a VW of that kind, count), a key
-    (equal keys, equal sets of VWs) and how to build its VWs and notes."""
+    (equal keys, equal sets of VWs), how to build its VWs and notes, and each VW's kind id and GPUs in the
+    policy's order (what node aggregation's groups are made of)."""
 
     k: int
     kinds: tuple[tuple[int, VwPlan, int], ...]
     key: tuple[int, int]
     build: Callable[[], Grouping]
+    members: Callable[[], tuple[tuple[int, tuple[str, ...]], ...]]
 
     def grouping(self) -> Grouping:
         """The VWs (in the policy's order) and the notes, as plan_candidates' groupings."""
@@ -96,9 +98,12 @@ def _common_shapes(
 
         return grouping
 
+    def members(k: int) -> Callable[[], tuple[tuple[int, tuple[str, ...]], ...]]:
+        return lambda: tuple((kind[i], vws[i].gpus) for i in sorted(fastest[:k]))
+
     for k in [n, *range(1, n)]:
         kinds, tag_k = prefixes[k]
-        yield Shape(k, kinds, (k, tag_k), build(k))
+        yield Shape(k, kinds, (k, tag_k), build(k), members(k))
 
 
 def shapes(
@@ -148,7 +153,9 @@ def _work_shapes(
     cache: dict = {}
     found: list[tuple[int, _Choice]] = []
     for n in range(len(vws), 0, -1):
-        chosen = _balance_kinds(work, dict(counts), rep_of, fitted, cache)
+        # with node aggregation the PS's seconds depend on which nodes the n VWs share: O(n) each
+        ps_s = work.ps_s([vws[i] for i in fastest[:n]]) if work.node_aggregation else None
+        chosen = _balance_kinds(work, dict(counts), rep_of, fitted, cache, ps_s)
         if chosen is not None:
             found.append((n, chosen))
         gone = kind_key[fastest[n - 1]]  # the slowest of the n leaves for n - 1
@@ -166,6 +173,7 @@ def _work_shapes(
         counts: dict[int, int] = {}
         reps: dict[int, VwPlan] = {}
         tag = 0
+        each: list[tuple[int, tuple[str, ...]]] = []
         for i in kept:
             key = (kind_key[i], chosen.option[kind_key[i]])
             if key not in at:
@@ -175,8 +183,16 @@ def _work_shapes(
             counts[kind] = counts.get(kind, 0) + 1
             reps.setdefault(kind, plan)
             tag = (tag + interner.tag(vws[i].gpus, kind)) % 2**64
+            each.append((kind, vws[i].gpus))
         kinds = tuple((c, reps[c], counts[c]) for c in sorted(counts))
-        yield Shape(n, kinds, (n, tag), _work_builder(search, work, fitted, vws, kind_key, kept, chosen))
+        members = tuple(each)
+        yield Shape(
+            n,
+            kinds,
+            (n, tag),
+            _work_builder(search, work, fitted, vws, kind_key, kept, chosen),
+            lambda members=members: members,
+        )
 
 
 def _work_builder(
@@ -221,11 +237,17 @@ class _Choice:
 
 
 def _balance_kinds(
-    work: PerVwWork, counts: dict[int, int], rep_of: dict[int, VwPlan], fitted: Fitted, cache: dict
+    work: PerVwWork,
+    counts: dict[int, int],
+    rep_of: dict[int, VwPlan],
+    fitted: Fitted,
+    cache: dict,
+    ps_s: float | None = None,
 ) -> _Choice | None:
     """wave_balance.balance over VWs counted by kind (`counts`: kind id -> VWs; rep_of: a VW of each kind):
     the same choice, one option per kind, scored with numpy over the candidate wave times; ladders and the
-    options each wave time picks are cached in `cache` per kind and per set of kinds."""
+    options each wave time picks are cached in `cache` per kind and per set of kinds. `ps_s`: the PS's
+    seconds per wave when the kinds do not tell it (node aggregation: PerVwWork.ps_s of the VWs)."""
     from hetpipe.core.planning.wave_balance import _Ladder
 
     n_vws = sum(counts.values())
@@ -253,9 +275,12 @@ def _balance_kinds(
         cache[table_key] = (picks, samples, waves.max(axis=1), offs)
     picks, samples, wave, offs = cache[table_key]
     n = np.array([counts[k] for k in keys_list], dtype=np.float64)
-    ps_s = (
-        sum(counts[k] * rep_of[k].param_bytes for k in keys_list) * (2 if pulls else 1) / work.ps_bytes_per_s
-    )
+    if ps_s is None:
+        ps_s = (
+            sum(counts[k] * rep_of[k].param_bytes for k in keys_list)
+            * (2 if pulls else 1)
+            / work.ps_bytes_per_s
+        )
     total = samples @ n
     span = np.maximum(wave, ps_s)
     rate = np.where(span > 0, total / np.where(span > 0, span, 1.0), np.inf)
