@@ -4,7 +4,15 @@ the bytes a wave moves over the PS link, from the rules."""
 from __future__ import annotations
 
 from hetpipe.core.planning.plan import StagePlan, VwPlan
-from hetpipe.core.planning.relays import Relay, plan_relays, ps_bytes_per_wave, relay_text
+from hetpipe.core.planning.relays import (
+    Relay,
+    home_node,
+    node_kinds,
+    plan_relays,
+    prefix_ps_bytes,
+    ps_bytes_per_wave,
+    relay_text,
+)
 
 MIB = 2**20
 TWO_BY_TWO = [["n0:0"], ["n0:1"], ["n1:0"], ["n1:1"]]  # one VW per GPU, two GPUs per node
@@ -41,6 +49,22 @@ def test_a_relayed_group_moves_one_copy_of_the_weights_over_the_ps_link() -> Non
     assert ps_bytes_per_wave(three, plan_relays([v.gpus for v in three], True, lambda n: 1.0), True) == (
         2 * MIB + 2 * MIB
     )
+
+
+def test_prefixes_and_kinds_by_node_agree_with_the_groups() -> None:
+    """What the fast search computes per grouping without building its relays: the bytes of every prefix of
+    the VWs in one pass, and the relayed groups as kinds per node."""
+    gpus = [["n0:0"], ["n1:0", "n2:0"], ["n0:1"], ["n1:1"], ["n0:2"], ["n1:2"]]
+    vws = [vw(*g, param_bytes=MIB * (1 + v % 2)) for v, g in enumerate(gpus)]
+    assert [home_node(g) for g in gpus] == ["n0", None, "n0", "n1", "n0", "n1"]
+    for n in range(1, len(vws) + 1):
+        relays = plan_relays(gpus[:n], True, lambda node: 1.0)
+        assert prefix_ps_bytes(vws)[n - 1] == ps_bytes_per_wave(vws[:n], relays, pulls=False)
+    kinds = [7, 8, 7, 9, 9, 7]
+    assert node_kinds([(kinds[v], home_node(g)) for v, g in enumerate(gpus)]) == {
+        "n0": (7, 7, 9),
+        "n1": (7, 9),
+    }
 
 
 def test_the_report_names_each_group_and_its_node() -> None:

@@ -34,11 +34,13 @@ Kind = tuple[VwPlan, int]  # a VW and how many VWs of the candidate are like it
 @dataclass(frozen=True)
 class Relayed:
     """A relayed group ([ps] node_aggregation, relays.py) as the model sees it: each of its VWs by the index
-    of its kind in the kinds, and its node's inside link in float32 bytes of weights per second. Its VWs'
-    pushes and pulls cross that link; one copy of the weights crosses the PS link per wave for all of them."""
+    of its kind in the kinds, its node's inside link in float32 bytes of weights per second, and how many
+    groups of the candidate are like it. Its VWs' pushes and pulls cross that link; one copy of the weights
+    crosses the PS link per wave for all of them."""
 
     members: tuple[int, ...]
     inside_bytes_per_s: float
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def _ps_traffic(kinds: Sequence[Kind], pulls: bool, relays: Sequence[Relayed]) -
         each = [_traffic(vw, pulls) for vw, _ in kinds]
         for group in relays:
             moved = [each[i] for i in group.members]
-            total -= sum(moved) - max(moved)
+            total -= group.count * (sum(moved) - max(moved))
     return total
 
 
@@ -180,7 +182,7 @@ def _relayed_by_kind(
         key = (sum(each[i] for i in group.members), group.inside_bytes_per_s)
         for i in group.members:
             ways = out.setdefault(i, {})
-            ways[key] = ways.get(key, 0) + 1
+            ways[key] = ways.get(key, 0) + group.count
     return out
 
 

@@ -11,7 +11,7 @@ from hetpipe.core.planning.groupings import Fitted, Grouping, GroupingSearch
 from hetpipe.core.planning.memory import MemoryRule, format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import VwPlan
-from hetpipe.core.planning.relays import plan_relays, ps_bytes_per_wave
+from hetpipe.core.planning.relays import prefix_ps_bytes
 from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
@@ -78,9 +78,13 @@ class PerVwWork:
         """The PS's seconds per wave: each VW pushes its weights every wave, and pulls them when it must; with
         [ps] node_aggregation a relayed group's once for all its VWs (relays.ps_bytes_per_wave)."""
         if self.node_aggregation:
-            relays = plan_relays([vw.gpus for vw in vws], True, lambda node: 0.0)
-            return ps_bytes_per_wave(vws, relays, self.pulls(len(vws))) / self.ps_bytes_per_s
+            return self.relayed_ps_s(prefix_ps_bytes(vws)[-1], len(vws))
         return sum(vw.param_bytes * (2 if self.pulls(len(vws)) else 1) for vw in vws) / self.ps_bytes_per_s
+
+    def relayed_ps_s(self, one_pass: int, n: int) -> float:
+        """The PS's seconds per wave of `n` VWs whose pushes (or pulls) move `one_pass` bytes over it
+        (relays.prefix_ps_bytes)."""
+        return one_pass * (2 if self.pulls(n) else 1) / self.ps_bytes_per_s
 
     def balanced(self, vws: Sequence[VwPlan], fitted: Fitted) -> Balance | None:
         """wave_balance.balance over these VWs' options, under the memory rule of this many VWs."""

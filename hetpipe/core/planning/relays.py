@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.wsp.groups import group_node, node_groups, relayed
 
-__all__ = ["Relay", "plan_relays", "ps_bytes_per_wave", "relay_text"]
+__all__ = [
+    "Relay",
+    "home_node",
+    "node_kinds",
+    "plan_relays",
+    "prefix_ps_bytes",
+    "ps_bytes_per_wave",
+    "relay_text",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,39 @@ def ps_bytes_per_wave(vws: Sequence[VwPlan], relays: Sequence[Relay], pulls: boo
         group = [vws[v].param_bytes for v in relay.vws]
         moved -= (sum(group) - max(group)) * per_pass
     return moved
+
+
+def home_node(gpus: Sequence[str]) -> str | None:
+    """The node all of a VW's GPUs ("node:index") sit on, or None when they span nodes (never relayed)."""
+    nodes = {g.rsplit(":", 1)[0] for g in gpus}
+    return nodes.pop() if len(nodes) == 1 else None
+
+
+def prefix_ps_bytes(vws: Sequence[VwPlan]) -> list[int]:
+    """Bytes one pass of the weights (every push, or every pull) of the first 1, 2, ... of `vws` moves over
+    the PS link with node aggregation: each VW spanning nodes its own, and per node one copy for the VWs
+    wholly on it (the largest of theirs: relayed, or alone): ps_bytes_per_wave of each prefix, all in
+    O(VWs)."""
+    out, total = [], 0
+    largest: dict[str, int] = {}
+    for vw in vws:
+        node = home_node(vw.gpus)
+        if node is None:
+            total += vw.param_bytes
+        elif vw.param_bytes > largest.get(node, 0):
+            total += vw.param_bytes - largest.get(node, 0)
+            largest[node] = vw.param_bytes
+        out.append(total)
+    return out
+
+
+def node_kinds(members: Sequence[tuple[int, str | None]]) -> dict[str, tuple[int, ...]]:
+    """The relayed groups of VWs given as (kind, home node): per node holding two or more, their kinds."""
+    by_node: dict[str, list[int]] = {}
+    for kind, node in members:
+        if node is not None:
+            by_node.setdefault(node, []).append(kind)
+    return {node: tuple(sorted(kinds)) for node, kinds in by_node.items() if len(kinds) > 1}
 
 
 def relay_text(groups: Sequence[Sequence[int]], vw_gpus: Sequence[Sequence[str]], shown: int = 4) -> str:

@@ -35,7 +35,7 @@ from hetpipe.core.planning.planner import (
 )
 from hetpipe.core.planning.profile import ModelProfile
 from hetpipe.core.planning.profile_sources import check_profiles
-from hetpipe.core.planning.relays import plan_relays, ps_bytes_per_wave
+from hetpipe.core.planning.relays import ps_bytes_per_wave
 from hetpipe.core.planning.search_shapes import Interner, Shape, kinds_of, shapes
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
@@ -250,19 +250,16 @@ def _visit(ctx: _Context, tally: _Tally, policy: str, schedule: str, recompute: 
 
 
 def _relayed(how: _Prediction, shape: Shape) -> tuple[Relayed, ...]:
-    """The shape's relayed groups for the model, each VW as the index of its kind in the shape's kinds (none
-    unless [ps] node_aggregation: then O(VWs) for the shape, not O(kinds))."""
+    """The shape's relayed groups for the model, each VW as the index of its kind in the shape's kinds, alike
+    groups counted once (none unless [ps] node_aggregation)."""
     if not how.node_aggregation:
         return ()
-    members = shape.members()
     index = {kind_id: i for i, (kind_id, _, _) in enumerate(shape.kinds)}
-    relays = plan_relays(
-        [gpus for _, gpus in members], True, lambda node: how.inside_gbps.get(node, math.inf)
-    )
-    return tuple(
-        dataclasses.replace(r, members=tuple(index[members[v][0]] for v in r.members))
-        for r in how.relayed(relays)
-    )
+    counted: dict[tuple[tuple[int, ...], float], int] = {}
+    for node, kinds in shape.groups().items():
+        key = (tuple(index[k] for k in kinds), how.inside_gbps.get(node, math.inf) * 1e9 / 8)
+        counted[key] = counted.get(key, 0) + 1
+    return tuple(Relayed(members, rate, n) for (members, rate), n in counted.items())
 
 
 def _finalists(entries: list[_Entry], best_est: float) -> set[int]:

@@ -16,6 +16,7 @@ from hetpipe.core.planning.groupings import Fitted, Grouping, GroupingSearch
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.per_vw_work import KEEP_FEWER, PerVwWork, work_text
 from hetpipe.core.planning.plan import VwPlan
+from hetpipe.core.planning.relays import home_node, node_kinds, prefix_ps_bytes
 from hetpipe.core.planning.wave_balance import TOLERANCE, WorkOption, _off
 
 __all__ = ["Interner", "Shape", "kinds_of", "shapes"]
@@ -53,14 +54,14 @@ class Interner:
 @dataclass(frozen=True)
 class Shape:
     """One grouping, lazily: its size, its VWs counted by kind (kind id, a VW of that kind, count), a key
-    (equal keys, equal sets of VWs), how to build its VWs and notes, and each VW's kind id and GPUs in the
-    policy's order (what node aggregation's groups are made of)."""
+    (equal keys, equal sets of VWs), how to build its VWs and notes, and its VWs that node aggregation would
+    relay: per node holding two or more wholly, their kind ids (relays.node_kinds)."""
 
     k: int
     kinds: tuple[tuple[int, VwPlan, int], ...]
     key: tuple[int, int]
     build: Callable[[], Grouping]
-    members: Callable[[], tuple[tuple[int, tuple[str, ...]], ...]]
+    groups: Callable[[], dict[str, tuple[int, ...]]]
 
     def grouping(self) -> Grouping:
         """The VWs (in the policy's order) and the notes, as plan_candidates' groupings."""
@@ -98,12 +99,27 @@ def _common_shapes(
 
         return grouping
 
-    def members(k: int) -> Callable[[], tuple[tuple[int, tuple[str, ...]], ...]]:
-        return lambda: tuple((kind[i], vws[i].gpus) for i in sorted(fastest[:k]))
+    relayed: list[dict[str, tuple[int, ...]]] = []  # per prefix, once asked: node aggregation's groups
+
+    def groups(k: int) -> Callable[[], dict[str, tuple[int, ...]]]:
+        def of_prefix() -> dict[str, tuple[int, ...]]:
+            if not relayed:  # every prefix in one pass, each VW changing one node's group
+                by_node: dict[str, tuple[int, ...]] = {}
+                now: dict[str, tuple[int, ...]] = {}
+                for i in fastest:
+                    node = home_node(vws[i].gpus)
+                    if node is not None:
+                        by_node[node] = tuple(sorted((*by_node.get(node, ()), kind[i])))
+                        if len(by_node[node]) > 1:
+                            now = {**now, node: by_node[node]}
+                    relayed.append(now)
+            return relayed[k - 1]
+
+        return of_prefix
 
     for k in [n, *range(1, n)]:
         kinds, tag_k = prefixes[k]
-        yield Shape(k, kinds, (k, tag_k), build(k), members(k))
+        yield Shape(k, kinds, (k, tag_k), build(k), groups(k))
 
 
 def shapes(
@@ -152,9 +168,11 @@ def _work_shapes(
         counts[kind_key[i]] = counts.get(kind_key[i], 0) + 1
     cache: dict = {}
     found: list[tuple[int, _Choice]] = []
+    homes = [home_node(vw.gpus) for vw in vws] if work.node_aggregation else []
+    # with node aggregation the PS's seconds depend on which nodes the fastest n VWs share
+    one_pass = prefix_ps_bytes([vws[i] for i in fastest]) if work.node_aggregation else []
     for n in range(len(vws), 0, -1):
-        # with node aggregation the PS's seconds depend on which nodes the n VWs share: O(n) each
-        ps_s = work.ps_s([vws[i] for i in fastest[:n]]) if work.node_aggregation else None
+        ps_s = work.relayed_ps_s(one_pass[n - 1], n) if work.node_aggregation else None
         chosen = _balance_kinds(work, dict(counts), rep_of, fitted, cache, ps_s)
         if chosen is not None:
             found.append((n, chosen))
@@ -173,7 +191,7 @@ def _work_shapes(
         counts: dict[int, int] = {}
         reps: dict[int, VwPlan] = {}
         tag = 0
-        each: list[tuple[int, tuple[str, ...]]] = []
+        each: list[tuple[int, str | None]] = []
         for i in kept:
             key = (kind_key[i], chosen.option[kind_key[i]])
             if key not in at:
@@ -183,15 +201,16 @@ def _work_shapes(
             counts[kind] = counts.get(kind, 0) + 1
             reps.setdefault(kind, plan)
             tag = (tag + interner.tag(vws[i].gpus, kind)) % 2**64
-            each.append((kind, vws[i].gpus))
+            if homes:
+                each.append((kind, homes[i]))
         kinds = tuple((c, reps[c], counts[c]) for c in sorted(counts))
-        members = tuple(each)
+        groups = node_kinds(each)
         yield Shape(
             n,
             kinds,
             (n, tag),
             _work_builder(search, work, fitted, vws, kind_key, kept, chosen),
-            lambda members=members: members,
+            lambda groups=groups: groups,
         )
 
 
