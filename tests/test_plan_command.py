@@ -10,6 +10,7 @@ import pytest
 from hetpipe.app.plan_command import (
     NODE_SETTING,
     WIRE_SETTING,
+    LinkSetting,
     PlanRequest,
     PlanSearch,
     link_note,
@@ -85,6 +86,11 @@ def test_a_busy_link_plans_again_with_the_setting_on_and_notes_a_gain_over_2_per
     on = apply_overrides(config, ["ps.node_aggregation=true"])
     assert (
         link_note(on, request(tmp_path), chosen(100.0, 0.99), NODE_SETTING, searched_at(200.0, seen)) is None
+    )
+    # a setting the config refuses beside its others (as node aggregation with latest pulls): no note either
+    refused = LinkSetting(lambda config: True, "ps.shards=0", "with no shards")
+    assert (
+        link_note(config, request(tmp_path), chosen(100.0, 0.99), refused, searched_at(200.0, seen)) is None
     )
     assert len(seen) == before
 

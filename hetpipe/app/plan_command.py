@@ -153,12 +153,18 @@ def link_note(
 ) -> str | None:
     """When the chosen plan's busiest PS link (the PS's, or a node's) is at least LINK_BUSY busy and the
     config has `setting` off: the same search (`search`, default search_plans) with it on, and a note of that
-    search's best plan when it predicts more than LINK_GAIN x the chosen one. The user chooses."""
+    search's best plan when it predicts more than LINK_GAIN x the chosen one. The user chooses. None when the
+    config refuses the setting beside its others (node aggregation with latest pulls, say)."""
     if not setting.off(config) or chosen.ps_utilisation < LINK_BUSY:
         return None
     from hetpipe.core.config.overrides import apply_overrides
+    from hetpipe.core.errors import ConfigError
 
-    other = best((search or search_plans)(apply_overrides(config, [setting.override]), request).candidates)
+    try:
+        changed = apply_overrides(config, [setting.override])
+    except ConfigError:
+        return None
+    other = best((search or search_plans)(changed, request).candidates)
     gain = other.samples_per_s / chosen.samples_per_s if chosen.samples_per_s > 0 else 0.0
     if gain <= LINK_GAIN:
         return None
