@@ -11,6 +11,7 @@ from test_planner import cluster, small, toy_profile
 from hetpipe.core.planning.capacity import PsFigures, plan_bounds, standalone_rates
 from hetpipe.core.planning.plan import Plan, StagePlan, VwPlan
 from hetpipe.core.planning.planner import best, candidates_json, explain, format_table, plan_candidates
+from hetpipe.core.planning.relays import Relay
 
 MIB = 2**20
 
@@ -75,6 +76,24 @@ def test_no_bounds_at_or_above_the_target_and_a_busy_ps_is_named_even_without_a_
     bounds = plan_bounds(one, 10.0, {"n0:0": 10.0, "n1:0": 10.0}, [], ps(0.97), link)
     assert bounds[0].startswith("idle GPUs (50% of capacity)")
     assert bounds[1].startswith("the PS link (1 shard x 10 Gbit/s) (0% of capacity): 97% busy")
+
+
+def test_a_relayed_plans_ps_link_counts_each_groups_bytes_once_or_names_the_relays_inside_link() -> None:
+    """two_vws through n0's relay: one copy of the 6 MiB pushed and pulled over the PS link (12 MiB, not 24);
+    when n0's inside link to the relay is the busiest, the bytes over it: both VWs' 24 MiB."""
+    rates = {"n0:0": 10.0, "n0:1": 10.0, "n1:0": 10.0}
+    relay = Relay((0, 1), "n0", 100.0)
+    relayed = PsFigures(10.0, 1, 0.9, "PS", 12 * MIB, 0.8, (relay,), (24 * MIB,))
+    text = plan_bounds(two_vws(), 9.0, rates, [], relayed, link)[-1]
+    assert text == (
+        "the PS link (1 shard x 10 Gbit/s) (3% of capacity): 90% busy; 2 VWs move 12.00 MiB per wave over "
+        "the PS's links (pushes and pulls; node aggregation: 1 relay pushes and pulls one copy each for 2 of "
+        "them), a wave takes 0.8 s"
+    )
+    inside = PsFigures(10.0, 1, 0.9, "n0 loopback", 12 * MIB, 0.8, (relay,), (24 * MIB,))
+    text = plan_bounds(two_vws(), 9.0, rates, [], inside, link)[-1]
+    assert text.startswith("the PS traffic's busiest link, n0 loopback (a node's link) (3% of capacity): 90%")
+    assert "; 2 VWs move 24.00 MiB per wave over it to and from n0's relay (pushes and pulls" in text
 
 
 def test_transfers_of_the_slowest_stage_name_their_link() -> None:

@@ -1,8 +1,27 @@
-"""hetpipe.app.plan_command's progress line: nothing for a short search, then about one line a second."""
+"""hetpipe.app.plan_command: the progress line (nothing for a short search, then about one line a second),
+and the notes on a setting that moves fewer bytes over a busy PS link (link_note)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+from hetpipe.app.plan_command import (
+    NODE_SETTING,
+    WIRE_SETTING,
+    LinkSetting,
+    PlanRequest,
+    PlanSearch,
+    link_note,
+    run_plan,
+)
 from hetpipe.app.progress_line import ProgressLine
+from hetpipe.core.config.files import load_config
+from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.planning.candidates import Candidate
+from hetpipe.core.planning.plan import Plan, StagePlan, VwPlan
 
 
 def test_progress_is_quiet_for_two_seconds_then_at_most_once_a_second() -> None:
@@ -13,3 +32,110 @@ def test_progress_is_quiet_for_two_seconds_then_at_most_once_a_second() -> None:
         now[0] = t
         progress(f"at {t}")
     assert printed == ["at 2.0", "at 3.0", "at 4.1"]
+
+
+# ---------------------------------------------------------------------------------------------- link notes
+
+TWO_BY_TWO = Path(__file__).parent / "clusters" / "two-by-two.toml"
+
+
+def request(profile_dir: Path) -> PlanRequest:
+    """`hetpipe plan tests/clusters/two-by-two.toml --profile-dir <empty>`: the shipped profile, derived."""
+    return PlanRequest(TWO_BY_TWO, profile_dir, 10, (), None, 0.0, (), (), False, None, None, True, ())
+
+
+def chosen(samples_per_s: float, ps_utilisation: float) -> Candidate:
+    stage = StagePlan("n0:0", "t", 0, 1, 0.1, 0.2, 0.0, 0.0, 1, 2)
+    plan = Plan("dp", "toy", 4, 0, (VwPlan((stage,), 1, 1),))
+    return Candidate("dp", 0, plan, samples_per_s, ps_utilisation=ps_utilisation, schedule="wsp")
+
+
+def searched_at(samples_per_s: float, seen: list[ClusterConfig]):
+    """A search that records the config it was given and finds one plan at `samples_per_s`."""
+
+    def search(config: ClusterConfig, _: PlanRequest) -> PlanSearch:
+        seen.append(config)
+        return PlanSearch([chosen(samples_per_s, 0.5)], config, [], 1.0, 0.0)
+
+    return search
+
+
+def test_a_busy_link_plans_again_with_the_setting_on_and_notes_a_gain_over_2_percent(tmp_path: Path) -> None:
+    config = load_config(TWO_BY_TWO)
+    seen: list[ClusterConfig] = []
+    note = link_note(config, request(tmp_path), chosen(100.0, 0.9), NODE_SETTING, searched_at(150.0, seen))
+    assert [c.ps.node_aggregation for c in seen] == [True]  # the same search, the setting on
+    assert note == (
+        "the PS link is 90% busy: with node-local aggregation (set [ps] node_aggregation = true; the VWs "
+        "wholly on one node push and pull through one relay there, one copy of the weights per node and wave "
+        "over the PS's links) the best plan would be dp wsp D=0: 150 samples/s predicted, 1.50x"
+    )
+    wire = link_note(config, request(tmp_path), chosen(100.0, 0.9), WIRE_SETTING, searched_at(150.0, seen))
+    assert seen[-1].ps.wire_dtype == "bfloat16" and not seen[-1].ps.node_aggregation
+    assert wire is not None and 'set [ps] wire_dtype = "bfloat16"' in wire
+    # a gain of 2% or less: no note; a link under 85% busy, or the setting already on: not even a search
+    assert (
+        link_note(config, request(tmp_path), chosen(100.0, 0.9), NODE_SETTING, searched_at(102.0, seen))
+        is None
+    )
+    before = len(seen)
+    assert (
+        link_note(config, request(tmp_path), chosen(100.0, 0.84), NODE_SETTING, searched_at(200.0, seen))
+        is None
+    )
+    on = apply_overrides(config, ["ps.node_aggregation=true"])
+    assert (
+        link_note(on, request(tmp_path), chosen(100.0, 0.99), NODE_SETTING, searched_at(200.0, seen)) is None
+    )
+    # a setting the config refuses beside its others (as node aggregation with latest pulls): no note either
+    refused = LinkSetting(lambda config: True, "ps.shards=0", "with no shards")
+    assert (
+        link_note(config, request(tmp_path), chosen(100.0, 0.99), refused, searched_at(200.0, seen)) is None
+    )
+    assert len(seen) == before
+
+
+def plan_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str], *settings: str) -> list[str]:
+    config = apply_overrides(load_config(TWO_BY_TWO), list(settings))
+    run_plan(config, request(tmp_path), out_path=None, show_why=False, as_json=False)
+    return capsys.readouterr().out.splitlines()
+
+
+def node_notes(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("note: the PS link is") and "node_aggregation" in line]
+
+
+def best_rate(lines: list[str]) -> float:
+    line = next(line for line in lines if line.startswith("best: "))
+    return float(line.split(" samples/s predicted")[0].split(": ")[-1])
+
+
+def test_hetpipe_plan_names_node_aggregation_when_the_ps_link_binds_and_it_gains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """two-by-two.toml at 0.05 Gbit/s: its best plan keeps the PS link 88% busy; with node aggregation each
+    node's two VWs send one copy of the weights, and that config's best plan is the one the note promised."""
+    plain = plan_lines(tmp_path, capsys)
+    (note,) = node_notes(plain)
+    assert "(set [ps] node_aggregation = true;" in note
+    relayed = plan_lines(tmp_path, capsys, "ps.node_aggregation=true")
+    promised = float(note.split(" samples/s predicted")[0].split(": ")[-1])
+    assert best_rate(relayed) == promised > 1.02 * best_rate(plain)
+    assert any(line.startswith("  node aggregation: vw0+vw1 through n0's relay") for line in relayed)
+    assert not node_notes(relayed)
+
+
+@pytest.mark.parametrize(
+    "gbps",
+    [
+        0.2,  # the PS link under 85% busy: no second search
+        0.01,  # busy, but the best plan then is one VW at 4 x the batch, and the relayed ones gain nothing
+    ],
+)
+def test_hetpipe_plan_says_nothing_of_node_aggregation_without_a_busy_link_and_a_gain(
+    gbps: float, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = plan_lines(tmp_path, capsys, f"network.inter_node_gbps={gbps}")
+    assert not node_notes(lines)
+    busy = float(next(line for line in lines if line.startswith("best: ")).split("PS link ")[1].split("%")[0])
+    assert (busy < 85) == (gbps == 0.2)

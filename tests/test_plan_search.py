@@ -16,7 +16,7 @@ import pytest
 
 from hetpipe.core.config.parse import parse_config
 from hetpipe.core.pipeline.schedule import SCHEDULES
-from hetpipe.core.planning.analytic import upper_bound, wave_model
+from hetpipe.core.planning.analytic import Relayed, least_wave_s, upper_bound, wave_model
 from hetpipe.core.planning.kinds import links_node_blind, rename, vw_kind
 from hetpipe.core.planning.partition import (
     best_order_and_nm,
@@ -73,6 +73,21 @@ def test_fast_search_finds_the_exhaustive_best_on_random_small_clusters(seed: in
     got = best(fast.candidates)
     assert got.samples_per_s == pytest.approx(want.samples_per_s, rel=1e-9)
     assert (got.label, got.staleness) == (want.label, want.staleness)
+
+
+@pytest.mark.parametrize("seed", [28, 33, 37, 41, 43, 46])
+def test_fast_search_finds_the_exhaustive_best_with_node_aggregation(seed: int) -> None:
+    """Random small clusters whose best plans relay some VWs ([ps] node_aggregation) over a slow PS link: the
+    model's relays (by kind) and per-VW work's PS seconds (by node) lead to the simulated best."""
+    cluster = synth_cluster.random_cluster(random.Random(seed), max_gpus=8, max_types=3)
+    config, profiles = config_of(cluster), profiles_of(cluster)
+    config = dataclasses.replace(config, ps=dataclasses.replace(config.ps, node_aggregation=True))
+    small = {**SMALL, "ps_gbps": 1.0}
+    want = best(plan_candidates(config, profiles, **small))
+    got = best(search_candidates(config, profiles, **small).candidates)
+    assert want.relayed
+    assert got.samples_per_s == pytest.approx(want.samples_per_s, rel=1e-9)
+    assert (got.label, got.staleness, got.relayed) == (want.label, want.staleness, want.relayed)
 
 
 def test_fast_search_counts_every_candidate_and_keeps_only_the_top() -> None:
@@ -156,6 +171,48 @@ def test_the_upper_bound_is_never_below_the_model() -> None:
             model = wave_model(kinds, 32, schedule, False, d, pulls, rate)
             assert model.samples_per_s <= bound * (1 + 1e-12)
             assert model.wave_s >= max(model.compute_s, model.ps_s, model.gate_s)
+
+
+def test_the_upper_bound_is_never_below_the_model_with_relays() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        kinds = [(_random_vw(rng, rng.randint(1, 4), rng.randint(1, 6)), rng.randint(2, 6)) for _ in range(3)]
+        members = [i for i, (_, n) in enumerate(kinds) for _ in range(n // 2)]  # a group may count twice
+        rng.shuffle(members)
+        relays = []
+        while len(members) >= 2 and rng.random() < 0.8:
+            size = rng.randint(2, min(4, len(members)))
+            relays.append(Relayed(tuple(members[:size]), rng.uniform(1e8, 1e11), rng.choice([1, 1, 2])))
+            members = members[size:]
+        schedule = rng.choice(list(SCHEDULES))
+        pulls, rate = rng.random() < 0.8, rng.uniform(1e8, 1e11)
+        bound = upper_bound(kinds, 32, schedule, False, pulls, rate, relays)
+        for d in (0, 1, 4):
+            for contention in (0.0, 1.0):
+                model = wave_model(kinds, 32, schedule, False, d, pulls, rate, contention, relays)
+                assert model.samples_per_s <= bound * (1 + 1e-12)
+                assert model.wave_s >= max(model.compute_s, model.ps_s, model.gate_s, model.inside_s)
+
+
+def test_a_relayed_group_moves_one_copy_over_the_ps_link_and_its_own_over_the_inside_link() -> None:
+    """Four alike single-stage VWs of 1 GB of weights, 0.3 s a wave, pushing and pulling over a 1 GB/s PS
+    link: 8 s a wave; in two relayed groups (inside links of 10 GB/s), 4 s, each inside link 0.4 s."""
+    stage = StagePlan("n0:0", "t", 0, 1, 0.1, 0.2, 0.0, 0.0, 0, 1, param_bytes=10**9)
+    kinds = [(VwPlan((stage,), 1, 10**9), 4)]
+    relays = [Relayed((0, 0), 1e10), Relayed((0, 0), 1e10)]
+    assert least_wave_s(kinds, "wsp", False, True, 1e9) == 8.0
+    assert least_wave_s(kinds, "wsp", False, True, 1e9, relays) == 4.0
+    assert least_wave_s(kinds, "wsp", False, True, 1e9, [Relayed((0, 0), 1e10, count=2)]) == 4.0
+    on = wave_model(kinds, 32, "wsp", False, 4, True, 1e9, relays=relays)
+    assert (on.ps_s, on.inside_s, on.wave_s) == (4.0, 0.4, 4.0)
+    assert wave_model(kinds, 32, "wsp", False, 4, True, 1e9).ps_s == 8.0
+    assert wave_model(kinds, 32, "wsp", False, 4, True, 1e9, relays=()) == wave_model(
+        kinds, 32, "wsp", False, 4, True, 1e9
+    )
+    # a slow inside link binds instead: 2 VWs x 2 GB over 1 GB/s
+    slow = [Relayed((0, 0), 1e9), Relayed((0, 0), 1e10)]
+    assert least_wave_s(kinds, "wsp", False, True, 1e9, slow) == 4.0
+    assert least_wave_s(kinds, "wsp", False, True, 1e10, slow) == 4.0
 
 
 def test_least_bottleneck_is_no_more_than_the_partitioner_s_choice() -> None:

@@ -841,6 +841,79 @@ def test_bfloat16_on_the_wire_is_priced_as_half_the_bytes_over_the_same_links() 
     assert f"x {slow_ps:g} Gbit/s" in ps_text and "2 VWs move 12.00 MiB per wave" in ps_text, ps_text
 
 
+# ------------------------------------------------------------------------------------------- node aggregation
+
+TWO_BY_TWO_VWS = [{"gpus": [g]} for g in ("n0:0", "n0:1", "n1:0", "n1:1")]
+
+
+def two_by_two(on: bool) -> ClusterConfig:
+    """Two nodes of two fast GPUs, one VW per GPU ([[virtual_workers]]), [ps] node_aggregation `on`."""
+    extra = {
+        "ps": {"node_aggregation": on},
+        "allocation": {"policy": "explicit"},
+        "virtual_workers": TWO_BY_TWO_VWS,
+    }
+    return cluster([["fast", "fast"], ["fast", "fast"]], {"fast": (2.0, 8.0)}, extra=extra)
+
+
+def test_node_aggregation_halves_what_crosses_the_slow_links_and_the_plan_goes_faster() -> None:
+    """Each node's two VWs through a relay: one copy of the 6 MiB of weights pushed and pulled per node over
+    the PS's links instead of two, so a plan the remote node's egress binds runs about twice as fast; the
+    report says which groups are relayed."""
+    profiles = {"fast": toy_profile("fast", 1.0)}
+    slow = PsNetwork("n0", {"n0": 0.05, "n1": 0.05}, {"n0": 100.0, "n1": 100.0})  # the PS on n0
+
+    def planned(on: bool) -> list[Candidate]:
+        found = plan_candidates(
+            two_by_two(on),
+            profiles,
+            ps_gbps=100.0,
+            d_values=(2,),
+            policies=["explicit"],
+            schedules=["wsp"],
+            ps_network=slow,
+            baselines=False,
+        )
+        return [c for c in found if c.staleness == 2 and len(c.plan.vws) == 4 and not c.notes]
+
+    (off,), (on,) = planned(False), planned(True)
+    assert not off.node_aggregation and off.relayed == ()
+    assert on.node_aggregation and on.relayed == ((0, 1), (2, 3))
+    assert off.ps_utilisation > 0.9 and on.samples_per_s > 1.9 * off.samples_per_s
+    off_text, on_text = off.bounds[-1], on.bounds[-1]
+    assert "n1 egress" in off_text and "4 VWs move 48.00 MiB per wave (pushes and pulls)" in off_text
+    assert "n1 egress" in on_text and "4 VWs move 24.00 MiB per wave over the PS's links" in on_text
+    data = candidates_json([off, on])["candidates"]
+    assert (data[0]["node_aggregation"], data[0]["relayed"]) == (False, [])
+    assert (data[1]["node_aggregation"], data[1]["relayed"]) == (
+        True,
+        [{"node": "n0", "vws": [0, 1]}, {"node": "n1", "vws": [2, 3]}],
+    )
+    assert "    node aggregation: vw0+vw1 through n0's relay, vw2+vw3 through n1's (" in explain([on, off])
+    assert "node aggregation" not in explain([off])
+
+
+@pytest.mark.parametrize("network", [False, True])
+def test_with_every_vw_alone_on_its_node_node_aggregation_predicts_the_same(network: bool) -> None:
+    """One GPU per node: no node holds two VWs, nothing is relayed, every prediction is the same number."""
+    types = {"fast": (2.0, 8.0), "slow": (1.0, 4.0)}
+    nodes = [["fast"], ["fast"], ["slow"], ["slow"]]
+    profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
+    ps_network = PsNetwork(
+        "n0", dict.fromkeys(("n0", "n1", "n2", "n3"), 0.05), dict.fromkeys(("n0", "n1", "n2", "n3"), 100.0)
+    )
+
+    def numbers(on: bool) -> list[tuple]:
+        config = cluster(nodes, types, extra={"ps": {"node_aggregation": on}})
+        kw = {"ps_gbps": 0.1, "d_values": (0, 1)}
+        found = plan_candidates(config, profiles, **kw, ps_network=ps_network if network else None)
+        found += search_candidates(config, profiles, **kw).candidates
+        assert not any(c.relayed for c in found)
+        return [(c.label, c.samples_per_s, c.ps_utilisation, c.run_samples_per_s, c.bounds) for c in found]
+
+    assert numbers(True) == numbers(False)
+
+
 def test_cli_plan_names_what_bfloat16_on_the_wire_would_give_a_plan_the_ps_link_binds() -> None:
     """A chosen plan whose PS link is busy gets a note with the best plan at bfloat16 weights on the wire,
     which that config then chooses; a plan the PS link does not bind gets none."""
@@ -857,11 +930,15 @@ def test_cli_plan_names_what_bfloat16_on_the_wire_would_give_a_plan_the_ps_link_
         line = next(line for line in lines if line.startswith("best: "))
         return float(line.split(" samples/s predicted")[0].split(": ")[-1])
 
+    def wire_notes(lines: list[str]) -> list[str]:  # node aggregation's note may come beside it
+        return [line for line in lines if line.startswith("note: the PS link is") and "wire_dtype" in line]
+
     slow = "network.inter_node_gbps=1"
     plain = plan(slow)
-    notes = [line for line in plain if line.startswith("note: the PS link is")]
+    notes = wire_notes(plain)
     assert len(notes) == 1 and 'wire_dtype = "bfloat16"' in notes[0], plain
     packed = plan(slow, 'ps.wire_dtype="bfloat16"')
     promised = float(notes[0].split(" samples/s predicted")[0].split(": ")[-1])
     assert best_rate(packed) == promised > 1.02 * best_rate(plain)
-    assert not any(line.startswith("note: the PS link is") for line in packed + plan())
+    assert not wire_notes(packed)
+    assert not any(line.startswith("note: the PS link is") for line in plan())

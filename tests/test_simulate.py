@@ -13,6 +13,7 @@ from hetpipe.core.errors import UsageError
 from hetpipe.core.pipeline.schedule import BACKWARD, FORWARD, wsp_schedule
 from hetpipe.core.pipeline.schedule import simulate as simulate_schedule
 from hetpipe.core.planning.plan import Plan, StagePlan, VwPlan
+from hetpipe.core.planning.relays import Relay, plan_relays
 from hetpipe.core.planning.simulate import (
     PsNetwork,
     simulate,
@@ -281,6 +282,66 @@ def test_a_stage_spanning_shards_splits_its_bytes_by_layer() -> None:
 def test_a_network_without_the_plans_node_says_so() -> None:
     with pytest.raises(UsageError, match="node 'n7'.*nodes: n0, n1, n2"):
         simulate(plan(vw(stage(1.0, 2.0, params=1, gpu="n7:0"))), waves=1, ps_gbps=1.0, network=NETWORK)
+
+
+# ---------------------------------------------------------------------------------------------- relays
+
+
+def test_a_relay_pushes_once_its_group_has_and_pulls_once_for_it_by_hand() -> None:
+    # Two VWs on n1 through n1's relay; the PS on n0 (NETWORK: egress 1 s per GB, loopback 0.1 s). Both hand
+    # PUSH0 to the relay at 3 over n1's loopback: vw0's lands 3.1, vw1's 3.2; the relay pushes 1 GB over n1's
+    # egress 3.2-4.2, when both have completed wave 0. The gate of WAIT2 opens then: the relay's one pull over
+    # n0's egress 4.2-5.2, then over n1's loopback to vw0 5.2-5.3 and vw1 5.3-5.4. PUSH1 at 6: 6.2-7.2 up;
+    # WAIT2 does not wait; PUSH2 at 9: 9.2-10.2 up.
+    two = plan(
+        vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")), vw(stage(1.0, 2.0, params=int(GB), gpu="n1:1"))
+    )
+    relay = Relay((0, 1), "n1", 0.0)  # with a PsNetwork its loopback is the inside link
+    result = simulate(two, waves=3, ps_gbps=math.inf, network=NETWORK, relays=[relay])
+    assert result.makespan_s == pytest.approx(10.2)
+    for one in result.vws:
+        assert one.wave_done_s == pytest.approx((4.2, 7.2, 10.2)) and one.gate_wait_s == 0.0
+    assert (result.vws[0].pull_s, result.vws[1].pull_s) == pytest.approx((1.1, 1.2))
+    moved = {name: nbytes / GB for name, nbytes in result.link_bytes}
+    assert moved == {"n1 loopback": 8.0, "n1 egress": 3.0, "n0 egress": 1.0}  # 6 pushes + 2 pulls on n1
+    alone = simulate(two, waves=3, ps_gbps=math.inf, network=NETWORK)
+    assert {name: nbytes / GB for name, nbytes in alone.link_bytes} == {"n1 egress": 6.0, "n0 egress": 2.0}
+
+
+def test_node_aggregation_halves_the_bytes_over_the_remote_nodes_egress_and_the_wave() -> None:
+    # Two nodes of two GPUs, one VW per GPU, the PS on n0, each egress 1 s per GB and each VW's 1 GB of
+    # weights computed in 0.3 s a wave: the links bind. Each wave, n1's egress carries its two VWs' pushes
+    # (2 s) and n0's their pulls; through n1's relay, one push and one pull (1 s). D = 2 lets the waves queue.
+    gpus = ["n0:0", "n0:1", "n1:0", "n1:1"]
+    four = plan(*(vw(stage(0.1, 0.2, params=int(GB), gpu=g)) for g in gpus), staleness=2)
+    relays = plan_relays([[g] for g in gpus], True, lambda node: 80.0)
+    assert [r.vws for r in relays] == [(0, 1), (2, 3)]
+    off = simulate(four, waves=12, ps_gbps=math.inf, network=NETWORK)
+    on = simulate(four, waves=12, ps_gbps=math.inf, network=NETWORK, relays=relays)
+    off_bytes, on_bytes = dict(off.link_bytes), dict(on.link_bytes)
+    assert off_bytes["n1 egress"] == 12 * 2 * GB and on_bytes["n1 egress"] == 12 * GB
+    assert on_bytes["n0 egress"] == off_bytes["n0 egress"] / 2  # one pull per wave for n1's two VWs
+    assert off.ps_link == on.ps_link == "n1 egress"
+    assert max(v.wave_s for v in off.vws) == pytest.approx(2.0)
+    assert max(v.wave_s for v in on.vws) == pytest.approx(1.0)
+    assert on.samples_per_s > 1.8 * off.samples_per_s
+    # the same without the network: the one PS link carries each group's copy, the relays' hops stay on the
+    # nodes (80 Gbit/s inside links)
+    shared_off = simulate(four, waves=12, ps_gbps=8.0)
+    shared_on = simulate(four, waves=12, ps_gbps=8.0, relays=relays)
+    assert dict(shared_on.link_bytes)["PS"] == dict(shared_off.link_bytes)["PS"] / 2
+    assert set(dict(shared_on.link_bytes)) == {"PS", "n0 loopback", "n1 loopback"}
+    assert max(v.wave_s for v in shared_on.vws) < 0.55 * max(v.wave_s for v in shared_off.vws)
+
+
+def test_no_relays_run_as_before_and_bad_relays_say_how_to_build_them() -> None:
+    four = plan(*(vw(stage(0.1, 0.2, params=10**8, gpu=f"n{i}:0")) for i in range(3)))
+    assert plan_relays([vw.gpus for vw in four.vws], True, lambda node: 1.0) == ()
+    assert simulate(four, waves=4, ps_gbps=1.0, relays=()) == simulate(four, waves=4, ps_gbps=1.0)
+    with pytest.raises(UsageError, match="at most once; build them with"):
+        simulate(four, waves=1, ps_gbps=1.0, relays=[Relay((0, 1), "n0", 1.0), Relay((1, 2), "n1", 1.0)])
+    with pytest.raises(UsageError, match="plan's 3 VWs"):
+        simulate(four, waves=1, ps_gbps=1.0, relays=[Relay((2, 3), "n0", 1.0)])
 
 
 @settings(max_examples=25, deadline=None)

@@ -40,8 +40,13 @@ from hetpipe.core.planning.search import SearchResult, search_candidates
 from hetpipe.core.planning.summary import default_view, wrap
 
 __all__ = [
+    "NODE_SETTING",
+    "WIRE_SETTING",
+    "LinkSetting",
     "PlanRequest",
     "PlanSearch",
+    "link_note",
+    "node_note",
     "print_plans",
     "run_plan",
     "search_plans",
@@ -103,36 +108,82 @@ def run_plan(
     plan to `out_path`."""
     found = search_plans(config, request)
     chosen = best(found.candidates)
-    note = wire_note(config, request, chosen)
-    if note:
-        found.notes.append(note)
+    for note in (wire_note(config, request, chosen), node_note(config, request, chosen)):
+        if note:
+            found.notes.append(note)
     print_plans(config, request, found, chosen, show_why=show_why, as_json=as_json, show_all=show_all)
     if out_path is not None:
         write_best(request.config_path, found, chosen, out_path)
 
 
-WIRE_BUSY = 0.85  # a chosen plan whose PS link is at least this busy is planned again with bfloat16 weights
-WIRE_GAIN = 1.02  # and the note given when that plan predicts more than this factor
+LINK_BUSY = 0.85  # a chosen plan whose PS link is at least this busy is planned again with fewer bytes on it
+LINK_GAIN = 1.02  # and the note given when that plan predicts more than this factor
+
+
+@dataclass(frozen=True)
+class LinkSetting:
+    """A [ps] setting that moves fewer bytes over the PS's links: when the config does not have it on
+    (`off`), the override that turns it on, and what the note says it does."""
+
+    off: Callable[[ClusterConfig], bool]
+    override: str
+    says: str
+
+
+WIRE_SETTING = LinkSetting(
+    lambda config: config.ps.wire_dtype == "float32",
+    'ps.wire_dtype="bfloat16"',
+    'with the weights on the wire as bfloat16 (set [ps] wire_dtype = "bfloat16"; half the bytes, not the '
+    "float32 run's numbers bit for bit)",
+)
+NODE_SETTING = LinkSetting(
+    lambda config: not config.ps.node_aggregation,
+    "ps.node_aggregation=true",
+    "with node-local aggregation (set [ps] node_aggregation = true; the VWs wholly on one node push and pull "
+    "through one relay there, one copy of the weights per node and wave over the PS's links)",
+)
+
+
+def link_note(
+    config: ClusterConfig,
+    request: PlanRequest,
+    chosen: Candidate,
+    setting: LinkSetting,
+    search: Callable[[ClusterConfig, PlanRequest], PlanSearch] | None = None,
+) -> str | None:
+    """When the chosen plan's busiest PS link (the PS's, or a node's) is at least LINK_BUSY busy and the
+    config has `setting` off: the same search (`search`, default search_plans) with it on, and a note of that
+    search's best plan when it predicts more than LINK_GAIN x the chosen one. The user chooses. None when the
+    config refuses the setting beside its others (node aggregation with latest pulls, say)."""
+    if not setting.off(config) or chosen.ps_utilisation < LINK_BUSY:
+        return None
+    from hetpipe.core.config.overrides import apply_overrides
+    from hetpipe.core.errors import ConfigError
+
+    try:
+        changed = apply_overrides(config, [setting.override])
+    except ConfigError:
+        return None
+    other = best((search or search_plans)(changed, request).candidates)
+    gain = other.samples_per_s / chosen.samples_per_s if chosen.samples_per_s > 0 else 0.0
+    if gain <= LINK_GAIN:
+        return None
+    return (
+        f"the PS link is {chosen.ps_utilisation:.0%} busy: {setting.says} the best plan would be "
+        f"{other.label}: {other.samples_per_s:.4g} samples/s predicted, {gain:.2f}x"
+    )
 
 
 def wire_note(config: ClusterConfig, request: PlanRequest, chosen: Candidate) -> str | None:
-    """When the chosen plan is bound by the PS link and the weights cross it as float32: the same search with
-    [ps] wire_dtype = "bfloat16" (half the bytes), and a note of its best plan when that predicts more. The
-    user chooses: bfloat16 weights on the wire train other numbers than float32 (docs/ps-protocol.md)."""
-    if config.ps.wire_dtype != "float32" or chosen.ps_utilisation < WIRE_BUSY:
-        return None
-    from hetpipe.core.config.overrides import apply_overrides
+    """link_note for [ps] wire_dtype = "bfloat16" (half the bytes): bfloat16 weights on the wire train other
+    numbers than float32 (docs/ps-protocol.md)."""
+    return link_note(config, request, chosen, WIRE_SETTING)
 
-    packed = search_plans(apply_overrides(config, ['ps.wire_dtype="bfloat16"']), request)
-    other = best(packed.candidates)
-    gain = other.samples_per_s / chosen.samples_per_s if chosen.samples_per_s > 0 else 0.0
-    if gain <= WIRE_GAIN:
-        return None
-    return (
-        f"the PS link is {chosen.ps_utilisation:.0%} busy: with the weights on the wire as bfloat16 "
-        f'(set [ps] wire_dtype = "bfloat16"; half the bytes, not the float32 run\'s numbers bit for bit) the '
-        f"best plan would be {other.label}: {other.samples_per_s:.4g} samples/s predicted, {gain:.2f}x"
-    )
+
+def node_note(config: ClusterConfig, request: PlanRequest, chosen: Candidate) -> str | None:
+    """link_note for [ps] node_aggregation = true: each node's VWs push and pull one copy of the weights
+    through a relay (docs/planning.md#node-local-aggregation)."""
+    return link_note(config, request, chosen, NODE_SETTING)
 
 
 def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
@@ -282,6 +333,7 @@ def _json_inputs(config: ClusterConfig, request: PlanRequest, found: PlanSearch,
         "planning_s": round(found.elapsed, 3),
         "aggregation": found.ruled.ps.aggregation,
         "mitigation": found.ruled.train.mitigation,
+        "node_aggregation": found.ruled.ps.node_aggregation,
         "capacity_samples_per_s": chosen.capacity,
         "search": found.footer or "exhaustive: every candidate planned and simulated",
     }

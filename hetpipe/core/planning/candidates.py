@@ -78,6 +78,10 @@ class Candidate:
     # not known) and, for a candidate below CAPACITY_TARGET of it, what bounds it, largest loss first.
     capacity: float = 0.0
     bounds: tuple[str, ...] = ()
+    # Whether the prediction assumes [ps] node_aggregation, and the groups of VWs it relays through one
+    # process on their node (hetpipe.core.planning.relays; () when it is off or no node holds two VWs wholly).
+    node_aggregation: bool = False
+    relayed: tuple[tuple[int, ...], ...] = ()
 
     @property
     def feasible(self) -> bool:

@@ -11,6 +11,7 @@ from hetpipe.core.planning.memory import format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import Plan, VwPlan
 from hetpipe.core.planning.profile import ModelProfile
+from hetpipe.core.planning.relays import Relay
 
 __all__ = ["CAPACITY_TARGET", "PsFigures", "left_out_bound", "plan_bounds", "standalone_rates"]
 
@@ -28,14 +29,18 @@ def standalone_rates(config: ClusterConfig, profiles: Mapping[str, ModelProfile]
 @dataclass(frozen=True)
 class PsFigures:
     """The PS's side of a simulated plan: each shard's link, the busiest link and its busy share, the bytes
-    every VW's pushes and pulls of one wave move, and the simulated slowest wave."""
+    every VW's pushes and pulls of one wave move over the PS's links, and the simulated slowest wave. With
+    node aggregation, a relayed group's bytes count once there, and each relay's own bytes over its node's
+    inside link (its VWs' pushes and pulls) come beside it."""
 
     gbps: float
     shards: int
     utilisation: float
-    link: str  # "PS" (one link for all shards), or a node's ("n1 egress")
+    link: str  # "PS" (one link for all shards), or a node's ("n1 egress", a relay's "n1 loopback")
     bytes_per_wave: float
     wave_s: float
+    relays: tuple[Relay, ...] = ()
+    relay_bytes_per_wave: tuple[float, ...] = ()  # over each relay's node's inside link
 
 
 def plan_bounds(
@@ -159,9 +164,30 @@ def _ps_text(ps: PsFigures, loss: float, num_vws: int) -> str:
     )
     if ps.utilisation < 0.85:
         where = f"gate waits and {where}"
-    return (
-        f"{where} ({max(loss, 0.0):.0%} of capacity): {ps.utilisation:.0%} busy; "
+    moves = (
         f"{num_vws} VW{'s' if num_vws > 1 else ''} move{'' if num_vws > 1 else 's'} "
-        f"{format_bytes(int(ps.bytes_per_wave))} per wave (pushes and pulls), "
+        f"{format_bytes(int(ps.bytes_per_wave))} per wave (pushes and pulls)"
+    )
+    if ps.relays:
+        moves = _relayed_moves(ps, num_vws)
+    return (
+        f"{where} ({max(loss, 0.0):.0%} of capacity): {ps.utilisation:.0%} busy; {moves}, "
         f"a wave takes {ps.wave_s:.3g} s"
+    )
+
+
+def _relayed_moves(ps: PsFigures, num_vws: int) -> str:
+    """The bytes of a wave as node aggregation moves them: over the busiest link when it is a relay's node's
+    inside link, else over the PS's links, a relayed group's once."""
+    for relay, nbytes in zip(ps.relays, ps.relay_bytes_per_wave, strict=True):
+        if ps.link == f"{relay.node} loopback":
+            return (
+                f"{len(relay.vws)} VWs move {format_bytes(int(nbytes))} per wave over it to and from "
+                f"{relay.node}'s relay (pushes and pulls; node aggregation)"
+            )
+    grouped = sum(len(relay.vws) for relay in ps.relays)
+    relays = f"{len(ps.relays)} relays push and pull" if len(ps.relays) > 1 else "1 relay pushes and pulls"
+    return (
+        f"{num_vws} VWs move {format_bytes(int(ps.bytes_per_wave))} per wave over the PS's links (pushes and "
+        f"pulls; node aggregation: {relays} one copy each for {grouped} of them)"
     )

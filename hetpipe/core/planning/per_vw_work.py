@@ -11,6 +11,7 @@ from hetpipe.core.planning.groupings import Fitted, Grouping, GroupingSearch
 from hetpipe.core.planning.memory import MemoryRule, format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import VwPlan
+from hetpipe.core.planning.relays import prefix_ps_bytes
 from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
@@ -29,6 +30,7 @@ class PerVwWork:
         self.pulls = lambda n: needs_pulls(n, rule)
         # the "average" mitigation shares a VW's own updates at 1 / n: the runtime refuses unequal work then
         self.enabled = "average" not in search.config.train.mitigations
+        self.node_aggregation = search.config.ps.node_aggregation
 
     def options(self, vw: VwPlan, rule: MemoryRule, cap: int) -> tuple[WorkOption, ...]:
         """Every (Nm, batch) the VW may run with its split: Nm its own, or from its depth (a full pipe) to the
@@ -73,8 +75,16 @@ class PerVwWork:
         return dataclasses.replace(vw, stages=stages, nm=nm, batch_size=0 if batch == base else batch)
 
     def ps_s(self, vws: Sequence[VwPlan]) -> float:
-        """The PS's seconds per wave: each VW pushes its weights every wave, and pulls them when it must."""
+        """The PS's seconds per wave: each VW pushes its weights every wave, and pulls them when it must; with
+        [ps] node_aggregation a relayed group's once for all its VWs (relays.ps_bytes_per_wave)."""
+        if self.node_aggregation:
+            return self.relayed_ps_s(prefix_ps_bytes(vws)[-1], len(vws))
         return sum(vw.param_bytes * (2 if self.pulls(len(vws)) else 1) for vw in vws) / self.ps_bytes_per_s
+
+    def relayed_ps_s(self, one_pass: int, n: int) -> float:
+        """The PS's seconds per wave of `n` VWs whose pushes (or pulls) move `one_pass` bytes over it
+        (relays.prefix_ps_bytes)."""
+        return one_pass * (2 if self.pulls(n) else 1) / self.ps_bytes_per_s
 
     def balanced(self, vws: Sequence[VwPlan], fitted: Fitted) -> Balance | None:
         """wave_balance.balance over these VWs' options, under the memory rule of this many VWs."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hetpipe.core.config.schema import WIRE_BYTES_PER_VALUE, ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.pipeline.schedule import SCHEDULES, get_schedule
-from hetpipe.core.planning.analytic import least_wave_s
+from hetpipe.core.planning.analytic import Relayed, least_wave_s
 from hetpipe.core.planning.baselines import allreduce, baseline_bounds, sync_pipeline
 from hetpipe.core.planning.candidates import (
     ALLREDUCE,
@@ -41,6 +41,7 @@ from hetpipe.core.planning.profile_sources import (
     emulated_profiles,
     supplied_profiles,
 )
+from hetpipe.core.planning.relays import Relay, plan_relays, ps_bytes_per_wave
 from hetpipe.core.planning.report import candidates_json, explain, format_plan, format_table
 from hetpipe.core.planning.simulate import PsNetwork, simulate
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, get_aggregation, needs_pulls
@@ -87,6 +88,9 @@ class _Prediction:
     rates: Mapping[str, float] = dataclasses.field(default_factory=dict)
     link: Callable[[str, str], float] | None = None
     wire: float = 1.0  # bytes on the PS's wire per byte of float32 weights ([ps] wire_dtype)
+    node_aggregation: bool = False  # [ps] node_aggregation: relayed groups priced (relays.py)
+    # without a PsNetwork, each node's inside link as float32 weights see it (a relay's stages cross it)
+    inside_gbps: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(
@@ -100,7 +104,12 @@ class _Prediction:
     ) -> _Prediction:
         """With [ps] wire_dtype = "bfloat16" the weights cross every PS link in half the bytes: each link is
         counted at twice its Gbit/s for them (the packing, 1-2 GB/s on one CPU core, is not priced: it pays
-        where the links are slower than that; BatchNorm buffers, sent as float32, are counted as packed)."""
+        where the links are slower than that; BatchNorm buffers, sent as float32, are counted as packed).
+
+        With [ps] node_aggregation each relayed group (relays.py) pushes and pulls one copy of the weights
+        over the PS's links per wave, and its stages' traffic to and from the relay crosses their node's
+        inside link: the PsNetwork's loopback, else the link between two GPUs of the node (`link`, else
+        [network] intra_node_gbps)."""
         wire = WIRE_BYTES_PER_VALUE[config.ps.wire_dtype] / WIRE_BYTES_PER_VALUE["float32"]
         if network is not None and wire != 1.0:
             network = dataclasses.replace(
@@ -108,18 +117,71 @@ class _Prediction:
                 egress_gbps={k: v / wire for k, v in network.egress_gbps.items()},
                 inside_gbps={k: v / wire for k, v in network.inside_gbps.items()},
             )
-        return cls(waves, ps_gbps / wire, config.ps.shards, network, rates, link, wire)
+        inside = {}
+        if config.ps.node_aggregation:
+            for node in config.nodes:
+                gbps = link(f"{node.name}:0", f"{node.name}:1") if link else config.network.intra_node_gbps
+                inside[node.name] = gbps / wire
+        return cls(
+            waves,
+            ps_gbps / wire,
+            config.ps.shards,
+            network,
+            rates,
+            link,
+            wire,
+            config.ps.node_aggregation,
+            inside,
+        )
 
     @property
     def ps_bytes_per_s(self) -> float:
         """All shards' links together, in float32 bytes of weights per second."""
         return self.ps_gbps * self.shards * 1e9 / 8
 
-    def ps_figures(self, utilisation: float, link: str, float32_bytes: float, wave_s: float) -> PsFigures:
-        """What the report says of the PS: its links at their own Gbit/s, the bytes on the wire."""
+    def ps_figures(
+        self,
+        utilisation: float,
+        link: str,
+        float32_bytes: float,
+        wave_s: float,
+        plan: Plan | None = None,
+        relays: Sequence[Relay] = (),
+    ) -> PsFigures:
+        """What the report says of the PS: its links at their own Gbit/s, the bytes on the wire (with node
+        aggregation, a relayed group's once over the PS's links, and each relay's over its node's inside
+        link)."""
+        if not relays or plan is None:
+            return PsFigures(
+                self.ps_gbps * self.wire, self.shards, utilisation, link, float32_bytes * self.wire, wave_s
+            )
+        per_pass = 2 if _pulls(plan) else 1
+        inside = tuple(sum(plan.vws[v].param_bytes for v in r.vws) * per_pass * self.wire for r in relays)
         return PsFigures(
-            self.ps_gbps * self.wire, self.shards, utilisation, link, float32_bytes * self.wire, wave_s
+            self.ps_gbps * self.wire,
+            self.shards,
+            utilisation,
+            link,
+            float32_bytes * self.wire,
+            wave_s,
+            tuple(relays),
+            inside,
         )
+
+    def relays(self, plan: Plan) -> tuple[Relay, ...]:
+        """The plan's relayed groups under [ps] node_aggregation (none when it is off), each with its node's
+        inside link as weights see it."""
+        if not self.node_aggregation:
+            return ()
+        network = self.network
+        inside = network.inside_gbps if network is not None else self.inside_gbps
+        return plan_relays([vw.gpus for vw in plan.vws], True, lambda node: inside.get(node, float("inf")))
+
+    def relayed(self, relays: Sequence[Relay]) -> tuple[Relayed, ...]:
+        """The relays for the steady-state model of a plan's VWs one by one (kind v = VW v); a PsNetwork's
+        links are capped by the PS's rate, as the simulator caps them."""
+        cap = self.ps_bytes_per_s if self.network is not None else float("inf")
+        return tuple(Relayed(r.vws, min(cap, r.inside_gbps * 1e9 / 8)) for r in relays)
 
 
 def plan_candidates(
@@ -294,12 +356,14 @@ def _layer_nodes(vw: VwPlan) -> tuple[str, ...]:
 def _predict(plan: Plan, notes: tuple[str, ...], how: _Prediction) -> Candidate:
     """Simulate `how.waves` waves; the prediction is the long run: every VW at the slowest VW's steady wave
     time (WSP keeps any VW within D + 1 waves of the slowest), fill and drain left out."""
+    relays = how.relays(plan)
     result = simulate(
         plan,
         waves=how.waves,
         ps_gbps=how.ps_gbps,
         ps_shards=how.shards,
         network=how.network,
+        relays=relays,
     )
     # The simulated gaps can come out under what the long run allows (analytic.least_wave_s): while the
     # first waves' queue on the PS link drains, the gaps grow for a few waves (3% on uneven-14gpu.toml's
@@ -310,6 +374,7 @@ def _predict(plan: Plan, notes: tuple[str, ...], how: _Prediction) -> Candidate:
         plan.recompute,
         _pulls(plan),
         how.ps_bytes_per_s,
+        how.relayed(relays),
     )
     per_wave = max(max(r.wave_s for r in result.vws), floor)
     samples = sum(vw.nm * vw.batch(plan.batch_size) for vw in plan.vws)  # one wave of every VW
@@ -324,8 +389,8 @@ def _predict(plan: Plan, notes: tuple[str, ...], how: _Prediction) -> Candidate:
     bottleneck = slowest_stage_text(plan.vws[slow], slow, "vw")
     if result.ps_utilisation > 0.9:
         bottleneck = f"PS link ({result.ps_utilisation:.0%} busy); then {bottleneck}"
-    moved = sum(vw.param_bytes for vw in plan.vws) * (2 if _pulls(plan) else 1)
-    ps = how.ps_figures(result.ps_utilisation, result.ps_link, moved, per_wave)
+    moved = ps_bytes_per_wave(plan.vws, relays, _pulls(plan))
+    ps = how.ps_figures(result.ps_utilisation, result.ps_link, moved, per_wave, plan, relays)
     bounds = plan_bounds(plan, steady, how.rates, notes, ps, how.link) if how.link and how.rates else ()
     return Candidate(
         plan.policy,
@@ -341,6 +406,8 @@ def _predict(plan: Plan, notes: tuple[str, ...], how: _Prediction) -> Candidate:
         run_samples_per_s=result.samples_per_s,
         schedule=plan.schedule,
         bounds=bounds,
+        node_aggregation=how.node_aggregation,
+        relayed=tuple(r.vws for r in relays),
     )
 
 

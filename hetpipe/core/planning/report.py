@@ -13,6 +13,8 @@ from hetpipe.core.planning.candidates import ALLREDUCE, D_TOLERANCE, SYNC_PIPELI
 from hetpipe.core.planning.memory import format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import Plan, VwPlan
+from hetpipe.core.planning.relays import relay_text
+from hetpipe.core.wsp.groups import group_node
 
 __all__ = [
     "D_COLUMN",
@@ -147,7 +149,15 @@ def format_plan(candidate: Candidate, *, fold_alike: bool = False) -> str:
             )
     lines += [f"  note: {note}" for note in candidate.notes]
     lines += [f"  bound: {bound}" for bound in candidate.bounds]
+    lines += [f"  {line}" for line in _relay_lines(candidate)]
     return "\n".join(lines)
+
+
+def _relay_lines(c: Candidate) -> list[str]:
+    """The line "node aggregation: ..." when the candidate's prediction assumes [ps] node_aggregation."""
+    if not c.node_aggregation or c.plan is None:
+        return []
+    return [f"node aggregation: {relay_text(c.relayed, [vw.gpus for vw in c.plan.vws])}"]
 
 
 def _alike_runs(plan: Plan, fold: bool) -> list[tuple[int, list[VwPlan]]]:
@@ -248,6 +258,7 @@ def explain(candidates: Sequence[Candidate]) -> str:
         f"{_of_capacity(top)}{_target_text(top)}; bottleneck {top.bottleneck}",
         f"    memory per GPU: {_memory_per_gpu(top)}",
         *(f"    bound: {bound}" for bound in top.bounds),
+        *(f"    {line}" for line in _relay_lines(top)),
     ]
     for c in candidates:
         if c is top:
@@ -264,6 +275,7 @@ def explain(candidates: Sequence[Candidate]) -> str:
         lines.append(f"    memory per GPU: {_memory_per_gpu(c)}")
         lines += [f"    note: {note}" for note in c.notes]
         lines += [f"    bound: {bound}" for bound in c.bounds]
+        lines += [f"    {line}" for line in _relay_lines(c)]
     return "\n".join(lines)
 
 
@@ -438,8 +450,18 @@ def candidates_json(
                 "capacity_samples_per_s": c.capacity,
                 "capacity_share": c.capacity_share,
                 "bounds": list(c.bounds),
+                "node_aggregation": c.node_aggregation,
+                "relayed": _relayed_json(c),
                 "memory": [dataclasses.asdict(u) for u in c.memory],
                 "plan": dataclasses.asdict(c.plan) if c.plan is not None else None,
             }
         )
     return {"best": top, "inputs": dict(inputs or {}), "candidates": rows}
+
+
+def _relayed_json(c: Candidate) -> list[dict[str, Any]]:
+    """Each relayed group of the candidate: its node and its VWs."""
+    if c.plan is None:
+        return []
+    gpus = [vw.gpus for vw in c.plan.vws]
+    return [{"node": group_node(gpus, group), "vws": list(group)} for group in c.relayed]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.pipeline.schedule import get_schedule
-from hetpipe.core.planning.analytic import WaveModel, upper_bound, wave_model
+from hetpipe.core.planning.analytic import Relayed, WaveModel, upper_bound, wave_model
 from hetpipe.core.planning.baselines import allreduce, baseline_bounds, sync_pipeline
 from hetpipe.core.planning.candidates import Candidate, gpu_uses, slowest_stage_text
 from hetpipe.core.planning.capacity import plan_bounds, standalone_rates
@@ -35,6 +35,7 @@ from hetpipe.core.planning.planner import (
 )
 from hetpipe.core.planning.profile import ModelProfile
 from hetpipe.core.planning.profile_sources import check_profiles
+from hetpipe.core.planning.relays import ps_bytes_per_wave
 from hetpipe.core.planning.search_shapes import Interner, Shape, kinds_of, shapes
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
@@ -222,7 +223,8 @@ def _visit(ctx: _Context, tally: _Tally, policy: str, schedule: str, recompute: 
     tally.shapes_seen += 1
     kinds = kinds_of(shape)
     pulls = needs_pulls(shape.k, ctx.aggregation)
-    bound = upper_bound(kinds, ctx.batch, schedule, recompute, pulls, ctx.ps_rate)
+    relays = _relayed(ctx.how, shape)
+    bound = upper_bound(kinds, ctx.batch, schedule, recompute, pulls, ctx.ps_rate, relays)
     for d in ctx.ds:
         tally.seq += 1
         if bound * WINDOW < tally.best_est:
@@ -235,14 +237,29 @@ def _visit(ctx: _Context, tally: _Tally, policy: str, schedule: str, recompute: 
                 cand = _candidate(search, policy, schedule, shape.grouping(), d, ctx.how)
                 tally.shown_infeasible.append((tally.seq, cand))
             continue
-        model = wave_model(kinds, ctx.batch, schedule, recompute, d, pulls, ctx.ps_rate)
-        floor = wave_model(kinds, ctx.batch, schedule, recompute, d, pulls, ctx.ps_rate, contention=1.0)
+        model = wave_model(kinds, ctx.batch, schedule, recompute, d, pulls, ctx.ps_rate, relays=relays)
+        floor = wave_model(
+            kinds, ctx.batch, schedule, recompute, d, pulls, ctx.ps_rate, contention=1.0, relays=relays
+        )
         tally.planned += 1
         tally.best_est = max(tally.best_est, floor.samples_per_s * (1 - FINAL_MARGIN))
         entry = _Entry(tally.seq, policy, schedule, shape, d, model, bound)
         heapq.heappush(tally.heap, (model.samples_per_s, -tally.seq, entry))
         if len(tally.heap) > ctx.top:
             heapq.heappop(tally.heap)
+
+
+def _relayed(how: _Prediction, shape: Shape) -> tuple[Relayed, ...]:
+    """The shape's relayed groups for the model, each VW as the index of its kind in the shape's kinds, alike
+    groups counted once (none unless [ps] node_aggregation)."""
+    if not how.node_aggregation:
+        return ()
+    index = {kind_id: i for i, (kind_id, _, _) in enumerate(shape.kinds)}
+    counted: dict[tuple[tuple[int, ...], float], int] = {}
+    for node, kinds in shape.groups().items():
+        key = (tuple(index[k] for k in kinds), how.inside_gbps.get(node, math.inf) * 1e9 / 8)
+        counted[key] = counted.get(key, 0) + 1
+    return tuple(Relayed(members, rate, n) for (members, rate), n in counted.items())
 
 
 def _finalists(entries: list[_Entry], best_est: float) -> set[int]:
@@ -374,8 +391,13 @@ def _modelled(search: GroupingSearch, e: _Entry, how: _Prediction) -> Candidate:
     if m.ps_utilisation > 0.9:
         bottleneck = f"PS link ({m.ps_utilisation:.0%} busy); then {bottleneck}"
     pulls = needs_pulls(len(sized), get_aggregation(config.ps.aggregation))
-    moved = sum(vw.param_bytes for vw in sized) * (2 if pulls else 1)
-    ps = how.ps_figures(m.ps_utilisation, "PS", moved, m.wave_s)
+    relays = how.relays(plan)
+    moved = ps_bytes_per_wave(sized, relays, pulls)
+    link = "PS"
+    if relays and m.inside_s > m.ps_s:  # a relay's node's inside link is the busiest
+        busiest = max(relays, key=lambda r: sum(sized[v].param_bytes for v in r.vws) / r.inside_gbps)
+        link = f"{busiest.node} loopback"
+    ps = how.ps_figures(m.ps_utilisation, link, moved, m.wave_s, plan, relays)
     notes = (*notes, MODEL_NOTE)
     bounds = plan_bounds(plan, m.samples_per_s, how.rates, notes, ps, how.link) if how.link else ()
     gate = max(m.gate_s - m.compute_s, 0.0) / m.wave_s if m.wave_s > 0 and not math.isinf(m.wave_s) else 0.0
@@ -393,4 +415,6 @@ def _modelled(search: GroupingSearch, e: _Entry, how: _Prediction) -> Candidate:
         run_samples_per_s=m.samples_per_s,
         schedule=e.schedule,
         bounds=bounds,
+        node_aggregation=how.node_aggregation,
+        relayed=tuple(r.vws for r in relays),
     )

@@ -16,6 +16,7 @@ from hetpipe.core.planning.groupings import Fitted, Grouping, GroupingSearch
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.per_vw_work import KEEP_FEWER, PerVwWork, work_text
 from hetpipe.core.planning.plan import VwPlan
+from hetpipe.core.planning.relays import home_node, node_kinds, prefix_ps_bytes
 from hetpipe.core.planning.wave_balance import TOLERANCE, WorkOption, _off
 
 __all__ = ["Interner", "Shape", "kinds_of", "shapes"]
@@ -53,12 +54,14 @@ class Interner:
 @dataclass(frozen=True)
 class Shape:
     """One grouping, lazily: its size, its VWs counted by kind (kind id, a VW of that kind, count), a key
-    (equal keys, equal sets of VWs) and how to build its VWs and notes."""
+    (equal keys, equal sets of VWs), how to build its VWs and notes, and its VWs that node aggregation would
+    relay: per node holding two or more wholly, their kind ids (relays.node_kinds)."""
 
     k: int
     kinds: tuple[tuple[int, VwPlan, int], ...]
     key: tuple[int, int]
     build: Callable[[], Grouping]
+    groups: Callable[[], dict[str, tuple[int, ...]]]
 
     def grouping(self) -> Grouping:
         """The VWs (in the policy's order) and the notes, as plan_candidates' groupings."""
@@ -96,9 +99,27 @@ def _common_shapes(
 
         return grouping
 
+    relayed: list[dict[str, tuple[int, ...]]] = []  # per prefix, once asked: node aggregation's groups
+
+    def groups(k: int) -> Callable[[], dict[str, tuple[int, ...]]]:
+        def of_prefix() -> dict[str, tuple[int, ...]]:
+            if not relayed:  # every prefix in one pass, each VW changing one node's group
+                by_node: dict[str, tuple[int, ...]] = {}
+                now: dict[str, tuple[int, ...]] = {}
+                for i in fastest:
+                    node = home_node(vws[i].gpus)
+                    if node is not None:
+                        by_node[node] = tuple(sorted((*by_node.get(node, ()), kind[i])))
+                        if len(by_node[node]) > 1:
+                            now = {**now, node: by_node[node]}
+                    relayed.append(now)
+            return relayed[k - 1]
+
+        return of_prefix
+
     for k in [n, *range(1, n)]:
         kinds, tag_k = prefixes[k]
-        yield Shape(k, kinds, (k, tag_k), build(k))
+        yield Shape(k, kinds, (k, tag_k), build(k), groups(k))
 
 
 def shapes(
@@ -147,8 +168,12 @@ def _work_shapes(
         counts[kind_key[i]] = counts.get(kind_key[i], 0) + 1
     cache: dict = {}
     found: list[tuple[int, _Choice]] = []
+    homes = [home_node(vw.gpus) for vw in vws] if work.node_aggregation else []
+    # with node aggregation the PS's seconds depend on which nodes the fastest n VWs share
+    one_pass = prefix_ps_bytes([vws[i] for i in fastest]) if work.node_aggregation else []
     for n in range(len(vws), 0, -1):
-        chosen = _balance_kinds(work, dict(counts), rep_of, fitted, cache)
+        ps_s = work.relayed_ps_s(one_pass[n - 1], n) if work.node_aggregation else None
+        chosen = _balance_kinds(work, dict(counts), rep_of, fitted, cache, ps_s)
         if chosen is not None:
             found.append((n, chosen))
         gone = kind_key[fastest[n - 1]]  # the slowest of the n leaves for n - 1
@@ -166,6 +191,7 @@ def _work_shapes(
         counts: dict[int, int] = {}
         reps: dict[int, VwPlan] = {}
         tag = 0
+        each: list[tuple[int, str | None]] = []
         for i in kept:
             key = (kind_key[i], chosen.option[kind_key[i]])
             if key not in at:
@@ -175,8 +201,17 @@ def _work_shapes(
             counts[kind] = counts.get(kind, 0) + 1
             reps.setdefault(kind, plan)
             tag = (tag + interner.tag(vws[i].gpus, kind)) % 2**64
+            if homes:
+                each.append((kind, homes[i]))
         kinds = tuple((c, reps[c], counts[c]) for c in sorted(counts))
-        yield Shape(n, kinds, (n, tag), _work_builder(search, work, fitted, vws, kind_key, kept, chosen))
+        groups = node_kinds(each)
+        yield Shape(
+            n,
+            kinds,
+            (n, tag),
+            _work_builder(search, work, fitted, vws, kind_key, kept, chosen),
+            lambda groups=groups: groups,
+        )
 
 
 def _work_builder(
@@ -221,11 +256,17 @@ class _Choice:
 
 
 def _balance_kinds(
-    work: PerVwWork, counts: dict[int, int], rep_of: dict[int, VwPlan], fitted: Fitted, cache: dict
+    work: PerVwWork,
+    counts: dict[int, int],
+    rep_of: dict[int, VwPlan],
+    fitted: Fitted,
+    cache: dict,
+    ps_s: float | None = None,
 ) -> _Choice | None:
     """wave_balance.balance over VWs counted by kind (`counts`: kind id -> VWs; rep_of: a VW of each kind):
     the same choice, one option per kind, scored with numpy over the candidate wave times; ladders and the
-    options each wave time picks are cached in `cache` per kind and per set of kinds."""
+    options each wave time picks are cached in `cache` per kind and per set of kinds. `ps_s`: the PS's
+    seconds per wave when the kinds do not tell it (node aggregation: PerVwWork.ps_s of the VWs)."""
     from hetpipe.core.planning.wave_balance import _Ladder
 
     n_vws = sum(counts.values())
@@ -253,9 +294,12 @@ def _balance_kinds(
         cache[table_key] = (picks, samples, waves.max(axis=1), offs)
     picks, samples, wave, offs = cache[table_key]
     n = np.array([counts[k] for k in keys_list], dtype=np.float64)
-    ps_s = (
-        sum(counts[k] * rep_of[k].param_bytes for k in keys_list) * (2 if pulls else 1) / work.ps_bytes_per_s
-    )
+    if ps_s is None:
+        ps_s = (
+            sum(counts[k] * rep_of[k].param_bytes for k in keys_list)
+            * (2 if pulls else 1)
+            / work.ps_bytes_per_s
+        )
     total = samples @ n
     span = np.maximum(wave, ps_s)
     rate = np.where(span > 0, total / np.where(span > 0, span, 1.0), np.inf)

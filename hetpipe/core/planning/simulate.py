@@ -21,6 +21,7 @@ from hetpipe.core.pipeline.schedule import (
 )
 from hetpipe.core.pipeline.schedule import simulate as simulate_schedule
 from hetpipe.core.planning.plan import Plan, VwPlan
+from hetpipe.core.planning.relays import Relay
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, get_aggregation, needs_pulls
 from hetpipe.core.wsp.clock import gate_version
 
@@ -91,6 +92,7 @@ class SimResult:
     gates: tuple[GateRecord, ...]
     events: tuple[SimEvent, ...]
     ps_link: str = ""  # the busiest link's name: "PS" (one link for all), or a PsNetwork's ("n1 egress")
+    link_bytes: tuple[tuple[str, float], ...] = ()  # the bytes each link carried over the run, by name
 
 
 @dataclass(frozen=True)
@@ -199,9 +201,11 @@ class _Link:
         self.bytes_per_s = bytes_per_s
         self.free_at = 0.0
         self.busy_s = 0.0
+        self.moved = 0.0
 
     def transfer(self, now: float, nbytes: float) -> float:
         """Queue `nbytes` at `now`; the time they have arrived."""
+        self.moved += nbytes
         if nbytes == 0 or math.isinf(self.bytes_per_s):
             return now
         start = max(now, self.free_at)
@@ -276,6 +280,29 @@ class _Links:
             parts = [("PS", math.inf, nbytes)]
         else:
             parts = self.network.parts(vw.gpus[j], vw.starts[j], vw.stops[j], nbytes, push)
+        return self._send(parts, now)
+
+    def hop(self, vw: _Vw, j: int, relay: Relay, push: bool, now: float) -> float:
+        """Queue stage j's push to (else pull from) its node's relay at `now` over the node's inside link: the
+        PsNetwork's loopback (capped as its other links), else `relay.inside_gbps` (the relay is no PS shard:
+        not capped by the PS's rate); the time it has arrived."""
+        nbytes = vw.param_bytes[j]
+        if self.network is None:
+            name = f"{relay.node} loopback"
+            if name not in self.by_name:
+                self.by_name[name] = _Link(relay.inside_gbps * 1e9 / 8)
+            return self.by_name[name].transfer(now, nbytes)
+        return self._send([(*self.network.route(vw.gpus[j], push, relay.node), nbytes)], now)
+
+    def upstream(self, relay: Relay, nbytes: float, push: bool, now: float) -> float:
+        """Queue a relay's push (else pull) of the whole model's `nbytes` at `now`, over the links a GPU of
+        its node crosses to the shards (the one PS link without a PsNetwork); when every part has arrived."""
+        if self.network is None:
+            return self._send([("PS", math.inf, nbytes)], now)
+        layers = len(self.network.layer_nodes)
+        return self._send(self.network.parts(f"{relay.node}:relay", 0, layers, nbytes, push), now)
+
+    def _send(self, parts: Sequence[tuple[str, float, float]], now: float) -> float:
         end = now
         for name, gbps, part in parts:
             if name not in self.by_name:
@@ -291,11 +318,39 @@ class _Links:
         """The busiest link's name ("PS" without a PsNetwork, else e.g. "n1 egress"); "" when none is used."""
         return max(self.by_name, key=lambda name: self.by_name[name].busy_s, default="")
 
+    def moved(self) -> tuple[tuple[str, float], ...]:
+        """The bytes each link carried, by name."""
+        return tuple((name, link.moved) for name, link in self.by_name.items())
+
+
+class _Relay:
+    """Run state of a relay: its group's stage pushes that reached it per wave, the waves it has pushed
+    upstream, and per wave when it asked for the pull and when the reply reached it."""
+
+    def __init__(self, relay: Relay, vws: Sequence[_Vw], waves: int) -> None:
+        self.relay = relay
+        self.vws = vws
+        self.stages = sum(vw.k for vw in vws)
+        self.nbytes = max(sum(vw.param_bytes) for vw in vws)  # one VW's weights: the whole model's
+        self.arrived: list[list[float]] = [[] for _ in range(waves)]
+        self.sent = 0
+        self.asked: dict[int, float] = {}
+        self.replied: dict[int, float] = {}
+
+    def ready(self, now: float) -> bool:
+        """Whether every stage of the group has pushed the next wave to send to the relay by `now`."""
+        if self.sent >= len(self.arrived):
+            return False
+        arrived = self.arrived[self.sent]
+        return len(arrived) == self.stages and max(arrived) <= now
+
 
 class _Run:
     """All virtual workers on one clock and one set of PS links, so the D bound couples them."""
 
-    def __init__(self, plan: Plan, waves: int, links: _Links, pulls: bool) -> None:
+    def __init__(
+        self, plan: Plan, waves: int, links: _Links, pulls: bool, relays: Sequence[Relay] = ()
+    ) -> None:
         self.staleness = plan.staleness
         self.vws = [_Vw(vw, waves, plan.staleness, plan.schedule, plan.recompute) for vw in plan.vws]
         self.links = links
@@ -303,6 +358,9 @@ class _Run:
         self.events: list[SimEvent] = []
         self.gates: list[GateRecord] = []
         self.upcoming: list[float] = []
+        self.relays = [_Relay(r, [self.vws[v] for v in r.vws], waves) for r in relays]
+        self.relay_of = {v: state for state in self.relays for v in state.relay.vws}
+        self.last_landed = 0.0  # the last relay push's arrival upstream
 
     def ready(self, i: int, j: int, action: Action, now: float) -> bool:
         vw = self.vws[i]
@@ -331,11 +389,15 @@ class _Run:
         if not any(pending for vw in self.vws for pending in vw.pull_pending):
             return
         c_global = self.c_global(now)
-        for vw in self.vws:
+        for i, vw in enumerate(self.vws):
+            relay = self.relay_of.get(i)
             for j in range(vw.k):
                 pending = vw.pull_pending[j]
                 for wave in list(pending):
                     if vw.pull_handed[j][wave] <= now and c_global >= gate_version(wave, self.staleness):
+                        if relay is not None:
+                            self.serve_relayed(vw, j, wave, relay, now)
+                            continue
                         pending.remove(wave)
                         arrived = self.links.transfer(vw, j, push=False, now=now)
                         vw.pull_arrived[j][wave] = arrived
@@ -343,10 +405,45 @@ class _Run:
                         if arrived > now:
                             heapq.heappush(self.upcoming, arrived)
 
+    def serve_relayed(self, vw: _Vw, j: int, wave: int, relay: _Relay, now: float) -> None:
+        """A relayed stage's pull whose gate is open: the relay's one pull of the wave goes upstream at the
+        first of its stages' asking; once its reply has reached the relay, the stage's part crosses the node's
+        inside link."""
+        if wave not in relay.replied:
+            relay.asked[wave] = now
+            relay.replied[wave] = self.links.upstream(relay.relay, relay.nbytes, push=False, now=now)
+            if relay.replied[wave] > now:
+                heapq.heappush(self.upcoming, relay.replied[wave])
+        if relay.replied[wave] > now:
+            return
+        vw.pull_pending[j].remove(wave)
+        arrived = self.links.hop(vw, j, relay.relay, push=False, now=now)
+        vw.pull_arrived[j][wave] = arrived
+        vw.pull_s += arrived - max(relay.asked[wave], vw.pull_handed[j][wave])
+        if arrived > now:
+            heapq.heappush(self.upcoming, arrived)
+
+    def serve_relays(self, now: float) -> None:
+        """Each relay pushes wave c upstream once every stage of its group has pushed c to it, in wave order;
+        every VW of the group has completed c when that push has arrived."""
+        for relay in self.relays:
+            while relay.ready(now):
+                landed = self.links.upstream(relay.relay, relay.nbytes, push=True, now=now)
+                for vw in relay.vws:
+                    vw.push_landed[relay.sent] = [landed] * vw.k
+                relay.sent += 1
+                self.last_landed = max(self.last_landed, landed)
+                if landed > now:
+                    heapq.heappush(self.upcoming, landed)
+
     def start(self, i: int, j: int, action: Action, now: float) -> None:
         vw = self.vws[i]
         end = free = now
-        if action.kind == PUSH:  # handed to the PS agent: the stage goes on at once
+        if action.kind == PUSH and i in self.relay_of:  # to the node's relay, which pushes for the group
+            end = self.links.hop(vw, j, self.relay_of[i].relay, push=True, now=now)
+            self.relay_of[i].arrived[action.index].append(end)
+            vw.pushed[j] = action.index + 1
+        elif action.kind == PUSH:  # handed to the PS agent: the stage goes on at once
             end = self.links.transfer(vw, j, push=True, now=now)  # the event spans the transfer
             vw.push_landed[action.index].append(end)
             vw.pushed[j] = action.index + 1
@@ -371,6 +468,7 @@ class _Run:
         progressed = True
         while progressed:
             progressed = False
+            self.serve_relays(now)
             self.serve_pulls(now)
             for i, vw in enumerate(self.vws):
                 for j, actions in enumerate(vw.schedule.stages):
@@ -384,7 +482,7 @@ class _Run:
     def finished_all(self) -> bool:
         return all(
             vw.position[j] == len(actions) for vw in self.vws for j, actions in enumerate(vw.schedule.stages)
-        )
+        ) and all(relay.sent == len(relay.arrived) for relay in self.relays)
 
     def run(self) -> None:
         now = 0.0
@@ -408,6 +506,7 @@ def simulate(
     ps_gbps: float,
     ps_shards: int = 1,
     network: PsNetwork | None = None,
+    relays: Sequence[Relay] = (),
 ) -> SimResult:
     """Run every VW of `plan` for `waves` waves of its schedule under WSP with D = plan.staleness.
 
@@ -422,6 +521,12 @@ def simulate(
     (math.inf: free). With a `network`, each transfer instead queues on the node link it crosses
     (PsNetwork.route), at the lesser of that link's rate and the PS's; ps_utilisation is then the busiest
     link's. The run ends when the last push has arrived.
+
+    `relays` ([ps] node_aggregation: hetpipe.core.planning.relays): a relayed group's stages push to and pull
+    from their node's relay over the node's inside link (Relay.inside_gbps, or the PsNetwork's loopback); the
+    relay pushes the whole model's weights (one VW's) upstream once every stage of the group has pushed the
+    wave to it, and each VW of the group has completed the wave when that push has arrived; it pulls once per
+    wave, when the first of its stages asks and the gate is open, and hands the reply to each stage.
     """
     if waves < 1:
         raise UsageError(f"waves must be >= 1, got {waves}")
@@ -431,15 +536,16 @@ def simulate(
         raise UsageError(f"ps_shards must be >= 1, got {ps_shards}")
     if not plan.vws:
         raise UsageError("the plan has no virtual workers; allocate GPUs to at least one")
+    _check_relays(relays, len(plan.vws))
     links = _Links(ps_gbps * ps_shards * 1e9 / 8, network)
     rule = get_aggregation(plan.aggregation or DEFAULT_AGGREGATION)  # "": a plan file from before, as "sum"
-    run = _Run(plan, waves, links, pulls=needs_pulls(len(plan.vws), rule))
+    run = _Run(plan, waves, links, pulls=needs_pulls(len(plan.vws), rule), relays=relays)
     run.run()
-    makespan = max(e.end for e in run.events)
+    makespan = max(max(e.end for e in run.events), run.last_landed)
     results = []
     for i, vw in enumerate(run.vws):
         done = vw.wave_done_s()
-        finish = max(e.end for e in run.events if e.vw == i)
+        finish = max(max(e.end for e in run.events if e.vw == i), max(done))
         wave_s = _steady_wave_s(done)
         samples = vw.plan.batch(plan.batch_size) * vw.schedule.num_minibatches
         results.append(VwResult(done, wave_s, samples / finish, finish, vw.gate_wait_s, vw.pull_s))
@@ -452,7 +558,18 @@ def simulate(
         gates=tuple(run.gates),
         events=tuple(run.events),
         ps_link=links.busiest(),
+        link_bytes=links.moved(),
     )
+
+
+def _check_relays(relays: Sequence[Relay], num_vws: int) -> None:
+    """Each relayed VW is one of the plan's, in one group only."""
+    seen = [v for relay in relays for v in relay.vws]
+    if len(set(seen)) != len(seen) or any(not 0 <= v < num_vws for v in seen):
+        raise UsageError(
+            f"relays {[relay.vws for relay in relays]} must name each of the plan's {num_vws} VWs at most "
+            "once; build them with hetpipe.core.planning.relays.plan_relays from the same plan"
+        )
 
 
 def _steady_wave_s(done: Sequence[float]) -> float:
