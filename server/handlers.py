@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hetpipe.core.protocol import wire
 from hetpipe.core.wsp.state import WspError
@@ -21,20 +21,14 @@ __all__ = ["REQUEST_HANDLERS", "STAGE_REQUESTS", "Handler"]
 Handler = Callable[["ShardServer", bytes, wire.Message], None]  # (shard, the connection's identity, request)
 
 
-def register_stage(shard: ShardServer, identity: bytes, msg: wire.Message) -> None:
-    """`register`: a stage's keys with their initial values (the first registration of a key sets W_0)."""
+def admit_registration(shard: ShardServer, identity: bytes, msg: wire.Message) -> dict[str, Any]:
+    """A `register` request's checks and its record in the state (a shard's, or a node relay's), the
+    connection noted as the stage's and its heartbeat clock started; returns the stage's W_0 values."""
     f = msg.fields
     sid = (f["vw"], f["stage"])
-    owner = shard.identities.get(sid)
-    if owner is not None and owner != identity:
-        raise WspError(
-            "conflict", f"vw {sid[0]} stage {sid[1]} is already registered from another connection"
-        )
     check_finite(msg, f"register of vw {sid[0]} stage {sid[1]}")
     kinds = {**dict.fromkeys(f["buffers"], "buffer"), **dict.fromkeys(f["ledgers"], "ledger")}
-    state = shard.state
-    again = sid in state.stage_keys
-    values = state.register(
+    values = shard.state.register(
         f["vw"],
         f["stage"],
         f["num_vws"],
@@ -48,6 +42,21 @@ def register_stage(shard: ShardServer, identity: bytes, msg: wire.Message) -> No
     )
     shard.identities[sid] = identity
     shard.beats[sid] = (time.monotonic(), shard.beats.get(sid, (0.0, 0))[1])
+    return values
+
+
+def register_stage(shard: ShardServer, identity: bytes, msg: wire.Message) -> None:
+    """`register`: a stage's keys with their initial values (the first registration of a key sets W_0)."""
+    f = msg.fields
+    sid = (f["vw"], f["stage"])
+    owner = shard.identities.get(sid)
+    if owner is not None and owner != identity:
+        raise WspError(
+            "conflict", f"vw {sid[0]} stage {sid[1]} is already registered from another connection"
+        )
+    state = shard.state
+    again = sid in state.stage_keys
+    values = admit_registration(shard, identity, msg)
     if again and owner is None:
         shard.say(f"vw {sid[0]} stage {sid[1]} registered again (it holds {state.pushed[sid]} of its waves)")
     tensors = values if f["want_weights"] else {}

@@ -19,8 +19,7 @@ import zmq
 from hetpipe.core.protocol import wire
 from hetpipe.core.wsp.relay import RelayState
 from hetpipe.core.wsp.results import WspError
-from hetpipe.server.admission import check_finite
-from hetpipe.server.handlers import REQUEST_HANDLERS
+from hetpipe.server.handlers import REQUEST_HANDLERS, admit_registration
 from hetpipe.server.pulls import answer_opened_pulls, refuse_parked
 from hetpipe.server.shard import ShardServer, ShardSettings
 from hetpipe.worker.ps_calls import Call
@@ -197,22 +196,7 @@ def _register(relay: RelayServer, identity: bytes, msg: wire.Message) -> None:
     """`register` at a relay: recorded at once, answered once the group is registered upstream."""
     f = msg.fields
     sid = (f["vw"], f["stage"])
-    check_finite(msg, f"register of vw {sid[0]} stage {sid[1]}")
-    kinds = {**dict.fromkeys(f["buffers"], "buffer"), **dict.fromkeys(f["ledgers"], "ledger")}
-    relay.state.register(
-        f["vw"],
-        f["stage"],
-        f["num_vws"],
-        f["num_stages"],
-        msg.tensors,
-        kinds,
-        f["num_waves"] or None,
-        f["start_wave"],
-        tuple(f["vw_weights"]),
-        tuple(f["members"]),
-    )
-    relay.identities[sid] = identity
-    relay.beats[sid] = (time.monotonic(), relay.beats.get(sid, (0.0, 0))[1])
+    admit_registration(relay, identity, msg)
     if relay.client is not None:
         relay._registered(identity, f["id"], sid, f["want_weights"])
         return

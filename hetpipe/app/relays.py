@@ -4,7 +4,6 @@ and the endpoints each VW's stages talk to."""
 
 from __future__ import annotations
 
-import queue as queue_mod
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 from hetpipe.compute.build import VwLayout, run_work
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
-from hetpipe.core.runs.procs import ChildFailed, ChildGroup
+from hetpipe.core.runs.procs import ChildGroup
 from hetpipe.core.wsp.groups import group_node, node_groups, relayed
 from hetpipe.core.wsp.work import sample_weights
 from hetpipe.server.jobs import shard_settings
@@ -89,12 +88,7 @@ def start_relays(
     for members in _groups(config, vws):
         mine = []
         for job in relay_jobs(config, vws, members, endpoints, [0] * len(endpoints)):
-            port_queue = group.ctx.Queue()
-            child = group.start(f"relay-{job.node}-{job.settings.shard}", serve_relay, job, port_queue)
-            try:
-                port = port_queue.get(timeout=60)
-            except queue_mod.Empty:
-                raise ChildFailed(child) from None
+            child, port = group.start_listening(f"relay-{job.node}-{job.settings.shard}", serve_relay, job)
             mine.append(job.settings.endpoint.rsplit(":", 1)[0] + f":{port}")
             children.append(child)
         for v in members:

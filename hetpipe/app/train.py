@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue as queue_mod
 import sys
 import time
 from collections.abc import Callable
@@ -149,12 +148,7 @@ def _start_ps(
         resume_clock=resume_clock,
     )
     for job in jobs:
-        port_queue = group.ctx.Queue()
-        child = group.start(f"ps-shard-{job.shard}", serve_job, job, port_queue)
-        try:
-            port = port_queue.get(timeout=60)
-        except queue_mod.Empty:
-            raise ChildFailed(child) from None
+        child, port = group.start_listening(f"ps-shard-{job.shard}", serve_job, job)
         endpoints.append(f"tcp://{config.shard_host(job.shard)}:{port}")
         placed.append(replace(job, port=port))
         children.append(child)

@@ -25,6 +25,7 @@ import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
+import queue
 import signal
 import socket
 import sys
@@ -257,6 +258,18 @@ class ChildGroup:
         child = Child(name, proc, log)
         self.children.append(child)
         return child
+
+    def start_listening(
+        self, name: str, target: Callable[..., Any], job: Any, timeout_s: float = 60
+    ) -> tuple[Child, int]:
+        """Start a server child `target(job, port_queue)` that puts the port it bound on the queue; returns it
+        and the port (ChildFailed when none comes within timeout_s)."""
+        port_queue = self.ctx.Queue()
+        child = self.start(name, target, job, port_queue)
+        try:
+            return child, port_queue.get(timeout=timeout_s)
+        except queue.Empty:
+            raise ChildFailed(child) from None
 
     def failed(self) -> Child | None:
         """A child that ended with a non-zero exit, if any: the first killed by a signal, else the first."""
