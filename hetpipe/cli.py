@@ -164,11 +164,11 @@ def relay(config_path: Path | None, settings: tuple[str, ...], node: str) -> Non
     """Run a node's relay for [ps] node_aggregation (one per shard, at ps.port + 50 + the node's index x
     shards + the shard): the node's VWs push and pull through it (docs/wsp.md#node-local-aggregation). Start
     it on that node after the PS, before its workers."""
+    from hetpipe.app.relay_server import serve_relay
     from hetpipe.app.relays import node_group, relay_jobs
     from hetpipe.compute.build import model_of, vw_layouts
     from hetpipe.core.errors import UsageError
     from hetpipe.core.runs.procs import ChildGroup
-    from hetpipe.server.relay import serve_relay
 
     config = _load(config_path, settings)
     if node not in [n.name for n in config.nodes]:

@@ -101,6 +101,20 @@ def test_the_relay_sums_its_group_in_vw_order_and_one_pull_serves_every_member()
     assert relay.pull(1, 0, 2).tensors.keys() == {"a"} and relay.pull(2, 1, 2).tensors.keys() == {"b"}
 
 
+def test_an_older_version_is_still_pulled_after_a_newer_one_came_first() -> None:
+    """At D = 1 a VW ahead pulls W_3 (its wave 5) before the other's pull of W_2 (wave 4) reaches the relay:
+    W_2 must still go upstream (a relay that took the oldest version held as its floor hung here)."""
+    relay = RelayState((0, 1), 1, MeanAggregation())
+    for vw in (0, 1):
+        relay.register(vw, 0, 2, 1, {"a": np.zeros(3, F32)}, None, 10, 4, ())
+    relay.receive(3, {"a": np.ones(3, F32)}, 4)
+    assert relay.gate_open(5) and relay.pull(1, 0, 5).version == 3
+    assert not relay.gate_open(4) and relay.wanted(4)
+    relay.receive(2, {"a": np.zeros(3, F32)}, 4)
+    assert relay.pull(0, 0, 4).version == 2
+    assert relay.oldest == 3 and not relay.wanted(4)  # forgotten once every stage passed it: never again
+
+
 def _two_nodes(tmp_path: Path, splits: list[tuple[int, ...]], on_node: list[str], extra: str = "") -> Path:
     """A run of VWs with `splits`, VW v wholly on node `on_node[v]` (n0 or n1), Nm and batch per VW."""
     used: dict[str, int] = {"n0": 0, "n1": 0}

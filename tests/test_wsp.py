@@ -368,7 +368,7 @@ def test_finished_sends_are_forgotten_between_pushes():
     for _ in range(5000):
         shard.lend("s0", lambda: True)
     shard.lend("s0", lambda: False)
-    assert len(shard._lent["s0"]) == 1  # only the send still in flight
+    assert len(shard.running.lent["s0"]) == 1  # only the send still in flight
 
 
 # ---- live virtual workers: eviction, rejoin, half waves, cut back for a resume -------------------------

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from hetpipe.app.relays import vw_endpoints
 from hetpipe.compute.build import VwLayout, model_of, vw_layouts
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError, UsageError
@@ -17,6 +16,7 @@ from hetpipe.core.pipeline.profile_window import ProfileWindow
 from hetpipe.core.planning.cluster import check_vw_index
 from hetpipe.core.protocol.keys import ClientKeys, client_keys, vw_user
 from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port
+from hetpipe.core.wsp.groups import relay_node
 from hetpipe.worker.jobs import StageJob, stage_jobs
 from hetpipe.worker.ps_client import PSClient, PSError
 from hetpipe.worker.stage import run_stage
@@ -57,7 +57,8 @@ def _endpoints(config: ClusterConfig, join: Path | None, vws: tuple[VwLayout, ..
     """Where VW `vw`'s stages push and pull: the shards, or its node's relays when node aggregation relays
     it (docs/wsp.md#node-local-aggregation)."""
     shards = _shard_endpoints(config, join)
-    return shards if join is not None else vw_endpoints(config, vws, vw, shards)
+    node = relay_node([lay.gpus for lay in vws], vw, config.ps.node_aggregation)
+    return shards if join is not None or node is None else config.relay_endpoints(node)
 
 
 def worker_jobs(

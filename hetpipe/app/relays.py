@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from hetpipe.app.relay_server import RelayJob, serve_relay
 from hetpipe.compute.build import VwLayout, run_work
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
@@ -15,9 +16,8 @@ from hetpipe.core.runs.procs import ChildGroup
 from hetpipe.core.wsp.groups import group_node, node_groups, relayed
 from hetpipe.core.wsp.work import sample_weights
 from hetpipe.server.jobs import shard_settings
-from hetpipe.server.relay import RelayJob, serve_relay
 
-__all__ = ["node_group", "relay_jobs", "start_relays", "vw_endpoints"]
+__all__ = ["node_group", "relay_jobs", "start_relays"]
 
 
 def _groups(config: ClusterConfig, vws: Sequence[VwLayout]) -> tuple[tuple[int, ...], ...]:
@@ -67,15 +67,6 @@ def relay_jobs(
             )
         )
     return jobs
-
-
-def vw_endpoints(config: ClusterConfig, vws: Sequence[VwLayout], vw: int, shards: list[str]) -> list[str]:
-    """Where VW `vw`'s stages find the PS on a multi-machine run: its node's relays (config.relay_endpoints)
-    when it is relayed, else the shards."""
-    for members in _groups(config, vws):
-        if vw in members:
-            return config.relay_endpoints(group_node([lay.gpus for lay in vws], members))
-    return shards
 
 
 def start_relays(

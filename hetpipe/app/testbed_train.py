@@ -124,6 +124,26 @@ def _relay_nodes(config: ClusterConfig, vws: Sequence[VwLayout]) -> list[str]:
     return [group_node(gpus, members) for members in groups]
 
 
+def _start_relays(
+    commands: _Commands,
+    config: ClusterConfig,
+    vws: Sequence[VwLayout],
+    config_path: Path,
+    topology: Topology,
+    lines: list[str],
+) -> list[_Command]:
+    """`hetpipe relay --node N` in the namespace of each node that runs one, once it listens."""
+    relays = []
+    for node in _relay_nodes(config, vws):
+        argv = _hetpipe("relay", "--config", str(config_path), "--node", node)
+        log = config_path.parent / "logs" / f"relay-{node}.log"
+        relay = commands.start(f"hetpipe relay --node {node}", netns_argv(topology, node, argv), log)
+        _wait_listening(commands, relay, config.ps.shards, timeout_s=120)
+        relays.append(relay)
+        lines.append(f"{node} ({topology.node(node).address}): {' '.join(argv[1:])}")
+    return relays
+
+
 def train_in_testbed(
     config: ClusterConfig,
     topology: Topology,
@@ -161,18 +181,7 @@ def train_in_testbed(
             lines.append(f"{node} ({topology.node(node).address}): {' '.join(argv[1:])}")
         for server in servers:
             _wait_listening(commands, server, 1 if len(servers) > 1 else config.ps.shards, timeout_s=120)
-        relays = []
-        for node in _relay_nodes(config, vws):  # node aggregation's, each in its node's namespace
-            argv = _hetpipe("relay", "--config", str(config_path), "--node", node)
-            relay = commands.start(
-                f"hetpipe relay --node {node}",
-                netns_argv(topology, node, argv),
-                run_dir / "logs" / f"relay-{node}.log",
-            )
-            _wait_listening(commands, relay, config.ps.shards, timeout_s=120)
-            relays.append(relay)
-            lines.append(f"{node} ({topology.node(node).address}): {' '.join(argv[1:])}")
-        servers += relays
+        servers += _start_relays(commands, config, vws, config_path, topology, lines)
         before = egress_bytes(topology)
         started = time.monotonic()
         workers = []

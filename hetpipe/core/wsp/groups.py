@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["group_node", "node_groups", "relayed"]
+__all__ = ["group_node", "node_groups", "relay_node", "relayed"]
 
 
 def _node(gpu: str) -> str:
@@ -46,3 +46,11 @@ def relayed(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
 def group_node(vw_gpus: Sequence[Sequence[str]], group: Sequence[int]) -> str:
     """The node a relayed group's VWs sit on (where its relay runs)."""
     return _node(vw_gpus[group[0]][0])
+
+
+def relay_node(vw_gpus: Sequence[Sequence[str]], vw: int, on: bool) -> str | None:
+    """The node whose relay VW `vw` pushes and pulls through, or None when it talks to the PS itself."""
+    for group in relayed(node_groups(vw_gpus, on)):
+        if vw in group:
+            return group_node(vw_gpus, group)
+    return None

@@ -28,10 +28,10 @@ class Membership:
         """The VW whose pushes carry VW `vw`'s updates: its group's first VW, or itself."""
         return self.leaders.get(vw, vw)
 
-    def relays(self, vw: int) -> bool:
-        """Whether VW `vw`'s pushes come from a relay: its group's sum, each member's part already times its
-        weight by samples."""
-        return self.leaders.get(vw) == vw
+    def push_weight(self, vw: int) -> int:
+        """What VW `vw`'s pushes are multiplied by where the rule weighs a key: its weight, or 1 for a relay's
+        (its group's sum, each member's part already times its weight)."""
+        return 1 if self.leaders.get(vw) == vw else self.weight(vw)
 
     def join_group(self, leader: int, members: list[int]) -> None:
         """Record a relay's group (its first VW `leader` and every member); refused when a member belongs to

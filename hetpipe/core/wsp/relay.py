@@ -2,7 +2,7 @@
 the node's group register, push and pull here as with a shard; the relay adds each wave's pushes in VW order
 (each times its VW's weight by samples where the rule weighs the key), hands the group's sum upstream once
 every member VW completed the wave, and answers every local pull of W_t from the one copy it pulled.
-Pure: no sockets (hetpipe.server.relay moves the bytes).
+Pure: no sockets (hetpipe.app.relay_server moves the bytes).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class RelayState:
         self.completed = 0  # waves every member completed here
         self.start = 0  # the wave the member stages start at (> 0: a resumed run)
         self.versions: dict[int, dict[str, np.ndarray]] = {}  # W_t pulled from upstream
+        self.oldest = 0  # versions before this are forgotten: no member stage pulls them again
         self.upstream_c_global = 0
 
     # ---- what the shard's handlers read -----------------------------------------------------------
@@ -205,9 +206,10 @@ class RelayState:
         return gate_version(wave, self.staleness) in self.versions
 
     def wanted(self, wave: int) -> bool:
-        """Whether a pull of `wave` must go upstream: its version is neither here nor pulled before."""
+        """Whether a pull of `wave` must go upstream: its version is not here and not forgotten (versions
+        arrive in any order: a VW ahead by D may have its newer one pulled first)."""
         target = gate_version(wave, self.staleness)
-        return target not in self.versions and target >= min(self.versions, default=0)
+        return target not in self.versions and target >= self.oldest
 
     def receive(self, version: int, tensors: Mapping[str, np.ndarray], c_global: int) -> None:
         """Keep W_`version` as upstream sent it, for every member's pull of it."""
@@ -228,8 +230,8 @@ class RelayState:
 
     def _forget(self) -> None:
         """Drop the versions no member stage will pull again (each pulls its waves in order)."""
-        oldest = gate_version(min(self.pulled.values()) + 1, self.staleness)
-        for t in [t for t in self.versions if t < oldest]:
+        self.oldest = max(self.oldest, gate_version(min(self.pulled.values()) + 1, self.staleness))
+        for t in [t for t in self.versions if t < self.oldest]:
             del self.versions[t]
 
     def read(self) -> PullResult:

@@ -62,9 +62,7 @@ class ShardState:
         self.pulled: dict[StageId, int] = {}  # highest wave pulled (first_pulled_wave - 1 before any)
         self.membership = Membership()  # the run's VWs and the waves each contributes
         self.registrations = Registrations(self.membership)  # stages, keys, kinds, W_0
-        self.exact = ExactVersions(
-            {0: self.registrations.initial}, self.aggregation, staleness
-        )  # W_t, S_t (exact)
+        self.exact = ExactVersions({0: self.registrations.initial}, self.aggregation, staleness)  # W_t, S_t
         self.running = RunningWeights(self.aggregation, self.membership.weight)  # latest: running weights
 
     # ---- the parts' state, by the names the server and the tests read -------------------------------
@@ -99,10 +97,6 @@ class ShardState:
     def weights(self) -> dict[str, np.ndarray]:
         """Latest: the running weights (params and ledgers)."""
         return self.running.weights
-
-    @property
-    def _lent(self) -> dict[str, list[Callable[[], bool]]]:
-        return self.running.lent
 
     @property
     def version(self) -> int:
@@ -176,12 +170,11 @@ class ShardState:
         """Declare a stage's keys (first registration of a key sets its W_0) and their kinds (default
         "param"), the run's waves (None: unknown) and each VW's weight by samples (() for every VW 1);
         returns the PS's values. A stage registers again after a restart of the shard (nothing changes) or
-        of its VW (start_wave: where it rejoined). A node's relay registers as its group's first VW, stage 0,
-        naming the group's `members` (docs/wsp.md#node-local-aggregation)."""
+        of its VW (start_wave: where it rejoined); a node relay as its group's first VW, naming `members`."""
         if members and self.pull_mode != "exact":
-            raise WspError("bad_message", 'node-local aggregation needs exact pulls ([wsp] pull = "exact")')
-        admit = self.registrations.admit
-        new = admit(vw, stage, num_vws, num_stages, tensors, kinds, num_waves, start_wave, weights, members)
+            raise WspError("bad_message", 'node-local aggregation needs [wsp] pull = "exact"')
+        args = (num_vws, num_stages, tensors, kinds, num_waves, start_wave, weights, members)
+        new = self.registrations.admit(vw, stage, *args)
         initial = self.registrations.initial
         if self.pull_mode == "latest":
             for key in new:
@@ -197,8 +190,7 @@ class ShardState:
 
     # ---- clocks -------------------------------------------------------------------------------------
     def c_local(self, vw: int) -> int:
-        """Waves VW `vw` has completed on this shard: every one of its stages pushed them (a relayed VW's:
-        its relay, as its group's first VW)."""
+        """Waves VW `vw` has completed on this shard: every one of its stages (or its node's relay) pushed."""
         vw = self.membership.leader(vw)
         stages = self.registrations.num_stages.get(vw)
         if stages is None:
@@ -243,8 +235,7 @@ class ShardState:
         self.registrations.check_push(vw, stage, keys, tensors)
         completed = self.c_local(vw)
         if self.pull_mode == "exact":
-            weight = 1 if self.membership.relays(vw) else self.membership.weight(vw)  # a relay's: weighed
-            self.exact.add(wave, vw, tensors, self.kinds, weight)
+            self.exact.add(wave, vw, tensors, self.kinds, self.membership.push_weight(vw))
         else:
             self.running.hold(vw, wave, tensors)
         self.pushed[(vw, stage)] = done + 1

@@ -1,5 +1,6 @@
 """A node's relay for node-local aggregation (docs/wsp.md#node-local-aggregation): a shard to the stages of
-its group's VWs, and one client of its upstream shard. The group's sum of each wave goes upstream as one push
+its group's VWs (hetpipe.server's loop and handlers), and a client of its upstream shard (hetpipe.worker's),
+so it lives in the app layer above both. The group's sum of each wave goes upstream as one push
 (registered as the group's first VW, naming the members), and one upstream pull of W_t serves every member
 stage's pull of it. The WSP state is hetpipe.core.wsp.relay.RelayState; this module moves the bytes.
 
