@@ -168,7 +168,7 @@ def relay(config_path: Path | None, settings: tuple[str, ...], node: str) -> Non
     from hetpipe.app.relays import node_group, relay_jobs
     from hetpipe.compute.build import model_of, vw_layouts
     from hetpipe.core.errors import UsageError
-    from hetpipe.core.runs.procs import ChildGroup
+    from hetpipe.core.runs.procs import serve_each
 
     config = _load(config_path, settings)
     if node not in [n.name for n in config.nodes]:
@@ -178,18 +178,7 @@ def relay(config_path: Path | None, settings: tuple[str, ...], node: str) -> Non
     members = node_group(config, vws, node)
     ports = [int(e.rsplit(":", 1)[1]) for e in config.relay_endpoints(node)]
     jobs = relay_jobs(config, vws, members, config.ps_endpoints(), ports)
-    if len(jobs) == 1:
-        serve_relay(jobs[0])
-        return
-    group = ChildGroup()
-    try:
-        for job in jobs:
-            group.start(f"relay-{node}-{job.settings.shard}", serve_relay, job)
-        group.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        group.stop(grace_s=10.0)
+    serve_each(jobs, serve_relay, lambda job: f"relay-{node}-{job.settings.shard}", grace_s=10.0)
 
 
 @cli.command()

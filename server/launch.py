@@ -3,12 +3,11 @@ config's as owned children."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
-from hetpipe.core.runs.procs import ChildGroup
+from hetpipe.core.runs.procs import serve_each
 from hetpipe.server.jobs import ShardJob, shard_jobs, shard_keys
 from hetpipe.server.shard import ShardServer, ShardSettings
 
@@ -34,19 +33,13 @@ def serve_all(config: ClusterConfig) -> None:
             f'{config.path}: [ps] placement = "local" runs one shard on each node, and the nodes have '
             f"different hosts, so no one machine can serve them all: run {each}"
         )
-    jobs = shard_jobs(config)
-    if len(jobs) == 1:
-        serve_job(jobs[0])
-        return
-    group = ChildGroup()
-    try:
-        for job in jobs:
-            group.start(f"ps-shard-{job.shard}", serve_job, job)
-        group.wait()
-    except KeyboardInterrupt:
-        print("stopping the shards (they checkpoint first)...", file=sys.stderr)
-    finally:
-        group.stop(grace_s=30.0)
+    serve_each(
+        shard_jobs(config),
+        serve_job,
+        lambda job: f"ps-shard-{job.shard}",
+        grace_s=30.0,
+        on_interrupt="stopping the shards (they checkpoint first)...",
+    )
 
 
 def serve_settings(settings: ShardSettings, port_queue: Any = None) -> None:

@@ -187,12 +187,16 @@ class ShardServer:
                 self.doors.handle()
             if self.gate is not None and self.gate.zap in events:
                 self.gate.handle()
-            for _ in range(64):  # drain a burst, then look at the stop flag again
-                try:
-                    frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(frames)
+            self._drain(sock)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Handle the requests waiting on the ROUTER, a burst at most, then look at the stop flag again."""
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
 
     def _bind(self, sock: zmq.Socket) -> int:
         """Bind the endpoint (port 0: any free one) and return the port."""

@@ -86,12 +86,7 @@ class RelayServer(ShardServer):
             if self.doors.monitor in ready:
                 self.doors.handle()
             if sock in ready:
-                for _ in range(64):
-                    try:
-                        frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
+                self._drain(sock)
                 if self.client is not None:
                     self._upstream(now)
 

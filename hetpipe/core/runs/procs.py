@@ -313,3 +313,27 @@ class ChildGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def serve_each(
+    jobs: Sequence[Any],
+    target: Callable[[Any], None],
+    name: Callable[[Any], str],
+    grace_s: float,
+    on_interrupt: str = "",
+) -> None:
+    """Serve every job with `target`: a single one in this process, several as children stopped together
+    when one fails or on Ctrl-C (saying `on_interrupt` then)."""
+    if len(jobs) == 1:
+        target(jobs[0])
+        return
+    group = ChildGroup()
+    try:
+        for job in jobs:
+            group.start(name(job), target, job)
+        group.wait()
+    except KeyboardInterrupt:
+        if on_interrupt:
+            print(on_interrupt, file=sys.stderr)
+    finally:
+        group.stop(grace_s=grace_s)

@@ -13,7 +13,7 @@ from hetpipe.core.wsp.membership import Membership
 from hetpipe.core.wsp.results import WspError
 from hetpipe.core.wsp.sources import Source, copy_of
 
-__all__ = ["Registrations", "StageId", "check_float32"]
+__all__ = ["Registered", "Registrations", "StageId", "check_float32"]
 
 StageId = tuple[int, int]  # (vw, stage)
 
@@ -189,3 +189,32 @@ class Registrations:
                     "bad_message",
                     f"update of {key!r} has shape {tuple(src.shape)}, not {self.initial[key].shape}",
                 )
+
+
+class Registered:
+    """What a shard's state and a node relay's both answer from their `membership` and `registrations`, by
+    the names the server's handlers read."""
+
+    membership: Membership
+    registrations: Registrations
+
+    @property
+    def num_vws(self) -> int | None:
+        return self.membership.num_vws
+
+    @property
+    def num_waves(self) -> int | None:
+        """The run's length, when the stages said (no pull asks past it)."""
+        return self.registrations.num_waves
+
+    @property
+    def stage_keys(self) -> dict[StageId, tuple[str, ...]]:
+        return self.registrations.stage_keys
+
+    @property
+    def kinds(self) -> dict[str, KeyKind]:
+        return self.registrations.kinds
+
+    def stage_keys_of(self, vw: int, stage: int) -> tuple[str, ...]:
+        """The keys of a registered stage of a live VW (WspError "not_registered" or "evicted" otherwise)."""
+        return self.registrations.keys_of(vw, stage)

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe.core.wsp.aggregation import Aggregation, KeyKind
+from hetpipe.core.wsp.aggregation import Aggregation
 from hetpipe.core.wsp.clock import first_pulled_wave, gate_version
 from hetpipe.core.wsp.membership import Membership
-from hetpipe.core.wsp.registrations import Registrations, StageId
+from hetpipe.core.wsp.registrations import Registered, Registrations, StageId
 from hetpipe.core.wsp.results import PullResult, PushResult, WspError
 from hetpipe.core.wsp.sources import Source, as_array
 from hetpipe.core.wsp.wave_sums import WaveSums
@@ -23,7 +23,7 @@ from hetpipe.core.wsp.wave_sums import WaveSums
 __all__ = ["RelayState"]
 
 
-class RelayState:
+class RelayState(Registered):
     """What one relay holds: its group's registrations and pushes, the sums of waves not complete yet, the
     complete ones not yet sent upstream (`outbox`), and the versions W_t pulled from upstream."""
 
@@ -48,22 +48,6 @@ class RelayState:
         self.upstream_c_global = 0
 
     # ---- what the shard's handlers read -----------------------------------------------------------
-    @property
-    def num_vws(self) -> int | None:
-        return self.membership.num_vws
-
-    @property
-    def num_waves(self) -> int | None:
-        return self.registrations.num_waves
-
-    @property
-    def stage_keys(self) -> dict[StageId, tuple[str, ...]]:
-        return self.registrations.stage_keys
-
-    @property
-    def kinds(self) -> dict[str, KeyKind]:
-        return self.registrations.kinds
-
     @property
     def weights(self) -> dict[str, np.ndarray]:
         """Running weights (latest pulls): a relay keeps none."""
@@ -95,9 +79,6 @@ class RelayState:
 
     def slowest_vw(self) -> int | None:
         return min(self.members, key=self.c_local)
-
-    def stage_keys_of(self, vw: int, stage: int) -> tuple[str, ...]:
-        return self.registrations.keys_of(vw, stage)
 
     # ---- registration -----------------------------------------------------------------------------
     def register(

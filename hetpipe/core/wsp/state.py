@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from hetpipe.core.wsp import snapshot
-from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, KeyKind, make_aggregation
+from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, make_aggregation
 from hetpipe.core.wsp.clock import PULL_MODES, first_pulled_wave, gate_version
 from hetpipe.core.wsp.membership import Membership
-from hetpipe.core.wsp.registrations import Registrations, StageId
+from hetpipe.core.wsp.registrations import Registered, Registrations, StageId
 from hetpipe.core.wsp.results import PullResult, PushResult, WspError
 from hetpipe.core.wsp.running import RunningWeights
 from hetpipe.core.wsp.sources import Source
@@ -44,7 +44,7 @@ from hetpipe.core.wsp.wave_sums import WaveSums
 __all__ = ["PullResult", "PushResult", "ShardState", "WspError"]  # the results, for the server's imports
 
 
-class ShardState:
+class ShardState(Registered):
     """The WSP state machine of one shard: who is registered and live, what was pushed and pulled, the
     weights."""
 
@@ -66,23 +66,6 @@ class ShardState:
         self.running = RunningWeights(self.aggregation, self.membership.weight)  # latest: running weights
 
     # ---- the parts' state, by the names the server and the tests read -------------------------------
-    @property
-    def num_vws(self) -> int | None:
-        return self.membership.num_vws
-
-    @property
-    def num_waves(self) -> int | None:
-        """The run's length, when the stages said (no pull asks past it)."""
-        return self.registrations.num_waves
-
-    @property
-    def stage_keys(self) -> dict[StageId, tuple[str, ...]]:
-        return self.registrations.stage_keys
-
-    @property
-    def kinds(self) -> dict[str, KeyKind]:
-        return self.registrations.kinds
-
     @property
     def versions(self) -> dict[int, dict[str, np.ndarray]]:
         """Exact: W_t by t, never changed once built."""
@@ -183,10 +166,6 @@ class ShardState:
         self.pushed.setdefault(sid, start_wave)
         self.pulled.setdefault(sid, max(first_pulled_wave(self.staleness), start_wave) - 1)
         return {key: initial[key] for key in tensors}
-
-    def stage_keys_of(self, vw: int, stage: int) -> tuple[str, ...]:
-        """The keys of a registered stage of a live VW (WspError "not_registered" or "evicted" otherwise)."""
-        return self.registrations.keys_of(vw, stage)
 
     # ---- clocks -------------------------------------------------------------------------------------
     def c_local(self, vw: int) -> int:
