@@ -109,12 +109,17 @@ def test_bf16_trains_with_float32_weights_at_the_ps(tmp_path: Path):
     )
 
 
-@pytest.mark.parametrize("agent", ["process", "thread"])
-def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: str):
+@pytest.mark.parametrize(
+    ("agent", "relay"),
+    [("process", False), ("thread", False), ("process", True)],
+    ids=["process", "thread", "relay"],
+)
+def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: str, relay: bool):
     """The PS path on CUDA (pushes copied on a side stream, pulls copied and rebased without a wait) computes
     what the CPU reference computes, to float tolerance: a pull overwritten while its copy was still reading
     it, or a push read before its wave's updates, would be off by whole updates. With the agent in a process
-    (the CUDA default) and in a thread."""
+    (the CUDA default) and in a thread; and with both VWs (on one node) behind a relay
+    (ps.node_aggregation)."""
     from test_train_equivalence import run
 
     from hetpipe.compute.reference import run_reference
@@ -122,10 +127,14 @@ def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: s
     path = write_config(
         tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=1, waves=8, device="cuda:0"
     )
-    config = apply_overrides(load_config(path), [f'ps.agent="{agent}"'])
+    config = apply_overrides(
+        load_config(path), [f'ps.agent="{agent}"'] + (["ps.node_aggregation=true"] if relay else [])
+    )
     splits = [(2, 2), (3, 1)]
     _, stage_weights, ps_weights = run(tmp_path, config, splits)
     ref = run_reference(config, splits, order_seed=1)
+    relay_logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("relay-*"))
+    assert ("registered upstream for vws" in relay_logs) == relay
     for sid, weights in stage_weights.items():
         for key, value in weights.items():
             torch.testing.assert_close(
