@@ -173,6 +173,27 @@ def test_vw_that_cannot_hold_the_model_is_left_out_with_a_reason() -> None:
     assert dp.gpus_used == 2 and any("tiny" in n and "cannot hold toy" in n for n in dp.notes)
 
 
+def test_dp_pipelines_the_gpus_of_a_node_that_hold_the_model_only_together() -> None:
+    # a "mid" GPU (72 MiB) cannot hold the whole model (94 MiB at Nm 1), two of them split it: policy dp makes
+    # n1's two one pipeline VW instead of idling them; n2's lone one has no partner on its node and stays out
+    config = cluster([["big", "big"], ["mid", "mid"], ["mid"]], {"big": (2.0, 8.0), "mid": (1.0, 72 / 1024)})
+    profiles = {"big": toy_profile("big", 1.0, saved_mib=8.0), "mid": toy_profile("mid", 2.0, saved_mib=8.0)}
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), policies=["dp"], schedules=["wsp"])
+    dp = found[0]
+    assert [vw.gpus for vw in dp.plan.vws] == [("n0:0",), ("n0:1",), ("n1:0", "n1:1")]
+    assert "vw5: n1:0 mid, n1:1 mid hold the model only together: one pipeline of them" in dp.notes
+    assert any(n.startswith("vw4 (n2:0 mid) left out") and "needs 94.00 MiB" in n for n in dp.notes)
+    assert not any(
+        n.startswith(("vw2 ", "vw3 ")) for n in dp.notes
+    )  # n1's own notes gave way to the pipeline
+    # the fast search bounds dp with the pipeline in it, so it reaches the same best plan
+    fast = search_candidates(
+        config, profiles, ps_gbps=10.0, d_values=(0,), policies=["dp"], schedules=["wsp"]
+    )
+    assert best(fast.candidates).plan == best(found).plan
+    assert best(found).gpus_used == 4
+
+
 def test_infeasible_everywhere_reports_every_reason() -> None:
     config = cluster([["tiny", "tiny"]], {"tiny": (1.0, 1 / 64)})
     found = plan_candidates(

@@ -73,8 +73,8 @@ def allocate(cluster: Cluster, policy: str, num_vws: int | None = None) -> list[
               two VWs of a pair have nearly equal capacity. With an odd number of nodes the middle
               one in the ranking forms a VW on its own. Always one VW per node.
     dp        data parallelism through the PS: every GPU its own one-stage VW, in cluster order (each
-              must hold the whole model; the planner leaves out those that cannot, and those that would
-              slow the rest).
+              must hold the whole model; the planner pipelines those that cannot with the others of their
+              node that cannot, leaves out a lone one, and those that would slow the rest).
     explicit  the config's [[virtual_workers]], GPUs in the listed (stage) order.
 
     Except for explicit, each VW lists its GPUs in cluster order (config node order, then index);

@@ -19,7 +19,7 @@ from hetpipe.core.planning.partition import Gpu, best_order_and_nm, minibatch_ti
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.profile import ModelProfile
 
-__all__ = ["Fitted", "Grouping", "GroupingSearch", "gpu_list"]
+__all__ = ["Fitted", "Grouping", "GroupingSearch", "gpu_list", "pipelined_by_node"]
 
 Grouping = tuple[tuple[VwPlan, ...], tuple[str, ...]]  # the VWs of a policy, and notes on what was left out
 # a VW that holds the model: its index in the policy, its GPUs in stage order, a fixed split or None, its plan
@@ -164,6 +164,7 @@ class GroupingSearch:
         cap = nm_max if nm_max is not None else get_schedule(schedule).nm_cap(self.config.wsp.nm, deepest)
         fitted: list[FittedVw] = []
         left_out: list[str] = []
+        alone: list[GpuRef] = []  # dp: GPUs that cannot hold the model alone
         for v, refs in enumerate(groups):
             gpus = [self.gpu(ref) for ref in refs]
             split = listed[v].layers if listed else None
@@ -171,8 +172,20 @@ class GroupingSearch:
                 vw = self.fixed_order(gpus, cap, split, rule) if listed else self.best_order(gpus, cap, rule)
             except HetpipeError as exc:  # UsageError included: more GPUs than layers
                 left_out.append(f"vw{v} ({gpu_list(gpus)}) left out: {first_line(exc)}")
+                alone += refs if policy == "dp" else []
                 continue
             fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], split, vw))
+        for v, refs in enumerate(pipelined_by_node(alone), start=len(groups)):
+            gpus = [self.gpu(ref) for ref in refs]
+            try:
+                vw = self.best_order(gpus, cap, rule)
+            except HetpipeError as exc:
+                left_out.append(f"vw{v} ({gpu_list(gpus)}, pipelined) left out: {first_line(exc)}")
+                continue
+            names = {str(ref) for ref in refs}
+            left_out = [note for note in left_out if not any(f"({n} " in note for n in names)]
+            left_out.append(f"vw{v}: {gpu_list(gpus)} hold the model only together: one pipeline of them")
+            fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], None, vw))
         if not fitted:
             return "no virtual worker of this policy can hold the model:\n    " + "\n    ".join(left_out)
         return Fitted(tuple(fitted), tuple(left_out), rule, cap)
@@ -308,6 +321,15 @@ class GroupingSearch:
             for s in vw.stages
         )
         return dataclasses.replace(vw, stages=stages)
+
+
+def pipelined_by_node(alone: Sequence[GpuRef]) -> list[list[GpuRef]]:
+    """Policy dp's GPUs that cannot hold the model alone, as one pipeline VW per node that has two or more of
+    them (in the order given), so that they add a replica instead of idling; a node with one is left out."""
+    by_node: dict[str, list[GpuRef]] = {}
+    for ref in alone:
+        by_node.setdefault(ref.node, []).append(ref)
+    return [refs for refs in by_node.values() if len(refs) > 1]
 
 
 def gpu_list(gpus: Sequence[Gpu]) -> str:

@@ -12,14 +12,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig, GpuRef
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.pipeline.schedule import get_schedule
 from hetpipe.core.planning.analytic import Relayed, WaveModel, upper_bound, wave_model
 from hetpipe.core.planning.baselines import allreduce, baseline_bounds, sync_pipeline
 from hetpipe.core.planning.candidates import Candidate, gpu_uses, slowest_stage_text
 from hetpipe.core.planning.capacity import plan_bounds, standalone_rates
-from hetpipe.core.planning.groupings import GroupingSearch
+from hetpipe.core.planning.groupings import GroupingSearch, pipelined_by_node
 from hetpipe.core.planning.kinds import vw_kind
 from hetpipe.core.planning.memory import MemoryRule
 from hetpipe.core.planning.partition import least_bottleneck, minibatch_time_s
@@ -325,8 +325,8 @@ def _policy_bound(search: GroupingSearch, policy: str, schedule: str) -> float:
     except HetpipeError:
         return math.inf
     rule = search.rule(schedule, search.config.wsp.staleness, len(groups))
-    total = 0.0
-    for refs in groups:
+
+    def least(refs: list[GpuRef]) -> float:
         gpus = [search.gpu(ref) for ref in refs]
         # the bound sees the rule only through what each stage keeps at Nm 1 (partition._memories), which
         # the searched schedules share: one solve serves them all
@@ -338,11 +338,16 @@ def _policy_bound(search: GroupingSearch, policy: str, schedule: str) -> float:
                 search.solved[key] = least_bottleneck(  # type: ignore[assignment]
                     search.profiles, gpus, search.link, rule=rule, reserve_bytes=search.reserve
                 )
-            except HetpipeError:  # more GPUs than layers: the VW is left out (its note says why)
+            except HetpipeError:  # more GPUs than layers, or no memory: left out (its note says why)
                 search.solved[key] = math.inf  # type: ignore[assignment]
-        least = search.solved[key]
-        if isinstance(least, float) and least < math.inf:
-            total += search.batch / least
+        found = search.solved[key]
+        return found if isinstance(found, float) else math.inf
+
+    times = [least(refs) for refs in groups]
+    if policy == "dp":  # the GPUs that cannot hold the model alone: a pipeline per node (GroupingSearch._fit)
+        alone = [refs[0] for refs, t in zip(groups, times, strict=True) if t == math.inf]
+        times += [least(refs) for refs in pipelined_by_node(alone)]
+    total = sum(search.batch / t for t in times if t < math.inf)
     return total
 
 
