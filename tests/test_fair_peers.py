@@ -158,6 +158,13 @@ def test_parse_ddp_refuses(text: str) -> None:
         throughput.parse_ddp(text, 256, 4)
 
 
+def test_parse_micro_reads_pairs_and_none() -> None:
+    assert throughput.parse_micro("256x12,128x24") == [(256, 12), (128, 24)]
+    assert throughput.parse_micro("none") == []  # no pipeline row
+    with pytest.raises(click.BadParameter):
+        throughput.parse_micro("256x0")
+
+
 def test_ddp_rows_batches_and_descriptions() -> None:
     subsets = peers.ddp_subsets(_devs(10.0, 10.0, 10 * 14.9 / 5.3, 10 * 14.9 / 5.3))
     prop, what = throughput.ddp_members_of("prop", subsets)

@@ -368,7 +368,10 @@ def fastest_peers(
 
 
 def parse_micro(text: str) -> list[tuple[int, int]]:
-    """ "256x12,128x24" -> [(256, 12), (128, 24)]: microbatch x microbatches per minibatch."""
+    """ "256x12,128x24" -> [(256, 12), (128, 24)]: microbatch x microbatches per minibatch; "none" -> []
+    (no pipeline row)."""
+    if text.strip().lower() == "none":
+        return []
     try:
         pairs = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
     except ValueError:
@@ -772,7 +775,8 @@ def _best(
     "--micro",
     default=DEFAULT_MICRO,
     show_default=True,
-    help="Pipeline settings to try, MICROBATCHxCOUNT[,..] (a minibatch of COUNT microbatches per flush).",
+    help="Pipeline settings to try, MICROBATCHxCOUNT[,..] (a minibatch of COUNT microbatches per flush); "
+    "'none': no pipeline row.",
 )
 @click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
 @click.option(
@@ -928,11 +932,12 @@ def _main(
         else []
     )
     param_bytes = sum(layer.param_bytes for layer in profile.layers)
+    pairs = parse_micro(micro)
     groups = [
         hetpipe_options,
         *([fastest] if fastest else []),
         *ddp_peers(config, subsets, wanted, solo_step_s, topology, param_bytes),
-        pipeline_peers(config, devs, parse_micro(micro), schedule, cache, topology),
+        *([pipeline_peers(config, devs, pairs, schedule, cache, topology)] if pairs else []),
     ]
     sweep: list[dict[str, Any]] = []
     chosen = [_best(group, seconds, work / "logs", sweep, network) for group in groups]
