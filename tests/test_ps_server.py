@@ -80,6 +80,26 @@ def test_pull_timeout_names_the_vw_everyone_waits_for(children):
         np.testing.assert_array_equal(pulled.tensors["k"], [2.0, 2.0])
 
 
+def test_a_pull_parked_at_a_relay_times_out_pointing_past_the_relay(monkeypatch):
+    """A relay's status counts its own members only: the message says what it waits for from the PS."""
+    relay = {
+        "relay": True,
+        "members": [0, 1],
+        "c_global": 0,
+        "version": 0,
+        "staleness": 0,
+        "c_local": [2, 2, 0],
+    }
+    with PSClient(["tcp://127.0.0.1:9"], "r", 1, 0, 3, 1, {"k": 0}, timeout_s=1, retry_s=0.5) as client:
+        monkeypatch.setattr(client, "status", lambda: [relay])
+        text = client._timeout_message("pull of wave 2", 60.0, 2)
+    assert text == (
+        "pull of wave 2 by vw 1 stage 0 got no answer in 60 s: its node's relay (vws 0, 1) holds W_0 and "
+        "waits for W_1 from the PS, which waits for a VW outside the group (the relay's log names it); is "
+        "every VW running?"
+    )
+
+
 def test_placement_spreads_keys_and_every_shard_gets_its_part(children):
     endpoints = [
         start_shard(children, ShardSettings("spread", s, "tcp://127.0.0.1:0", 0), name=f"ps{s}")[0]

@@ -383,6 +383,13 @@ class PSClient:
             self.timeout_s, self._probing = saved, False
         info = min(infos, key=lambda i: i["c_global"])
         slow = info.get("slowest_vw")
+        if gate >= 0 and info.get("relay"):  # a relay's c_global is the version it got from the PS
+            need, members = gate - info["staleness"] - 1, ", ".join(map(str, info["members"]))
+            return (
+                f"{text}: its node's relay (vws {members}) holds W_{info['version']} and waits for W_{need} "
+                "from the PS, which waits for a VW outside the group (the relay's log names it); is every VW "
+                "running?"
+            )
         if gate >= 0 and slow is not None:
             need = gate - info["staleness"] - 1
             return (
