@@ -194,6 +194,30 @@ def test_dp_pipelines_the_gpus_of_a_node_that_hold_the_model_only_together() -> 
     assert best(found).gpus_used == 4
 
 
+def test_dp_cuts_a_node_of_small_gpus_into_the_shortest_pipelines_that_hold_the_model() -> None:
+    from hetpipe.core.config.schema import GpuRef
+    from hetpipe.core.planning.groupings import pipelines_by_node
+
+    refs = [GpuRef("n1", i) for i in range(5)] + [GpuRef("n2", 0)] + [GpuRef("n3", i) for i in range(2)]
+
+    def cut(k: int) -> list[list[str]]:
+        return [[str(r) for r in group] for group in pipelines_by_node(refs, lambda g: len(g) >= k)]
+
+    assert cut(2) == [["n1:0", "n1:1"], ["n1:2", "n1:3", "n1:4"], ["n3:0", "n3:1"]]  # the last takes the rest
+    assert cut(3) == [["n1:0", "n1:1", "n1:2", "n1:3", "n1:4"]]
+    assert cut(6) == []
+    # the planner: four "mid" GPUs on one node make two pipelines of two, not one of four
+    config = cluster([["big", "big"], ["mid"] * 4], {"big": (2.0, 8.0), "mid": (1.0, 72 / 1024)})
+    profiles = {"big": toy_profile("big", 1.0, saved_mib=8.0), "mid": toy_profile("mid", 2.0, saved_mib=8.0)}
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), policies=["dp"], schedules=["wsp"])
+    assert sorted(vw.gpus for vw in found[0].plan.vws) == [
+        ("n0:0",),
+        ("n0:1",),
+        ("n1:0", "n1:1"),
+        ("n1:2", "n1:3"),
+    ]
+
+
 def test_infeasible_everywhere_reports_every_reason() -> None:
     config = cluster([["tiny", "tiny"]], {"tiny": (1.0, 1 / 64)})
     found = plan_candidates(

@@ -19,7 +19,7 @@ from hetpipe.core.planning.partition import Gpu, best_order_and_nm, minibatch_ti
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.profile import ModelProfile
 
-__all__ = ["Fitted", "Grouping", "GroupingSearch", "gpu_list", "pipelined_by_node"]
+__all__ = ["Fitted", "Grouping", "GroupingSearch", "gpu_list", "pipelines_by_node"]
 
 Grouping = tuple[tuple[VwPlan, ...], tuple[str, ...]]  # the VWs of a policy, and notes on what was left out
 # a VW that holds the model: its index in the policy, its GPUs in stage order, a fixed split or None, its plan
@@ -175,11 +175,19 @@ class GroupingSearch:
                 alone += refs if policy == "dp" else []
                 continue
             fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], split, vw))
-        for v, refs in enumerate(pipelined_by_node(alone), start=len(groups)):
+
+        def holds(refs: list[GpuRef]) -> bool:  # best_order solves once per kind of VW: asking again is free
+            try:
+                self.best_order([self.gpu(ref) for ref in refs], cap, rule)
+            except HetpipeError:
+                return False
+            return True
+
+        for v, refs in enumerate(pipelines_by_node(alone, holds), start=len(groups)):
             gpus = [self.gpu(ref) for ref in refs]
             try:
                 vw = self.best_order(gpus, cap, rule)
-            except HetpipeError as exc:
+            except HetpipeError as exc:  # a remainder the last group took made it another kind
                 left_out.append(f"vw{v} ({gpu_list(gpus)}, pipelined) left out: {first_line(exc)}")
                 continue
             names = {str(ref) for ref in refs}
@@ -323,13 +331,22 @@ class GroupingSearch:
         return dataclasses.replace(vw, stages=stages)
 
 
-def pipelined_by_node(alone: Sequence[GpuRef]) -> list[list[GpuRef]]:
-    """Policy dp's GPUs that cannot hold the model alone, as one pipeline VW per node that has two or more of
-    them (in the order given), so that they add a replica instead of idling; a node with one is left out."""
+def pipelines_by_node(alone: Sequence[GpuRef], holds: Callable[[list[GpuRef]], bool]) -> list[list[GpuRef]]:
+    """Policy dp's GPUs that cannot hold the model alone (in the order given), as pipeline VWs inside each
+    node, so that they add replicas instead of idling: the fewest k of a node's such GPUs that `holds` the
+    model, the node's cut into groups of k (the last takes the remainder). A node where not even all of them
+    together hold it gives none (its GPUs stay left out)."""
     by_node: dict[str, list[GpuRef]] = {}
     for ref in alone:
         by_node.setdefault(ref.node, []).append(ref)
-    return [refs for refs in by_node.values() if len(refs) > 1]
+    out: list[list[GpuRef]] = []
+    for refs in by_node.values():
+        k = next((k for k in range(2, len(refs) + 1) if holds(refs[:k])), 0)
+        if k:
+            cut = [refs[i : i + k] for i in range(0, len(refs) - len(refs) % k, k)]
+            cut[-1] += refs[len(cut) * k :]
+            out += cut
+    return out
 
 
 def gpu_list(gpus: Sequence[Gpu]) -> str:

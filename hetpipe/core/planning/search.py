@@ -19,7 +19,7 @@ from hetpipe.core.planning.analytic import Relayed, WaveModel, upper_bound, wave
 from hetpipe.core.planning.baselines import allreduce, baseline_bounds, sync_pipeline
 from hetpipe.core.planning.candidates import Candidate, gpu_uses, slowest_stage_text
 from hetpipe.core.planning.capacity import plan_bounds, standalone_rates
-from hetpipe.core.planning.groupings import GroupingSearch, pipelined_by_node
+from hetpipe.core.planning.groupings import GroupingSearch, pipelines_by_node
 from hetpipe.core.planning.kinds import vw_kind
 from hetpipe.core.planning.memory import MemoryRule
 from hetpipe.core.planning.partition import least_bottleneck, minibatch_time_s
@@ -79,21 +79,24 @@ class SearchResult:
     complete: bool  # False when the budget ran out first
     elapsed_s: float
 
-    def footer(self) -> str:
-        """What the table leaves out, in one line."""
-        shown = sum(1 for c in self.candidates if c.plan is not None)
-        text = (
-            f"{self.planned + self.skipped + self.infeasible} candidates: {self.planned} predicted by the "
-            f"steady-state model, {self.simulated} finalists simulated, {self.skipped} skipped by their "
-            f"upper bound (compute, PS link, memory) as unable to win, {self.infeasible} that do not fit; "
-            f"{shown} shown, {self.not_shown} more not shown"
+    def counts(self, waves: int) -> str:
+        """What the search counted, in one line (`hetpipe plan`'s header: "candidates: " + this)."""
+        return (
+            f"{self.planned + self.skipped + self.infeasible}: {self.planned} predicted by the steady-state "
+            f"model ({self.simulated} of them simulated for {waves} waves), {self.skipped} skipped by their "
+            f"upper bound, {self.infeasible} that do not fit"
             + (
                 f"; {self.skipped_policies} policy x schedule searches skipped whole by their bound"
                 if self.skipped_policies
                 else ""
             )
+            + ("" if self.complete else "; the --budget ran out: the best plan found so far")
         )
-        return text if self.complete else text + "; the --budget ran out: the best plan found so far"
+
+    def footer(self, waves: int) -> str:
+        """What the table leaves out, in one line: the counts, and how many candidates are shown."""
+        shown = sum(1 for c in self.candidates if c.plan is not None)
+        return f"candidates: {self.counts(waves)}; {shown} shown, {self.not_shown} more not shown"
 
 
 @dataclass(frozen=True)
@@ -346,7 +349,7 @@ def _policy_bound(search: GroupingSearch, policy: str, schedule: str) -> float:
     times = [least(refs) for refs in groups]
     if policy == "dp":  # the GPUs that cannot hold the model alone: a pipeline per node (GroupingSearch._fit)
         alone = [refs[0] for refs, t in zip(groups, times, strict=True) if t == math.inf]
-        times += [least(refs) for refs in pipelined_by_node(alone)]
+        times += [least(refs) for refs in pipelines_by_node(alone, lambda refs: least(refs) < math.inf)]
     total = sum(search.batch / t for t in times if t < math.inf)
     return total
 
