@@ -101,7 +101,7 @@ def test_fast_search_counts_every_candidate_and_keeps_only_the_top() -> None:
         assert fast.planned + fast.skipped + fast.infeasible == len(every)
     assert sum(1 for c in fast.candidates if c.runnable) <= 5
     assert fast.not_shown == fast.planned - sum(1 for c in fast.candidates if c.runnable)
-    assert fast.skipped > 0 and "skipped by their upper bound" in fast.footer()
+    assert fast.skipped > 0 and "skipped by their upper bound" in fast.footer(10)
     assert best(fast.candidates).samples_per_s == pytest.approx(best(every).samples_per_s, rel=1e-9)
 
 
@@ -113,7 +113,7 @@ def test_a_budget_stops_the_search_and_returns_the_best_found_so_far() -> None:
     cut = search_candidates(
         config, profiles, **SMALL, budget_s=40, clock=lambda: float(next(ticks)), progress=lines.append
     )
-    assert not cut.complete and "budget ran out" in cut.footer()
+    assert not cut.complete and "budget ran out" in cut.footer(10)
     assert best(cut.candidates).runnable
     assert lines and lines[0].startswith("plan: ")
     full = search_candidates(config, profiles, **SMALL)

@@ -88,11 +88,12 @@ class PlanSearch:
     ps_gbps: float
     elapsed: float
     searched: SearchResult | None = None  # the fast search's counts (None for the exhaustive search)
+    waves: int = 10  # the waves each finalist was simulated for
 
     @property
     def footer(self) -> str:
         """What the fast search counted but does not show ("" for the exhaustive search)."""
-        return self.searched.footer() if self.searched is not None else ""
+        return self.searched.footer(self.waves) if self.searched is not None else ""
 
 
 def run_plan(
@@ -200,7 +201,7 @@ def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
         notes.append(batch_note(predicted, batch))
     _add_rule_note(notes, config, ruled, tried, request)
     elapsed = time.monotonic() - started
-    return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed, footers.get(batch))
+    return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed, footers.get(batch), request.waves)
 
 
 def _batch_planner(
@@ -372,17 +373,7 @@ def _header(config: ClusterConfig, request: PlanRequest, found: PlanSearch, chos
             f"candidates: {len(found.candidates)}, every one planned and simulated for {request.waves} waves"
         )
         return lines
-    lines.append(
-        f"candidates: {counted.planned + counted.skipped + counted.infeasible}: {counted.planned} predicted "
-        f"by the steady-state model ({counted.simulated} of them simulated for {request.waves} waves), "
-        f"{counted.skipped} skipped by their upper bound, {counted.infeasible} that do not fit"
-        + (
-            f"; {counted.skipped_policies} policy x schedule searches skipped whole by their bound"
-            if counted.skipped_policies
-            else ""
-        )
-        + ("" if counted.complete else "; the --budget ran out: the best plan found so far")
-    )
+    lines.append(f"candidates: {counted.counts(request.waves)}")
     return lines
 
 
