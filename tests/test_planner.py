@@ -181,7 +181,7 @@ def test_dp_pipelines_the_gpus_of_a_node_that_hold_the_model_only_together() -> 
     found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), policies=["dp"], schedules=["wsp"])
     dp = found[0]
     assert [vw.gpus for vw in dp.plan.vws] == [("n0:0",), ("n0:1",), ("n1:0", "n1:1")]
-    assert "vw5: n1:0 mid, n1:1 mid hold the model only together: one pipeline of them" in dp.notes
+    assert "GPUs that hold the model only together, pipelined: vw5 (n1:0 mid, n1:1 mid)" in dp.notes
     assert any(n.startswith("vw4 (n2:0 mid) left out") and "needs 94.00 MiB" in n for n in dp.notes)
     assert not any(
         n.startswith(("vw2 ", "vw3 ")) for n in dp.notes

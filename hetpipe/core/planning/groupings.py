@@ -183,6 +183,7 @@ class GroupingSearch:
                 return False
             return True
 
+        pipelined: list[str] = []
         for v, refs in enumerate(pipelines_by_node(alone, holds), start=len(groups)):
             gpus = [self.gpu(ref) for ref in refs]
             try:
@@ -192,8 +193,10 @@ class GroupingSearch:
                 continue
             names = {str(ref) for ref in refs}
             left_out = [note for note in left_out if not any(f"({n} " in note for n in names)]
-            left_out.append(f"vw{v}: {gpu_list(gpus)} hold the model only together: one pipeline of them")
+            pipelined.append(f"vw{v} ({gpu_list(gpus)})")
             fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], None, vw))
+        if pipelined:
+            left_out.append(f"GPUs that hold the model only together, pipelined: {'; '.join(pipelined)}")
         if not fitted:
             return "no virtual worker of this policy can hold the model:\n    " + "\n    ".join(left_out)
         return Fitted(tuple(fitted), tuple(left_out), rule, cap)
