@@ -3,19 +3,21 @@ address, and the file descriptors left for its checkpoints. No requests; the sha
 
 ZeroMQ has no per-peer limit: ZMQ_MAX_SOCKETS counts a context's sockets, not the TCP connections one ROUTER
 accepts, and each of those holds a file descriptor. So the ROUTER's monitor reports every accepted connection
-with its descriptor; the shard reads the peer's address from it (getpeername on a duplicate) and shuts down a
-connection over its limits (libzmq then sees it closed and frees the descriptor). The ZAP handler cannot do
-this: it is asked only once a handshake has run, and an idle connection never handshakes.
+with its descriptor; the shard reads the peer's address from it (getpeername on that very descriptor) and
+shuts down a connection over its limits (libzmq then sees it closed and frees the descriptor). The ZAP
+handler cannot do this: it is asked only once a handshake has run, and an idle connection never handshakes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -116,8 +118,7 @@ class ConnectionTable:
 def peer_address(fd: int) -> str | None:
     """The peer IP of connected socket `fd` (None: closed meanwhile, or not a TCP socket any more)."""
     try:
-        with socket.socket(fileno=os.dup(fd)) as dup:
-            peer = dup.getpeername()
+        peer = _borrowed(fd, socket.socket.getpeername)
     except OSError:
         return None
     return peer[0] if isinstance(peer, tuple) else None
@@ -125,11 +126,19 @@ def peer_address(fd: int) -> str | None:
 
 def shut(fd: int) -> None:
     """Shut connection `fd` down (its owner, libzmq, closes the descriptor when it sees that)."""
+    with contextlib.suppress(OSError):
+        _borrowed(fd, lambda sock: sock.shutdown(socket.SHUT_RDWR))
+
+
+def _borrowed(fd: int, use: Callable[[socket.socket], Any]) -> Any:
+    """`use` applied to libzmq's descriptor `fd` as a Python socket, given back unclosed. Not a duplicate: a
+    burst of connections can take every descriptor before the monitor's events are read, and a dup then fails
+    (EMFILE), which left such connections open and uncounted."""
+    sock = socket.socket(fileno=fd)
     try:
-        with socket.socket(fileno=os.dup(fd)) as dup:
-            dup.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+        return use(sock)
+    finally:
+        sock.detach()
 
 
 class Doors:

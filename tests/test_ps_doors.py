@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import select
 import socket
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from hetpipe.server.checkpoint import (
     CheckpointHealth,
     write_out_of_files_retried,
 )
-from hetpipe.server.doors import ConnectionTable, connection_cap
+from hetpipe.server.doors import ConnectionTable, connection_cap, peer_address, shut
 from hetpipe.server.launch import serve_settings
 from hetpipe.server.shard import ShardSettings
 from hetpipe.worker.ps_client import PSClient
@@ -53,6 +54,31 @@ def test_the_cap_leaves_descriptors_for_checkpoints() -> None:
     assert connection_cap(1024, 40) == 1024 - 40 - 64  # the issue's shard: 1,100 connections took them all
     assert connection_cap(1 << 20, 40) == 2048
     assert connection_cap(64, 40) == 8
+
+
+def test_a_connection_is_read_and_shut_with_no_descriptor_free() -> None:
+    # a burst of idle connections took every descriptor before the monitor's events were read; the doors then
+    # could not dup a descriptor to read the peer, and left those connections open and uncounted
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.socket() as client:
+        client.connect(server.getsockname())
+        conn, _ = server.accept()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        filler: list[int] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+            with pytest.raises(OSError) as full:
+                while True:
+                    filler.append(os.open(os.devnull, os.O_RDONLY))
+            assert full.value.errno == errno.EMFILE
+            assert peer_address(conn.fileno()) == "127.0.0.1"
+            shut(conn.fileno())
+        finally:
+            for fd in filler:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert client.recv(1) == b""  # the peer sees the connection shut
+        assert conn.fileno() >= 0  # still libzmq's to close
+        conn.close()
 
 
 def test_failed_handshakes_close_an_address_for_two_windows() -> None:
@@ -137,6 +163,19 @@ def wait_for_log(child, *texts: str, timeout_s: float = 20.0) -> str:
     raise AssertionError(f"none of {texts} in the shard's log:\n{child.log.read_text()}")
 
 
+def wait_connected(socks: list[socket.socket], timeout_s: float = 60.0) -> None:
+    """Until every non-blocking connect in `socks` has finished (a hang guard, not a timing)."""
+    deadline, waiting = time.monotonic() + timeout_s, {sock.fileno(): sock for sock in socks}
+    poller = select.poll()
+    for fd in waiting:
+        poller.register(fd, select.POLLOUT)
+    while waiting and time.monotonic() < deadline:
+        for fd, _ in poller.poll(500):
+            poller.unregister(fd)
+            del waiting[fd]
+    assert not waiting, f"{len(waiting)} of {len(socks)} connections still not made after {timeout_s:.0f} s"
+
+
 @pytest.mark.slow
 def test_idle_connections_cannot_take_the_descriptors_a_checkpoint_needs(children, tmp_path: Path) -> None:
     # one client held ~1,100 idle connections to a shard at 1,024 open files: 25 checkpoints in a row failed
@@ -156,7 +195,8 @@ def test_idle_connections_cannot_take_the_descriptors_a_checkpoint_needs(childre
                 sock.setblocking(False)
                 sock.connect_ex(("127.0.0.1", port))
                 idle.append(sock)
-            time.sleep(1.0)  # let the shard accept what it will
+            wait_connected(idle)  # a full accept queue drops SYNs, retried later: wait for all of them
+            wait_for_log(shard, "closed a new connection from 127.0.0.1", timeout_s=30)
             ps.push(0, {"k": np.ones(4, np.float32)})  # c_global 1: a checkpoint is due
             log = wait_for_log(shard, "checkpoint ckpt-00000001.bin written", "checkpoint of clock 1 failed")
             assert "checkpoint ckpt-00000001.bin written" in log, log
@@ -179,15 +219,21 @@ def test_a_flood_of_bad_handshakes_closes_its_address_not_the_others(children, t
     )
     ctx = zmq.Context()
     flood = []
+
+    def stranger() -> None:
+        """A client with an unknown key, from 127.0.0.1 (a refused client does not retry: new ones do)."""
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey = server_keys(tmp_path / "keys", 1).public
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.connect(endpoint)
+        flood.append(sock)
+
     try:
-        for _ in range(60):  # unknown keys, from 127.0.0.1 (a refused client does not retry: new ones do)
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.curve_serverkey = server_keys(tmp_path / "keys", 1).public
-            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-            sock.connect(endpoint)
-            flood.append(sock)
+        for _ in range(60):
+            stranger()
         log = wait_for_log(shard, "closing new connections from 127.0.0.1")
+        stranger()  # after the block: closed on arrival (under load, all 60 may have arrived before it)
         # the run's key from another address of this machine gets in during the flood
         other = endpoint.replace("tcp://", "tcp://127.0.0.2:0;")
         with PSClient(
@@ -204,11 +250,11 @@ def test_a_flood_of_bad_handshakes_closes_its_address_not_the_others(children, t
         ) as ps:
             ps.register({"k": np.zeros(4, np.float32)})
             assert ps.status()[0]["registered"] == 1
+        log = wait_for_log(shard, "closed a new connection from 127.0.0.1: too many failed handshakes")
     finally:
         for sock in flood:
             sock.close(linger=0)
         ctx.destroy(linger=0)
-    log = wait_for_log(shard, "closed a new connection from 127.0.0.1: too many failed handshakes")
     assert (
         log.count("refused a CURVE key that is not one of this run's keys") <= 20
     )  # counted, not each logged
