@@ -110,16 +110,21 @@ def test_bf16_trains_with_float32_weights_at_the_ps(tmp_path: Path):
 
 
 @pytest.mark.parametrize(
-    ("agent", "relay"),
-    [("process", False), ("thread", False), ("process", True)],
-    ids=["process", "thread", "relay"],
+    ("agent", "settings"),
+    [
+        ("process", []),
+        ("thread", []),
+        ("process", ["ps.node_aggregation=true"]),
+        ("process", ["train.freeze=[[2, 2], [4, 3]]"]),
+    ],
+    ids=["process", "thread", "relay", "freeze"],
 )
-def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: str, relay: bool):
+def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: str, settings: list[str]):
     """The PS path on CUDA (pushes copied on a side stream, pulls copied and rebased without a wait) computes
     what the CPU reference computes, to float tolerance: a pull overwritten while its copy was still reading
     it, or a push read before its wave's updates, would be off by whole updates. With the agent in a process
-    (the CUDA default) and in a thread; and with both VWs (on one node) behind a relay
-    (ps.node_aggregation)."""
+    (the CUDA default) and in a thread; with both VWs (on one node) behind a relay (ps.node_aggregation); and
+    with layers frozen at two waves (train.freeze: whole stages that take no gradient)."""
     from test_train_equivalence import run
 
     from hetpipe.compute.reference import run_reference
@@ -127,9 +132,8 @@ def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: s
     path = write_config(
         tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3"]], nm=2, staleness=1, waves=8, device="cuda:0"
     )
-    config = apply_overrides(
-        load_config(path), [f'ps.agent="{agent}"'] + (["ps.node_aggregation=true"] if relay else [])
-    )
+    config = apply_overrides(load_config(path), [f'ps.agent="{agent}"', *settings])
+    relay = "ps.node_aggregation=true" in settings
     splits = [(2, 2), (3, 1)]
     _, stage_weights, ps_weights = run(tmp_path, config, splits)
     ref = run_reference(config, splits, order_seed=1)

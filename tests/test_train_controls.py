@@ -1,5 +1,5 @@
-"""[train] lr_schedule, clip_grad_norm and loss at config load (hetpipe.core.config.sections) and the losses
-by name (hetpipe.compute.losses)."""
+"""[train] lr_schedule, clip_grad_norm, loss and freeze at config load (hetpipe.core.config.sections) and the
+losses by name (hetpipe.compute.losses)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 from test_config import MINIMAL, load_text
 
+from hetpipe.compute.build import model_of, vw_layouts
 from hetpipe.compute.losses import loss_function
 from hetpipe.core.config.schema import TrainConfig
-from hetpipe.core.errors import ConfigError
+from hetpipe.core.errors import ConfigError, UsageError
 from hetpipe.core.pipeline.lr_schedule import LrSchedule
 
 ERRORS = [
@@ -57,6 +58,15 @@ ERRORS = [
     ),
     ('loss = "math:no_such"', "train.loss: cannot use", '"math" has no function "no_such"'),
     ('loss = "math:pi"', "train.loss: cannot use", 'write it as "package.module:function"'),
+    ("freeze = 3", "train.freeze: expected an array of [wave, layers] pairs", "write `freeze = [[10, 2]"),
+    ("freeze = [[2]]", "train.freeze: [0] = [2]: write [wave, layers]", "under [train]"),
+    ("freeze = [[0, 1]]", "train.freeze: [0]: wave 0 is outside the run's waves 1 ... 19", "write `freeze"),
+    ("freeze = [[20, 1]]", "wave 20 is outside", "write `freeze"),
+    ("freeze = [[3, 0]]", "train.freeze: [0]: 0 layers frozen: freeze at least 1", "write `freeze"),
+    ("freeze = [[5, 2], [3, 4]]", "[1] = [3, 4] after [5, 2]: list the points by wave", "write `freeze"),
+    ("freeze = [[3, 2], [5, 2]]", "each freezing more layers than the one before", "write `freeze"),
+    ('freeze = [[3, 1]]\nmitigation = "pipemare"', "predicts or corrects", 'set mitigation = "none"'),
+    ('freeze = [[3, 1]]\non_nan = "skip"', "a frozen stage no longer receives", 'set on_nan = "stop"'),
 ]
 
 
@@ -71,7 +81,9 @@ def test_train_control_errors_name_file_field_and_fix(tmp_path: Path, text: str,
     assert info.value.exit_code == 2
 
 
-@pytest.mark.parametrize("setting", ['lr_schedule = "step"\nlr_step_every = 2', "clip_grad_norm = 1.0"])
+@pytest.mark.parametrize(
+    "setting", ['lr_schedule = "step"\nlr_step_every = 2', "clip_grad_norm = 1.0", "freeze = [[3, 1]]"]
+)
 def test_controls_of_local_updates_refused_when_the_ps_runs_the_optimizer(
     tmp_path: Path, setting: str
 ) -> None:
@@ -88,6 +100,20 @@ def test_defaults_and_a_full_setting_round_trip(tmp_path: Path) -> None:
     assert train.schedule_of_lr == LrSchedule("cosine", 0.1, warmup_steps=2, total=8, min_lr=0.01, every=1)
     step = load_text(tmp_path, MINIMAL + '[train]\nlr_schedule = "step"\nlr_step_every = 3').train
     assert step.schedule_of_lr == LrSchedule("step", 0.05, total=20, every=3, gamma=0.1)
+    frozen = load_text(tmp_path, MINIMAL + "[train]\nfreeze = [[3, 1], [6, 2]]").train
+    assert frozen.freeze == ((3, 1), (6, 2))
+    assert [frozen.freeze_schedule.frozen(w) for w in (2, 3, 5, 6)] == [0, 1, 1, 2]
+
+
+def test_freezing_every_layer_of_the_model_is_refused_where_the_model_is_built(tmp_path: Path) -> None:
+    config = load_text(tmp_path, MINIMAL + "[train]\nfreeze = [[3, 6]]")  # the default CNN has 6 layers
+    with pytest.raises(UsageError) as info:
+        vw_layouts(config, model_of(config))
+    message = str(info.value)
+    assert "train.freeze freezes 6 layers from wave 3, but model mnist-cnn has 6" in message
+    assert "freeze at most 5 (one layer stays trainable)" in message
+    config = load_text(tmp_path, MINIMAL + "[train]\nfreeze = [[3, 5]]")
+    assert vw_layouts(config, model_of(config))
 
 
 def test_losses_by_name() -> None:

@@ -257,3 +257,53 @@ def test_trainer_controls_equal_the_reference_and_each_one_acts(tmp_path: Path, 
 
     monkeypatch.setattr(reference, "lr_at", lambda schedule, wave: lr_at(schedule, wave + 1))
     assert differs(run_reference(config, splits, 1, work=work)), "the schedule one wave late changed nothing"
+
+
+@pytest.mark.parametrize(
+    ("model", "settings", "splits", "frozen_from"),
+    [
+        ("mlp", ["wsp.staleness=1", "train.freeze=[[2, 2], [4, 3]]"], [(1, 2, 1), (2, 1, 1)], {1: 2, 2: 4}),
+        (
+            "mnist-cnn",
+            [
+                "model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }",
+                "train.schedule=gpipe",
+                "train.recompute=true",
+                "train.freeze=[[2, 1], [4, 3]]",
+            ],
+            [(2, 3, 1), (4, 2)],
+            {0: 2, 2: 4},
+        ),
+    ],
+)
+def test_freezing_at_two_points_equals_the_reference_and_fixes_the_frozen_layers(
+    tmp_path: Path, model: str, settings: list[str], splits: list[tuple[int, ...]], frozen_from: dict
+):
+    """[train] freeze at waves 2 and 4: whole stages and parts of stages frozen, in 2 VWs split differently;
+    the run equals the reference bit for bit; a frozen layer's weights end, in every stage and at the PS, at
+    W_f (the last version that folds its updates, which did change them); without freezing the run differs."""
+    gpus = [[f"n0:{3 * v + j}" for j in range(len(split))] for v, split in enumerate(splits)]
+    path = write_config(tmp_path, vws=gpus, nm=2, staleness=0, waves=7, model=model)
+    config = apply_overrides(load_config(path), settings)
+    _, stage_weights = assert_equals_reference(tmp_path, config, splits, order=1)
+    versions: dict[int, dict[str, np.ndarray]] = {}
+    work = [(2, config.train.batch_size)] * 2
+    ref = run_reference(config, splits, 1, lambda t, w: versions.__setitem__(t, w), work=work)
+    spec = model_of(config)
+    params = dict(build_stage(spec, 0, spec.num_layers, "meta").named_parameters())
+    for layer, wave in frozen_from.items():  # the layers with weights that freeze, and from which wave
+        keys = [k for k in params if k.split(".")[0] == str(layer)]
+        assert keys
+        for key in keys:
+            assert np.array_equal(ref.ps_weights[key], versions[wave][key]), key
+            assert not np.array_equal(versions[wave - 1][key], versions[wave][key]), key
+            holders = [sid for sid, weights in stage_weights.items() if key in weights]
+            assert len(holders) == 2
+            for sid in holders:
+                assert np.array_equal(stage_weights[sid][key].numpy(), versions[wave][key]), (sid, key)
+    other = run_reference(apply_overrides(config, ["train.freeze=[]"]), splits, 1, work=work)
+    assert any(
+        not torch.equal(weights[k], other.stage_weights[sid][k])
+        for sid, weights in stage_weights.items()
+        for k in weights
+    )

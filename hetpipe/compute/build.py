@@ -83,6 +83,12 @@ def vw_layouts(config: ClusterConfig, spec: ModelSpec) -> tuple[VwLayout, ...]:
             (tuple(str(g) for g in vw.gpus), vw.layers, vw.nm or 0, vw.batch_size or 0)
             for vw in config.virtual_workers
         ]
+    for wave, layers in config.train.freeze:
+        if layers >= spec.num_layers:
+            raise UsageError(
+                f"{config.path}: train.freeze freezes {layers} layers from wave {wave}, but model {spec.name} "
+                f"has {spec.num_layers}: freeze at most {spec.num_layers - 1} (one layer stays trainable)"
+            )
     counts = param_counts(spec)
     out = []
     for i, (gpus, split, nm, batch) in enumerate(specs):

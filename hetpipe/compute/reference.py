@@ -26,6 +26,9 @@ Mitigations (train.mitigation, hetpipe.core.pipeline.mitigation), each written h
   clip_grad_norm:  after .grad /= n, before the step: .grad *= min(1, max / (||(||g_k||)_k|| + 1e-6)), the
                    norms over the stage's own parameters (the VW's other stages are not part of it)
   train.loss:      the last stage's loss (hetpipe.compute.losses)
+  train.freeze:    a minibatch of a wave with the model's first n layers frozen runs them layer by layer, each
+                   in eval mode under no_grad (no .grad, so the optimizer skips them); a stage all frozen
+                   waits for no output gradient and its successor stores none
   pipemare T2:     an unstashed backward recomputes on w - dc * s; dc = dc * gamma + Δ * (1 - gamma) after
                    each U
   spectrain:       a stashed forward runs on w + predicted step * s, s the lag of its version's first forward;
@@ -94,6 +97,8 @@ class RefStage:
     last_step: dict[str, Tensor] | None = None  # spectrain with plain SGD: the last update
     last_pulled: dict[str, Tensor] = field(default_factory=dict)  # spectrain with aggregation server
     open_wave: int | None = None  # the wave whose updates since the baseline are not in sums yet
+    start: int = 0  # the model's layers [start, stop) are this stage's
+    stop: int = 0
 
 
 @dataclass
@@ -172,6 +177,7 @@ class _Reference:
         self.loss_fn = loss_function(config.train.loss)
         self.t, self.D = config.train, config.wsp.staleness
         self.lr_schedule = self.t.schedule_of_lr
+        self.freeze = self.t.freeze_schedule
         self.num_vws = len(splits)
         work = work or [(config.wsp.nm, config.train.batch_size)] * self.num_vws
         self.nms, self.batches = [nm for nm, _ in work], [b for _, b in work]
@@ -229,6 +235,7 @@ class _Reference:
                     else None
                 )
                 st = stages[(v, j)] = RefStage(module, opt, list(schedule.stages[j]), {})
+                st.start, st.stop = start, start + split[j]
                 named = dict(module.named_parameters())
                 st.baseline = {k: w.detach().clone() for k, w in named.items()} if f.local else {}
                 st.lags = stage_lags(schedule.stages[j])
@@ -253,7 +260,7 @@ class _Reference:
         for _, other in needs(a, j, len(self.splits[v])):
             if other.kind == FORWARD and (v, j, a.index) not in self.acts:
                 return False
-            if other.kind == BACKWARD and (v, j, a.index) not in self.grads:
+            if other.kind == BACKWARD and (v, j, a.index) not in self.grads and self.trains(v, j, a.index):
                 return False
         gate = gate_of(a, self.D)
         return gate is None or not self.flags.pulls or self.ps.c_global() >= gate
@@ -264,11 +271,45 @@ class _Reference:
         st.pos += 1
         self.dispatch[a.kind](*sid, st, a)
 
-    def run_forward(self, st: RefStage, inputs: Tensor, weights: dict[str, Tensor] | None) -> Tensor:
+    def run_forward(
+        self, st: RefStage, inputs: Tensor, weights: dict[str, Tensor] | None, frozen: int = 0
+    ) -> Tensor:
+        """The stage on `inputs` (on the stashed `weights` when given); its first `frozen` layers layer by
+        layer, each in eval mode without autograd, then the others layer by layer."""
         with self.autocast():
-            if weights is None:
-                return st.module(inputs)
-            return functional_call(st.module, weights, (inputs,), strict=False)
+            if not frozen:
+                if weights is None:
+                    return st.module(inputs)
+                return functional_call(st.module, weights, (inputs,), strict=False)
+            x = inputs
+            for i, (name, layer) in enumerate(st.module.named_children()):
+                own = (
+                    None
+                    if weights is None
+                    else {k[len(name) + 1 :]: w for k, w in weights.items() if k.startswith(name + ".")}
+                )
+                if i < frozen:
+                    layer.eval()
+                    with torch.no_grad():
+                        x = layer(x) if own is None else functional_call(layer, own, (x,), strict=False)
+                    layer.train()
+                else:
+                    x = layer(x) if own is None else functional_call(layer, own, (x,), strict=False)
+            return x
+
+    # ---- freezing (train.freeze) ------------------------------------------------------------------
+    def frozen(self, v: int, j: int, p: int) -> int:
+        """How many of stage (v, j)'s layers minibatch p runs frozen."""
+        st = self.stages[(v, j)]
+        return min(max(self.freeze.frozen(p // self.nms[v]) - st.start, 0), st.stop - st.start)
+
+    def trains(self, v: int, j: int, p: int) -> bool:
+        """Whether some layer of stage (v, j) trains in minibatch p's wave (else its B has nothing to do)."""
+        return self.frozen(v, j, p) < self.stages[(v, j)].stop - self.stages[(v, j)].start
+
+    def input_gradient(self, v: int, j: int, p: int) -> bool:
+        """Whether stage (v, j) hands its input's gradient back for minibatch p: stage j - 1 trains."""
+        return j > 0 and self.trains(v, j - 1, p)
 
     def last(self, v: int, j: int) -> bool:
         return j == len(self.splits[v]) - 1
@@ -276,16 +317,17 @@ class _Reference:
     # ---- F and B ---------------------------------------------------------------------------------
     def forward(self, v: int, j: int, st: RefStage, a: Action) -> None:
         inputs = self.batch(v, a.index)[0] if j == 0 else self.acts.pop((v, j, a.index))
-        if j > 0 and inputs.is_floating_point():
+        if self.input_gradient(v, j, a.index) and inputs.is_floating_point():
             inputs = inputs.detach().requires_grad_(True)
         weights = self.stashed_version(st, a.index) if self.flags.stashing else None
         last = self.last(v, j)
+        frozen = self.frozen(v, j, a.index)
         if self.flags.recompute:
             with torch.no_grad():
-                out = self.run_forward(st, inputs, weights)
+                out = self.run_forward(st, inputs, weights, frozen)
             st.saved[a.index] = (inputs, None, weights)
         else:
-            out = self.run_forward(st, inputs, weights)
+            out = self.run_forward(st, inputs, weights, frozen)
             st.saved[a.index] = (
                 inputs,
                 self.loss_fn(out, self.batch(v, a.index)[1]) if last else out,
@@ -320,7 +362,7 @@ class _Reference:
                     k: (w.detach() - st.dc[k] * float(lag)).requires_grad_(True) for k, w in params.items()
                 }
             kept = {k: b.detach().clone() for k, b in stage_buffers(st.module).items()}
-            out = self.run_forward(st, inputs, weights)
+            out = self.run_forward(st, inputs, weights, self.frozen(v, j, a.index))
             for key, value in kept.items():
                 set_buffer(st.module, key, value)
             root = self.loss_fn(out, self.batch(v, a.index)[1]) if last else out
@@ -335,7 +377,7 @@ class _Reference:
                     if g is not None:
                         w.grad = g if w.grad is None else w.grad + g
         st.covered += 1
-        if j > 0:
+        if self.input_gradient(v, j, a.index):
             self.grads[(v, j - 1, a.index)] = inputs.grad
 
     # ---- U, PUSH, WAIT ---------------------------------------------------------------------------

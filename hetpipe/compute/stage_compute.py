@@ -28,6 +28,9 @@ Trainer controls ([train], docs/clusters.md; default off, leaving all of the abo
   lr_schedule:             lr above = lr_at(schedule, U p's wave) (hetpipe.core.pipeline.lr_schedule)
   clip_grad_norm:          after grad = acc / n, before the step: torch.nn.utils.clip_grad_norm_ over this
                            stage's parameters only (a VW's other stages hold the rest of its gradient)
+  freeze:                  a minibatch of a wave whose first n model layers are frozen runs this stage's share
+                           of them in eval mode under no_grad (no gradient, so no step: their Δ is 0); a stage
+                           all frozen takes no output gradient, the stage after it sends none (docs/wsp.md)
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from hetpipe.core.pipeline.lr_schedule import LrSchedule, lr_at
 from hetpipe.core.pipeline.mitigation import Lag, pipemare_lr_factor, stage_lags, warmup_lr_factor
 from hetpipe.core.pipeline.schedule import Action, get_schedule, unstashed_forwards
 from hetpipe.core.wsp.aggregation import get_aggregation
+from hetpipe.core.wsp.freezing import FreezeSchedule
 
 __all__ = ["InFlight", "StageCompute", "StageRules"]
 
@@ -81,6 +85,7 @@ class StageRules:
     unstashed: frozenset[int] = frozenset()
     lr_schedule: LrSchedule | None = None  # the learning rate by wave (None: constant, the optimizer's own)
     clip_grad_norm: float = 0.0  # each update's gradient clipped to this norm over the stage (0: off)
+    freeze: FreezeSchedule = FreezeSchedule()  # layers frozen by wave (hetpipe.core.wsp.freezing; none)
 
     @classmethod
     def of(cls, config: ClusterConfig, actions: Sequence[Action], num_vws: int) -> StageRules:
@@ -103,6 +108,7 @@ class StageRules:
             unstashed=unstashed_forwards(actions),
             lr_schedule=None if t.lr_schedule == "constant" else t.schedule_of_lr,
             clip_grad_norm=t.clip_grad_norm,
+            freeze=t.freeze_schedule,
         )
 
 
@@ -135,6 +141,10 @@ class StageCompute:
         """`ledgers`: audit counters that `on_update(minibatches)` may change at each update, before its
         change is recorded (they travel as updates and are always summed)."""
         self.module = module
+        names = [name for name, _ in module.named_children()]
+        # the model's layers [start, stop) (hetpipe.models.build_stage names each child by its global index)
+        self.start = int(names[0]) if names and names[0].isdigit() else 0
+        self.stop = self.start + len(names)
         self._swap = WeightSwap(module)  # forwards on a stashed weight version
         self.buffer_slots = BufferSlots(module)  # the buffers, through slots found once
         self.rules = rules
@@ -218,6 +228,23 @@ class StageCompute:
     def wave_of(self, minibatch: int) -> int:
         return minibatch // self.rules.nm
 
+    # ---- freezing (train.freeze, docs/wsp.md#freezing) -----------------------------------------------
+    def frozen_here(self, p: int) -> int:
+        """How many of this stage's first layers minibatch p runs frozen (no autograd, eval mode)."""
+        if not self.rules.freeze.points:
+            return 0
+        return min(max(self.rules.freeze.frozen(self.wave_of(p)) - self.start, 0), self.stop - self.start)
+
+    def runs_backward(self, p: int) -> bool:
+        """Whether minibatch p's backward has work here (some layer of the stage trains in its wave): a stage
+        all frozen receives no output gradient for it."""
+        return self.rules.freeze.runs_backward(self.start, self.stop, self.wave_of(p))
+
+    def sends_input_gradient(self, p: int) -> bool:
+        """Whether minibatch p's backward sends its input's gradient to the stage before (that stage trains a
+        layer in p's wave); the first stage never does."""
+        return self.start > 0 and self.rules.freeze.wants_input_gradient(self.start, self.wave_of(p))
+
     # ---- forward / backward -----------------------------------------------------------------------
     def _compute(self) -> contextlib.AbstractContextManager:
         return self._autocast if self._autocast is not None else contextlib.nullcontext()
@@ -226,29 +253,51 @@ class StageCompute:
         if flight.weights is None:
             flight.weights = self.versions.corrected(p)
         with self.buffer_slots.kept():
-            flight.output = self._run(flight.weights, flight.inputs)
+            flight.output = self._run(flight.weights, flight.inputs, self.frozen_here(p))
 
-    def _run(self, weights: Weights | None, inputs: Tensor) -> Tensor:
+    def _run(self, weights: Weights | None, inputs: Tensor, frozen: int = 0) -> Tensor:
+        """The stage's layers on `inputs` (on the stashed `weights` when given); the first `frozen` of them
+        without autograd and in eval mode, so their weights and buffers stay as they are."""
         with self._compute():
             if weights is None:
-                return self.module(inputs)
+                return self._layers(inputs, frozen)
             with self._swap.using(weights):
-                return self.module(inputs)
+                return self._layers(inputs, frozen)
+
+    def _layers(self, inputs: Tensor, frozen: int) -> Tensor:
+        if not frozen:
+            return self.module(inputs)
+        layers = list(self.module.children())
+        x = inputs
+        with torch.no_grad():
+            for layer in layers[:frozen]:
+                mode = layer.training
+                layer.train(False)
+                try:
+                    x = layer(x)
+                finally:
+                    layer.train(mode)
+        for layer in layers[frozen:]:
+            x = layer(x)
+        return x
 
     def forward(
         self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None, input_grad: bool = True
     ) -> Tensor:
         """Forward of minibatch p; returns its output (what goes to the next stage). `input_grad`: the
-        backward must produce the gradient w.r.t. the input (every stage but the first)."""
-        if input_grad and inputs.is_floating_point():
+        backward must produce the gradient w.r.t. the input (every stage but the first, unless the stage
+        before it is all frozen in p's wave)."""
+        frozen_before = self.rules.freeze.points and not self.sends_input_gradient(p)
+        if input_grad and inputs.is_floating_point() and not frozen_before:
             inputs = inputs.detach().requires_grad_(True)
         weights = self.versions.for_forward(p)
+        frozen = self.frozen_here(p)
         if self.rules.recompute:
             with torch.no_grad():
-                output = self._run(weights, inputs)
+                output = self._run(weights, inputs, frozen)
             self.in_flight[p] = InFlight(inputs, None, weights)
             return output
-        output = self._run(weights, inputs)
+        output = self._run(weights, inputs, frozen)
         loss = loss_fn(output, target) if target is not None else None
         self.in_flight[p] = InFlight(inputs, output, weights, loss)
         return output
@@ -397,7 +446,7 @@ class StageCompute:
             flight = InFlight(saved.inputs, None, saved.weights)
             if saved.output or p in resend:
                 with torch.set_grad_enabled(saved.output), self.buffer_slots.kept():
-                    output = self._run(saved.weights, saved.inputs)
+                    output = self._run(saved.weights, saved.inputs, self.frozen_here(p))
                     if saved.output:
                         flight.output = output
                         if saved.loss:

@@ -97,7 +97,39 @@ def _check_across_sections(
     ):
         sections["train"].fail("mitigation", what, fix)
     _check_local_controls(sections["train"], ps, train)
+    _check_freeze(sections["train"], ps, train)
     _check_node_aggregation(sections["ps"], ps, wsp, len(nodes))
+
+
+def _check_freeze(t: _Table, ps: PsConfig, train: TrainConfig) -> None:
+    """Freezing stops a layer's updates; a PS that runs the optimizer would still move it (momentum), a
+    mitigation would still predict or correct it, and a skipped minibatch is not told to the frozen stages
+    (they receive no gradient to carry it)."""
+    if not train.freeze:
+        return
+    first = f"[{train.freeze[0][0]}, {train.freeze[0][1]}]"
+    if not get_aggregation(ps.aggregation).local_optimizer:
+        local = " or ".join(f'"{n}"' for n, r in AGGREGATIONS.items() if r.local_optimizer)
+        t.fail(
+            "freeze",
+            f'freezes layers from {first}, but with ps.aggregation = "{ps.aggregation}" the PS steps every '
+            "layer's weights (its momentum moves a frozen layer too)",
+            f"set [ps] aggregation = {local}, or remove freeze",
+        )
+    if train.mitigations:
+        t.fail(
+            "freeze",
+            f'freezes layers, but mitigation = "{train.mitigation}" predicts or corrects the weights of '
+            "every layer",
+            'set mitigation = "none", or remove freeze',
+        )
+    if train.on_nan == "skip":
+        t.fail(
+            "freeze",
+            'freezes layers, but on_nan = "skip" tells each stage of a skipped minibatch through its '
+            "gradient, which a frozen stage no longer receives",
+            'set on_nan = "stop", or remove freeze',
+        )
 
 
 def _check_node_aggregation(t: _Table, ps: PsConfig, wsp: WspConfig, nodes: int) -> None:

@@ -13,6 +13,7 @@ from hetpipe.core.pipeline.lr_schedule import LrSchedule, LrScheduleName
 from hetpipe.core.pipeline.mitigation import parse_mitigation
 from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION
+from hetpipe.core.wsp.freezing import FreezePoint, FreezeSchedule
 
 __all__ = [
     "AllocationConfig",
@@ -273,11 +274,18 @@ class TrainConfig:
     loss: str = (
         "cross_entropy"  # cross_entropy, mse, nll or "package.module:function" (hetpipe.compute.losses)
     )
+    # freeze points [[wave, layers], ...]: from `wave` on the first `layers` layers are frozen (docs/wsp.md)
+    freeze: tuple[tuple[int, int], ...] = ()
 
     @property
     def mitigations(self) -> tuple[str, ...]:
         """The mitigations in canonical order; () for "none"."""
         return parse_mitigation(self.mitigation)
+
+    @property
+    def freeze_schedule(self) -> FreezeSchedule:
+        """The freeze points as the pure rule (hetpipe.core.wsp.freezing); empty: nothing freezes."""
+        return FreezeSchedule(tuple(FreezePoint(wave, layers) for wave, layers in self.freeze))
 
     @property
     def schedule_of_lr(self) -> LrSchedule:
@@ -478,6 +486,7 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
         "lr_step_gamma",
         "clip_grad_norm",
         "loss",
+        "freeze",
     ),
     "emulation": ("enabled", "time_scale", "link_bandwidth", "device"),
     "allocation": ("policy",),

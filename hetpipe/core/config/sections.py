@@ -37,6 +37,7 @@ from hetpipe.core.imports import import_target
 from hetpipe.core.pipeline.lr_schedule import LrScheduleName
 from hetpipe.core.pipeline.schedule import SCHEDULES
 from hetpipe.core.wsp.aggregation import AGGREGATIONS
+from hetpipe.core.wsp.freezing import FreezeSchedule
 
 _MAX_PORT = 65535
 
@@ -145,7 +146,7 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         clip_grad_norm=t.number("clip_grad_norm", d.clip_grad_norm, ge=0),
         loss=_loss(t, d.loss),
     )
-    train = replace(train, **_lr_schedule(t, train.waves, train.lr))
+    train = replace(train, freeze=_freeze(t, train.waves), **_lr_schedule(t, train.waves, train.lr))
     try:
         train = replace(train, mitigation="+".join(train.mitigations) or "none")
     except UsageError as exc:
@@ -167,6 +168,20 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
             f"set recompute = false {t.under}, or choose a schedule that flushes: {able}",
         )
     return train
+
+
+def _freeze(t: _Table, waves: int) -> tuple[tuple[int, int], ...]:
+    """Freeze points [[wave, layers], ...] (hetpipe.core.wsp.freezing); the layer count is checked against the
+    model where it is built (hetpipe.compute.build.vw_layouts)."""
+    value = t.data.get("freeze", [])
+    example = "[[10, 2], [20, 4]]"
+    if not isinstance(value, list) or not all(isinstance(pair, list) for pair in value):
+        t._type_error("freeze", value, "an array of [wave, layers] pairs", example)
+    try:
+        schedule = FreezeSchedule.of(value, None, waves, "freeze")
+    except ValueError as exc:
+        t.fail("freeze", str(exc).removeprefix("freeze"), f"write `freeze = {example}` {t.under}")
+    return tuple((p.wave, p.layers) for p in schedule.points)
 
 
 def _loss(t: _Table, default: str) -> str:

@@ -33,9 +33,12 @@ class FreezeSchedule:
     points: tuple[FreezePoint, ...] = ()
 
     @classmethod
-    def of(cls, pairs: Sequence[Sequence[int]], num_layers: int, waves: int, where: str) -> FreezeSchedule:
+    def of(
+        cls, pairs: Sequence[Sequence[int]], num_layers: int | None, waves: int, where: str
+    ) -> FreezeSchedule:
         """Validated [[wave, layers], ...]; `where` names the field for the errors (e.g. the config file's
-        `train.freeze`). At least one layer stays trainable, and every point lies inside the run."""
+        `train.freeze`). At least one layer stays trainable (`num_layers` None: the model is not known yet,
+        so only that some layer freezes), and every point lies inside the run."""
         points: list[FreezePoint] = []
         for i, pair in enumerate(pairs):
             if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair):
@@ -46,7 +49,9 @@ class FreezeSchedule:
                     f"{where}[{i}]: wave {wave} is outside the run's waves 1 ... {waves - 1}; freeze from a "
                     "wave after the first and before the last"
                 )
-            if not 1 <= layers < num_layers:
+            if num_layers is None and layers < 1:
+                raise ValueError(f"{where}[{i}]: {layers} layers frozen: freeze at least 1")
+            if num_layers is not None and not 1 <= layers < num_layers:
                 raise ValueError(
                     f"{where}[{i}]: {layers} layers frozen, but the model has {num_layers}: freeze 1 ... "
                     f"{num_layers - 1} (at least one layer stays trainable)"
