@@ -104,4 +104,5 @@ def shard_settings(
         hung_after_s=config.ps.hung_after_s,
         resume_clock=resume_clock,
         wire_dtype=config.ps.wire_dtype,
+        freeze=config.train.freeze,
     )

@@ -35,6 +35,7 @@ from hetpipe.core.protocol import wire
 from hetpipe.core.protocol.access import RefusalLog
 from hetpipe.core.protocol.keys import ServerKeys
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, OptimizerSettings, get_aggregation
+from hetpipe.core.wsp.freezing import FreezeSchedule
 from hetpipe.core.wsp.state import ShardState, WspError
 from hetpipe.server.admission import check_access
 from hetpipe.server.doors import Doors, connection_cap, open_files, raise_fd_limit
@@ -78,6 +79,11 @@ class ShardSettings:
     resume_clock: int | None = None
     # pulled weights on the wire: float32 | bfloat16 (pushes come as their sender chose)
     wire_dtype: str = "float32"
+    freeze: tuple[tuple[int, int], ...] = ()  # [train] freeze: its parameters leave the wire (docs/wsp.md)
+
+    @property
+    def freeze_schedule(self) -> FreezeSchedule:
+        return FreezeSchedule.at(self.freeze)
 
     @property
     def recoverable(self) -> bool:
@@ -105,7 +111,9 @@ class ShardServer:
     def __init__(self, settings: ShardSettings, log: Callable[[str], None] | None = None) -> None:
         self.settings = settings
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.state = ShardState(settings.staleness, settings.pull_mode, settings.make_aggregation())
+        self.state = ShardState(
+            settings.staleness, settings.pull_mode, settings.make_aggregation(), settings.freeze_schedule
+        )
         self.handlers = REQUEST_HANDLERS  # request type -> handler (a node relay answers with its own)
         self.identities: dict[tuple[int, int], bytes] = {}
         self.evicted_identities: dict[bytes, int] = {}  # connections of stages whose VW was evicted -> the VW

@@ -17,6 +17,7 @@ from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.pipeline.lr_schedule import lr_at
 from hetpipe.core.pipeline.schedule import SCHEDULES
+from hetpipe.core.protocol.wire import from_bfloat16_bits, to_bfloat16_bits
 from hetpipe.models import build_stage
 
 from conftest import write_config
@@ -262,7 +263,13 @@ def test_trainer_controls_equal_the_reference_and_each_one_acts(tmp_path: Path, 
 @pytest.mark.parametrize(
     ("model", "settings", "splits", "frozen_from"),
     [
-        ("mlp", ["wsp.staleness=1", "train.freeze=[[2, 2], [4, 3]]"], [(1, 2, 1), (2, 1, 1)], {1: 2, 2: 4}),
+        (
+            "mlp",
+            ["wsp.staleness=1", 'ps.wire_dtype="bfloat16"', "train.freeze=[[2, 2], [4, 3]]"],
+            [(1, 2, 1), (2, 1, 1)],
+            {1: 2, 2: 4},
+        ),
+        ("mlp", ["ps.node_aggregation=true", "train.freeze=[[3, 2]]"], [(2, 2), (3, 1)], {1: 3}),
         (
             "mnist-cnn",
             [
@@ -279,10 +286,13 @@ def test_trainer_controls_equal_the_reference_and_each_one_acts(tmp_path: Path, 
 def test_freezing_at_two_points_equals_the_reference_and_fixes_the_frozen_layers(
     tmp_path: Path, model: str, settings: list[str], splits: list[tuple[int, ...]], frozen_from: dict
 ):
-    """[train] freeze at waves 2 and 4: whole stages and parts of stages frozen, in 2 VWs split differently;
-    the run equals the reference bit for bit; a frozen layer's weights end, in every stage and at the PS, at
-    W_f (the last version that folds its updates, which did change them); without freezing the run differs."""
-    gpus = [[f"n0:{3 * v + j}" for j in range(len(split))] for v, split in enumerate(splits)]
+    """[train] freeze at waves 2 and 4 (bfloat16 on the wire; or at 3, behind a node's relay): whole stages
+    and parts of stages frozen, in 2 VWs split differently; frozen weights left off the wire (a shard refuses
+    a push that carries one); the run equals the reference bit for bit; a frozen layer's weights end, in every
+    stage and at the PS, at W_f (the last version that folds its updates, which did change them; the stages
+    hold it as the wire rounded it); without freezing the run differs."""
+    firsts = [sum(len(s) for s in splits[:v]) for v in range(len(splits))]
+    gpus = [[f"n0:{firsts[v] + j}" for j in range(len(split))] for v, split in enumerate(splits)]
     path = write_config(tmp_path, vws=gpus, nm=2, staleness=0, waves=7, model=model)
     config = apply_overrides(load_config(path), settings)
     _, stage_weights = assert_equals_reference(tmp_path, config, splits, order=1)
@@ -297,10 +307,13 @@ def test_freezing_at_two_points_equals_the_reference_and_fixes_the_frozen_layers
         for key in keys:
             assert np.array_equal(ref.ps_weights[key], versions[wave][key]), key
             assert not np.array_equal(versions[wave - 1][key], versions[wave][key]), key
+            held = versions[wave][key]
+            if config.ps.wire_dtype == "bfloat16":
+                held = from_bfloat16_bits(to_bfloat16_bits(held))
             holders = [sid for sid, weights in stage_weights.items() if key in weights]
             assert len(holders) == 2
             for sid in holders:
-                assert np.array_equal(stage_weights[sid][key].numpy(), versions[wave][key]), (sid, key)
+                assert np.array_equal(stage_weights[sid][key].numpy(), held), (sid, key)
     other = run_reference(apply_overrides(config, ["train.freeze=[]"]), splits, 1, work=work)
     assert any(
         not torch.equal(weights[k], other.stage_weights[sid][k])

@@ -31,6 +31,7 @@ from hetpipe.core.errors import HetpipeError
 from hetpipe.core.protocol import wire
 from hetpipe.core.protocol.keys import ClientKeys
 from hetpipe.core.protocol.placement import keys_by_shard
+from hetpipe.core.wsp.freezing import FreezeSchedule
 from hetpipe.worker.ps_calls import Call, PSError, PSTimeout, Request, ShardCalls
 from hetpipe.worker.ps_recovery import ShardRecovery
 from hetpipe.worker.ps_sockets import ShardSockets, routing_id
@@ -66,6 +67,7 @@ class ClientSpec:
     curve: ClientKeys | None = None
     wire_dtype: str = "float32"
     vw_weights: tuple[int, ...] = ()  # each VW's weight by samples (hetpipe.core.wsp.work); (): all 1
+    freeze: tuple[tuple[int, int], ...] = ()  # [train] freeze: the frozen parameters' pushes are left out
 
     def fields(self) -> dict[str, Any]:
         """Its fields as plain values (the agent process gets them over its pipe, as msgpack)."""
@@ -80,6 +82,7 @@ class ClientSpec:
                 **fields,
                 "curve": ClientKeys(**curve) if curve else None,
                 "vw_weights": tuple(fields.get("vw_weights", ())),
+                "freeze": tuple(tuple(pair) for pair in fields.get("freeze", ())),
             }
         )
 
@@ -97,6 +100,7 @@ class ClientSpec:
             curve=self.curve,
             wire_dtype=self.wire_dtype,
             vw_weights=self.vw_weights,
+            freeze=FreezeSchedule.at(self.freeze),
         )
 
 
@@ -121,12 +125,14 @@ class PSClient:
         wire_dtype: str = "float32",
         vw_weights: tuple[int, ...] = (),
         members: tuple[int, ...] = (),
+        freeze: FreezeSchedule | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.members = tuple(members)  # a node relay's group (docs/wsp.md#node-local-aggregation); ()
         self.run, self.vw, self.stage = run, vw, stage
         self.num_vws, self.num_stages = num_vws, num_stages
         self.vw_weights = tuple(vw_weights)
+        self.freeze = freeze or FreezeSchedule()  # pushes leave a parameter out from the wave it freezes
         self.placement = dict(placement)
         self.curve = curve
         self.keys: list[str] = []
@@ -207,7 +213,11 @@ class PSClient:
         return [{k: tensors[k] for k in part} for part in parts]
 
     def _push_requests(self, wave: int, tensors: Mapping[str, np.ndarray]) -> list[Request]:
-        """The push of `wave`, one request per shard (each shard's keys of `tensors`)."""
+        """The push of `wave`, one request per shard (each shard's keys of `tensors`, less the parameters
+        frozen by `wave`: docs/wsp.md#freezing)."""
+        if self.freeze.points:
+            params = self.calls.packed_keys
+            tensors = {k: t for k, t in tensors.items() if k not in params or self.freeze.key_pushed(k, wave)}
         fields = {**self._stage_fields(), "wave": wave}
         return [("push", fields, part) for part in self._split(tensors)]
 

@@ -192,7 +192,7 @@ class PSHandOver:
             # on CUDA the copy and the rebase are queued, not waited for (the agent waits for the copy
             # instead), unless emulation stretches blocks: then the next F must not carry this work
             started = time.perf_counter()
-            self.compute.rebase(self.pull_staging.to_device(), pulled.own_through)
+            self.compute.rebase(self.pull_staging.to_device(), pulled.own_through, pulled.version)
             self._sync_block()
             self._timed("h2d", started)
         self._pull = None

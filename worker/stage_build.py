@@ -96,4 +96,5 @@ def client_spec(job: StageJob, spec: ModelSpec) -> ClientSpec:
         curve=job.ps_keys,
         wire_dtype=config.ps.wire_dtype,
         vw_weights=job.vw_weights,
+        freeze=config.train.freeze,
     )

@@ -53,7 +53,9 @@ class RelayServer(ShardServer):
         settings = replace(job.settings, checkpoint_dir=None, wire_dtype="float32", pull_mode="exact")
         self.job = job
         super().__init__(settings, log)
-        self.state = RelayState(job.members, settings.staleness, settings.make_aggregation())  # type: ignore[assignment]
+        self.state = RelayState(  # type: ignore[assignment]
+            job.members, settings.staleness, settings.make_aggregation(), settings.freeze_schedule
+        )
         self.handlers = {**REQUEST_HANDLERS, "register": _register, "evict": _refuse, "rejoin": _refuse}
         self.waiting: dict[tuple[int, int], tuple[bytes, int, bool]] = {}  # registrations held back
         self.client: PSClient | None = None

@@ -86,8 +86,9 @@ def vw_layouts(config: ClusterConfig, spec: ModelSpec) -> tuple[VwLayout, ...]:
     for wave, layers in config.train.freeze:
         if layers >= spec.num_layers:
             raise UsageError(
-                f"{config.path}: train.freeze freezes {layers} layers from wave {wave}, but model {spec.name} "
-                f"has {spec.num_layers}: freeze at most {spec.num_layers - 1} (one layer stays trainable)"
+                f"{config.path}: train.freeze freezes {layers} layers from wave {wave}, but model "
+                f"{spec.name} has {spec.num_layers}: freeze at most {spec.num_layers - 1} (one layer stays "
+                "trainable)"
             )
     counts = param_counts(spec)
     out = []

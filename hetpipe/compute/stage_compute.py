@@ -86,6 +86,7 @@ class StageRules:
     lr_schedule: LrSchedule | None = None  # the learning rate by wave (None: constant, the optimizer's own)
     clip_grad_norm: float = 0.0  # each update's gradient clipped to this norm over the stage (0: off)
     freeze: FreezeSchedule = FreezeSchedule()  # layers frozen by wave (hetpipe.core.wsp.freezing; none)
+    exact_pulls: bool = True  # [wsp] pull = "exact" (its pulls leave frozen parameters out; latest ones not)
 
     @classmethod
     def of(cls, config: ClusterConfig, actions: Sequence[Action], num_vws: int) -> StageRules:
@@ -109,6 +110,7 @@ class StageRules:
             lr_schedule=None if t.lr_schedule == "constant" else t.schedule_of_lr,
             clip_grad_norm=t.clip_grad_norm,
             freeze=t.freeze_schedule,
+            exact_pulls=config.wsp.pull == "exact",
         )
 
 
@@ -176,6 +178,7 @@ class StageCompute:
         self._scale_lr = self.optimizer is not None and scaled
         self._predict_pulls = "spectrain" in mit and self.optimizer is None
         self._last_pulled: dict[str, Tensor] = {}  # spectrain, aggregation server: the weights last pulled
+        self._pulled_before = False  # the first pull since this process registered carries every key
 
     # ---- the update bookkeeping, by the names callers use -----------------------------------------------
     @property
@@ -395,9 +398,16 @@ class StageCompute:
         self.updates.forget(through)
 
     @torch.no_grad()
-    def rebase(self, pulled: Mapping[str, Tensor], own_through: int) -> None:
+    def rebase(self, pulled: Mapping[str, Tensor], own_through: int, version: int | None = None) -> None:
         """weights = pulled global + own updates the snapshot does not contain yet (docs/wsp.md); buffers
-        replaced out of place (buffers = "average"); aggregation server: weights = pulled."""
+        replaced out of place (buffers = "average"); aggregation server: weights = pulled. `version`: the
+        pulled W_t, whose frozen parameters a pull leaves out (but the first, docs/wsp.md#freezing): their
+        slots in `pulled` are stale and left alone."""
+        freeze = self.rules.freeze
+        if freeze.points and self.rules.exact_pulls and version is not None and self._pulled_before:
+            params = self.params
+            pulled = {k: t for k, t in pulled.items() if k not in params or freeze.key_pulled(k, version)}
+        self._pulled_before = True
         self.updates.rebase(pulled, own_through)
         if self.optimizer is None:
             self._take_pulled(pulled)

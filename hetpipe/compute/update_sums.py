@@ -114,10 +114,11 @@ class UpdateSums:
     @torch.no_grad()
     def rebase(self, pulled: Mapping[str, Tensor], own_through: int) -> None:
         """tracked = pulled + own update sums of waves > own_through, added in wave order (average: parameter
-        sums / VWs); the result is the new baseline."""
+        sums / VWs); the result is the new baseline. A key the pull did not bring (frozen: its value is the
+        one it froze at, with no own updates since) is left as it is."""
         self.fold()
         self.forget(own_through)
-        keys = list(self.tracked)
+        keys = [k for k in self.tracked if k in pulled]
         if keys:  # per tensor: t = pulled, then t += each wave's own sum in wave order; all tensors at once
             now = [self.tracked[k] for k in keys]
             torch._foreach_copy_(now, [pulled[k] for k in keys])

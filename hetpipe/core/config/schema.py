@@ -13,7 +13,7 @@ from hetpipe.core.pipeline.lr_schedule import LrSchedule, LrScheduleName
 from hetpipe.core.pipeline.mitigation import parse_mitigation
 from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION
-from hetpipe.core.wsp.freezing import FreezePoint, FreezeSchedule
+from hetpipe.core.wsp.freezing import FreezeSchedule
 
 __all__ = [
     "AllocationConfig",
@@ -285,7 +285,7 @@ class TrainConfig:
     @property
     def freeze_schedule(self) -> FreezeSchedule:
         """The freeze points as the pure rule (hetpipe.core.wsp.freezing); empty: nothing freezes."""
-        return FreezeSchedule(tuple(FreezePoint(wave, layers) for wave, layers in self.freeze))
+        return FreezeSchedule.at(self.freeze)
 
     @property
     def schedule_of_lr(self) -> LrSchedule:

@@ -5,9 +5,10 @@ From wave f of a freeze point (f, n) on, the model's first n layers are frozen: 
 them without autograd and steps none of their weights, and the pushes of waves >= f leave their keys out, so
 the PS folds nothing into them after W_f. A stage still pulls a frozen layer's keys through the version W_f
 (the gate of wave f + D + 1 pulls it; own updates of waves >= f are none, so the rebase gives W_f exactly)
-and never after: from wave f + D + 1 on every VW computes with the same frozen values, the PS's. A stage whose
-layers are all frozen in a wave runs no backward for its minibatches, and the next stage sends it no input
-gradient: both ends know it from the schedule, so no message says so.
+and never after, but in a stage's first pull since it registered, which carries every key: from wave
+f + D + 1 on every VW computes with the same frozen values, the PS's. Only parameters are left out; buffers
+and ledgers always travel. A stage whose layers are all frozen in a wave runs no backward for its minibatches,
+and the next stage sends it no input gradient: both ends know it from the schedule, so no message says so.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["FreezePoint", "FreezeSchedule"]
+__all__ = ["FreezePoint", "FreezeSchedule", "layer_of"]
+
+
+def layer_of(key: str) -> int | None:
+    """The model layer a synced key belongs to: its name's first part ("3.weight", "7.attn.qkv.bias"; the
+    stages name their tensors by global layer index); None for a key of no layer (an audit ledger)."""
+    head = key.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,11 @@ class FreezeSchedule:
     """Freeze points in order: waves and frozen prefixes both strictly increasing (a layer never thaws)."""
 
     points: tuple[FreezePoint, ...] = ()
+
+    @classmethod
+    def at(cls, pairs: Sequence[tuple[int, int]]) -> FreezeSchedule:
+        """The schedule of pairs validated before ([train] freeze as the config holds it)."""
+        return cls(tuple(FreezePoint(wave, layers) for wave, layers in pairs))
 
     @classmethod
     def of(
@@ -84,6 +97,17 @@ class FreezeSchedule:
         """Whether a pull of W_version carries `layer`'s keys: through W_f, its last folded version."""
         f = self.frozen_from(layer)
         return f is None or version <= f
+
+    def key_pushed(self, key: str, wave: int) -> bool:
+        """Whether the push of `wave` carries parameter `key` (a key of no layer always travels)."""
+        layer = layer_of(key)
+        return layer is None or self.pushes(layer, wave)
+
+    def key_pulled(self, key: str, version: int) -> bool:
+        """Whether a pull of W_version carries parameter `key` (a puller's first pull since it registered
+        carries every key: the caller's part, as a joining VW has no W_f yet)."""
+        layer = layer_of(key)
+        return layer is None or self.pulls(layer, version)
 
     def runs_backward(self, start: int, stop: int, wave: int) -> bool:
         """Whether the stage of layers start ... stop - 1 runs the backward of wave `wave`'s minibatches (some

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetpipe.core.wsp.aggregation import KEY_KINDS, KeyKind
+from hetpipe.core.wsp.freezing import FreezeSchedule
 from hetpipe.core.wsp.membership import Membership
 from hetpipe.core.wsp.results import WspError
 from hetpipe.core.wsp.sources import Source, copy_of
@@ -36,6 +37,7 @@ class Registrations:
     key_owner: dict[tuple[int, str], int] = field(default_factory=dict)  # (vw, key) -> stage
     kinds: dict[str, KeyKind] = field(default_factory=dict)
     initial: dict[str, np.ndarray] = field(default_factory=dict)  # W_0
+    freeze: FreezeSchedule = field(default_factory=FreezeSchedule)  # [train] freeze: keys left off the wire
 
     def admit(
         self,
@@ -172,14 +174,32 @@ class Registrations:
             )
         return keys
 
-    def check_push(self, vw: int, stage: int, keys: tuple[str, ...], tensors: Mapping[str, Source]) -> None:
-        """A push carries exactly the stage's registered keys, in float32, with their registered shapes."""
+    def pushed_keys(self, keys: tuple[str, ...], wave: int) -> tuple[str, ...]:
+        """The keys of `keys` a push of `wave` carries: all but the parameters frozen by then."""
+        if not self.freeze.points:
+            return keys
+        return tuple(k for k in keys if self.kinds[k] != "param" or self.freeze.key_pushed(k, wave))
+
+    def pulled_keys(self, keys: tuple[str, ...], version: int) -> tuple[str, ...]:
+        """The keys of `keys` a pull of W_version carries (but a first pull, which carries all): all but the
+        parameters frozen before it (docs/wsp.md#freezing)."""
+        if not self.freeze.points:
+            return keys
+        return tuple(k for k in keys if self.kinds[k] != "param" or self.freeze.key_pulled(k, version))
+
+    def check_push(
+        self, vw: int, stage: int, keys: tuple[str, ...], tensors: Mapping[str, Source], wave: int = 0
+    ) -> None:
+        """A push carries exactly the stage's registered keys (less the parameters frozen by its wave), in
+        float32, with their registered shapes."""
+        keys = self.pushed_keys(keys, wave)
         if set(tensors) != set(keys):
             missing = sorted(set(keys) - set(tensors))[:3]
             extra = sorted(set(tensors) - set(keys))[:3]
+            frozen = " less the parameters [train] freeze leaves out by then" if self.freeze.points else ""
             raise WspError(
                 "bad_message",
-                f"push of vw {vw} stage {stage} must carry exactly its registered keys "
+                f"push of vw {vw} stage {stage} wave {wave} must carry exactly its registered keys{frozen} "
                 f"(missing {missing}, unexpected {extra})",
             )
         for key, src in tensors.items():
@@ -197,10 +217,23 @@ class Registered:
 
     membership: Membership
     registrations: Registrations
+    full_pull: dict[StageId, int | None]
 
     @property
     def num_vws(self) -> int | None:
         return self.membership.num_vws
+
+    def first_pull(self, vw: int, stage: int, wave: int) -> bool:
+        """Whether this pull of `wave` is the stage's first since it registered (or a retry of it): it carries
+        every key, frozen ones too, as the stage (joining, or resumed) may hold none of them yet. Records
+        the first pull's wave in `full_pull` (a stage id -> its wave, None before it comes)."""
+        sid = (vw, stage)
+        if sid not in self.full_pull:
+            return False
+        first = self.full_pull[sid]
+        if first is None:
+            self.full_pull[sid] = first = wave
+        return first == wave
 
     @property
     def num_waves(self) -> int | None:

@@ -14,6 +14,7 @@ import numpy as np
 
 from hetpipe.core.wsp.aggregation import Aggregation
 from hetpipe.core.wsp.clock import first_pulled_wave, gate_version
+from hetpipe.core.wsp.freezing import FreezeSchedule
 from hetpipe.core.wsp.membership import Membership
 from hetpipe.core.wsp.registrations import Registered, Registrations, StageId
 from hetpipe.core.wsp.results import PullResult, PushResult, WspError
@@ -29,7 +30,13 @@ class RelayState(Registered):
 
     pull_mode = "exact"
 
-    def __init__(self, members: tuple[int, ...], staleness: int, aggregation: Aggregation) -> None:
+    def __init__(
+        self,
+        members: tuple[int, ...],
+        staleness: int,
+        aggregation: Aggregation,
+        freeze: FreezeSchedule | None = None,
+    ) -> None:
         if len(members) < 2 or list(members) != sorted(set(members)):
             raise ValueError(f"a relay serves two or more VWs in order, not {list(members)}")
         self.members = members
@@ -38,7 +45,9 @@ class RelayState(Registered):
         self.pushed: dict[StageId, int] = {}
         self.pulled: dict[StageId, int] = {}
         self.membership = Membership()
-        self.registrations = Registrations(self.membership)
+        self.registrations = Registrations(self.membership, freeze=freeze or FreezeSchedule())
+        self.full_pull: dict[StageId, int | None] = {}  # each member stage's first pull (all keys): its wave
+        self.last_seen: dict[str, np.ndarray] = {}  # each key's newest value from upstream (frozen ones too)
         self.sums: dict[int, WaveSums] = {}
         self.outbox: dict[int, dict[str, Source]] = {}  # complete group sums, by wave, not sent upstream yet
         self.completed = 0  # waves every member completed here
@@ -114,6 +123,7 @@ class RelayState(Registered):
         self.start = start_wave
         self.registrations.admit(vw, stage, num_vws, num_stages, tensors, kinds, num_waves, 0, weights)
         sid = (vw, stage)
+        self.full_pull[sid] = None
         self.pushed.setdefault(sid, start_wave)
         self.pulled.setdefault(sid, max(first_pulled_wave(self.staleness), start_wave) - 1)
         self.completed = max(self.completed, start_wave)
@@ -152,7 +162,7 @@ class RelayState(Registered):
             raise WspError(
                 "out_of_order", f"vw {vw} stage {stage} pushed wave {wave} before wave {done}: push in order"
             )
-        self.registrations.check_push(vw, stage, keys, tensors)
+        self.registrations.check_push(vw, stage, keys, tensors, wave)
         sums = self.sums.setdefault(wave, WaveSums())
         weight = self.membership.weight(vw)
         for key, src in tensors.items():
@@ -195,6 +205,7 @@ class RelayState(Registered):
     def receive(self, version: int, tensors: Mapping[str, np.ndarray], c_global: int) -> None:
         """Keep W_`version` as upstream sent it, for every member's pull of it."""
         self.versions.setdefault(version, dict(tensors))
+        self.last_seen.update(tensors)
         self.upstream_c_global = max(self.upstream_c_global, c_global, version)
 
     def pull(self, vw: int, stage: int, wave: int) -> PullResult:
@@ -205,7 +216,11 @@ class RelayState(Registered):
         if found is None:
             raise WspError("internal", f"pull of wave {wave} before W_{target} came from upstream")
         self.pulled[(vw, stage)] = max(self.pulled[(vw, stage)], wave)
-        result = PullResult(target, target - 1, {k: found[k] for k in keys})
+        if self.first_pull(vw, stage, wave):  # a frozen key W_target lacks: the value it froze at (last seen)
+            tensors = {k: found[k] if k in found else self.last_seen[k] for k in keys}
+        else:
+            tensors = {k: found[k] for k in self.registrations.pulled_keys(keys, target)}
+        result = PullResult(target, target - 1, tensors)
         self._forget()
         return result
 

@@ -33,6 +33,7 @@ import numpy as np
 from hetpipe.core.wsp import snapshot
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, make_aggregation
 from hetpipe.core.wsp.clock import PULL_MODES, first_pulled_wave, gate_version
+from hetpipe.core.wsp.freezing import FreezeSchedule
 from hetpipe.core.wsp.membership import Membership
 from hetpipe.core.wsp.registrations import Registered, Registrations, StageId
 from hetpipe.core.wsp.results import PullResult, PushResult, WspError
@@ -49,7 +50,11 @@ class ShardState(Registered):
     weights."""
 
     def __init__(
-        self, staleness: int, pull_mode: str = "exact", aggregation: Aggregation | None = None
+        self,
+        staleness: int,
+        pull_mode: str = "exact",
+        aggregation: Aggregation | None = None,
+        freeze: FreezeSchedule | None = None,
     ) -> None:
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
@@ -61,7 +66,10 @@ class ShardState(Registered):
         self.pushed: dict[StageId, int] = {}  # waves pushed, contiguous from the epoch's start
         self.pulled: dict[StageId, int] = {}  # highest wave pulled (first_pulled_wave - 1 before any)
         self.membership = Membership()  # the run's VWs and the waves each contributes
-        self.registrations = Registrations(self.membership)  # stages, keys, kinds, W_0
+        # stages, keys, kinds, W_0; and the parameters [train] freeze leaves off the wire
+        self.registrations = Registrations(self.membership, freeze=freeze or FreezeSchedule())
+        # each stage's first pull since it registered (None: to come), which carries every key: its wave
+        self.full_pull: dict[StageId, int | None] = {}
         self.exact = ExactVersions({0: self.registrations.initial}, self.aggregation, staleness)  # W_t, S_t
         self.running = RunningWeights(self.aggregation, self.membership.weight)  # latest: running weights
 
@@ -163,6 +171,7 @@ class ShardState(Registered):
             for key in new:
                 self.weights[key] = initial[key].copy()
         sid = (vw, stage)
+        self.full_pull[sid] = None
         self.pushed.setdefault(sid, start_wave)
         self.pulled.setdefault(sid, max(first_pulled_wave(self.staleness), start_wave) - 1)
         return {key: initial[key] for key in tensors}
@@ -211,7 +220,7 @@ class ShardState(Registered):
             raise WspError(
                 "out_of_order", f"vw {vw} stage {stage} pushed wave {wave} before wave {done}: push in order"
             )
-        self.registrations.check_push(vw, stage, keys, tensors)
+        self.registrations.check_push(vw, stage, keys, tensors, wave)
         completed = self.c_local(vw)
         if self.pull_mode == "exact":
             self.exact.add(wave, vw, tensors, self.kinds, self.membership.push_weight(vw))
@@ -246,6 +255,8 @@ class ShardState(Registered):
             result = PullResult(self.c_global, self.c_local(vw) - 1, {k: self._latest(k) for k in keys})
         else:
             target = gate_version(wave, self.staleness)
+            if not self.first_pull(vw, stage, wave):
+                keys = self.registrations.pulled_keys(keys, target)
             result = PullResult(target, target - 1, self.exact.at(keys, target))
         self.pulled[(vw, stage)] = max(self.pulled[(vw, stage)], wave)
         self._forget()
