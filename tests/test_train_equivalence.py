@@ -135,12 +135,19 @@ def test_batchnorm_model_equals_the_reference(tmp_path: Path, staleness: int, bu
     assert first and all(v.abs().sum() > 0 for v in first.values())  # the statistics did move
 
 
-def test_bfloat16_on_the_wire_equals_its_reference_and_rounds(tmp_path: Path):
+@pytest.mark.parametrize("relay", [False, True], ids=["to-the-ps", "through-a-relay"])
+def test_bfloat16_on_the_wire_equals_its_reference_and_rounds(tmp_path: Path, relay: bool):
     """[ps] wire_dtype = "bfloat16": weights cross the wire rounded, BatchNorm statistics do not; the run is
-    the reference's with the same rounding, bit for bit, and not the float32 run."""
+    the reference's with the same rounding, bit for bit, and not the float32 run. Through a node's relay the
+    stages' pushes stay on the node unrounded and the relay rounds the group's sum once (the stages rounded
+    theirs too, once, and the reference did not see it)."""
     path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=1, waves=4, model="mnist-cnn")
     fp32 = apply_overrides(
-        load_config(path), ["model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }"]
+        load_config(path),
+        [
+            "model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }",
+            f"ps.node_aggregation={str(relay).lower()}",
+        ],
     )
     bf16 = apply_overrides(fp32, ['ps.wire_dtype="bfloat16"'])
     _, stage_weights = assert_equals_reference(tmp_path, bf16, [(3, 3), (2, 4)])

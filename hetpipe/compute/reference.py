@@ -16,7 +16,8 @@ too. Its order of operations:
                    push by its samples per wave (hetpipe.compute.reference_ps)
   WAIT c:          t = W_{c-D-1} + own sums of waves > c-D-2 (in wave order); buffers replaced
   ps.wire_dtype:   bfloat16 rounds the weights (not buffers) of every push as it leaves a stage and of every
-                   pull as it leaves the PS; the PS and the stages' own sums stay float32
+                   pull as it leaves the PS; the PS and the stages' own sums stay float32; under node
+                   aggregation a group's pushes stay on the node and their sum is rounded as it leaves it
 A single VW skips WAIT when its own updates are applied locally (hetpipe.core.wsp.aggregation.needs_pulls).
 The schedule's modes and the aggregation rule's traits come from their registries; "aggregation server" below
 stands for any rule whose optimizer runs at the PS.
@@ -209,7 +210,9 @@ class _Reference:
             k: w.detach().numpy().copy() for st in self.stages.values() for k, w in _state_of(st).items()
         }
         groups = _node_groups(config) if config.ps.node_aggregation else None
-        self.ps = ReferencePS(initial, kinds, splits, rule, on_version, self.weights, groups)
+        self.relayed = {v for group in groups or [] if len(group) > 1 for v in group}
+        wire = self.on_wire if self.packed else None
+        self.ps = ReferencePS(initial, kinds, splits, rule, on_version, self.weights, groups, wire)
         self.acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
         self.grads: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> output gradient waiting there
         self.dispatch: dict[str, Callable[[int, int, RefStage, Action], None]] = {
@@ -454,7 +457,8 @@ class _Reference:
                     for k, w in params.items()
                 }
             )
-        out = {k: self.on_wire(arr) for k, arr in out.items()}
+        if v not in self.relayed:  # a relayed VW's push stays on its node: its relay rounds the group's sum
+            out = {k: self.on_wire(arr) for k, arr in out.items()}
         out.update({k: b.detach().float().numpy().copy() for k, b in stage_buffers(st.module).items()})
         self.ps.push((v, j), a.index, out)
 

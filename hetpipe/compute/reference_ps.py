@@ -91,11 +91,15 @@ class ReferencePS:
         on_version: Callable[[int, dict[str, np.ndarray]], None] | None,
         weights: list[int] | None = None,
         groups: list[list[int]] | None = None,
+        wire: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
+        """`wire`: the rounding of [ps] wire_dtype, which a group of two or more VWs (their relay) applies to
+        its weights' sum as it leaves the node (the group's own pushes stay on the node, unrounded)."""
         self.splits, self.kinds, self.rule, self.on_version = splits, kinds, rule, on_version
         self.weights = weights or [1] * len(splits)  # each VW's weight by samples
         # node-local aggregation: the VWs whose sum is made first and added as one (default: each VW alone)
         self.groups = groups or [[v] for v in range(len(splits))]
+        self.wire = wire
         self.history = [initial]  # W_0, W_1, ...
         self.pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> what was pushed
         self.pushed = {(v, j): 0 for v, split in enumerate(splits) for j in range(len(split))}
@@ -120,11 +124,18 @@ class ReferencePS:
                     np.asarray(self.pushes[w][v][key] * np.float32(self.weights[v] if weigh else 1))
                     for v in range(num_vws)
                 ]
-                s = _added([_added([parts[v] for v in group]) for group in self.groups])
+                s = _added([self.group_sum(key, [parts[v] for v in group]) for group in self.groups])
                 new[key] = self.fold(key, old, s).astype(np.float32, copy=False)
             self.history.append(new)
             if self.on_version is not None:
                 self.on_version(len(self.history) - 1, new)
+
+    def group_sum(self, key: str, parts: list[np.ndarray]) -> np.ndarray:
+        """A group's sum in VW order; a relayed group's weights rounded as they cross the node's link."""
+        total = _added(parts)
+        if len(parts) > 1 and self.wire is not None and self.kinds[key] == "param":
+            return self.wire(total)
+        return total
 
     def weighs(self, key: str) -> bool:
         """Whether VWs' pushes of `key` enter the sum times their weights: buffers, and params of a mean."""
