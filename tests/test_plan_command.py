@@ -139,3 +139,20 @@ def test_hetpipe_plan_says_nothing_of_node_aggregation_without_a_busy_link_and_a
     assert not node_notes(lines)
     busy = float(next(line for line in lines if line.startswith("best: ")).split("PS link ")[1].split("%")[0])
     assert (busy < 85) == (gbps == 0.2)
+
+
+def test_hetpipe_plan_predicts_the_best_plan_after_each_freeze_point(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[train] freeze: a line per freeze point under the best plan, its figure the same plan's with those
+    layers frozen; on a busy PS link (0.05 Gbit/s) each point predicts more than the one before (fewer
+    weights to move, less backward), and the first more than the plan itself."""
+    lines = plan_lines(tmp_path, capsys, "network.inter_node_gbps=0.05", "train.freeze=[[5, 3], [10, 5]]")
+    after = [line for line in lines if line.startswith("  after freezing layers")]
+    assert [line.split(" samples/s")[0].split(": ")[0] for line in after] == [
+        "  after freezing layers 0-2 at wave 5",
+        "  after freezing layers 0-4 at wave 10",
+    ]
+    rates = [float(line.split(": ")[1].split(" samples/s")[0].replace(",", "")) for line in after]
+    assert best_rate(lines) < rates[0] < rates[1]
+    assert not [line for line in plan_lines(tmp_path, capsys) if "after freezing" in line]

@@ -82,6 +82,9 @@ class Candidate:
     # process on their node (hetpipe.core.planning.relays; () when it is off or no node holds two VWs wholly).
     node_aggregation: bool = False
     relayed: tuple[tuple[int, ...], ...] = ()
+    # [train] freeze: (wave, layers frozen, samples/s predicted) at each freeze point, the plan unchanged
+    # (hetpipe.core.planning.freeze_gain); () without freezing, and for a candidate not simulated
+    after_freeze: tuple[tuple[int, int, float], ...] = ()
 
     @property
     def feasible(self) -> bool:

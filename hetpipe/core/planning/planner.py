@@ -29,6 +29,7 @@ from hetpipe.core.planning.candidates import (
     slowest_stage_text,
 )
 from hetpipe.core.planning.capacity import PsFigures, plan_bounds, standalone_rates
+from hetpipe.core.planning.freeze_gain import frozen_plan
 from hetpipe.core.planning.groupings import Grouping, GroupingSearch
 from hetpipe.core.planning.memory import format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
@@ -338,14 +339,37 @@ def _candidate(
         aggregation=config.ps.aggregation,
         mitigation=config.train.mitigation,
     )
+    candidate = _placed_prediction(search, plan, notes, how)
+    if config.train.freeze:
+        candidate = dataclasses.replace(candidate, after_freeze=_after_freeze(search, plan, how))
+    return candidate
+
+
+def _placed_prediction(
+    search: GroupingSearch, plan: Plan, notes: tuple[str, ...], how: _Prediction
+) -> Candidate:
+    """_predict, with placement "local" putting each layer's shard where the plan's first VW runs it."""
     network = how.network
-    if network is not None and config.ps.placement == "local":
+    if network is not None and search.config.ps.placement == "local":
         network = dataclasses.replace(
             network,
-            layer_nodes=_layer_nodes(sized[0]),
+            layer_nodes=_layer_nodes(plan.vws[0]),
             layer_bytes=tuple(float(layer.param_bytes) for layer in search.any_profile.layers),
         )
     return _predict(plan, notes, dataclasses.replace(how, network=network))
+
+
+def _after_freeze(search: GroupingSearch, plan: Plan, how: _Prediction) -> tuple[tuple[int, int, float], ...]:
+    """(wave, frozen layers, samples/s predicted) at each of [train] freeze's points: the same plan with
+    those layers frozen (hetpipe.core.planning.freeze_gain)."""
+    return tuple(
+        (
+            wave,
+            layers,
+            _placed_prediction(search, frozen_plan(plan, search.profiles, layers), (), how).samples_per_s,
+        )
+        for wave, layers in search.config.train.freeze
+    )
 
 
 def _layer_nodes(vw: VwPlan) -> tuple[str, ...]:

@@ -150,7 +150,18 @@ def format_plan(candidate: Candidate, *, fold_alike: bool = False) -> str:
     lines += [f"  note: {note}" for note in candidate.notes]
     lines += [f"  bound: {bound}" for bound in candidate.bounds]
     lines += [f"  {line}" for line in _relay_lines(candidate)]
+    lines += [f"  {line}" for line in _freeze_lines(candidate)]
     return "\n".join(lines)
+
+
+def _freeze_lines(c: Candidate) -> list[str]:
+    """One line per [train] freeze point: the same plan's prediction once those layers are frozen."""
+    return [
+        f"after freezing layers 0-{layers - 1} at wave {wave}: {rate:,.0f} samples/s predicted "
+        f"({rate / c.samples_per_s:.2f}x; the same VWs: no backward or PS traffic for them)"
+        for wave, layers, rate in c.after_freeze
+        if c.samples_per_s > 0
+    ]
 
 
 def _relay_lines(c: Candidate) -> list[str]:
@@ -452,6 +463,10 @@ def candidates_json(
                 "bounds": list(c.bounds),
                 "node_aggregation": c.node_aggregation,
                 "relayed": _relayed_json(c),
+                "after_freeze": [
+                    {"wave": wave, "layers": layers, "samples_per_s": rate}
+                    for wave, layers, rate in c.after_freeze
+                ],
                 "memory": [dataclasses.asdict(u) for u in c.memory],
                 "plan": dataclasses.asdict(c.plan) if c.plan is not None else None,
             }

@@ -1,0 +1,49 @@
+"""A plan as it runs once [train] freeze has frozen the model's first layers (docs/wsp.md#freezing): the same
+VWs, splits and Nm (the runtime does not re-plan), each stage's backward less the frozen layers' share of it,
+and their weights neither pushed nor pulled. Pure: the planner predicts it as it predicts any plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from hetpipe.core.planning.plan import Plan, StagePlan, VwPlan
+from hetpipe.core.planning.profile import ModelProfile
+from hetpipe.core.planning.simulate import stage_param_bytes
+
+__all__ = ["frozen_plan"]
+
+
+def frozen_plan(plan: Plan, profiles: Mapping[str, ModelProfile], layers: int) -> Plan:
+    """`plan` with the model's first `layers` layers frozen. Each stage's backward time shrinks by the frozen
+    layers' share of its layers' backward (from its GPU type's profile, so any minibatch size scales alike),
+    and its bytes per push and pull by their share of its weights. Left as they were: the forward (a frozen
+    layer still runs), the boundary transfers (a stage all frozen no longer takes an output gradient: not
+    counted, so the figure errs low) and the memory (the runtime keeps the optimizer state it had)."""
+    return dataclasses.replace(plan, vws=tuple(_frozen_vw(vw, profiles, layers) for vw in plan.vws))
+
+
+def _frozen_vw(vw: VwPlan, profiles: Mapping[str, ModelProfile], layers: int) -> VwPlan:
+    sizes = stage_param_bytes(vw)
+    stages = tuple(
+        _frozen_stage(stage, profiles[stage.gpu_type], layers, nbytes)
+        for stage, nbytes in zip(vw.stages, sizes, strict=True)
+    )
+    return dataclasses.replace(vw, stages=stages, param_bytes=int(sum(s.param_bytes for s in stages)))
+
+
+def _frozen_stage(stage: StagePlan, profile: ModelProfile, layers: int, nbytes: float) -> StagePlan:
+    own = profile.layers[stage.start : stage.stop]
+    frozen = profile.layers[stage.start : max(stage.start, min(stage.stop, layers))]
+    backward = _share(sum(layer.backward_s for layer in frozen), sum(layer.backward_s for layer in own))
+    weights = _share(sum(layer.param_bytes for layer in frozen), sum(layer.param_bytes for layer in own))
+    return dataclasses.replace(
+        stage,
+        backward_s=stage.backward_s * (1.0 - backward),
+        param_bytes=round(nbytes * (1.0 - weights)),
+    )
+
+
+def _share(part: float, whole: float) -> float:
+    """part / whole; 0 for a whole of 0 (a stage of layers without weights or backward time)."""
+    return part / whole if whole > 0 else 0.0

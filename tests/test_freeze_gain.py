@@ -1,0 +1,42 @@
+"""A plan with the model's first layers frozen (hetpipe.core.planning.freeze_gain) against hand-worked
+figures, and `hetpipe plan`'s prediction of it at each [train] freeze point."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetpipe.core.planning.freeze_gain import frozen_plan
+from hetpipe.core.planning.plan import Plan, StagePlan, VwPlan
+from hetpipe.core.planning.profile import LayerProfile, ModelProfile
+
+# 4 layers: backward 1, 2, 3, 4 s; weights 100, 0, 300, 600 bytes
+LAYERS = tuple(
+    LayerProfile(f"l{i}", 0.5, float(i + 1), nbytes, nbytes, 8, 8, 0)
+    for i, nbytes in enumerate((100, 0, 300, 600))
+)
+PROFILE = ModelProfile("toy", 4, "g", "float32", "x", 8, LAYERS)
+
+
+def stage(start: int, stop: int, backward_s: float, param_bytes: int = 0) -> StagePlan:
+    return StagePlan("n0:0", "g", start, stop, 1.0, backward_s, 0.1, 0.1, 10, 100, param_bytes)
+
+
+def test_each_stage_loses_the_frozen_layers_share_of_its_backward_and_of_its_weights() -> None:
+    # stage 0: layers 0-1 (backward 3 s of profile time, here 6 s: another batch); stage 1: layers 2-3
+    vw = VwPlan((stage(0, 2, 6.0, 100), stage(2, 4, 7.0, 900)), nm=2, param_bytes=1000)
+    plan = Plan("explicit", "toy", 4, 0, (vw,))
+    one = frozen_plan(plan, {"g": PROFILE}, 1).vws[0]
+    assert [s.backward_s for s in one.stages] == [pytest.approx(6.0 * 2 / 3), 7.0]
+    assert [s.param_bytes for s in one.stages] == [0, 900] and one.param_bytes == 900
+    three = frozen_plan(plan, {"g": PROFILE}, 3).vws[0]
+    assert [s.backward_s for s in three.stages] == [pytest.approx(0.0), pytest.approx(7.0 * 4 / 7)]
+    assert [s.param_bytes for s in three.stages] == [0, 600] and three.param_bytes == 600
+    assert [s.forward_s for s in three.stages] == [1.0, 1.0]  # a frozen layer still runs forward
+    assert [(s.recv_s, s.send_s, s.memory_bytes) for s in three.stages] == [(0.1, 0.1, 10)] * 2
+    assert frozen_plan(plan, {"g": PROFILE}, 0) == plan
+
+
+def test_stages_without_their_own_bytes_take_the_vws_by_layer_count() -> None:
+    vw = VwPlan((stage(0, 2, 6.0), stage(2, 4, 7.0)), nm=2, param_bytes=1000)  # 500 bytes a stage
+    frozen = frozen_plan(Plan("explicit", "toy", 4, 0, (vw,)), {"g": PROFILE}, 1).vws[0]
+    assert [s.param_bytes for s in frozen.stages] == [0, 500]
