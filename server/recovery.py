@@ -57,7 +57,11 @@ class ShardCheckpoints:
         exact = meta["wsp"]["pull_mode"] == "exact"
         try:
             state = ShardState.from_state(
-                meta["wsp"], ckpt.arrays, settings.make_aggregation(), cut=cut if exact else None
+                meta["wsp"],
+                ckpt.arrays,
+                settings.make_aggregation(),
+                cut=cut if exact else None,
+                freeze=settings.freeze_schedule,
             )
         except WspError as exc:
             from hetpipe.core.errors import HetpipeError

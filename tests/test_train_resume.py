@@ -32,15 +32,23 @@ SETTINGS = ["checkpoint.every=2", "checkpoint.keep=2", 'checkpoint.dir="ps"']  #
 
 @pytest.mark.parametrize(
     ("work", "extra"),
-    [(None, []), ([(2, 16), (3, 32)], []), ([(2, 16), (3, 32)], ["ps.node_aggregation=true"])],
-    ids=["same-work", "per-vw-work", "node-aggregation"],
+    [
+        (None, []),
+        ([(2, 16), (3, 32)], []),
+        ([(2, 16), (3, 32)], ["ps.node_aggregation=true"]),
+        (None, ["train.freeze=[[1, 2]]"]),
+        ([(2, 16), (3, 32)], ["ps.node_aggregation=true", "train.freeze=[[1, 2]]"]),
+    ],
+    ids=["same-work", "per-vw-work", "node-aggregation", "freeze", "freeze-node-aggregation"],
 )
 def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
     tmp_path: Path, work: list[tuple[int, int]] | None, extra: list[str]
 ):
     """The uninterrupted run is the single-process reference, which the runtime equals bit for bit
-    (tests/test_train_equivalence.py); with per-VW work too (docs/wsp.md#per-vw-work), and with both VWs
-    (on one node) through a node relay (docs/wsp.md#node-local-aggregation)."""
+    (tests/test_train_equivalence.py); with per-VW work too (docs/wsp.md#per-vw-work), with both VWs
+    (on one node) through a node relay (docs/wsp.md#node-local-aggregation), and with layers frozen from wave
+    1, so the resumed stages' first pulls must bring the frozen weights the later ones leave out
+    (docs/wsp.md#freezing)."""
     settings = SETTINGS + extra
     path = write_config(
         tmp_path,
@@ -92,7 +100,8 @@ def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
     )
     assert 4 <= resumed["resumed_from"] < 10 and resumed["audit_final_ledgers_exact"] is True
     relayed = [p.read_text() for p in (cut / "logs").glob("relay-*.log")]
-    assert bool(extra) == any("registered upstream for vws [0, 1]" in log for log in relayed)
+    relay = "ps.node_aggregation=true" in extra
+    assert relay == any("registered upstream for vws [0, 1]" in log for log in relayed)
     splits = [lay.split for lay in vw_layouts(config, model_of(config))]
     assert all(len(split) == 2 for split in splits)
     ref = run_reference(config, splits, work=work)

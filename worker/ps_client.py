@@ -87,7 +87,7 @@ class ClientSpec:
         )
 
     def client(self) -> PSClient:
-        return PSClient(
+        client = PSClient(
             self.endpoints,
             self.run,
             self.vw,
@@ -100,8 +100,9 @@ class ClientSpec:
             curve=self.curve,
             wire_dtype=self.wire_dtype,
             vw_weights=self.vw_weights,
-            freeze=FreezeSchedule.at(self.freeze),
         )
+        client.freeze = FreezeSchedule.at(self.freeze)
+        return client
 
 
 class PSClient:
@@ -125,14 +126,13 @@ class PSClient:
         wire_dtype: str = "float32",
         vw_weights: tuple[int, ...] = (),
         members: tuple[int, ...] = (),
-        freeze: FreezeSchedule | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.members = tuple(members)  # a node relay's group (docs/wsp.md#node-local-aggregation); ()
         self.run, self.vw, self.stage = run, vw, stage
         self.num_vws, self.num_stages = num_vws, num_stages
         self.vw_weights = tuple(vw_weights)
-        self.freeze = freeze or FreezeSchedule()  # pushes leave a parameter out from the wave it freezes
+        self.freeze = FreezeSchedule()  # [train] freeze: pushes leave a parameter out from its wave on
         self.placement = dict(placement)
         self.curve = curve
         self.keys: list[str] = []
@@ -213,13 +213,10 @@ class PSClient:
         return [{k: tensors[k] for k in part} for part in parts]
 
     def _push_requests(self, wave: int, tensors: Mapping[str, np.ndarray]) -> list[Request]:
-        """The push of `wave`, one request per shard (each shard's keys of `tensors`, less the parameters
-        frozen by `wave`: docs/wsp.md#freezing)."""
-        if self.freeze.points:
-            params = self.calls.packed_keys
-            tensors = {k: t for k, t in tensors.items() if k not in params or self.freeze.key_pushed(k, wave)}
+        """The push of `wave`, one request per shard (each shard's keys of `tensors` but the frozen ones)."""
         fields = {**self._stage_fields(), "wave": wave}
-        return [("push", fields, part) for part in self._split(tensors)]
+        unfrozen = _unfrozen(tensors, self.calls.packed_keys, self.freeze, wave)
+        return [("push", fields, part) for part in self._split(unfrozen)]
 
     def register(
         self,
@@ -407,3 +404,12 @@ class PSClient:
                 f"(c_global {info['c_global']}, wave {gate} needs {need}); is vw {slow} running?"
             )
         return f"{text}; the PS answers status (c_global {info['c_global']}), so the request itself stalls"
+
+
+def _unfrozen(
+    tensors: Mapping[str, np.ndarray], params: set[str], freeze: FreezeSchedule, wave: int
+) -> Mapping[str, np.ndarray]:
+    """`tensors` less the parameters `freeze` has frozen by `wave` (all of them without freezing)."""
+    if not freeze.points:
+        return tensors
+    return {k: t for k, t in tensors.items() if k not in params or freeze.key_pushed(k, wave)}

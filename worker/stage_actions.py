@@ -97,7 +97,9 @@ class ComputeActions:
         value = None
         with self.trace.span(f"B{p}"):
             # a stage all frozen in p's wave gets no output gradient (train.freeze: both ends know it)
-            grad = None if self.last or not self.compute.runs_backward(p) else self.recv(job.stage + 1)
+            grad = (
+                None if self.last or not self.compute.freezing.runs_backward(p) else self.recv(job.stage + 1)
+            )
             skip = grad is P2P.SKIPPED
             target = self.targets.pop(p) if self.last else None
             unread = None
@@ -119,7 +121,7 @@ class ComputeActions:
                     grad_in, _ = self.compute.backward(p, grad, target, self.loss_fn)
                 self.sync_block()
             self._timed("compute", started)
-            if not self.first and self.compute.sends_input_gradient(p):
+            if not self.first and self.compute.freezing.sends_input_gradient(p):
                 self.send(grad_in, job.stage - 1)
         self.samples += self.config.train.batch_size
         if self.last:

@@ -56,7 +56,7 @@ from hetpipe.compute.losses import loss_function
 from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
 from hetpipe.compute.reference_ps import ReferencePS
 from hetpipe.compute.stage_buffers import set_buffer, stage_buffers
-from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.config.schema import ClusterConfig, TrainConfig
 from hetpipe.core.pipeline.lr_schedule import lr_at
 from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
 from hetpipe.core.pipeline.schedule import (
@@ -72,6 +72,7 @@ from hetpipe.core.pipeline.schedule import (
 )
 from hetpipe.core.protocol.wire import from_bfloat16_bits, to_bfloat16_bits
 from hetpipe.core.wsp.aggregation import get_aggregation, make_aggregation, needs_pulls
+from hetpipe.core.wsp.freezing import FreezeSchedule
 from hetpipe.models import build_stage
 
 __all__ = ["ReferenceResult", "run_reference"]
@@ -263,7 +264,8 @@ class _Reference:
         for _, other in needs(a, j, len(self.splits[v])):
             if other.kind == FORWARD and (v, j, a.index) not in self.acts:
                 return False
-            if other.kind == BACKWARD and (v, j, a.index) not in self.grads and self.trains(v, j, a.index):
+            trains = _trains(self.freeze, self.stages[sid], a.index // self.nms[v])
+            if other.kind == BACKWARD and (v, j, a.index) not in self.grads and trains:
                 return False
         gate = gate_of(a, self.D)
         return gate is None or not self.flags.pulls or self.ps.c_global() >= gate
@@ -277,42 +279,12 @@ class _Reference:
     def run_forward(
         self, st: RefStage, inputs: Tensor, weights: dict[str, Tensor] | None, frozen: int = 0
     ) -> Tensor:
-        """The stage on `inputs` (on the stashed `weights` when given); its first `frozen` layers layer by
-        layer, each in eval mode without autograd, then the others layer by layer."""
         with self.autocast():
-            if not frozen:
-                if weights is None:
-                    return st.module(inputs)
-                return functional_call(st.module, weights, (inputs,), strict=False)
-            x = inputs
-            for i, (name, layer) in enumerate(st.module.named_children()):
-                own = (
-                    None
-                    if weights is None
-                    else {k[len(name) + 1 :]: w for k, w in weights.items() if k.startswith(name + ".")}
-                )
-                if i < frozen:
-                    layer.eval()
-                    with torch.no_grad():
-                        x = layer(x) if own is None else functional_call(layer, own, (x,), strict=False)
-                    layer.train()
-                else:
-                    x = layer(x) if own is None else functional_call(layer, own, (x,), strict=False)
-            return x
-
-    # ---- freezing (train.freeze) ------------------------------------------------------------------
-    def frozen(self, v: int, j: int, p: int) -> int:
-        """How many of stage (v, j)'s layers minibatch p runs frozen."""
-        st = self.stages[(v, j)]
-        return min(max(self.freeze.frozen(p // self.nms[v]) - st.start, 0), st.stop - st.start)
-
-    def trains(self, v: int, j: int, p: int) -> bool:
-        """Whether some layer of stage (v, j) trains in minibatch p's wave (else its B has nothing to do)."""
-        return self.frozen(v, j, p) < self.stages[(v, j)].stop - self.stages[(v, j)].start
+            return _run_stage(st.module, inputs, weights, frozen)
 
     def input_gradient(self, v: int, j: int, p: int) -> bool:
-        """Whether stage (v, j) hands its input's gradient back for minibatch p: stage j - 1 trains."""
-        return j > 0 and self.trains(v, j - 1, p)
+        """Whether stage (v, j) hands its input's gradient back for minibatch p (stage j - 1 trains)."""
+        return j > 0 and _trains(self.freeze, self.stages[(v, j - 1)], p // self.nms[v])
 
     def last(self, v: int, j: int) -> bool:
         return j == len(self.splits[v]) - 1
@@ -324,7 +296,7 @@ class _Reference:
             inputs = inputs.detach().requires_grad_(True)
         weights = self.stashed_version(st, a.index) if self.flags.stashing else None
         last = self.last(v, j)
-        frozen = self.frozen(v, j, a.index)
+        frozen = _frozen_layers(self.freeze, st, a.index // self.nms[v])
         if self.flags.recompute:
             with torch.no_grad():
                 out = self.run_forward(st, inputs, weights, frozen)
@@ -365,7 +337,9 @@ class _Reference:
                     k: (w.detach() - st.dc[k] * float(lag)).requires_grad_(True) for k, w in params.items()
                 }
             kept = {k: b.detach().clone() for k, b in stage_buffers(st.module).items()}
-            out = self.run_forward(st, inputs, weights, self.frozen(v, j, a.index))
+            out = self.run_forward(
+                st, inputs, weights, _frozen_layers(self.freeze, st, a.index // self.nms[v])
+            )
             for key, value in kept.items():
                 set_buffer(st.module, key, value)
             root = self.loss_fn(out, self.batch(v, a.index)[1]) if last else out
@@ -395,7 +369,10 @@ class _Reference:
                         w.grad = w.grad / st.covered
             if st.optimizer is not None:
                 if self.flags.scale_lr:
-                    set_lr(st.optimizer, lr_at(self.lr_schedule, wave) * self.lr_factor(st, a.index, wave))
+                    set_lr(
+                        st.optimizer,
+                        lr_at(self.lr_schedule, wave) * _lr_factor(self.t, self.num_vws, st, a.index, wave),
+                    )
                 if self.t.clip_grad_norm:
                     clip(params, self.t.clip_grad_norm)
                 st.optimizer.step()
@@ -413,16 +390,6 @@ class _Reference:
                 w.grad = None
         st.covered = 0
         st.version_lag = None
-
-    def lr_factor(self, st: RefStage, p: int, wave: int) -> float:
-        """warmup x PipeMare T1 for the update of minibatch p."""
-        mit, t = self.t.mitigations, self.t
-        factor = 1.0
-        if "warmup" in mit:
-            factor *= warmup_lr_factor(wave, self.num_vws, t.warmup_waves)
-        if "pipemare" in mit:
-            factor *= pipemare_lr_factor(st.lags[p].update, wave, t.warmup_waves)
-        return factor
 
     @torch.no_grad()
     def fold(self, st: RefStage, params: dict[str, Tensor]) -> None:
@@ -496,6 +463,53 @@ class _Reference:
             now = torch.from_numpy(pulled).clone()
             w.copy_(now + (now - st.last_pulled[k]) * float(self.D + 1))
             st.last_pulled[k] = now
+
+
+def _run_stage(
+    module: torch.nn.Module, inputs: Tensor, weights: dict[str, Tensor] | None, frozen: int
+) -> Tensor:
+    """The stage on `inputs` (on the stashed `weights` when given); with `frozen` > 0 layer by layer, its
+    first `frozen` layers each in eval mode without autograd."""
+    if not frozen:
+        return (
+            module(inputs) if weights is None else functional_call(module, weights, (inputs,), strict=False)
+        )
+    x = inputs
+    for i, (name, layer) in enumerate(module.named_children()):
+        own = (
+            None
+            if weights is None
+            else {k[len(name) + 1 :]: w for k, w in weights.items() if k.startswith(f"{name}.")}
+        )
+        if i < frozen:
+            layer.eval()
+            with torch.no_grad():
+                x = layer(x) if own is None else functional_call(layer, own, (x,), strict=False)
+            layer.train()
+        else:
+            x = layer(x) if own is None else functional_call(layer, own, (x,), strict=False)
+    return x
+
+
+def _frozen_layers(freeze: FreezeSchedule, st: RefStage, wave: int) -> int:
+    """How many of the stage's layers run frozen in `wave` (train.freeze)."""
+    return min(max(freeze.frozen(wave) - st.start, 0), st.stop - st.start)
+
+
+def _trains(freeze: FreezeSchedule, st: RefStage, wave: int) -> bool:
+    """Whether some layer of the stage trains in `wave` (else its B has nothing to do)."""
+    return _frozen_layers(freeze, st, wave) < st.stop - st.start
+
+
+def _lr_factor(t: TrainConfig, num_vws: int, st: RefStage, p: int, wave: int) -> float:
+    """warmup x PipeMare T1 for the update of minibatch p."""
+    mit = t.mitigations
+    factor = 1.0
+    if "warmup" in mit:
+        factor *= warmup_lr_factor(wave, num_vws, t.warmup_waves)
+    if "pipemare" in mit:
+        factor *= pipemare_lr_factor(st.lags[p].update, wave, t.warmup_waves)
+    return factor
 
 
 def clip(params: dict[str, Tensor], max_norm: float) -> None:

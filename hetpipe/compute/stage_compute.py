@@ -48,6 +48,7 @@ from hetpipe.compute.multi_tensor import add_into, float_copies
 from hetpipe.compute.optim import make_optimizer, set_lr
 from hetpipe.compute.stage_buffers import BufferSlots
 from hetpipe.compute.stage_checkpoint import restore_stage, save_stage, saved_flights
+from hetpipe.compute.stage_freezing import StageFreezing, run_layers
 from hetpipe.compute.update_sums import Sums, UpdateSums
 from hetpipe.compute.weight_swap import WeightSwap
 from hetpipe.compute.weight_versions import Weights, WeightVersions
@@ -143,10 +144,7 @@ class StageCompute:
         """`ledgers`: audit counters that `on_update(minibatches)` may change at each update, before its
         change is recorded (they travel as updates and are always summed)."""
         self.module = module
-        names = [name for name, _ in module.named_children()]
-        # the model's layers [start, stop) (hetpipe.models.build_stage names each child by its global index)
-        self.start = int(names[0]) if names and names[0].isdigit() else 0
-        self.stop = self.start + len(names)
+        self.freezing = StageFreezing(module, rules.freeze, rules.nm, rules.exact_pulls)
         self._swap = WeightSwap(module)  # forwards on a stashed weight version
         self.buffer_slots = BufferSlots(module)  # the buffers, through slots found once
         self.rules = rules
@@ -178,7 +176,6 @@ class StageCompute:
         self._scale_lr = self.optimizer is not None and scaled
         self._predict_pulls = "spectrain" in mit and self.optimizer is None
         self._last_pulled: dict[str, Tensor] = {}  # spectrain, aggregation server: the weights last pulled
-        self._pulled_before = False  # the first pull since this process registered carries every key
 
     # ---- the update bookkeeping, by the names callers use -----------------------------------------------
     @property
@@ -231,23 +228,6 @@ class StageCompute:
     def wave_of(self, minibatch: int) -> int:
         return minibatch // self.rules.nm
 
-    # ---- freezing (train.freeze, docs/wsp.md#freezing) -----------------------------------------------
-    def frozen_here(self, p: int) -> int:
-        """How many of this stage's first layers minibatch p runs frozen (no autograd, eval mode)."""
-        if not self.rules.freeze.points:
-            return 0
-        return min(max(self.rules.freeze.frozen(self.wave_of(p)) - self.start, 0), self.stop - self.start)
-
-    def runs_backward(self, p: int) -> bool:
-        """Whether minibatch p's backward has work here (some layer of the stage trains in its wave): a stage
-        all frozen receives no output gradient for it."""
-        return self.rules.freeze.runs_backward(self.start, self.stop, self.wave_of(p))
-
-    def sends_input_gradient(self, p: int) -> bool:
-        """Whether minibatch p's backward sends its input's gradient to the stage before (that stage trains a
-        layer in p's wave); the first stage never does."""
-        return self.start > 0 and self.rules.freeze.wants_input_gradient(self.start, self.wave_of(p))
-
     # ---- forward / backward -----------------------------------------------------------------------
     def _compute(self) -> contextlib.AbstractContextManager:
         return self._autocast if self._autocast is not None else contextlib.nullcontext()
@@ -256,33 +236,16 @@ class StageCompute:
         if flight.weights is None:
             flight.weights = self.versions.corrected(p)
         with self.buffer_slots.kept():
-            flight.output = self._run(flight.weights, flight.inputs, self.frozen_here(p))
+            flight.output = self._run(flight.weights, flight.inputs, self.freezing.frozen_here(p))
 
     def _run(self, weights: Weights | None, inputs: Tensor, frozen: int = 0) -> Tensor:
         """The stage's layers on `inputs` (on the stashed `weights` when given); the first `frozen` of them
         without autograd and in eval mode, so their weights and buffers stay as they are."""
         with self._compute():
             if weights is None:
-                return self._layers(inputs, frozen)
+                return run_layers(self.module, inputs, frozen)
             with self._swap.using(weights):
-                return self._layers(inputs, frozen)
-
-    def _layers(self, inputs: Tensor, frozen: int) -> Tensor:
-        if not frozen:
-            return self.module(inputs)
-        layers = list(self.module.children())
-        x = inputs
-        with torch.no_grad():
-            for layer in layers[:frozen]:
-                mode = layer.training
-                layer.train(False)
-                try:
-                    x = layer(x)
-                finally:
-                    layer.train(mode)
-        for layer in layers[frozen:]:
-            x = layer(x)
-        return x
+                return run_layers(self.module, inputs, frozen)
 
     def forward(
         self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None, input_grad: bool = True
@@ -290,11 +253,10 @@ class StageCompute:
         """Forward of minibatch p; returns its output (what goes to the next stage). `input_grad`: the
         backward must produce the gradient w.r.t. the input (every stage but the first, unless the stage
         before it is all frozen in p's wave)."""
-        frozen_before = self.rules.freeze.points and not self.sends_input_gradient(p)
-        if input_grad and inputs.is_floating_point() and not frozen_before:
+        if input_grad and inputs.is_floating_point() and not self.freezing.drops_input_gradient(p):
             inputs = inputs.detach().requires_grad_(True)
         weights = self.versions.for_forward(p)
-        frozen = self.frozen_here(p)
+        frozen = self.freezing.frozen_here(p)
         if self.rules.recompute:
             with torch.no_grad():
                 output = self._run(weights, inputs, frozen)
@@ -403,11 +365,7 @@ class StageCompute:
         replaced out of place (buffers = "average"); aggregation server: weights = pulled. `version`: the
         pulled W_t, whose frozen parameters a pull leaves out (but the first, docs/wsp.md#freezing): their
         slots in `pulled` are stale and left alone."""
-        freeze = self.rules.freeze
-        if freeze.points and self.rules.exact_pulls and version is not None and self._pulled_before:
-            params = self.params
-            pulled = {k: t for k, t in pulled.items() if k not in params or freeze.key_pulled(k, version)}
-        self._pulled_before = True
+        pulled = self.freezing.carried(pulled, version, self.params)
         self.updates.rebase(pulled, own_through)
         if self.optimizer is None:
             self._take_pulled(pulled)
@@ -456,7 +414,7 @@ class StageCompute:
             flight = InFlight(saved.inputs, None, saved.weights)
             if saved.output or p in resend:
                 with torch.set_grad_enabled(saved.output), self.buffer_slots.kept():
-                    output = self._run(saved.weights, saved.inputs, self.frozen_here(p))
+                    output = self._run(saved.weights, saved.inputs, self.freezing.frozen_here(p))
                     if saved.output:
                         flight.output = output
                         if saved.loss:

@@ -12,6 +12,7 @@ import numpy as np
 
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, make_aggregation
 from hetpipe.core.wsp.clock import first_pulled_wave, gate_version
+from hetpipe.core.wsp.freezing import FreezeSchedule
 from hetpipe.core.wsp.results import WspError
 from hetpipe.core.wsp.sources import as_array
 from hetpipe.core.wsp.wave_sums import WaveSums
@@ -104,8 +105,10 @@ def from_state(
     arrays: Mapping[str, np.ndarray],
     aggregation: Aggregation | None = None,
     cut: int | None = None,
+    freeze: FreezeSchedule | None = None,
 ) -> ShardState:
-    """The state `to_state` wrote; `aggregation` supplies the rule (and its optimizer settings) to resume.
+    """The state `to_state` wrote; `aggregation` supplies the rule (and its optimizer settings) to resume,
+    `freeze` the run's [train] freeze (which parameters pushes and pulls leave out; the config says).
 
     `cut` (exact pulls only): the state as it was when every stage had pushed exactly the waves < cut and
     nothing more, what `hetpipe train --resume` restarts the stages from (docs/recovery.md)."""
@@ -115,7 +118,7 @@ def from_state(
         aggregation.load_state(
             meta["optimizer"], {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
         )
-    state = cls(meta["staleness"], meta["pull_mode"], aggregation)
+    state = cls(meta["staleness"], meta["pull_mode"], aggregation, freeze)
     _restore(state, meta, arrays)
     if cut is not None:
         cut_at(state, cut)

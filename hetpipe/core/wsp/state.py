@@ -328,7 +328,9 @@ class ShardState(Registered):
         arrays: Mapping[str, np.ndarray],
         aggregation: Aggregation | None = None,
         cut: int | None = None,
+        freeze: FreezeSchedule | None = None,
     ) -> ShardState:
         """The state `to_state` wrote (snapshot.from_state); `aggregation`: the rule (and its optimizer
-        settings) to resume with; `cut` (exact pulls only): the wave to cut it back to, for a resume."""
-        return snapshot.from_state(cls, meta, arrays, aggregation, cut)
+        settings) to resume with; `cut` (exact pulls only): the wave to cut it back to, for a resume;
+        `freeze`: the run's [train] freeze."""
+        return snapshot.from_state(cls, meta, arrays, aggregation, cut, freeze)

@@ -1,0 +1,74 @@
+"""[train] freeze as one stage sees it (docs/wsp.md#freezing): how many of its layers a minibatch runs frozen,
+whether its backward has work and sends an input gradient, which keys a pull brought, and running the layers
+with the frozen ones in eval mode without autograd."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from hetpipe.core.wsp.freezing import FreezeSchedule
+
+__all__ = ["StageFreezing", "run_layers"]
+
+
+class StageFreezing:
+    """The freeze rule for the stage of layers [start, stop) of a VW at `nm` minibatches a wave."""
+
+    def __init__(self, module: nn.Module, freeze: FreezeSchedule, nm: int, exact_pulls: bool) -> None:
+        names = [name for name, _ in module.named_children()]
+        # hetpipe.models.build_stage names each child by its global layer index
+        self.start = int(names[0]) if names and names[0].isdigit() else 0
+        self.stop = self.start + len(names)
+        self.freeze, self.nm, self.exact_pulls = freeze, nm, exact_pulls
+        self._pulled_before = False  # the first pull since this process registered carries every key
+
+    def frozen_here(self, p: int) -> int:
+        """How many of this stage's first layers minibatch p runs frozen."""
+        if not self.freeze.points:
+            return 0
+        return min(max(self.freeze.frozen(p // self.nm) - self.start, 0), self.stop - self.start)
+
+    def runs_backward(self, p: int) -> bool:
+        """Whether minibatch p's backward has work here (some layer of the stage trains in its wave): a stage
+        all frozen receives no output gradient for it."""
+        return self.freeze.runs_backward(self.start, self.stop, p // self.nm)
+
+    def sends_input_gradient(self, p: int) -> bool:
+        """Whether minibatch p's backward sends its input's gradient to the stage before (that stage trains a
+        layer in p's wave); the first stage never does."""
+        return self.start > 0 and self.freeze.wants_input_gradient(self.start, p // self.nm)
+
+    def drops_input_gradient(self, p: int) -> bool:
+        """Whether freezing spares minibatch p's input its gradient (the stage before is all frozen)."""
+        return bool(self.freeze.points) and not self.sends_input_gradient(p)
+
+    def carried(self, pulled: Mapping[str, Tensor], version: int | None, params: Mapping[str, Tensor]):
+        """The keys of `pulled` (every key's slot) that a pull of W_version brought: an exact pull leaves out
+        the parameters frozen before it, but the first since the stage registered."""
+        first, self._pulled_before = not self._pulled_before, True
+        if not self.freeze.points or not self.exact_pulls or version is None or first:
+            return pulled
+        return {k: t for k, t in pulled.items() if k not in params or self.freeze.key_pulled(k, version)}
+
+
+def run_layers(module: nn.Module, inputs: Tensor, frozen: int) -> Tensor:
+    """`module` (an nn.Sequential) on `inputs`, its first `frozen` children in eval mode without autograd, so
+    their weights get no gradient and their buffers stay as they are."""
+    if not frozen:
+        return module(inputs)
+    layers = list(module.children())
+    x = inputs
+    with torch.no_grad():
+        for layer in layers[:frozen]:
+            mode = layer.training
+            layer.train(False)
+            try:
+                x = layer(x)
+            finally:
+                layer.train(mode)
+    for layer in layers[frozen:]:
+        x = layer(x)
+    return x
