@@ -45,7 +45,9 @@ class StageFreezing:
         """Whether freezing spares minibatch p's input its gradient (the stage before is all frozen)."""
         return bool(self.freeze.points) and not self.sends_input_gradient(p)
 
-    def carried(self, pulled: Mapping[str, Tensor], version: int | None, params: Mapping[str, Tensor]):
+    def carried(
+        self, pulled: Mapping[str, Tensor], version: int | None, params: Mapping[str, Tensor]
+    ) -> Mapping[str, Tensor]:
         """The keys of `pulled` (every key's slot) that a pull of W_version brought: an exact pull leaves out
         the parameters frozen before it, but the first since the stage registered."""
         first, self._pulled_before = not self._pulled_before, True
