@@ -139,8 +139,7 @@ def test_batchnorm_model_equals_the_reference(tmp_path: Path, staleness: int, bu
 def test_bfloat16_on_the_wire_equals_its_reference_and_rounds(tmp_path: Path, relay: bool):
     """[ps] wire_dtype = "bfloat16": weights cross the wire rounded, BatchNorm statistics do not; the run is
     the reference's with the same rounding, bit for bit, and not the float32 run. Through a node's relay the
-    stages' pushes stay on the node unrounded and the relay rounds the group's sum once (the stages rounded
-    theirs too, once, and the reference did not see it)."""
+    relay rounds the sum of its group's rounded pushes again (the reference did not: the runs differed)."""
     path = write_config(tmp_path, vws=layout(2, 2), nm=2, staleness=1, waves=4, model="mnist-cnn")
     fp32 = apply_overrides(
         load_config(path),

@@ -14,7 +14,6 @@ from hetpipe.core.hardware.devices import stage_device
 from hetpipe.core.hardware.emulate import cpu_cores, slowdowns
 from hetpipe.core.pipeline.profile_window import ProfileWindow
 from hetpipe.core.protocol.keys import ClientKeys
-from hetpipe.core.wsp.groups import relay_node
 from hetpipe.core.wsp.work import VwWork, sample_weights
 
 __all__ = ["StageJob", "cuda_devices", "emulated_slowdowns", "stage_jobs"]
@@ -50,9 +49,6 @@ class StageJob:
     first_vw: VwLayout | None = None  # the run's first VW: placement "local" puts each layer where it runs
     profile: ProfileWindow | None = None  # hetpipe train --profile: torch.profiler over these minibatches
     work: tuple[VwWork, ...] = ()  # every VW's work per wave (Nm, batch); (): every VW as this config says
-    # the stage pushes and pulls through its node's relay (docs/wsp.md#node-local-aggregation): its traffic
-    # stays on the node, in float32; the relay rounds the group's sum for the link ([ps] wire_dtype)
-    relayed: bool = False
 
     @cached_property
     def config(self) -> ClusterConfig:
@@ -117,14 +113,10 @@ def stage_jobs(
     resume_wave: int = 0,
     snapshots: bool = False,
     profile: ProfileWindow | None = None,
-    relayed: bool | None = None,
 ) -> list[StageJob]:
     """The jobs of every stage of virtual worker `vw` (of `vws`, all the run's VWs); `ps_keys` must be vw's.
-    `snapshots`: the stages save their state at the PS's checkpoint waves ([checkpoint] every, stages).
-    `relayed`: whether `ps_endpoints` are its node's relays (None: as node aggregation groups `vws`)."""
+    `snapshots`: the stages save their state at the PS's checkpoint waves ([checkpoint] every, stages)."""
     lay = vws[vw]
-    if relayed is None:
-        relayed = relay_node([v.gpus for v in vws], vw, config.ps.node_aggregation) is not None
     slow, time_scale = emulated_slowdowns(config, vws)
     packed = pack_config(vw_config(config, lay))
     cuda = cuda_devices()
@@ -155,7 +147,6 @@ def stage_jobs(
             first_vw=vws[0],
             profile=profile,
             work=run_work(config, vws),
-            relayed=relayed,
         )
         for s in range(len(lay.split))
     ]

@@ -93,7 +93,6 @@ def worker_jobs(
         start_wave=start_wave,
         audit=audit,
         profile=profile,
-        relayed=False if join else None,  # a joining VW talks to the shards (no rejoin under relays)
     )
 
 

@@ -94,7 +94,7 @@ def client_spec(job: StageJob, spec: ModelSpec) -> ClientSpec:
         timeout_s=config.ps.timeout_s,
         retry_s=min(5.0, config.ps.timeout_s / 4),
         curve=job.ps_keys,
-        wire_dtype="float32" if job.relayed else config.ps.wire_dtype,  # a relay's link: it rounds the sum
+        wire_dtype=config.ps.wire_dtype,
         vw_weights=job.vw_weights,
         freeze=config.train.freeze,
     )

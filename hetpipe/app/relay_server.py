@@ -43,7 +43,7 @@ class RelayJob:
     timeout_s: float
     retry_s: float
     heartbeat_s: float
-    wire_dtype: str  # of the upstream link (the stages' side is float32: it stays on the node)
+    wire_dtype: str  # of the upstream link (the group's sum packed again: docs/ps-protocol.md)
 
 
 class RelayServer(ShardServer):

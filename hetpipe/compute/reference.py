@@ -17,7 +17,7 @@ too. Its order of operations:
   WAIT c:          t = W_{c-D-1} + own sums of waves > c-D-2 (in wave order); buffers replaced
   ps.wire_dtype:   bfloat16 rounds the weights (not buffers) of every push as it leaves a stage and of every
                    pull as it leaves the PS; the PS and the stages' own sums stay float32; under node
-                   aggregation a group's pushes stay on the node and their sum is rounded as it leaves it
+                   aggregation the relay rounds its group's sum of those pushes again as it leaves the node
 A single VW skips WAIT when its own updates are applied locally (hetpipe.core.wsp.aggregation.needs_pulls).
 The schedule's modes and the aggregation rule's traits come from their registries; "aggregation server" below
 stands for any rule whose optimizer runs at the PS.
@@ -211,7 +211,6 @@ class _Reference:
             k: w.detach().numpy().copy() for st in self.stages.values() for k, w in _state_of(st).items()
         }
         groups = _node_groups(config) if config.ps.node_aggregation else None
-        self.relayed = {v for group in groups or [] if len(group) > 1 for v in group}
         wire = self.on_wire if self.packed else None
         self.ps = ReferencePS(initial, kinds, splits, rule, on_version, self.weights, groups, wire)
         self.acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
@@ -424,8 +423,7 @@ class _Reference:
                     for k, w in params.items()
                 }
             )
-        if v not in self.relayed:  # a relayed VW's push stays on its node: its relay rounds the group's sum
-            out = {k: self.on_wire(arr) for k, arr in out.items()}
+        out = {k: self.on_wire(arr) for k, arr in out.items()}
         out.update({k: b.detach().float().numpy().copy() for k, b in stage_buffers(st.module).items()})
         self.ps.push((v, j), a.index, out)
 

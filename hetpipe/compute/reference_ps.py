@@ -93,8 +93,8 @@ class ReferencePS:
         groups: list[list[int]] | None = None,
         wire: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
-        """`wire`: the rounding of [ps] wire_dtype, which a group of two or more VWs (their relay) applies to
-        its weights' sum as it leaves the node (the group's own pushes stay on the node, unrounded)."""
+        """`wire`: the rounding of [ps] wire_dtype, which a group of two or more VWs (their relay) applies
+        again to the sum of its (rounded) pushes of weights as it leaves the node."""
         self.splits, self.kinds, self.rule, self.on_version = splits, kinds, rule, on_version
         self.weights = weights or [1] * len(splits)  # each VW's weight by samples
         # node-local aggregation: the VWs whose sum is made first and added as one (default: each VW alone)
