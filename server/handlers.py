@@ -39,6 +39,7 @@ def admit_registration(shard: ShardServer, identity: bytes, msg: wire.Message) -
         f["start_wave"],
         tuple(f["vw_weights"]),
         tuple(f["members"]),
+        spans=tuple((start, end) for start, end in f["vw_spans"]),
     )
     shard.identities[sid] = identity
     shard.beats[sid] = (time.monotonic(), shard.beats.get(sid, (0.0, 0))[1])

@@ -19,7 +19,7 @@ def layout(vws: int, stages: int) -> list[list[str]]:
 
 def run(tmp_path: Path, config: ClusterConfig, splits: list[tuple[int, ...]]):
     lays = tuple(
-        VwLayout(tuple(str(g) for g in vw.gpus), s, vw.nm or 0, vw.batch_size or 0)
+        VwLayout(tuple(str(g) for g in vw.gpus), s, vw.nm or 0, vw.batch_size or 0, vw.waves)
         for vw, s in zip(config.virtual_workers, splits, strict=True)
     )
     run_dir = tmp_path / "run"

@@ -124,6 +124,7 @@ def test_five_unauthorised_clients_are_refused_and_logged(children, keys: Path, 
                 "start_wave": 0,
                 "vw_weights": [],
                 "members": [],
+                "vw_spans": [],
             }
             sock.send_multipart(
                 wire.encode("register", register, {"k": np.zeros(3, np.float32)}), flags=zmq.NOBLOCK

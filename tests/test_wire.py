@@ -49,6 +49,7 @@ FIELDS: dict[str, dict] = {
         "start_wave": 0,
         "vw_weights": [1, 5, 2],
         "members": [0, 2],
+        "vw_spans": [[0, 4], [4, 0]],
     },
     "push": {"id": 2**63 - 1, "run": "r" * 128, "vw": 1, "stage": 0, "wave": 2**31 - 1},
     "pull": {"id": 3, "run": "run-7", "vw": 1, "stage": 0, "wave": 5},
@@ -353,6 +354,12 @@ FIELD_STRATEGIES = {
     "start_wave": _u31,
     "vw_weights": st.lists(st.integers(1, 2**31 - 1), max_size=3),
     "members": st.lists(_u31, max_size=3, unique=True),
+    "vw_spans": st.lists(
+        st.tuples(st.integers(0, 100), st.integers(0, 100))
+        .filter(lambda p: p[1] == 0 or p[1] > p[0])
+        .map(list),
+        max_size=3,
+    ),
     "pushed": _u31,
     "keep_from": _u31,
     "ckpt_from": _u31,

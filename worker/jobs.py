@@ -49,6 +49,7 @@ class StageJob:
     first_vw: VwLayout | None = None  # the run's first VW: placement "local" puts each layer where it runs
     profile: ProfileWindow | None = None  # hetpipe train --profile: torch.profiler over these minibatches
     work: tuple[VwWork, ...] = ()  # every VW's work per wave (Nm, batch); (): every VW as this config says
+    spans: tuple[tuple[int, int], ...] = ()  # every VW's planned waves [start, end); (): all of the run's
 
     @cached_property
     def config(self) -> ClusterConfig:
@@ -69,6 +70,16 @@ class StageJob:
     def vw_weights(self) -> tuple[int, ...]:
         """Every VW's weight by samples (hetpipe.core.wsp.work)."""
         return sample_weights(self.run_work)
+
+    @property
+    def vw_spans(self) -> tuple[tuple[int, int], ...]:
+        """Every VW's waves [start, end), in VW order (docs/wsp.md#planned-spans)."""
+        return self.spans or ((0, self.config.train.waves),) * self.num_vws
+
+    @property
+    def end_wave(self) -> int:
+        """The wave boundary this VW stops at (the run's end, or its planned span's)."""
+        return self.vw_spans[self.vw][1]
 
     @property
     def num_stages(self) -> int:
@@ -115,12 +126,15 @@ def stage_jobs(
     profile: ProfileWindow | None = None,
 ) -> list[StageJob]:
     """The jobs of every stage of virtual worker `vw` (of `vws`, all the run's VWs); `ps_keys` must be vw's.
-    `snapshots`: the stages save their state at the PS's checkpoint waves ([checkpoint] every, stages)."""
+    `snapshots`: the stages save their state at the PS's checkpoint waves ([checkpoint] every, stages). A VW
+    planned to train from a later wave (docs/wsp.md#planned-spans) starts there, as a rejoining one does."""
     lay = vws[vw]
     slow, time_scale = emulated_slowdowns(config, vws)
     packed = pack_config(vw_config(config, lay))
     cuda = cuda_devices()
     devices = tuple(stage_device(config, g, cuda) for g in lay.gpus)
+    planned = any(other.waves for other in vws)  # a re-plan: VWs that train some waves only
+    spans = tuple(other.span(config.train.waves) for other in vws) if planned else ()
     return [
         StageJob(
             packed_config=packed,
@@ -140,13 +154,14 @@ def stage_jobs(
             dump_weights=dump_weights,
             audit=audit,
             ps_keys=ps_keys,
-            start_wave=start_wave,
+            start_wave=max(start_wave, lay.span(config.train.waves)[0]),
             resume_wave=resume_wave,
             snapshot_every=config.checkpoint.every if snapshots and config.checkpoint.stages else 0,
             snapshot_keep=config.checkpoint.keep,
             first_vw=vws[0],
             profile=profile,
             work=run_work(config, vws),
+            spans=spans,
         )
         for s in range(len(lay.split))
     ]

@@ -68,6 +68,7 @@ class ClientSpec:
     wire_dtype: str = "float32"
     vw_weights: tuple[int, ...] = ()  # each VW's weight by samples (hetpipe.core.wsp.work); (): all 1
     freeze: tuple[tuple[int, int], ...] = ()  # [train] freeze: the frozen parameters' pushes are left out
+    vw_spans: tuple[tuple[int, int], ...] = ()  # each VW's planned [start, end), end 0: the run's; (): all
 
     def fields(self) -> dict[str, Any]:
         """Its fields as plain values (the agent process gets them over its pipe, as msgpack)."""
@@ -83,6 +84,7 @@ class ClientSpec:
                 "curve": ClientKeys(**curve) if curve else None,
                 "vw_weights": tuple(fields.get("vw_weights", ())),
                 "freeze": tuple(tuple(pair) for pair in fields.get("freeze", ())),
+                "vw_spans": tuple(tuple(pair) for pair in fields.get("vw_spans", ())),
             }
         )
 
@@ -102,6 +104,7 @@ class ClientSpec:
             vw_weights=self.vw_weights,
         )
         client.freeze = FreezeSchedule.at(self.freeze)
+        client.vw_spans = self.vw_spans
         return client
 
 
@@ -132,9 +135,9 @@ class PSClient:
         self.run, self.vw, self.stage = run, vw, stage
         self.num_vws, self.num_stages = num_vws, num_stages
         self.vw_weights = tuple(vw_weights)
+        self.vw_spans: tuple[tuple[int, int], ...] = ()  # each VW's planned waves (docs/wsp.md#planned-spans)
         self.freeze = FreezeSchedule()  # [train] freeze: pushes leave a parameter out from its wave on
-        self.placement = dict(placement)
-        self.curve = curve
+        self.placement, self.curve = dict(placement), curve
         self.keys: list[str] = []
         self.connections = ShardSockets(endpoints, routing_id(run, vw, stage), curve)
         self.recovery = ShardRecovery(len(endpoints), self._push_requests, f"vw {vw} stage {stage}")
@@ -245,6 +248,7 @@ class PSClient:
                 "start_wave": start_wave,
                 "vw_weights": list(self.vw_weights),
                 "members": list(self.members),
+                "vw_spans": [list(span) for span in self.vw_spans],
                 "buffers": [k for k in part if kinds.get(k) == "buffer"],
                 "ledgers": [k for k in part if kinds.get(k) == "ledger"],
             }

@@ -42,6 +42,7 @@ from hetpipe.core.hardware.devices import p2p_backend
 from hetpipe.core.pipeline.schedule import WAIT, Action
 from hetpipe.core.runs.metrics import STAGE_PARTS, TraceRecorder
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
+from hetpipe.core.wsp.audit import planned_gaps
 from hetpipe.core.wsp.clock import gate_version
 from hetpipe.models import build_stage
 from hetpipe.worker.flat_layout import FlatLayout
@@ -102,7 +103,8 @@ class PSHandOver:
         self.next_wait = 0  # index into self.waits of the next WAIT to run
         self.pushed = job.start_wave  # waves handed over to the agent
         self.c_global = 0
-        self.gaps: list[list[int]] = []  # from the last pull: waves some VW contributed nothing to (evicted)
+        # from the last pull: waves some VW contributed nothing to (evicted; before a pull: those of the plan)
+        self.gaps: list[list[int]] = planned_gaps(job.vw_spans, job.config.train.waves)
 
     def start(self, link: PSLink, layout: FlatLayout) -> None:
         """Stage pushes and pulls in the link's host buffers (or the stage's own), and start its agent."""
@@ -252,7 +254,7 @@ class StageRunner:
         )  # listening before any peer asks
         train = dataset_of(config).train
         self.startup["data"] = time.time()
-        indices = datalib.shard_indices(len(train.y), job.num_vws, job.vw, config.seed, job.vw_weights)
+        shards = datalib.span_shards(len(train.y), job.vw_spans, job.vw, config.seed, job.vw_weights)
         start, stop = job.layers
         module = build_stage(self.spec, start, stop, self.device)
         self.schedule, self.actions = stage_schedule(job)
@@ -281,7 +283,7 @@ class StageRunner:
         self.train_s = 0.0
         self.started = 0.0  # time.monotonic() at the first action
         self.compute_actions = ComputeActions(
-            job, self.spec, train, indices, self.compute, self.trace, self.times, report
+            job, self.spec, train, shards, self.compute, self.trace, self.times, report
         )
         self.handover = PSHandOver(
             job,
@@ -422,7 +424,7 @@ class StageRunner:
         totals = self.totals()
         self.trace.dump(
             run_dir / "trace" / f"vw{job.vw}-s{job.stage}.json",
-            other={"times_s": totals, "waves": self.config.train.waves - job.start_wave},
+            other={"times_s": totals, "waves": job.end_wave - job.start_wave},
         )
         if job.dump_weights:
             ledgers = self.audit.ledgers

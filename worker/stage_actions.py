@@ -43,7 +43,7 @@ class ComputeActions:
         job: StageJob,
         spec: ModelSpec,
         train: datalib.Split,
-        indices: np.ndarray,
+        shards: list[tuple[int, np.ndarray]],
         compute: StageCompute,
         trace: TraceRecorder,
         times: dict[str, float],
@@ -54,7 +54,8 @@ class ComputeActions:
         self.trace, self.times, self.report = trace, times, report
         self.device = torch.device(job.device)
         self.first, self.last = job.stage == 0, job.stage == job.num_stages - 1
-        self.x, self.y, self.indices = train.x, train.y, indices  # this VW's shard of the training set
+        self.x, self.y = train.x, train.y
+        self.shards = shards  # this VW's shard of the training set from each wave on (datalib.span_shards)
         self.dilator = device_dilator(job.slowdown, wall_clock=self.device.type == "cuda")
         # A CUDA block is timed to its end (a wait for the device) only where the dilator stretches it; else
         # the CPU queues work ahead, as a plain loop does, and at each push waits only for the wave's last
@@ -168,10 +169,10 @@ class ComputeActions:
 
     # ---- data, neighbours, device -----------------------------------------------------------------------
     def batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Minibatch p of this VW's shard, on the device."""
-        x, y = datalib.minibatch(
-            self.x, self.y, self.indices, self.config.train.batch_size, self.config.seed, p
-        )
+        """Minibatch p of this VW's shard (in p's wave), on the device."""
+        wave = p // self.config.wsp.nm
+        indices = next(ix for first, ix in reversed(self.shards) if first <= wave)
+        x, y = datalib.minibatch(self.x, self.y, indices, self.config.train.batch_size, self.config.seed, p)
         return datalib.on_device(x, y, self.device)
 
     def send(self, tensor: Any, peer: int) -> None:

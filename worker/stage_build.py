@@ -42,10 +42,10 @@ def startup_points() -> dict[str, float | None]:
 
 def stage_schedule(job: StageJob) -> tuple[Schedule, list[Action]]:
     """The run's schedule and this stage's action list (a rejoining VW's: the actions of its waves from its
-    start wave on)."""
+    start wave on; a VW with a planned span's: up to its end)."""
     t, wsp = job.config.train, job.config.wsp
     kind = get_schedule(t.schedule)
-    schedule = kind(job.num_stages, wsp.nm, t.waves, wsp.staleness)
+    schedule = kind(job.num_stages, wsp.nm, job.end_wave, wsp.staleness)
     actions = list(schedule.stages[job.stage])
     if job.start_wave:
         actions = rejoin_actions(actions, job.start_wave, wsp.nm)
@@ -97,4 +97,5 @@ def client_spec(job: StageJob, spec: ModelSpec) -> ClientSpec:
         wire_dtype=config.ps.wire_dtype,
         vw_weights=job.vw_weights,
         freeze=config.train.freeze,
+        vw_spans=tuple((start, 0 if end == config.train.waves else end) for start, end in job.spans),
     )

@@ -39,6 +39,7 @@ class Progress:
     first_step: float | None = None  # when the first and the last of them finished (the stages' clock)
     last_step: float | None = None
     evicted: set[int] = field(default_factory=set)  # VWs out of the run (on_vw_failure = "evict")
+    num_waves: int = 0  # the run's waves (VWs with planned spans stop before: docs/wsp.md#planned-spans)
 
     def update(self, event: dict[str, Any]) -> None:
         vw = event.get("vw")
@@ -62,12 +63,19 @@ class Progress:
         elif event["event"] == "push":
             self.pushed[(vw, event["stage"])] = event["wave"] + 1
             self.gate_wait[(vw, event["stage"])] = event["gate_wait_s"]
-            done = [self.completed(v) for v in range(len(self.layouts)) if v not in self.evicted]
+            done = [self.completed(v) for v in self.training()]
             self.max_lead = max(self.max_lead, max(done, default=0) - min(done, default=0))
 
+    def training(self) -> list[int]:
+        """The VWs that count in the clock: not evicted, and not past a planned span's end."""
+        return [
+            v
+            for v, lay in enumerate(self.layouts)
+            if v not in self.evicted and (lay.waves is None or self.completed(v) < lay.waves[1])
+        ]
+
     def c_global(self) -> int:
-        live = [v for v in range(len(self.layouts)) if v not in self.evicted]
-        return min((self.completed(v) for v in live), default=0)
+        return min((self.completed(v) for v in self.training()), default=self.num_waves)
 
     def breakdown_ms(self, waves: int) -> dict[str, dict[str, float]]:
         """Per VW, ms per wave spent in each part (compute, recv, d2h, push, gate_wait, pull, h2d, ...): the
@@ -77,10 +85,13 @@ class Progress:
         return {str(v): found.get(str(v), {}) for v in range(len(self.layouts))}
 
     def completed(self, vw: int) -> int:
-        return min(self.pushed.get((vw, s), self.start_wave) for s in range(len(self.layouts[vw].split)))
+        """Waves VW `vw` has completed (a VW planned to start later: its first wave, until it pushes)."""
+        lay = self.layouts[vw]
+        first = max(self.start_wave, lay.waves[0] if lay.waves else 0)
+        return min(self.pushed.get((vw, s), first) for s in range(len(lay.split)))
 
     def rows(self) -> list[VwProgress]:
-        c_global = min(self.completed(v) for v in range(len(self.layouts)))
+        c_global = self.c_global()
         return [
             VwProgress(
                 vw=v,

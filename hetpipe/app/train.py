@@ -186,7 +186,7 @@ def train(config: ClusterConfig, options: TrainOptions = TrainOptions()) -> dict
 def _train(run: _Run) -> dict[str, Any]:
     """Start, watch and finish the settled run."""
     config, options = run.config, run.options
-    progress = Progress(run.vws, start_wave=run.cut or 0)
+    progress = Progress(run.vws, start_wave=run.cut or 0, num_waves=config.train.waves)
     view = ProgressView(options.progress)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
     _announce(run, say)
@@ -271,7 +271,7 @@ def _settle(config: ClusterConfig, options: TrainOptions) -> _Run:
                 config_toml(config)
             )  # the effective config: `hetpipe export` reads it
             (run_dir / "layouts.json").write_text(
-                json.dumps([[list(lay.gpus), list(lay.split), lay.nm, lay.batch] for lay in vws])
+                json.dumps([[list(lay.gpus), list(lay.split), lay.nm, lay.batch, lay.waves] for lay in vws])
             )
         keys = (
             run_keys(config, run_dir, len(vws))
@@ -358,7 +358,11 @@ def _start_stages(
     config, vws, options = run.config, run.vws, run.options
     snapshots = config.checkpoint.enabled and config.checkpoint.every >= 1
     stages = {}
+    cut = run.cut or 0
     for v in range(len(vws)):
+        start, end = vws[v].span(config.train.waves)
+        if end <= cut:
+            continue  # a VW planned to end by the wave the run resumes from has done its part
         jobs = stage_jobs(
             config,
             vws,
@@ -370,7 +374,7 @@ def _start_stages(
             audit=options.audit,
             dump_weights=options.dump_weights,
             ps_keys=run.keys.vws[v] if run.keys else None,
-            resume_wave=run.cut or 0,
+            resume_wave=cut if start < cut else 0,  # one planned to start at the cut or later starts there
             snapshots=snapshots,
             profile=options.profile,
         )
@@ -440,9 +444,13 @@ def _saved_layouts(run_dir: Path, resume: bool) -> tuple[VwLayout, ...] | None:
     path = run_dir / "layouts.json"
     if not resume or not path.exists():
         return None
-    return tuple(
-        VwLayout(tuple(gpus), tuple(split), *work) for gpus, split, *work in json.loads(path.read_text())
-    )
+    return tuple(_layout_of(row) for row in json.loads(path.read_text()))
+
+
+def _layout_of(row: list[Any]) -> VwLayout:
+    """A VW of layouts.json: [gpus, split, nm, batch, waves] (older runs' rows stop after split or batch)."""
+    gpus, split, nm, batch, waves = [*row, 0, 0, None][:5]
+    return VwLayout(tuple(gpus), tuple(split), nm, batch, tuple(waves) if waves else None)
 
 
 def _saved_keys(config: ClusterConfig, run_dir: Path, num_vws: int) -> RunKeys | None:

@@ -133,7 +133,20 @@ def resume_point(
         }
     )
     held = {name: list_clocks(directory) for name, directory in parts.items()}
-    cuts = common_cuts(list(held.values()), [])
+    # the stages a wave's cut needs: those of the VWs inside their waves there (docs/wsp.md#planned-spans)
+    spans = {
+        f"vw{v}-s{j}": lay.span(config.train.waves)
+        for v, lay in enumerate(vws)
+        for j in range(len(lay.split))
+    }
+
+    def needed(cut: int) -> dict[str, Path]:
+        return {
+            name: d for name, d in parts.items() if name not in spans or spans[name][0] < cut < spans[name][1]
+        }
+
+    at_ps = common_cuts([c for name, c in held.items() if name not in spans], [])
+    cuts = [cut for cut in at_ps if all(cut in held[name] for name in needed(cut))]
     if not cuts:
         kinds = {name: "clocks" if name.startswith("PS") else "waves" for name in held}
         shown = "; ".join(f"{name}: {kinds[name]} {c or 'none'}" for name, c in held.items())
@@ -148,7 +161,7 @@ def resume_point(
         )
     bad: list[str] = []
     for cut in cuts:  # the newest wave that every part holds intact
-        broken = [f"{name} at {cut}: {problem}" for name, problem in _damaged(parts, cut)]
+        broken = [f"{name} at {cut}: {problem}" for name, problem in _damaged(needed(cut), cut)]
         if not broken:
             if bad:
                 say(f"--resume {run_dir}: from wave {cut}, not {cuts[0]}: " + "; ".join(bad))

@@ -50,7 +50,10 @@ def run_summary(
         merge_traces(traces, run_dir / "trace.json")
     dataset = dataset_of(config)
     work = run_work(config, vws)
-    samples = (config.train.waves - progress.start_wave) * sum(w.samples for w in work)  # this run's part
+    samples = sum(  # this run's part: each VW's waves from the resumed wave on, its planned span's only
+        max(0, end - max(start, progress.start_wave)) * w.samples
+        for (start, end), w in zip((lay.span(config.train.waves) for lay in vws), work, strict=True)
+    )
     summary: dict[str, Any] = {
         "config": str(config.path),
         "run_dir": str(run_dir),

@@ -28,13 +28,19 @@ __all__ = [
 
 @dataclass(frozen=True)
 class VwLayout:
-    """One virtual worker as it runs: its GPUs in stage order, the layers of each stage, and its work per wave
-    (Nm minibatches of `batch` samples; 0: the config's [wsp] nm and [train] batch_size)."""
+    """One virtual worker as it runs: its GPUs in stage order, the layers of each stage, its work per wave
+    (Nm minibatches of `batch` samples; 0: the config's [wsp] nm and [train] batch_size) and the waves
+    [start, end) it trains (None: all; docs/wsp.md#planned-spans)."""
 
     gpus: tuple[str, ...]
     split: tuple[int, ...]
     nm: int = 0
     batch: int = 0
+    waves: tuple[int, int] | None = None
+
+    def span(self, num_waves: int) -> tuple[int, int]:
+        """The waves [start, end) this VW trains in a run of `num_waves`."""
+        return self.waves or (0, num_waves)
 
     def work(self, config: ClusterConfig) -> VwWork:
         """This VW's Nm and minibatch size."""
@@ -75,12 +81,12 @@ def vw_layouts(config: ClusterConfig, spec: ModelSpec) -> tuple[VwLayout, ...]:
     """The config's virtual workers with their splits (given, or balanced by parameter count)."""
     if config.allocation.policy != "explicit":
         groups = [tuple(str(g) for g in vw) for vw in allocate(config, config.allocation.policy)]
-        specs: list[tuple[tuple[str, ...], tuple[int, ...] | None, int, int]] = [
-            (g, None, 0, 0) for g in groups
+        specs: list[tuple[tuple[str, ...], tuple[int, ...] | None, int, int, tuple[int, int] | None]] = [
+            (g, None, 0, 0, None) for g in groups
         ]
     else:
         specs = [
-            (tuple(str(g) for g in vw.gpus), vw.layers, vw.nm or 0, vw.batch_size or 0)
+            (tuple(str(g) for g in vw.gpus), vw.layers, vw.nm or 0, vw.batch_size or 0, vw.waves)
             for vw in config.virtual_workers
         ]
     for wave, layers in config.train.freeze:
@@ -92,14 +98,14 @@ def vw_layouts(config: ClusterConfig, spec: ModelSpec) -> tuple[VwLayout, ...]:
             )
     counts = param_counts(spec)
     out = []
-    for i, (gpus, split, nm, batch) in enumerate(specs):
+    for i, (gpus, split, nm, batch, waves) in enumerate(specs):
         if split is not None and sum(split) != spec.num_layers:
             raise UsageError(
                 f"{config.path}: virtual_workers[{i}].layers sums to {sum(split)} but model "
                 f"{spec.name} has {spec.num_layers} layers: make the counts add up"
             )
         split = tuple(split) if split else tuple(even_split(counts, len(gpus)))
-        out.append(VwLayout(gpus, split, nm, batch))
+        out.append(VwLayout(gpus, split, nm, batch, waves))
     if not out:
         raise UsageError(
             f"{config.path}: no virtual workers: list [[virtual_workers]] or set [allocation] policy"

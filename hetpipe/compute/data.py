@@ -35,6 +35,7 @@ __all__ = [
     "windows",
     "shakespeare_text",
     "shard_indices",
+    "span_shards",
     "minibatch",
     "minibatches",
     "on_device",
@@ -462,6 +463,22 @@ def shard_indices(n: int, num_vws: int, vw: int, seed: int, weights: Sequence[in
                 f"({weights[vw]} of {sum(weights)}); use more data or VWs of more equal work"
             )
     return np.random.default_rng(seed).permutation(n)[start:stop]
+
+
+def span_shards(
+    n: int, spans: Sequence[tuple[int, int]], vw: int, seed: int, weights: Sequence[int] = ()
+) -> list[tuple[int, np.ndarray]]:
+    """VW vw's shards where VWs train planned spans of waves [start, end) (docs/wsp.md#planned-spans):
+    from each wave of its span at which the set of VWs training changes, the VWs training then split the data
+    (shard_indices over them, in VW order, by their `weights`). Returns [(first wave, indices), ...]."""
+    start, end = spans[vw]
+    cuts = sorted({start} | {w for span in spans for w in span if start < w < end})
+    out = []
+    for cut in cuts:
+        live = [u for u, (s, e) in enumerate(spans) if s <= cut < e]
+        share = [weights[u] for u in live] if weights else ()
+        out.append((cut, shard_indices(n, len(live), live.index(vw), seed, share)))
+    return out
 
 
 @functools.lru_cache(maxsize=8)

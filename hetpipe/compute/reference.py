@@ -163,6 +163,15 @@ def _node_groups(config: ClusterConfig) -> list[list[int]]:
     return sorted(groups + list(on_node.values()))
 
 
+def _planned_spans(config: ClusterConfig, num_vws: int) -> list[tuple[int, int]]:
+    """Each VW's waves [start, end): the listed VWs' `waves`, else the whole run."""
+    listed = config.virtual_workers if len(config.virtual_workers) == num_vws else ()
+    return [
+        (vw.waves or (0, config.train.waves)) if listed else (0, config.train.waves)
+        for vw in (listed or range(num_vws))
+    ]
+
+
 class _Reference:
     """Every stage of every VW in one process; `step` runs one stage's next action (a dispatch table by
     kind)."""
@@ -195,11 +204,9 @@ class _Reference:
         self.packed = config.ps.wire_dtype == "bfloat16"
         dataset = dataset_of(config)
         self.x, self.y = dataset.train.x, dataset.train.y
-        self.shards = [
-            datalib.shard_indices(len(self.y), self.num_vws, v, config.seed, self.weights)
-            for v in range(self.num_vws)
-        ]
-        self.stages = self._build_stages()
+        self.spans = _planned_spans(config, self.num_vws)
+        self.shards: dict[tuple[int, ...], list[np.ndarray]] = {}  # VWs training a wave -> their shards
+        self.stages = _build_stages(self)
         t = self.t
         rule = make_aggregation(config.ps.aggregation, t.optimizer, t.lr, t.momentum, t.weight_decay)
         kinds = {
@@ -212,7 +219,9 @@ class _Reference:
         }
         groups = _node_groups(config) if config.ps.node_aggregation else None
         wire = self.on_wire if self.packed else None
-        self.ps = ReferencePS(initial, kinds, splits, rule, on_version, self.weights, groups, wire)
+        self.ps = ReferencePS(
+            initial, kinds, splits, rule, on_version, self.weights, groups, wire, self.spans
+        )
         self.acts: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> input activation waiting there
         self.grads: dict[tuple[int, int, int], Tensor] = {}  # (vw, stage, p) -> output gradient waiting there
         self.dispatch: dict[str, Callable[[int, int, RefStage, Action], None]] = {
@@ -223,36 +232,19 @@ class _Reference:
             WAIT: self.wait,
         }
 
-    def _build_stages(self) -> dict[StageId, RefStage]:
-        t, f = self.t, self.flags
-        kind = get_schedule(t.schedule)
-        stages: dict[StageId, RefStage] = {}
-        for v, split in enumerate(self.splits):
-            schedule = kind(len(split), self.nms[v], t.waves, self.D)
-            for j in range(len(split)):
-                start = sum(split[:j])
-                module = build_stage(self.spec, start, start + split[j])
-                opt = (
-                    make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
-                    if f.local
-                    else None
-                )
-                st = stages[(v, j)] = RefStage(module, opt, list(schedule.stages[j]), {})
-                st.start, st.stop = start, start + split[j]
-                named = dict(module.named_parameters())
-                st.baseline = {k: w.detach().clone() for k, w in named.items()} if f.local else {}
-                st.lags = stage_lags(schedule.stages[j])
-                if f.correct and opt is not None:
-                    st.dc = {k: torch.zeros_like(w) for k, w in named.items()}
-                if f.predict and t.optimizer == "sgd":
-                    st.last_step = {}
-                if f.predict_pulls:
-                    st.last_pulled = {k: w.detach().clone() for k, w in named.items()}
-        return stages
-
     # ---- order -----------------------------------------------------------------------------------
     def batch(self, vw: int, p: int):
-        return datalib.minibatch(self.x, self.y, self.shards[vw], self.batches[vw], self.config.seed, p)
+        """Minibatch p of VW vw: the VWs training p's wave split the data, in VW order, by their weights."""
+        wave = p // self.nms[vw]
+        live = tuple(u for u, (start, end) in enumerate(self.spans) if start <= wave < end)
+        if live not in self.shards:
+            share = [self.weights[u] for u in live]
+            self.shards[live] = [
+                datalib.shard_indices(len(self.y), len(live), i, self.config.seed, share)
+                for i in range(len(live))
+            ]
+        shard = self.shards[live][live.index(vw)]
+        return datalib.minibatch(self.x, self.y, shard, self.batches[vw], self.config.seed, p)
 
     def on_wire(self, a: np.ndarray) -> np.ndarray:
         return from_bfloat16_bits(to_bfloat16_bits(a)) if self.packed else a
@@ -461,6 +453,42 @@ class _Reference:
             now = torch.from_numpy(pulled).clone()
             w.copy_(now + (now - st.last_pulled[k]) * float(self.D + 1))
             st.last_pulled[k] = now
+
+
+def _build_stages(ref: _Reference) -> dict[StageId, RefStage]:
+    """Every stage of every VW: its layers, a fresh optimizer, its actions (a VW with a planned span: those of
+    its waves, from a schedule that ends at its end)."""
+    t, f = ref.t, ref.flags
+    kind = get_schedule(t.schedule)
+    stages: dict[StageId, RefStage] = {}
+    for v, split in enumerate(ref.splits):
+        start_wave, end_wave = ref.spans[v]
+        schedule = kind(len(split), ref.nms[v], end_wave, ref.D)
+        for j in range(len(split)):
+            start = sum(split[:j])
+            module = build_stage(ref.spec, start, start + split[j])
+            opt = (
+                make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
+                if f.local
+                else None
+            )
+            actions = [  # PUSH c and WAIT c name their wave, F, B and U a minibatch
+                a
+                for a in schedule.stages[j]
+                if (a.index if a.kind in (PUSH, WAIT) else a.index // ref.nms[v]) >= start_wave
+            ]
+            st = stages[(v, j)] = RefStage(module, opt, actions, {})
+            st.start, st.stop = start, start + split[j]
+            named = dict(module.named_parameters())
+            st.baseline = {k: w.detach().clone() for k, w in named.items()} if f.local else {}
+            st.lags = stage_lags(schedule.stages[j])
+            if f.correct and opt is not None:
+                st.dc = {k: torch.zeros_like(w) for k, w in named.items()}
+            if f.predict and t.optimizer == "sgd":
+                st.last_step = {}
+            if f.predict_pulls:
+                st.last_pulled = {k: w.detach().clone() for k, w in named.items()}
+    return stages
 
 
 def _run_stage(

@@ -28,6 +28,7 @@ from hetpipe.core.wsp.aggregation import (
 __all__ = ["ReferencePS"]
 
 StageId = tuple[int, int]  # (vw, stage)
+_NO_END = 2**62  # the end of a VW's span that lasts the whole run
 
 
 def _f32(x: float) -> Tensor:
@@ -92,9 +93,12 @@ class ReferencePS:
         weights: list[int] | None = None,
         groups: list[list[int]] | None = None,
         wire: Callable[[np.ndarray], np.ndarray] | None = None,
+        spans: list[tuple[int, int]] | None = None,
     ) -> None:
         """`wire`: the rounding of [ps] wire_dtype, which a group of two or more VWs (their relay) applies
-        again to the sum of its (rounded) pushes of weights as it leaves the node."""
+        again to the sum of its (rounded) pushes of weights as it leaves the node. `spans`: each VW's waves
+        [start, end) (default: all); wave t sums the VWs whose span holds t, and a VW past its end no longer
+        holds the clock back."""
         self.splits, self.kinds, self.rule, self.on_version = splits, kinds, rule, on_version
         self.weights = weights or [1] * len(splits)  # each VW's weight by samples
         # node-local aggregation: the VWs whose sum is made first and added as one (default: each VW alone)
@@ -102,30 +106,36 @@ class ReferencePS:
         self.wire = wire
         self.history = [initial]  # W_0, W_1, ...
         self.pushes: dict[int, dict[int, dict[str, np.ndarray]]] = {}  # wave -> vw -> key -> what was pushed
-        self.pushed = {(v, j): 0 for v, split in enumerate(splits) for j in range(len(split))}
+        self.spans = spans or [(0, _NO_END)] * len(splits)
+        self.pushed = {(v, j): self.spans[v][0] for v, split in enumerate(splits) for j in range(len(split))}
         self.optimizer = (
             _PsOptimizer(rule.optimizer_settings) if isinstance(rule, ServerAggregation) else None
         )
 
     def c_global(self) -> int:
-        return min(min(self.pushed[(v, j)] for j in range(len(split))) for v, split in enumerate(self.splits))
+        """The fewest waves a VW still training has pushed (every VW done: the last end)."""
+        done = [min(self.pushed[(v, j)] for j in range(len(split))) for v, split in enumerate(self.splits)]
+        training = [n for n, (_, end) in zip(done, self.spans, strict=True) if n < end]
+        return min(training) if training else max(end for _, end in self.spans)
 
     def push(self, sid: StageId, wave: int, values: dict[str, np.ndarray]) -> None:
         """Stage `sid`'s push of `wave`; builds every version that it completes."""
         self.pushes.setdefault(wave, {}).setdefault(sid[0], {}).update(values)
         self.pushed[sid] += 1
-        num_vws = len(self.splits)
         while len(self.history) - 1 < self.c_global():
             w = len(self.history) - 1
+            vws = [v for v, (start, end) in enumerate(self.spans) if start <= w < end]  # wave w's, in order
+            n = sum(self.weights[v] for v in vws)
             new = {}
             for key, old in self.history[-1].items():
                 weigh = self.weighs(key)
-                parts = [
-                    np.asarray(self.pushes[w][v][key] * np.float32(self.weights[v] if weigh else 1))
-                    for v in range(num_vws)
-                ]
-                s = _added([self.group_sum(key, [parts[v] for v in group]) for group in self.groups])
-                new[key] = self.fold(key, old, s).astype(np.float32, copy=False)
+                parts = {
+                    v: np.asarray(self.pushes[w][v][key] * np.float32(self.weights[v] if weigh else 1))
+                    for v in vws
+                }
+                groups = [[v for v in group if v in parts] for group in self.groups]
+                s = _added([self.group_sum(key, [parts[v] for v in group]) for group in groups if group])
+                new[key] = self.fold(key, old, s, n).astype(np.float32, copy=False)
             self.history.append(new)
             if self.on_version is not None:
                 self.on_version(len(self.history) - 1, new)
@@ -148,9 +158,8 @@ class ReferencePS:
             return False
         return rule.weighs(kind)  # a rule of its own: what it says
 
-    def fold(self, key: str, old: np.ndarray, s: np.ndarray) -> np.ndarray:
-        """W_{t+1}[key] from W_t[key] and the VW-ordered sum S_t[key]."""
-        n = sum(self.weights)
+    def fold(self, key: str, old: np.ndarray, s: np.ndarray, n: int) -> np.ndarray:
+        """W_{t+1}[key] from W_t[key] and the VW-ordered sum S_t[key] of VWs weighing `n` in all."""
         w, total = torch.from_numpy(old), torch.from_numpy(s)
         rule = self.rule
         if self.kinds[key] == "buffer":  # values, averaged whatever the rule

@@ -53,6 +53,7 @@ REGISTER = {
     "start_wave": 0,
     "vw_weights": [],
     "members": [],
+    "vw_spans": [],
 }  # a registration's fields
 MAXMSGSIZE = wire.MAX_FRAME_BYTES + (
     64 << 10

@@ -1,8 +1,10 @@
 """The cluster's GPUs as a config declares them: [gpu_types], [[nodes]] and hand-listed [[virtual_workers]],
-each checked against the others (known types, unique names, every GPU in at most one virtual worker)."""
+each checked against the others (known types, unique names, every GPU in at most one virtual worker at a
+time, every wave trained by some virtual worker)."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 
@@ -95,7 +97,7 @@ def _nodes(top: _Table, gpu_types: Mapping[str, GpuType]) -> tuple[Node, ...]:
 
 
 def _virtual_workers(
-    top: _Table, allocation: AllocationConfig, nodes: Sequence[Node]
+    top: _Table, allocation: AllocationConfig, nodes: Sequence[Node], num_waves: int
 ) -> tuple[VirtualWorkerSpec, ...]:
     tables = top.array("virtual_workers")
     if tables and allocation.policy != "explicit":
@@ -105,28 +107,29 @@ def _virtual_workers(
             'remove the [[virtual_workers]] tables, or set policy = "explicit" under [allocation]',
         )
     by_name = {node.name: node for node in nodes}
-    owner: dict[GpuRef, str] = {}
+    owner: dict[GpuRef, list[tuple[str, tuple[int, float]]]] = {}  # GPU -> (VW, its waves) holding it
     specs = []
     for i, table in enumerate(tables):
         table.only(_VW_KEYS)
+        waves = _vw_waves(table)
+        span = waves or (0, math.inf)
         refs = []
         texts = table.strings("gpus", placeholder='["<node>:<gpu index>", ...]', nonempty=True)
         for j, text in enumerate(texts):
             ref = _gpu_ref(table, f"gpus[{j}]", text, by_name)
-            if ref in owner:
-                where = owner[ref]
-                if where == f"virtual_workers[{i}]":
+            if ref in refs:
+                table.fail(
+                    f"gpus[{j}]", f'GPU "{ref}" appears twice in this virtual worker', "list each GPU once"
+                )
+            for where, other in owner.get(ref, []):
+                if span[0] < other[1] and other[0] < span[1]:
                     table.fail(
                         f"gpus[{j}]",
-                        f'GPU "{ref}" appears twice in this virtual worker',
-                        "list each GPU once",
+                        f'GPU "{ref}" is already in {where} during the same waves',
+                        "a GPU can belong to only one virtual worker at a time: remove it from one of them, "
+                        "or give the two `waves = [start, end]` that do not overlap",
                     )
-                table.fail(
-                    f"gpus[{j}]",
-                    f'GPU "{ref}" is already in {where}',
-                    "a GPU can belong to only one virtual worker: remove it from one of them",
-                )
-            owner[ref] = f"virtual_workers[{i}]"
+            owner.setdefault(ref, []).append((f"virtual_workers[{i}]", span))
             refs.append(ref)
         layers = table.ints("layers", None, placeholder="[<int >= 1>, ...]", ge=1)
         if layers is not None and len(layers) != len(refs):
@@ -138,8 +141,44 @@ def _virtual_workers(
             )
         nm = table.integer("nm", ge=1) if "nm" in table.data else None
         batch = table.integer("batch_size", ge=1) if "batch_size" in table.data else None
-        specs.append(VirtualWorkerSpec(gpus=tuple(refs), layers=layers, nm=nm, batch_size=batch))
+        if waves is not None and waves[1] > num_waves:
+            table.fail(
+                "waves",
+                f"ends at wave {waves[1]}, past the run's train.waves = {num_waves}",
+                f"end it at {num_waves} at most, or raise train.waves",
+            )
+        specs.append(VirtualWorkerSpec(gpus=tuple(refs), layers=layers, nm=nm, batch_size=batch, waves=waves))
+    _check_every_wave_trained(top, specs, num_waves)
     return tuple(specs)
+
+
+def _check_every_wave_trained(top: _Table, specs: Sequence[VirtualWorkerSpec], num_waves: int) -> None:
+    """With VWs that train some waves only (`waves = [start, end]`), every wave of the run needs one."""
+    if not any(vw.waves for vw in specs):
+        return
+    spans = [vw.waves or (0, num_waves) for vw in specs]
+    for wave in sorted({0, *(end for _, end in spans)}):
+        if wave < num_waves and not any(start <= wave < end for start, end in spans):
+            top.fail(
+                "virtual_workers",
+                f"no virtual worker trains wave {wave} (their waves: {[list(s) for s in spans]})",
+                "give every wave of the run a VW: a later VW's waves start where an earlier one's end",
+            )
+
+
+def _vw_waves(table: _Table) -> tuple[int, int] | None:
+    """A listed VW's `waves = [start, end]` (the waves start .. end - 1 it trains), or None (all)."""
+    if "waves" not in table.data:
+        return None
+    span = table.ints("waves", None, placeholder="[<first wave>, <end wave>]", ge=0)
+    if span is None or len(span) != 2 or span[0] >= span[1]:
+        table.fail(
+            "waves",
+            f"is {list(span or [])}: it needs two wave numbers, start < end",
+            "write waves = [start, end] for a VW that trains waves start .. end - 1 (e.g. [0, 4], then "
+            "other VWs from [4, <train.waves>]), or drop it to train every wave",
+        )
+    return (span[0], span[1])
 
 
 def _gpu_ref(table: _Table, key: str, text: str, nodes: Mapping[str, Node]) -> GpuRef:

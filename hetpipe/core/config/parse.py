@@ -15,6 +15,7 @@ from hetpipe.core.config.schema import (
     Node,
     PsConfig,
     TrainConfig,
+    VirtualWorkerSpec,
     WspConfig,
 )
 from hetpipe.core.config.sections import (
@@ -57,8 +58,9 @@ def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = No
     checkpoint = _checkpoint(sections["checkpoint"], f"{train.out_dir.rstrip('/')}/ps")
     emulation = _emulation(sections["emulation"])
     allocation = _allocation(sections["allocation"], listed=bool(data.get("virtual_workers")))
-    virtual_workers = _virtual_workers(top, allocation, nodes)
+    virtual_workers = _virtual_workers(top, allocation, nodes, train.waves)
     _check_across_sections(sections, nodes, ps, train, wsp)
+    _check_planned_spans(sections, virtual_workers, ps, train)
     return ClusterConfig(
         path=path,
         name=name,
@@ -129,6 +131,38 @@ def _check_freeze(t: _Table, ps: PsConfig, train: TrainConfig) -> None:
             'freezes layers, but on_nan = "skip" tells each stage of a skipped minibatch through its '
             "gradient, which a frozen stage no longer receives",
             'set on_nan = "stop", or remove freeze',
+        )
+
+
+def _check_planned_spans(
+    sections: Mapping[str, _Table], vws: tuple[VirtualWorkerSpec, ...], ps: PsConfig, train: TrainConfig
+) -> None:
+    """VWs that train some waves only (a planned re-plan, docs/wsp.md#planned-spans) change the VW count
+    between waves: what counts the VWs once for the whole run refuses them."""
+    spanned = next((i for i, vw in enumerate(vws) if vw.waves is not None), None)
+    if spanned is None:
+        return
+    which = f"virtual_workers[{spanned}] trains waves {list(vws[spanned].waves or ())} only"
+    if ps.node_aggregation:
+        sections["ps"].fail(
+            "node_aggregation",
+            f"is true, but {which}: a node's relay serves the same VWs for the whole run",
+            "set node_aggregation = false, or drop the VWs' waves",
+        )
+    if ps.on_vw_failure == "evict":
+        sections["ps"].fail(
+            "on_vw_failure",
+            f'is "evict", but {which}: eviction and rejoin do not yet plan around VWs that end or start '
+            "mid-run",
+            'set on_vw_failure = "stop" (a failed run resumes with `hetpipe train --resume`), or drop the '
+            "VWs' waves",
+        )
+    counted = [m for m in train.mitigations if m in ("average", "warmup")]
+    if counted:
+        sections["train"].fail(
+            "mitigation",
+            f'is "{train.mitigation}", but {which}: "{counted[0]}" counts the VWs once for the whole run',
+            'drop "average" and "warmup" from mitigation, or drop the VWs\' waves',
         )
 
 

@@ -327,6 +327,8 @@ class VirtualWorkerSpec:
     layers: tuple[int, ...] | None = None
     nm: int | None = None
     batch_size: int | None = None
+    # the waves [start, end) it trains (None: all of the run's): a planned re-plan, docs/wsp.md#planned-spans
+    waves: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -420,6 +422,7 @@ class ClusterConfig:
                     **({"layers": list(vw.layers)} if vw.layers else {}),
                     **({"nm": vw.nm} if vw.nm is not None else {}),
                     **({"batch_size": vw.batch_size} if vw.batch_size is not None else {}),
+                    **({"waves": list(vw.waves)} if vw.waves is not None else {}),
                 }
                 for vw in self.virtual_workers
             ]
@@ -494,4 +497,4 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
 _TOP_KEYS = ("name", "seed", "gpu_types", "nodes", *_SECTIONS, "virtual_workers")
 _GPU_TYPE_KEYS = ("speed", "memory_gib")
 _NODE_KEYS = ("name", "host", "gpus", "devices")
-_VW_KEYS = ("gpus", "layers", "nm", "batch_size")
+_VW_KEYS = ("gpus", "layers", "nm", "batch_size", "waves")

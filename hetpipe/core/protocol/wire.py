@@ -36,8 +36,8 @@ __all__ = [
     "to_bfloat16_bits",
 ]
 
-# 2: durable pushes (keep_from), heartbeats, eviction and rejoin; 3: VW weights; 4: ckpt_from
-PROTOCOL_VERSION = 5
+# 2: durable pushes (keep_from), heartbeats, eviction and rejoin; 3: VW weights; 4: ckpt_from; 6: VW spans
+PROTOCOL_VERSION = 6
 CHUNK_BYTES = 1 << 20  # one data frame; a multiple of every allowed itemsize
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 100_000
@@ -169,6 +169,23 @@ def _is_weight_list(value: object) -> str | None:
     return None if ok else f"a list of at most {MAX_INFO_ENTRIES} ints in [1, 2**31)"
 
 
+def _is_span_list(value: object) -> str | None:
+    """Each VW's planned waves [start, end) (docs/wsp.md#planned-spans): a list of [start, end] int pairs,
+    end 0 for the run's end, else end > start ([] for every VW training every wave)."""
+    ok = (
+        type(value) is list
+        and len(value) <= MAX_INFO_ENTRIES
+        and all(
+            type(pair) is list
+            and len(pair) == 2
+            and all(type(w) is int and 0 <= w < _I31 for w in pair)
+            and (pair[1] == 0 or pair[1] > pair[0])
+            for pair in value
+        )
+    )
+    return None if ok else f"a list of at most {MAX_INFO_ENTRIES} [start, end] pairs of ints in [0, 2**31)"
+
+
 def _is_member_list(value: object) -> str | None:
     """The VWs a node's relay pushes for (docs/wsp.md#node-local-aggregation): a list of distinct VW indices
     ([] for a stage that pushes for its own VW)."""
@@ -251,6 +268,7 @@ FIELDS: dict[str, dict[str, Check]] = {
         "start_wave": _INDEX,
         "vw_weights": _is_weight_list,
         "members": _is_member_list,
+        "vw_spans": _is_span_list,
     },
     "push": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},
     "pull": {"id": _ID, "run": _RUN, "vw": _INDEX, "stage": _INDEX, "wave": _INDEX},

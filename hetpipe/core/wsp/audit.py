@@ -14,7 +14,7 @@ import numpy as np
 
 from hetpipe.core.errors import HetpipeError
 
-__all__ = ["AuditError", "audit_key", "expected_ledger", "gap_mask", "ledger_violations"]
+__all__ = ["AuditError", "audit_key", "expected_ledger", "gap_mask", "ledger_violations", "planned_gaps"]
 
 
 class AuditError(HetpipeError):
@@ -41,6 +41,18 @@ def gap_mask(shape: tuple[int, int], nm: Nms, gaps: Sequence[Sequence[int]]) -> 
         nm_v = _nm_of(nm, v)
         mask[v, start * nm_v : shape[1] if end < 0 else end * nm_v] = True
     return mask
+
+
+def planned_gaps(spans: Sequence[Sequence[int]], num_waves: int) -> list[list[int]]:
+    """The gaps of planned spans (docs/wsp.md#planned-spans): [vw, 0, start) before a VW's first wave and
+    [vw, end, -1) after its last, for each VW that does not train every one of the run's `num_waves`."""
+    out = []
+    for v, (start, end) in enumerate(spans):
+        if start > 0:
+            out.append([v, 0, start])
+        if end < num_waves:
+            out.append([v, end, -1])
+    return out
 
 
 def expected_ledger(

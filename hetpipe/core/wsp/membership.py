@@ -1,5 +1,6 @@
 """Which virtual workers take part in which waves: the run's VWs, each one's epochs (the wave spans it
-contributes), eviction at a wave boundary and rejoin from a later wave (docs/recovery.md#failed-vws)."""
+contributes), the spans a re-plan sets before the run (docs/wsp.md#planned-spans), eviction at a wave
+boundary and rejoin from a later wave (docs/recovery.md#failed-vws)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ class Membership:
     # node-local aggregation (docs/wsp.md#node-local-aggregation): each VW of a relayed group -> the group's
     # first VW, as which its relay registers and pushes the group's sum; VWs not listed push for themselves
     leaders: dict[int, int] = field(default_factory=dict)
+    # planned spans: VW -> [start, end) it trains (end OPEN: to the run's end); a VW not listed: [0, OPEN)
+    planned: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def plan(self, spans: dict[int, tuple[int, int]]) -> None:
+        """Record the VWs' planned spans (before any of their epochs is)."""
+        self.planned = dict(spans)
+
+    def planned_end(self, vw: int) -> int:
+        """The wave boundary VW `vw` retires at by plan (OPEN: none, it trains to the run's end)."""
+        return self.planned.get(vw, (0, OPEN))[1]
+
+    def due(self, vw: int, completed: int) -> bool:
+        """Whether live VW `vw`, having `completed` waves, has reached its planned end (it retires now)."""
+        end = self.planned_end(vw)
+        return end != OPEN and completed >= end and self.live(vw)
+
+    def retired(self, vw: int) -> bool:
+        """Whether VW `vw` ended by plan: its epochs are its planned span, closed at the planned end."""
+        start, end = self.planned.get(vw, (0, OPEN))
+        return end != OPEN and self.spans(vw) == [[start, end]]
 
     def leader(self, vw: int) -> int:
         """The VW whose pushes carry VW `vw`'s updates: its group's first VW, or itself."""
@@ -54,8 +75,8 @@ class Membership:
         return max(1, sum(self.weight(v) for v in self._covering(wave)))
 
     def spans(self, vw: int) -> list[list[int]]:
-        """VW `vw`'s epochs (recorded as [[0, OPEN]] the first time it is asked about)."""
-        return self.epochs.setdefault(vw, [[0, OPEN]])
+        """VW `vw`'s epochs (recorded as [[planned start or 0, OPEN]] the first time it is asked about)."""
+        return self.epochs.setdefault(vw, [[self.planned.get(vw, (0, OPEN))[0], OPEN]])
 
     def live(self, vw: int) -> bool:
         """A VW is live until evicted, and again once it rejoins."""
@@ -78,19 +99,23 @@ class Membership:
         return [v for v in self._covering(wave) if self.leader(v) == v]
 
     def _covering(self, wave: int) -> list[int]:
-        """The VWs whose epoch covers wave `wave`, in order."""
+        """The VWs whose epoch covers wave `wave`, in order (an open epoch no further than its planned end:
+        a VW that will retire is no contributor of the waves after it, even before it retires)."""
         return [
             v
             for v in range(self.num_vws or 0)
             if any(s <= wave and (e == OPEN or wave < e) for s, e in self.spans(v))
+            and (self.planned_end(v) == OPEN or wave < self.planned_end(v))
         ]
 
     def gaps(self) -> list[list[int]]:
-        """[vw, from, to) wave ranges a VW contributes nothing to (evicted, until it rejoined;
-        to = -1: open)."""
+        """[vw, from, to) wave ranges a VW contributes nothing to (before a planned start; evicted or retired,
+        until it rejoined; to = -1: open)."""
         out = []
         for v in range(self.num_vws or 0):
             spans = self.spans(v)
+            if spans[0][0] > 0:
+                out.append([v, 0, spans[0][0]])
             for (_, end), nxt in zip(spans, [*spans[1:], None], strict=True):
                 if end != OPEN:
                     out.append([v, end, OPEN if nxt is None else nxt[0]])
@@ -124,8 +149,12 @@ class Membership:
         return True
 
     def ever_changed(self) -> bool:
-        """Whether any VW was evicted (or rejoined) in this run."""
-        return any(spans != [[0, OPEN]] for spans in self.epochs.values())
+        """Whether any VW was evicted (or rejoined) in this run: its epochs are not its planned span (open, or
+        closed at the planned end)."""
+        return any(
+            spans != [[self.planned.get(v, (0, OPEN))[0], OPEN]] and not self.retired(v)
+            for v, spans in self.epochs.items()
+        )
 
     def check(self, vw: int) -> None:
         """Refuse a VW index that is not one of the run's."""

@@ -10,7 +10,7 @@ import numpy as np
 
 from hetpipe.core.wsp.aggregation import KEY_KINDS, KeyKind
 from hetpipe.core.wsp.freezing import FreezeSchedule
-from hetpipe.core.wsp.membership import Membership
+from hetpipe.core.wsp.membership import OPEN, Membership
 from hetpipe.core.wsp.results import WspError
 from hetpipe.core.wsp.sources import Source, copy_of
 
@@ -51,9 +51,12 @@ class Registrations:
         start_wave: int,
         weights: tuple[int, ...] = (),
         members: tuple[int, ...] = (),
+        spans: tuple[tuple[int, int], ...] = (),
     ) -> list[str]:
         """Check a stage's registration and record its keys; returns the keys new to this shard. `members`:
-        the VWs a node's relay, registering as its group's first VW, pushes for (): a stage of its own."""
+        the VWs a node's relay, registering as its group's first VW, pushes for (): a stage of its own.
+        `spans`: each VW's planned [start, end) (end 0: the run's end; (): every VW trains every wave)."""
+        self._check_spans(vw, num_vws, spans)
         self._check_run(vw, stage, num_vws, num_stages, num_waves, start_wave)
         self._check_weights(vw, num_vws, weights)
         if members:
@@ -109,7 +112,7 @@ class Registrations:
             )
         if not 0 <= stage < num_stages:
             raise WspError("bad_message", f"stage {stage} is out of range for {num_stages} stages")
-        if not members.live(vw):
+        if not members.live(vw) and not members.retired(vw):  # a retired one registers again after a restart
             raise WspError(
                 "evicted",
                 f"vw {vw} was evicted at wave {members.end(vw)}: it must rejoin "
@@ -120,6 +123,24 @@ class Registrations:
                 "conflict",
                 f"vw {vw} stage {stage} starts at wave {start_wave}, but vw {vw} is live from "
                 f"wave {members.start(vw)}: every stage of a VW starts at the same wave",
+            )
+
+    def _check_spans(self, vw: int, num_vws: int, spans: tuple[tuple[int, int], ...]) -> None:
+        """Check a registration's planned spans (one [start, end) per VW, end 0 for the run's end; () for
+        none) against what earlier ones said, recording the first (docs/wsp.md#planned-spans)."""
+        members = self.membership
+        if spans and (len(spans) != num_vws or any(0 < end <= start for start, end in spans)):
+            raise WspError(
+                "bad_message", f"vw {vw} gives spans {[list(s) for s in spans]}: one [start, end) per VW"
+            )
+        planned = {v: (start, end or OPEN) for v, (start, end) in enumerate(spans) if (start, end) != (0, 0)}
+        if not self.stage_keys and not members.planned:
+            members.plan(planned)
+        elif planned != members.planned:
+            raise WspError(
+                "conflict",
+                f"vw {vw} says the VWs train waves {[list(s) for s in spans] or 'all'}, but the run's plan "
+                f"is {members.planned or 'every VW every wave'}: every stage must come from the same config",
             )
 
     def _check_weights(self, vw: int, num_vws: int, weights: tuple[int, ...]) -> None:
@@ -162,11 +183,12 @@ class Registrations:
                 raise WspError("conflict", f"key {key!r} is a {self.kinds[key]}, a registration says {kind}")
 
     def keys_of(self, vw: int, stage: int) -> tuple[str, ...]:
-        """The keys of a registered stage of a live VW (WspError "not_registered" or "evicted" otherwise)."""
+        """The keys of a registered stage of a live VW, or of one retired by plan that winds down (its retried
+        requests, its heartbeats); WspError "not_registered" or "evicted" otherwise."""
         keys = self.stage_keys.get((vw, stage))
         if keys is None:
             raise WspError("not_registered", f"vw {vw} stage {stage} is not registered on this shard")
-        if not self.membership.live(vw):
+        if not self.membership.live(vw) and not self.membership.retired(vw):
             raise WspError(
                 "evicted",
                 f"vw {vw} was evicted at wave {self.membership.end(vw)}; its stages must stop "

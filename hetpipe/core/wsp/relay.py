@@ -102,12 +102,15 @@ class RelayState(Registered):
         start_wave: int = 0,
         weights: tuple[int, ...] = (),
         members: tuple[int, ...] = (),
+        spans: tuple[tuple[int, int], ...] = (),
     ) -> dict[str, np.ndarray]:
         """A member stage's registration; returns its keys' W_0 as the first registration gave them (the
         relay registers upstream, and the stages hear upstream's W_0, once every member stage is in:
         `registered`). `start_wave` > 0: a resumed run's stages start there, all at the same wave."""
         if members:
             raise WspError("bad_message", "a relay takes stages, not another relay")
+        if spans:
+            raise WspError("bad_message", "a relay serves its VWs for the whole run: no planned spans")
         if vw not in self.members:
             raise WspError(
                 "bad_message",

@@ -41,6 +41,7 @@ def to_state(state: ShardState, detached: bool = False) -> tuple[dict[str, Any],
         "num_vws": state.num_vws,
         "weights": list(state.membership.weights),
         "leaders": {str(v): lead for v, lead in state.membership.leaders.items()},
+        "planned": {str(v): list(span) for v, span in state.membership.planned.items()},
         "num_waves": registrations.num_waves,
         "num_stages": {str(v): n for v, n in registrations.num_stages.items()},
         "epochs": {str(v): [list(span) for span in spans] for v, spans in state.membership.epochs.items()},
@@ -131,6 +132,7 @@ def _restore(state: ShardState, meta: Mapping[str, Any], arrays: Mapping[str, np
     state.membership.num_vws = meta["num_vws"]
     state.membership.weights = tuple(meta.get("weights", ()))
     state.membership.leaders = {int(v): lead for v, lead in meta.get("leaders", {}).items()}
+    state.membership.plan({int(v): (span[0], span[1]) for v, span in meta.get("planned", {}).items()})
     registrations.num_waves = meta.get("num_waves")
     registrations.num_stages = {int(v): n for v, n in meta["num_stages"].items()}
     state.membership.epochs = {

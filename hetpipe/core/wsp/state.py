@@ -15,7 +15,9 @@ weights, into which every VW's wave is folded the moment that VW completes it on
 A VW's push of wave t is merged (exact) or folded (latest) only once every stage of that VW has pushed wave t
 to this shard: so a VW evicted after a failure leaves no half wave behind (its waves from c_local on are
 dropped whole), and a wave counts for every stage of a VW or for none. Contributors of wave t: the VWs whose
-live span ("epoch") covers t; c_global and the gate count live VWs only.
+live span ("epoch") covers t; c_global and the gate count live VWs only. A VW planned to train waves
+[start, end) only (a re-plan, docs/wsp.md#planned-spans) counts as having completed `start` waves until its
+stages push, and retires (its epoch closed at `end`) the moment its wave end - 1 is complete.
 
 ShardState keeps what each stage pushed and pulled and the clocks over them, and composes the parts: the
 registrations (registrations.py), the VWs' epochs (membership.py), the exact versions and wave sums
@@ -157,14 +159,16 @@ class ShardState(Registered):
         start_wave: int = 0,
         weights: tuple[int, ...] = (),
         members: tuple[int, ...] = (),
+        spans: tuple[tuple[int, int], ...] = (),
     ) -> dict[str, np.ndarray]:
         """Declare a stage's keys (first registration of a key sets its W_0) and their kinds (default
         "param"), the run's waves (None: unknown) and each VW's weight by samples (() for every VW 1);
         returns the PS's values. A stage registers again after a restart of the shard (nothing changes) or
-        of its VW (start_wave: where it rejoined); a node relay as its group's first VW, naming `members`."""
+        of its VW (start_wave: where it rejoined); a node relay as its group's first VW, naming `members`;
+        `spans`: each VW's planned [start, end) (end 0: the run's end; docs/wsp.md#planned-spans)."""
         if members and self.pull_mode != "exact":
             raise WspError("bad_message", 'node-local aggregation needs [wsp] pull = "exact"')
-        args = (num_vws, num_stages, tensors, kinds, num_waves, start_wave, weights, members)
+        args = (num_vws, num_stages, tensors, kinds, num_waves, start_wave, weights, members, spans)
         new = self.registrations.admit(vw, stage, *args)
         initial = self.registrations.initial
         if self.pull_mode == "latest":
@@ -182,7 +186,7 @@ class ShardState(Registered):
         vw = self.membership.leader(vw)
         stages = self.registrations.num_stages.get(vw)
         if stages is None:
-            return 0
+            return self.epoch_start(vw)  # 0, or where a VW planned to start later starts
         return min(self.pushed.get((vw, s), self.epoch_start(vw)) for s in range(stages))
 
     @property
@@ -233,6 +237,8 @@ class ShardState(Registered):
         else:
             for t in now_complete:
                 self.running.fold(vw, t, self.kinds, self.membership.total(t))
+        if self.membership.due(vw, self.c_local(vw)):  # its planned last wave is in: it retires
+            self.membership.close(vw, self.c_local(vw))
         after = self.c_global
         self._build_versions()
         self._forget()
