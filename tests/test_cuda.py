@@ -154,6 +154,31 @@ def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: s
         )
 
 
+def test_a_re_plan_on_one_gpu_trains_as_the_reference_does(tmp_path: Path):
+    """Planned spans on CUDA (docs/wsp.md#planned-spans): 2 VWs of 2 stages train waves 0-3, then 3 VWs waves
+    4-7 with 2 layers frozen from wave 4 (the later VWs start once the earlier ones pushed their last wave,
+    from the global weights); the result is the CPU reference's, to float tolerance."""
+    from test_replan import spanned_config
+    from test_train_equivalence import run
+
+    from hetpipe.compute.reference import run_reference
+
+    vws = [["n0:0", "n0:1"], ["n0:2", "n0:3"], ["n0:0"], ["n0:1"], ["n0:2", "n0:3"]]
+    spans = [(0, 4), (0, 4), (4, 8), (4, 8), (4, 8)]
+    path = spanned_config(tmp_path, vws, spans, nm=2, staleness=1, waves=8, device="cuda:0")
+    config = apply_overrides(load_config(path), ['ps.agent="process"', "train.freeze=[[4, 2]]"])
+    splits = [(2, 2), (3, 1), (4,), (4,), (1, 3)]
+    _, stage_weights, ps_weights = run(tmp_path, config, splits)
+    ref = run_reference(config, splits, order_seed=1)
+    for sid, weights in stage_weights.items():
+        for key, value in weights.items():
+            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5)
+    for key, value in ps_weights.items():
+        torch.testing.assert_close(
+            torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5
+        )
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["own-pinned", "shared-with-agent-process"])
 def test_push_and_pull_staging_move_every_key_through_their_buffers(shared: bool):
     """PushStaging: each wave's arrays hold its tensors once ready() returns, integer buffers converted, the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetpipe.core.planning.freeze_gain import frozen_plan
+from hetpipe.core.planning.freeze_gain import frozen_plan, frozen_profiles
 from hetpipe.core.planning.plan import Plan, StagePlan, VwPlan
 from hetpipe.core.planning.profile import LayerProfile, ModelProfile
 
@@ -40,3 +40,17 @@ def test_stages_without_their_own_bytes_take_the_vws_by_layer_count() -> None:
     vw = VwPlan((stage(0, 2, 6.0), stage(2, 4, 7.0)), nm=2, param_bytes=1000)  # 500 bytes a stage
     frozen = frozen_plan(Plan("explicit", "toy", 4, 0, (vw,)), {"g": PROFILE}, 1).vws[0]
     assert [s.param_bytes for s in frozen.stages] == [0, 500]
+
+
+def test_a_re_plans_profiles_take_no_backward_for_the_frozen_layers_and_keep_the_rest() -> None:
+    """A re-plan searches the model with its first layers frozen from the start: their backward is 0 s, their
+    forward, weights, optimizer state and activations as measured; the later layers as they were."""
+    (frozen,) = frozen_profiles({"g": PROFILE}, 2).values()
+    assert [layer.backward_s for layer in frozen.layers] == [0.0, 0.0, 3.0, 4.0]
+    for got, want in zip(frozen.layers, PROFILE.layers, strict=True):
+        assert (got.forward_s, got.param_bytes, got.optimizer_bytes, got.saved_bytes) == (
+            want.forward_s,
+            want.param_bytes,
+            want.optimizer_bytes,
+            want.saved_bytes,
+        )

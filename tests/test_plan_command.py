@@ -3,6 +3,7 @@ and the notes on a setting that moves fewer bytes over a busy PS link (link_note
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from hetpipe.app.plan_command import (
     run_plan,
 )
 from hetpipe.app.progress_line import ProgressLine
+from hetpipe.app.train import apply_plan
 from hetpipe.core.config.files import load_config
 from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.schema import ClusterConfig
@@ -156,3 +158,39 @@ def test_hetpipe_plan_predicts_the_best_plan_after_each_freeze_point(
     rates = [float(line.split(": ")[1].split(" samples/s")[0].replace(",", "")) for line in after]
     assert best_rate(lines) < rates[0] < rates[1]
     assert not [line for line in plan_lines(tmp_path, capsys) if "after freezing" in line]
+
+
+def test_hetpipe_plan_re_plans_at_each_freeze_point_and_train_runs_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """two-by-two.toml at 0.05 Gbit/s: the best plan keeps one VW on node n0 (a second would load the PS link
+    more than it adds). With 5 of 6 layers frozen from wave 10 the re-plan puts a VW on each node: more than
+    keeping the VWs. `--out` holds each paying re-plan, and `hetpipe train --plan` reads it as spans: the
+    first plan's VWs train waves 0-4, the re-plans' 5-9 and 10-19; `--json` gives the same figures."""
+    settings = ["network.inter_node_gbps=0.05", "train.freeze=[[5, 3], [10, 5]]"]
+    config = apply_overrides(load_config(TWO_BY_TWO), settings)
+    out = tmp_path / "plan.json"
+    run_plan(config, request(tmp_path), out_path=out, show_why=False, as_json=False)
+    lines = capsys.readouterr().out.splitlines()
+    replanned = [line for line in lines if line.startswith("re-plan at wave")]
+    assert [line.split(": ")[0] for line in replanned] == [
+        "re-plan at wave 5 (layers 0-2 frozen)",
+        "re-plan at wave 10 (layers 0-4 frozen)",
+    ]
+    gains = [float(line.split("predicted, ")[1].split("x keeping")[0]) for line in replanned]
+    assert all(gain > 1.0 for gain in gains)
+    assert "2 VWs (n0:1,n0:0; n1:1,n1:0)" in replanned[1]
+    _, layouts = apply_plan(config, out)
+    spans = [lay.waves for lay in layouts]
+    assert spans == [(0, 5), (5, 10), (10, 20), (10, 20)]
+    last = {g for lay in layouts if lay.waves == (10, 20) for g in lay.gpus}
+    assert last == {"n0:0", "n0:1", "n1:0", "n1:1"}
+    run_plan(config, request(tmp_path), out_path=None, show_why=False, as_json=True)
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["wave"], r["layers"], round(r["gain"], 2)) for r in doc["replans"]] == [
+        (5, 3, gains[0]),
+        (10, 5, gains[1]),
+    ]
+    run_plan(load_config(TWO_BY_TWO), request(tmp_path), out_path=out, show_why=False, as_json=False)
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("re-plan")]
+    assert [lay.waves for lay in apply_plan(load_config(TWO_BY_TWO), out)[1]] == [None]

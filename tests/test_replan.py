@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+from hetpipe.app.span_starts import LaterVw, SpanStarts, gpus_held_before
 from hetpipe.app.train import TrainOptions, train
 from hetpipe.compute import data as datalib
-from hetpipe.compute.build import model_of, vw_layouts
+from hetpipe.compute.build import VwLayout, model_of, vw_layouts
 from hetpipe.compute.reference import run_reference
 from hetpipe.core.config.files import load_config, run_dir_config
 from hetpipe.core.config.overrides import apply_overrides
@@ -167,6 +168,31 @@ def test_planned_gaps_are_the_waves_before_a_start_and_after_an_end() -> None:
     assert planned_gaps([(0, 6), (0, 2), (2, 6), (2, 4)], 6) == [[1, 2, -1], [2, 0, 2], [3, 0, 2], [3, 4, -1]]
 
 
+# ---------------------------------------------------------------------------------------------- the launcher
+
+
+def test_a_vw_waits_for_the_vws_that_hold_its_gpus_before_it() -> None:
+    """A VW planned for later waves waits for each earlier VW it shares a GPU with; one on GPUs of its own, or
+    training every wave, starts at once; SpanStarts starts a waiting one once those pushed their last wave."""
+    vws = [
+        VwLayout(("n0:0", "n0:1"), (2, 2), waves=(0, 3)),
+        VwLayout(("n0:2",), (4,)),
+        VwLayout(("n0:0",), (4,), waves=(3, 6)),
+        VwLayout(("n0:1", "n0:3"), (2, 2), waves=(3, 6)),
+        VwLayout(("n0:4",), (4,), waves=(3, 6)),
+    ]
+    assert gpus_held_before(vws, 6) == {2: (0,), 3: (0,)}
+    started: list[int] = []
+    starts = SpanStarts(lambda later: started.append(later.vw) or {(later.vw, 0): later.vw})
+    starts.pending = [LaterVw(2, [], (0,)), LaterVw(3, [], (0, 1))]
+    done = {0: False, 1: False}
+    assert starts.tick(done.__getitem__) == {} and not started
+    done[0] = True
+    assert starts.tick(done.__getitem__) == {(2, 0): 2} and started == [2]
+    done[1] = True
+    assert starts.tick(done.__getitem__) == {(3, 0): 3} and not starts.pending
+
+
 # ---------------------------------------------------------------------------------------------- the data
 
 
@@ -229,11 +255,21 @@ def test_a_re_plan_at_two_freeze_points_equals_the_reference(
         assert_bitwise(weights, ref.stage_weights[sid], f"stage {sid}")
     assert_bitwise(ps_weights, ref.ps_weights, "PS weights")
     trained: dict[int, set[int]] = {}
+    first_step: dict[int, float] = {}
+    last_push: dict[int, float] = {}
     for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
         event = json.loads(line)
         if event["event"] == "minibatch":
             trained.setdefault(event["vw"], set()).add(event["p"])
+            first_step[event["vw"]] = min(first_step.get(event["vw"], event["t"]), event["t"])
+        if event["event"] == "push":
+            last_push[event["vw"]] = max(last_push.get(event["vw"], event["t"]), event["t"])
     assert trained == {v: set(range(start * 2, end * 2)) for v, (start, end) in enumerate(spans)}
+    layouts = [VwLayout(tuple(g), s, waves=w) for g, s, w in zip(vws, splits, spans, strict=True)]
+    held = gpus_held_before(layouts, 7)
+    assert held  # a GPU serves one VW at a time: a later VW computes once the earlier ones pushed their last
+    for v, earlier in held.items():
+        assert all(first_step[v] > last_push[u] for u in earlier), (v, earlier)
     assert summary["samples"] == sum(end - start for start, end in spans) * 2 * config.train.batch_size
 
 

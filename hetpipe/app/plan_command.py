@@ -3,10 +3,11 @@ training rules, each with its own profiles and calibration), print them, and wri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from hetpipe.app.plan_convergence import (
     rule_of,
 )
 from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
+from hetpipe.app.plan_replan import Replan, plan_file, replan_lines, replans, replans_json
 from hetpipe.app.progress_line import ProgressLine
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.planning.planner import (
@@ -75,6 +77,9 @@ class PlanRequest:
     batches: tuple[int, ...]
     budget_s: float | None = None  # stop the fast search after this many seconds: the best found so far
     exhaustive: bool = False  # plan and simulate every candidate (plan_candidates), as before the fast search
+    frozen_layers: int = (
+        0  # > 0: a re-plan's search, the model's first layers frozen (hetpipe.app.plan_replan)
+    )
 
 
 @dataclass(frozen=True)
@@ -112,9 +117,31 @@ def run_plan(
     for note in (wire_note(config, request, chosen), node_note(config, request, chosen)):
         if note:
             found.notes.append(note)
-    print_plans(config, request, found, chosen, show_why=show_why, as_json=as_json, show_all=show_all)
+    later = replans(found.ruled, chosen, lambda plain, layers: _replanned(plain, layers, request, chosen))
+    print_plans(
+        config, request, found, chosen, show_why=show_why, as_json=as_json, show_all=show_all, replans=later
+    )
     if out_path is not None:
-        write_best(request.config_path, found, chosen, out_path)
+        write_best(request.config_path, found, chosen, out_path, later)
+
+
+def _replanned(
+    config: ClusterConfig, layers: int, request: PlanRequest, chosen: Candidate
+) -> list[Candidate]:
+    """Every candidate for `config` with its first `layers` layers frozen, at the chosen plan's D, schedule
+    and batch (a run keeps them across a re-plan); every one simulated (no bound prunes: the fast search's
+    bounds do not know what freezing leaves off the wire)."""
+    assert chosen.plan is not None and chosen.staleness is not None
+    asked = dataclasses.replace(
+        request,
+        d_values=(chosen.staleness,),
+        schedules=(chosen.plan.schedule,),
+        batches=(config.train.batch_size,),
+        search_rules=False,
+        exhaustive=True,
+        frozen_layers=layers,
+    )
+    return search_plans(config, asked).candidates
 
 
 LINK_BUSY = 0.85  # a chosen plan whose PS link is at least this busy is planned again with fewer bytes on it
@@ -248,7 +275,12 @@ def _batch_planner(
                 footers[ruled.train.batch_size] = found
                 return found.candidates
             return plan_candidates(
-                ruled, profiles, **shared, slower_but_fewer=calibration is not None, progress=progress
+                ruled,
+                profiles,
+                **shared,
+                slower_but_fewer=calibration is not None,
+                progress=progress,
+                frozen_layers=request.frozen_layers,
             )
 
         return plan_over_rules(variant, calibration, planned, best, search=request.search_rules)
@@ -289,18 +321,31 @@ def print_plans(
     show_why: bool,
     as_json: bool,
     show_all: bool = False,
+    replans: Sequence[Replan] = (),
 ) -> None:
     """Print the candidates on stdout: as JSON with the search's inputs; or a header, the notes and the best
     few distinct plans with why each lost (summary.default_view); or (show_all, show_why) every candidate in
     the planner's order, the best plan and (show_why) why each other candidate lost, wrapped to the
-    terminal."""
+    terminal. Then the re-plan at each freeze point (`replans`; JSON: "replans")."""
     if as_json:
-        click.echo(
-            json.dumps(
-                candidates_json(found.candidates, _json_inputs(config, request, found, chosen)), indent=1
-            )
-        )
+        doc = candidates_json(found.candidates, _json_inputs(config, request, found, chosen))
+        click.echo(json.dumps({**doc, "replans": replans_json(replans)}, indent=1))
         return
+    _print_table(config, request, found, chosen, show_why=show_why, show_all=show_all)
+    for line in replan_lines(replans):
+        click.echo(line)
+
+
+def _print_table(
+    config: ClusterConfig,
+    request: PlanRequest,
+    found: PlanSearch,
+    chosen: Candidate,
+    *,
+    show_why: bool,
+    show_all: bool,
+) -> None:
+    """print_plans' text: the header, the notes, the best few plans or every candidate, and why."""
     width = shutil.get_terminal_size((100, 24)).columns
     _, _, ds = _space(found.ruled, request)
     click.echo("\n".join(_header(config, request, found, chosen)))
@@ -386,15 +431,21 @@ def _considered(found: PlanSearch) -> int:
     return counted.planned + counted.skipped + counted.infeasible + baselines
 
 
-def write_best(config_path: Path, found: PlanSearch, chosen: Candidate, out_path: Path) -> None:
-    """Write the best candidate's plan to `out_path` and say on stderr how to train with it."""
+def write_best(
+    config_path: Path, found: PlanSearch, chosen: Candidate, out_path: Path, later: Sequence[Replan] = ()
+) -> None:
+    """Write the best candidate's plan (with the re-plans that pay, `later`) to `out_path` and say on stderr
+    how to train with it."""
     assert chosen.plan is not None
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(chosen.plan.to_json())
+    out_path.write_text(plan_file(chosen.plan, later))
+    paying = [r.wave for r in later if r.chosen.plan is not None and r.gain > 1.0]
     click.echo(
         f"wrote {out_path}: run it with `hetpipe train {config_path} --plan {out_path}` "
         f"(its VWs, splits, {_work(chosen)}, D={chosen.staleness}, schedule {chosen.plan.schedule}, "
-        f"{rule_of(found.ruled)}, batch {found.ruled.train.batch_size})",
+        f"{rule_of(found.ruled)}, batch {found.ruled.train.batch_size}"
+        + (f"; re-planned at waves {', '.join(map(str, paying))}" if paying else "")
+        + ")",
         err=True,
     )
 

@@ -90,6 +90,10 @@ class Progress:
         first = max(self.start_wave, lay.waves[0] if lay.waves else 0)
         return min(self.pushed.get((vw, s), first) for s in range(len(lay.split)))
 
+    def started(self, vw: int) -> bool:
+        """Whether a stage of VW `vw` has pushed (a VW planned to start later has not, at first)."""
+        return any(v == vw for v, _ in self.pushed) or not self.layouts[vw].waves
+
     def rows(self) -> list[VwProgress]:
         c_global = self.c_global()
         return [
@@ -99,8 +103,9 @@ class Progress:
                 wave=self.completed(v),
                 loss=self.loss.get(v),
                 samples_per_s=self.speed.get(v, 0.0),
-                lead=self.completed(v) - c_global,
+                lead=self.completed(v) - c_global if v in self.training() and self.started(v) else 0,
                 gate_wait_s=max((w for (vv, _), w in self.gate_wait.items() if vv == v), default=0.0),
+                span=lay.waves,
             )
             for v, lay in enumerate(self.layouts)
         ]

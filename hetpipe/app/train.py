@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,7 @@ from hetpipe.app.board import EVAL_METRICS, Board
 from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
 from hetpipe.app.relays import start_relays
+from hetpipe.app.span_starts import LaterVw, SpanStarts, gpus_held_before
 from hetpipe.app.startup import PRELOAD, format_timeline, startup_timeline
 from hetpipe.app.supervise import Supervisor
 from hetpipe.app.train_guards import (
@@ -47,6 +48,7 @@ from hetpipe.app.train_loop import RunWatch, failure_error
 from hetpipe.app.train_summary import run_summary
 from hetpipe.compute.build import VwLayout, model_of, vw_layouts
 from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.parse import planned_span_conflicts
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.config.serialize import config_toml
 from hetpipe.core.errors import ConfigError, HetpipeError, UsageError
@@ -72,6 +74,9 @@ from hetpipe.server.launch import serve_job
 from hetpipe.worker.jobs import cuda_devices, emulated_slowdowns, stage_jobs
 from hetpipe.worker.ps_client import PSClient
 from hetpipe.worker.stage import run_stage
+
+if TYPE_CHECKING:
+    from hetpipe.core.planning.plan import Plan
 
 __all__ = [
     "RunKeys",
@@ -201,7 +206,7 @@ def _train(run: _Run) -> dict[str, Any]:
     trained = False
     try:
         with MetricsWriter(run.run_dir / "metrics.jsonl") as metrics:
-            endpoints, jobs, shards, relays, stages = _launch(run, group, events, metrics)
+            endpoints, jobs, shards, relays, stages, starts = _launch(run, group, events, metrics)
             admin = _admin_client(run, endpoints)
             supervisor = Supervisor(
                 config,
@@ -225,7 +230,7 @@ def _train(run: _Run) -> dict[str, Any]:
                 run.keys.admin if run.keys else None,
             )
             watch = RunWatch(
-                config, events, metrics, failures, progress, view, board, supervisor, live, started
+                config, events, metrics, failures, progress, view, board, supervisor, live, started, starts
             )
             wall, training = watch.until_done()
             with admin() as ps:
@@ -330,10 +335,10 @@ def _work_text(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> str:
 
 def _launch(
     run: _Run, group: ChildGroup, events: Any, metrics: MetricsWriter
-) -> tuple[list[str], list[ShardJob], list[Any], list[Any], dict[tuple[int, int], Any]]:
+) -> tuple[list[str], list[ShardJob], list[Any], list[Any], dict[tuple[int, int], Any], SpanStarts]:
     """Record the run's start, start the PS shards, node aggregation's relays, then every stage of every VW,
     stamping the launcher's start-up moments; returns the shards' endpoints, jobs and children, the relays'
-    children, and the stages'."""
+    children, the stages', and the VWs whose stages start later."""
     config, run_dir = run.config, run.run_dir
     metrics.write(
         "run_start", at=run.started_at, config=str(config.path), run_dir=str(run_dir), resumed_from=run.cut
@@ -345,22 +350,32 @@ def _launch(
         json.dumps({"endpoints": endpoints, "run": config.name, "audit": run.options.audit})
     )  # for `hetpipe worker --join`
     per_vw, relays = start_relays(group, config, run.vws, endpoints)  # node aggregation's, if on
-    stages = _start_stages(run, group, per_vw, events)
+    stages, starts = _start_stages(run, group, per_vw, events)
     run.launcher["stages_started"] = time.time()
-    return endpoints, jobs, shards, relays, stages
+    return endpoints, jobs, shards, relays, stages, starts
 
 
 def _start_stages(
     run: _Run, group: ChildGroup, endpoints: list[list[str]], events: Any
-) -> dict[tuple[int, int], Any]:
+) -> tuple[dict[tuple[int, int], Any], SpanStarts]:
     """One child per stage of every VW, each given its StageJob and the event queue; keyed by (VW, stage).
-    `endpoints[v]`: where VW v's stages find the PS (its node's relays under node aggregation)."""
+    `endpoints[v]`: where VW v's stages find the PS (its node's relays under node aggregation). A VW planned
+    to train later waves on GPUs that earlier VWs use is held back (the returned SpanStarts starts it)."""
     config, vws, options = run.config, run.vws, run.options
     snapshots = config.checkpoint.enabled and config.checkpoint.every >= 1
+
+    def start(later: LaterVw) -> dict[tuple[int, int], Any]:
+        return {
+            (later.vw, job.stage): group.start(f"vw{later.vw}-s{job.stage}", run_stage, job, events)
+            for job in later.jobs
+        }
+
+    starts = SpanStarts(start)
     stages = {}
     cut = run.cut or 0
+    held = gpus_held_before(vws, config.train.waves)
     for v in range(len(vws)):
-        start, end = vws[v].span(config.train.waves)
+        first, end = vws[v].span(config.train.waves)
         if end <= cut:
             continue  # a VW planned to end by the wave the run resumes from has done its part
         jobs = stage_jobs(
@@ -374,14 +389,16 @@ def _start_stages(
             audit=options.audit,
             dump_weights=options.dump_weights,
             ps_keys=run.keys.vws[v] if run.keys else None,
-            resume_wave=cut if start < cut else 0,  # one planned to start at the cut or later starts there
+            resume_wave=cut if first < cut else 0,  # one planned to start at the cut or later starts there
             snapshots=snapshots,
             profile=options.profile,
         )
-        stages.update(
-            {(v, job.stage): group.start(f"vw{v}-s{job.stage}", run_stage, job, events) for job in jobs}
-        )
-    return stages
+        later = LaterVw(v, jobs, held.get(v, ()))
+        if later.after:
+            starts.pending.append(later)
+        else:
+            stages.update(start(later))
+    return stages, starts
 
 
 def _admin_client(run: _Run, endpoints: list[str]) -> Callable[[], PSClient]:
@@ -467,28 +484,21 @@ def _saved_keys(config: ClusterConfig, run_dir: Path, num_vws: int) -> RunKeys |
 
 def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, tuple[VwLayout, ...]]:
     """The config with a plan's Nm, D, schedule, minibatch size and training rule (aggregation, mitigation),
-    and the plan's VWs and splits (a file from `hetpipe plan --out`)."""
-    from hetpipe.core.planning.plan import Plan
+    and the plan's VWs and splits (a file from `hetpipe plan --out`); with re-plans at freeze points, every
+    plan's VWs, each training its plan's waves (docs/wsp.md#planned-spans)."""
+    from hetpipe.app.plan_replan import plan_phases, spanned_layouts
 
     try:
-        plan = Plan.from_json(plan_path.read_text())
+        phases = plan_phases(plan_path.read_text())
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(
             f"{plan_path}: not a readable plan file ({exc}); write one with `hetpipe plan --out`"
         ) from None
+    plan = phases[0][1]
     known = {str(g) for g in config.all_gpus()}
     layers = model_of(config).num_layers
-    for vw in plan.vws:
-        unknown = [g for g in vw.gpus if g not in known]
-        if unknown:
-            raise UsageError(
-                f"{plan_path}: GPU {unknown[0]} is not in {config.path}; plan again for this cluster"
-            )
-        if sum(vw.split) != layers:
-            raise UsageError(
-                f"{plan_path}: a split of {sum(vw.split)} layers, but {config.model.name} has {layers}: "
-                "plan again for this config"
-            )
+    for wave, phase in phases:
+        _check_plan_phase(config, plan_path, plan, wave, phase, known, layers)
     config = replace(
         config,
         wsp=replace(config.wsp, nm=plan.vws[0].nm, staleness=plan.staleness),
@@ -511,5 +521,36 @@ def apply_plan(config: ClusterConfig, plan_path: Path) -> tuple[ClusterConfig, t
             f"{plan_path}: its training rule ({', '.join(rule)}) does not fit: {exc}; plan again for "
             "this config"
         ) from None
-    batch = config.train.batch_size
-    return config, tuple(VwLayout(vw.gpus, vw.split, vw.nm, vw.batch(batch)) for vw in plan.vws)
+    if len(phases) > 1:
+        for field, what, (why, fix) in planned_span_conflicts(config.ps, config.train):
+            raise UsageError(
+                f"{plan_path} re-plans at wave {phases[1][0]}, but {config.path}'s {field} {what}: {why}; "
+                f"{fix}, or plan without [train] freeze"
+            )
+    return config, spanned_layouts(phases, config.train.batch_size, config.train.waves)
+
+
+def _check_plan_phase(
+    config: ClusterConfig, plan_path: Path, first: Plan, wave: int, plan: Plan, known: set[str], layers: int
+) -> None:
+    """UsageError for a plan (or a re-plan from `wave`) this config cannot run."""
+    where = f"{plan_path}" if wave == 0 else f"{plan_path} (its re-plan at wave {wave})"
+    for vw in plan.vws:
+        unknown = [g for g in vw.gpus if g not in known]
+        if unknown:
+            raise UsageError(
+                f"{where}: GPU {unknown[0]} is not in {config.path}; plan again for this cluster"
+            )
+        if sum(vw.split) != layers:
+            raise UsageError(
+                f"{where}: a split of {sum(vw.split)} layers, but {config.model.name} has {layers}: "
+                "plan again for this config"
+            )
+    if (plan.staleness, plan.schedule, plan.batch_size) != (
+        first.staleness,
+        first.schedule,
+        first.batch_size,
+    ):
+        raise UsageError(f"{where}: its D, schedule or batch differ from the first plan's; plan again")
+    if not 0 <= wave < config.train.waves:
+        raise UsageError(f"{where}: wave {wave} is outside the run's {config.train.waves} waves; plan again")

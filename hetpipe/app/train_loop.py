@@ -13,6 +13,7 @@ from typing import Any
 from hetpipe.app.board import Board
 from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
+from hetpipe.app.span_starts import SpanStarts
 from hetpipe.app.supervise import Supervisor
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import HetpipeError
@@ -42,6 +43,7 @@ class RunWatch:
     supervisor: Supervisor
     live: LiveEvaluator
     started: float  # time.monotonic() when the launcher started its children
+    starts: SpanStarts | None = None  # VWs planned for later waves on GPUs earlier VWs hold: started here
 
     def pump(self) -> None:
         """Take every queued event, record and show it, and let the live evaluator see each new c_global."""
@@ -72,13 +74,28 @@ class RunWatch:
             force=force,
         )
 
+    def waiting(self) -> bool:
+        """Whether a stage runs, or a VW's stages are still to start."""
+        return self.supervisor.stages_running() or bool(self.starts and self.starts.pending)
+
+    def _start_later(self) -> None:
+        """Start the stages of each VW whose GPUs' earlier VWs have pushed their last waves."""
+        if self.starts is None or not self.starts.pending:
+            return
+        layouts, waves = self.progress.layouts, self.config.train.waves
+        started = self.starts.tick(lambda u: self.progress.completed(u) >= layouts[u].span(waves)[1])
+        if started:
+            self.supervisor.stages.update(started)
+            self.supervisor.write_pids()
+
     def until_done(self) -> tuple[float, float]:
         """Pump and supervise until every stage has stopped and every live VW did all its waves (a little
         longer when a VW was evicted); returns (wall seconds since the start, seconds from the first minibatch
         to the last)."""
         waves = self.config.train.waves
-        while self.supervisor.stages_running() or not self.supervisor.all_live_done(waves):
+        while self.waiting() or not self.supervisor.all_live_done(waves):
             self.pump()
+            self._start_later()
             self.supervisor.tick()
             time.sleep(0.2)
         if self.supervisor.evicted:

@@ -137,33 +137,50 @@ def _check_freeze(t: _Table, ps: PsConfig, train: TrainConfig) -> None:
 def _check_planned_spans(
     sections: Mapping[str, _Table], vws: tuple[VirtualWorkerSpec, ...], ps: PsConfig, train: TrainConfig
 ) -> None:
-    """VWs that train some waves only (a planned re-plan, docs/wsp.md#planned-spans) change the VW count
-    between waves: what counts the VWs once for the whole run refuses them."""
+    """VWs that train some waves only (a planned re-plan, docs/wsp.md#planned-spans): refuse what counts the
+    VWs once for the whole run."""
     spanned = next((i for i, vw in enumerate(vws) if vw.waves is not None), None)
     if spanned is None:
         return
     which = f"virtual_workers[{spanned}] trains waves {list(vws[spanned].waves or ())} only"
+    for field, what, fix in planned_span_conflicts(ps, train):
+        section, key = field.split(".")
+        sections[section].fail(key, f"{what}, but {which}: {fix[0]}", fix[1])
+
+
+def planned_span_conflicts(ps: PsConfig, train: TrainConfig) -> list[tuple[str, str, tuple[str, str]]]:
+    """What refuses VWs that train some waves only (docs/wsp.md#planned-spans): (field, what it is, (why,
+    fix)) for each setting that counts the VWs once for the whole run."""
+    found = []
     if ps.node_aggregation:
-        sections["ps"].fail(
-            "node_aggregation",
-            f"is true, but {which}: a node's relay serves the same VWs for the whole run",
-            "set node_aggregation = false, or drop the VWs' waves",
+        found.append(
+            (
+                "ps.node_aggregation",
+                "is true",
+                ("a node's relay serves the same VWs for the whole run", "set node_aggregation = false"),
+            )
         )
     if ps.on_vw_failure == "evict":
-        sections["ps"].fail(
-            "on_vw_failure",
-            f'is "evict", but {which}: eviction and rejoin do not yet plan around VWs that end or start '
-            "mid-run",
-            'set on_vw_failure = "stop" (a failed run resumes with `hetpipe train --resume`), or drop the '
-            "VWs' waves",
+        found.append(
+            (
+                "ps.on_vw_failure",
+                'is "evict"',
+                (
+                    "eviction and rejoin do not yet plan around VWs that end or start mid-run",
+                    'set on_vw_failure = "stop" (a failed run resumes with `hetpipe train --resume`)',
+                ),
+            )
         )
     counted = [m for m in train.mitigations if m in ("average", "warmup")]
     if counted:
-        sections["train"].fail(
-            "mitigation",
-            f'is "{train.mitigation}", but {which}: "{counted[0]}" counts the VWs once for the whole run',
-            'drop "average" and "warmup" from mitigation, or drop the VWs\' waves',
+        found.append(
+            (
+                "train.mitigation",
+                f'is "{train.mitigation}"',
+                (f'"{counted[0]}" counts the VWs once for the whole run', 'drop "average" and "warmup"'),
+            )
         )
+    return found
 
 
 def _check_node_aggregation(t: _Table, ps: PsConfig, wsp: WspConfig, nodes: int) -> None:

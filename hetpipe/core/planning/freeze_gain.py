@@ -1,6 +1,7 @@
 """A plan as it runs once [train] freeze has frozen the model's first layers (docs/wsp.md#freezing): the same
-VWs, splits and Nm (the runtime does not re-plan), each stage's backward less the frozen layers' share of it,
-and their weights neither pushed nor pulled. Pure: the planner predicts it as it predicts any plan."""
+VWs, splits and Nm, each stage's backward less the frozen layers' share of it, and their weights neither
+pushed nor pulled; and the profiles a re-plan at a freeze point searches with (docs/planning.md#re-planning).
+Pure: the planner predicts either as it predicts any plan."""
 
 from __future__ import annotations
 
@@ -11,7 +12,23 @@ from hetpipe.core.planning.plan import Plan, StagePlan, VwPlan
 from hetpipe.core.planning.profile import ModelProfile
 from hetpipe.core.planning.simulate import stage_param_bytes
 
-__all__ = ["frozen_plan"]
+__all__ = ["frozen_plan", "frozen_profiles"]
+
+
+def frozen_profiles(profiles: Mapping[str, ModelProfile], layers: int) -> dict[str, ModelProfile]:
+    """Each GPU type's profile with the model's first `layers` layers frozen: their backward (and optimizer
+    step) takes no time. Weights, optimizer state and activations stay as measured (the runtime keeps them),
+    so a stage's memory errs high; what a wave pushes is cut by frozen_plan."""
+    return {
+        gpu_type: dataclasses.replace(
+            profile,
+            layers=tuple(
+                dataclasses.replace(layer, backward_s=0.0) if i < layers else layer
+                for i, layer in enumerate(profile.layers)
+            ),
+        )
+        for gpu_type, profile in profiles.items()
+    }
 
 
 def frozen_plan(plan: Plan, profiles: Mapping[str, ModelProfile], layers: int) -> Plan:

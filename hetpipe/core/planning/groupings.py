@@ -47,8 +47,12 @@ class GroupingSearch:
         profiles: Mapping[str, ModelProfile],
         link: Callable[[str, str], float],
         reserve: int,
+        frozen: int = 0,
     ) -> None:
+        """`frozen` > 0: a re-plan's search, the model's first `frozen` layers frozen from the start
+        (`profiles` already say so: freeze_gain.frozen_profiles)."""
         self.config, self.profiles, self.link, self.reserve = config, profiles, link, reserve
+        self.frozen = frozen
         self.batch = config.train.batch_size
         self.any_profile = profiles[
             config.nodes[0].gpus[0]

@@ -80,7 +80,9 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+        """The plan of `to_json`'s text (a plan file's re-plans are read by hetpipe.app.plan_replan)."""
         data = json.loads(text)
+        data.pop("replans", None)
         vws = tuple(
             VwPlan(
                 stages=tuple(StagePlan(**s) for s in vw["stages"]),

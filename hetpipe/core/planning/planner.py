@@ -29,7 +29,7 @@ from hetpipe.core.planning.candidates import (
     slowest_stage_text,
 )
 from hetpipe.core.planning.capacity import PsFigures, plan_bounds, standalone_rates
-from hetpipe.core.planning.freeze_gain import frozen_plan
+from hetpipe.core.planning.freeze_gain import frozen_plan, frozen_profiles
 from hetpipe.core.planning.groupings import Grouping, GroupingSearch
 from hetpipe.core.planning.memory import format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
@@ -201,6 +201,7 @@ def plan_candidates(
     slower_but_fewer: bool = False,
     ps_network: PsNetwork | None = None,
     progress: Callable[[str], None] | None = None,
+    frozen_layers: int = 0,
 ) -> list[Candidate]:
     """Every candidate plan for `config` with its prediction, then the baselines (docs/planning.md).
 
@@ -217,7 +218,8 @@ def plan_candidates(
     (what a stage keeps: hetpipe.core.planning.memory) and the time. `slower_but_fewer`: for a ranking by
     time to target, also what trades samples/s for samples to target: each grouping with Nm capped below the
     one it chose, and with only its fastest 1, 2, ... VWs (less staleness and a smaller global batch);
-    groupings that come out the same are planned once.
+    groupings that come out the same are planned once. `frozen_layers` > 0: a re-plan at a freeze point, the
+    model's first layers frozen from the start (docs/planning.md#re-planning).
 
     `ps_gbps`: bandwidth of each PS shard's link (config.ps.shards of them); `link_gbps(a, b)`: between two
     GPUs (default: NetworkConfig.link_gbps of [network]); `ps_network`: the nodes' own links the PS traffic
@@ -229,7 +231,11 @@ def plan_candidates(
     """
     check_profiles(config, profiles_by_type)
     ds = _d_values(d_values, config.wsp.staleness, waves)
-    search = GroupingSearch(config, profiles_by_type, link_gbps or config.network.link_gbps, reserve_bytes)
+    if frozen_layers:  # a re-plan: the model's first layers frozen (docs/planning.md#re-planning)
+        profiles_by_type = frozen_profiles(profiles_by_type, frozen_layers)
+    search = GroupingSearch(
+        config, profiles_by_type, link_gbps or config.network.link_gbps, reserve_bytes, frozen_layers
+    )
     rates = standalone_rates(config, profiles_by_type)
     how = _Prediction.of(config, waves, ps_gbps, ps_network, rates, search.link)
     work = PerVwWork(search, how.ps_bytes_per_s)
@@ -339,8 +345,10 @@ def _candidate(
         aggregation=config.ps.aggregation,
         mitigation=config.train.mitigation,
     )
+    if search.frozen:  # a re-plan's candidate: its frozen layers' weights stay off the wire
+        plan = frozen_plan(plan, search.profiles, search.frozen)
     candidate = _placed_prediction(search, plan, notes, how)
-    if config.train.freeze:
+    if config.train.freeze and not search.frozen:
         candidate = dataclasses.replace(candidate, after_freeze=_after_freeze(search, plan, how))
     return candidate
 

@@ -316,6 +316,7 @@ class VwProgress:
     samples_per_s: float
     lead: int  # c_local - c_global, waves ahead of the slowest VW
     gate_wait_s: float  # total time its stages spent waiting at the WSP gate
+    span: tuple[int, int] | None = None  # the waves [start, end) it trains (wsp.md#planned-spans); None: all
 
 
 def _duration(seconds: float) -> str:
@@ -332,7 +333,7 @@ def _progress_cells(row: VwProgress, total_waves: int) -> list[str]:
     loss = "-" if row.loss is None else f"{row.loss:.3f}"
     return [
         f"vw{row.vw} [{row.gpus}]",
-        f"{row.wave}/{total_waves}",
+        f"{row.wave}/{row.span[1] if row.span else total_waves}",
         loss,
         f"{row.samples_per_s:.0f}",
         f"{row.lead:+d}",
@@ -348,7 +349,8 @@ def format_progress(
         vw0 [fast,slow] wave 7/20  loss 0.412  312 samples/s  lead +1  gate wait 3.2 s
         [#######.............................] 35%  elapsed 41 s  eta 76 s
 
-    Done = completed waves of all VWs / (VWs x total_waves); eta extrapolates elapsed_s at that rate.
+    Done = the waves the VWs completed / the waves they train (each its span's, or total_waves); eta
+    extrapolates elapsed_s at that rate.
     """
     cells = [_progress_cells(row, total_waves) for row in rows]
     widths = [max((len(c[i]) for c in cells), default=0) for i in range(6)]
@@ -358,8 +360,10 @@ def format_progress(
         f"  lead {c[4]:>{widths[4]}}  gate wait {c[5]:>{widths[5]}} s"
         for c in cells
     ]
-    planned = len(rows) * total_waves
-    done = min(1.0, sum(min(row.wave, total_waves) for row in rows) / planned) if planned > 0 else 0.0
+    spans = [row.span or (0, total_waves) for row in rows]
+    planned = sum(end - start for start, end in spans)
+    trained = sum(max(0, min(row.wave, end) - start) for row, (start, end) in zip(rows, spans, strict=True))
+    done = min(1.0, trained / planned) if planned > 0 else 0.0
     eta = _duration(elapsed_s * (1 - done) / done) if done > 0 else "-"
     tail = f" {math.floor(done * 100):>2d}%  elapsed {_duration(elapsed_s)}  eta {eta}"
     bar = max(10, width - len(tail) - 2)
