@@ -14,6 +14,8 @@ from hetpipe.core.hardware.devices import stage_device
 from hetpipe.core.hardware.emulate import cpu_cores, slowdowns
 from hetpipe.core.pipeline.profile_window import ProfileWindow
 from hetpipe.core.protocol.keys import ClientKeys
+from hetpipe.core.wsp.aggregation import get_aggregation
+from hetpipe.core.wsp.handover import optimizer_sources
 from hetpipe.core.wsp.work import VwWork, sample_weights
 
 __all__ = ["StageJob", "cuda_devices", "emulated_slowdowns", "stage_jobs"]
@@ -50,6 +52,9 @@ class StageJob:
     profile: ProfileWindow | None = None  # hetpipe train --profile: torch.profiler over these minibatches
     work: tuple[VwWork, ...] = ()  # every VW's work per wave (Nm, batch); (): every VW as this config says
     spans: tuple[tuple[int, int], ...] = ()  # every VW's planned waves [start, end); (): all of the run's
+    handover_from: int | None = None  # the VW whose optimizer state this VW starts with (a re-plan's)
+    handover_stages: int = 0  # that VW's stages (each writes its part)
+    hands_over: bool = False  # a later VW starts with this VW's optimizer state: write it at the end
 
     @cached_property
     def config(self) -> ClusterConfig:
@@ -135,6 +140,8 @@ def stage_jobs(
     devices = tuple(stage_device(config, g, cuda) for g in lay.gpus)
     planned = any(other.waves for other in vws)  # a re-plan: VWs that train some waves only
     spans = tuple(other.span(config.train.waves) for other in vws) if planned else ()
+    sources = optimizer_sources(spans) if get_aggregation(config.ps.aggregation).local_optimizer else {}
+    source = sources.get(vw)
     return [
         StageJob(
             packed_config=packed,
@@ -162,6 +169,9 @@ def stage_jobs(
             profile=profile,
             work=run_work(config, vws),
             spans=spans,
+            handover_from=source,
+            handover_stages=len(vws[source].split) if source is not None else 0,
+            hands_over=vw in sources.values(),
         )
         for s in range(len(lay.split))
     ]

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from hetpipe.compute import data as datalib
-from hetpipe.compute.build import dataset_of, model_of
+from hetpipe.compute.build import dataset_of, model_of, start_from_init
 from hetpipe.compute.heap import keep_freed_memory
 from hetpipe.compute.stage_compute import StageCompute, StageRules
 from hetpipe.core.hardware.devices import p2p_backend
@@ -47,6 +47,7 @@ from hetpipe.core.wsp.clock import gate_version
 from hetpipe.models import build_stage
 from hetpipe.worker.flat_layout import FlatLayout
 from hetpipe.worker.jobs import StageJob
+from hetpipe.worker.optimizer_handover import load_handover, save_handover
 from hetpipe.worker.p2p import P2P
 from hetpipe.worker.ps_link import PSLink, agent_kind, open_link
 from hetpipe.worker.stage_actions import ComputeActions, NonFiniteLoss
@@ -257,6 +258,7 @@ class StageRunner:
         shards = datalib.span_shards(len(train.y), job.vw_spans, job.vw, config.seed, job.vw_weights)
         start, stop = job.layers
         module = build_stage(self.spec, start, stop, self.device)
+        start_from_init(module, config)  # [model] init: a state to fine-tune from
         self.schedule, self.actions = stage_schedule(job)
         self.position = 0  # index of the next action to run (the heartbeats report it)
         rules = StageRules.of(config, self.schedule.stages[job.stage], job.num_vws)
@@ -311,6 +313,7 @@ class StageRunner:
         job = self.job
         layout = self._register()
         resend = self._resume() if job.resume_wave else {}
+        load_handover(job, self.compute, self.config.ps.timeout_s)  # a re-plan's VW: its source's optimizer
         self.handover.start(self.link, layout)
         self._connect()
         self.started = time.monotonic()
@@ -321,6 +324,7 @@ class StageRunner:
             close_all([lambda: self.link.close(timeout_s=30), self.p2p.close], failed=True)
             raise
         close_all([lambda: self.link.close(timeout_s=30), self.p2p.close], failed=False)
+        save_handover(job, self.compute)  # a VW that retires at a re-plan: its optimizer for the next
         try:
             if not self.link.wait_durable(self.config.ps.timeout_s, progress=self.position):
                 print(

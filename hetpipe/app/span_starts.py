@@ -1,10 +1,11 @@
 """When `hetpipe train` starts the stages of a VW planned to train later waves (docs/wsp.md#planned-spans):
-once every VW that uses one of its GPUs before it has pushed its last wave, so a GPU serves one VW at a time
-(an emulated one computes for one at a time, as a real one would)."""
+once every VW that uses one of its GPUs before it, and the VW whose optimizer state it takes, has pushed its
+last wave, so a GPU serves one VW at a time (an emulated one computes for one at a time, as a real one would)
+and the state it takes is written."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,16 +14,22 @@ from hetpipe.compute.build import VwLayout
 __all__ = ["LaterVw", "SpanStarts", "gpus_held_before"]
 
 
-def gpus_held_before(vws: Sequence[VwLayout], num_waves: int) -> dict[int, tuple[int, ...]]:
-    """For each VW that shares a GPU with VWs whose waves end at or before its first: those VWs, in order.
-    VWs training every wave, or with GPUs of their own, are not listed (they start at once)."""
+def gpus_held_before(
+    vws: Sequence[VwLayout], num_waves: int, sources: Mapping[int, int] | None = None
+) -> dict[int, tuple[int, ...]]:
+    """For each VW that shares a GPU with VWs whose waves end at or before its first, or takes the optimizer
+    state of a VW (`sources`: VW -> that VW, hetpipe.core.wsp.handover): those VWs, in order. VWs training
+    every wave, or on GPUs of their own and starting fresh, are not listed (they start at once)."""
     spans = [lay.span(num_waves) for lay in vws]
+    sources = sources or {}
     out = {}
     for v, lay in enumerate(vws):
         before = tuple(
             u
             for u, other in enumerate(vws)
-            if u != v and spans[u][1] <= spans[v][0] and set(other.gpus) & set(lay.gpus)
+            if u != v
+            and spans[u][1] <= spans[v][0]
+            and (set(other.gpus) & set(lay.gpus) or sources.get(v) == u)
         )
         if before:
             out[v] = before

@@ -46,7 +46,7 @@ from hetpipe.app.train_guards import (
 )
 from hetpipe.app.train_loop import RunWatch, failure_error
 from hetpipe.app.train_summary import run_summary
-from hetpipe.compute.build import VwLayout, model_of, vw_layouts
+from hetpipe.compute.build import VwLayout, check_init, model_of, vw_layouts
 from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.parse import planned_span_conflicts
 from hetpipe.core.config.schema import ClusterConfig
@@ -67,6 +67,8 @@ from hetpipe.core.protocol.keys import (
 from hetpipe.core.runs.metrics import MetricsWriter
 from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
 from hetpipe.core.runs.run_lock import RunLock, lock_run_dir
+from hetpipe.core.wsp.aggregation import get_aggregation
+from hetpipe.core.wsp.handover import optimizer_sources
 from hetpipe.core.wsp.work import VwWork
 from hetpipe.models import ModelSpec
 from hetpipe.server.jobs import ShardJob, shard_jobs
@@ -263,6 +265,7 @@ def _settle(config: ClusterConfig, options: TrainOptions) -> _Run:
     vws = options.layouts or _saved_layouts(run_dir, options.resume) or vw_layouts(config, spec)
     check_memory(config, spec, vws)
     check_work(config, vws)
+    check_init(config, spec)
     # before the run dir is made: a refused option leaves nothing behind
     check_options(config, audit=options.audit, resuming=options.resume, profile=options.profile)
     with contextlib.ExitStack() as undo:  # the lock is let go if a later check fails
@@ -373,7 +376,9 @@ def _start_stages(
     starts = SpanStarts(start)
     stages = {}
     cut = run.cut or 0
-    held = gpus_held_before(vws, config.train.waves)
+    spans = [lay.span(config.train.waves) for lay in vws]
+    local = get_aggregation(config.ps.aggregation).local_optimizer
+    held = gpus_held_before(vws, config.train.waves, optimizer_sources(spans) if local else None)
     for v in range(len(vws)):
         first, end = vws[v].span(config.train.waves)
         if end <= cut:

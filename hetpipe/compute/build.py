@@ -3,7 +3,11 @@ placement."""
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
 
 from hetpipe.compute import data as datalib
 from hetpipe.core.config.schema import ClusterConfig
@@ -17,10 +21,12 @@ from hetpipe.models import ModelSpec, build_stage, even_split, get_model, named_
 __all__ = [
     "VwLayout",
     "audit_shape",
+    "check_init",
     "dataset_of",
     "model_of",
     "ps_placement",
     "run_work",
+    "start_from_init",
     "vw_config",
     "vw_layouts",
 ]
@@ -66,6 +72,52 @@ def run_work(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> tuple[VwWork, 
 
 def model_of(config: ClusterConfig) -> ModelSpec:
     return get_model(config.model.name, seed=config.seed, **config.model.options.to_dict())
+
+
+def _init_state(config: ClusterConfig) -> dict[str, torch.Tensor]:
+    """[model] init's tensors: a state dict by the model's key names (a run's model.pt)."""
+    path = Path(config.model.init)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError, ValueError) as exc:
+        raise UsageError(
+            f"{config.path}: model.init = {str(path)!r} cannot be read ({exc}); give a state dict file, e.g. "
+            "an earlier run's model.pt (relative to the working directory)"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UsageError(f"{config.path}: model.init = {str(path)!r} is not a state dict of tensors")
+    return state
+
+
+def check_init(config: ClusterConfig, spec: ModelSpec) -> None:
+    """UsageError unless [model] init (when set) holds every weight and buffer of the model, each in its
+    shape, and nothing else."""
+    if not config.model.init:
+        return
+    state = _init_state(config)
+    want = build_stage(spec, 0, spec.num_layers, "meta").state_dict()
+    missing = [k for k in want if k not in state]
+    extra = [k for k in state if k not in want]
+    shapes = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k].shape)]
+    for what, keys in (
+        ("lacks", missing),
+        ("has keys the model does not:", extra),
+        ("has other shapes for", shapes),
+    ):
+        if keys:
+            raise UsageError(
+                f"{config.path}: model.init = {config.model.init!r} {what} {', '.join(keys[:4])}"
+                f"{' ...' if len(keys) > 4 else ''}: it is not a state of model {spec.name} with these "
+                "options; give the model.pt of a run of the same model"
+            )
+
+
+def start_from_init(module: torch.nn.Module, config: ClusterConfig) -> None:
+    """Set a stage's weights and buffers to [model] init's (nothing without one)."""
+    if not config.model.init:
+        return
+    state = _init_state(config)
+    module.load_state_dict({k: state[k] for k in module.state_dict()}, strict=True)
 
 
 def dataset_of(config: ClusterConfig) -> datalib.DatasetSplit:

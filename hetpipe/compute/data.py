@@ -216,14 +216,30 @@ def _stratified(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np
     return np.sort(perm[chosen[k:]]), np.sort(perm[chosen[:k]])
 
 
-def _mnist(*, test_fraction: float, seed: int, pad: int = 0) -> DatasetSplit:
+def _mnist(
+    *, test_fraction: float, seed: int, pad: int = 0, classes: Sequence[int] | None = None
+) -> DatasetSplit:
     """MNIST-5k as float32 (N, 1, 28 + 2 pad, 28 + 2 pad), normalised with the train pixels' mean and std
-    (pad = 2 gives the 32x32 images CIFAR-sized models expect)."""
+    (pad = 2 gives the 32x32 images CIFAR-sized models expect); `classes`: only those digits (labels kept, so
+    a model trained on some digits fine-tunes on others with its 10 outputs)."""
     if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad <= 64:
         raise UsageError(
             f"mnist option pad must be an integer in [0, 64], got {pad!r}: e.g. options = {{ pad = 2 }}"
         )
     pixels, labels = _mnist_raw()
+    if classes is not None:
+        digits = list(classes) if isinstance(classes, list | tuple) else None
+        if (
+            not digits
+            or len(set(digits)) != len(digits)
+            or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= 9 for c in digits)
+        ):
+            raise UsageError(
+                f"mnist option classes must be distinct digits 0-9, got {classes!r}: e.g. options = "
+                "{ classes = [5, 6, 7, 8, 9] }"
+            )
+        keep = np.isin(labels, digits)
+        pixels, labels = pixels[keep], labels[keep]
     train, test = _stratified(labels, test_fraction, seed)
     mean, std = pixels[train].mean(dtype=np.float64), pixels[train].std(dtype=np.float64)
 

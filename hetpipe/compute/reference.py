@@ -35,6 +35,10 @@ Mitigations (train.mitigation, hetpipe.core.pipeline.mitigation), each written h
   spectrain:       a stashed forward runs on w + predicted step * s, s the lag of its version's first forward;
                    aggregation server: WAIT sets w = W + (W - last pulled W) * (D + 1)
   average:         WAIT adds own sums / VWs
+Planned spans (VWs that train waves [start, end) only): a VW's actions are those of a run of `end` waves
+from `start` on; wave t's minibatches come from the shards of the VWs training t; the PS sums wave t over
+those VWs; a VW starting at s > 0 where n VWs end runs nothing until the (i mod n)-th of them (i: its place
+among the VWs starting at s) has run all its actions, then takes that VW's optimizer state by parameter name.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class RefStage:
     open_wave: int | None = None  # the wave whose updates since the baseline are not in sums yet
     start: int = 0  # the model's layers [start, stop) are this stage's
     stop: int = 0
+    takes_from: int | None = None  # a re-plan's VW: the VW whose optimizer state it starts with, until taken
 
 
 @dataclass
@@ -251,6 +256,12 @@ class _Reference:
 
     def ready(self, sid: StageId) -> bool:
         v, j = sid
+        source = self.stages[sid].takes_from
+        if source is not None and any(
+            self.stages[(source, k)].pos < len(self.stages[(source, k)].actions)
+            for k in range(len(self.splits[source]))
+        ):
+            return False  # a re-plan's VW starts once the VW whose optimizer state it takes is done
         a = self.stages[sid].actions[self.stages[sid].pos]
         for _, other in needs(a, j, len(self.splits[v])):
             if other.kind == FORWARD and (v, j, a.index) not in self.acts:
@@ -263,6 +274,8 @@ class _Reference:
 
     def step(self, sid: StageId) -> None:
         st = self.stages[sid]
+        if st.takes_from is not None:
+            _take_optimizer_state(st, [s for (u, _), s in self.stages.items() if u == st.takes_from])
         a = st.actions[st.pos]
         st.pos += 1
         self.dispatch[a.kind](*sid, st, a)
@@ -461,12 +474,20 @@ def _build_stages(ref: _Reference) -> dict[StageId, RefStage]:
     t, f = ref.t, ref.flags
     kind = get_schedule(t.schedule)
     stages: dict[StageId, RefStage] = {}
+    sources = {}  # a VW starting at s > 0 takes the optimizer state of the (i mod n)-th of the n ending there
+    for s in sorted({start for start, _ in ref.spans if start > 0}):
+        ending = [u for u, (_, end) in enumerate(ref.spans) if end == s]
+        starting = [v for v, (start, _) in enumerate(ref.spans) if start == s]
+        sources.update({v: ending[i % len(ending)] for i, v in enumerate(starting)} if ending else {})
     for v, split in enumerate(ref.splits):
         start_wave, end_wave = ref.spans[v]
         schedule = kind(len(split), ref.nms[v], end_wave, ref.D)
         for j in range(len(split)):
             start = sum(split[:j])
             module = build_stage(ref.spec, start, start + split[j])
+            if ref.config.model.init:  # [model] init: the stage's weights and buffers from the file
+                state = torch.load(ref.config.model.init, map_location="cpu", weights_only=True)
+                module.load_state_dict({k: state[k] for k in module.state_dict()})
             opt = (
                 make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
                 if f.local
@@ -478,6 +499,7 @@ def _build_stages(ref: _Reference) -> dict[StageId, RefStage]:
                 if (a.index if a.kind in (PUSH, WAIT) else a.index // ref.nms[v]) >= start_wave
             ]
             st = stages[(v, j)] = RefStage(module, opt, actions, {})
+            st.takes_from = sources.get(v) if opt is not None else None
             st.start, st.stop = start, start + split[j]
             named = dict(module.named_parameters())
             st.baseline = {k: w.detach().clone() for k, w in named.items()} if f.local else {}
@@ -489,6 +511,18 @@ def _build_stages(ref: _Reference) -> dict[StageId, RefStage]:
             if f.predict_pulls:
                 st.last_pulled = {k: w.detach().clone() for k, w in named.items()}
     return stages
+
+
+def _take_optimizer_state(st: RefStage, sources: list[RefStage]) -> None:
+    """Set the stage's optimizer state, parameter by parameter (by name), to what the source VW's stage
+    holding that parameter has at its end; once."""
+    for i, (key, _) in enumerate(st.module.named_parameters()):
+        for src in sources:
+            names = [k for k, _ in src.module.named_parameters()]
+            if key in names and src.optimizer is not None and names.index(key) in src.optimizer.state:
+                entry = src.optimizer.state[names.index(key)]
+                st.optimizer.state[i] = {n: t.detach().clone() for n, t in entry.items()}
+    st.takes_from = None
 
 
 def _run_stage(

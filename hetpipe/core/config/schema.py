@@ -228,6 +228,7 @@ class ModelConfig:
 
     name: str = "mnist-cnn"
     options: FrozenMap = field(default_factory=FrozenMap)
+    init: str = ""  # a state dict (a run's model.pt) to start from; "": the builder's seeded weights
 
 
 @dataclass(frozen=True)
@@ -462,7 +463,7 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
     ),
     "wsp": ("staleness", "nm", "pull"),
     "checkpoint": ("dir", "every", "keep", "stages"),
-    "model": ("name", "options"),
+    "model": ("name", "options", "init"),
     "data": ("name", "options", "test_fraction"),
     "train": (
         "batch_size",

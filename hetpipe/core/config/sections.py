@@ -112,7 +112,11 @@ def _checkpoint(t: _Table, default_dir: str) -> CheckpointConfig:
 
 def _model(t: _Table) -> ModelConfig:
     d = ModelConfig()
-    return ModelConfig(name=t.string("name", d.name, nonempty=True), options=t.options("options"))
+    return ModelConfig(
+        name=t.string("name", d.name, nonempty=True),
+        options=t.options("options"),
+        init=t.string("init", d.init),
+    )
 
 
 def _data(t: _Table) -> DataConfig:
