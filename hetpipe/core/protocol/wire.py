@@ -131,21 +131,20 @@ def _is_error_code(value: object) -> str | None:
     return None if type(value) is str and value in ERROR_CODES else f"one of {sorted(ERROR_CODES)}"
 
 
-def _is_gaps(value: object) -> str | None:
-    """[vw, from_wave, to_wave] triples: waves a VW contributes nothing to (to_wave -1: open-ended)."""
-    ok = (
+def _int_lists(value: object, size: int, each: Callable[[list[int]], bool]) -> bool:
+    """Whether `value` is a list of at most MAX_INFO_ENTRIES lists of `size` ints, each passing `each`."""
+    return (
         type(value) is list
         and len(value) <= MAX_INFO_ENTRIES
         and all(
-            type(g) is list
-            and len(g) == 3
-            and all(type(x) is int for x in g)
-            and 0 <= g[0] < _I31
-            and 0 <= g[1] < _I31
-            and -1 <= g[2] < _I31
-            for g in value
+            type(g) is list and len(g) == size and all(type(x) is int for x in g) and each(g) for g in value
         )
     )
+
+
+def _is_gaps(value: object) -> str | None:
+    """[vw, from_wave, to_wave] triples: waves a VW contributes nothing to (to_wave -1: open-ended)."""
+    ok = _int_lists(value, 3, lambda g: 0 <= g[0] < _I31 and 0 <= g[1] < _I31 and -1 <= g[2] < _I31)
     return None if ok else f"a list of at most {MAX_INFO_ENTRIES} [vw, from, to] int triples"
 
 
@@ -172,17 +171,7 @@ def _is_weight_list(value: object) -> str | None:
 def _is_span_list(value: object) -> str | None:
     """Each VW's planned waves [start, end) (docs/wsp.md#planned-spans): a list of [start, end] int pairs,
     end 0 for the run's end, else end > start ([] for every VW training every wave)."""
-    ok = (
-        type(value) is list
-        and len(value) <= MAX_INFO_ENTRIES
-        and all(
-            type(pair) is list
-            and len(pair) == 2
-            and all(type(w) is int and 0 <= w < _I31 for w in pair)
-            and (pair[1] == 0 or pair[1] > pair[0])
-            for pair in value
-        )
-    )
+    ok = _int_lists(value, 2, lambda p: 0 <= p[0] < _I31 and 0 <= p[1] < _I31 and (p[1] == 0 or p[1] > p[0]))
     return None if ok else f"a list of at most {MAX_INFO_ENTRIES} [start, end] pairs of ints in [0, 2**31)"
 
 
