@@ -47,7 +47,10 @@ def load_handover(job: StageJob, compute: StageCompute, timeout_s: float) -> Non
             missing = [str(p) for p in paths if not p.exists()]
             raise HetpipeError(
                 f"vw {job.vw} stage {job.stage}: vw {source}'s optimizer state did not come within "
-                f"{timeout_s:.0f} s ({', '.join(missing)} missing): did vw {source} finish its waves?"
+                f"{timeout_s:.0f} s ({', '.join(missing)} missing): the hand-over goes through the run dir, "
+                f"so with `hetpipe worker` start vw {job.vw} once vw {source} has finished its waves, on a "
+                "machine that shares the run dir with vw "
+                f"{source}'s (docs/wsp.md#planned-spans)"
             )
         time.sleep(0.05)
     states: dict[str, dict[str, torch.Tensor]] = {}
