@@ -414,6 +414,4 @@ def _unfrozen(
     tensors: Mapping[str, np.ndarray], params: set[str], freeze: FreezeSchedule, wave: int
 ) -> Mapping[str, np.ndarray]:
     """`tensors` less the parameters `freeze` has frozen by `wave` (all of them without freezing)."""
-    if not freeze.points:
-        return tensors
-    return {k: t for k, t in tensors.items() if k not in params or freeze.key_pushed(k, wave)}
+    return {k: tensors[k] for k in freeze.pushed(tensors, params.__contains__, wave)}

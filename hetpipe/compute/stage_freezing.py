@@ -53,7 +53,7 @@ class StageFreezing:
         first, self._pulled_before = not self._pulled_before, True
         if not self.freeze.points or not self.exact_pulls or version is None or first:
             return pulled
-        return {k: t for k, t in pulled.items() if k not in params or self.freeze.key_pulled(k, version)}
+        return {k: pulled[k] for k in self.freeze.pulled(pulled, params.__contains__, version)}
 
 
 def run_layers(module: nn.Module, inputs: Tensor, frozen: int) -> Tensor:

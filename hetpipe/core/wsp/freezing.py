@@ -13,7 +13,7 @@ and the next stage sends it no input gradient: both ends know it from the schedu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["FreezePoint", "FreezeSchedule", "layer_of"]
@@ -108,6 +108,15 @@ class FreezeSchedule:
         carries every key: the caller's part, as a joining VW has no W_f yet)."""
         layer = layer_of(key)
         return layer is None or self.pulls(layer, version)
+
+    def pushed(self, keys: Iterable[str], is_param: Callable[[str], bool], wave: int) -> list[str]:
+        """The keys of `keys` a push of `wave` carries: all but the parameters (`is_param`) frozen by then."""
+        return [k for k in keys if not self.points or not is_param(k) or self.key_pushed(k, wave)]
+
+    def pulled(self, keys: Iterable[str], is_param: Callable[[str], bool], version: int) -> list[str]:
+        """The keys of `keys` a (not first) pull of W_version carries: all but the parameters frozen before
+        it."""
+        return [k for k in keys if not self.points or not is_param(k) or self.key_pulled(k, version)]
 
     def runs_backward(self, start: int, stop: int, wave: int) -> bool:
         """Whether the stage of layers start ... stop - 1 runs the backward of wave `wave`'s minibatches (some

@@ -198,16 +198,15 @@ class Registrations:
 
     def pushed_keys(self, keys: tuple[str, ...], wave: int) -> tuple[str, ...]:
         """The keys of `keys` a push of `wave` carries: all but the parameters frozen by then."""
-        if not self.freeze.points:
-            return keys
-        return tuple(k for k in keys if self.kinds[k] != "param" or self.freeze.key_pushed(k, wave))
+        return tuple(self.freeze.pushed(keys, self._is_param, wave))
 
     def pulled_keys(self, keys: tuple[str, ...], version: int) -> tuple[str, ...]:
         """The keys of `keys` a pull of W_version carries (but a first pull, which carries all): all but the
         parameters frozen before it (docs/wsp.md#freezing)."""
-        if not self.freeze.points:
-            return keys
-        return tuple(k for k in keys if self.kinds[k] != "param" or self.freeze.key_pulled(k, version))
+        return tuple(self.freeze.pulled(keys, self._is_param, version))
+
+    def _is_param(self, key: str) -> bool:
+        return self.kinds[key] == "param"
 
     def check_push(
         self, vw: int, stage: int, keys: tuple[str, ...], tensors: Mapping[str, Source], wave: int = 0
