@@ -127,3 +127,31 @@ def test_forwards_no_update_separates_from_their_backward_run_unstashed_to_the_s
             results.append({k: t.detach().clone() for k, t in compute.values().items()})
         assert unstashed_forwards(actions) == (set(range(2 * NM)) if schedule == "pipedream" else {0})
         assert all(torch.equal(results[0][k], results[1][k]) for k in results[0]), schedule
+
+
+def test_a_frozen_layers_optimizer_state_is_forgotten_from_its_freeze_wave() -> None:
+    """[train] freeze = [[2, 2]] on an MLP stage: the momentum buffers of layers 0-1 stay through wave 1's
+    updates (in-flight minibatches of wave 1 still step them) and are gone after the first update of wave 2;
+    the trainable layers keep theirs."""
+    from hetpipe.compute.optimizer_state import state_by_name
+    from hetpipe.core.wsp.freezing import FreezeSchedule
+
+    torch.manual_seed(0)
+    spec = get_model("mlp", hidden=[16, 8])
+    rules = StageRules(nm=NM, freeze=FreezeSchedule.at(((2, 2),)))
+    compute = StageCompute(build_stage(spec, 0, spec.num_layers), "momentum", 0.05, 0.9, 0.0, rules)
+    gen = torch.Generator().manual_seed(1)
+    held: dict[int, set[str]] = {}
+    for action in get_schedule("wsp")(1, NM, 4, 0).stages[0]:
+        p = action.index
+        if action.kind == "F":
+            x, y = torch.randn(8, 784, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+            compute.forward(p, x, y, spec.loss, input_grad=False)
+        elif action.kind == "B":
+            compute.backward(p)
+        elif action.kind == "U":
+            compute.update(p)
+            held[p] = set(state_by_name(compute.optimizer, list(compute.params)))
+    frozen = {k for k in compute.params if k.split(".")[0] in ("0", "1")}
+    assert frozen and all(frozen <= held[p] for p in held if p // NM < 2)
+    assert all(not frozen & held[p] and held[p] for p in held if p // NM >= 2)

@@ -1,15 +1,16 @@
 """A stage optimizer's state by parameter name, to hand it from a VW that retires to one that starts at a
-re-plan (docs/wsp.md#planned-spans): torch.optim's and hetpipe.compute.optim's state dicts index parameters by
-position, which differs between two stages that split the model differently."""
+re-plan (docs/wsp.md#planned-spans), or to forget a frozen layer's (docs/wsp.md#freezing): torch.optim's and
+hetpipe.compute.optim's state dicts index parameters by position, which differs between two stages that split
+the model differently."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
-__all__ = ["load_state_by_name", "state_by_name"]
+__all__ = ["drop_state", "load_state_by_name", "state_by_name"]
 
 
 def state_by_name(optimizer: Any, names: Sequence[str]) -> dict[str, dict[str, Tensor]]:
@@ -33,4 +34,14 @@ def load_state_by_name(
         return
     doc = optimizer.state_dict()
     doc["state"] = {i: dict(states[name]) for i, name in enumerate(names) if name in states}
+    optimizer.load_state_dict(doc)
+
+
+def drop_state(optimizer: Any, names: Sequence[str], dropped: Collection[str]) -> None:
+    """Forget the state of the optimizer's parameters named in `dropped` (`names`: all of them, in its order):
+    a frozen layer's momentum or Adam moments, which no step reads again."""
+    if optimizer is None or not dropped:
+        return
+    doc = optimizer.state_dict()
+    doc["state"] = {i: entry for i, entry in doc["state"].items() if names[int(i)] not in dropped}
     optimizer.load_state_dict(doc)

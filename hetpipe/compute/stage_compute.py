@@ -334,6 +334,7 @@ class StageCompute:
                 )
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.freezing.release(p, self.optimizer, list(self.params))  # frozen layers' state goes
         elif self.params:  # aggregation server: the PS steps on the wave's mean gradient
             self.updates.add_gradients(wave, self.acc)
         self.acc, self.pending = {}, []

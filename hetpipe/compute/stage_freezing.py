@@ -5,11 +5,13 @@ with the frozen ones in eval mode without autograd."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from hetpipe.core.wsp.freezing import FreezeSchedule
+from hetpipe.compute.optimizer_state import drop_state
+from hetpipe.core.wsp.freezing import FreezeSchedule, layer_of
 
 __all__ = ["StageFreezing", "run_layers"]
 
@@ -24,12 +26,22 @@ class StageFreezing:
         self.stop = self.start + len(names)
         self.freeze, self.nm, self.exact_pulls = freeze, nm, exact_pulls
         self._pulled_before = False  # the first pull since this process registered carries every key
+        self._released = 0  # this stage's first layers whose optimizer state is gone
 
     def frozen_here(self, p: int) -> int:
         """How many of this stage's first layers minibatch p runs frozen."""
         if not self.freeze.points:
             return 0
         return min(max(self.freeze.frozen(p // self.nm) - self.start, 0), self.stop - self.start)
+
+    def release(self, p: int, optimizer: Any, names: list[str]) -> None:
+        """After U p: forget the optimizer state of the layers frozen in p's wave. Updates run in minibatch
+        order, so none of an earlier wave, the last that stepped them, comes later."""
+        frozen = self.frozen_here(p)
+        if frozen > self._released:
+            last = self.start + frozen
+            drop_state(optimizer, names, {k for k in names if _below(layer_of(k), last)})
+            self._released = frozen
 
     def runs_backward(self, p: int) -> bool:
         """Whether minibatch p's backward has work here (some layer of the stage trains in its wave): a stage
@@ -54,6 +66,10 @@ class StageFreezing:
         if not self.freeze.points or not self.exact_pulls or version is None or first:
             return pulled
         return {k: pulled[k] for k in self.freeze.pulled(pulled, params.__contains__, version)}
+
+
+def _below(layer: int | None, last: int) -> bool:
+    return layer is not None and layer < last
 
 
 def run_layers(module: nn.Module, inputs: Tensor, frozen: int) -> Tensor:

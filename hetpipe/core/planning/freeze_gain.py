@@ -17,13 +17,14 @@ __all__ = ["frozen_plan", "frozen_profiles"]
 
 def frozen_profiles(profiles: Mapping[str, ModelProfile], layers: int) -> dict[str, ModelProfile]:
     """Each GPU type's profile with the model's first `layers` layers frozen: their backward (and optimizer
-    step) takes no time. Weights, optimizer state and activations stay as measured (the runtime keeps them),
-    so a stage's memory errs high; what a wave pushes is cut by frozen_plan."""
+    step) takes no time and their optimizer state is gone (the stages forget it at the freeze point). Weights
+    and activations stay as measured (autograd keeps none for a frozen layer: a stage's memory errs high);
+    what a wave pushes is cut by frozen_plan."""
     return {
         gpu_type: dataclasses.replace(
             profile,
             layers=tuple(
-                dataclasses.replace(layer, backward_s=0.0) if i < layers else layer
+                dataclasses.replace(layer, backward_s=0.0, optimizer_bytes=0) if i < layers else layer
                 for i, layer in enumerate(profile.layers)
             ),
         )
