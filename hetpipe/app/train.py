@@ -313,9 +313,10 @@ def _announce(run: _Run, say: Callable[[str], None]) -> None:
     for i, lay in enumerate(vws):
         parts = [_gpu_text(g, config.gpu(g).name, slow.get(g), config.emulation.device) for g in lay.gpus]
         work = lay.work(config)
+        span = f", waves {lay.waves[0]}-{lay.waves[1] - 1}" if lay.waves else ""  # a re-plan's VW
         say(
             f"  vw{i}: {' -> '.join(parts)}  layers per stage {list(lay.split)}, a wave of {work.nm} x "
-            f"{work.batch} samples"
+            f"{work.batch} samples{span}"
         )
 
 
