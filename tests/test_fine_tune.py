@@ -71,3 +71,26 @@ def test_an_init_that_is_not_the_models_state_is_refused_naming_the_field(tmp_pa
             torch.save(content, tmp_path / name)
         with pytest.raises(UsageError, match=f"model.init = .*{name}.* {says}"):
             check_init(_config(tmp_path, tmp_path / name, []), spec)
+
+
+def test_the_benchmark_peers_start_from_the_init_state_with_the_same_layers_frozen(tmp_path: Path) -> None:
+    """launch/bench/peers.py's DDP, pipeline and solo runs fine-tune as hetpipe does: from model.init, with
+    train.freeze's layers frozen (no gradient, eval mode) from their first step; a later freeze is refused."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch" / "bench"))
+    import peers
+
+    plain = _config(tmp_path, None, [])
+    spec = model_of(plain)
+    state = {k: v + 1.0 for k, v in build_stage(spec, 0, spec.num_layers).state_dict().items()}
+    torch.save(state, tmp_path / "pre.pt")
+    config = _config(tmp_path, tmp_path / "pre.pt", ["train.freeze=[[1, 2]]"])
+    module = peers._fine_tuned(build_stage(spec, 0, spec.num_layers), config)
+    assert all(torch.equal(module.state_dict()[k], state[k]) for k in state)
+    trains = {k: p.requires_grad for k, p in module.named_parameters()}
+    assert trains == {k: int(k.split(".")[0]) >= 2 for k in trains} and not all(trains.values())
+    assert not module[1].training and module[2].training
+    late = _config(tmp_path, None, ["train.freeze=[[2, 2]]"])
+    with pytest.raises(UsageError, match="the peers freeze from their first step only"):
+        peers._fine_tuned(build_stage(spec, 0, spec.num_layers), late)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hetpipe.compute import data as datalib
-from hetpipe.compute.build import dataset_of, model_of
+from hetpipe.compute.build import dataset_of, model_of, start_from_init
 from hetpipe.compute.heap import keep_freed_memory
 from hetpipe.compute.optim import make_optimizer
 from hetpipe.compute.profiler import cached_profile
@@ -381,13 +381,32 @@ def _optimizer(config: ClusterConfig, params: list[torch.nn.Parameter], lr: floa
     return make_optimizer(params, t.optimizer, t.lr if lr is None else lr, t.momentum, t.weight_decay)
 
 
+def _fine_tuned(module: torch.nn.Module, config: ClusterConfig) -> torch.nn.Module:
+    """A peer's model (or stage) as hetpipe's starts: from [model] init's state, and with [train] freeze's
+    layers frozen (no gradient, eval mode). A peer has no waves, so it freezes them from its first step; a
+    freeze point after wave 1 is refused."""
+    start_from_init(module, config)
+    late = [(wave, layers) for wave, layers in config.train.freeze if wave > 1]
+    if late:
+        raise UsageError(
+            f"train.freeze {[list(p) for p in late]}: the peers freeze from their first step only; freeze "
+            "from wave 1 for a benchmark with peers"
+        )
+    frozen = max((layers for _, layers in config.train.freeze), default=0)
+    for name, child in module.named_children():  # named by their global layer index (build_stage)
+        if int(name) < frozen:
+            child.eval()
+            child.requires_grad_(False)
+    return module
+
+
 def _ddp_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     config = unpack_config(job.packed_config)
     spec, data = model_of(config), dataset_of(config)
     _init_group(job)
-    model = DistributedDataParallel(build_stage(spec, 0, spec.num_layers))  # same init as hetpipe's W_0
+    model = DistributedDataParallel(_fine_tuned(build_stage(spec, 0, spec.num_layers), config))  # as W_0
     dilator = device_dilator(job.slowdown)
     backward = _HeldBlock(dilator, "B")
     model.register_comm_hook(None, _ddp_comm_hook(backward))
@@ -458,7 +477,7 @@ def _pipeline_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     _init_group(job)
     first, last = job.rank == 0, job.rank == job.world - 1
     start_layer = sum(job.split[: job.rank])
-    module = build_stage(spec, start_layer, start_layer + job.split[job.rank])
+    module = _fine_tuned(build_stage(spec, start_layer, start_layer + job.split[job.rank]), config)
     stage = PipelineStage(module, job.rank, job.world, torch.device("cpu"))
     dilator = device_dilator(job.slowdown)
     _dilate_stage(stage, dilator)
@@ -520,7 +539,7 @@ def _solo_main(job: _Job, report: Callable[[dict[str, Any]], None]) -> None:
     """The whole model on one emulated GPU: plain training steps (forward, loss, backward, step)."""
     config = unpack_config(job.packed_config)
     spec, data = model_of(config), dataset_of(config)
-    model = build_stage(spec, 0, spec.num_layers)
+    model = _fine_tuned(build_stage(spec, 0, spec.num_layers), config)
     optimizer = _optimizer(config, list(model.parameters()), job.lr)
     dilator = device_dilator(job.slowdown)
     indices = datalib.shard_indices(len(data.train.y), 1, 0, config.seed)

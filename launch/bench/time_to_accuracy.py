@@ -678,6 +678,9 @@ def _task(
     work_dir: Path,
     stack: contextlib.ExitStack,
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], str]:
+    if task.pretrain:  # fine-tuning: every system starts from the task's pretrained weights
+        init = tta_tasks.pretrained(task, settings, work_dir)
+        settings = (*settings, f"model.init={json.dumps(str(init))}")
     config = apply_overrides(load_config(task.config), [*task.overrides, *settings])
     goal = goal_for(model_of(config).task, task.target)
     work = work_dir / task.name / time.strftime("%Y%m%d-%H%M%S")

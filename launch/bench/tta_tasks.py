@@ -6,6 +6,7 @@ flushed pipeline of G microbatches train like gradient accumulation over G minib
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from collections.abc import Sequence
@@ -31,7 +32,8 @@ class Task:
     the task's calibration used, so that its sweeps are reused), the training time each timed run gets, the
     reference budget of the sweep (samples) and how often it scores; `hetpipe`: overrides for hetpipe's runs
     only (its schedule, aggregation, mitigation: what the staleness study found best); `batches`: the batches
-    per GPU every system chooses among (empty: the config's alone)."""
+    per GPU every system chooses among (empty: the config's alone); `pretrain`: a fine-tuning task's
+    pretraining (pretrained())."""
 
     name: str
     config: Path
@@ -44,6 +46,8 @@ class Task:
     note: str
     hetpipe: tuple[str, ...] = ()
     batches: tuple[int, ...] = ()
+    # fine-tuning: the overrides of a run that trains the weights every system then starts from ([model] init)
+    pretrain: tuple[str, ...] = ()
 
 
 TASKS = {
@@ -100,6 +104,74 @@ TASKS = {
         "at the PS; target 95% test accuracy",
     ),
 }
+
+
+_FINE_TUNE = (
+    'model.name="mnist-cnn"',
+    "model.options={ channels = [16, 32], hidden = 64 }",
+    "train.batch_size=128",
+    'train.optimizer="adam"',
+    "train.lr=0.002",
+    "data.options={ classes = [5, 6, 7, 8, 9] }",
+)
+_PRETRAIN = ("data.options={ classes = [0, 1, 2, 3, 4] }", "train.waves=120", "train.freeze=[]", "seed=100")
+_FINE_TUNE_NOTE = (
+    "MNIST-5k digits 5-9, the mnist task's CNN and Adam, fine-tuned from its training on digits 0-4 (120 "
+    "waves of one VW in the single-process reference, made first: model.init); target 95% test accuracy "
+    "on 5-9"
+)
+TASKS["finetune"] = Task(
+    "finetune",
+    CLUSTERS / "bench.toml",
+    _FINE_TUNE,
+    0.95,
+    (0.002, 0.001, 0.004),
+    60.0,
+    60_000,
+    512,
+    _FINE_TUNE_NOTE + "; every layer trains",
+    pretrain=_PRETRAIN,
+)
+TASKS["finetune-freeze"] = Task(
+    "finetune-freeze",
+    CLUSTERS / "bench.toml",
+    (*_FINE_TUNE, "train.freeze=[[1, 4]]"),
+    0.95,
+    (0.002, 0.001, 0.004),
+    60.0,
+    60_000,
+    512,
+    _FINE_TUNE_NOTE + "; both convolutions frozen (hetpipe from wave 1, the peers from their first step)",
+    pretrain=_PRETRAIN,
+)
+
+
+def pretrained(task: Task, settings: Sequence[str], work_dir: Path) -> Path:
+    """A fine-tuning task's starting weights: its config with its pretraining overrides trained by one
+    process (the single-process reference, one VW of the whole model: no timing, nothing to emulate), the
+    same for every seed and system, made once per work dir and overrides; returns the state's file."""
+    import torch
+
+    from hetpipe.compute.build import dataset_of, model_of
+    from hetpipe.compute.evaluate import evaluate
+    from hetpipe.compute.reference import run_reference
+    from hetpipe.core.config.files import load_config
+    from hetpipe.core.config.serialize import config_toml
+
+    config = apply_overrides(load_config(task.config), [*task.overrides, *settings, *task.pretrain])
+    key = hashlib.sha256(config_toml(config).encode()).hexdigest()[:12]  # one per pretraining config
+    path = work_dir / "pretrained" / f"{key}.pt"
+    if not path.exists():
+        print(f"pretraining into {path} ({', '.join(task.pretrain)})", flush=True)
+        spec = model_of(config)
+        work = [(config.wsp.nm, config.train.batch_size)]
+        weights = run_reference(config, [(spec.num_layers,)], work=work).ps_weights
+        state = {k: torch.from_numpy(v.copy()) for k, v in weights.items()}
+        scores = evaluate(spec, state, dataset_of(config), max_samples=0)
+        print(f"  pretrained: {scores}", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+    return path.resolve()
 
 
 def sweep_lr(
