@@ -130,6 +130,7 @@ TASKS["finetune"] = Task(
     60_000,
     512,
     _FINE_TUNE_NOTE + "; every layer trains",
+    hetpipe=('ps.aggregation="mean"',),
     pretrain=_PRETRAIN,
 )
 TASKS["finetune-freeze"] = Task(
@@ -142,6 +143,7 @@ TASKS["finetune-freeze"] = Task(
     60_000,
     512,
     _FINE_TUNE_NOTE + "; both convolutions frozen (hetpipe from wave 1, the peers from their first step)",
+    hetpipe=('ps.aggregation="mean"',),
     pretrain=_PRETRAIN,
 )
 
