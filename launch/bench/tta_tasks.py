@@ -120,31 +120,31 @@ _FINE_TUNE_NOTE = (
     "waves of one VW in the single-process reference, made first: model.init); target 95% test accuracy "
     "on 5-9"
 )
-TASKS["finetune"] = Task(
-    "finetune",
-    CLUSTERS / "bench.toml",
-    _FINE_TUNE,
-    0.95,
-    (0.002, 0.001, 0.004),
-    60.0,
-    60_000,
-    512,
-    _FINE_TUNE_NOTE + "; every layer trains",
-    hetpipe=('ps.aggregation="mean"',),
-    pretrain=_PRETRAIN,
-)
-TASKS["finetune-freeze"] = Task(
+
+
+def _fine_tune(name: str, frozen: tuple[str, ...], note: str) -> Task:
+    """A fine-tuning task: _FINE_TUNE (and `frozen`'s freeze points) from _PRETRAIN's weights, hetpipe at
+    aggregation mean."""
+    return Task(
+        name,
+        CLUSTERS / "bench.toml",
+        (*_FINE_TUNE, *frozen),
+        0.95,
+        (0.002, 0.001, 0.004),
+        60.0,
+        60_000,
+        512,
+        f"{_FINE_TUNE_NOTE}; {note}",
+        hetpipe=('ps.aggregation="mean"',),
+        pretrain=_PRETRAIN,
+    )
+
+
+TASKS["finetune"] = _fine_tune("finetune", (), "every layer trains")
+TASKS["finetune-freeze"] = _fine_tune(
     "finetune-freeze",
-    CLUSTERS / "bench.toml",
-    (*_FINE_TUNE, "train.freeze=[[1, 4]]"),
-    0.95,
-    (0.002, 0.001, 0.004),
-    60.0,
-    60_000,
-    512,
-    _FINE_TUNE_NOTE + "; both convolutions frozen (hetpipe from wave 1, the peers from their first step)",
-    hetpipe=('ps.aggregation="mean"',),
-    pretrain=_PRETRAIN,
+    ("train.freeze=[[1, 4]]",),
+    "both convolutions frozen (hetpipe from wave 1, the peers from their first step)",
 )
 
 
