@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetpipe.app.span_starts import LaterVw, SpanStarts, gpus_held_before
+from hetpipe.app.span_starts import LaterVw, SpanStarts, starts_after
 from hetpipe.app.train import TrainOptions, train
 from hetpipe.compute import data as datalib
 from hetpipe.compute.build import VwLayout, model_of, vw_layouts
@@ -224,7 +224,7 @@ def test_a_vw_waits_for_the_vws_that_hold_its_gpus_before_it() -> None:
         VwLayout(("n0:1", "n0:3"), (2, 2), waves=(3, 6)),
         VwLayout(("n0:4",), (4,), waves=(3, 6)),
     ]
-    assert gpus_held_before(vws, 6) == {2: (0,), 3: (0,)}
+    assert starts_after(vws, 6) == {2: (0,), 3: (0,)}
     started: list[int] = []
     starts = SpanStarts(lambda later: started.append(later.vw) or {(later.vw, 0): later.vw})
     starts.pending = [LaterVw(2, [], (0,)), LaterVw(3, [], (0, 1))]
@@ -309,7 +309,7 @@ def test_a_re_plan_at_two_freeze_points_equals_the_reference(
             last_push[event["vw"]] = max(last_push.get(event["vw"], event["t"]), event["t"])
     assert trained == {v: set(range(start * 2, end * 2)) for v, (start, end) in enumerate(spans)}
     layouts = [VwLayout(tuple(g), s, waves=w) for g, s, w in zip(vws, splits, spans, strict=True)]
-    held = gpus_held_before(layouts, 7)
+    held = starts_after(layouts, 7)
     assert held  # a GPU serves one VW at a time: a later VW computes once the earlier ones pushed their last
     for v, earlier in held.items():
         assert all(first_step[v] > last_push[u] for u in earlier), (v, earlier)

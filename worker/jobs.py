@@ -7,15 +7,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from hetpipe.compute.build import VwLayout, run_work, vw_config
+from hetpipe.compute.build import VwLayout, handover_sources, run_work, vw_config
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.config.serialize import pack_config, unpack_config
 from hetpipe.core.hardware.devices import stage_device
 from hetpipe.core.hardware.emulate import cpu_cores, slowdowns
 from hetpipe.core.pipeline.profile_window import ProfileWindow
 from hetpipe.core.protocol.keys import ClientKeys
-from hetpipe.core.wsp.aggregation import get_aggregation
-from hetpipe.core.wsp.handover import optimizer_sources
 from hetpipe.core.wsp.work import VwWork, sample_weights
 
 __all__ = ["StageJob", "cuda_devices", "emulated_slowdowns", "stage_jobs"]
@@ -140,7 +138,7 @@ def stage_jobs(
     devices = tuple(stage_device(config, g, cuda) for g in lay.gpus)
     planned = any(other.waves for other in vws)  # a re-plan: VWs that train some waves only
     spans = tuple(other.span(config.train.waves) for other in vws) if planned else ()
-    sources = optimizer_sources(spans) if get_aggregation(config.ps.aggregation).local_optimizer else {}
+    sources = handover_sources(config, vws)
     source = sources.get(vw)
     return [
         StageJob(

@@ -95,7 +95,7 @@ class Progress:
         return any(v == vw for v, _ in self.pushed) or not self.layouts[vw].waves
 
     def rows(self) -> list[VwProgress]:
-        c_global = self.c_global()
+        c_global, training = self.c_global(), set(self.training())
         return [
             VwProgress(
                 vw=v,
@@ -103,7 +103,7 @@ class Progress:
                 wave=self.completed(v),
                 loss=self.loss.get(v),
                 samples_per_s=self.speed.get(v, 0.0),
-                lead=self.completed(v) - c_global if v in self.training() and self.started(v) else 0,
+                lead=self.completed(v) - c_global if v in training and self.started(v) else 0,
                 gate_wait_s=max((w for (vv, _), w in self.gate_wait.items() if vv == v), default=0.0),
                 span=lay.waves,
             )

@@ -11,10 +11,10 @@ from typing import Any
 
 from hetpipe.compute.build import VwLayout
 
-__all__ = ["LaterVw", "SpanStarts", "gpus_held_before"]
+__all__ = ["LaterVw", "SpanStarts", "starts_after"]
 
 
-def gpus_held_before(
+def starts_after(
     vws: Sequence[VwLayout], num_waves: int, sources: Mapping[int, int] | None = None
 ) -> dict[int, tuple[int, ...]]:
     """For each VW that shares a GPU with VWs whose waves end at or before its first, or takes the optimizer

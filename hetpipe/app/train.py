@@ -32,7 +32,7 @@ from hetpipe.app.board import EVAL_METRICS, Board
 from hetpipe.app.live_eval import LiveEvaluator
 from hetpipe.app.progress import Progress, ProgressView
 from hetpipe.app.relays import start_relays
-from hetpipe.app.span_starts import LaterVw, SpanStarts, gpus_held_before
+from hetpipe.app.span_starts import LaterVw, SpanStarts, starts_after
 from hetpipe.app.startup import PRELOAD, format_timeline, startup_timeline
 from hetpipe.app.supervise import Supervisor
 from hetpipe.app.train_guards import (
@@ -46,7 +46,7 @@ from hetpipe.app.train_guards import (
 )
 from hetpipe.app.train_loop import RunWatch, failure_error
 from hetpipe.app.train_summary import run_summary
-from hetpipe.compute.build import VwLayout, check_init, model_of, vw_layouts
+from hetpipe.compute.build import VwLayout, check_init, handover_sources, model_of, vw_layouts
 from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.parse import planned_span_conflicts
 from hetpipe.core.config.schema import ClusterConfig
@@ -67,8 +67,6 @@ from hetpipe.core.protocol.keys import (
 from hetpipe.core.runs.metrics import MetricsWriter
 from hetpipe.core.runs.procs import ChildFailed, ChildGroup, free_port, warm_forkserver
 from hetpipe.core.runs.run_lock import RunLock, lock_run_dir
-from hetpipe.core.wsp.aggregation import get_aggregation
-from hetpipe.core.wsp.handover import optimizer_sources
 from hetpipe.core.wsp.work import VwWork
 from hetpipe.models import ModelSpec
 from hetpipe.server.jobs import ShardJob, shard_jobs
@@ -377,9 +375,7 @@ def _start_stages(
     starts = SpanStarts(start)
     stages = {}
     cut = run.cut or 0
-    spans = [lay.span(config.train.waves) for lay in vws]
-    local = get_aggregation(config.ps.aggregation).local_optimizer
-    held = gpus_held_before(vws, config.train.waves, optimizer_sources(spans) if local else None)
+    held = starts_after(vws, config.train.waves, handover_sources(config, vws))
     for v in range(len(vws)):
         first, end = vws[v].span(config.train.waves)
         if end <= cut:

@@ -14,7 +14,9 @@ from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.planning.cluster import allocate
 from hetpipe.core.protocol.placement import get_placement, layer_shards, local_placement
+from hetpipe.core.wsp.aggregation import get_aggregation
 from hetpipe.core.wsp.audit import audit_key
+from hetpipe.core.wsp.handover import optimizer_sources
 from hetpipe.core.wsp.work import VwWork
 from hetpipe.models import ModelSpec, build_stage, even_split, get_model, named_stage_tensors, param_counts
 
@@ -23,6 +25,7 @@ __all__ = [
     "audit_shape",
     "check_init",
     "dataset_of",
+    "handover_sources",
     "model_of",
     "ps_placement",
     "run_work",
@@ -63,6 +66,14 @@ def vw_config(config: ClusterConfig, layout: VwLayout) -> ClusterConfig:
         wsp=replace(config.wsp, nm=work.nm),
         train=replace(config.train, batch_size=work.batch),
     )
+
+
+def handover_sources(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> dict[int, int]:
+    """VW -> the VW whose optimizer state it starts with at a re-plan (hetpipe.core.wsp.handover); none when
+    no VW has a planned span or the PS runs the optimizer."""
+    if not any(lay.waves for lay in vws) or not get_aggregation(config.ps.aggregation).local_optimizer:
+        return {}
+    return optimizer_sources([lay.span(config.train.waves) for lay in vws])
 
 
 def run_work(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> tuple[VwWork, ...]:

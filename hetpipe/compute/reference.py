@@ -479,15 +479,16 @@ def _build_stages(ref: _Reference) -> dict[StageId, RefStage]:
         ending = [u for u, (_, end) in enumerate(ref.spans) if end == s]
         starting = [v for v, (start, _) in enumerate(ref.spans) if start == s]
         sources.update({v: ending[i % len(ending)] for i, v in enumerate(starting)} if ending else {})
+    path = ref.config.model.init  # [model] init, read once
+    init = torch.load(path, map_location="cpu", weights_only=True) if path else None
     for v, split in enumerate(ref.splits):
         start_wave, end_wave = ref.spans[v]
         schedule = kind(len(split), ref.nms[v], end_wave, ref.D)
         for j in range(len(split)):
             start = sum(split[:j])
             module = build_stage(ref.spec, start, start + split[j])
-            if ref.config.model.init:  # [model] init: the stage's weights and buffers from the file
-                state = torch.load(ref.config.model.init, map_location="cpu", weights_only=True)
-                module.load_state_dict({k: state[k] for k in module.state_dict()})
+            if init is not None:  # [model] init: the stage's weights and buffers from the file
+                module.load_state_dict({k: init[k] for k in module.state_dict()})
             opt = (
                 make_optimizer(list(module.parameters()), t.optimizer, t.lr, t.momentum, t.weight_decay)
                 if f.local
@@ -516,12 +517,16 @@ def _build_stages(ref: _Reference) -> dict[StageId, RefStage]:
 def _take_optimizer_state(st: RefStage, sources: list[RefStage]) -> None:
     """Set the stage's optimizer state, parameter by parameter (by name), to what the source VW's stage
     holding that parameter has at its end; once."""
+    held = {  # parameter name -> its state in the source stage that holds it
+        key: src.optimizer.state[i]
+        for src in sources
+        if src.optimizer is not None
+        for i, (key, _) in enumerate(src.module.named_parameters())
+        if i in src.optimizer.state
+    }
     for i, (key, _) in enumerate(st.module.named_parameters()):
-        for src in sources:
-            names = [k for k, _ in src.module.named_parameters()]
-            if key in names and src.optimizer is not None and names.index(key) in src.optimizer.state:
-                entry = src.optimizer.state[names.index(key)]
-                st.optimizer.state[i] = {n: t.detach().clone() for n, t in entry.items()}
+        if key in held:
+            st.optimizer.state[i] = {n: t.detach().clone() for n, t in held[key].items()}
     st.takes_from = None
 
 

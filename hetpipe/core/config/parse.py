@@ -143,9 +143,9 @@ def _check_planned_spans(
     if spanned is None:
         return
     which = f"virtual_workers[{spanned}] trains waves {list(vws[spanned].waves or ())} only"
-    for field, what, fix in planned_span_conflicts(ps, train):
+    for field, what, (why, fix) in planned_span_conflicts(ps, train):
         section, key = field.split(".")
-        sections[section].fail(key, f"{what}, but {which}: {fix[0]}", fix[1])
+        sections[section].fail(key, f"{what}, but {which}: {why}", fix)
 
 
 def planned_span_conflicts(ps: PsConfig, train: TrainConfig) -> list[tuple[str, str, tuple[str, str]]]:
