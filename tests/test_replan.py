@@ -262,9 +262,10 @@ def test_the_vws_training_a_wave_split_the_data_among_themselves() -> None:
 @pytest.mark.parametrize(
     ("model", "settings", "vws", "spans", "splits"),
     [
-        (  # 2 VWs of 2 GPUs, then 3 VWs, then 4 VWs of one GPU each; D = 0
+        (  # 2 VWs of 2 GPUs, then 3 VWs, then 4 VWs of one GPU each; D = 0; the PS agent a process, so
+            # vw4's first stage, all frozen from its start, shares empty buffers with it
             "mlp",
-            ["train.freeze=[[3, 2], [5, 3]]"],
+            ["train.freeze=[[3, 2], [5, 3]]", 'ps.agent="process"'],
             [["n0:0", "n0:1"], ["n0:2", "n0:3"], ["n0:0"], ["n0:1"], ["n0:2", "n0:3"]]
             + [["n0:0"], ["n0:1"], ["n0:2"], ["n0:3"]],
             [(0, 3)] * 2 + [(3, 5)] * 3 + [(5, 7)] * 4,
@@ -283,7 +284,7 @@ def test_the_vws_training_a_wave_split_the_data_among_themselves() -> None:
             [(2, 3, 1), (6,), (4, 2), (6,), (6,)],
         ),
     ],
-    ids=["mlp-2-3-4-vws", "bn-cnn-mean"],
+    ids=["mlp-2-3-4-vws-agent-process", "bn-cnn-mean"],
 )
 def test_a_re_plan_at_two_freeze_points_equals_the_reference(
     tmp_path: Path, model: str, settings: list[str], vws: list[list[str]], spans: list, splits: list

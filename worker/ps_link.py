@@ -299,9 +299,10 @@ class ProcessLink:
         pulls: bool,
     ) -> dict[str, np.ndarray]:
         """The values go over in push slot 0, W_0 comes back in the pull buffer (views of it are returned)."""
-        with torch.no_grad():
-            flat = torch.cat([values[k].detach().float().reshape(-1) for k in self.layout.keys]).cpu()
-        self.push_slots[0].copy_(flat)
+        if self.layout.keys:  # a stage whose layers are all frozen from its start has none on the wire
+            with torch.no_grad():
+                flat = torch.cat([values[k].detach().float().reshape(-1) for k in self.layout.keys]).cpu()
+            self.push_slots[0].copy_(flat)
         keys = self._call(
             "register", kinds=dict(kinds), num_waves=num_waves, start_wave=start_wave, pulls=pulls
         )["keys"]

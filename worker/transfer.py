@@ -67,6 +67,8 @@ class PushStaging:
         self._turn = 1 - self._turn
         wait_for_slot(slot)
         host = self._slots[slot]
+        if not self.layout.keys:  # a stage whose layers are all frozen pushes nothing
+            return {}, lambda: None
         if not self.cuda:  # into the shared slot, in one pass
             with torch.no_grad():
                 torch.cat([_flat_float(tensors[k]) for k in self.layout.keys], out=host)
