@@ -437,6 +437,7 @@ class StageRunner:
             }
             torch.save(state, run_dir / f"final-vw{job.vw}-s{job.stage}.pt")
         dilator = self.compute_actions.dilator
+        cache = self.compute.frozen_cache
         self.report(
             {
                 "event": "stage_done",
@@ -447,6 +448,8 @@ class StageRunner:
                 "compute_s": round(dilator.compute_s, 3),
                 "slept_s": round(dilator.slept_s, 3),
                 "times_s": totals,
+                # train.freeze_cache_mib: minibatches whose frozen layers' output came from kept rows
+                "frozen_cache": {"hits": cache.hits, "misses": cache.misses, "mib": cache.bytes / 2**20},
             }
         )
 

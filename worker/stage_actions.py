@@ -79,10 +79,12 @@ class ComputeActions:
             else:
                 inputs = self.recv(job.stage - 1)
                 target = self.batch(p)[1] if self.last else None
+            # the samples' indices, for the frozen layers' cache (their input is a fixed function of them)
+            ids = self.sample_ids(p) if self.compute.freezing.frozen_here(p) else None
             started = time.perf_counter()
             with self.dilator.compute(f"F{p}"):
                 output = self.compute.forward(
-                    p, inputs, target if self.last else None, self.loss_fn, input_grad=not self.first
+                    p, inputs, target if self.last else None, self.loss_fn, input_grad=not self.first, ids=ids
                 )
                 self.sync_block()
             self._timed("compute", started)
@@ -170,10 +172,20 @@ class ComputeActions:
     # ---- data, neighbours, device -----------------------------------------------------------------------
     def batch(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Minibatch p of this VW's shard (in p's wave), on the device."""
-        wave = p // self.config.wsp.nm
-        indices = next(ix for first, ix in reversed(self.shards) if first <= wave)
-        x, y = datalib.minibatch(self.x, self.y, indices, self.config.train.batch_size, self.config.seed, p)
+        x, y = datalib.minibatch(
+            self.x, self.y, self._shard(p), self.config.train.batch_size, self.config.seed, p
+        )
         return datalib.on_device(x, y, self.device)
+
+    def sample_ids(self, p: int) -> list[int]:
+        """The training-set indices of minibatch p's samples."""
+        return datalib.minibatch_indices(
+            self._shard(p), self.config.train.batch_size, self.config.seed, p
+        ).tolist()
+
+    def _shard(self, p: int) -> np.ndarray:
+        wave = p // self.config.wsp.nm
+        return next(ix for first, ix in reversed(self.shards) if first <= wave)
 
     def send(self, tensor: Any, peer: int) -> None:
         """Hand an activation or gradient (or P2P.SKIPPED) to stage `peer`, through its emulated link."""

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hetpipe.compute.stage_checkpoint import save_stage
 from hetpipe.compute.stage_compute import StageCompute
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.pipeline.resume import cut_position, forwarded_before, snapshot_floor
@@ -23,7 +24,7 @@ def save_stage_snapshot(
     """Save the stage's state at wave `wave`: its compute's, and the runner's place (`runner`: the next
     action's index, the next WAIT's, the waves pushed, c_global, the samples trained on); keep the older
     snapshots back to the oldest checkpoint the PS keeps (`ps_oldest`, 0: none yet)."""
-    meta, tensors = compute.state_dict()
+    meta, tensors = save_stage(compute)
     keep_from = snapshot_floor(runner["c_global"], job.snapshot_every, job.snapshot_keep, ps_oldest)
     save_snapshot(
         snapshot_dir(job.run_dir, job.vw, job.stage),

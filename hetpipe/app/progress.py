@@ -26,6 +26,7 @@ class Progress:
     gate_wait: dict[tuple[int, int], float] = field(default_factory=dict)
     pushed: dict[tuple[int, int], int] = field(default_factory=dict)
     audit_checks: int = 0
+    frozen_cache: dict[str, float] = field(default_factory=dict)  # over every stage: hits, misses, mib
     times: dict[tuple[int, int], dict[str, float]] = field(
         default_factory=dict
     )  # (vw, stage) -> seconds by part
@@ -52,6 +53,8 @@ class Progress:
             self.last_step = event["time"] if self.last_step is None else max(self.last_step, event["time"])
         if event["event"] == "stage_done":
             self.audit_checks += event.get("audit_checks", 0)
+            for key, value in event.get("frozen_cache", {}).items():
+                self.frozen_cache[key] = self.frozen_cache.get(key, 0) + value
             self.times[(vw, event["stage"])] = event.get("times_s", {})
         if event["event"] == "eval":
             self.evals.append({k: v for k, v in event.items() if k != "event"})

@@ -81,6 +81,8 @@ def run_summary(
         "wave_breakdown_ms": progress.breakdown_ms(config.train.waves),
         "evals": progress.evals,
     }
+    if config.train.freeze_cache_mib and config.train.freeze:  # hits: minibatches served from kept rows
+        summary["frozen_cache"] = {k: round(v, 2) for k, v in progress.frozen_cache.items()}
     summary.update(_checkpoint_failures(infos))
     audit = _audit_ledgers(final, infos, tuple(w.nm for w in work))
     if audit is not None:  # every (vw, minibatch) update must sit in the final weights exactly once

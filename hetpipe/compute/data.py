@@ -37,6 +37,7 @@ __all__ = [
     "shard_indices",
     "span_shards",
     "minibatch",
+    "minibatch_indices",
     "minibatches",
     "on_device",
     "unigram_loss",
@@ -507,7 +508,14 @@ def _epoch_order(m: int, seed: int, epoch: int) -> np.ndarray:
 def minibatch(
     x: Tensor, y: Tensor, indices: np.ndarray, batch_size: int, seed: int, p: int
 ) -> tuple[Tensor, Tensor]:
-    """Minibatch p of a shard: a fixed function of (indices, batch_size, seed, p).
+    """Minibatch p of a shard: a fixed function of (indices, batch_size, seed, p): its samples are
+    minibatch_indices(...)."""
+    idx = torch.from_numpy(minibatch_indices(indices, batch_size, seed, p).astype(np.int64))
+    return x[idx], y[idx]
+
+
+def minibatch_indices(indices: np.ndarray, batch_size: int, seed: int, p: int) -> np.ndarray:
+    """The samples (indices into the training set) of minibatch p of a shard.
 
     Epoch e = p // (len(indices) // batch_size) visits the shard in the order of a permutation
     seeded by (seed, e); the last len(indices) % batch_size samples of each epoch's order are skipped,
@@ -522,9 +530,7 @@ def minibatch(
     if p < 0:
         raise UsageError(f"minibatch numbers start at 0 (got {p})")
     epoch, j = divmod(p, per_epoch)
-    pick = np.asarray(indices)[_epoch_order(len(indices), seed, epoch)[j * batch_size : (j + 1) * batch_size]]
-    idx = torch.from_numpy(pick.astype(np.int64))
-    return x[idx], y[idx]
+    return np.asarray(indices)[_epoch_order(len(indices), seed, epoch)[j * batch_size : (j + 1) * batch_size]]
 
 
 def on_device(x: Tensor, y: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:

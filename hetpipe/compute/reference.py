@@ -106,6 +106,19 @@ class RefStage:
     start: int = 0  # the model's layers [start, stop) are this stage's
     stop: int = 0
     takes_from: int | None = None  # a re-plan's VW: the VW whose optimizer state it starts with, until taken
+    kept: _Kept | None = None  # train.freeze_cache_mib: the frozen layers' outputs by sample
+
+
+@dataclass
+class _Kept:
+    """A stage's frozen layers' outputs by sample (train.freeze_cache_mib), kept for one frozen count and
+    the frozen layers' tensors they were computed with."""
+
+    limit: int
+    rows: dict[int, Tensor] = field(default_factory=dict)
+    size: int = 0
+    frozen: int = 0
+    made_with: list[Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -281,10 +294,19 @@ class _Reference:
         self.dispatch[a.kind](*sid, st, a)
 
     def run_forward(
-        self, st: RefStage, inputs: Tensor, weights: dict[str, Tensor] | None, frozen: int = 0
+        self, st: RefStage, inputs: Tensor, weights: dict[str, Tensor] | None, frozen: int, v: int, p: int
     ) -> Tensor:
+        ids = self.sample_ids(v, p) if frozen and st.kept is not None else None
         with self.autocast():
-            return _run_stage(st.module, inputs, weights, frozen)
+            return _run_stage(st.module, inputs, weights, frozen, st.kept, ids)
+
+    def sample_ids(self, vw: int, p: int) -> list[int]:
+        """The training-set indices of minibatch p of VW vw (as batch() picks them)."""
+        self.batch(vw, p)  # its shard worked out
+        wave = p // self.nms[vw]
+        live = tuple(u for u, (start, end) in enumerate(self.spans) if start <= wave < end)
+        shard = self.shards[live][live.index(vw)]
+        return [int(i) for i in datalib.minibatch_indices(shard, self.batches[vw], self.config.seed, p)]
 
     def input_gradient(self, v: int, j: int, p: int) -> bool:
         """Whether stage (v, j) hands its input's gradient back for minibatch p (stage j - 1 trains)."""
@@ -303,10 +325,10 @@ class _Reference:
         frozen = _frozen_layers(self.freeze, st, a.index // self.nms[v])
         if self.flags.recompute:
             with torch.no_grad():
-                out = self.run_forward(st, inputs, weights, frozen)
+                out = self.run_forward(st, inputs, weights, frozen, v, a.index)
             st.saved[a.index] = (inputs, None, weights)
         else:
-            out = self.run_forward(st, inputs, weights, frozen)
+            out = self.run_forward(st, inputs, weights, frozen, v, a.index)
             st.saved[a.index] = (
                 inputs,
                 self.loss_fn(out, self.batch(v, a.index)[1]) if last else out,
@@ -342,7 +364,7 @@ class _Reference:
                 }
             kept = {k: b.detach().clone() for k, b in stage_buffers(st.module).items()}
             out = self.run_forward(
-                st, inputs, weights, _frozen_layers(self.freeze, st, a.index // self.nms[v])
+                st, inputs, weights, _frozen_layers(self.freeze, st, a.index // self.nms[v]), v, a.index
             )
             for key, value in kept.items():
                 set_buffer(st.module, key, value)
@@ -500,6 +522,8 @@ def _build_stages(ref: _Reference) -> dict[StageId, RefStage]:
                 if (a.index if a.kind in (PUSH, WAIT) else a.index // ref.nms[v]) >= start_wave
             ]
             st = stages[(v, j)] = RefStage(module, opt, actions, {})
+            if t.freeze and t.freeze_cache_mib:
+                st.kept = _Kept(t.freeze_cache_mib * 2**20)
             st.takes_from = sources.get(v) if opt is not None else None
             st.start, st.stop = start, start + split[j]
             named = dict(module.named_parameters())
@@ -531,28 +555,64 @@ def _take_optimizer_state(st: RefStage, sources: list[RefStage]) -> None:
 
 
 def _run_stage(
-    module: torch.nn.Module, inputs: Tensor, weights: dict[str, Tensor] | None, frozen: int
+    module: torch.nn.Module,
+    inputs: Tensor,
+    weights: dict[str, Tensor] | None,
+    frozen: int,
+    kept: _Kept | None = None,
+    ids: list[int] | None = None,
 ) -> Tensor:
     """The stage on `inputs` (on the stashed `weights` when given); with `frozen` > 0 layer by layer, its
-    first `frozen` layers each in eval mode without autograd."""
+    first `frozen` layers each in eval mode without autograd, or their output the rows `kept` of samples
+    `ids` where it holds every one (keeping new rows while they fit)."""
     if not frozen:
         return (
             module(inputs) if weights is None else functional_call(module, weights, (inputs,), strict=False)
         )
-    x = inputs
-    for i, (name, layer) in enumerate(module.named_children()):
-        own = (
-            None
-            if weights is None
-            else {k[len(name) + 1 :]: w for k, w in weights.items() if k.startswith(f"{name}.")}
-        )
-        if i < frozen:
+    children = list(module.named_children())
+
+    def own(name: str) -> dict[str, Tensor] | None:
+        if weights is None:
+            return None
+        return {k[len(name) + 1 :]: w for k, w in weights.items() if k.startswith(f"{name}.")}
+
+    def call(name: str, layer: torch.nn.Module, x: Tensor) -> Tensor:
+        mine = own(name)
+        return layer(x) if mine is None else functional_call(layer, mine, (x,), strict=False)
+
+    def frozen_part(x: Tensor) -> Tensor:
+        for name, layer in children[:frozen]:
             layer.eval()
             with torch.no_grad():
-                x = layer(x) if own is None else functional_call(layer, own, (x,), strict=False)
+                x = call(name, layer, x)
             layer.train()
+        return x
+
+    if kept is None or ids is None:
+        x = frozen_part(inputs)
+    else:
+        used = []  # what the frozen layers compute with: the weights they run on and their buffers
+        for name, layer in children[:frozen]:
+            mine = own(name) or {}
+            used += [mine.get(k, w).detach() for k, w in layer.named_parameters()]
+            used += [b.detach() for b in layer.buffers()]
+        same = len(used) == len(kept.made_with) and all(
+            a.shape == b.shape and torch.equal(a, b) for a, b in zip(used, kept.made_with, strict=True)
+        )
+        if frozen != kept.frozen or not same:
+            kept.rows, kept.size, kept.frozen = {}, 0, frozen
+            kept.made_with = [t.clone() for t in used]
+        if all(i in kept.rows for i in ids):
+            x = torch.stack([kept.rows[i] for i in ids])
         else:
-            x = layer(x) if own is None else functional_call(layer, own, (x,), strict=False)
+            x = frozen_part(inputs)
+            for i, row in zip(ids, x, strict=True):
+                nbytes = row.numel() * row.element_size()
+                if i not in kept.rows and kept.size + nbytes <= kept.limit:
+                    kept.rows[i] = row.clone()
+                    kept.size += nbytes
+    for name, layer in children[frozen:]:
+        x = call(name, layer, x)
     return x
 
 

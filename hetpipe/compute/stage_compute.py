@@ -31,6 +31,8 @@ Trainer controls ([train], docs/clusters.md; default off, leaving all of the abo
   freeze:                  a minibatch of a wave whose first n model layers are frozen runs this stage's share
                            of them in eval mode under no_grad (no gradient, so no step: their Δ is 0); a stage
                            all frozen takes no output gradient, the stage after it sends none (docs/wsp.md)
+  freeze_cache_mib:        those layers' output comes from the rows kept by sample where every sample of the
+                           minibatch is kept (hetpipe.compute.frozen_cache states the rule)
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import clip_grad_norm_
 
+from hetpipe.compute.frozen_cache import FrozenCache
 from hetpipe.compute.multi_tensor import add_into, float_copies
 from hetpipe.compute.optim import make_optimizer, set_lr
 from hetpipe.compute.stage_buffers import BufferSlots
-from hetpipe.compute.stage_checkpoint import restore_stage, save_stage, saved_flights
-from hetpipe.compute.stage_freezing import StageFreezing, run_layers
+from hetpipe.compute.stage_checkpoint import restore_stage, saved_flights
+from hetpipe.compute.stage_freezing import StageFreezing
 from hetpipe.compute.update_sums import Sums, UpdateSums
 from hetpipe.compute.weight_swap import WeightSwap
 from hetpipe.compute.weight_versions import Weights, WeightVersions
@@ -88,6 +91,7 @@ class StageRules:
     clip_grad_norm: float = 0.0  # each update's gradient clipped to this norm over the stage (0: off)
     freeze: FreezeSchedule = FreezeSchedule()  # layers frozen by wave (hetpipe.core.wsp.freezing; none)
     exact_pulls: bool = True  # [wsp] pull = "exact" (its pulls leave frozen parameters out; latest ones not)
+    freeze_cache_bytes: int = 0  # train.freeze_cache_mib (hetpipe.compute.frozen_cache; 0: off)
 
     @classmethod
     def of(cls, config: ClusterConfig, actions: Sequence[Action], num_vws: int) -> StageRules:
@@ -112,6 +116,7 @@ class StageRules:
             clip_grad_norm=t.clip_grad_norm,
             freeze=t.freeze_schedule,
             exact_pulls=config.wsp.pull == "exact",
+            freeze_cache_bytes=t.freeze_cache_mib * 2**20 if t.freeze else 0,
         )
 
 
@@ -123,6 +128,7 @@ class InFlight:
     output: Tensor | None  # None when the backward recomputes the forward
     weights: dict[str, Tensor] | None  # the stashed weight version (None: the live weights)
     loss: Tensor | None = None
+    ids: Sequence[int] | None = None  # the minibatch's samples (their index in the training set)
 
 
 class StageCompute:
@@ -145,6 +151,7 @@ class StageCompute:
         change is recorded (they travel as updates and are always summed)."""
         self.module = module
         self.freezing = StageFreezing(module, rules.freeze, rules.nm, rules.exact_pulls)
+        self.frozen_cache = FrozenCache(rules.freeze_cache_bytes)  # (off at 0 bytes)
         self._swap = WeightSwap(module)  # forwards on a stashed weight version
         self.buffer_slots = BufferSlots(module)  # the buffers, through slots found once
         self.rules = rules
@@ -236,35 +243,41 @@ class StageCompute:
         if flight.weights is None:
             flight.weights = self.versions.corrected(p)
         with self.buffer_slots.kept():
-            flight.output = self._run(flight.weights, flight.inputs, self.freezing.frozen_here(p))
+            flight.output = self._run(flight.weights, flight.inputs, self.freezing.frozen_here(p), flight.ids)
 
-    def _run(self, weights: Weights | None, inputs: Tensor, frozen: int = 0) -> Tensor:
+    def _run(
+        self, weights: Weights | None, inputs: Tensor, frozen: int = 0, ids: Sequence[int] | None = None
+    ) -> Tensor:
         """The stage's layers on `inputs` (on the stashed `weights` when given); the first `frozen` of them
-        without autograd and in eval mode, so their weights and buffers stay as they are."""
+        without autograd and in eval mode, or their output kept by sample `ids` (frozen_cache)."""
         with self._compute():
             if weights is None:
-                return run_layers(self.module, inputs, frozen)
+                return self.frozen_cache.run(self.module, inputs, frozen, ids)
             with self._swap.using(weights):
-                return run_layers(self.module, inputs, frozen)
+                return self.frozen_cache.run(self.module, inputs, frozen, ids)
 
     def forward(
-        self, p: int, inputs: Tensor, target: Tensor | None = None, loss_fn=None, input_grad: bool = True
+        self,
+        p: int,
+        inputs: Tensor,
+        target: Tensor | None = None,
+        loss_fn=None,
+        input_grad: bool = True,
+        ids: Sequence[int] | None = None,
     ) -> Tensor:
-        """Forward of minibatch p; returns its output (what goes to the next stage). `input_grad`: the
-        backward must produce the gradient w.r.t. the input (every stage but the first, unless the stage
-        before it is all frozen in p's wave)."""
+        """Forward of minibatch p (samples `ids`, for the frozen layers' cache); returns its output.
+        `input_grad`: its backward gives the input's gradient (not on stage 0, nor after a frozen stage)."""
         if input_grad and inputs.is_floating_point() and not self.freezing.drops_input_gradient(p):
             inputs = inputs.detach().requires_grad_(True)
         weights = self.versions.for_forward(p)
         frozen = self.freezing.frozen_here(p)
+        with torch.no_grad() if self.rules.recompute else contextlib.nullcontext():
+            output = self._run(weights, inputs, frozen, ids)
         if self.rules.recompute:
-            with torch.no_grad():
-                output = self._run(weights, inputs, frozen)
-            self.in_flight[p] = InFlight(inputs, None, weights)
+            self.in_flight[p] = InFlight(inputs, None, weights, ids=ids)
             return output
-        output = self._run(weights, inputs, frozen)
         loss = loss_fn(output, target) if target is not None else None
-        self.in_flight[p] = InFlight(inputs, output, weights, loss)
+        self.in_flight[p] = InFlight(inputs, output, weights, loss, ids)
         return output
 
     def backward(self, p: int, grad_output: Tensor | None = None, target: Tensor | None = None, loss_fn=None):
@@ -386,14 +399,7 @@ class StageCompute:
             else:
                 t.copy_(pulled[key])
 
-    # ---- checkpoints (hetpipe train --resume; the format: hetpipe.compute.stage_checkpoint) --------------
-    def state_dict(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """Everything this stage's arithmetic carries from one action to the next, as plain metadata and named
-        tensors: weights, buffers, ledgers, optimizer state, update baselines and own per-wave sums, pending
-        gradients, and each forward in flight (its input and the weight version it ran on; the outputs are
-        recomputed on load)."""
-        return save_stage(self)
-
+    # ---- checkpoints (hetpipe train --resume; saving and the format: hetpipe.compute.stage_checkpoint) ----
     @torch.no_grad()
     def load_state_dict(
         self,

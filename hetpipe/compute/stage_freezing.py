@@ -4,7 +4,7 @@ with the frozen ones in eval mode without autograd."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from hetpipe.compute.optimizer_state import drop_state
 from hetpipe.core.wsp.freezing import FreezeSchedule, layer_of
 
-__all__ = ["StageFreezing", "run_layers"]
+__all__ = ["StageFreezing", "run_frozen", "run_layers"]
 
 
 class StageFreezing:
@@ -78,15 +78,21 @@ def run_layers(module: nn.Module, inputs: Tensor, frozen: int) -> Tensor:
     if not frozen:
         return module(inputs)
     layers = list(module.children())
+    x = run_frozen(layers[:frozen], inputs)
+    for layer in layers[frozen:]:
+        x = layer(x)
+    return x
+
+
+def run_frozen(layers: Sequence[nn.Module], inputs: Tensor) -> Tensor:
+    """`layers` in turn on `inputs`, each in eval mode without autograd."""
     x = inputs
     with torch.no_grad():
-        for layer in layers[:frozen]:
+        for layer in layers:
             mode = layer.training
             layer.train(False)
             try:
                 x = layer(x)
             finally:
                 layer.train(mode)
-    for layer in layers[frozen:]:
-        x = layer(x)
     return x

@@ -277,6 +277,9 @@ class TrainConfig:
     )
     # freeze points [[wave, layers], ...]: from `wave` on the first `layers` layers are frozen (docs/wsp.md)
     freeze: tuple[tuple[int, int], ...] = ()
+    # MiB a stage may keep of its frozen layers' outputs by sample, reused where the data repeat (0: off;
+    # hetpipe.compute.frozen_cache, docs/wsp.md#the-frozen-layers-cache)
+    freeze_cache_mib: int = 0
 
     @property
     def mitigations(self) -> tuple[str, ...]:
@@ -491,6 +494,7 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
         "clip_grad_norm",
         "loss",
         "freeze",
+        "freeze_cache_mib",
     ),
     "emulation": ("enabled", "time_scale", "link_bandwidth", "device"),
     "allocation": ("policy",),

@@ -148,6 +148,7 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         mitigation=t.string("mitigation", d.mitigation, nonempty=True),
         warmup_waves=t.integer("warmup_waves", d.warmup_waves, ge=0),
         clip_grad_norm=t.number("clip_grad_norm", d.clip_grad_norm, ge=0),
+        freeze_cache_mib=t.integer("freeze_cache_mib", d.freeze_cache_mib, ge=0),
         loss=_loss(t, d.loss),
     )
     train = replace(train, freeze=_freeze(t, train.waves), **_lr_schedule(t, train.waves, train.lr))

@@ -1,0 +1,74 @@
+"""[train] freeze_cache_mib: each sample's output of a stage's frozen layers, kept and reused where the data
+repeat, as PipeTransformer's AutoCache does (docs/wsp.md#the-frozen-layers-cache).
+
+The rule, which the reference implements on its own (hetpipe.compute.reference):
+- a minibatch whose first `frozen` layers run frozen looks up every sample (by its index in the training set);
+  when every one is kept, the frozen layers are not run: their output is the kept rows, stacked in the
+  minibatch's order;
+- otherwise the frozen layers run on the whole minibatch, as without the cache, and the rows of the samples
+  not yet kept are kept, until the kept rows would pass the size limit;
+- kept rows belong to one frozen count and to the frozen layers' weights and buffers they were computed with:
+  a minibatch that runs another count, or sees any of those tensors changed (a pull brought other values),
+  forgets them all first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from hetpipe.compute.stage_freezing import run_frozen, run_layers
+
+__all__ = ["FrozenCache"]
+
+
+class FrozenCache:
+    """One stage's kept outputs of its frozen layers, by sample index, within `limit_bytes`."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.rows: dict[int, Tensor] = {}
+        self.bytes = 0
+        self.hits = 0  # minibatches served from kept rows
+        self.misses = 0  # minibatches whose frozen layers ran
+        self._frozen = 0
+        self._made_with: list[Tensor] = []  # the frozen layers' weights and buffers the rows were made with
+
+    def run(self, module: nn.Module, inputs: Tensor, frozen: int, ids: Sequence[int] | None) -> Tensor:
+        """`module` on `inputs` as run_layers does, the first `frozen` layers' output from the kept rows when
+        every sample of `ids` (one per row of `inputs`) is kept."""
+        if not frozen or ids is None or self.limit_bytes <= 0:
+            return run_layers(module, inputs, frozen)
+        layers = list(module.children())
+        state = [t.detach() for layer in layers[:frozen] for t in (*layer.parameters(), *layer.buffers())]
+        if frozen != self._frozen or not _equal(state, self._made_with):
+            self._forget(frozen, state)
+        kept = [self.rows.get(int(i)) for i in ids]
+        if all(row is not None for row in kept):
+            self.hits += 1
+            x = torch.stack(kept)  # type: ignore[arg-type]
+        else:
+            self.misses += 1
+            x = run_frozen(layers[:frozen], inputs)
+            for i, row in zip(ids, x, strict=True):
+                size = row.numel() * row.element_size()
+                if int(i) not in self.rows and self.bytes + size <= self.limit_bytes:
+                    self.rows[int(i)] = row.clone()
+                    self.bytes += size
+        for layer in layers[frozen:]:
+            x = layer(x)
+        return x
+
+    def _forget(self, frozen: int, state: list[Tensor]) -> None:
+        self.rows.clear()
+        self.bytes = 0
+        self._frozen = frozen
+        self._made_with = [t.clone() for t in state]
+
+
+def _equal(a: list[Tensor], b: list[Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True)
+    )
