@@ -462,3 +462,25 @@ def test_every_shipped_calibration_loads_is_named_for_its_model_and_says_how_it_
     measured = {canonical(m.setting) for m in cal.measurements}
     assert len(measured) == len(cal.measurements)  # merges replace a setting, never list it twice
     assert all(set(m.samples) <= {None} or m.lr in cal.lrs for m in cal.measurements)
+
+
+def test_fine_tuning_is_not_ranked_by_a_calibration_of_training_from_scratch() -> None:
+    """The shipped calibrations measure training from scratch: a config that starts from `[model] init` finds
+    none of them (and is told how to measure its own), the same config without it finds its model's."""
+    from hetpipe.app.plan_convergence import plan_calibration
+    from hetpipe.core.config.files import load_config
+    from hetpipe.core.config.overrides import apply_overrides
+
+    root = Path(__file__).resolve().parents[1]
+    mnist = [
+        'model.name="mnist-cnn"',
+        "model.options={ channels = [16, 32], hidden = 64 }",
+        "train.batch_size=128",
+        'train.optimizer="adam"',
+    ]
+    config = apply_overrides(load_config(root / "launch" / "clusters" / "bench.toml"), mnist)
+    found, note = plan_calibration(config, target=0.97)
+    assert found is not None and found.target == 0.97, note
+    fine = apply_overrides(config, ['model.init="pretrained.pt"'])
+    found, note = plan_calibration(fine, target=0.97)
+    assert found is None and "fine-tuning" in note and "--calibration PATH" in note

@@ -60,6 +60,13 @@ def plan_calibration(
             f"setting at its best lr of {', '.join(f'{v:g}' for v in cal.lrs)}, target {cal.metric} "
             f"{cal.target:g}"
         )
+    if config.model.init:  # the folder's calibrations measure training from scratch, not from these weights
+        return None, (
+            f"no convergence calibration for fine-tuning (model.init = {config.model.init}): the shipped "
+            "ones measure training from scratch; measure one with launch/bench/staleness.py --set "
+            "model.init=... --calibrate PATH (docs/convergence.md) and give --calibration PATH: ranking by "
+            "samples/s alone"
+        )
     # the seed too, as the calibration's run built the model (hetpipe.compute.build.model_of)
     key = model_key(config.model.name, {"seed": config.seed, **config.model.options.to_dict()})
     t = config.train

@@ -147,17 +147,23 @@ def planned(
     testbed: Topology | None,
     search_rules: bool = False,
     target: float | None = None,
+    calibration_file: Path | None = None,
 ) -> tuple[throughput.HetpipeSetup, Any, Calibration | None, ClusterConfig]:
     """The planner's best plan for `config` ranked by predicted time to `target` (the calibration of its
-    model, batch and optimizer to that target, when there is one); with `search_rules`, also over every
-    training rule (aggregation, mitigation) the calibration measured, as `hetpipe plan --target` does. (setup,
-    candidate, calibration, the config to run)."""
+    model, batch and optimizer to that target, when there is one; `calibration_file`'s when given, as `hetpipe
+    plan --calibration`); with `search_rules`, also over every training rule (aggregation, mitigation) the
+    calibration measured, as `hetpipe plan --target` does. (setup, candidate, calibration, the config to
+    run)."""
     from hetpipe.app.plan_convergence import plan_calibration, plan_over_rules, rule_of
     from hetpipe.core.planning import planner
 
     profiles = planner.emulated_profiles(config, profile, peers.cpu_cores())
     ps_gbps, link, network = throughput.planner_links(testbed)
-    calibration, note = plan_calibration(config, target=target)
+    calibration, note = (
+        plan_calibration(config, path=calibration_file)
+        if calibration_file is not None
+        else plan_calibration(config, target=target)
+    )
 
     def plan(variant: ClusterConfig) -> list[Any]:
         return planner.plan_candidates(
@@ -199,8 +205,10 @@ class Bench:
         testbed: Topology | None,
         hetpipe_settings: tuple[str, ...] = (),
         search_rules: bool = True,
+        calibration_file: Path | None = None,
     ) -> None:
         self.task, self.config, self.goal, self.work = task, config, goal, work
+        self.calibration_file = calibration_file  # a fine-tuning task's own (tta_tasks.calibrated)
         self.hetpipe_config = apply_overrides(config, [*task.hetpipe, *hetpipe_settings])
         self.search_rules = search_rules
         self.max_seconds, self.checkpoint_every, self.snapshot_every = (
@@ -237,7 +245,12 @@ class Bench:
     def plan(self) -> tuple[throughput.HetpipeSetup, Any, Calibration | None]:
         if self._plan is None:
             setup, top, calibration, self.hetpipe_config = planned(
-                self.hetpipe_config, self.profile, self.testbed, self.search_rules, self.goal.target
+                self.hetpipe_config,
+                self.profile,
+                self.testbed,
+                self.search_rules,
+                self.goal.target,
+                self.calibration_file,
             )
             self._plan = (setup, top, calibration)
         return self._plan
@@ -698,6 +711,7 @@ def _task(
     )
     network = "the shaped-network testbed" if topology else "free (loopback; no link costs anything)"
     print(f"network: {network}", flush=True)
+    calibration = tta_tasks.calibrated(task, config, goal, work_dir) if task.calibrate else None
     grid = tuple(dict.fromkeys(batches or task.batches or (config.train.batch_size,)))
     benches: dict[int, Bench] = {}
     for b in grid:
@@ -717,6 +731,7 @@ def _task(
             topology,
             hetpipe_settings,
             search_rules,
+            calibration,
         )
     swept = [float(v) for v in lrs.split(",")] if lrs else list(task.lrs)
     chosen: dict[str, tuple[int, float]] = {}  # system -> (batch, lr)

@@ -48,6 +48,9 @@ class Task:
     batches: tuple[int, ...] = ()
     # fine-tuning: the overrides of a run that trains the weights every system then starts from ([model] init)
     pretrain: tuple[str, ...] = ()
+    # fine-tuning: the settings (staleness.py's) of the calibration made for it first, which hetpipe's planner
+    # then ranks by (the shipped calibrations measure training from scratch)
+    calibrate: tuple[str, ...] = ()
 
 
 TASKS = {
@@ -122,6 +125,21 @@ _FINE_TUNE_NOTE = (
 )
 
 
+# what hetpipe's planner chooses among on bench.toml, at the fine-tuning tasks' aggregation (mean), and the
+# settings that train like the peers (DDP over 2 and over 6 GPUs)
+_CALIBRATE = (
+    "1x1/1",
+    "1x2/1:1f1b-flush",
+    "1x6/1:1f1b-flush",
+    "1x2/2",
+    "2x1/1:wsp:mean",
+    "2x2/1:pipedream:mean",
+    "2x4/1:pipedream:mean",
+    "2x1/1:wsp:mean:none:D1",
+    "4x1/1:wsp:mean",
+)
+
+
 def _fine_tune(name: str, frozen: tuple[str, ...], note: str) -> Task:
     """A fine-tuning task: _FINE_TUNE (and `frozen`'s freeze points) from _PRETRAIN's weights, hetpipe at
     aggregation mean."""
@@ -130,13 +148,14 @@ def _fine_tune(name: str, frozen: tuple[str, ...], note: str) -> Task:
         CLUSTERS / "bench.toml",
         (*_FINE_TUNE, *frozen),
         0.95,
-        (0.002, 0.001, 0.004),
+        (0.004, 0.002, 0.008),
         60.0,
         60_000,
         512,
         f"{_FINE_TUNE_NOTE}; {note}",
         hetpipe=('ps.aggregation="mean"',),
         pretrain=_PRETRAIN,
+        calibrate=_CALIBRATE,
     )
 
 
@@ -173,6 +192,53 @@ def pretrained(task: Task, settings: Sequence[str], work_dir: Path) -> Path:
         print(f"  pretrained: {scores}", flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
+    return path.resolve()
+
+
+def calibrated(
+    task: Task, config: ClusterConfig, goal: goals.Goal, work_dir: Path, seeds: str = "0,1,2"
+) -> Path:
+    """A fine-tuning task's calibration (task.calibrate's settings, `seeds`, the task's learning rates and
+    sweep budget) for `config` (its overrides and model.init applied) to `goal`: launch/bench/staleness.py
+    run once per work dir, config and settings; returns the calibration's file."""
+    import subprocess
+
+    from hetpipe.core.config.serialize import config_toml
+
+    text = "\n".join(
+        [config_toml(config), ",".join(task.calibrate), seeds, repr(task.lrs), f"{goal.target:g}"]
+    )
+    key = hashlib.sha256(text.encode()).hexdigest()[:12]
+    path = work_dir / "calibrations" / f"{task.name}-{key}.json"
+    if path.is_file():
+        return path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config_file = path.with_suffix(".toml")
+    config_file.write_text(config_toml(config))
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve().parent / "staleness.py"),
+        "--config",
+        str(config_file),
+        "--target",
+        f"{goal.target:g}",
+        "--seeds",
+        seeds,
+        "--lrs",
+        ",".join(f"{v:g}" for v in task.lrs),
+        "--samples",
+        str(task.sweep_samples),
+        "--score-every",
+        str(task.score_every),
+        "--settings",
+        ",".join(task.calibrate),
+        "--jobs",
+        "2",
+        "--calibrate",
+        str(path),
+    ]
+    print(f"calibrating {task.name} (fine-tuning) into {path}: {len(task.calibrate)} settings", flush=True)
+    subprocess.run(command, check=True)
     return path.resolve()
 
 
