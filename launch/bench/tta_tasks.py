@@ -153,7 +153,8 @@ def _fine_tune(name: str, frozen: tuple[str, ...], note: str) -> Task:
         60_000,
         512,
         f"{_FINE_TUNE_NOTE}; {note}",
-        hetpipe=('ps.aggregation="mean"',),
+        # the frozen layers' outputs kept by sample (AutoCache; `finetune` freezes nothing: no effect)
+        hetpipe=('ps.aggregation="mean"', "train.freeze_cache_mib=256"),
         pretrain=_PRETRAIN,
         calibrate=_CALIBRATE,
     )
