@@ -35,10 +35,11 @@ def test_a_minibatch_of_kept_samples_skips_the_frozen_layers_and_gets_their_rows
     again = cache.run(net, torch.zeros(4, 6), 2, [13, 12, 11, 10])
     assert cache.hits == 1 and torch.equal(again, first.flip(0))
     assert again.requires_grad  # the layers after the frozen ones still train
-    # one sample not kept: the frozen layers run on the whole minibatch, the new row is kept
-    mixed = cache.run(net, torch.cat([x[:3], x[4:5]]), 2, [10, 11, 12, 14])
+    # one sample not kept: the frozen layers run on it alone, its row is kept, the others' rows serve
+    mixed = cache.run(net, torch.cat([torch.zeros(3, 6), x[4:5]]), 2, [10, 11, 12, 14])
     assert cache.misses == 2 and len(cache.rows) == 5
-    assert torch.equal(mixed, run_layers(net, torch.cat([x[:3], x[4:5]]), 2))
+    assert torch.equal(mixed[:3], first[:3]) and torch.equal(mixed[3], run_layers(net, x[4:5], 2)[0])
+    assert torch.equal(cache.run(net, torch.zeros(1, 6), 2, [14])[0], mixed[3])
 
 
 def test_kept_rows_are_forgotten_when_the_frozen_weights_or_count_change() -> None:
@@ -100,7 +101,8 @@ def test_runs_with_the_cache_equal_the_reference_and_use_it(
     tmp_path: Path, settings: list[str], splits: list[tuple[int, ...]]
 ) -> None:
     """2 VWs (one of two stages, one of three) on 800 samples at batch 64: each VW's shard repeats every 6
-    minibatches, so from the second epoch of the frozen waves the kept rows serve; D = 1, so pulls after the
+    minibatches, so from the second epoch of the frozen waves the kept rows serve (the few samples an epoch
+    left out run alone); D = 1, so pulls after the
     freeze still bring the frozen layers' last updates and the rows made before are forgotten. The runtime
     and the reference (its own rows) end bit for bit alike, and the stages report the hits."""
     path = write_config(

@@ -21,6 +21,7 @@ builds worker/stage_build.py's.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -316,6 +317,10 @@ class StageRunner:
         load_handover(job, self.compute, self.config.ps.timeout_s)  # a re-plan's VW: its source's optimizer
         self.handover.start(self.link, layout)
         self._connect()
+        # what start-up built (model, data, sockets) lives to the end: keep it out of the garbage collector's
+        # full passes, which otherwise stop the training thread for ~0.1 s (and an emulated GPU that long
+        # times its slowdown) to walk objects none of which is garbage
+        gc.freeze()
         self.started = time.monotonic()
         self.compute_actions.begin(self.started)
         try:

@@ -80,7 +80,8 @@ class ComputeActions:
                 inputs = self.recv(job.stage - 1)
                 target = self.batch(p)[1] if self.last else None
             # the samples' indices, for the frozen layers' cache (their input is a fixed function of them)
-            ids = self.sample_ids(p) if self.compute.freezing.frozen_here(p) else None
+            cached = self.compute.frozen_cache.limit_bytes and self.compute.freezing.frozen_here(p)
+            ids = self.sample_ids(p) if cached else None
             started = time.perf_counter()
             with self.dilator.compute(f"F{p}"):
                 output = self.compute.forward(

@@ -3,10 +3,9 @@ repeat, as PipeTransformer's AutoCache does (docs/wsp.md#the-frozen-layers-cache
 
 The rule, which the reference implements on its own (hetpipe.compute.reference):
 - a minibatch whose first `frozen` layers run frozen looks up every sample (by its index in the training set);
-  when every one is kept, the frozen layers are not run: their output is the kept rows, stacked in the
-  minibatch's order;
-- otherwise the frozen layers run on the whole minibatch, as without the cache, and the rows of the samples
-  not yet kept are kept, until the kept rows would pass the size limit;
+  the frozen layers run only on the samples not kept (all of them, in the minibatch's order, the first time),
+  and their rows are kept while the kept rows fit in the size limit; the frozen layers' output is each
+  sample's row, kept or new, stacked in the minibatch's order;
 - kept rows belong to one frozen count and to the frozen layers' weights and buffers they were computed with:
   a minibatch that runs another count, or sees any of those tensors changed (a pull brought other values),
   forgets them all first.
@@ -37,26 +36,30 @@ class FrozenCache:
         self._made_with: list[Tensor] = []  # the frozen layers' weights and buffers the rows were made with
 
     def run(self, module: nn.Module, inputs: Tensor, frozen: int, ids: Sequence[int] | None) -> Tensor:
-        """`module` on `inputs` as run_layers does, the first `frozen` layers' output from the kept rows when
-        every sample of `ids` (one per row of `inputs`) is kept."""
+        """`module` on `inputs` as run_layers does, the first `frozen` layers' output taken from the rows kept
+        of the samples `ids` (one per row of `inputs`), run on the others."""
         if not frozen or ids is None or self.limit_bytes <= 0:
             return run_layers(module, inputs, frozen)
         layers = list(module.children())
         state = [t.detach() for layer in layers[:frozen] for t in (*layer.parameters(), *layer.buffers())]
         if frozen != self._frozen or not _equal(state, self._made_with):
             self._forget(frozen, state)
-        kept = [self.rows.get(int(i)) for i in ids]
-        if all(row is not None for row in kept):
+        rows = [self.rows.get(int(i)) for i in ids]
+        missing = [j for j, row in enumerate(rows) if row is None]
+        if not missing:
             self.hits += 1
-            x = torch.stack(kept)  # type: ignore[arg-type]
+            x = torch.stack(rows)  # type: ignore[arg-type]
         else:
             self.misses += 1
-            x = run_frozen(layers[:frozen], inputs)
-            for i, row in zip(ids, x, strict=True):
+            whole = len(missing) == len(rows)
+            x = run_frozen(layers[:frozen], inputs if whole else inputs[missing])
+            for j, row in zip(missing, x, strict=True):
                 size = row.numel() * row.element_size()
-                if int(i) not in self.rows and self.bytes + size <= self.limit_bytes:
-                    self.rows[int(i)] = row.clone()
+                if self.bytes + size <= self.limit_bytes:
+                    self.rows[int(ids[j])] = row.clone()
                     self.bytes += size
+                rows[j] = row
+            x = x if whole else torch.stack(rows)  # type: ignore[arg-type]
         for layer in layers[frozen:]:
             x = layer(x)
         return x

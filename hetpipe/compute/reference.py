@@ -563,8 +563,8 @@ def _run_stage(
     ids: list[int] | None = None,
 ) -> Tensor:
     """The stage on `inputs` (on the stashed `weights` when given); with `frozen` > 0 layer by layer, its
-    first `frozen` layers each in eval mode without autograd, or their output the rows `kept` of samples
-    `ids` where it holds every one (keeping new rows while they fit)."""
+    first `frozen` layers each in eval mode without autograd, their output for samples `ids` the rows `kept`
+    where it holds them (computed for the others, whose rows it keeps while they fit)."""
     if not frozen:
         return (
             module(inputs) if weights is None else functional_call(module, weights, (inputs,), strict=False)
@@ -602,15 +602,19 @@ def _run_stage(
         if frozen != kept.frozen or not same:
             kept.rows, kept.size, kept.frozen = {}, 0, frozen
             kept.made_with = [t.clone() for t in used]
-        if all(i in kept.rows for i in ids):
-            x = torch.stack([kept.rows[i] for i in ids])
-        else:
-            x = frozen_part(inputs)
-            for i, row in zip(ids, x, strict=True):
-                nbytes = row.numel() * row.element_size()
-                if i not in kept.rows and kept.size + nbytes <= kept.limit:
-                    kept.rows[i] = row.clone()
-                    kept.size += nbytes
+        new = [j for j, i in enumerate(ids) if i not in kept.rows]  # run the frozen layers on these only
+        fresh = frozen_part(inputs[new]) if new else None
+        out = []
+        for j, i in enumerate(ids):
+            if i in kept.rows:
+                out.append(kept.rows[i])
+                continue
+            row = fresh[new.index(j)]
+            out.append(row)
+            if kept.size + row.numel() * row.element_size() <= kept.limit:
+                kept.rows[i] = row.clone()
+                kept.size += row.numel() * row.element_size()
+        x = torch.stack(out)
     for name, layer in children[frozen:]:
         x = call(name, layer, x)
     return x
