@@ -58,6 +58,26 @@ def test_kept_rows_are_forgotten_when_the_frozen_weights_or_count_change() -> No
     assert cache.misses == 3 and cache.rows[0].shape == (5,)
 
 
+def test_untouched_frozen_tensors_are_not_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tensors with the same version counters are taken as unchanged without a comparison (on CUDA
+    one would wait for the device each minibatch); a write in place bumps the counter: they are compared."""
+    import hetpipe.compute.frozen_cache as frozen_cache
+
+    compared = []
+    real = frozen_cache._equal
+    monkeypatch.setattr(frozen_cache, "_equal", lambda a, b: compared.append(1) or real(a, b))
+    net, x = _net(), torch.randn(4, 6)
+    cache = FrozenCache(2**20)
+    cache.run(net, x, 2, [0, 1, 2, 3])
+    cache.run(net, x, 2, [0, 1, 2, 3])
+    cache.run(net, x, 2, [0, 1, 2, 3])
+    assert not compared and cache.hits == 2  # the first call starts afresh (a new frozen count)
+    with torch.no_grad():
+        net[0].bias.copy_(net[0].bias)  # rewritten with its own values: compared, equal, rows kept
+    cache.run(net, x, 2, [0, 1, 2, 3])
+    assert len(compared) == 1 and cache.hits == 3
+
+
 def test_rows_are_kept_up_to_the_limit_and_none_without_ids_or_limit() -> None:
     net, x = _net(), torch.randn(6, 6)
     row = 5 * 4  # five float32 outputs of the frozen Linear + ReLU

@@ -34,6 +34,9 @@ class FrozenCache:
         self.misses = 0  # minibatches whose frozen layers ran
         self._frozen = 0
         self._made_with: list[Tensor] = []  # the frozen layers' weights and buffers the rows were made with
+        # the tensors last seen unchanged, each with its version counter: seen again untouched, no comparison
+        # (on CUDA a comparison waits for the device)
+        self._seen: list[tuple[Tensor, int]] = []
 
     def run(self, module: nn.Module, inputs: Tensor, frozen: int, ids: Sequence[int] | None) -> Tensor:
         """`module` on `inputs` as run_layers does, the first `frozen` layers' output taken from the rows kept
@@ -41,9 +44,13 @@ class FrozenCache:
         if not frozen or ids is None or self.limit_bytes <= 0:
             return run_layers(module, inputs, frozen)
         layers = list(module.children())
-        state = [t.detach() for layer in layers[:frozen] for t in (*layer.parameters(), *layer.buffers())]
-        if frozen != self._frozen or not _equal(state, self._made_with):
+        state = [t for layer in layers[:frozen] for t in (*layer.parameters(), *layer.buffers())]
+        untouched = len(state) == len(self._seen) and all(
+            t is seen and t._version == version for t, (seen, version) in zip(state, self._seen, strict=True)
+        )
+        if frozen != self._frozen or not (untouched or _equal(state, self._made_with)):
             self._forget(frozen, state)
+        self._seen = [(t, t._version) for t in state]
         rows = [self.rows.get(int(i)) for i in ids]
         missing = [j for j, row in enumerate(rows) if row is None]
         if not missing:
@@ -68,7 +75,7 @@ class FrozenCache:
         self.rows.clear()
         self.bytes = 0
         self._frozen = frozen
-        self._made_with = [t.clone() for t in state]
+        self._made_with = [t.detach().clone() for t in state]
 
 
 def _equal(a: list[Tensor], b: list[Tensor]) -> bool:
