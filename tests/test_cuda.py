@@ -179,6 +179,34 @@ def test_a_re_plan_on_one_gpu_trains_as_the_reference_does(tmp_path: Path):
         )
 
 
+def test_the_frozen_layers_cache_on_one_gpu_trains_as_the_reference_does(tmp_path: Path):
+    """train.freeze_cache_mib on CUDA (docs/wsp.md#the-frozen-layers-cache): 2 VWs of 2 and 3 stages, the
+    first 2 layers frozen from wave 2, each VW's shard repeating every 6 minibatches; the kept rows serve
+    (hits reported) and the result is the CPU reference's, to float tolerance."""
+    from test_train_equivalence import run
+
+    from hetpipe.compute.reference import run_reference
+
+    path = write_config(
+        tmp_path,
+        vws=[["n0:0", "n0:1"], ["n0:2", "n0:3", "n0:4"]],
+        nm=2,
+        staleness=1,
+        waves=12,
+        batch_size=64,
+        device="cuda:0",
+    )
+    settings = ["data.options={ classes = [5, 6] }", "train.freeze=[[2, 2]]", "train.freeze_cache_mib=16"]
+    config = apply_overrides(load_config(path), settings)
+    splits = [(2, 2), (1, 2, 1)]
+    summary, stage_weights, _ = run(tmp_path, config, splits)
+    assert summary["frozen_cache"]["hits"] > 0, summary["frozen_cache"]
+    ref = run_reference(config, splits, order_seed=1)
+    for sid, weights in stage_weights.items():
+        for key, value in weights.items():
+            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["own-pinned", "shared-with-agent-process"])
 def test_push_and_pull_staging_move_every_key_through_their_buffers(shared: bool):
     """PushStaging: each wave's arrays hold its tensors once ready() returns, integer buffers converted, the
