@@ -253,6 +253,10 @@ class _Reference:
     # ---- order -----------------------------------------------------------------------------------
     def batch(self, vw: int, p: int):
         """Minibatch p of VW vw: the VWs training p's wave split the data, in VW order, by their weights."""
+        return datalib.minibatch(self.x, self.y, self.shard(vw, p), self.batches[vw], self.config.seed, p)
+
+    def shard(self, vw: int, p: int) -> np.ndarray:
+        """VW vw's share of the training set in minibatch p's wave (each set of VWs' shares made once)."""
         wave = p // self.nms[vw]
         live = tuple(u for u, (start, end) in enumerate(self.spans) if start <= wave < end)
         if live not in self.shards:
@@ -261,8 +265,7 @@ class _Reference:
                 datalib.shard_indices(len(self.y), len(live), i, self.config.seed, share)
                 for i in range(len(live))
             ]
-        shard = self.shards[live][live.index(vw)]
-        return datalib.minibatch(self.x, self.y, shard, self.batches[vw], self.config.seed, p)
+        return self.shards[live][live.index(vw)]
 
     def on_wire(self, a: np.ndarray) -> np.ndarray:
         return from_bfloat16_bits(to_bfloat16_bits(a)) if self.packed else a
@@ -302,11 +305,8 @@ class _Reference:
 
     def sample_ids(self, vw: int, p: int) -> list[int]:
         """The training-set indices of minibatch p of VW vw (as batch() picks them)."""
-        self.batch(vw, p)  # its shard worked out
-        wave = p // self.nms[vw]
-        live = tuple(u for u, (start, end) in enumerate(self.spans) if start <= wave < end)
-        shard = self.shards[live][live.index(vw)]
-        return [int(i) for i in datalib.minibatch_indices(shard, self.batches[vw], self.config.seed, p)]
+        picked = datalib.minibatch_indices(self.shard(vw, p), self.batches[vw], self.config.seed, p)
+        return [int(i) for i in picked]
 
     def input_gradient(self, v: int, j: int, p: int) -> bool:
         """Whether stage (v, j) hands its input's gradient back for minibatch p (stage j - 1 trains)."""
@@ -603,13 +603,13 @@ def _run_stage(
             kept.rows, kept.size, kept.frozen = {}, 0, frozen
             kept.made_with = [t.clone() for t in used]
         new = [j for j, i in enumerate(ids) if i not in kept.rows]  # run the frozen layers on these only
-        fresh = frozen_part(inputs[new]) if new else None
+        fresh = iter(frozen_part(inputs[new]) if new else ())  # their rows, in the minibatch's order
         out = []
-        for j, i in enumerate(ids):
+        for i in ids:
             if i in kept.rows:
                 out.append(kept.rows[i])
                 continue
-            row = fresh[new.index(j)]
+            row = next(fresh)
             out.append(row)
             if kept.size + row.numel() * row.element_size() <= kept.limit:
                 kept.rows[i] = row.clone()

@@ -31,8 +31,8 @@ Trainer controls ([train], docs/clusters.md; default off, leaving all of the abo
   freeze:                  a minibatch of a wave whose first n model layers are frozen runs this stage's share
                            of them in eval mode under no_grad (no gradient, so no step: their Δ is 0); a stage
                            all frozen takes no output gradient, the stage after it sends none (docs/wsp.md)
-  freeze_cache_mib:        those layers' output comes from the rows kept by sample where every sample of the
-                           minibatch is kept (hetpipe.compute.frozen_cache states the rule)
+  freeze_cache_mib:        those layers run on the minibatch's samples whose output is not kept by sample, the
+                           others' output is the kept rows (hetpipe.compute.frozen_cache states the rule)
 """
 
 from __future__ import annotations
