@@ -26,6 +26,7 @@ class Parked:
     vw: int
     stage: int
     wave: int
+    known: int = -1  # [train] autofreeze: the newest movement record the puller has (-1: none)
     since: float = field(default_factory=time.monotonic)
 
 
@@ -33,7 +34,7 @@ def serve_pull(shard: ShardServer, identity: bytes, msg: wire.Message) -> None:
     """`pull`: the weights now if the wave's gate is open, else park it (replacing the stage's older one)."""
     f = msg.fields
     check_owner(shard, identity, f["vw"], f["stage"])
-    parked = Parked(identity, f["id"], f["vw"], f["stage"], f["wave"])
+    parked = Parked(identity, f["id"], f["vw"], f["stage"], f["wave"], f.get("known", -1))
     if shard.state.gate_open(f["wave"]):
         answer_pull(shard, parked)
         return
@@ -52,7 +53,7 @@ def serve_pull(shard: ShardServer, identity: bytes, msg: wire.Message) -> None:
 def answer_pull(shard: ShardServer, p: Parked) -> None:
     """Send the weights of the pull (packed to the wire dtype where set), or the state's refusal."""
     try:
-        result: PullResult = shard.state.pull(p.vw, p.stage, p.wave)
+        result: PullResult = shard.state.pull(p.vw, p.stage, p.wave, p.known)
     except WspError as exc:
         shard.send(p.identity, wire.error_frames(p.request_id, exc.code, str(exc)))
         return
@@ -65,6 +66,8 @@ def answer_pull(shard: ShardServer, p: Parked) -> None:
         "parked_ms": parked_ms,
         "gaps": shard.state.gaps(),
     }
+    if result.movement is not None:
+        fields["movement"] = result.movement
     wire_dtype = shard.settings.wire_dtype
     pack = None if wire_dtype == "float32" else wire_dtype
     packed = {k for k in result.tensors if shard.state.kinds[k] == "param"} if pack else set()

@@ -80,6 +80,7 @@ class ShardSettings:
     # pulled weights on the wire: float32 | bfloat16 (pushes come as their sender chose)
     wire_dtype: str = "float32"
     freeze: tuple[tuple[int, int], ...] = ()  # [train] freeze: its parameters leave the wire (docs/wsp.md)
+    autofreeze: int = 0  # [train] autofreeze's interval: the layers' movement is recorded (0: off)
 
     @property
     def freeze_schedule(self) -> FreezeSchedule:
@@ -112,7 +113,11 @@ class ShardServer:
         self.settings = settings
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.state = ShardState(
-            settings.staleness, settings.pull_mode, settings.make_aggregation(), settings.freeze_schedule
+            settings.staleness,
+            settings.pull_mode,
+            settings.make_aggregation(),
+            settings.freeze_schedule,
+            settings.autofreeze,
         )
         self.handlers = REQUEST_HANDLERS  # request type -> handler (a node relay answers with its own)
         self.identities: dict[tuple[int, int], bytes] = {}

@@ -326,3 +326,80 @@ def test_freezing_at_two_points_equals_the_reference_and_fixes_the_frozen_layers
         for sid, weights in stage_weights.items()
         for k in weights
     )
+
+
+def autofreeze_oracle(
+    versions: dict[int, dict[str, np.ndarray]], every: int, layers: int, staleness: int, waves: int
+) -> list[tuple[int, int]]:
+    """PipeTransformer's rule (docs/wsp.md#adaptive-freezing) worked out here on the PS's versions: at every
+    `every`-th version, the least-moved trainable layer (relative to its size) bounds the frozen prefix,
+    capped at half the trainable layers and at 3/4 of the model, from D + 1 waves later."""
+    frozen, points = 0, []
+    for b in range(every, max(versions) + 1, every):
+        moved: dict[int, list[float]] = {}
+        for key, new in versions[b].items():
+            layer = int(key.split(".")[0])
+            q = sum(
+                float(((versions[t][key].astype(np.float64) - versions[t - 1][key]) ** 2).sum())
+                for t in range(b - every + 1, b + 1)
+            )
+            sums = moved.setdefault(layer, [0.0, 0.0])
+            sums[0] += q
+            sums[1] += float((new.astype(np.float64) ** 2).sum())
+        trainable = [
+            (np.sqrt(q / n), layer) for layer, (q, n) in moved.items() if frozen <= layer < layers - 1
+        ]
+        if not trainable:
+            continue
+        least = min(trainable)
+        n = max(frozen, min(least[1] + 1, frozen + (layers - frozen) // 2, (3 * layers) // 4, layers - 1))
+        if n > frozen and b + staleness + 1 < waves:
+            points.append((b + staleness + 1, n))
+            frozen = n
+    return points
+
+
+@pytest.mark.parametrize(
+    ("model", "settings", "splits"),
+    [
+        ("mlp", ["ps.shards=2"], [(1, 2, 1), (2, 2)]),
+        (
+            "mnist-cnn",
+            [
+                "model.options={ batch_norm = true, channels = [4, 8], hidden = 16 }",
+                "train.schedule=gpipe",
+                'ps.agent="process"',
+            ],
+            [(2, 3, 1), (4, 2)],
+        ),
+    ],
+)
+def test_autofreeze_decides_from_the_movement_and_equals_the_reference(
+    tmp_path: Path, model: str, settings: list[str], splits: list[tuple[int, ...]]
+):
+    """[train] autofreeze_every = 2 with D = 1, two VWs split differently (and two shards, whose movement
+    records every stage adds up; or PS agents as processes, BatchNorm): the freeze points are those
+    PipeTransformer's rule gives on the PS's own versions (worked out in the test), at least two of them;
+    the run equals the reference bit for bit; a frozen layer's weights stay at W_f; without the rule the
+    run differs."""
+    firsts = [sum(len(s) for s in splits[:v]) for v in range(len(splits))]
+    gpus = [[f"n0:{firsts[v] + j}" for j in range(len(split))] for v, split in enumerate(splits)]
+    path = write_config(tmp_path, vws=gpus, nm=2, staleness=1, waves=10, model=model)
+    config = apply_overrides(load_config(path), [*settings, "train.autofreeze_every=2"])
+    _, stage_weights = assert_equals_reference(tmp_path, config, splits, order=1)
+    versions: dict[int, dict[str, np.ndarray]] = {}
+    ref = run_reference(config, splits, 1, lambda t, w: versions.__setitem__(t, w), work=[(2, 16)] * 2)
+    spec = model_of(config)
+    params = {k: w.detach().numpy() for k, w in build_stage(spec, 0, spec.num_layers).named_parameters()}
+    weights = {0: params, **{t: {k: v[k] for k in params} for t, v in versions.items()}}
+    points = autofreeze_oracle(weights, 2, spec.num_layers, 1, 10)
+    assert len(points) >= 2 and list(ref.freeze) == points
+    for wave, frozen in points:
+        for key in [k for k in params if int(k.split(".")[0]) < frozen]:
+            assert all(np.array_equal(versions[t][key], versions[wave][key]) for t in range(wave, 11)), key
+    other = run_reference(apply_overrides(config, ["train.autofreeze_every=0"]), splits, 1)
+    assert any(
+        not torch.equal(weights[k], other.stage_weights[sid][k])
+        for sid, weights in stage_weights.items()
+        for k in weights
+    )

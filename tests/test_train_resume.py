@@ -38,8 +38,9 @@ SETTINGS = ["checkpoint.every=2", "checkpoint.keep=2", 'checkpoint.dir="ps"']  #
         ([(2, 16), (3, 32)], ["ps.node_aggregation=true"]),
         (None, ["train.freeze=[[1, 2]]"]),
         ([(2, 16), (3, 32)], ["ps.node_aggregation=true", "train.freeze=[[1, 2]]"]),
+        (None, ["train.autofreeze_every=2"]),
     ],
-    ids=["same-work", "per-vw-work", "node-aggregation", "freeze", "freeze-node-aggregation"],
+    ids=["same-work", "per-vw-work", "node-aggregation", "freeze", "freeze-node-aggregation", "autofreeze"],
 )
 def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
     tmp_path: Path, work: list[tuple[int, int]] | None, extra: list[str]
@@ -48,7 +49,8 @@ def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
     (tests/test_train_equivalence.py); with per-VW work too (docs/wsp.md#per-vw-work), with both VWs
     (on one node) through a node relay (docs/wsp.md#node-local-aggregation), and with layers frozen from wave
     1, so the resumed stages' first pulls must bring the frozen weights the later ones leave out
-    (docs/wsp.md#freezing)."""
+    (docs/wsp.md#freezing), and with the adaptive rule, whose freeze points the restarted stages work out
+    again from every movement record the shards kept in their checkpoints (docs/wsp.md#adaptive-freezing)."""
     settings = SETTINGS + extra
     path = write_config(
         tmp_path,

@@ -73,6 +73,7 @@ def _reply(out: PipeWriter, job: int, future: Future) -> None:
             own_through=result.own_through,
             parked_s=result.parked_s,
             gaps=result.gaps,
+            movement=result.movement,
         )
 
 

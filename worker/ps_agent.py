@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from hetpipe.core.runs.metrics import TraceRecorder
-from hetpipe.worker.ps_client import Call, PSClient
+from hetpipe.worker.ps_client import Call, PSClient, pulled_of
 
 __all__ = ["PSAgent", "PushDone"]
 
@@ -202,7 +202,7 @@ class PSAgent:
                 else:
                     if self.pull_into_free is not None:
                         self.pull_into_free()
-                    pulled = self.client.pulled(replies, self.pull_into)
+                    pulled = self.client.took(pulled_of(replies, self.pull_into))
                     self.parked_s += pulled.parked_s
                     self.pull_s += max(0.0, now - job.sent - pulled.parked_s)
                     self._span(f"PULL{job.wave}", job, now, parked_s=round(pulled.parked_s, 4))

@@ -32,11 +32,12 @@ from hetpipe.core.protocol import wire
 from hetpipe.core.protocol.keys import ClientKeys
 from hetpipe.core.protocol.placement import keys_by_shard
 from hetpipe.core.wsp.freezing import FreezeSchedule
+from hetpipe.core.wsp.movement import combined
 from hetpipe.worker.ps_calls import Call, PSError, PSTimeout, Request, ShardCalls
 from hetpipe.worker.ps_recovery import ShardRecovery
 from hetpipe.worker.ps_sockets import ShardSockets, routing_id
 
-__all__ = ["Call", "ClientSpec", "PSClient", "PSError", "PSTimeout", "Pulled"]
+__all__ = ["Call", "ClientSpec", "PSClient", "PSError", "PSTimeout", "Pulled", "pulled_of"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Pulled:
     parked_s: float = 0.0  # how long the request waited at the PS for its gate (the longest shard)
     # [vw, from, to): waves a VW added nothing to (any shard)
     gaps: list[list[int]] = field(default_factory=list)
+    # [train] autofreeze: the shards' movement records, added up in shard order (hetpipe.core.wsp.movement)
+    movement: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class ClientSpec:
     vw_weights: tuple[int, ...] = ()  # each VW's weight by samples (hetpipe.core.wsp.work); (): all 1
     freeze: tuple[tuple[int, int], ...] = ()  # [train] freeze: the frozen parameters' pushes are left out
     vw_spans: tuple[tuple[int, int], ...] = ()  # each VW's planned [start, end), end 0: the run's; (): all
+    movement: bool = False  # [train] autofreeze: pulls ask for the layers' movement records
 
     def fields(self) -> dict[str, Any]:
         """Its fields as plain values (the agent process gets them over its pipe, as msgpack)."""
@@ -105,6 +109,7 @@ class ClientSpec:
         )
         client.freeze = FreezeSchedule.at(self.freeze)
         client.vw_spans = self.vw_spans
+        client.movement_known = -1 if self.movement else None
         return client
 
 
@@ -137,6 +142,8 @@ class PSClient:
         self.vw_weights = tuple(vw_weights)
         self.vw_spans: tuple[tuple[int, int], ...] = ()  # each VW's planned waves (docs/wsp.md#planned-spans)
         self.freeze = FreezeSchedule()  # [train] freeze: pushes leave a parameter out from its wave on
+        # [train] autofreeze: the newest movement record taken (-1: none; None: pulls ask for none)
+        self.movement_known: int | None = None
         self.placement, self.curve = dict(placement), curve
         self.keys: list[str] = []
         self.connections = ShardSockets(endpoints, routing_id(run, vw, stage), curve)
@@ -285,32 +292,19 @@ class PSClient:
 
     def send_pull(self, wave: int) -> Call:
         fields = {**self._stage_fields(), "wave": wave}
+        if self.movement_known is not None:
+            fields["known"] = self.movement_known
         return self.send([("pull", fields, None)] * len(self.sockets), what=f"pull of wave {wave}", gate=wave)
 
-    @staticmethod
-    def pulled(replies: Sequence[wire.Message], out: Mapping[str, np.ndarray] | None = None) -> Pulled:
-        """The weights of a pull's replies, copied into `out` where it has the key (else views of the
-        frames)."""
-        tensors: dict[str, np.ndarray] = {}
-        for reply in replies:
-            for key, view in reply.tensors.items():
-                if out is not None and key in out:
-                    view.copy_into(out[key])
-                    tensors[key] = out[key]
-                else:
-                    tensors[key] = view.to_array()
-        gaps = sorted({tuple(g) for r in replies for g in r.fields["gaps"]})
-        return Pulled(
-            version=min(r.fields["version"] for r in replies),
-            own_through=min(r.fields["own_through"] for r in replies),
-            tensors=tensors,
-            parked_s=max(r.fields["parked_ms"] for r in replies) / 1000,
-            gaps=[list(g) for g in gaps],
-        )
+    def took(self, pulled: Pulled) -> Pulled:
+        """Note the newest movement record `pulled` brought (later pulls ask for newer ones only)."""
+        if self.movement_known is not None and pulled.movement:
+            self.movement_known = max(self.movement_known, pulled.movement[-1][0])
+        return pulled
 
     def pull(self, wave: int, out: Mapping[str, np.ndarray] | None = None) -> Pulled:
         """Wait for the gate of `wave` and return the global weights (copied into `out` when given)."""
-        return self.pulled(self.wait(self.send_pull(wave)), out)
+        return self.took(pulled_of(self.wait(self.send_pull(wave)), out))
 
     def status(self) -> list[dict[str, Any]]:
         call = self.send([("status", {"run": self.run}, None)] * len(self.sockets), what="status")
@@ -415,3 +409,25 @@ def _unfrozen(
 ) -> Mapping[str, np.ndarray]:
     """`tensors` less the parameters `freeze` has frozen by `wave` (all of them without freezing)."""
     return {k: tensors[k] for k in freeze.pushed(tensors, params.__contains__, wave)}
+
+
+def pulled_of(replies: Sequence[wire.Message], out: Mapping[str, np.ndarray] | None = None) -> Pulled:
+    """The weights of a pull's replies, copied into `out` where it has the key (else views of the
+    frames)."""
+    tensors: dict[str, np.ndarray] = {}
+    for reply in replies:
+        for key, view in reply.tensors.items():
+            if out is not None and key in out:
+                view.copy_into(out[key])
+                tensors[key] = out[key]
+            else:
+                tensors[key] = view.to_array()
+    gaps = sorted({tuple(g) for r in replies for g in r.fields["gaps"]})
+    return Pulled(
+        version=min(r.fields["version"] for r in replies),
+        own_through=min(r.fields["own_through"] for r in replies),
+        tensors=tensors,
+        parked_s=max(r.fields["parked_ms"] for r in replies) / 1000,
+        gaps=[list(g) for g in gaps],
+        movement=combined(r.fields.get("movement", []) for r in replies),
+    )

@@ -428,9 +428,8 @@ class ProcessLink:
         if kind == "push":
             return PushDone(wave, msg["c_global"], msg["seconds"])
         if kind == "pull":
-            return Pulled(
-                msg["version"], msg["own_through"], {}, msg["parked_s"], [list(g) for g in msg["gaps"]]
-            )
+            gaps = [list(g) for g in msg["gaps"]]
+            return Pulled(msg["version"], msg["own_through"], {}, msg["parked_s"], gaps, msg["movement"])
         return msg
 
 

@@ -93,7 +93,9 @@ class PSHandOver:
         self._read_losses = compute_actions.read_losses  # the wave's losses, read at its push
         self._sync_block = compute_actions.sync_block
         self._snapshot = snapshot  # saves the stage's state at a wave (job.snapshot_every)
-        self.pulls = needs_pulls(job.num_vws, get_aggregation(self.config.ps.aggregation))
+        # autofreeze: the pulls bring the movement its freeze points are decided by, even to one VW
+        aggregation = get_aggregation(self.config.ps.aggregation)
+        self.pulls = needs_pulls(job.num_vws, aggregation) or bool(self.config.train.autofreeze_every)
         self.waits = [a.index for a in actions if a.kind == WAIT] if self.pulls else []
         self.link: PSLink | None = None
         self.push_staging: PushStaging | None = None
@@ -181,6 +183,18 @@ class PSHandOver:
             started = time.perf_counter()
             pulled = self._pull[1].result()
             self.gaps = pulled.gaps
+            for boundary, point in self.compute.freezing.observe(pulled.movement):  # autofreeze
+                if self.job.stage == 0:  # every stage decides alike: one line per VW
+                    self.report(
+                        {
+                            "event": "freeze",
+                            "vw": self.job.vw,
+                            "time": time.time(),
+                            "wave": point.wave,
+                            "layers": point.layers,
+                            "decided_at": boundary,
+                        }
+                    )
             self._timed("gate_wait", started)
             self.report(
                 {

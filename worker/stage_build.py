@@ -97,5 +97,6 @@ def client_spec(job: StageJob, spec: ModelSpec) -> ClientSpec:
         wire_dtype=config.ps.wire_dtype,
         vw_weights=job.vw_weights,
         freeze=config.train.freeze,
+        movement=bool(config.train.autofreeze_every),
         vw_spans=tuple((start, 0 if end == config.train.waves else end) for start, end in job.spans),
     )

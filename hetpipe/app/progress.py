@@ -41,6 +41,7 @@ class Progress:
     last_step: float | None = None
     evicted: set[int] = field(default_factory=set)  # VWs out of the run (on_vw_failure = "evict")
     num_waves: int = 0  # the run's waves (VWs with planned spans stop before: docs/wsp.md#planned-spans)
+    frozen_from: dict[int, int] = field(default_factory=dict)  # train.autofreeze: wave -> layers frozen
 
     def update(self, event: dict[str, Any]) -> None:
         vw = event.get("vw")
@@ -60,6 +61,8 @@ class Progress:
             self.evals.append({k: v for k, v in event.items() if k != "event"})
         if event["event"] == "startup":
             self.startup[(vw, event["stage"])] = event["points"]
+        if event["event"] == "freeze":
+            self.frozen_from[event["wave"]] = event["layers"]
         if event["event"] == "minibatch":
             self.loss[vw] = event["loss"]
             self.speed[vw] = event["samples_per_s"]

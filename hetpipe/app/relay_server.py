@@ -24,7 +24,7 @@ from hetpipe.server.handlers import REQUEST_HANDLERS, admit_registration
 from hetpipe.server.pulls import answer_opened_pulls, refuse_parked
 from hetpipe.server.shard import ShardServer, ShardSettings
 from hetpipe.worker.ps_calls import Call
-from hetpipe.worker.ps_client import PSClient
+from hetpipe.worker.ps_client import PSClient, pulled_of
 
 __all__ = ["RelayJob", "RelayServer", "serve_relay"]
 
@@ -159,7 +159,7 @@ class RelayServer(ShardServer):
         for wave, call in [(w, c) for w, c in self.pulls.items() if c.done]:
             del self.pulls[wave]
             try:
-                pulled = PSClient.pulled(call.result())
+                pulled = pulled_of(call.result())
             except Exception as exc:  # noqa: BLE001
                 self._fail(f"upstream refused the pull of wave {wave}: {exc}")
                 return

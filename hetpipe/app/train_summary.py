@@ -81,8 +81,7 @@ def run_summary(
         "wave_breakdown_ms": progress.breakdown_ms(config.train.waves),
         "evals": progress.evals,
     }
-    if config.train.freeze_cache_mib and config.train.freeze:  # hits: minibatches served from kept rows
-        summary["frozen_cache"] = {k: round(v, 2) for k, v in progress.frozen_cache.items()}
+    summary.update(_freezing(config, progress))
     summary.update(_checkpoint_failures(infos))
     audit = _audit_ledgers(final, infos, tuple(w.nm for w in work))
     if audit is not None:  # every (vw, minibatch) update must sit in the final weights exactly once
@@ -138,3 +137,13 @@ def _checkpoint_failures(infos: list[dict[str, Any]]) -> dict[str, Any]:
         flush=True,
     )
     return {"checkpoint_failures": failed, "checkpoint_errors": errors}
+
+
+def _freezing(config: ClusterConfig, progress: Progress) -> dict[str, Any]:
+    """The frozen layers' cache's counts, and the freeze points the adaptive rule chose."""
+    out: dict[str, Any] = {}
+    if config.train.freeze_cache_mib and config.train.freezes:  # hits: minibatches served from kept rows
+        out["frozen_cache"] = {k: round(v, 2) for k, v in progress.frozen_cache.items()}
+    if config.train.autofreeze_every:  # [wave, layers frozen from it]
+        out["autofreeze"] = [[w, n] for w, n in sorted(progress.frozen_from.items())]
+    return out

@@ -58,8 +58,10 @@ from hetpipe.compute import data as datalib
 from hetpipe.compute.build import dataset_of, model_of
 from hetpipe.compute.losses import loss_function
 from hetpipe.compute.optim import make_optimizer, predicted_step, set_lr
+from hetpipe.compute.reference_autofreeze import ReferenceAutoFreeze
 from hetpipe.compute.reference_ps import ReferencePS
 from hetpipe.compute.stage_buffers import set_buffer, stage_buffers
+from hetpipe.compute.stage_freezing import auto_freeze_state
 from hetpipe.core.config.schema import ClusterConfig, TrainConfig
 from hetpipe.core.pipeline.lr_schedule import lr_at
 from hetpipe.core.pipeline.mitigation import Lag, dc_gamma, pipemare_lr_factor, stage_lags, warmup_lr_factor
@@ -125,6 +127,7 @@ class _Kept:
 class ReferenceResult:
     stage_weights: dict[StageId, dict[str, Tensor]]  # live parameters and buffers of every stage at the end
     ps_weights: dict[str, np.ndarray]  # W_{waves}, buffers averaged
+    freeze: tuple[tuple[int, int], ...] = ()  # the freeze points (wave, layers): train.freeze's, or decided
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ class _Flags:
             stashing=modes.stashing,
             recompute=modes.recompute,
             local=local,
-            pulls=needs_pulls(num_vws, rule),
+            pulls=needs_pulls(num_vws, rule) or bool(t.autofreeze_every),
             scale_lr=local and ("warmup" in mit or "pipemare" in mit or t.lr_schedule != "constant"),
             predict="spectrain" in mit and local and modes.stashing,
             predict_pulls="spectrain" in mit and not local,
@@ -207,6 +210,7 @@ class _Reference:
         self.t, self.D = config.train, config.wsp.staleness
         self.lr_schedule = self.t.schedule_of_lr
         self.freeze = self.t.freeze_schedule
+        self.auto = ReferenceAutoFreeze(auto_freeze_state(config))  # train.autofreeze: decides `freeze`
         self.num_vws = len(splits)
         work = work or [(config.wsp.nm, config.train.batch_size)] * self.num_vws
         self.nms, self.batches = [nm for nm, _ in work], [b for _, b in work]
@@ -459,6 +463,7 @@ class _Reference:
             return
         params = dict(st.module.named_parameters())
         version = gate_of(a, self.D)
+        self.freeze = self.auto.measure(self.ps.history, self.ps.kinds, version) or self.freeze  # before c
         pulled = {k: self.on_wire(arr) if k in params else arr for k, arr in self.ps.history[version].items()}
         with torch.no_grad():
             if self.flags.local:
@@ -679,4 +684,5 @@ def run_reference(
             sid: {k: w.detach().clone() for k, w in _state_of(s).items()} for sid, s in stages.items()
         },
         ps_weights=ref.ps.history[-1],
+        freeze=tuple((p.wave, p.layers) for p in ref.freeze.points),
     )

@@ -43,8 +43,9 @@ def save_stage(compute: StageCompute) -> tuple[dict[str, Any], dict[str, Tensor]
         "in_flight": [],
         "pending": list(compute.pending),
         "stash": None,
-        "open_wave": compute.updates.open_wave,
-    }  # its updates are in the weights, not yet in sums
+        "open_wave": compute.updates.open_wave,  # its updates are in the weights, not yet in sums
+        "autofreeze": compute.freezing.saved(),  # the points decided so far (None: no adaptive freezing)
+    }
     for key, t in {**compute.params, **compute.ledgers}.items():
         tensors[f"w/{key}"] = t.detach()
     for key, b in compute.buffers().items():
@@ -108,6 +109,7 @@ def restore_stage(
         k[len("acc/") :]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith("acc/")
     }
     compute.pending = list(meta["pending"])
+    compute.freezing.restore(meta.get("autofreeze"))
     updates.open_wave = meta.get("open_wave")
     updates.sums = {
         int(w): {k: tensors[f"sums/{w}/{k}"].to(device, copy=True) for k in updates.tracked}

@@ -51,7 +51,7 @@ from hetpipe.compute.multi_tensor import add_into, float_copies
 from hetpipe.compute.optim import make_optimizer, set_lr
 from hetpipe.compute.stage_buffers import BufferSlots
 from hetpipe.compute.stage_checkpoint import restore_stage, saved_flights
-from hetpipe.compute.stage_freezing import StageFreezing
+from hetpipe.compute.stage_freezing import StageFreezing, auto_freeze_state
 from hetpipe.compute.update_sums import Sums, UpdateSums
 from hetpipe.compute.weight_swap import WeightSwap
 from hetpipe.compute.weight_versions import Weights, WeightVersions
@@ -60,6 +60,7 @@ from hetpipe.core.pipeline.lr_schedule import LrSchedule, lr_at
 from hetpipe.core.pipeline.mitigation import Lag, pipemare_lr_factor, stage_lags, warmup_lr_factor
 from hetpipe.core.pipeline.schedule import Action, get_schedule, unstashed_forwards
 from hetpipe.core.wsp.aggregation import get_aggregation
+from hetpipe.core.wsp.autofreeze import AutoFreezeState
 from hetpipe.core.wsp.freezing import FreezeSchedule
 
 __all__ = ["InFlight", "StageCompute", "StageRules"]
@@ -92,6 +93,8 @@ class StageRules:
     freeze: FreezeSchedule = FreezeSchedule()  # layers frozen by wave (hetpipe.core.wsp.freezing; none)
     exact_pulls: bool = True  # [wsp] pull = "exact" (its pulls leave frozen parameters out; latest ones not)
     freeze_cache_bytes: int = 0  # train.freeze_cache_mib (hetpipe.compute.frozen_cache; 0: off)
+    # train.autofreeze_every: the adaptive rule's state, fed by the pulls' movement records (None: off)
+    autofreeze: AutoFreezeState | None = None
 
     @classmethod
     def of(cls, config: ClusterConfig, actions: Sequence[Action], num_vws: int) -> StageRules:
@@ -116,7 +119,8 @@ class StageRules:
             clip_grad_norm=t.clip_grad_norm,
             freeze=t.freeze_schedule,
             exact_pulls=config.wsp.pull == "exact",
-            freeze_cache_bytes=t.freeze_cache_mib * 2**20 if t.freeze else 0,
+            freeze_cache_bytes=t.freeze_cache_mib * 2**20 if t.freezes else 0,
+            autofreeze=auto_freeze_state(config),
         )
 
 
@@ -150,7 +154,7 @@ class StageCompute:
         """`ledgers`: audit counters that `on_update(minibatches)` may change at each update, before its
         change is recorded (they travel as updates and are always summed)."""
         self.module = module
-        self.freezing = StageFreezing(module, rules.freeze, rules.nm, rules.exact_pulls)
+        self.freezing = StageFreezing(module, rules.freeze, rules.nm, rules.exact_pulls, rules.autofreeze)
         self.frozen_cache = FrozenCache(rules.freeze_cache_bytes)  # (off at 0 bytes)
         self._swap = WeightSwap(module)  # forwards on a stashed weight version
         self.buffer_slots = BufferSlots(module)  # the buffers, through slots found once

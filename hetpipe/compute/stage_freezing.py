@@ -10,23 +10,63 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hetpipe.compute.build import model_of
 from hetpipe.compute.optimizer_state import drop_state
-from hetpipe.core.wsp.freezing import FreezeSchedule, layer_of
+from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.wsp.autofreeze import AutoFreezeState
+from hetpipe.core.wsp.freezing import FreezePoint, FreezeSchedule, layer_of
 
-__all__ = ["StageFreezing", "run_frozen", "run_layers"]
+__all__ = ["StageFreezing", "auto_freeze_state", "run_frozen", "run_layers"]
 
 
 class StageFreezing:
     """The freeze rule for the stage of layers [start, stop) of a VW at `nm` minibatches a wave."""
 
-    def __init__(self, module: nn.Module, freeze: FreezeSchedule, nm: int, exact_pulls: bool) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        freeze: FreezeSchedule,
+        nm: int,
+        exact_pulls: bool,
+        auto: AutoFreezeState | None = None,
+    ) -> None:
         names = [name for name, _ in module.named_children()]
         # hetpipe.models.build_stage names each child by its global layer index
         self.start = int(names[0]) if names and names[0].isdigit() else 0
         self.stop = self.start + len(names)
         self.freeze, self.nm, self.exact_pulls = freeze, nm, exact_pulls
+        self.auto = auto  # [train] autofreeze: the points decided so far make `freeze`
         self._pulled_before = False  # the first pull since this process registered carries every key
         self._released = 0  # this stage's first layers whose optimizer state is gone
+
+    def observe(self, movement: Sequence[Sequence[Any]]) -> list[tuple[int, FreezePoint]]:
+        """[train] autofreeze: take a pull's movement records (hetpipe.core.wsp.movement), in order; a freeze
+        point they decide joins `freeze` before the wave it starts at (docs/wsp.md#adaptive-freezing).
+        Returns the new points, each with the boundary that decided it."""
+        new: list[tuple[int, FreezePoint]] = []
+        if self.auto is None:
+            return new
+        for boundary, rows in movement:
+            point = self.auto.observe(boundary, {layer: (q, n) for layer, q, n in rows})
+            if point is not None:
+                new.append((boundary, point))
+                self.freeze = self.auto.schedule
+        return new
+
+    def saved(self) -> dict[str, Any] | None:
+        """[train] autofreeze's place for a stage snapshot: the boundaries taken and the points decided (a
+        resumed stage may run actions of waves whose points came with pulls before the snapshot)."""
+        if self.auto is None:
+            return None
+        return {"decided": list(self.auto.decided), "points": [[p.wave, p.layers] for p in self.auto.points]}
+
+    def restore(self, saved: Mapping[str, Any] | None) -> None:
+        """Take back what `saved` gave (None: nothing to take)."""
+        if self.auto is None or saved is None:
+            return
+        self.auto.decided = list(saved["decided"])
+        self.auto.points = [FreezePoint(wave, layers) for wave, layers in saved["points"]]
+        self.freeze = self.auto.schedule
 
     def frozen_here(self, p: int) -> int:
         """How many of this stage's first layers minibatch p runs frozen."""
@@ -66,6 +106,14 @@ class StageFreezing:
         if not self.freeze.points or not self.exact_pulls or version is None or first:
             return pulled
         return {k: pulled[k] for k in self.freeze.pulled(pulled, params.__contains__, version)}
+
+
+def auto_freeze_state(config: ClusterConfig) -> AutoFreezeState | None:
+    """A fresh state of [train] autofreeze for a stage or the reference (None: off)."""
+    rule = config.train.autofreeze
+    if rule is None:
+        return None
+    return AutoFreezeState(rule, model_of(config).num_layers, config.wsp.staleness, config.train.waves)
 
 
 def _below(layer: int | None, last: int) -> bool:

@@ -166,6 +166,12 @@ TASKS["finetune-freeze"] = _fine_tune(
     ("train.freeze=[[1, 4]]",),
     "both convolutions frozen (hetpipe from wave 1, the peers from their first step)",
 )
+TASKS["finetune-autofreeze"] = _fine_tune(
+    "finetune-autofreeze",
+    ("train.autofreeze_every=5",),
+    "hetpipe freezes by the adaptive rule, deciding every 5 waves (docs/wsp.md#adaptive-freezing); the peers "
+    "have no such rule and train every layer",
+)
 
 
 def pretrained(task: Task, settings: Sequence[str], work_dir: Path) -> Path:

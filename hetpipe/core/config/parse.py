@@ -99,38 +99,60 @@ def _check_across_sections(
     ):
         sections["train"].fail("mitigation", what, fix)
     _check_local_controls(sections["train"], ps, train)
-    _check_freeze(sections["train"], ps, train)
+    _check_freeze(sections["train"], ps, train, wsp)
     _check_node_aggregation(sections["ps"], ps, wsp, len(nodes))
 
 
-def _check_freeze(t: _Table, ps: PsConfig, train: TrainConfig) -> None:
+def _check_freeze(t: _Table, ps: PsConfig, train: TrainConfig, wsp: WspConfig) -> None:
     """Freezing stops a layer's updates; a PS that runs the optimizer would still move it (momentum), a
     mitigation would still predict or correct it, and a skipped minibatch is not told to the frozen stages
     (they receive no gradient to carry it)."""
-    if not train.freeze:
+    if not train.freezes:
         return
-    first = f"[{train.freeze[0][0]}, {train.freeze[0][1]}]"
+    key, off = "freeze", "remove freeze"
+    if not train.freeze:
+        key, off = "autofreeze_every", "set autofreeze_every = 0"
+    first = f" from [{train.freeze[0][0]}, {train.freeze[0][1]}]" if train.freeze else ""
     if not get_aggregation(ps.aggregation).local_optimizer:
         local = " or ".join(f'"{n}"' for n, r in AGGREGATIONS.items() if r.local_optimizer)
         t.fail(
-            "freeze",
-            f'freezes layers from {first}, but with ps.aggregation = "{ps.aggregation}" the PS steps every '
+            key,
+            f'freezes layers{first}, but with ps.aggregation = "{ps.aggregation}" the PS steps every '
             "layer's weights (its momentum moves a frozen layer too)",
-            f"set [ps] aggregation = {local}, or remove freeze",
+            f"set [ps] aggregation = {local}, or {off}",
         )
     if train.mitigations:
         t.fail(
-            "freeze",
+            key,
             f'freezes layers, but mitigation = "{train.mitigation}" predicts or corrects the weights of '
             "every layer",
-            'set mitigation = "none", or remove freeze',
+            f'set mitigation = "none", or {off}',
         )
     if train.on_nan == "skip":
         t.fail(
-            "freeze",
+            key,
             'freezes layers, but on_nan = "skip" tells each stage of a skipped minibatch through its '
             "gradient, which a frozen stage no longer receives",
-            'set on_nan = "stop", or remove freeze',
+            f'set on_nan = "stop", or {off}',
+        )
+    if train.autofreeze_every:
+        _check_autofreeze(t, ps, wsp)
+
+
+def _check_autofreeze(t: _Table, ps: PsConfig, wsp: WspConfig) -> None:
+    """The adaptive rule learns its movement records from exact pulls straight from the shards."""
+    if wsp.pull != "exact":
+        t.fail(
+            "autofreeze_every",
+            f'is set, but [wsp] pull = "{wsp.pull}": the movement the rule decides by comes with exact pulls',
+            'set [wsp] pull = "exact", or autofreeze_every = 0',
+        )
+    if ps.node_aggregation:
+        t.fail(
+            "autofreeze_every",
+            "is set, but [ps] node_aggregation = true: a node's relay does not pass the movement records "
+            "on yet",
+            "set node_aggregation = false, or autofreeze_every = 0",
         )
 
 
@@ -168,6 +190,17 @@ def planned_span_conflicts(ps: PsConfig, train: TrainConfig) -> list[tuple[str, 
                 (
                     "eviction and rejoin do not yet plan around VWs that end or start mid-run",
                     'set on_vw_failure = "stop" (a failed run resumes with `hetpipe train --resume`)',
+                ),
+            )
+        )
+    if train.autofreeze_every:
+        found.append(
+            (
+                "train.autofreeze_every",
+                f"is {train.autofreeze_every}",
+                (
+                    "a re-plan is planned at fixed freeze points, and the adaptive rule decides its own",
+                    "list the freeze points in [train] freeze, or set autofreeze_every = 0",
                 ),
             )
         )

@@ -13,6 +13,7 @@ from hetpipe.core.pipeline.lr_schedule import LrSchedule, LrScheduleName
 from hetpipe.core.pipeline.mitigation import parse_mitigation
 from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION
+from hetpipe.core.wsp.autofreeze import AutoFreeze
 from hetpipe.core.wsp.freezing import FreezeSchedule
 
 __all__ = [
@@ -280,6 +281,23 @@ class TrainConfig:
     # MiB a stage may keep of its frozen layers' outputs by sample, reused where the data repeat (0: off;
     # hetpipe.compute.frozen_cache, docs/wsp.md#the-frozen-layers-cache)
     freeze_cache_mib: int = 0
+    # adaptive freezing (docs/wsp.md#adaptive-freezing): decide every `autofreeze_every` waves (0: off), at
+    # most `autofreeze_rate` of the trainable layers at once and `autofreeze_ceiling` of all layers
+    autofreeze_every: int = 0
+    autofreeze_rate: float = 0.5
+    autofreeze_ceiling: float = 0.75
+
+    @property
+    def autofreeze(self) -> AutoFreeze | None:
+        """The adaptive rule (hetpipe.core.wsp.autofreeze); None: off."""
+        if not self.autofreeze_every:
+            return None
+        return AutoFreeze(self.autofreeze_every, self.autofreeze_rate, self.autofreeze_ceiling)
+
+    @property
+    def freezes(self) -> bool:
+        """Some layers may freeze: a fixed schedule or the adaptive rule."""
+        return bool(self.freeze) or bool(self.autofreeze_every)
 
     @property
     def mitigations(self) -> tuple[str, ...]:
@@ -495,6 +513,9 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
         "loss",
         "freeze",
         "freeze_cache_mib",
+        "autofreeze_every",
+        "autofreeze_rate",
+        "autofreeze_ceiling",
     ),
     "emulation": ("enabled", "time_scale", "link_bandwidth", "device"),
     "allocation": ("policy",),

@@ -149,9 +149,25 @@ def _train(t: _Table, run_name: str) -> TrainConfig:
         warmup_waves=t.integer("warmup_waves", d.warmup_waves, ge=0),
         clip_grad_norm=t.number("clip_grad_norm", d.clip_grad_norm, ge=0),
         freeze_cache_mib=t.integer("freeze_cache_mib", d.freeze_cache_mib, ge=0),
+        autofreeze_every=t.integer("autofreeze_every", d.autofreeze_every, ge=0),
+        autofreeze_rate=t.number("autofreeze_rate", d.autofreeze_rate, gt=0),
+        autofreeze_ceiling=t.number("autofreeze_ceiling", d.autofreeze_ceiling, gt=0, lt=1),
         loss=_loss(t, d.loss),
     )
     train = replace(train, freeze=_freeze(t, train.waves), **_lr_schedule(t, train.waves, train.lr))
+    if train.autofreeze_rate > 1:
+        t.fail(
+            "autofreeze_rate",
+            f"is {train.autofreeze_rate}: it is the share of the trainable layers one decision may freeze",
+            f"set autofreeze_rate to a number in (0, 1] {t.under}, e.g. 0.5",
+        )
+    if train.freeze and train.autofreeze_every:
+        t.fail(
+            "autofreeze_every",
+            f"is {train.autofreeze_every}, but freeze lists freeze points too: the two rules would decide "
+            "the same layers",
+            "keep one: remove freeze (the adaptive rule), or set autofreeze_every = 0 (the fixed schedule)",
+        )
     try:
         train = replace(train, mitigation="+".join(train.mitigations) or "none")
     except UsageError as exc:

@@ -148,6 +148,34 @@ def _is_gaps(value: object) -> str | None:
     return None if ok else f"a list of at most {MAX_INFO_ENTRIES} [vw, from, to] int triples"
 
 
+def _is_movement(value: object) -> str | None:
+    """[train] autofreeze's records: [[boundary, [[layer, Q, N], ...]], ...], at most MAX_TENSORS rows in
+    all (hetpipe.core.wsp.movement)."""
+    expected = f"a list of [boundary, [[layer, Q, N], ...]] with at most {MAX_TENSORS} rows in all"
+    if type(value) is not list:
+        return expected
+    rows = 0
+    for entry in value:
+        if type(entry) is not list or len(entry) != 2:
+            return expected
+        if type(entry[0]) is not int or type(entry[1]) is not list:
+            return expected
+        rows += len(entry[1])
+        if not 0 < entry[0] < _I31 or rows > MAX_TENSORS or not all(_is_layer_movement(r) for r in entry[1]):
+            return expected
+    return None
+
+
+def _is_layer_movement(row: object) -> bool:
+    return (
+        type(row) is list
+        and len(row) == 3
+        and type(row[0]) is int
+        and 0 <= row[0] < _I31
+        and all(type(x) is float and x >= 0 for x in row[1:])
+    )
+
+
 def _is_key_list(value: object) -> str | None:
     """A list of tensor names (which keys of a registration are buffers, which are ledgers)."""
     ok = (
@@ -294,6 +322,11 @@ FIELDS: dict[str, dict[str, Check]] = {
     "snapshot": {"id": _ID, "version": _INDEX, "info": _is_info},
     "error": {"id": _is_error_id, "code": _is_error_code, "message": _str_len(0, MAX_MESSAGE_CHARS)},
 }
+# fields a message may leave out: [train] autofreeze's (the pull's newest record held, the reply's records)
+OPTIONAL: dict[str, dict[str, Check]] = {
+    "pull": {"known": _int_in(-1, _I31, "2**31")},
+    "weights": {"movement": _is_movement},
+}
 MESSAGE_TYPES = frozenset(FIELDS)
 _WITH_TENSORS = frozenset({"register", "push", "registered", "weights", "snapshot"})
 
@@ -346,11 +379,13 @@ def _check_fields(header: dict) -> str:
     msg_type = header.get("type")
     if type(msg_type) is not str or msg_type not in FIELDS:
         raise _bad(f"unknown message type {_show(msg_type)}: expected one of {sorted(FIELDS)}")
-    schema = FIELDS[msg_type]
+    optional = OPTIONAL.get(msg_type, {})
+    schema = {**FIELDS[msg_type], **{k: c for k, c in optional.items() if k in header}}
     allowed = set(schema) | {"v", "type"} | ({"tensors"} if msg_type in _WITH_TENSORS else set())
     unknown = [k for k in header if k not in allowed]
     if unknown:
-        raise _bad(f"{msg_type}: unknown field {_show(unknown[0])}; its fields are {sorted(allowed)}")
+        known = sorted(allowed | set(optional))
+        raise _bad(f"{msg_type}: unknown field {_show(unknown[0])}; its fields are {known}")
     missing = sorted(allowed - set(header))
     if missing:
         raise _bad(f"{msg_type}: missing field {missing[0]!r}; its fields are {sorted(allowed)}")

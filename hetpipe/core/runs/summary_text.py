@@ -85,7 +85,8 @@ def _files(summary: Mapping[str, Any], run_dir: Path, also_json: Path | None) ->
 
 
 def _notes(summary: Mapping[str, Any]) -> list[str]:
-    """What went other than plainly: the audit's verdict, PS restarts, evicted VWs, failed checkpoints."""
+    """What went other than plainly: the audit's verdict, PS restarts, evicted VWs, the layers frozen,
+    failed checkpoints."""
     notes = []
     if "audit_final_ledgers_exact" in summary:
         verdict = "exact" if summary["audit_final_ledgers_exact"] else "NOT exact (see audit_ledger)"
@@ -94,6 +95,8 @@ def _notes(summary: Mapping[str, Any]) -> list[str]:
         notes.append(f"PS restarts: {summary['ps_restarts']}")
     if summary.get("evicted"):
         notes.append(f"evicted: {', '.join(f'vw{v}' for v in summary['evicted'])}")
+    if summary.get("autofreeze"):
+        notes.append("frozen: " + ", ".join(f"{n} layers from wave {w}" for w, n in summary["autofreeze"]))
     if summary.get("checkpoint_failures"):
         notes.append(f"failed PS checkpoints: {summary['checkpoint_failures']}")
     return [_row("notes", "; ".join(notes))] if notes else []

@@ -30,3 +30,5 @@ class PullResult:
     version: int  # t of the W_t returned (exact); c_global at the time (latest)
     own_through: int  # the requester's own waves <= this are contained in the tensors
     tensors: dict[str, np.ndarray]
+    # [train] autofreeze: this shard's movement records the puller has not had (hetpipe.core.wsp.movement)
+    movement: list | None = None

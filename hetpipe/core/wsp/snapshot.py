@@ -13,6 +13,7 @@ import numpy as np
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, make_aggregation
 from hetpipe.core.wsp.clock import first_pulled_wave, gate_version
 from hetpipe.core.wsp.freezing import FreezeSchedule
+from hetpipe.core.wsp.movement import MovementLog
 from hetpipe.core.wsp.results import WspError
 from hetpipe.core.wsp.sources import as_array
 from hetpipe.core.wsp.wave_sums import WaveSums
@@ -63,6 +64,8 @@ def to_state(state: ShardState, detached: bool = False) -> tuple[dict[str, Any],
         },
         "wave_sums": sums_meta,
     }
+    if state.movement is not None:  # [train] autofreeze
+        meta["movement"] = state.movement.to_meta()
     return meta, arrays
 
 
@@ -139,6 +142,8 @@ def _restore(state: ShardState, meta: Mapping[str, Any], arrays: Mapping[str, np
         int(v): [list(s) for s in spans] for v, spans in meta.get("epochs", {}).items()
     }
     registrations.kinds = dict(meta["kinds"])
+    if "movement" in meta:
+        state.movement = MovementLog.from_meta(meta["movement"])
     for entry in meta["stages"]:
         sid = (entry["vw"], entry["stage"])
         registrations.stage_keys[sid] = tuple(entry["keys"])

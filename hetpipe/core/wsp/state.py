@@ -37,6 +37,7 @@ from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, Aggregation, make_
 from hetpipe.core.wsp.clock import PULL_MODES, first_pulled_wave, gate_version
 from hetpipe.core.wsp.freezing import FreezeSchedule
 from hetpipe.core.wsp.membership import Membership
+from hetpipe.core.wsp.movement import MovementLog
 from hetpipe.core.wsp.registrations import Registered, Registrations, StageId
 from hetpipe.core.wsp.results import PullResult, PushResult, WspError
 from hetpipe.core.wsp.running import RunningWeights
@@ -57,6 +58,7 @@ class ShardState(Registered):
         pull_mode: str = "exact",
         aggregation: Aggregation | None = None,
         freeze: FreezeSchedule | None = None,
+        autofreeze: int = 0,
     ) -> None:
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
@@ -74,6 +76,7 @@ class ShardState(Registered):
         self.full_pull: dict[StageId, int | None] = {}
         self.exact = ExactVersions({0: self.registrations.initial}, self.aggregation, staleness)  # W_t, S_t
         self.running = RunningWeights(self.aggregation, self.membership.weight)  # latest: running weights
+        self.movement = MovementLog(autofreeze) if autofreeze else None  # autofreeze: the layers' movement
 
     # ---- the parts' state, by the names the server and the tests read -------------------------------
     @property
@@ -245,8 +248,9 @@ class ShardState(Registered):
         return PushResult(applied=True, c_global=after, clock_advanced=after > before)
 
     # ---- pull ---------------------------------------------------------------------------------------
-    def pull(self, vw: int, stage: int, wave: int) -> PullResult:
-        """The global weights for the gate of `wave` (call only once gate_open(wave)).
+    def pull(self, vw: int, stage: int, wave: int, known: int = -1) -> PullResult:
+        """The global weights for the gate of `wave` (call only once gate_open(wave)); with autofreeze, the
+        movement records after boundary `known` too (the newest the puller has; -1: none).
 
         Exact versions are never changed once built, so the arrays can be sent without a copy; the latest
         running weights may be the shard's own arrays: a caller that keeps them past the next push (a
@@ -263,7 +267,8 @@ class ShardState(Registered):
             target = gate_version(wave, self.staleness)
             if not self.first_pull(vw, stage, wave):
                 keys = self.registrations.pulled_keys(keys, target)
-            result = PullResult(target, target - 1, self.exact.at(keys, target))
+            moved = None if self.movement is None else self.movement.since(known, target)
+            result = PullResult(target, target - 1, self.exact.at(keys, target), moved)
         self.pulled[(vw, stage)] = max(self.pulled[(vw, stage)], wave)
         self._forget()
         return result
@@ -287,7 +292,10 @@ class ShardState(Registered):
         """Exact: build W_{t+1} from W_t and S_t for every wave t that every live VW has completed."""
         if self.pull_mode != "exact" or self.num_vws is None:
             return
+        before = self.version
         self.exact.build(self.c_global, self.membership.contributors, self.membership.total, self.kinds)
+        if self.movement is not None:
+            self.movement.record(self.versions, before, self.kinds)
 
     def _forget(self) -> None:
         """Exact: drop versions no pull can ask for any more (ExactVersions.oldest_needed: from how far the
