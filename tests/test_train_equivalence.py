@@ -363,6 +363,7 @@ def autofreeze_oracle(
     ("model", "settings", "splits"),
     [
         ("mlp", ["ps.shards=2"], [(1, 2, 1), (2, 2)]),
+        ("mlp", [], [(2, 2)]),
         (
             "mnist-cnn",
             [
@@ -378,7 +379,8 @@ def test_autofreeze_decides_from_the_movement_and_equals_the_reference(
     tmp_path: Path, model: str, settings: list[str], splits: list[tuple[int, ...]]
 ):
     """[train] autofreeze_every = 2 with D = 1, two VWs split differently (and two shards, whose movement
-    records every stage adds up; or PS agents as processes, BatchNorm): the freeze points are those
+    records every stage adds up; or PS agents as processes, BatchNorm), or one VW (whose WAITs pull for the
+    records, where it would skip them without the rule): the freeze points are those
     PipeTransformer's rule gives on the PS's own versions (worked out in the test), at least two of them;
     the run equals the reference bit for bit; a frozen layer's weights stay at W_f; without the rule the
     run differs."""
@@ -386,14 +388,16 @@ def test_autofreeze_decides_from_the_movement_and_equals_the_reference(
     gpus = [[f"n0:{firsts[v] + j}" for j in range(len(split))] for v, split in enumerate(splits)]
     path = write_config(tmp_path, vws=gpus, nm=2, staleness=1, waves=10, model=model)
     config = apply_overrides(load_config(path), [*settings, "train.autofreeze_every=2"])
-    _, stage_weights = assert_equals_reference(tmp_path, config, splits, order=1)
+    summary, stage_weights = assert_equals_reference(tmp_path, config, splits, order=1)
     versions: dict[int, dict[str, np.ndarray]] = {}
-    ref = run_reference(config, splits, 1, lambda t, w: versions.__setitem__(t, w), work=[(2, 16)] * 2)
+    work = [(2, 16)] * len(splits)
+    ref = run_reference(config, splits, 1, lambda t, w: versions.__setitem__(t, w), work=work)
     spec = model_of(config)
     params = {k: w.detach().numpy() for k, w in build_stage(spec, 0, spec.num_layers).named_parameters()}
     weights = {0: params, **{t: {k: v[k] for k in params} for t, v in versions.items()}}
     points = autofreeze_oracle(weights, 2, spec.num_layers, 1, 10)
     assert len(points) >= 2 and list(ref.freeze) == points
+    assert summary["autofreeze"] == [list(p) for p in points]  # what the run says it chose
     for wave, frozen in points:
         for key in [k for k in params if int(k.split(".")[0]) < frozen]:
             assert all(np.array_equal(versions[t][key], versions[wave][key]) for t in range(wave, 11)), key

@@ -20,6 +20,7 @@ from hetpipe.compute.build import model_of, vw_layouts
 from hetpipe.compute.reference import run_reference
 from hetpipe.core.config.files import load_config, run_dir_config
 from hetpipe.core.config.overrides import apply_overrides
+from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.worker.snapshot import list_snapshots
 
@@ -101,6 +102,8 @@ def test_resume_after_a_killed_stage_equals_the_uninterrupted_run(
         TrainOptions(run_dir=cut, progress=False, dump_weights=True, audit=True, resume=True),
     )
     assert 4 <= resumed["resumed_from"] < 10 and resumed["audit_final_ledgers_exact"] is True
+    if "train.autofreeze_every=2" in extra:  # every point the rule chose, the ones before the cut too
+        assert resumed["autofreeze"] == [list(p) for p in ref_points(config, work)] != []
     relayed = [p.read_text() for p in (cut / "logs").glob("relay-*.log")]
     relay = "ps.node_aggregation=true" in extra
     assert relay == any("registered upstream for vws [0, 1]" in log for log in relayed)
@@ -128,3 +131,9 @@ def test_resume_needs_a_wave_every_part_checkpointed(tmp_path: Path):
     spectrain = apply_overrides(config, ['train.mitigation="spectrain"'])
     with pytest.raises(UsageError, match="mitigation spectrain keeps state that stage snapshots do not hold"):
         train(spectrain, TrainOptions(run_dir=tmp_path / "empty", progress=False, resume=True))
+
+
+def ref_points(config: ClusterConfig, work: list[tuple[int, int]] | None) -> tuple[tuple[int, int], ...]:
+    """The freeze points the reference's adaptive rule chose."""
+    splits = [lay.split for lay in vw_layouts(config, model_of(config))]
+    return run_reference(config, splits, work=work).freeze

@@ -469,6 +469,8 @@ class StageRunner:
                 "times_s": totals,
                 # train.freeze_cache_mib: minibatches whose frozen layers' output came from kept rows
                 "frozen_cache": {"hits": cache.hits, "misses": cache.misses, "mib": cache.bytes / 2**20},
+                # train.autofreeze_every: every freeze point the rule chose, [wave, layers]
+                "autofreeze": [[p.wave, p.layers] for p in self.compute.freezing.freeze.points],
             }
         )
 

@@ -57,6 +57,7 @@ class Progress:
             for key, value in event.get("frozen_cache", {}).items():
                 self.frozen_cache[key] = self.frozen_cache.get(key, 0) + value
             self.times[(vw, event["stage"])] = event.get("times_s", {})
+            self.frozen_from.update({w: n for w, n in event.get("autofreeze", [])})
         if event["event"] == "eval":
             self.evals.append({k: v for k, v in event.items() if k != "event"})
         if event["event"] == "startup":
