@@ -3,8 +3,11 @@ figures, and `hetpipe plan`'s prediction of it at each [train] freeze point."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from hetpipe.core.planning.candidates import Candidate, seconds_for
 from hetpipe.core.planning.freeze_gain import frozen_plan, frozen_profiles
 from hetpipe.core.planning.plan import Plan, StagePlan, VwPlan
 from hetpipe.core.planning.profile import LayerProfile, ModelProfile
@@ -55,3 +58,34 @@ def test_a_re_plans_profiles_take_no_backward_for_the_frozen_layers_and_keep_the
             want.param_bytes,
             want.saved_bytes,
         )
+
+
+def test_with_the_cache_a_stage_loses_the_frozen_layers_share_of_its_forward_too() -> None:
+    """[train] freeze_cache_mib: the frozen layers' outputs come from kept rows, so their forward goes (the
+    profile's 0.5 s each, a stage's 1.0 s here)."""
+    vw = VwPlan((stage(0, 2, 6.0, 100), stage(2, 4, 7.0, 900)), nm=2, param_bytes=1000)
+    plan = Plan("explicit", "toy", 4, 0, (vw,))
+    one = frozen_plan(plan, {"g": PROFILE}, 1, cached=True).vws[0]
+    assert [s.forward_s for s in one.stages] == [pytest.approx(0.5), 1.0]
+    three = frozen_plan(plan, {"g": PROFILE}, 3, cached=True).vws[0]
+    assert [s.forward_s for s in three.stages] == [pytest.approx(0.0), pytest.approx(0.5)]
+    assert three.stages[1].backward_s == frozen_plan(plan, {"g": PROFILE}, 3).vws[0].stages[1].backward_s
+
+
+def test_seconds_over_stretches_of_the_run_at_their_own_rates() -> None:
+    segments = [(0.0, 100.0), (1000.0, 200.0), (3000.0, 1000.0)]
+    assert [seconds_for(n, segments) for n in (500, 2000, 5000)] == [5.0, 15.0, 22.0]
+
+
+def test_time_to_target_prices_each_freeze_point_and_the_cache_an_epoch_after_it() -> None:
+    """One VW of Nm 2 x 4 samples (8 a wave), frozen from wave 1 at 200 samples/s, 1,000 once the cache
+    holds an epoch of 80 samples: 8 samples at 100, 80 at 200, the rest at 1,000."""
+    vw = VwPlan((stage(0, 4, 6.0, 1000),), nm=2, param_bytes=1000)
+    base = Candidate("explicit", 0, Plan("explicit", "toy", 4, 0, (vw,)), 100.0, samples_to_target=1000)
+    frozen = replace(base, after_freeze=((1, 1, 200.0),))
+    cached = replace(frozen, cached_after_freeze=((1, 1, 1000.0),), epoch_samples=80)
+    assert base.time_to_target_s == pytest.approx(10.0)
+    assert frozen.time_to_target_s == pytest.approx(8 / 100 + 992 / 200)
+    assert cached.time_to_target_s == pytest.approx(8 / 100 + 80 / 200 + 912 / 1000)
+    two = replace(cached, after_freeze=((1, 1, 200.0), (5, 2, 400.0)))  # the cache is cut off at wave 5
+    assert two.rate_segments() == [(0.0, 100.0), (8.0, 200.0), (40.0, 400.0)]

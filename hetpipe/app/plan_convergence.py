@@ -6,6 +6,7 @@ calibration."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -113,10 +114,12 @@ def plan_over_rules(
     config without `search`), `best` ranks (hetpipe.core.planning.planner's). Without a calibration, or when
     no rule's best has a predicted time, the config's own rule."""
     found = []
+    epoch = cache_epoch(config)
     for variant in rule_variants(config, calibration if search else None):
         candidates = attach_samples(
             plan(variant), calibration, variant.ps.aggregation, variant.train.mitigations
         )
+        candidates = [replace(c, epoch_samples=epoch) for c in candidates] if epoch else candidates
         try:
             top = best(candidates)
         except UsageError:
@@ -127,6 +130,16 @@ def plan_over_rules(
     timed = [f for f in found if f[0] is not None]
     _, candidates, chosen = min(timed, key=lambda f: f[0]) if timed else found[0]
     return candidates, chosen, len(found)
+
+
+def cache_epoch(config: ClusterConfig) -> int:
+    """The training set's samples, where the planner prices the frozen layers' cache ([train] freeze with
+    freeze_cache_mib: a VW's rows are all kept an epoch after a freeze point); 0 otherwise."""
+    if not (config.train.freeze and config.train.freeze_cache_mib):
+        return 0
+    from hetpipe.compute.build import dataset_of  # torch: only for a config that caches
+
+    return len(dataset_of(config).train.y)
 
 
 def soonest_batch(predicted: Mapping[int, float | None]) -> int | None:

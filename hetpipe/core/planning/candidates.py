@@ -4,6 +4,7 @@ tolerance that favours less staleness. Pure."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ __all__ = [
     "gpu_uses",
     "own_lag",
     "ranked",
+    "samples_per_wave",
+    "seconds_for",
     "slowest_stage_text",
 ]
 
@@ -85,6 +88,11 @@ class Candidate:
     # [train] freeze: (wave, layers frozen, samples/s predicted) at each freeze point, the plan unchanged
     # (hetpipe.core.planning.freeze_gain); () without freezing, and for a candidate not simulated
     after_freeze: tuple[tuple[int, int, float], ...] = ()
+    # [train] freeze_cache_mib: the same once each point's frozen outputs come from the cache, which holds a
+    # VW's samples after one epoch of the training set from the point on (`epoch_samples`; 0: not known, the
+    # cache not priced)
+    cached_after_freeze: tuple[tuple[int, int, float], ...] = ()
+    epoch_samples: int = 0
 
     @property
     def feasible(self) -> bool:
@@ -116,16 +124,51 @@ class Candidate:
 
     @property
     def time_to_target_s(self) -> float | None:
-        """Predicted seconds to the calibration's target: samples to target / samples/s (None when
-        unknown)."""
+        """Predicted seconds to the calibration's target: samples to target at samples/s, each freeze point's
+        samples from its wave on at its rate, and with the cache, from an epoch later, at that rate (None
+        when unknown)."""
         if self.samples_to_target is None or not self.samples_per_s > 0:
             return None
-        return self.samples_to_target / self.samples_per_s
+        return seconds_for(self.samples_to_target, self.rate_segments())
+
+    def rate_segments(self) -> list[tuple[float, float]]:
+        """(first sample, samples/s) of each stretch of the run: the plan's rate, each freeze point's, and
+        the cache's an epoch after each point (until the next point)."""
+        segments = [(0.0, self.samples_per_s)]
+        per_wave = samples_per_wave(self.plan) if self.plan is not None else 0
+        if not per_wave:
+            return segments
+        cached = dict(((w, n), r) for w, n, r in self.cached_after_freeze)
+        points = list(self.after_freeze)
+        for i, (wave, layers, rate) in enumerate(points):
+            start = float(wave * per_wave)
+            end = points[i + 1][0] * per_wave if i + 1 < len(points) else math.inf
+            segments.append((start, rate))
+            warm = start + self.epoch_samples
+            if (wave, layers) in cached and self.epoch_samples and warm < end:
+                segments.append((warm, cached[(wave, layers)]))
+        return segments
 
     @property
     def peak(self) -> GpuUse | None:
         """The fullest GPU (largest share of its usable memory)."""
         return max(self.memory, key=lambda u: (u.fraction, u.gpu), default=None)
+
+
+def samples_per_wave(plan: Plan) -> int:
+    """Samples a wave trains over every VW of `plan`."""
+    return sum(vw.nm * vw.batch(plan.batch_size) for vw in plan.vws)
+
+
+def seconds_for(samples: float, segments: Sequence[tuple[float, float]]) -> float:
+    """Seconds to train `samples` samples over stretches (first sample, samples/s), in order, the first at
+    sample 0."""
+    seconds = 0.0
+    for i, (start, rate) in enumerate(segments):
+        end = min(samples, segments[i + 1][0] if i + 1 < len(segments) else math.inf)
+        if end > start:
+            seconds += (end - start) / rate
+    return seconds
 
 
 def best(candidates: Sequence[Candidate]) -> Candidate:

@@ -349,7 +349,13 @@ def _candidate(
         plan = frozen_plan(plan, search.profiles, search.frozen)
     candidate = _placed_prediction(search, plan, notes, how)
     if config.train.freeze and not search.frozen:
-        candidate = dataclasses.replace(candidate, after_freeze=_after_freeze(search, plan, how))
+        candidate = dataclasses.replace(
+            candidate,
+            after_freeze=_after_freeze(search, plan, how),
+            cached_after_freeze=_after_freeze(search, plan, how, cached=True)
+            if config.train.freeze_cache_mib
+            else (),
+        )
     return candidate
 
 
@@ -367,14 +373,19 @@ def _placed_prediction(
     return _predict(plan, notes, dataclasses.replace(how, network=network))
 
 
-def _after_freeze(search: GroupingSearch, plan: Plan, how: _Prediction) -> tuple[tuple[int, int, float], ...]:
+def _after_freeze(
+    search: GroupingSearch, plan: Plan, how: _Prediction, cached: bool = False
+) -> tuple[tuple[int, int, float], ...]:
     """(wave, frozen layers, samples/s predicted) at each of [train] freeze's points: the same plan with
-    those layers frozen (hetpipe.core.planning.freeze_gain)."""
+    those layers frozen (hetpipe.core.planning.freeze_gain); `cached`: their outputs from the frozen layers'
+    cache too."""
     return tuple(
         (
             wave,
             layers,
-            _placed_prediction(search, frozen_plan(plan, search.profiles, layers), (), how).samples_per_s,
+            _placed_prediction(
+                search, frozen_plan(plan, search.profiles, layers, cached), (), how
+            ).samples_per_s,
         )
         for wave, layers in search.config.train.freeze
     )
