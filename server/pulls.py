@@ -27,6 +27,7 @@ class Parked:
     stage: int
     wave: int
     known: int = -1  # [train] autofreeze: the newest movement record the puller has (-1: none)
+    records_only: bool = False  # and it wants no weights
     since: float = field(default_factory=time.monotonic)
 
 
@@ -34,7 +35,8 @@ def serve_pull(shard: ShardServer, identity: bytes, msg: wire.Message) -> None:
     """`pull`: the weights now if the wave's gate is open, else park it (replacing the stage's older one)."""
     f = msg.fields
     check_owner(shard, identity, f["vw"], f["stage"])
-    parked = Parked(identity, f["id"], f["vw"], f["stage"], f["wave"], f.get("known", -1))
+    known, records_only = f.get("known", -1), f.get("records_only", False)
+    parked = Parked(identity, f["id"], f["vw"], f["stage"], f["wave"], known, records_only)
     if shard.state.gate_open(f["wave"]):
         answer_pull(shard, parked)
         return
@@ -53,7 +55,7 @@ def serve_pull(shard: ShardServer, identity: bytes, msg: wire.Message) -> None:
 def answer_pull(shard: ShardServer, p: Parked) -> None:
     """Send the weights of the pull (packed to the wire dtype where set), or the state's refusal."""
     try:
-        result: PullResult = shard.state.pull(p.vw, p.stage, p.wave, p.known)
+        result: PullResult = shard.state.pull(p.vw, p.stage, p.wave, p.known, p.records_only)
     except WspError as exc:
         shard.send(p.identity, wire.error_frames(p.request_id, exc.code, str(exc)))
         return

@@ -109,6 +109,8 @@ def test_a_shard_records_the_movement_of_what_it_builds_and_sends_it_once_with_p
     assert shard.movement is not None and sorted(shard.movement.records) == [2, 4, 6]
     assert shard.movement.records[4] == {0: (2 * (2.0**2 + 3.0**2), 2 * 6.0**2), 1: (2.0, 25.0)}
     assert [[b for b, _ in records] for records in pulled.values()] == [[2, 4], [4], []]
+    alone = shard.pull(0, 0, 6, known=2, records_only=True)  # a lone VW's WAIT: W_5's records, no weights
+    assert alone.tensors == {} and [b for b, _ in alone.movement] == [4]
     meta, arrays = shard.to_state()
     again = ShardState.from_state(meta, arrays)
     assert again.movement == shard.movement
@@ -121,7 +123,8 @@ def test_movement_travels_in_a_pull_reply_and_bad_records_are_refused() -> None:
     fields = {"id": 1, "wave": 3, "version": 2, "own_through": 1, "parked_ms": 0, "gaps": []}
     records = [[2, [[0, 6.0, 45.0], [3, 0.0, 1.5]]]]
     assert decode(encode("weights", {**fields, "movement": records})).fields["movement"] == records
-    assert decode(encode("pull", {"id": 2, "run": "r", "vw": 0, "stage": 0, "wave": 4, "known": -1}))
+    pull = {"id": 2, "run": "r", "vw": 0, "stage": 0, "wave": 4, "known": -1, "records_only": True}
+    assert decode(encode("pull", pull)).fields == pull
     for bad in ([[0, []]], [[2, [[0, 1, 2.0]]]], [[2, [[0, -1.0, 2.0]]]], [[2, [[0, math.nan, 1.0]]]], [2]):
         with pytest.raises(WireError, match="movement must be"):
             encode("weights", {**fields, "movement": bad})

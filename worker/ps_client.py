@@ -73,6 +73,7 @@ class ClientSpec:
     freeze: tuple[tuple[int, int], ...] = ()  # [train] freeze: the frozen parameters' pushes are left out
     vw_spans: tuple[tuple[int, int], ...] = ()  # each VW's planned [start, end), end 0: the run's; (): all
     movement: bool = False  # [train] autofreeze: pulls ask for the layers' movement records
+    records_only: bool = False  # and for nothing else (a lone VW, whose weights are its own)
 
     def fields(self) -> dict[str, Any]:
         """Its fields as plain values (the agent process gets them over its pipe, as msgpack)."""
@@ -110,6 +111,7 @@ class ClientSpec:
         client.freeze = FreezeSchedule.at(self.freeze)
         client.vw_spans = self.vw_spans
         client.movement_known = -1 if self.movement else None
+        client.records_only = self.records_only
         return client
 
 
@@ -144,6 +146,7 @@ class PSClient:
         self.freeze = FreezeSchedule()  # [train] freeze: pushes leave a parameter out from its wave on
         # [train] autofreeze: the newest movement record taken (-1: none; None: pulls ask for none)
         self.movement_known: int | None = None
+        self.records_only = False  # and its pulls ask for no weights
         self.placement, self.curve = dict(placement), curve
         self.keys: list[str] = []
         self.connections = ShardSockets(endpoints, routing_id(run, vw, stage), curve)
@@ -294,6 +297,8 @@ class PSClient:
         fields = {**self._stage_fields(), "wave": wave}
         if self.movement_known is not None:
             fields["known"] = self.movement_known
+        if self.records_only:
+            fields["records_only"] = True
         return self.send([("pull", fields, None)] * len(self.sockets), what=f"pull of wave {wave}", gate=wave)
 
     def took(self, pulled: Pulled) -> Pulled:

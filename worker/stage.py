@@ -93,10 +93,11 @@ class PSHandOver:
         self._read_losses = compute_actions.read_losses  # the wave's losses, read at its push
         self._sync_block = compute_actions.sync_block
         self._snapshot = snapshot  # saves the stage's state at a wave (job.snapshot_every)
-        # autofreeze: the pulls bring the movement its freeze points are decided by, even to one VW
-        aggregation = get_aggregation(self.config.ps.aggregation)
-        self.pulls = needs_pulls(job.num_vws, aggregation) or bool(self.config.train.autofreeze_every)
-        self.waits = [a.index for a in actions if a.kind == WAIT] if self.pulls else []
+        self.pulls = needs_pulls(job.num_vws, get_aggregation(self.config.ps.aggregation))
+        # autofreeze: the WAITs bring the movement its freeze points are decided by, to a lone VW too (which
+        # asks for the records only: its weights are its own)
+        self.records_only = not self.pulls and bool(self.config.train.autofreeze_every)
+        self.waits = [a.index for a in actions if a.kind == WAIT] if self.pulls or self.records_only else []
         self.link: PSLink | None = None
         self.push_staging: PushStaging | None = None
         self.pull_staging: PullStaging | None = None
@@ -175,7 +176,7 @@ class PSHandOver:
 
     def wait(self, wave: int) -> None:
         """WAIT wave: take the pull of W_{wave-D-1} (handed over earlier), bring it to the device, rebase."""
-        if not self.pulls:
+        if not self.waits:
             return
         with self.trace.span(f"WAIT{wave}"):
             self.hand_over_pull()
@@ -209,10 +210,11 @@ class PSHandOver:
             )
             # on CUDA the copy and the rebase are queued, not waited for (the agent waits for the copy
             # instead), unless emulation stretches blocks: then the next F must not carry this work
-            started = time.perf_counter()
-            self.compute.rebase(self.pull_staging.to_device(), pulled.own_through, pulled.version)
-            self._sync_block()
-            self._timed("h2d", started)
+            if not self.records_only:
+                started = time.perf_counter()
+                self.compute.rebase(self.pull_staging.to_device(), pulled.own_through, pulled.version)
+                self._sync_block()
+                self._timed("h2d", started)
         self._pull = None
         self.next_wait += 1
         self.hand_over_pull()

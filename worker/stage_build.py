@@ -14,6 +14,7 @@ from hetpipe.core.pipeline.resume import rejoin_actions
 from hetpipe.core.pipeline.schedule import Action, Schedule, get_schedule
 from hetpipe.core.runs.metrics import TraceRecorder
 from hetpipe.core.runs.procs import child_entered_at, process_started_at
+from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 from hetpipe.models import ModelSpec
 from hetpipe.worker.jobs import StageJob
 from hetpipe.worker.ps_client import ClientSpec
@@ -98,5 +99,7 @@ def client_spec(job: StageJob, spec: ModelSpec) -> ClientSpec:
         vw_weights=job.vw_weights,
         freeze=config.train.freeze,
         movement=bool(config.train.autofreeze_every),
+        records_only=bool(config.train.autofreeze_every)
+        and not needs_pulls(job.num_vws, get_aggregation(config.ps.aggregation)),
         vw_spans=tuple((start, 0 if end == config.train.waves else end) for start, end in job.spans),
     )

@@ -139,6 +139,7 @@ class _Flags:
     recompute: bool
     local: bool  # the stages run the optimizer (else the PS does, on the VWs' mean gradients)
     pulls: bool  # WAITs pull (else a lone VW skips them)
+    waits: bool  # WAITs gate: they pull, or (autofreeze) a lone VW's take W_{c-D-1}'s movement (measure) only
     scale_lr: bool  # warmup, pipemare or an lr_schedule set the learning rate of every update
     predict: bool  # spectrain: stashed versions predicted ahead
     predict_pulls: bool  # spectrain with the PS's optimizer: pulls predicted ahead
@@ -154,7 +155,8 @@ class _Flags:
             stashing=modes.stashing,
             recompute=modes.recompute,
             local=local,
-            pulls=needs_pulls(num_vws, rule) or bool(t.autofreeze_every),
+            pulls=needs_pulls(num_vws, rule),
+            waits=needs_pulls(num_vws, rule) or bool(t.autofreeze_every),
             scale_lr=local and ("warmup" in mit or "pipemare" in mit or t.lr_schedule != "constant"),
             predict="spectrain" in mit and local and modes.stashing,
             predict_pulls="spectrain" in mit and not local,
@@ -290,7 +292,7 @@ class _Reference:
             if other.kind == BACKWARD and (v, j, a.index) not in self.grads and trains:
                 return False
         gate = gate_of(a, self.D)
-        return gate is None or not self.flags.pulls or self.ps.c_global() >= gate
+        return gate is None or not self.flags.waits or self.ps.c_global() >= gate
 
     def step(self, sid: StageId) -> None:
         st = self.stages[sid]
@@ -459,11 +461,11 @@ class _Reference:
         self.ps.push((v, j), a.index, out)
 
     def wait(self, v: int, j: int, st: RefStage, a: Action) -> None:
+        version = gate_of(a, self.D)
+        self.freeze = self.auto.measure(self.ps.history, self.ps.kinds, version) or self.freeze  # before c
         if not self.flags.pulls:
             return
         params = dict(st.module.named_parameters())
-        version = gate_of(a, self.D)
-        self.freeze = self.auto.measure(self.ps.history, self.ps.kinds, version) or self.freeze  # before c
         pulled = {k: self.on_wire(arr) if k in params else arr for k, arr in self.ps.history[version].items()}
         with torch.no_grad():
             if self.flags.local:

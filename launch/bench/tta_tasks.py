@@ -117,7 +117,13 @@ _FINE_TUNE = (
     "train.lr=0.002",
     "data.options={ classes = [5, 6, 7, 8, 9] }",
 )
-_PRETRAIN = ("data.options={ classes = [0, 1, 2, 3, 4] }", "train.waves=120", "train.freeze=[]", "seed=100")
+_PRETRAIN = (
+    "data.options={ classes = [0, 1, 2, 3, 4] }",
+    "train.waves=120",
+    "train.freeze=[]",
+    "train.autofreeze_every=0",
+    "seed=100",
+)
 _FINE_TUNE_NOTE = (
     "MNIST-5k digits 5-9, the mnist task's CNN and Adam, fine-tuned from its training on digits 0-4 (120 "
     "waves of one VW in the single-process reference, made first: model.init); target 95% test accuracy "

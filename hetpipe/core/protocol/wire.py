@@ -322,9 +322,10 @@ FIELDS: dict[str, dict[str, Check]] = {
     "snapshot": {"id": _ID, "version": _INDEX, "info": _is_info},
     "error": {"id": _is_error_id, "code": _is_error_code, "message": _str_len(0, MAX_MESSAGE_CHARS)},
 }
-# fields a message may leave out: [train] autofreeze's (the pull's newest record held, the reply's records)
+# fields a message may leave out: [train] autofreeze's (the pull's newest record held and whether it wants
+# the records only, the reply's records)
 OPTIONAL: dict[str, dict[str, Check]] = {
-    "pull": {"known": _int_in(-1, _I31, "2**31")},
+    "pull": {"known": _int_in(-1, _I31, "2**31"), "records_only": _is_bool},
     "weights": {"movement": _is_movement},
 }
 MESSAGE_TYPES = frozenset(FIELDS)

@@ -211,9 +211,9 @@ class RelayState(Registered):
         self.last_seen.update(tensors)
         self.upstream_c_global = max(self.upstream_c_global, c_global, version)
 
-    def pull(self, vw: int, stage: int, wave: int, known: int = -1) -> PullResult:
-        """W_{wave-D-1} for a member stage (call only once gate_open(wave)); no movement records (`known`:
-        the config refuses [train] autofreeze with relays)."""
+    def pull(self, vw: int, stage: int, wave: int, known: int = -1, records_only: bool = False) -> PullResult:
+        """W_{wave-D-1} for a member stage (call only once gate_open(wave)); no movement records (`known`,
+        `records_only`: the config refuses [train] autofreeze with relays)."""
         keys = self.stage_keys_of(vw, stage)
         target = gate_version(wave, self.staleness)
         found = self.versions.get(target)

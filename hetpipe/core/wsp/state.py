@@ -248,14 +248,12 @@ class ShardState(Registered):
         return PushResult(applied=True, c_global=after, clock_advanced=after > before)
 
     # ---- pull ---------------------------------------------------------------------------------------
-    def pull(self, vw: int, stage: int, wave: int, known: int = -1) -> PullResult:
+    def pull(self, vw: int, stage: int, wave: int, known: int = -1, records_only: bool = False) -> PullResult:
         """The global weights for the gate of `wave` (call only once gate_open(wave)); with autofreeze, the
-        movement records after boundary `known` too (the newest the puller has; -1: none).
-
-        Exact versions are never changed once built, so the arrays can be sent without a copy; the latest
-        running weights may be the shard's own arrays: a caller that keeps them past the next push (a
-        zero-copy send) must `lend` them.
-        """
+        movement records after boundary `known` (-1: all), and with `records_only` no weights. Exact versions
+        are never changed once built, so the arrays can be sent without a copy; the latest running weights
+        may be the shard's own arrays: a caller that keeps them past the next push (a zero-copy send) must
+        `lend` them."""
         keys = self.stage_keys_of(vw, stage)
         if not self.gate_open(wave):
             raise WspError(
@@ -265,9 +263,10 @@ class ShardState(Registered):
             result = PullResult(self.c_global, self.c_local(vw) - 1, {k: self._latest(k) for k in keys})
         else:
             target = gate_version(wave, self.staleness)
-            if not self.first_pull(vw, stage, wave):
+            if not records_only and not self.first_pull(vw, stage, wave):
                 keys = self.registrations.pulled_keys(keys, target)
             moved = None if self.movement is None else self.movement.since(known, target)
+            keys = () if records_only else keys
             result = PullResult(target, target - 1, self.exact.at(keys, target), moved)
         self.pulled[(vw, stage)] = max(self.pulled[(vw, stage)], wave)
         self._forget()
