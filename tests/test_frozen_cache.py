@@ -114,8 +114,9 @@ def test_freeze_cache_mib_must_be_a_whole_number_of_mib(tmp_path: Path) -> None:
             ],
             [(2, 4), (3, 2, 1)],
         ),
+        (["train.freeze=[]", "train.autofreeze_every=2"], [(2, 2), (1, 2, 1)]),
     ],
-    ids=["mlp", "mlp-recompute", "bn-cnn-mean"],
+    ids=["mlp", "mlp-recompute", "bn-cnn-mean", "mlp-autofreeze"],
 )
 def test_runs_with_the_cache_equal_the_reference_and_use_it(
     tmp_path: Path, settings: list[str], splits: list[tuple[int, ...]]
@@ -124,7 +125,8 @@ def test_runs_with_the_cache_equal_the_reference_and_use_it(
     minibatches, so from the second epoch of the frozen waves the kept rows serve (the few samples an epoch
     left out run alone); D = 1, so pulls after the
     freeze still bring the frozen layers' last updates and the rows made before are forgotten. The runtime
-    and the reference (its own rows) end bit for bit alike, and the stages report the hits."""
+    and the reference (its own rows) end bit for bit alike, and the stages report the hits; with the freeze
+    points the adaptive rule chooses too (docs/wsp.md#adaptive-freezing)."""
     path = write_config(
         tmp_path, vws=[["n0:0", "n0:1"], ["n0:2", "n0:3", "n0:4"]], nm=2, staleness=1, waves=12, batch_size=64
     )

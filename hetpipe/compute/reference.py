@@ -529,7 +529,7 @@ def _build_stages(ref: _Reference) -> dict[StageId, RefStage]:
                 if (a.index if a.kind in (PUSH, WAIT) else a.index // ref.nms[v]) >= start_wave
             ]
             st = stages[(v, j)] = RefStage(module, opt, actions, {})
-            if t.freeze and t.freeze_cache_mib:
+            if t.freezes and t.freeze_cache_mib:
                 st.kept = _Kept(t.freeze_cache_mib * 2**20)
             st.takes_from = sources.get(v) if opt is not None else None
             st.start, st.stop = start, start + split[j]
