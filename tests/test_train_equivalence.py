@@ -379,8 +379,8 @@ def test_autofreeze_decides_from_the_movement_and_equals_the_reference(
     tmp_path: Path, model: str, settings: list[str], splits: list[tuple[int, ...]]
 ):
     """[train] autofreeze_every = 2 with D = 1, two VWs split differently (and two shards, whose movement
-    records every stage adds up; or PS agents as processes, BatchNorm), or one VW (whose WAITs, skipped without
-    the rule, ask for the records alone: its weights are its own): the freeze points are those
+    records every stage adds up; or PS agents as processes, BatchNorm), or one VW (whose WAITs, skipped
+    without the rule, ask for the records alone: its weights are its own): the freeze points are those
     PipeTransformer's rule gives on the PS's own versions (worked out in the test), at least two of them;
     the run equals the reference bit for bit; a frozen layer's weights stay at W_f; without the rule the
     run differs."""
