@@ -194,3 +194,14 @@ def test_hetpipe_plan_re_plans_at_each_freeze_point_and_train_runs_its_file(
     run_plan(load_config(TWO_BY_TWO), request(tmp_path), out_path=out, show_why=False, as_json=False)
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("re-plan")]
     assert [lay.waves for lay in apply_plan(load_config(TWO_BY_TWO), out)[1]] == [None]
+
+
+def test_hetpipe_plan_says_an_adaptive_run_is_planned_without_freezing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[train] autofreeze_every: no point is known before the run, so no line per point, and a note says the
+    plans are predicted as without freezing (the same best plan as without the rule)."""
+    lines = plan_lines(tmp_path, capsys, "train.autofreeze_every=5")
+    assert any(line.startswith("note: [train] autofreeze_every: the run decides") for line in lines)
+    assert not [line for line in lines if "after freezing" in line]
+    assert best_rate(lines) == best_rate(plan_lines(tmp_path, capsys))

@@ -227,6 +227,11 @@ def search_plans(config: ClusterConfig, request: PlanRequest) -> PlanSearch:
     if len(predicted) > 1:
         notes.append(batch_note(predicted, batch))
     _add_rule_note(notes, config, ruled, tried, request)
+    if config.train.autofreeze_every:
+        notes.append(
+            "[train] autofreeze_every: the run decides its freeze points as it goes, so these plans are "
+            "predicted without freezing (docs/planning.md#after-a-freeze-point)"
+        )
     elapsed = time.monotonic() - started
     return PlanSearch(candidates, ruled, notes, ps_gbps, elapsed, footers.get(batch), request.waves)
 
