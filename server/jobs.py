@@ -105,5 +105,5 @@ def shard_settings(
         resume_clock=resume_clock,
         wire_dtype=config.ps.wire_dtype,
         freeze=config.train.freeze,
-        autofreeze=config.train.autofreeze.interval if config.train.autofreeze else 0,
+        autofreeze=config.train.autofreeze_every,
     )

@@ -56,6 +56,7 @@ from hetpipe.worker.stage_audit import StageAudit
 from hetpipe.worker.stage_build import (
     PS_ROW,
     client_spec,
+    records_only_waits,
     stage_profiler,
     stage_schedule,
     stage_trace,
@@ -94,9 +95,8 @@ class PSHandOver:
         self._sync_block = compute_actions.sync_block
         self._snapshot = snapshot  # saves the stage's state at a wave (job.snapshot_every)
         self.pulls = needs_pulls(job.num_vws, get_aggregation(self.config.ps.aggregation))
-        # autofreeze: the WAITs bring the movement its freeze points are decided by, to a lone VW too (which
-        # asks for the records only: its weights are its own)
-        self.records_only = not self.pulls and bool(self.config.train.autofreeze_every)
+        # autofreeze: the WAITs bring the movement its freeze points are decided by, to a lone VW too
+        self.records_only = records_only_waits(job)
         self.waits = [a.index for a in actions if a.kind == WAIT] if self.pulls or self.records_only else []
         self.link: PSLink | None = None
         self.push_staging: PushStaging | None = None

@@ -79,6 +79,14 @@ def stage_profiler(job: StageJob, device: torch.device) -> StageProfiler | None:
     return StageProfiler(job.profile, device, Path(job.run_dir) / "profile", f"vw{job.vw}-s{job.stage}")
 
 
+def records_only_waits(job: StageJob) -> bool:
+    """Whether the stage's WAITs ask the PS for [train] autofreeze's movement records alone: a lone VW that
+    applies its own updates pulls no weights (its own are the global ones), and waits for the records only
+    under the rule (docs/wsp.md#adaptive-freezing)."""
+    pulls = needs_pulls(job.num_vws, get_aggregation(job.config.ps.aggregation))
+    return not pulls and bool(job.config.train.autofreeze_every)
+
+
 def client_spec(job: StageJob, spec: ModelSpec) -> ClientSpec:
     """What the stage's PS client connects to and registers as (its shards, its keys' placement)."""
     config = job.config
@@ -99,7 +107,6 @@ def client_spec(job: StageJob, spec: ModelSpec) -> ClientSpec:
         vw_weights=job.vw_weights,
         freeze=config.train.freeze,
         movement=bool(config.train.autofreeze_every),
-        records_only=bool(config.train.autofreeze_every)
-        and not needs_pulls(job.num_vws, get_aggregation(config.ps.aggregation)),
+        records_only=records_only_waits(job),
         vw_spans=tuple((start, 0 if end == config.train.waves else end) for start, end in job.spans),
     )
