@@ -89,11 +89,23 @@ def test_rows_summary_and_table_give_medians_spread_and_who_never_got_there() ->
         "reached": "3/3",
     }
     assert found["systems"]["ddp-fit"]["time_to_target_s"]["median"] == 40.0  # 40, 40 and one not reached
+    # the final score: each run's mean of its last scores (up to FINAL_SCORES), then the median over seeds
+    assert found["systems"]["hetpipe"]["final"] == pytest.approx((0.5 + 0.92) / 2)
+    assert found["systems"]["hetpipe"]["final_samples"] == 3072
+    ddp_fit = found["systems"]["ddp-fit"]
+    assert (ddp_fit["final"], ddp_fit["final_samples"]) == (0.91, 4096)  # step 8 x 512
     assert found["hetpipe_over_best_ddp"] == 0.625 and found["predicted_over_measured"] == 0.96
     assert tta.summary(ddp[1:2], ["ddp-fit"])["systems"]["ddp-fit"]["time_to_target_s"]["median"] is None
     text = tta.markdown(tta.tta_tasks.TASKS["mnist"], goal, found, "free")
-    assert "| hetpipe | 25.0 (20.0-30.0) | 3/3 | 3,072 | 100 | 0.002 | 2 VWs a / b |" in text
+    assert "| hetpipe | 25.0 (20.0-30.0) | 3/3 | 3,072 | 100 | 0.71 (3,072) | 0.002 | 2 VWs a / b |" in text
     assert "hetpipe / best DDP, median time to target: 0.62" in text
+
+
+def test_a_fixed_learning_rate_names_its_system_and_rate_or_refuses_with_the_form() -> None:
+    assert tta._fixed_lrs(("hetpipe=0.004", "ddp-fit=1e-3")) == {"hetpipe": 0.004, "ddp-fit": 0.001}
+    for bad in ("hetpipe", "hetpipe=fast", "hetpipe=-1", "horovod=0.1"):
+        with pytest.raises(click.UsageError, match="SYSTEM=LR"):
+            tta._fixed_lrs((bad,))
 
 
 def test_each_system_takes_the_batch_it_reaches_the_target_soonest_at_by_its_own_rule(capsys) -> None:

@@ -9,12 +9,12 @@ Per task (tta_tasks.TASKS: mnist, shakespeare, resnet; a shipped cluster config 
 1. The learning-rate sweep, the same for every system: in the single-process reference, samples to the target
    for each learning rate of the task (or --lrs), for the setting that trains like the system (hetpipe: the
    planner's plan at that learning rate; DDP over G GPUs and a pipeline of G microbatches: gradient
-   accumulation over G minibatches); each system gets its fewest-samples learning rate. No timing, so a busy
-   machine cannot bias it. With several batches per GPU (the task's grid or --batches), the sweep runs at
-   each, and each system then takes the batch it reaches the target soonest at by its own rule: hetpipe by the
-   planner's prediction (each batch's calibration and profile, as `hetpipe plan --batch`), the peers by the
-   sweep's samples over their rate measured in a short run at that batch (--rate-probe-s, on the same
-   network).
+   accumulation over G minibatches); each system gets its fewest-samples learning rate (or --lr's). No
+   timing, so a busy machine cannot bias it. With several batches per GPU (the task's grid or --batches), the
+   sweep runs at each, and each system then takes the batch it reaches the target soonest at by its own rule:
+   hetpipe by the planner's prediction (each batch's calibration and profile, as `hetpipe plan --batch`), the
+   peers by the sweep's samples over their rate measured in a short run at that batch (--rate-probe-s, on the
+   same network).
 2. Timed runs, every system once per seed (the order rotating), each given --max-seconds of training. Clocks
    start when training starts, after every process is up (hetpipe: its first stage span; the peers: after
    their first barrier). Weights are scored after the run, never during it: hetpipe's PS writes a checkpoint
@@ -24,8 +24,8 @@ Per task (tta_tasks.TASKS: mnist, shakespeare, resnet; a shipped cluster config 
    trained by then.
 
     python launch/bench/time_to_accuracy.py [--task mnist,shakespeare,resnet] [--seeds 0,1,2] [--systems ...]
-        [--lrs 0.001,0.002] [--batches 16,64] [--max-seconds S] [--set K=V ...] [--testbed] [--out tta.json]
-        [--table tta.md]
+        [--lrs 0.001,0.002] [--lr hetpipe=0.004] [--batches 16,64] [--max-seconds S] [--set K=V ...]
+        [--testbed] [--out tta.json] [--table tta.md]
 
 --out writes JSON: one row per task, system and seed {task, system, seed, target, time_to_target_s,
 samples_to_target} (null when not reached) with the learning rate, setting, best score and curve, and a
@@ -412,10 +412,20 @@ class Bench:
 # ---------------------------------------------------------------------------------------------- report
 
 
+FINAL_SCORES = 5  # a run's final score: the mean of its last this many scores (one alone is noisy)
+
+
+def final_score(row: dict[str, Any]) -> tuple[float, float]:
+    """A run's final score (the mean of its last FINAL_SCORES scores) and the samples it had trained by its
+    last."""
+    tail = row["curve"][-FINAL_SCORES:]
+    return statistics.fmean(p[row["metric"]] for p in tail), tail[-1]["samples"]
+
+
 def summary(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
     """Per system: median and spread of time and samples to target over seeds (a seed that did not get there
-    counts as infinite: the median is None once half of them did not); hetpipe over the best DDP; predicted vs
-    measured."""
+    counts as infinite: the median is None once half of them did not), and of the final score; hetpipe over
+    the best DDP; predicted vs measured."""
 
     def med(values: list[float | None]) -> float | None:
         if not values:
@@ -428,6 +438,7 @@ def summary(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
         mine = [r for r in rows if r["system"] == system]
         times = [r["time_to_target_s"] for r in mine]
         reached = [t for t in times if t is not None]
+        ends = [final_score(r) for r in mine if r["curve"]]
         out["systems"][system] = {
             "time_to_target_s": {
                 "median": med(times),
@@ -437,6 +448,8 @@ def summary(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
             },
             "samples_to_target": med([r["samples_to_target"] for r in mine]),
             "samples_per_s": med([r["samples_per_s"] for r in mine]),
+            "final": med([score for score, _ in ends]),
+            "final_samples": med([samples for _, samples in ends]),
             "lr": mine[0]["lr"] if mine else None,
             "batch": mine[0].get("batch") if mine else None,
             "setting": mine[0]["setting"] if mine else "",
@@ -459,8 +472,9 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
         f"**{task.name}** ({goal.metric} {'>=' if goal.higher_is_better else '<='} {goal.target:g}; "
         f"network: {network}; {task.note})",
         "",
-        "| system | s to target, median (min-max) | reached | samples to target | samples/s | lr | setting |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| system | s to target, median (min-max) | reached | samples to target | samples/s | "
+        f"final {goal.metric} (after samples) | lr | setting |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for system, s in found["systems"].items():
         t = s["time_to_target_s"]
@@ -476,8 +490,10 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
         samples = "-" if s["samples_to_target"] is None else f"{s['samples_to_target']:,.0f}"
         rate = "-" if s["samples_per_s"] is None else f"{s['samples_per_s']:.0f}"
         setting = s["setting"].replace("|", "/")  # a plan's VWs are separated by "|"
+        final = "-" if s["final"] is None else f"{s['final']:.4g} ({s['final_samples']:,.0f})"
         lines.append(
-            f"| {system} | {time_text} | {t['reached']} | {samples} | {rate} | {s['lr']:g} | {setting} |"
+            f"| {system} | {time_text} | {t['reached']} | {samples} | {rate} | {final} | {s['lr']:g} | "
+            f"{setting} |"
         )
     if found.get("hetpipe_over_best_ddp") is not None:
         lines.append(f"\nhetpipe / best DDP, median time to target: {found['hetpipe_over_best_ddp']:.2f}")
@@ -506,6 +522,14 @@ def markdown(task: tta_tasks.Task, goal: Goal, found: dict[str, Any], network: s
     "--lrs",
     default=None,
     help="Learning rates to sweep (comma list; default: the task's). One value: no sweep.",
+)
+@click.option(
+    "--lr",
+    "fixed_lrs",
+    multiple=True,
+    metavar="SYSTEM=LR",
+    help="Fix SYSTEM's learning rate (no sweep for it), repeatable: e.g. --lr hetpipe=0.004 to compare "
+    "hetpipe's tasks at one rate while the peers keep their best.",
 )
 @click.option(
     "--batches",
@@ -586,6 +610,7 @@ def main(
     seeds: str,
     systems: str,
     lrs: str | None,
+    fixed_lrs: tuple[str, ...],
     batches: str | None,
     rate_probe_s: float,
     max_seconds: float | None,
@@ -612,6 +637,7 @@ def main(
             f"unknown task(s) {unknown} or system(s) {bad}: tasks are {', '.join(tta_tasks.TASKS)}, "
             f"systems {', '.join(SYSTEMS)}"
         )
+    fixed = _fixed_lrs(fixed_lrs)
     seed_list = [int(s) for s in seeds.split(",")]
     batch_list = tuple(int(b) for b in batches.split(",")) if batches else ()
     wanted = [s for s in SYSTEMS if s in systems.split(",")]
@@ -631,6 +657,7 @@ def main(
                 seed_list,
                 wanted,
                 lrs,
+                fixed,
                 batch_list,
                 rate_probe_s,
                 max_seconds,
@@ -670,11 +697,29 @@ def main(
         print(f"wrote {table_path}")
 
 
+def _fixed_lrs(values: tuple[str, ...]) -> dict[str, float]:
+    """--lr's SYSTEM=LR pairs as a dict; a usage error names the bad one."""
+    fixed: dict[str, float] = {}
+    for value in values:
+        system, _, lr = value.partition("=")
+        try:
+            fixed[system] = float(lr)
+        except ValueError:
+            fixed[system] = math.nan
+        if system not in SYSTEMS or not fixed[system] > 0:
+            raise click.UsageError(
+                f"--lr {value!r}: give SYSTEM=LR with SYSTEM one of {', '.join(SYSTEMS)} and LR a positive "
+                "number, e.g. --lr hetpipe=0.004"
+            )
+    return fixed
+
+
 def _task(
     task: tta_tasks.Task,
     seeds: list[int],
     systems: list[str],
     lrs: str | None,
+    fixed_lrs: dict[str, float],
     batches: tuple[int, ...],
     rate_probe_s: float,
     max_seconds: float | None,
@@ -736,13 +781,14 @@ def _task(
     swept = [float(v) for v in lrs.split(",")] if lrs else list(task.lrs)
     chosen: dict[str, tuple[int, float]] = {}  # system -> (batch, lr)
     sweeps: dict[str, Any] = {}
-    cache: dict[tuple[int, str], tuple[float, dict[float, float | None], str]] = {}
+    cache: dict[tuple[int, str, tuple[float, ...]], tuple[float, dict[float, float | None], str]] = {}
     for system in systems:
         per_batch: dict[int, dict[str, Any]] = {}
         for b, bench in benches.items():
             if system.startswith("ddp") and not bench.members(system):
                 continue
-            per_batch[b] = _swept(bench, system, swept, cache, sweep_samples or task.sweep_samples)
+            rates = [fixed_lrs[system]] if system in fixed_lrs else swept
+            per_batch[b] = _swept(bench, system, rates, cache, sweep_samples or task.sweep_samples)
         if not per_batch:
             print(f"  {system}: no GPU holds the whole model; left out")
             continue
@@ -787,14 +833,14 @@ def _task(
 
 
 def _swept(
-    bench: Bench, system: str, swept: list[float], cache: dict[tuple[int, str], Any], budget: int
+    bench: Bench, system: str, swept: list[float], cache: dict[tuple[Any, ...], Any], budget: int
 ) -> dict[str, Any]:
     """The learning-rate sweep of `system` at the bench's batch (the calibration's own when it ran the same
     grid; settings that train alike share one): its best lr, samples per lr, and its reference samples to
     target (the calibration's 3-seed median when it measured the setting, else the sweep's at the best lr)."""
     setting = bench.setting(system)
     _, _, calibration = bench.plan()
-    key = (bench.batch, tta_tasks.sweep_key(setting))
+    key = (bench.batch, tta_tasks.sweep_key(setting), tuple(swept))
     measured = calibration.find(setting) if calibration is not None else None
     if key in cache:
         pass
