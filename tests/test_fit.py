@@ -3,7 +3,7 @@ not fit."""
 
 from __future__ import annotations
 
-from hetpipe.core.planning.fit import memory_error, stage_needs
+from hetpipe.core.planning.fit import changes_that_fit, memory_error, stage_needs
 from hetpipe.core.planning.memory import MemoryRule
 from hetpipe.core.planning.profile import LayerProfile, ModelProfile
 
@@ -101,3 +101,43 @@ def test_error_counts_the_other_stages_that_do_not_fit() -> None:
     assert "stage 2 of virtual worker 0 on GPU n1:0" in message  # the largest overcommit first
     assert "(2 more stages do not fit either)" in message
     assert "wsp.nm" not in message and "weight_stashing" not in message  # nm = 1: nothing to lower there
+
+
+def _fits(sizes: ModelProfile, layout, memory, rule: MemoryRule) -> bool:
+    return all(n.fits for n in stage_needs(sizes, [layout], memory, rule))
+
+
+def test_changes_that_fit_are_the_largest_batch_and_nm_that_fit_and_each_switch_that_does() -> None:
+    layout = (("n0:0",), (3,))
+    rule = MemoryRule(nm=4)
+    full = stage_needs(SIZES, [layout], MEMORY, rule)[0].need.total
+    memory = {"n0:0": ("g", full - 200)}  # 200 bytes short at batch 8, nm 4
+    found = changes_that_fit(SIZES, layout, memory, rule)
+    batch, nm = found["batch_size"], found["nm"]
+    assert 1 <= batch < 8 and 1 <= nm < 4
+    # each answer fits, one more does not: the largest
+    assert _fits(SIZES.at_batch(batch), layout, memory, rule)
+    assert not _fits(SIZES.at_batch(batch + 1), layout, memory, rule)
+    assert _fits(SIZES, layout, memory, MemoryRule(nm=nm))
+    assert nm == 3 or not _fits(SIZES, layout, memory, MemoryRule(nm=nm + 1))
+    # without stashing the 4 stashed versions go; recomputing keeps 150 B of saved activations for 600 B: each
+    # alone frees more than the 200 B short
+    assert found.get("weight_stashing") is False
+    assert found.get("recompute") is True
+    assert changes_that_fit(SIZES, layout, {"n0:0": ("g", full)}, rule) == {}  # fits already
+    assert changes_that_fit(SIZES, layout, {"n0:0": ("g", 10)}, rule) == {}  # nothing alone fits
+
+
+def test_the_error_names_the_changes_that_fit_as_toml_lines() -> None:
+    layout = (("n0:0",), (3,))
+    rule = MemoryRule(nm=4)
+    needs = stage_needs(SIZES, [layout], {"n0:0": ("g", 1000)}, rule)
+    fitting = {"batch_size": 3, "nm": 2, "recompute": True, "weight_stashing": False}
+    fix = memory_error(needs, model="toy", batch_size=8, rule=rule, fitting=fitting).splitlines()[1]
+    assert fix.startswith(
+        "  this VW fits with any one of: [train] batch_size = 3; [wsp] nm = 2; [train] recompute = true; "
+        "[train] weight_stashing = false; or give it more GPUs"
+    )
+    vw = "virtual_workers[1] "
+    own = memory_error(needs, model="toy", batch_size=8, rule=rule, fitting=fitting, where=vw)
+    assert f"any one of: {vw}batch_size = 3; {vw}nm = 2; [train] recompute = true" in own

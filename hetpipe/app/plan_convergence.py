@@ -14,7 +14,13 @@ from hetpipe.app.plan_inputs import SHIPPED_DIR
 from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import ConfigError, UsageError
-from hetpipe.core.planning.convergence import Calibration, attach_samples, find_calibration, rules_of
+from hetpipe.core.planning.convergence import (
+    Calibration,
+    attach_samples,
+    controls_of,
+    find_calibration,
+    rules_of,
+)
 
 __all__ = [
     "CALIBRATION_DIR",
@@ -40,7 +46,17 @@ def plan_calibration(
 ) -> tuple[Calibration | None, str]:
     """(the calibration to rank candidates by time to target, a note for the user); (None, why) without one.
     `path`: a calibration file to use whatever its model (its own note says what it was measured for);
-    `target`: the one in `folder` measured to that target."""
+    `target`: the one in `folder` measured to that target. The note says when the calibration was measured
+    with other trainer controls (lr schedule, clipping, loss) than the config's."""
+    cal, note = _find_calibration(config, path, folder, target)
+    t = config.train
+    other = cal.controls_note(controls_of(t.lr_schedule, t.clip_grad_norm, t.loss)) if cal else None
+    return cal, note if other is None else f"{note}; {other}"
+
+
+def _find_calibration(
+    config: ClusterConfig, path: Path | None, folder: Path, target: float | None
+) -> tuple[Calibration | None, str]:
     from hetpipe.app.model_catalog import model_key
     from hetpipe.core.errors import UsageError
 

@@ -17,7 +17,7 @@ from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import ConfigError, UsageError
 from hetpipe.core.pipeline.profile_window import ProfileWindow
 from hetpipe.core.pipeline.resume import common_cuts
-from hetpipe.core.planning.fit import memory_error, stage_needs
+from hetpipe.core.planning.fit import changes_that_fit, memory_error, stage_needs
 from hetpipe.core.planning.memory import MemoryRule
 from hetpipe.core.runs.checkpoint import CheckpointError, list_clocks, load_clock
 from hetpipe.core.wsp.aggregation import AGGREGATIONS, get_aggregation
@@ -70,7 +70,16 @@ def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ..
         sizes = model_sizes(spec, own.train.batch_size, own.train.optimizer)
         rule = MemoryRule.of(own, len(vws))
         needs = [replace(need, vw=v) for need in stage_needs(sizes, [(lay.gpus, lay.split)], memory, rule)]
-        problem = memory_error(needs, model=spec.name, batch_size=own.train.batch_size, rule=rule)
+        if all(n.fits for n in needs):
+            continue
+        problem = memory_error(
+            needs,
+            model=spec.name,
+            batch_size=own.train.batch_size,
+            rule=rule,
+            fitting=changes_that_fit(sizes, (lay.gpus, lay.split), memory, rule),
+            where=f"virtual_workers[{v}] " if lay.nm or lay.batch else "",
+        )
         if problem:
             raise ConfigError(f"{config.path}: {problem}")
 

@@ -6,13 +6,13 @@ anything. Pure: sizes in, findings out.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetpipe.core.pipeline.schedule import flushing_schedule
 from hetpipe.core.planning.memory import MemoryRule, StageMemory, format_bytes, stage_memory_terms
 from hetpipe.core.planning.profile import ModelProfile
 
-__all__ = ["StageNeed", "memory_error", "stage_needs"]
+__all__ = ["StageNeed", "changes_that_fit", "memory_error", "stage_needs"]
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,58 @@ def stage_needs(
     return needs
 
 
-def memory_error(needs: Sequence[StageNeed], *, model: str, batch_size: int, rule: MemoryRule) -> str | None:
-    """What to tell the user when a stage does not fit (the fullest GPU first), or None when all fit."""
+def changes_that_fit(
+    sizes: ModelProfile,
+    layout: tuple[Sequence[str], Sequence[int]],
+    memory: Mapping[str, tuple[str, int]],
+    rule: MemoryRule,
+) -> dict[str, int | bool]:
+    """One-setting changes under which every stage of one VW (its GPUs, layers per stage) fits, each alone:
+    the largest batch below `sizes`' ("batch_size"), the largest Nm below the rule's ("nm"), recomputing
+    activations ("recompute": True), no weight stashing ("weight_stashing": False). Empty when none fits or
+    all already fit. Each is the memory model's own answer; a batch between two measured ones is by
+    proportion (ModelProfile.at_batch)."""
+
+    def fits(at: ModelProfile, r: MemoryRule) -> bool:
+        return all(n.fits for n in stage_needs(at, [layout], memory, r))
+
+    if fits(sizes, rule):
+        return {}
+    found: dict[str, int | bool] = {}
+    batch = _largest(sizes.batch_size - 1, lambda b: fits(sizes.at_batch(b), rule))
+    if batch:
+        found["batch_size"] = batch
+    nm = _largest(rule.nm - 1, lambda k: fits(sizes, replace(rule, nm=k)))
+    if nm:
+        found["nm"] = nm
+    if not rule.recompute and fits(sizes, replace(rule, recompute=True)):
+        found["recompute"] = True
+    if rule.weight_stashing and rule.nm > 1 and fits(sizes, replace(rule, weight_stashing=False)):
+        found["weight_stashing"] = False
+    return found
+
+
+def _largest(top: int, ok) -> int:
+    """The largest k in [1, top] with ok(k), ok falling as k grows (binary search); 0 when not even 1."""
+    low, high = 0, top
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if ok(mid) else (low, mid - 1)
+    return low
+
+
+def memory_error(
+    needs: Sequence[StageNeed],
+    *,
+    model: str,
+    batch_size: int,
+    rule: MemoryRule,
+    fitting: Mapping[str, int | bool] | None = None,
+    where: str = "",
+) -> str | None:
+    """What to tell the user when a stage does not fit (the fullest GPU first), or None when all fit;
+    `fitting`: changes_that_fit's answer, its batch_size and nm named as settings of `where` (e.g.
+    "virtual_workers[2] ", for a VW with work of its own) or of [train] and [wsp]."""
     over = sorted((n for n in needs if not n.fits), key=lambda n: -n.overcommit)
     if not over:
         return None
@@ -77,12 +127,30 @@ def memory_error(needs: Sequence[StageNeed], *, model: str, batch_size: int, rul
         if rule.weight_stashing and nm > 1 and n.need.stashed
         else ""
     )
-    return (
+    head = (
         f"stage {n.stage} of virtual worker {n.vw} on GPU {n.gpu} ({n.gpu_type}) needs "
         f"{n.need.total:,} bytes ({format_bytes(n.need.total)}) for {layers} of {model} at batch "
         f"{batch_size} with nm={nm}, but the GPU has {n.available:,} bytes ({format_bytes(n.available)})"
         f"{more}: {n.need.describe()}\n"
-        f"  {' or '.join(fixes)}{stash}, give the VW more GPUs or another split "
-        "([[virtual_workers]] layers), "
-        "or let `hetpipe plan CONFIG --out PLAN` choose VWs and splits that fit and train with --plan PLAN"
     )
+    plan = "or let `hetpipe plan CONFIG --out PLAN` choose VWs and splits that fit and train with --plan PLAN"
+    if fitting:
+        changes = "; ".join(_setting(k, v, where) for k, v in fitting.items())
+        return (
+            f"{head}  this VW fits with any one of: {changes}; or give it more GPUs or another split "
+            f"([[virtual_workers]] layers), {plan}"
+        )
+    return (
+        f"{head}  {' or '.join(fixes)}{stash}, give the VW more GPUs or another split ([[virtual_workers]] "
+        f"layers), {plan}"
+    )
+
+
+_SECTION = {"batch_size": "[train] ", "nm": "[wsp] ", "recompute": "[train] ", "weight_stashing": "[train] "}
+
+
+def _setting(key: str, value: int | bool, where: str) -> str:
+    """A changes_that_fit entry as the TOML line that makes it, under its section (batch_size and nm: under
+    `where` when given)."""
+    shown = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{where if where and key in ('batch_size', 'nm') else _SECTION[key]}{key} = {shown}"
