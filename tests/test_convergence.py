@@ -4,6 +4,7 @@ model, and the planner's hook (candidates ranked by predicted time to target, bo
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shlex
 from pathlib import Path
@@ -14,12 +15,14 @@ from test_planner import SMALL_TOML, hetpipe, small
 from hetpipe.app.plan_convergence import CALIBRATION_DIR
 from hetpipe.core.errors import UsageError
 from hetpipe.core.planning.convergence import (
+    DEFAULT_CONTROLS,
     Calibration,
     Measurement,
     Setting,
     attach_samples,
     calibration_name,
     canonical,
+    controls_of,
     features,
     find_calibration,
     fit_model,
@@ -484,3 +487,38 @@ def test_fine_tuning_is_not_ranked_by_a_calibration_of_training_from_scratch() -
     fine = apply_overrides(config, ['model.init="pretrained.pt"'])
     found, note = plan_calibration(fine, target=0.97)
     assert found is None and "fine-tuning" in note and "--calibration PATH" in note
+
+
+def test_a_calibration_records_its_trainer_controls_and_the_planner_says_when_a_config_has_others() -> None:
+    """Calibrations measured before the field existed (the shipped ones) read as constant lr, no clipping,
+    cross-entropy. A config with a cosine schedule or clipping is told its samples were not measured so;
+    merging calibrations of other controls is refused."""
+    from hetpipe.app.plan_convergence import plan_calibration
+    from hetpipe.core.config.files import load_config
+    from hetpipe.core.config.overrides import apply_overrides
+
+    old = json.loads(calibration({}).to_json())
+    del old["controls"]
+    assert Calibration.from_json(json.dumps(old)).controls == DEFAULT_CONTROLS
+    clipped = calibration({}, controls=controls_of("cosine", 1.0, "cross_entropy"))
+    assert Calibration.from_json(clipped.to_json()) == clipped
+    assert calibration({}).controls_note(controls_of("constant", 0, "cross_entropy")) is None
+    note = calibration({}).controls_note(controls_of("cosine", 1.0, "cross_entropy"))
+    assert note.startswith(
+        "the calibration measured lr_schedule constant, no clipping, loss cross_entropy; this config trains "
+        "with lr_schedule cosine, clip_grad_norm 1, loss cross_entropy"
+    )
+    with pytest.raises(ValueError, match="lr_schedule cosine, clip_grad_norm 1"):
+        calibration({}).merged(clipped)
+    root = Path(__file__).resolve().parents[1]
+    mnist = [
+        'model.name="mnist-cnn"',
+        "model.options={ channels = [16, 32], hidden = 64 }",
+        "train.batch_size=128",
+        'train.optimizer="adam"',
+    ]
+    config = apply_overrides(load_config(root / "launch" / "clusters" / "bench.toml"), mnist)
+    found, note = plan_calibration(config, target=0.97)
+    assert found is not None and "this config trains with" not in note
+    found, note = plan_calibration(apply_overrides(config, ["train.clip_grad_norm=0.5"]), target=0.97)
+    assert found is not None and "this config trains with lr_schedule constant, clip_grad_norm 0.5" in note

@@ -62,6 +62,7 @@ from hetpipe.core.planning.convergence import (  # noqa: E402
     Setting,
     calibration_name,
     canonical,
+    controls_of,
     describe_fit,
     fit_model,
     parse_settings,
@@ -374,6 +375,7 @@ def main(
             tuple(seed_list),
             tuple(found),
             command,
+            controls=controls_of(t.lr_schedule, t.clip_grad_norm, t.loss),
         )
         if path.is_file():
             old = Calibration.load(path)
@@ -382,7 +384,10 @@ def main(
                     f"{path} holds {old.metric} {old.target}; this run {goal.metric} {goal.target}: "
                     "give another --calibrate PATH or remove it"
                 )
-            made = old.merged(made)
+            try:
+                made = old.merged(made)
+            except ValueError as exc:
+                raise click.UsageError(f"{path}: {exc}; give another --calibrate PATH") from None
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(made.to_json())
         print(

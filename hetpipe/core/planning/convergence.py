@@ -24,6 +24,7 @@ from hetpipe.core.wsp.aggregation import AGGREGATIONS, DEFAULT_AGGREGATION, get_
 
 __all__ = [
     "CALIBRATION_VERSION",
+    "DEFAULT_CONTROLS",
     "Calibration",
     "ConvergenceModel",
     "Measurement",
@@ -31,6 +32,7 @@ __all__ = [
     "attach_samples",
     "calibration_name",
     "canonical",
+    "controls_of",
     "describe_fit",
     "lr_of",
     "find_calibration",
@@ -45,6 +47,12 @@ __all__ = [
 ]
 
 CALIBRATION_VERSION = 1
+# the trainer controls a calibration's samples were measured with (calibrations without the field: these)
+DEFAULT_CONTROLS: Mapping[str, Any] = {
+    "lr_schedule": "constant",
+    "clip_grad_norm": 0.0,
+    "loss": "cross_entropy",
+}
 _SHAPE = re.compile(r"^(\d+)x(\d+)/(\d+)$")
 _D = re.compile(r"^D(\d+)$")
 
@@ -241,6 +249,20 @@ class Calibration:
     measurements: tuple[Measurement, ...]
     command: str = ""  # how it was measured
     notes: tuple[str, ...] = ()
+    # [train] controls that change samples to target, as measured (controls_of); a run with others differs
+    controls: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_CONTROLS))
+
+    def controls_note(self, wanted: Mapping[str, Any]) -> str | None:
+        """What to tell a user whose run's controls (controls_of) are not the ones this was measured with;
+        None when they are."""
+        if dict(wanted) == dict(self.controls):
+            return None
+        return (
+            f"the calibration measured {_controls_text(self.controls)}; this config trains with "
+            f"{_controls_text(wanted)}, whose samples to target it has not measured (it assumes the same): "
+            "measure them with launch/bench/staleness.py --set ... --calibrate PATH and give --calibration "
+            "PATH"
+        )
 
     @property
     def sequential(self) -> Measurement | None:
@@ -277,6 +299,7 @@ class Calibration:
             tuple(Measurement.from_json(m) for m in doc["measurements"]),
             doc.get("command", ""),
             tuple(doc.get("notes", ())),
+            dict(doc.get("controls", DEFAULT_CONTROLS)),
         )
 
     @classmethod
@@ -284,7 +307,12 @@ class Calibration:
         return cls.from_json(path.read_text())
 
     def merged(self, other: Calibration) -> Calibration:
-        """This calibration with `other`'s measurements added (other's win for the same setting)."""
+        """This calibration with `other`'s measurements added (other's win for the same setting); ValueError
+        when the two were measured with other trainer controls."""
+        if dict(self.controls) != dict(other.controls):
+            raise ValueError(
+                f"it measured {_controls_text(self.controls)}, this run {_controls_text(other.controls)}"
+            )
         keep = [m for m in self.measurements if other.find(m.setting) is None]
         return replace(
             self,
@@ -293,6 +321,17 @@ class Calibration:
             lrs=tuple(sorted({*self.lrs, *other.lrs})),
             command="; ".join(c for c in (self.command, other.command) if c),
         )
+
+
+def controls_of(lr_schedule: str, clip_grad_norm: float, loss: str) -> dict[str, Any]:
+    """The [train] controls a calibration records (DEFAULT_CONTROLS' keys): they change samples to target."""
+    return {"lr_schedule": lr_schedule, "clip_grad_norm": float(clip_grad_norm), "loss": loss}
+
+
+def _controls_text(controls: Mapping[str, Any]) -> str:
+    clip = controls.get("clip_grad_norm", 0.0)
+    clipping = f"clip_grad_norm {clip:g}" if clip else "no clipping"
+    return f"lr_schedule {controls.get('lr_schedule')}, {clipping}, loss {controls.get('loss')}"
 
 
 def calibration_name(
