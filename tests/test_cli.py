@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,8 +150,29 @@ def test_train_refuses_a_cluster_whose_memory_cannot_hold_the_model(tmp_path: Pa
     # the fullest GPU: stage 1 holds the fc layers' weights, their stashes, update sums and Adam state
     assert "stage 1 of virtual worker" in err and "on GPU n" in err and "(slow)" in err
     assert "but the GPU has 1,073,741 bytes (1.02 MiB)" in err and "needs " in err and "bytes (" in err
-    assert "lower train.batch_size or wsp.nm" in err and "hetpipe plan" in err
+    # 1 MiB holds not even the weights: no one change is enough, and the message says so
+    assert "no one change of batch_size, nm, recompute or weight_stashing makes it fit alone" in err
+    assert "hetpipe plan" in err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_change_a_memory_refusal_names_makes_the_run_fit(tmp_path: Path):
+    small = ["--set", "gpu_types.fast.memory_gib=0.012", "--set", "gpu_types.slow.memory_gib=0.012"]
+    result = hetpipe("train", "--run-dir", str(tmp_path / "a"), "--quiet", "--set", "train.waves=1", *small)
+    assert result.returncode == 2, result.stderr
+    match = re.search(r"it fits with any one of: \[train\] batch_size = (\d+)", result.stderr)
+    assert match, result.stderr
+    fixed = ["--set", f"train.batch_size={match[1]}"]
+    result = hetpipe(
+        "train", "--run-dir", str(tmp_path / "b"), "--quiet", "--set", "train.waves=1", *small, *fixed
+    )
+    assert result.returncode == 0, result.stderr
+    bigger = ["--set", f"train.batch_size={int(match[1]) + 1}"]  # the largest that fits: one more does not
+    result = hetpipe(
+        "train", "--run-dir", str(tmp_path / "c"), "--quiet", "--set", "train.waves=1", *small, *bigger
+    )
+    assert result.returncode == 2 and "needs " in result.stderr
 
 
 @pytest.mark.parametrize("where", ["proc", "file-parent", "read-only"])

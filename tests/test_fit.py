@@ -3,7 +3,7 @@ not fit."""
 
 from __future__ import annotations
 
-from hetpipe.core.planning.fit import changes_that_fit, memory_error, stage_needs
+from hetpipe.core.planning.fit import changes_that_fit, common_changes, memory_error, stage_needs
 from hetpipe.core.planning.memory import MemoryRule
 from hetpipe.core.planning.profile import LayerProfile, ModelProfile
 
@@ -135,9 +135,17 @@ def test_the_error_names_the_changes_that_fit_as_toml_lines() -> None:
     fitting = {"batch_size": 3, "nm": 2, "recompute": True, "weight_stashing": False}
     fix = memory_error(needs, model="toy", batch_size=8, rule=rule, fitting=fitting).splitlines()[1]
     assert fix.startswith(
-        "  this VW fits with any one of: [train] batch_size = 3; [wsp] nm = 2; [train] recompute = true; "
+        "  it fits with any one of: [train] batch_size = 3; [wsp] nm = 2; [train] recompute = true; "
         "[train] weight_stashing = false; or give it more GPUs"
     )
     vw = "virtual_workers[1] "
     own = memory_error(needs, model="toy", batch_size=8, rule=rule, fitting=fitting, where=vw)
     assert f"any one of: {vw}batch_size = 3; {vw}nm = 2; [train] recompute = true" in own
+
+
+def test_common_changes_fit_every_vw_that_shares_the_settings() -> None:
+    a = {"batch_size": 24, "nm": 3, "recompute": True, "weight_stashing": False}
+    b = {"batch_size": 16, "nm": 2, "weight_stashing": False}
+    assert common_changes([a, b]) == {"batch_size": 16, "nm": 2, "weight_stashing": False}
+    assert common_changes([a]) == a and common_changes([]) == {}
+    assert common_changes([a, {}]) == {}  # a VW that no single change fits: none to offer

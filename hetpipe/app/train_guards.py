@@ -17,7 +17,7 @@ from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import ConfigError, UsageError
 from hetpipe.core.pipeline.profile_window import ProfileWindow
 from hetpipe.core.pipeline.resume import common_cuts
-from hetpipe.core.planning.fit import changes_that_fit, memory_error, stage_needs
+from hetpipe.core.planning.fit import changes_that_fit, common_changes, memory_error, stage_needs
 from hetpipe.core.planning.memory import MemoryRule
 from hetpipe.core.runs.checkpoint import CheckpointError, list_clocks, load_clock
 from hetpipe.core.wsp.aggregation import AGGREGATIONS, get_aggregation
@@ -63,25 +63,32 @@ def _stderr(text: str) -> None:
 
 def check_memory(config: ClusterConfig, spec: ModelSpec, vws: tuple[VwLayout, ...]) -> None:
     """ConfigError when a stage of a VW needs more memory than its GPU type's memory_gib (emulated GPUs
-    too)."""
+    too), naming the first such VW and the changes that make it fit: the run-wide ones ([train], [wsp]) that
+    make every such VW without work of its own fit, or a VW's own."""
     memory = {g: (config.gpu(g).name, int(config.gpu(g).memory_gib * 2**30)) for lay in vws for g in lay.gpus}
+    failing = []
     for v, lay in enumerate(vws):  # at each VW's own Nm and batch
         own = vw_config(config, lay)
         sizes = model_sizes(spec, own.train.batch_size, own.train.optimizer)
         rule = MemoryRule.of(own, len(vws))
         needs = [replace(need, vw=v) for need in stage_needs(sizes, [(lay.gpus, lay.split)], memory, rule)]
-        if all(n.fits for n in needs):
-            continue
-        problem = memory_error(
-            needs,
-            model=spec.name,
-            batch_size=own.train.batch_size,
-            rule=rule,
-            fitting=changes_that_fit(sizes, (lay.gpus, lay.split), memory, rule),
-            where=f"virtual_workers[{v}] " if lay.nm or lay.batch else "",
-        )
-        if problem:
-            raise ConfigError(f"{config.path}: {problem}")
+        if not all(n.fits for n in needs):
+            fitting = changes_that_fit(sizes, (lay.gpus, lay.split), memory, rule)
+            failing.append((v, lay, own, rule, needs, fitting))
+    if not failing:
+        return
+    v, lay, own, rule, needs, fitting = failing[0]
+    if not (lay.nm or lay.batch):  # its batch and Nm are the run's: a change must fit every such VW
+        fitting = common_changes([f for _, other, *_, f in failing if not (other.nm or other.batch)])
+    problem = memory_error(
+        needs,
+        model=spec.name,
+        batch_size=own.train.batch_size,
+        rule=rule,
+        fitting=fitting,
+        where=f"virtual_workers[{v}] " if lay.nm or lay.batch else "",
+    )
+    raise ConfigError(f"{config.path}: {problem}")
 
 
 def check_work(config: ClusterConfig, vws: tuple[VwLayout, ...]) -> None:

@@ -12,7 +12,7 @@ from hetpipe.core.pipeline.schedule import flushing_schedule
 from hetpipe.core.planning.memory import MemoryRule, StageMemory, format_bytes, stage_memory_terms
 from hetpipe.core.planning.profile import ModelProfile
 
-__all__ = ["StageNeed", "changes_that_fit", "memory_error", "stage_needs"]
+__all__ = ["StageNeed", "changes_that_fit", "common_changes", "memory_error", "stage_needs"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,24 @@ def changes_that_fit(
     return found
 
 
+def common_changes(found: Sequence[Mapping[str, int | bool]]) -> dict[str, int | bool]:
+    """The changes_that_fit answers of several VWs that share their settings, as one answer every one of them
+    fits with: a key all of them have, at the smallest batch or Nm (smaller fits too), a switch all agree
+    on."""
+    if not found:
+        return {}
+    keys = [k for k in found[0] if all(k in f for f in found[1:])]
+    out: dict[str, int | bool] = {}
+    for key in keys:
+        values = [f[key] for f in found]
+        if all(isinstance(x, bool) for x in values):
+            if len(set(values)) == 1:
+                out[key] = values[0]
+        else:
+            out[key] = min(values)
+    return out
+
+
 def _largest(top: int, ok) -> int:
     """The largest k in [1, top] with ok(k), ok falling as k grows (binary search); 0 when not even 1."""
     low, high = 0, top
@@ -137,8 +155,13 @@ def memory_error(
     if fitting:
         changes = "; ".join(_setting(k, v, where) for k, v in fitting.items())
         return (
-            f"{head}  this VW fits with any one of: {changes}; or give it more GPUs or another split "
+            f"{head}  it fits with any one of: {changes}; or give it more GPUs or another split "
             f"([[virtual_workers]] layers), {plan}"
+        )
+    if fitting is not None:  # worked out: no one change is enough
+        return (
+            f"{head}  no one change of batch_size, nm, recompute or weight_stashing makes it fit alone: "
+            f"combine them, give the VW more GPUs or another split ([[virtual_workers]] layers), {plan}"
         )
     return (
         f"{head}  {' or '.join(fixes)}{stash}, give the VW more GPUs or another split ([[virtual_workers]] "
