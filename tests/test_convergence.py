@@ -467,21 +467,28 @@ def test_every_shipped_calibration_loads_is_named_for_its_model_and_says_how_it_
     assert all(set(m.samples) <= {None} or m.lr in cal.lrs for m in cal.measurements)
 
 
-def test_fine_tuning_is_not_ranked_by_a_calibration_of_training_from_scratch() -> None:
-    """The shipped calibrations measure training from scratch: a config that starts from `[model] init` finds
-    none of them (and is told how to measure its own), the same config without it finds its model's."""
-    from hetpipe.app.plan_convergence import plan_calibration
+def _bench_mnist():
+    """bench.toml with the mnist task's model, batch and optimizer: a shipped calibration's."""
     from hetpipe.core.config.files import load_config
     from hetpipe.core.config.overrides import apply_overrides
 
-    root = Path(__file__).resolve().parents[1]
     mnist = [
         'model.name="mnist-cnn"',
         "model.options={ channels = [16, 32], hidden = 64 }",
         "train.batch_size=128",
         'train.optimizer="adam"',
     ]
-    config = apply_overrides(load_config(root / "launch" / "clusters" / "bench.toml"), mnist)
+    root = Path(__file__).resolve().parents[1]
+    return apply_overrides(load_config(root / "launch" / "clusters" / "bench.toml"), mnist)
+
+
+def test_fine_tuning_is_not_ranked_by_a_calibration_of_training_from_scratch() -> None:
+    """The shipped calibrations measure training from scratch: a config that starts from `[model] init` finds
+    none of them (and is told how to measure its own), the same config without it finds its model's."""
+    from hetpipe.app.plan_convergence import plan_calibration
+    from hetpipe.core.config.overrides import apply_overrides
+
+    config = _bench_mnist()
     found, note = plan_calibration(config, target=0.97)
     assert found is not None and found.target == 0.97, note
     fine = apply_overrides(config, ['model.init="pretrained.pt"'])
@@ -494,7 +501,6 @@ def test_a_calibration_records_its_trainer_controls_and_the_planner_says_when_a_
     cross-entropy. A config with a cosine schedule or clipping is told its samples were not measured so;
     merging calibrations of other controls is refused."""
     from hetpipe.app.plan_convergence import plan_calibration
-    from hetpipe.core.config.files import load_config
     from hetpipe.core.config.overrides import apply_overrides
 
     old = json.loads(calibration({}).to_json())
@@ -510,14 +516,7 @@ def test_a_calibration_records_its_trainer_controls_and_the_planner_says_when_a_
     )
     with pytest.raises(ValueError, match="lr_schedule cosine, clip_grad_norm 1"):
         calibration({}).merged(clipped)
-    root = Path(__file__).resolve().parents[1]
-    mnist = [
-        'model.name="mnist-cnn"',
-        "model.options={ channels = [16, 32], hidden = 64 }",
-        "train.batch_size=128",
-        'train.optimizer="adam"',
-    ]
-    config = apply_overrides(load_config(root / "launch" / "clusters" / "bench.toml"), mnist)
+    config = _bench_mnist()
     found, note = plan_calibration(config, target=0.97)
     assert found is not None and "this config trains with" not in note
     found, note = plan_calibration(apply_overrides(config, ["train.clip_grad_norm=0.5"]), target=0.97)
