@@ -87,7 +87,8 @@ def _find_calibration(
     # the seed too, as the calibration's run built the model (hetpipe.compute.build.model_of)
     key = model_key(config.model.name, {"seed": config.seed, **config.model.options.to_dict()})
     t = config.train
-    return find_calibration(folder, key.name, key.options_digest, t.batch_size, t.optimizer, target)
+    controls = controls_of(t.lr_schedule, t.clip_grad_norm, t.loss)
+    return find_calibration(folder, key.name, key.options_digest, t.batch_size, t.optimizer, target, controls)
 
 
 def rule_of(config: ClusterConfig) -> str:

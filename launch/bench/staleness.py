@@ -24,7 +24,11 @@ once.
         [--set train.lr=0.02 ...] [--jobs 2] [--calibrate [PATH]] [--out FILE.json]
 
 --calibrate writes (or merges into) the calibration file beside the shipped profiles,
-hetpipe/calibrations/<model>-<digest>-b<batch>-<optimizer>.json, that `hetpipe plan` reads.
+hetpipe/calibrations/<model>-<digest>-b<batch>-<optimizer>.json, that `hetpipe plan` reads; measured with
+trainer controls other than the defaults (`--set train.lr_schedule="cosine"`, clipping, a loss), the file
+says which (`...-adam-cosine.json`) and `hetpipe plan` reads it for configs with those controls. Each run is
+--samples long (train.waves): a cosine schedule with `total_steps = 0` decays over the whole budget, whether
+the run stops at the target or, in the learning-rate sweep, once it cannot win.
 """
 
 from __future__ import annotations
@@ -83,27 +87,36 @@ def defaults_of(config: ClusterConfig, staleness: int) -> Setting:
 
 
 def run_setting(
-    config: ClusterConfig, setting: Setting, samples: int, score_every: int, goal: goals.Goal | None = None
+    config: ClusterConfig,
+    setting: Setting,
+    samples: int,
+    score_every: int,
+    goal: goals.Goal | None = None,
+    stop_at: int | None = None,
 ) -> list[dict[str, Any]]:
     """Train one setting in the reference; the global weights' metrics about every `score_every` samples (at
-    least once, at the end), each with the samples all VWs had trained by then. With `goal`, stop at the first
-    score that meets it."""
+    least once, at the end), each with the samples all VWs had trained by then. The run is `samples` long
+    (train.waves: what `total_steps = 0` of a cosine schedule decays over); with `goal`, it stops at the first
+    score that meets it, and with `stop_at` once it has trained that many samples (scored there)."""
     batch = config.train.batch_size
     per_wave = setting.vws * setting.nm * batch
     waves = max(1, math.ceil(samples / per_wave))
+    last = waves if stop_at is None else min(waves, max(1, math.ceil(stop_at / per_wave)))
     cfg = apply_overrides(config, [*setting.overrides(), f"train.waves={waves}"])
     spec, data = model_of(cfg), dataset_of(cfg)
     every = max(1, round(score_every / per_wave))
     out: list[dict[str, Any]] = []
 
     def score(version: int, weights: dict[str, np.ndarray]) -> None:
-        if version % every == 0 or version == waves:
+        if version % every == 0 or version == last:
             state = {k: torch.from_numpy(v) for k, v in weights.items()}
             out.append(
                 {"t": version * per_wave, **evaluate(spec, state, data, max_samples=cfg.train.eval_samples)}
             )
             if goal is not None and goal.met(out[-1]):
                 raise _Reached
+        if version == last:
+            raise _Reached
 
     split = tuple(
         even_split(param_counts(spec), setting.stages)
@@ -122,10 +135,11 @@ def _seed_run(
     score_every: int,
     goal: goals.Goal,
     stop: bool,
+    stop_at: int | None = None,
 ) -> dict[str, Any]:
     cfg = apply_overrides(config, [f"seed={seed}", f"train.lr={lr}"])
     began = time.time()
-    curve = run_setting(cfg, setting, samples, score_every, goal if stop else None)
+    curve = run_setting(cfg, setting, samples, score_every, goal if stop else None, stop_at)
     return {
         "setting": setting.label,
         "seed": seed,
@@ -158,7 +172,9 @@ def measure(
     best_lr, best_n = lrs[0], math.inf
     for lr in lrs:
         limit = samples if math.isinf(best_n) else int(min(samples, best_n))
-        first[lr] = _seed_run(config, setting, seeds[0], lr, limit, score_every, goal, stop or len(lrs) > 1)
+        first[lr] = _seed_run(
+            config, setting, seeds[0], lr, samples, score_every, goal, stop or len(lrs) > 1, limit
+        )
         n = first[lr]["samples_to_target"]
         sweep.append((lr, n))
         if len(lrs) > 1:
@@ -354,15 +370,12 @@ def main(
     print(table(found, seed_list, goal.label))
     command = "python launch/bench/staleness.py " + shlex.join(sys.argv[1:])  # pastes back into a shell
     if calibrate is not None:
-        path = (
-            Path(calibrate)
-            if calibrate
-            else CALIBRATION_DIR
-            / calibration_name(spec.name, options_digest(spec), t.batch_size, t.optimizer)
-        )
+        controls = controls_of(t.lr_schedule, t.clip_grad_norm, t.loss)
+        named = (spec.name, options_digest(spec), t.batch_size, t.optimizer)
+        path = Path(calibrate) if calibrate else CALIBRATION_DIR / calibration_name(*named, None, controls)
         if not calibrate and path.is_file() and not math.isclose(Calibration.load(path).target, goal.target):
             path = path.with_name(
-                calibration_name(spec.name, options_digest(spec), t.batch_size, t.optimizer, goal.target)
+                calibration_name(*named, goal.target, controls)
             )  # the default file is another target's
         made = Calibration(
             spec.name,
@@ -375,7 +388,7 @@ def main(
             tuple(seed_list),
             tuple(found),
             command,
-            controls=controls_of(t.lr_schedule, t.clip_grad_norm, t.loss),
+            controls=controls,
         )
         if path.is_file():
             old = Calibration.load(path)

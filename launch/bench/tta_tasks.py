@@ -273,7 +273,7 @@ def sweep_lr(
         cfg = apply_overrides(config, [f"train.lr={lr}", f"seed={seed}"])
         limit = samples if math.isinf(best_n) else int(min(samples, best_n))
         found[lr] = goals.first_reaching(
-            staleness.run_setting(cfg, setting, limit, score_every, goal), 0.0, goal
+            staleness.run_setting(cfg, setting, samples, score_every, goal, stop_at=limit), 0.0, goal
         )
         if found[lr] is not None and found[lr] < best_n:
             best_lr, best_n = lr, found[lr]

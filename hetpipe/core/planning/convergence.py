@@ -335,12 +335,27 @@ def _controls_text(controls: Mapping[str, Any]) -> str:
 
 
 def calibration_name(
-    model: str, options_digest: str, batch_size: int, optimizer: str, target: float | None = None
+    model: str,
+    options_digest: str,
+    batch_size: int,
+    optimizer: str,
+    target: float | None = None,
+    controls: Mapping[str, Any] | None = None,
 ) -> str:
     """File name of a calibration under the calibrations folder (hetpipe/calibrations/, beside the shipped
-    profiles): the model variant's default one, or with `target` one measured to that target (`-to0.97`)."""
+    profiles): the model variant's default one, or with `target` one measured to that target (`-to0.97`), and
+    with trainer `controls` other than DEFAULT_CONTROLS one measured with them (`-cosine`, `-clip1`,
+    `-loss-mse`)."""
     suffix = "" if target is None else f"-to{target:g}"
-    return f"{model}-{options_digest}-b{batch_size}-{optimizer}{suffix}.json"
+    return f"{model}-{options_digest}-b{batch_size}-{optimizer}{suffix}{_controls_suffix(controls)}.json"
+
+
+def _controls_suffix(controls: Mapping[str, Any] | None) -> str:
+    c = {**DEFAULT_CONTROLS, **(controls or {})}
+    parts = [] if c["lr_schedule"] == "constant" else [str(c["lr_schedule"])]
+    parts += [f"clip{c['clip_grad_norm']:g}"] if c["clip_grad_norm"] else []
+    parts += [] if c["loss"] == "cross_entropy" else ["loss-" + re.sub(r"[^A-Za-z0-9]+", "_", str(c["loss"]))]
+    return "".join(f"-{p}" for p in parts)
 
 
 def find_calibration(
@@ -350,13 +365,20 @@ def find_calibration(
     batch_size: int,
     optimizer: str,
     target: float | None = None,
+    controls: Mapping[str, Any] | None = None,
 ) -> tuple[Calibration | None, str]:
     """(the calibration of this model variant, batch and optimizer in `folder`, a note for the user); (None,
     why) without one. With `target`: the one measured to that target (the default file when its target is
-    that)."""
+    that). With `controls`: the one measured with them first, else the one without (whose note the caller
+    adds: Calibration.controls_note)."""
     names = [calibration_name(model, options_digest, batch_size, optimizer)]
     if target is not None:
         names.insert(0, calibration_name(model, options_digest, batch_size, optimizer, target))
+    if _controls_suffix(controls):
+        mine = [calibration_name(model, options_digest, batch_size, optimizer, None, controls)]
+        if target is not None:
+            mine.insert(0, calibration_name(model, options_digest, batch_size, optimizer, target, controls))
+        names = mine + names
     other: Calibration | None = None
     for name in names:
         if not (folder / name).is_file():
