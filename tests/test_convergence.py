@@ -448,9 +448,9 @@ def test_every_shipped_calibration_loads_is_named_for_its_model_and_says_how_it_
     cal = Calibration.load(path)
     named = (cal.model, cal.options_digest, cal.batch_size, cal.optimizer)
     assert path.name in (
-        calibration_name(*named),
-        calibration_name(*named, cal.target),
-    )  # default, or to its target
+        calibration_name(*named, None, cal.controls),
+        calibration_name(*named, cal.target, cal.controls),
+    )  # default, or to its target; measured with other trainer controls: named for them
     assert cal.sequential is not None and cal.sequential.median is not None  # the unit of every factor
     commands = cal.command.split("; ")
     assert all(c.startswith("python launch/bench/staleness.py ") and "--calibrate" in c for c in commands)
@@ -516,8 +516,28 @@ def test_a_calibration_records_its_trainer_controls_and_the_planner_says_when_a_
     )
     with pytest.raises(ValueError, match="lr_schedule cosine, clip_grad_norm 1"):
         calibration({}).merged(clipped)
+    assert (
+        calibration_name("toy", "x", 4, "adam", None, clipped.controls) == "toy-x-b4-adam-cosine-clip1.json"
+    )
+    odd = controls_of("constant", 0.0, "my.pkg:loss")
+    assert calibration_name("toy", "x", 4, "adam", 0.9, odd) == "toy-x-b4-adam-to0.9-loss-my_pkg_loss.json"
     config = _bench_mnist()
     found, note = plan_calibration(config, target=0.97)
     assert found is not None and "this config trains with" not in note
     found, note = plan_calibration(apply_overrides(config, ["train.clip_grad_norm=0.5"]), target=0.97)
     assert found is not None and "this config trains with lr_schedule constant, clip_grad_norm 0.5" in note
+
+
+def test_a_calibration_measured_with_a_config_s_controls_is_found_before_the_one_without(
+    tmp_path: Path,
+) -> None:
+    constant = calibration({"2x4/3:wsp:sum": 2500.0})
+    cosine = calibration({"2x4/3:wsp:sum": 1800.0}, controls=controls_of("cosine", 0.0, "cross_entropy"))
+    (tmp_path / calibration_name("toy", "x", 4, "momentum")).write_text(constant.to_json())
+    wants = controls_of("cosine", 0.0, "cross_entropy")
+    found, _ = find_calibration(tmp_path, "toy", "x", 4, "momentum", None, wants)
+    assert found == constant and found.controls_note(wants)  # none of its own yet: the other, with a note
+    (tmp_path / calibration_name("toy", "x", 4, "momentum", None, wants)).write_text(cosine.to_json())
+    found, note = find_calibration(tmp_path, "toy", "x", 4, "momentum", None, wants)
+    assert found == cosine and "toy-x-b4-momentum-cosine.json" in note and found.controls_note(wants) is None
+    assert find_calibration(tmp_path, "toy", "x", 4, "momentum")[0] == constant  # a constant-lr config
