@@ -151,7 +151,7 @@ def test_train_refuses_a_cluster_whose_memory_cannot_hold_the_model(tmp_path: Pa
     assert "stage 1 of virtual worker" in err and "on GPU n" in err and "(slow)" in err
     assert "but the GPU has 1,073,741 bytes (1.02 MiB)" in err and "needs " in err and "bytes (" in err
     # 1 MiB holds not even the weights: no one change is enough, and the message says so
-    assert "no one change of batch_size, nm, recompute or weight_stashing makes it fit alone" in err
+    assert "no one change of batch_size, nm, recompute, weight_stashing or schedule makes it fit" in err
     assert "hetpipe plan" in err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
 

@@ -120,10 +120,17 @@ def test_changes_that_fit_are_the_largest_batch_and_nm_that_fit_and_each_switch_
     assert not _fits(SIZES.at_batch(batch + 1), layout, memory, rule)
     assert _fits(SIZES, layout, memory, MemoryRule(nm=nm))
     assert nm == 3 or not _fits(SIZES, layout, memory, MemoryRule(nm=nm + 1))
-    # without stashing the 4 stashed versions go; recomputing keeps 150 B of saved activations for 600 B: each
-    # alone frees more than the 200 B short
-    assert found.get("weight_stashing") is False
-    assert found.get("recompute") is True
+    # without stashing the 4 stashed versions go; so do they under the flushing schedule, which keeps no
+    # versions: each alone frees more than the 200 B short. wsp does not allow recomputation: not offered
+    assert found.get("weight_stashing") is False and found.get("schedule") == "1f1b-flush"
+    assert "recompute" not in found
+    # a flushing schedule may recompute: 3 stages at Nm 4, stage 0 keeps 3 minibatches' 20 B of saved
+    # activations, 1 when it recomputes: 40 B less than the 10 B it is short
+    flush, three = MemoryRule(nm=4, schedule="1f1b-flush"), (("n0:0", "n0:1", "n1:0"), (1, 1, 1))
+    roomy = {gpu: ("g", 10 * MIB) for gpu in three[0]}
+    need = stage_needs(SIZES, [three], roomy, flush)[0].need.total
+    found = changes_that_fit(SIZES, three, {**roomy, "n0:0": ("g", need - 10)}, flush)
+    assert found.get("recompute") is True and "schedule" not in found and "weight_stashing" not in found
     assert changes_that_fit(SIZES, layout, {"n0:0": ("g", full)}, rule) == {}  # fits already
     assert changes_that_fit(SIZES, layout, {"n0:0": ("g", 10)}, rule) == {}  # nothing alone fits
 
@@ -132,11 +139,17 @@ def test_the_error_names_the_changes_that_fit_as_toml_lines() -> None:
     layout = (("n0:0",), (3,))
     rule = MemoryRule(nm=4)
     needs = stage_needs(SIZES, [layout], {"n0:0": ("g", 1000)}, rule)
-    fitting = {"batch_size": 3, "nm": 2, "recompute": True, "weight_stashing": False}
+    fitting = {
+        "batch_size": 3,
+        "nm": 2,
+        "recompute": True,
+        "weight_stashing": False,
+        "schedule": "1f1b-flush",
+    }
     fix = memory_error(needs, model="toy", batch_size=8, rule=rule, fitting=fitting).splitlines()[1]
     assert fix.startswith(
         "  it fits with any one of: [train] batch_size = 3; [wsp] nm = 2; [train] recompute = true; "
-        "[train] weight_stashing = false; or give it more GPUs"
+        '[train] weight_stashing = false; [train] schedule = "1f1b-flush"; or give it more GPUs'
     )
     vw = "virtual_workers[1] "
     own = memory_error(needs, model="toy", batch_size=8, rule=rule, fitting=fitting, where=vw)
@@ -144,8 +157,9 @@ def test_the_error_names_the_changes_that_fit_as_toml_lines() -> None:
 
 
 def test_common_changes_fit_every_vw_that_shares_the_settings() -> None:
-    a = {"batch_size": 24, "nm": 3, "recompute": True, "weight_stashing": False}
-    b = {"batch_size": 16, "nm": 2, "weight_stashing": False}
-    assert common_changes([a, b]) == {"batch_size": 16, "nm": 2, "weight_stashing": False}
+    a = {"batch_size": 24, "nm": 3, "recompute": True, "weight_stashing": False, "schedule": "1f1b-flush"}
+    b = {"batch_size": 16, "nm": 2, "weight_stashing": False, "schedule": "1f1b-flush"}
+    both = {"batch_size": 16, "nm": 2, "weight_stashing": False, "schedule": "1f1b-flush"}
+    assert common_changes([a, b]) == both
     assert common_changes([a]) == a and common_changes([]) == {}
     assert common_changes([a, {}]) == {}  # a VW that no single change fits: none to offer

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from hetpipe.core.pipeline.schedule import flushing_schedule
+from hetpipe.core.pipeline.schedule import flushing_schedule, get_schedule
 from hetpipe.core.planning.memory import MemoryRule, StageMemory, format_bytes, stage_memory_terms
 from hetpipe.core.planning.profile import ModelProfile
 
@@ -63,47 +63,51 @@ def changes_that_fit(
     layout: tuple[Sequence[str], Sequence[int]],
     memory: Mapping[str, tuple[str, int]],
     rule: MemoryRule,
-) -> dict[str, int | bool]:
-    """One-setting changes under which every stage of one VW (its GPUs, layers per stage) fits, each alone:
-    the largest batch below `sizes`' ("batch_size"), the largest Nm below the rule's ("nm"), recomputing
-    activations ("recompute": True), no weight stashing ("weight_stashing": False). Empty when none fits or
-    all already fit. Each is the memory model's own answer; a batch between two measured ones is by
-    proportion (ModelProfile.at_batch)."""
+) -> dict[str, int | bool | str]:
+    """One-setting changes under which every stage of one VW (its GPUs, layers per stage) fits, each alone
+    and each one the config accepts with the rule's schedule: the largest batch below `sizes`' ("batch_size"),
+    the largest Nm below the rule's ("nm"), recomputing activations ("recompute": True, where the schedule
+    allows it), no weight stashing ("weight_stashing": False, where stashing is optional), the flushing
+    schedule ("schedule": "1f1b-flush"). Empty when none fits or all already fit. Each is the memory model's
+    own answer; a batch between two measured ones is by proportion (ModelProfile.at_batch)."""
 
     def fits(at: ModelProfile, r: MemoryRule) -> bool:
         return all(n.fits for n in stage_needs(at, [layout], memory, r))
 
     if fits(sizes, rule):
         return {}
-    found: dict[str, int | bool] = {}
+    found: dict[str, int | bool | str] = {}
     batch = _largest(sizes.batch_size - 1, lambda b: fits(sizes.at_batch(b), rule))
     if batch:
         found["batch_size"] = batch
     nm = _largest(rule.nm - 1, lambda k: fits(sizes, replace(rule, nm=k)))
     if nm:
         found["nm"] = nm
-    if not rule.recompute and fits(sizes, replace(rule, recompute=True)):
+    kind, flush = get_schedule(rule.schedule), flushing_schedule()
+    if kind.recompute and not rule.recompute and fits(sizes, replace(rule, recompute=True)):
         found["recompute"] = True
-    if rule.weight_stashing and rule.nm > 1 and fits(sizes, replace(rule, weight_stashing=False)):
+    optional = kind.stashing == "optional" and rule.weight_stashing and rule.nm > 1
+    if optional and fits(sizes, replace(rule, weight_stashing=False)):
         found["weight_stashing"] = False
+    if kind.name != flush.name and fits(sizes, replace(rule, schedule=flush.name)):
+        found["schedule"] = flush.name
     return found
 
 
-def common_changes(found: Sequence[Mapping[str, int | bool]]) -> dict[str, int | bool]:
+def common_changes(found: Sequence[Mapping[str, int | bool | str]]) -> dict[str, int | bool | str]:
     """The changes_that_fit answers of several VWs that share their settings, as one answer every one of them
     fits with: a key all of them have, at the smallest batch or Nm (smaller fits too), a switch all agree
     on."""
     if not found:
         return {}
     keys = [k for k in found[0] if all(k in f for f in found[1:])]
-    out: dict[str, int | bool] = {}
+    out: dict[str, int | bool | str] = {}
     for key in keys:
         values = [f[key] for f in found]
-        if all(isinstance(x, bool) for x in values):
-            if len(set(values)) == 1:
-                out[key] = values[0]
-        else:
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in values):
             out[key] = min(values)
+        elif len(set(values)) == 1:
+            out[key] = values[0]
     return out
 
 
@@ -122,7 +126,7 @@ def memory_error(
     model: str,
     batch_size: int,
     rule: MemoryRule,
-    fitting: Mapping[str, int | bool] | None = None,
+    fitting: Mapping[str, int | bool | str] | None = None,
     where: str = "",
 ) -> str | None:
     """What to tell the user when a stage does not fit (the fullest GPU first), or None when all fit;
@@ -160,8 +164,9 @@ def memory_error(
         )
     if fitting is not None:  # worked out: no one change is enough
         return (
-            f"{head}  no one change of batch_size, nm, recompute or weight_stashing makes it fit alone: "
-            f"combine them, give the VW more GPUs or another split ([[virtual_workers]] layers), {plan}"
+            f"{head}  no one change of batch_size, nm, recompute, weight_stashing or schedule makes it fit "
+            f"alone: combine them, give the VW more GPUs or another split ([[virtual_workers]] layers), "
+            f"{plan}"
         )
     return (
         f"{head}  {' or '.join(fixes)}{stash}, give the VW more GPUs or another split ([[virtual_workers]] "
@@ -169,11 +174,19 @@ def memory_error(
     )
 
 
-_SECTION = {"batch_size": "[train] ", "nm": "[wsp] ", "recompute": "[train] ", "weight_stashing": "[train] "}
+_SECTION = {"nm": "[wsp] "}  # the rest are [train]'s
 
 
-def _setting(key: str, value: int | bool, where: str) -> str:
+def _setting(key: str, value: int | bool | str, where: str) -> str:
     """A changes_that_fit entry as the TOML line that makes it, under its section (batch_size and nm: under
     `where` when given)."""
-    shown = str(value).lower() if isinstance(value, bool) else str(value)
-    return f"{where if where and key in ('batch_size', 'nm') else _SECTION[key]}{key} = {shown}"
+    shown = (
+        str(value).lower()
+        if isinstance(value, bool)
+        else f'"{value}"'
+        if isinstance(value, str)
+        else str(value)
+    )
+    return (
+        f"{where if where and key in ('batch_size', 'nm') else _SECTION.get(key, '[train] ')}{key} = {shown}"
+    )
