@@ -83,11 +83,11 @@ def test_missing_extra_is_one_line(monkeypatch) -> None:
     with pytest.raises(UsageError) as caught:
         Board(Path("unused"))
     message = str(caught.value)
-    assert "\n" not in message and "pip install 'hetpipe[tensorboard]'" in message
+    assert "\n" not in message and "pip install -e '.[tensorboard]' in the hetpipe checkout" in message
 
 
 @pytest.mark.skipif(
-    not HAS_TENSORBOARD, reason="needs the tensorboard extra (pip install 'hetpipe[tensorboard]')"
+    not HAS_TENSORBOARD, reason="needs the tensorboard extra (pip install -e '.[tensorboard]')"
 )
 def test_event_files_read_back(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

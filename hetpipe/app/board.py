@@ -15,7 +15,8 @@ from hetpipe.core.errors import UsageError
 __all__ = ["EVAL_METRICS", "Board", "check_board", "scalars"]
 
 EVAL_METRICS = ("test_accuracy", "test_loss", "val_loss", "val_perplexity")
-INSTALL = "pip install 'hetpipe[tensorboard]'"
+# hetpipe is installed from its checkout, not an index: the extra is `-e '.[tensorboard]'` there
+INSTALL = "pip install -e '.[tensorboard]' in the hetpipe checkout (or pip install 'tensorboard>=2.14')"
 
 
 def check_board() -> None:
