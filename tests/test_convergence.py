@@ -526,6 +526,10 @@ def test_a_calibration_records_its_trainer_controls_and_the_planner_says_when_a_
     assert found is not None and "this config trains with" not in note
     found, note = plan_calibration(apply_overrides(config, ["train.clip_grad_norm=0.5"]), target=0.97)
     assert found is not None and "this config trains with lr_schedule constant, clip_grad_norm 0.5" in note
+    # clipping at 1.0, what launch/bench/trainer_controls.py found best with two VWs, is shipped measured
+    found, note = plan_calibration(apply_overrides(config, ["train.clip_grad_norm=1.0"]), target=0.97)
+    assert found is not None and found.controls == controls_of("constant", 1.0, "cross_entropy")
+    assert "-to0.97-clip1.json" in note and "this config trains with" not in note
 
 
 def test_a_calibration_measured_with_a_config_s_controls_is_found_before_the_one_without(
