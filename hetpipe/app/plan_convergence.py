@@ -48,14 +48,15 @@ def plan_calibration(
     `path`: a calibration file to use whatever its model (its own note says what it was measured for);
     `target`: the one in `folder` measured to that target. The note says when the calibration was measured
     with other trainer controls (lr schedule, clipping, loss) than the config's."""
-    cal, note = _find_calibration(config, path, folder, target)
     t = config.train
-    other = cal.controls_note(controls_of(t.lr_schedule, t.clip_grad_norm, t.loss)) if cal else None
+    controls = controls_of(t.lr_schedule, t.clip_grad_norm, t.loss)
+    cal, note = _find_calibration(config, path, folder, target, controls)
+    other = cal.controls_note(controls) if cal else None
     return cal, note if other is None else f"{note}; {other}"
 
 
 def _find_calibration(
-    config: ClusterConfig, path: Path | None, folder: Path, target: float | None
+    config: ClusterConfig, path: Path | None, folder: Path, target: float | None, controls: dict[str, Any]
 ) -> tuple[Calibration | None, str]:
     from hetpipe.app.model_catalog import model_key
     from hetpipe.core.errors import UsageError
@@ -87,7 +88,6 @@ def _find_calibration(
     # the seed too, as the calibration's run built the model (hetpipe.compute.build.model_of)
     key = model_key(config.model.name, {"seed": config.seed, **config.model.options.to_dict()})
     t = config.train
-    controls = controls_of(t.lr_schedule, t.clip_grad_norm, t.loss)
     return find_calibration(folder, key.name, key.options_digest, t.batch_size, t.optimizer, target, controls)
 
 

@@ -371,14 +371,13 @@ def find_calibration(
     why) without one. With `target`: the one measured to that target (the default file when its target is
     that). With `controls`: the one measured with them first, else the one without (whose note the caller
     adds: Calibration.controls_note)."""
-    names = [calibration_name(model, options_digest, batch_size, optimizer)]
-    if target is not None:
-        names.insert(0, calibration_name(model, options_digest, batch_size, optimizer, target))
-    if _controls_suffix(controls):
-        mine = [calibration_name(model, options_digest, batch_size, optimizer, None, controls)]
-        if target is not None:
-            mine.insert(0, calibration_name(model, options_digest, batch_size, optimizer, target, controls))
-        names = mine + names
+    measured_with = ([controls] if _controls_suffix(controls) else []) + [None]  # the config's controls first
+    targets = ([target] if target is not None else []) + [None]  # the target's own file first
+    names = [
+        calibration_name(model, options_digest, batch_size, optimizer, t, c)
+        for c in measured_with
+        for t in targets
+    ]
     other: Calibration | None = None
     for name in names:
         if not (folder / name).is_file():
