@@ -10,8 +10,10 @@ import pytest
 from test_planner import cluster, small, toy_profile
 
 from hetpipe.core.config.parse import parse_config
-from hetpipe.core.planning.planner import plan_candidates
-from hetpipe.core.planning.wave_balance import WorkOption, balance, batch_ladder
+from hetpipe.core.planning.memory import MemoryRule, stage_memory_terms
+from hetpipe.core.planning.per_vw_work import nm_cap
+from hetpipe.core.planning.planner import best, plan_candidates
+from hetpipe.core.planning.wave_balance import WorkOption, balance, batch_ladder, fine_batches
 
 
 def options(
@@ -134,3 +136,45 @@ def test_the_average_mitigation_keeps_equal_work() -> None:
     assert found and all(
         len({vw.nm * vw.batch(4) for vw in c.plan.vws}) == 1 for c in found if c.plan is not None
     )
+
+
+def test_a_gpu_short_of_memory_falls_back_to_the_largest_sixteenth_of_the_batch_it_holds() -> None:
+    assert fine_batches(64) == tuple(range(4, 64, 4))
+    assert fine_batches(4) == (1, 2, 3)  # under 16: every size below the batch
+    # the Nm cap counts minibatches of the config's batch: a VW at a smaller batch may run as many more as
+    # make up the same samples, never fewer than the cap
+    assert [nm_cap(16, b, 64) for b in (16, 28, 64, 128)] == [64, 36, 16, 16]
+
+
+def test_a_gpu_that_holds_the_model_only_at_a_smaller_batch_is_a_vw_of_its_own() -> None:
+    """A "mid" GPU (72 MiB) cannot hold the whole model at the config's batch of 4 (94 MiB at Nm 1: 6 x 3 MiB
+    of weights, gradients and momentum, 6 x 8 MiB of saved activations, input and working memory); at a
+    smaller batch the activations shrink. dp at one common Nm pipelines n1's two mids and leaves n2's lone
+    one out; per-VW work runs every mid alone at the largest batch it holds, so all five GPUs count."""
+    config = cluster([["big", "big"], ["mid", "mid"], ["mid"]], {"big": (2.0, 8.0), "mid": (1.0, 72 / 1024)})
+    profiles = {"big": toy_profile("big", 1.0, saved_mib=8.0), "mid": toy_profile("mid", 2.0, saved_mib=8.0)}
+    found = plan_candidates(config, profiles, ps_gbps=10.0, d_values=(0,), policies=["dp"], schedules=["wsp"])
+    common = found[0]
+    assert sorted(vw.gpus for vw in common.plan.vws) == [("n0:0",), ("n0:1",), ("n1:0", "n1:1")]
+    alone = [c for c in found if c.plan is not None and sum(len(vw.gpus) == 1 for vw in c.plan.vws) == 5]
+    assert alone, [c.notes for c in found]
+    plan = alone[0].plan
+    mids = [vw for vw in plan.vws if vw.stages[0].gpu_type == "mid"]
+    assert sorted(vw.gpus for vw in mids) == [("n1:0",), ("n1:1",), ("n2:0",)]
+    # the largest batch it holds, by the memory model on its own: 2 fits in 72 MiB, 3 does not
+    whole = profiles["mid"]
+    need = [
+        stage_memory_terms(
+            whole.at_batch(b).layers,
+            0,
+            1,
+            MemoryRule.of(config, 5).with_nm(1),
+            input_bytes=whole.at_batch(b).input_bytes,
+        ).total
+        for b in (2, 3)
+    ]
+    assert need[0] <= 72 * 2**20 < need[1]
+    assert all(vw.batch(4) <= 2 for vw in mids)
+    assert "vw4 (n2:0 mid) holds the model at a minibatch of 2 or less" in alone[0].notes
+    assert all(u.memory_bytes <= u.limit_bytes for u in alone[0].memory)
+    assert best(found).gpus_used == 5

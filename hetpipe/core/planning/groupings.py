@@ -18,6 +18,7 @@ from hetpipe.core.planning.memory import MemoryRule, stage_memory_terms
 from hetpipe.core.planning.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.profile import ModelProfile
+from hetpipe.core.planning.wave_balance import fine_batches
 
 __all__ = ["Fitted", "Grouping", "GroupingSearch", "gpu_list", "pipelines_by_node"]
 
@@ -36,6 +37,18 @@ class Fitted:
     left_out: tuple[str, ...]
     rule: MemoryRule
     cap: int
+    # per-VW work's other VWs and notes: GPUs that hold the model alone only at a smaller minibatch as VWs of
+    # their own (at the config's batch they are left out, or pipelined by dp)
+    work_vws: tuple[FittedVw, ...] | None = None
+    work_left_out: tuple[str, ...] = ()
+
+    def for_work(self) -> tuple[Fitted, ...]:
+        """The sets of VWs per-VW work plans: these, and where some GPUs hold the model alone only at a
+        smaller minibatch, the same with those GPUs as VWs of their own."""
+        if self.work_vws is None:
+            return (self,)
+        alone = dataclasses.replace(self, vws=self.work_vws, left_out=self.work_left_out, work_vws=None)
+        return (self, alone)
 
 
 class GroupingSearch:
@@ -169,6 +182,7 @@ class GroupingSearch:
         fitted: list[FittedVw] = []
         left_out: list[str] = []
         alone: list[GpuRef] = []  # dp: GPUs that cannot hold the model alone
+        smaller: list[tuple[FittedVw, str]] = []  # VWs that hold it only at a smaller minibatch, with a note
         for v, refs in enumerate(groups):
             gpus = [self.gpu(ref) for ref in refs]
             split = listed[v].layers if listed else None
@@ -177,6 +191,13 @@ class GroupingSearch:
             except HetpipeError as exc:  # UsageError included: more GPUs than layers
                 left_out.append(f"vw{v} ({gpu_list(gpus)}) left out: {first_line(exc)}")
                 alone += refs if policy == "dp" else []
+                found = None if listed else self.at_smaller_batch(gpus, cap, rule)
+                if found is not None:
+                    vw, batch = found
+                    note = f"vw{v} ({gpu_list(gpus)}) holds the model at a minibatch of {batch} or less"
+                    smaller.append(
+                        ((v, [next(g for g in gpus if g[0] == r) for r in vw.gpus], None, vw), note)
+                    )
                 continue
             fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], split, vw))
 
@@ -187,8 +208,34 @@ class GroupingSearch:
                 return False
             return True
 
+        fitted_alone, unpipelined = list(fitted), list(left_out)
+        pipelined_vws, left_out = self._pipelined(
+            pipelines_by_node(alone, holds), len(groups), cap, rule, left_out
+        )
+        fitted += pipelined_vws
+        if not fitted:  # per-VW work needs one VW at the config's batch to start from (grouping)
+            return "no virtual worker of this policy can hold the model:\n    " + "\n    ".join(left_out)
+        work_vws, work_left_out = None, ()
+        if smaller:  # per-VW work runs them alone, each at a batch it holds; dp pipelines the rest
+            names = {g[0] for (_, gpus, _, _), _ in smaller for g in gpus}
+            rest = [ref for ref in alone if str(ref) not in names]
+            notes = [n for n in unpipelined if not any(f"({name} " in n for name in names)]
+            work_pipes, notes = self._pipelined(pipelines_by_node(rest, holds), len(groups), cap, rule, notes)
+            work_vws = tuple(
+                sorted([*fitted_alone, *(f for f, _ in smaller), *work_pipes], key=lambda f: f[0])
+            )
+            work_left_out = (*notes, *(note for _, note in smaller))
+        return Fitted(tuple(fitted), tuple(left_out), rule, cap, work_vws, work_left_out)
+
+    def _pipelined(
+        self, groups: Sequence[list[GpuRef]], first: int, cap: int, rule: MemoryRule, left_out: list[str]
+    ) -> tuple[list[FittedVw], list[str]]:
+        """dp's pipelines of GPUs that hold the model only together (numbered from `first`) as fitted VWs,
+        and `left_out` without their GPUs' notes and with one saying they were pipelined."""
+        fitted: list[FittedVw] = []
         pipelined: list[str] = []
-        for v, refs in enumerate(pipelines_by_node(alone, holds), start=len(groups)):
+        left_out = list(left_out)
+        for v, refs in enumerate(groups, start=first):
             gpus = [self.gpu(ref) for ref in refs]
             try:
                 vw = self.best_order(gpus, cap, rule)
@@ -201,9 +248,29 @@ class GroupingSearch:
             fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], None, vw))
         if pipelined:
             left_out.append(f"GPUs that hold the model only together, pipelined: {'; '.join(pipelined)}")
-        if not fitted:
-            return "no virtual worker of this policy can hold the model:\n    " + "\n    ".join(left_out)
-        return Fitted(tuple(fitted), tuple(left_out), rule, cap)
+        return fitted, left_out
+
+    def at_smaller_batch(self, gpus: list[Gpu], cap: int, rule: MemoryRule) -> tuple[VwPlan, int] | None:
+        """The VW of `gpus` at the largest minibatch of fine_batches that it holds (its best order, split and
+        Nm there), with its times scaled back to the config's batch, as per-VW work expects; and that batch.
+        None when none holds it. The batch is searched once per kind of VW."""
+        kind = tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus))
+        key = ("smaller", kind, cap, rule)
+        if key not in self.solved:
+            self.solved[key] = next(
+                (b for b in reversed(fine_batches(self.batch)) if self._split_at(gpus, cap, rule, b)), 0
+            )
+        batch = self.solved[key]
+        vw = self._split_at(gpus, cap, rule, batch) if batch else None
+        return None if vw is None else (vw.times_scaled(self.batch / batch), batch)
+
+    def _split_at(self, gpus: list[Gpu], cap: int, rule: MemoryRule, batch: int) -> VwPlan | None:
+        """best_order_and_nm of `gpus` with the profiles at minibatch size `batch`; None when none fits."""
+        profiles = {t: self.profile(t, batch) for t in {g[1] for g in gpus}}
+        try:
+            return best_order_and_nm(profiles, gpus, self.link, cap, rule=rule, reserve_bytes=self.reserve)
+        except HetpipeError:
+            return None
 
     def grouping(self, policy: str, nm_max: int | None, schedule: str = DEFAULT_SCHEDULE) -> Grouping | str:
         """The VWs of `policy` at one common Nm under `schedule`, with notes; or why the policy cannot run."""

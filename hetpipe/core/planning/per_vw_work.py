@@ -12,10 +12,10 @@ from hetpipe.core.planning.memory import MemoryRule, format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.relays import prefix_ps_bytes
-from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder
+from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder, fine_batches
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
-__all__ = ["KEEP_FEWER", "PerVwWork", "work_text"]
+__all__ = ["KEEP_FEWER", "PerVwWork", "nm_cap", "work_text"]
 
 KEEP_FEWER = 0.9  # only the fastest VWs: planned when the estimate is within 10% of the best one's
 
@@ -33,19 +33,24 @@ class PerVwWork:
         self.node_aggregation = search.config.ps.node_aggregation
 
     def options(self, vw: VwPlan, rule: MemoryRule, cap: int) -> tuple[WorkOption, ...]:
-        """Every (Nm, batch) the VW may run with its split: Nm its own, or from its depth (a full pipe) to the
-        cap; each batch of batch_ladder. A wave's time is scaled from the config's batch by proportion (as
-        ModelProfile.at_batch scales every time, transfers included); memory by the memory model."""
+        """Every (Nm, batch) the VW may run with its split: each batch of batch_ladder, Nm its own, or from
+        its depth (a full pipe) to the cap (nm_cap: more at a smaller batch). A wave's time is scaled from the
+        config's batch by proportion (as ModelProfile.at_batch scales every time, transfers included); memory
+        by the memory model."""
         kind = tuple((s.gpu_type, s.start, s.stop, s.time_s, s.memory_limit_bytes) for s in vw.stages)
         key = (kind, rule, cap)
         if key not in self.options_of:
             base = self.search.batch
             out = []
-            for nm in sorted({vw.nm, *range(len(vw.stages), cap + 1)}):
+            batches = self.batches(vw, rule)
+            most = nm_cap(cap, batches[0], base)
+            for nm in sorted({vw.nm, *range(len(vw.stages), most + 1)}):
                 per_minibatch = minibatch_time_s(
                     dataclasses.replace(vw, nm=nm), rule.schedule, rule.recompute
                 )
-                for batch in batch_ladder(base):
+                for batch in batches:
+                    if nm > max(vw.nm, nm_cap(cap, batch, base)):
+                        continue
                     sized = self.at(vw, nm, batch)
                     needs = self.search.stage_bytes(sized, rule)
                     over = "; ".join(
@@ -58,21 +63,27 @@ class PerVwWork:
             self.options_of[key] = tuple(out)
         return self.options_of[key]
 
+    def batches(self, vw: VwPlan, rule: MemoryRule) -> tuple[int, ...]:
+        """batch_ladder; for a VW that does not hold the model at the config's batch, also the largest of
+        fine_batches it holds (at its depth's Nm), so that a GPU just short of memory runs all it can."""
+        base, depth = self.search.batch, len(vw.stages)
+        ladder = batch_ladder(base)
+        if self.holds(vw, depth, base, rule):
+            return ladder
+        held = next((b for b in reversed(fine_batches(base)) if self.holds(vw, depth, b, rule)), None)
+        return ladder if held is None else tuple(sorted({*ladder, held}))
+
+    def holds(self, vw: VwPlan, nm: int, batch: int, rule: MemoryRule) -> bool:
+        """Whether every stage of the VW fits its GPU at `nm` and minibatch size `batch`."""
+        sized = self.at(vw, nm, batch)
+        needs = self.search.stage_bytes(sized, rule)
+        return all(m <= s.memory_limit_bytes for s, m in zip(sized.stages, needs, strict=True))
+
     def at(self, vw: VwPlan, nm: int, batch: int) -> VwPlan:
         """The VW at `nm` and minibatch size `batch`: each stage time x batch / the config's batch."""
         base = self.search.batch
-        f = batch / base
-        stages = tuple(
-            dataclasses.replace(
-                s,
-                forward_s=s.forward_s * f,
-                backward_s=s.backward_s * f,
-                recv_s=s.recv_s * f,
-                send_s=s.send_s * f,
-            )
-            for s in vw.stages
-        )
-        return dataclasses.replace(vw, stages=stages, nm=nm, batch_size=0 if batch == base else batch)
+        scaled = vw.times_scaled(batch / base)
+        return dataclasses.replace(scaled, nm=nm, batch_size=0 if batch == base else batch)
 
     def ps_s(self, vws: Sequence[VwPlan]) -> float:
         """The PS's seconds per wave: each VW pushes its weights every wave, and pulls them when it must; with
@@ -97,6 +108,9 @@ class PerVwWork:
         estimate is within KEEP_FEWER of the best one's; none when the policy cannot run."""
         if isinstance(fitted, str) or not self.enabled:
             return []
+        return [g for variant in fitted.for_work() for g in self._groupings(variant)]
+
+    def _groupings(self, fitted: Fitted) -> list[Grouping]:
         vws = [vw for *_, vw in fitted.vws]
         rule = fitted.rule
         fastest = sorted(vws, key=lambda vw: minibatch_time_s(vw, rule.schedule, rule.recompute))
@@ -131,6 +145,12 @@ class PerVwWork:
         if len(vws) < of:
             notes.append(f"only the {len(vws)} fastest of the policy's {of} VWs, at per-VW work")
         return notes
+
+
+def nm_cap(cap: int, batch: int, base: int) -> int:
+    """The most minibatches of `batch` samples a VW's wave may hold under the Nm cap `cap`, which counts
+    minibatches of the config's `base`: at a smaller batch as many more as make up the same samples."""
+    return max(cap, cap * base // batch)
 
 
 def work_text(vws: Sequence[VwPlan], base_batch: int) -> str:

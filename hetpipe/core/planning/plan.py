@@ -6,7 +6,7 @@ Data only: the partitioner and policies produce these, the simulator and `hetpip
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from hetpipe.core.pipeline.schedule import DEFAULT_SCHEDULE
 
@@ -58,6 +58,21 @@ class VwPlan:
     @property
     def bottleneck_s(self) -> float:
         return max(s.time_s for s in self.stages)
+
+    def times_scaled(self, factor: float) -> VwPlan:
+        """The VW with every stage's compute and transfer times x `factor` (another minibatch size, by
+        proportion: ModelProfile.at_batch)."""
+        stages = tuple(
+            replace(
+                s,
+                forward_s=s.forward_s * factor,
+                backward_s=s.backward_s * factor,
+                recv_s=s.recv_s * factor,
+                send_s=s.send_s * factor,
+            )
+            for s in self.stages
+        )
+        return replace(self, stages=stages)
 
 
 @dataclass(frozen=True)

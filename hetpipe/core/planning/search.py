@@ -37,6 +37,7 @@ from hetpipe.core.planning.profile import ModelProfile
 from hetpipe.core.planning.profile_sources import check_profiles
 from hetpipe.core.planning.relays import ps_bytes_per_wave
 from hetpipe.core.planning.search_shapes import Interner, Shape, kinds_of, shapes
+from hetpipe.core.planning.wave_balance import fine_batches
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
 __all__ = [
@@ -317,8 +318,10 @@ def _result(
 
 def _policy_bound(search: GroupingSearch, policy: str, schedule: str) -> float:
     """Samples/s no grouping of the policy's VWs under `schedule` can beat: each VW at its least bottleneck
-    (partition.least_bottleneck: any order and split at Nm 1), summed; math.inf for explicit VWs and when the
-    policy cannot allocate (its own candidate says why)."""
+    (partition.least_bottleneck: any order and split at Nm 1), summed, over the VWs at one common Nm or over
+    per-VW work's (a VW short of memory at the config's batch bound at the smallest of fine_batches, where
+    it holds the most splits: GroupingSearch._fit); math.inf for explicit VWs and when the policy cannot
+    allocate (its own candidate says why)."""
     from hetpipe.core.planning.cluster import allocate
 
     if policy == "explicit":
@@ -328,30 +331,38 @@ def _policy_bound(search: GroupingSearch, policy: str, schedule: str) -> float:
     except HetpipeError:
         return math.inf
     rule = search.rule(schedule, search.config.wsp.staleness, len(groups))
+    smallest = (fine_batches(search.batch) or (search.batch,))[0]
 
-    def least(refs: list[GpuRef]) -> float:
+    def least(refs: list[GpuRef], batch: int = search.batch) -> float:
         gpus = [search.gpu(ref) for ref in refs]
         # the bound sees the rule only through what each stage keeps at Nm 1 (partition._memories), which
         # the searched schedules share: one solve serves them all
         at_one = rule.with_nm(1)
         keeps = tuple(at_one.keeping(j, len(gpus)) for j in range(len(gpus)))
-        key = ("least", vw_kind(gpus) if search.node_blind else tuple(gpus), keeps)
+        key = ("least", vw_kind(gpus) if search.node_blind else tuple(gpus), keeps, batch)
         if key not in search.solved:
+            profiles = {t: search.profile(t, batch) for t in {g[1] for g in gpus}}
             try:
-                search.solved[key] = least_bottleneck(  # type: ignore[assignment]
-                    search.profiles, gpus, search.link, rule=rule, reserve_bytes=search.reserve
-                )
+                found = least_bottleneck(profiles, gpus, search.link, rule=rule, reserve_bytes=search.reserve)
+                search.solved[key] = found * search.batch / batch  # type: ignore[assignment]
             except HetpipeError:  # more GPUs than layers, or no memory: left out (its note says why)
                 search.solved[key] = math.inf  # type: ignore[assignment]
         found = search.solved[key]
         return found if isinstance(found, float) else math.inf
 
+    def rate(times: Sequence[float]) -> float:
+        return sum(search.batch / t for t in times if t < math.inf)
+
+    def pipelined(alone: list[GpuRef]) -> list[float]:  # dp: a pipeline per node (GroupingSearch._fit)
+        pipes = pipelines_by_node(alone, lambda refs: least(refs) < math.inf) if policy == "dp" else []
+        return [least(refs) for refs in pipes]
+
     times = [least(refs) for refs in groups]
-    if policy == "dp":  # the GPUs that cannot hold the model alone: a pipeline per node (GroupingSearch._fit)
-        alone = [refs[0] for refs, t in zip(groups, times, strict=True) if t == math.inf]
-        times += [least(refs) for refs in pipelines_by_node(alone, lambda refs: least(refs) < math.inf)]
-    total = sum(search.batch / t for t in times if t < math.inf)
-    return total
+    short = [refs for refs, t in zip(groups, times, strict=True) if t == math.inf]
+    common = rate(times) + rate(pipelined([refs[0] for refs in short]))
+    small = [least(refs, smallest) for refs in short]
+    still = [refs[0] for refs, t in zip(short, small, strict=True) if t == math.inf]
+    return max(common, rate(times) + rate(small) + rate(pipelined(still)))
 
 
 def _over(

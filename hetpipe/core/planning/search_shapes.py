@@ -156,6 +156,14 @@ def _work_shapes(
     built only when asked."""
     if isinstance(fitted, str) or not work.enabled:
         return
+    for variant in fitted.for_work():
+        yield from _variant_shapes(search, work, variant, interner)
+
+
+def _variant_shapes(
+    search: GroupingSearch, work: PerVwWork, fitted: Fitted, interner: Interner
+) -> Iterator[Shape]:
+    """_work_shapes for one set of VWs (Fitted.for_work)."""
     vws = [vw for *_, vw in fitted.vws]
     rule = fitted.rule
     times = [minibatch_time_s(vw, rule.schedule, rule.recompute) for vw in vws]

@@ -50,6 +50,13 @@ def batch_ladder(batch: int) -> tuple[int, ...]:
     return tuple(sorted({*range(step, 4 * batch + 1, step), batch}))
 
 
+def fine_batches(batch: int) -> tuple[int, ...]:
+    """The minibatch sizes below the config's `batch` that a VW which does not hold the model at `batch`
+    falls back to, the largest it holds: multiples of a sixteenth of it (every size when it is under 16)."""
+    step = max(1, batch // 16)
+    return tuple(range(step, batch, step))
+
+
 def _off(option: WorkOption, base_batch: int) -> float:
     """How far an option's batch is from the config's (log2 ratio, 0 at the config's batch)."""
     return abs(math.log2(option.batch / base_batch))
