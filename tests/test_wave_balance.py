@@ -175,6 +175,7 @@ def test_a_gpu_that_holds_the_model_only_at_a_smaller_batch_is_a_vw_of_its_own()
     ]
     assert need[0] <= 72 * 2**20 < need[1]
     assert all(vw.batch(4) <= 2 for vw in mids)
-    assert "vw4 (n2:0 mid) holds the model at a minibatch of 2 or less" in alone[0].notes
+    note = "GPUs that hold the model only at a smaller minibatch, each its own VW: vw2-4 (mid) at 2 or less"
+    assert note in alone[0].notes
     assert all(u.memory_bytes <= u.limit_bytes for u in alone[0].memory)
     assert best(found).gpus_used == 5

@@ -182,7 +182,9 @@ class GroupingSearch:
         fitted: list[FittedVw] = []
         left_out: list[str] = []
         alone: list[GpuRef] = []  # dp: GPUs that cannot hold the model alone
-        smaller: list[tuple[FittedVw, str]] = []  # VWs that hold it only at a smaller minibatch, with a note
+        smaller: list[
+            tuple[FittedVw, int]
+        ] = []  # VWs that hold it only at a smaller minibatch, and that batch
         for v, refs in enumerate(groups):
             gpus = [self.gpu(ref) for ref in refs]
             split = listed[v].layers if listed else None
@@ -191,15 +193,12 @@ class GroupingSearch:
             except HetpipeError as exc:  # UsageError included: more GPUs than layers
                 left_out.append(f"vw{v} ({gpu_list(gpus)}) left out: {first_line(exc)}")
                 alone += refs if policy == "dp" else []
-                found = None if listed else self.at_smaller_batch(gpus, cap, rule)
+                found = None if listed else at_smaller_batch(self, gpus, cap, rule)
                 if found is not None:
                     vw, batch = found
-                    note = f"vw{v} ({gpu_list(gpus)}) holds the model at a minibatch of {batch} or less"
-                    smaller.append(
-                        ((v, [next(g for g in gpus if g[0] == r) for r in vw.gpus], None, vw), note)
-                    )
+                    smaller.append((as_fitted(v, gpus, None, vw), batch))
                 continue
-            fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], split, vw))
+            fitted.append(as_fitted(v, gpus, split, vw))
 
         def holds(refs: list[GpuRef]) -> bool:  # best_order solves once per kind of VW: asking again is free
             try:
@@ -209,68 +208,16 @@ class GroupingSearch:
             return True
 
         fitted_alone, unpipelined = list(fitted), list(left_out)
-        pipelined_vws, left_out = self._pipelined(
-            pipelines_by_node(alone, holds), len(groups), cap, rule, left_out
+        pipes, left_out = pipelined_vws(
+            self, pipelines_by_node(alone, holds), len(groups), cap, rule, left_out
         )
-        fitted += pipelined_vws
+        fitted += pipes
         if not fitted:  # per-VW work needs one VW at the config's batch to start from (grouping)
             return "no virtual worker of this policy can hold the model:\n    " + "\n    ".join(left_out)
-        work_vws, work_left_out = None, ()
-        if smaller:  # per-VW work runs them alone, each at a batch it holds; dp pipelines the rest
-            names = {g[0] for (_, gpus, _, _), _ in smaller for g in gpus}
-            rest = [ref for ref in alone if str(ref) not in names]
-            notes = [n for n in unpipelined if not any(f"({name} " in n for name in names)]
-            work_pipes, notes = self._pipelined(pipelines_by_node(rest, holds), len(groups), cap, rule, notes)
-            work_vws = tuple(
-                sorted([*fitted_alone, *(f for f, _ in smaller), *work_pipes], key=lambda f: f[0])
-            )
-            work_left_out = (*notes, *(note for _, note in smaller))
-        return Fitted(tuple(fitted), tuple(left_out), rule, cap, work_vws, work_left_out)
-
-    def _pipelined(
-        self, groups: Sequence[list[GpuRef]], first: int, cap: int, rule: MemoryRule, left_out: list[str]
-    ) -> tuple[list[FittedVw], list[str]]:
-        """dp's pipelines of GPUs that hold the model only together (numbered from `first`) as fitted VWs,
-        and `left_out` without their GPUs' notes and with one saying they were pipelined."""
-        fitted: list[FittedVw] = []
-        pipelined: list[str] = []
-        left_out = list(left_out)
-        for v, refs in enumerate(groups, start=first):
-            gpus = [self.gpu(ref) for ref in refs]
-            try:
-                vw = self.best_order(gpus, cap, rule)
-            except HetpipeError as exc:  # a remainder the last group took made it another kind
-                left_out.append(f"vw{v} ({gpu_list(gpus)}, pipelined) left out: {first_line(exc)}")
-                continue
-            names = {str(ref) for ref in refs}
-            left_out = [note for note in left_out if not any(f"({n} " in note for n in names)]
-            pipelined.append(f"vw{v} ({gpu_list(gpus)})")
-            fitted.append((v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], None, vw))
-        if pipelined:
-            left_out.append(f"GPUs that hold the model only together, pipelined: {'; '.join(pipelined)}")
-        return fitted, left_out
-
-    def at_smaller_batch(self, gpus: list[Gpu], cap: int, rule: MemoryRule) -> tuple[VwPlan, int] | None:
-        """The VW of `gpus` at the largest minibatch of fine_batches that it holds (its best order, split and
-        Nm there), with its times scaled back to the config's batch, as per-VW work expects; and that batch.
-        None when none holds it. The batch is searched once per kind of VW."""
-        kind = tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus))
-        key = ("smaller", kind, cap, rule)
-        if key not in self.solved:
-            self.solved[key] = next(
-                (b for b in reversed(fine_batches(self.batch)) if self._split_at(gpus, cap, rule, b)), 0
-            )
-        batch = self.solved[key]
-        vw = self._split_at(gpus, cap, rule, batch) if batch else None
-        return None if vw is None else (vw.times_scaled(self.batch / batch), batch)
-
-    def _split_at(self, gpus: list[Gpu], cap: int, rule: MemoryRule, batch: int) -> VwPlan | None:
-        """best_order_and_nm of `gpus` with the profiles at minibatch size `batch`; None when none fits."""
-        profiles = {t: self.profile(t, batch) for t in {g[1] for g in gpus}}
-        try:
-            return best_order_and_nm(profiles, gpus, self.link, cap, rule=rule, reserve_bytes=self.reserve)
-        except HetpipeError:
-            return None
+        work = alone_at_smaller_batch(
+            self, fitted_alone, unpipelined, smaller, alone, holds, len(groups), cap, rule
+        )
+        return Fitted(tuple(fitted), tuple(left_out), rule, cap, *work)
 
     def grouping(self, policy: str, nm_max: int | None, schedule: str = DEFAULT_SCHEDULE) -> Grouping | str:
         """The VWs of `policy` at one common Nm under `schedule`, with notes; or why the policy cannot run."""
@@ -405,6 +352,93 @@ class GroupingSearch:
         return dataclasses.replace(vw, stages=stages)
 
 
+def pipelined_vws(
+    search: GroupingSearch,
+    groups: Sequence[list[GpuRef]],
+    first: int,
+    cap: int,
+    rule: MemoryRule,
+    left_out: list[str],
+) -> tuple[list[FittedVw], list[str]]:
+    """dp's pipelines of GPUs that hold the model only together (numbered from `first`) as fitted VWs,
+    and `left_out` without their GPUs' notes and with one saying they were pipelined."""
+    fitted: list[FittedVw] = []
+    pipelined: list[str] = []
+    left_out = list(left_out)
+    for v, refs in enumerate(groups, start=first):
+        gpus = [search.gpu(ref) for ref in refs]
+        try:
+            vw = search.best_order(gpus, cap, rule)
+        except HetpipeError as exc:  # a remainder the last group took made it another kind
+            left_out.append(f"vw{v} ({gpu_list(gpus)}, pipelined) left out: {first_line(exc)}")
+            continue
+        names = {str(ref) for ref in refs}
+        left_out = [note for note in left_out if not any(f"({n} " in note for n in names)]
+        pipelined.append(f"vw{v} ({gpu_list(gpus)})")
+        fitted.append(as_fitted(v, gpus, None, vw))
+    if pipelined:
+        left_out.append(f"GPUs that hold the model only together, pipelined: {'; '.join(pipelined)}")
+    return fitted, left_out
+
+
+def as_fitted(v: int, gpus: Sequence[Gpu], split: Sequence[int] | None, vw: VwPlan) -> FittedVw:
+    """VW v of the policy as Fitted keeps it: its GPUs in the stage order of its plan `vw`."""
+    return (v, [next(g for g in gpus if g[0] == ref) for ref in vw.gpus], split, vw)
+
+
+def alone_at_smaller_batch(
+    search: GroupingSearch,
+    fitted: Sequence[FittedVw],
+    left_out: Sequence[str],
+    smaller: Sequence[tuple[FittedVw, int]],
+    alone: Sequence[GpuRef],
+    holds: Callable[[list[GpuRef]], bool],
+    first: int,
+    cap: int,
+    rule: MemoryRule,
+) -> tuple[tuple[FittedVw, ...] | None, tuple[str, ...]]:
+    """Per-VW work's other VWs and notes (Fitted.work_vws; None when `smaller` is empty): the VWs that hold
+    the model at the config's batch (`fitted`, their notes `left_out`), those that hold it only at a smaller
+    one each alone (`smaller`, each with its batch), and dp's pipelines of the GPUs `alone` that hold it at
+    no batch alone."""
+    if not smaller:
+        return None, ()
+    names = {g[0] for (_, gpus, _, _), _ in smaller for g in gpus}
+    rest = [ref for ref in alone if str(ref) not in names]
+    notes = [n for n in left_out if not any(f"({name} " in n for name in names)]
+    pipes, notes = pipelined_vws(search, pipelines_by_node(rest, holds), first, cap, rule, notes)
+    vws = tuple(sorted([*fitted, *(f for f, _ in smaller), *pipes], key=lambda f: f[0]))
+    return vws, (*notes, smaller_note(smaller))
+
+
+def at_smaller_batch(
+    search: GroupingSearch, gpus: list[Gpu], cap: int, rule: MemoryRule
+) -> tuple[VwPlan, int] | None:
+    """The VW of `gpus` at the largest minibatch of fine_batches that it holds (its best order, split and
+    Nm there), with its times scaled back to the config's batch, as per-VW work expects; and that batch.
+    None when none holds it. The batch is searched once per kind of VW."""
+    kind = tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus))
+    key = ("smaller", kind, cap, rule)
+    if key not in search.solved:
+        search.solved[key] = next(
+            (b for b in reversed(fine_batches(search.batch)) if _split_at(search, gpus, cap, rule, b)), 0
+        )
+    batch = search.solved[key]
+    vw = _split_at(search, gpus, cap, rule, batch) if batch else None
+    return None if vw is None else (vw.times_scaled(search.batch / batch), batch)
+
+
+def _split_at(
+    search: GroupingSearch, gpus: list[Gpu], cap: int, rule: MemoryRule, batch: int
+) -> VwPlan | None:
+    """best_order_and_nm of `gpus` with the profiles at minibatch size `batch`; None when none fits."""
+    profiles = {t: search.profile(t, batch) for t in {g[1] for g in gpus}}
+    try:
+        return best_order_and_nm(profiles, gpus, search.link, cap, rule=rule, reserve_bytes=search.reserve)
+    except HetpipeError:
+        return None
+
+
 def pipelines_by_node(alone: Sequence[GpuRef], holds: Callable[[list[GpuRef]], bool]) -> list[list[GpuRef]]:
     """Policy dp's GPUs that cannot hold the model alone (in the order given), as pipeline VWs inside each
     node, so that they add replicas instead of idling: the fewest k of a node's such GPUs that `holds` the
@@ -421,6 +455,23 @@ def pipelines_by_node(alone: Sequence[GpuRef], holds: Callable[[list[GpuRef]], b
             cut[-1] += refs[len(cut) * k :]
             out += cut
     return out
+
+
+def smaller_note(smaller: Sequence[tuple[FittedVw, int]]) -> str:
+    """One line on the VWs that hold the model only at a smaller minibatch: `GPUs that hold the model only at
+    a smaller minibatch, each its own VW: vw8-11 (rtx-2060) at 24 or less`, runs of VWs alike folded."""
+    runs: list[tuple[list[int], str, int]] = []
+    for (v, gpus, _, _), batch in sorted(smaller, key=lambda s: s[0][0]):
+        types = "+".join(g[1] for g in gpus)
+        if runs and runs[-1][1:] == (types, batch) and runs[-1][0][-1] == v - 1:
+            runs[-1][0].append(v)
+        else:
+            runs.append(([v], types, batch))
+    parts = [
+        f"vw{vs[0]}{f'-{vs[-1]}' if len(vs) > 1 else ''} ({types}) at {batch} or less"
+        for vs, types, batch in runs
+    ]
+    return f"GPUs that hold the model only at a smaller minibatch, each its own VW: {'; '.join(parts)}"
 
 
 def gpu_list(gpus: Sequence[Gpu]) -> str:
