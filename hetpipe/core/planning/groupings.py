@@ -182,9 +182,8 @@ class GroupingSearch:
         fitted: list[FittedVw] = []
         left_out: list[str] = []
         alone: list[GpuRef] = []  # dp: GPUs that cannot hold the model alone
-        smaller: list[
-            tuple[FittedVw, int]
-        ] = []  # VWs that hold it only at a smaller minibatch, and that batch
+        # VWs that hold it only at a smaller minibatch, and that batch
+        smaller: list[tuple[FittedVw, int]] = []
         for v, refs in enumerate(groups):
             gpus = [self.gpu(ref) for ref in refs]
             split = listed[v].layers if listed else None
