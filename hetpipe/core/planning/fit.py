@@ -5,14 +5,14 @@ anything. Pure: sizes in, findings out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hetpipe.core.pipeline.schedule import flushing_schedule, get_schedule
 from hetpipe.core.planning.memory import MemoryRule, StageMemory, format_bytes, stage_memory_terms
 from hetpipe.core.planning.profile import ModelProfile
 
-__all__ = ["StageNeed", "changes_that_fit", "common_changes", "memory_error", "stage_needs"]
+__all__ = ["StageNeed", "changes_that_fit", "common_changes", "largest", "memory_error", "stage_needs"]
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,10 @@ def changes_that_fit(
     if fits(sizes, rule):
         return {}
     found: dict[str, int | bool | str] = {}
-    batch = _largest(sizes.batch_size - 1, lambda b: fits(sizes.at_batch(b), rule))
+    batch = largest(sizes.batch_size - 1, lambda b: fits(sizes.at_batch(b), rule))
     if batch:
         found["batch_size"] = batch
-    nm = _largest(rule.nm - 1, lambda k: fits(sizes, replace(rule, nm=k)))
+    nm = largest(rule.nm - 1, lambda k: fits(sizes, replace(rule, nm=k)))
     if nm:
         found["nm"] = nm
     kind, flush = get_schedule(rule.schedule), flushing_schedule()
@@ -111,7 +111,7 @@ def common_changes(found: Sequence[Mapping[str, int | bool | str]]) -> dict[str,
     return out
 
 
-def _largest(top: int, ok) -> int:
+def largest(top: int, ok: Callable[[int], bool]) -> int:
     """The largest k in [1, top] with ok(k), ok falling as k grows (binary search); 0 when not even 1."""
     low, high = 0, top
     while low < high:

@@ -18,7 +18,7 @@ from hetpipe.core.planning.memory import MemoryRule, stage_memory_terms
 from hetpipe.core.planning.partition import Gpu, best_order_and_nm, minibatch_time_s, partition
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.profile import ModelProfile
-from hetpipe.core.planning.wave_balance import fine_batches
+from hetpipe.core.planning.wave_balance import largest_fine_batch
 
 __all__ = ["Fitted", "Grouping", "GroupingSearch", "gpu_list", "pipelines_by_node"]
 
@@ -419,8 +419,8 @@ def at_smaller_batch(
     kind = tuple(sorted((g[1], g[2], g[0].rsplit(":", 1)[0]) for g in gpus))
     key = ("smaller", kind, cap, rule)
     if key not in search.solved:
-        search.solved[key] = next(
-            (b for b in reversed(fine_batches(search.batch)) if _split_at(search, gpus, cap, rule, b)), 0
+        search.solved[key] = largest_fine_batch(
+            search.batch, lambda b: _split_at(search, gpus, cap, rule, b) is not None
         )
     batch = search.solved[key]
     vw = _split_at(search, gpus, cap, rule, batch) if batch else None

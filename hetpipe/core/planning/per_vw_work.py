@@ -12,7 +12,7 @@ from hetpipe.core.planning.memory import MemoryRule, format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.relays import prefix_ps_bytes
-from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder, fine_batches
+from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder, largest_fine_batch
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
 __all__ = ["KEEP_FEWER", "PerVwWork", "nm_cap", "work_text"]
@@ -70,8 +70,8 @@ class PerVwWork:
         ladder = batch_ladder(base)
         if self.holds(vw, depth, base, rule):
             return ladder
-        held = next((b for b in reversed(fine_batches(base)) if self.holds(vw, depth, b, rule)), None)
-        return ladder if held is None else tuple(sorted({*ladder, held}))
+        held = largest_fine_batch(base, lambda b: self.holds(vw, depth, b, rule))
+        return tuple(sorted({*ladder, held})) if held else ladder
 
     def holds(self, vw: VwPlan, nm: int, batch: int, rule: MemoryRule) -> bool:
         """Whether every stage of the VW fits its GPU at `nm` and minibatch size `batch`."""

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from hetpipe.core.planning.fit import largest
 
 __all__ = ["Balance", "WorkOption", "balance", "batch_ladder"]
 
@@ -55,6 +57,14 @@ def fine_batches(batch: int) -> tuple[int, ...]:
     falls back to, the largest it holds: multiples of a sixteenth of it (every size when it is under 16)."""
     step = max(1, batch // 16)
     return tuple(range(step, batch, step))
+
+
+def largest_fine_batch(batch: int, holds: Callable[[int], bool]) -> int:
+    """The largest of fine_batches(batch) at which `holds` (false from some size up, as memory is), by
+    binary search (fit.largest); 0 when not even the smallest."""
+    fine = fine_batches(batch)
+    k = largest(len(fine), lambda i: holds(fine[i - 1]))
+    return fine[k - 1] if k else 0
 
 
 def _off(option: WorkOption, base_batch: int) -> float:
