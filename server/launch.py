@@ -30,8 +30,8 @@ def serve_all(config: ClusterConfig) -> None:
             f"`hetpipe server --shard {i}` on {n.name} ({n.host})" for i, n in enumerate(config.nodes)
         )
         raise UsageError(
-            f'{config.path}: [ps] placement = "local" runs one shard on each node, and the nodes have '
-            f"different hosts, so no one machine can serve them all: run {each}"
+            f'{config.path}: [ps] placement = "{config.ps.placement}" runs one shard on each node, and the '
+            f"nodes have different hosts, so no one machine can serve them all: run {each}"
         )
     serve_each(
         shard_jobs(config),

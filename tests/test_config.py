@@ -253,11 +253,13 @@ def test_ps_endpoints_one_port_per_shard(tmp_path: Path) -> None:
     assert cfg.ps_endpoints() == ["tcp://10.0.0.2:65533", "tcp://10.0.0.2:65534", "tcp://10.0.0.2:65535"]
 
 
-def test_local_placement_puts_shard_i_on_node_i(tmp_path: Path) -> None:
+@pytest.mark.parametrize("placement", ["local", "spread"])
+def test_per_node_placements_put_shard_i_on_node_i(tmp_path: Path, placement: str) -> None:
     text = MINIMAL.replace('name = "n0"', 'name = "n0"\nhost = "10.0.0.5"').replace(
         'name = "n1"', 'name = "n1"\nhost = "10.0.0.6"'
     )
-    cfg = load_text(tmp_path, text + '[ps]\nhost = "10.0.0.2"\nport = 9000\nshards = 2\nplacement = "local"')
+    ps = f'[ps]\nhost = "10.0.0.2"\nport = 9000\nshards = 2\nplacement = "{placement}"'
+    cfg = load_text(tmp_path, text + ps)
     assert cfg.ps_endpoints() == ["tcp://10.0.0.5:9000", "tcp://10.0.0.6:9001"]
     assert [cfg.shard_host(i) for i in (0, 1)] == ["10.0.0.5", "10.0.0.6"]
 
@@ -524,12 +526,24 @@ ERRORS = [
         MINIMAL + '[allocation]\npolicy = "HD"\n',
         ['allocation.policy: unknown value "HD"', 'np, ed, hd, dp (did you mean "hd"?)'],
     ),
-    ("bad-placement", MINIMAL + '[ps]\nplacement = "spread"\n', ['ps.placement: unknown value "spread"']),
+    (
+        "bad-placement",
+        MINIMAL + '[ps]\nplacement = "scatter"\n',
+        ['ps.placement: unknown value "scatter"', "balanced, local, spread"],
+    ),
     (
         "local-placement-shards",
         MINIMAL + '[ps]\nplacement = "local"\n',
         [
             'ps.shards: is 1 but placement = "local" runs one shard on each of the 2 nodes',
+            'set shards = 2, or placement = "balanced"',
+        ],
+    ),
+    (
+        "spread-placement-shards",
+        MINIMAL + '[ps]\nplacement = "spread"\nshards = 3\n',
+        [
+            'ps.shards: is 3 but placement = "spread" runs one shard on each of the 2 nodes',
             'set shards = 2, or placement = "balanced"',
         ],
     ),

@@ -1,5 +1,5 @@
 """Tests of hetpipe.core.protocol.placement: balanced by bytes, deterministic, independent of how a model is
-split; local by node."""
+split; local by node; spread by whole layers."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from hetpipe.core.protocol.placement import (
     layer_of_key,
     layer_shards,
     local_placement,
+    spread_layers,
+    spread_placement,
 )
 
 
@@ -102,3 +104,30 @@ def test_a_run_with_local_placement_places_the_models_keys_by_its_first_vw(tmp_p
     }
     with pytest.raises(UsageError, match="follows the first VW"):
         ps_placement(config, spec)
+
+
+def test_spread_deals_whole_layers_largest_first_onto_the_least_loaded_shard():
+    # bytes by layer: 10, 60, 5, 30, 5 over 3 shards. 60 -> s0; 30 -> s1; 10 -> s2; 5 (layer 2) -> s2
+    # (10 < 30); 5 (layer 4) -> s2 (15 < 30): loads 60 / 30 / 20
+    assert spread_layers([10, 60, 5, 30, 5], 3) == (2, 0, 2, 1, 2)
+    assert spread_layers([4, 4, 4, 4], 2) == (0, 1, 0, 1)  # ties: the lower shard, the earlier layer first
+    assert spread_layers([7, 3], 1) == (0, 0)
+    with pytest.raises(UsageError, match="num_shards"):
+        spread_layers([1], 0)
+
+
+def test_spread_placement_keeps_a_layers_keys_together_and_is_registered():
+    sizes = {"0.weight": 40, "0.bias": 4, "1.weight": 100, "1.bias": 10, "2.weight": 50, "audit/2": 8}
+    # bytes by layer: 0 -> 44, 1 -> 110, 2 -> 58 (its ledger counted); 110 -> s0, 58 -> s1, then 44 -> s1,
+    # the less loaded (58 < 110)
+    assert spread_placement(sizes, 2) == {
+        "0.weight": 1,
+        "0.bias": 1,
+        "1.weight": 0,
+        "1.bias": 0,
+        "2.weight": 1,
+        "audit/2": 1,
+    }
+    assert get_placement("spread") is spread_placement
+    with pytest.raises(UsageError, match="names no layer"):
+        spread_placement({"head.weight": 4}, 2)

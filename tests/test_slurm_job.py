@@ -92,9 +92,10 @@ def test_a_component_per_node_that_runs_something_and_the_steps_on_their_nodes(t
         slurm_job(config, vw_gpus(config), ps_node="n9")
 
 
-def test_placement_local_runs_a_shard_on_every_node(tmp_path: Path) -> None:
+@pytest.mark.parametrize("placement", ["local", "spread"])
+def test_per_node_placements_run_a_shard_on_every_node(tmp_path: Path, placement: str) -> None:
     config, _ = config_of(tmp_path)
-    local = apply_overrides(config, ['ps.placement="local"', "ps.shards=3"])
+    local = apply_overrides(config, [f'ps.placement="{placement}"', "ps.shards=3"])
     servers = [s for s in slurm_job(local, vw_gpus(local)).steps if s.server]
     assert [(s.node, s.args) for s in servers] == [
         ("n0", ("server", "--shard", "0")),

@@ -111,8 +111,8 @@ def _wait_listening(commands: _Commands, server: _Command, shards: int, timeout_
 
 def _server_places(config: ClusterConfig, topology: Topology) -> list[tuple[str, int | None]]:
     """(node, shard) of each `hetpipe server` to start: every shard on the PS node (shard None: all of them),
-    or with placement "local" shard i on node i."""
-    if config.ps.placement == "local":
+    or with placement "local" or "spread" shard i on node i."""
+    if config.ps.shard_per_node:
         return [(node.name, i) for i, node in enumerate(config.nodes)]
     return [(topology.ps_node, None)]
 

@@ -83,12 +83,13 @@ def parse_config(data: Mapping[str, Any], path: Path, *, source: str | None = No
 def _check_across_sections(
     sections: Mapping[str, _Table], nodes: tuple[Node, ...], ps: PsConfig, train: TrainConfig, wsp: WspConfig
 ) -> None:
-    """What no section can check alone: one shard per node under placement "local", and mitigations that fit
-    the aggregation rule and the schedule's weight stashing."""
-    if ps.placement == "local" and ps.shards != len(nodes):
+    """What no section can check alone: one shard per node under placement "local" or "spread", and
+    mitigations that fit the aggregation rule and the schedule's weight stashing."""
+    if ps.shard_per_node and ps.shards != len(nodes):
         sections["ps"].fail(
             "shards",
-            f'is {ps.shards} but placement = "local" runs one shard on each of the {len(nodes)} nodes',
+            f'is {ps.shards} but placement = "{ps.placement}" runs one shard on each of the '
+            f"{len(nodes)} nodes",
             f'set shards = {len(nodes)}, or placement = "balanced"',
         )
     for what, fix in mitigation_conflicts(

@@ -34,7 +34,7 @@ __all__ = [
     "WspConfig",
 ]
 
-Placement = Literal["balanced", "local"]
+Placement = Literal["balanced", "local", "spread"]
 Aggregation = str  # a name of hetpipe.core.wsp.aggregation.AGGREGATIONS (the rules live there alone)
 BufferPolicy = Literal["average", "local"]
 Precision = Literal["fp32", "bf16"]
@@ -196,6 +196,12 @@ class PsConfig:
     # and pull through one relay on that node, which adds their wave updates and pulls once for them all, so
     # one update and one copy of the weights cross the node's link each wave instead of one per VW
     node_aggregation: bool = False
+
+    @property
+    def shard_per_node(self) -> bool:
+        """Placement "local" (each layer's keys where the first VW runs it) and "spread" (whole layers dealt
+        evenly by bytes) run shard i on node i, so the PS's traffic crosses every node's link."""
+        return self.placement in ("local", "spread")
 
 
 @dataclass(frozen=True)
@@ -397,9 +403,9 @@ class ClusterConfig:
         return [GpuRef(node.name, index) for node in self.nodes for index in range(len(node.gpus))]
 
     def shard_host(self, shard: int) -> str:
-        """Where shard `shard` listens: ps.host, or with placement "local" the host of node `shard` (one shard
-        a node)."""
-        return self.nodes[shard].host if self.ps.placement == "local" else self.ps.host
+        """Where shard `shard` listens: ps.host, or with placement "local" or "spread" the host of node
+        `shard` (one shard a node)."""
+        return self.nodes[shard].host if self.ps.shard_per_node else self.ps.host
 
     def ps_endpoints(self) -> list[str]:
         """ZeroMQ endpoints of the PS shards, shard i at port + i on shard_host(i)."""

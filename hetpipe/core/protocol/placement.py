@@ -14,6 +14,8 @@ __all__ = [
     "layer_of_key",
     "layer_shards",
     "local_placement",
+    "spread_layers",
+    "spread_placement",
 ]
 
 Placement = Callable[[Mapping[str, int], int], dict[str, int]]
@@ -36,7 +38,36 @@ def balanced_placement(sizes: Mapping[str, int], num_shards: int) -> dict[str, i
     return out
 
 
-PLACEMENTS: dict[str, Placement] = {"balanced": balanced_placement}  # "local" needs a layout: local_placement
+def spread_layers(layer_bytes: Sequence[int], num_shards: int) -> tuple[int, ...]:
+    """The shard of each layer under the "spread" placement: whole layers, largest first, each onto the
+    least-loaded shard (ties: lower shard, then the earlier layer), so that every node's shard holds about an
+    even share of the model's bytes and each node's link carries about an even share of a wave's pulls."""
+    if num_shards < 1:
+        raise UsageError(f"num_shards must be >= 1, got {num_shards}")
+    load = [0] * num_shards
+    out = [0] * len(layer_bytes)
+    for layer in sorted(range(len(layer_bytes)), key=lambda i: (-layer_bytes[i], i)):
+        shard = min(range(num_shards), key=lambda s: (load[s], s))
+        out[layer] = shard
+        load[shard] += layer_bytes[layer]
+    return tuple(out)
+
+
+def spread_placement(sizes: Mapping[str, int], num_shards: int) -> dict[str, int]:
+    """One shard per node, each holding whole layers (spread_layers of the keys' bytes by layer), so the PS's
+    traffic fans out over every node's link instead of crossing the PS node's alone. `sizes` lists the whole
+    model's keys, as for balanced_placement."""
+    layers = max((layer_of_key(key) for key in sizes), default=-1) + 1
+    layer_bytes = [0] * layers
+    for key, size in sizes.items():
+        layer_bytes[layer_of_key(key)] += size
+    return local_placement(sizes, spread_layers(layer_bytes, num_shards))
+
+
+PLACEMENTS: dict[str, Placement] = {  # "local" needs a layout: local_placement
+    "balanced": balanced_placement,
+    "spread": spread_placement,
+}
 
 
 def layer_of_key(key: str) -> int:

@@ -57,15 +57,15 @@ def slurm_job(
     config: ClusterConfig, vw_gpus: Sequence[Sequence[str]], ps_node: str | None = None
 ) -> SlurmJob:
     """The job that runs `config`'s PS and its VWs (`vw_gpus`: each VW's GPUs, "node:index"). The PS runs on
-    `ps_node`, else the node whose host is ps.host, else the first node; with placement "local", shard i on
-    node i."""
+    `ps_node`, else the node whose host is ps.host, else the first node; with placement "local" or "spread",
+    shard i on node i."""
     names = [n.name for n in config.nodes]
     if ps_node is None:
         ps_node = next((n.name for n in config.nodes if n.host == config.ps.host), names[0])
     elif ps_node not in names:
         raise UsageError(f"--ps-node {ps_node!r}: {config.path} has nodes {', '.join(names)}")
     steps: list[Step] = []
-    if config.ps.placement == "local":
+    if config.ps.shard_per_node:
         steps += [
             Step(n, ("server", "--shard", str(i)), f"server-{i}.log", True) for i, n in enumerate(names)
         ]
