@@ -988,3 +988,30 @@ def test_cli_plan_names_what_bfloat16_on_the_wire_would_give_a_plan_the_ps_link_
     assert best_rate(packed) == promised > 1.02 * best_rate(plain)
     assert not wire_notes(packed)
     assert not any(line.startswith("note: the PS link is") for line in plan())
+
+
+def test_of_plans_tied_on_the_measured_links_the_one_with_headroom_wins() -> None:
+    """Two one-GPU VWs beside the PS on n0, whose loopback (2 Gbit/s) carries a wave's pushes and pulls (4 x 6
+    MiB) in about 100 ms, within a 180-ms minibatch: at Nm 1 and at Nm 2 or more every plan is compute-bound
+    and predicts the same samples/s. At half the link speed the Nm-1 round trip (200 ms) no longer fits in the
+    one minibatch before its gate, while a longer wave still hides it: the tie goes to a longer wave."""
+    network = PsNetwork("n0", {"n0": 0.01}, {"n0": 2.0})
+    extra = {"virtual_workers": [{"gpus": ["n0:0"]}, {"gpus": ["n0:1"]}]}
+    config = cluster([["fast", "fast"]], {"fast": (2.0, 8.0)}, extra=extra)
+    found = plan_candidates(
+        config,
+        {"fast": toy_profile("fast", 1.0)},
+        ps_gbps=10.0,
+        d_values=(0,),
+        policies=["explicit"],
+        baselines=False,
+        ps_network=network,
+        nm_max=4,
+    )
+    top = best(found)
+    one = [c for c in found if c.feasible and c.nm == 1 and own_lag(c.plan) == own_lag(top.plan)]
+    assert one and all(c.samples_per_s == pytest.approx(top.samples_per_s, rel=1e-9) for c in one)  # tied
+    assert top.nm >= 2
+    assert all(0 < c.headroom_samples_per_s < 0.95 * top.headroom_samples_per_s for c in one)
+    assert top.headroom_samples_per_s == pytest.approx(top.samples_per_s)  # a longer wave hides it still
+    assert "keeps more of its rate with the PS's links at half speed" in explain([top, one[0]])

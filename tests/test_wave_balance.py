@@ -13,6 +13,7 @@ from hetpipe.core.config.parse import parse_config
 from hetpipe.core.planning.memory import MemoryRule, stage_memory_terms
 from hetpipe.core.planning.per_vw_work import nm_cap
 from hetpipe.core.planning.planner import best, plan_candidates
+from hetpipe.core.planning.simulate import PsNetwork
 from hetpipe.core.planning.wave_balance import WorkOption, balance, batch_ladder, fine_batches
 
 
@@ -179,3 +180,29 @@ def test_a_gpu_that_holds_the_model_only_at_a_smaller_batch_is_a_vw_of_its_own()
     assert note in alone[0].notes
     assert all(u.memory_bytes <= u.limit_bytes for u in alone[0].memory)
     assert best(found).gpus_used == 5
+
+
+def test_over_slow_node_links_per_vw_work_makes_waves_no_shorter_than_their_ps_round_trip() -> None:
+    """A fast GPU on n0 (beside the PS) and one of half its speed on n1, 6 MiB of weights, 0.05 Gbit/s
+    egress: a wave's push from n1 and the pull back over n0's egress take 2 x 6 MiB / 6.25 MB/s = 2.01 s,
+    which under D = 0 must fit in the wave before the gate. Per-VW work sizes the waves by it: Nm 12 and 6
+    (2.16 s each), not the shortest equal waves (2 and 1), whose gates would wait for the links."""
+    network = PsNetwork("n0", {"n0": 0.05, "n1": 0.05}, {"n0": 10.0, "n1": 10.0})
+    config = cluster([["fast"], ["slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)})
+    profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
+    found = plan_candidates(
+        config,
+        profiles,
+        ps_gbps=10.0,
+        d_values=(0,),
+        ps_network=network,
+        policies=["dp"],
+        schedules=["pipedream"],
+        baselines=False,
+        nm_max=16,
+    )
+    top = best(found)
+    round_trip = 2 * 6 * 2**20 / (0.05e9 / 8)
+    waves = [vw.nm * 6 * 0.03 * (1 if vw.gpus == ("n0:0",) else 2) for vw in top.plan.vws]
+    assert len(top.plan.vws) == 2 and min(waves) >= round_trip
+    assert [vw.nm for vw in top.plan.vws] == [12, 6] and top.gate_wait_share == 0.0

@@ -22,6 +22,7 @@ __all__ = [
     "first_line",
     "gpu_uses",
     "own_lag",
+    "same_rate",
     "ranked",
     "samples_per_wave",
     "seconds_for",
@@ -93,6 +94,9 @@ class Candidate:
     # cache not priced)
     cached_after_freeze: tuple[tuple[int, int, float], ...] = ()
     epoch_samples: int = 0
+    # samples/s predicted with every PS link at half its speed (headroom.HEADROOM), for a candidate tied with
+    # the best on D, local staleness and samples/s; the tie goes to the one keeping more (0.0: not computed)
+    headroom_samples_per_s: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -176,7 +180,9 @@ def best(candidates: Sequence[Candidate]) -> Candidate:
     target (a convergence calibration, hetpipe.core.planning.convergence): samples to target / samples/s, ties
     to the smaller D, then the one listed first. Without one, the highest predicted samples/s; but staleness
     costs convergence, so among those within D_TOLERANCE of the highest the smallest D wins, then the least
-    local staleness (own_lag), then the higher rate, then the one listed first.
+    local staleness (own_lag), then the higher rate, then the higher rate on PS links at half speed
+    (headroom_samples_per_s: of two plans equal on the links as measured, the one a slower link holds back
+    less), then the one listed first.
 
     Baselines are not runnable by hetpipe, so they never win here; `explain` says when one predicts more.
     UsageError when nothing is runnable, with every reason.
@@ -194,8 +200,8 @@ def best(candidates: Sequence[Candidate]) -> Candidate:
 def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:
     """The candidates in the order `best` chooses among them, best first: the runnable ones (those timed to
     target first, by time to target, smaller D, listing; then those within D_TOLERANCE of the highest
-    samples/s, by D, own_lag, samples/s, listing; then the rest by samples/s, D, listing); then the baselines
-    and other candidates hetpipe does not run, by samples/s; then the infeasible ones as listed."""
+    samples/s, by D, own_lag, samples/s, headroom, listing; then the rest by samples/s, D, listing); then the
+    baselines and other candidates hetpipe does not run, by samples/s; then the infeasible ones as listed."""
     index = {id(c): i for i, c in enumerate(candidates)}
     runnable = [c for c in candidates if c.runnable]
     top = max((c.samples_per_s for c in runnable), default=0.0)
@@ -210,10 +216,16 @@ def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:
         if c.time_to_target_s is not None:
             return (0, c.time_to_target_s, c.staleness or 0, at)
         if not timed and c.samples_per_s >= top * (1 - D_TOLERANCE):
-            return (1, c.staleness or 0, own_lag(c.plan), -c.samples_per_s, at)
+            return (1, c.staleness or 0, own_lag(c.plan), -same_rate(c), -c.headroom_samples_per_s, at)
         return (2, -c.samples_per_s, c.staleness or 0, at)
 
     return sorted(candidates, key=key)
+
+
+def same_rate(c: Candidate) -> float:
+    """Its samples/s to 9 significant digits: rates that differ only by rounding in the simulation (two plans
+    both bound by the same compute) tie."""
+    return float(f"{c.samples_per_s:.9g}")
 
 
 def own_lag(plan: Plan | None) -> int:

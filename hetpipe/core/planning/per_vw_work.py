@@ -11,7 +11,9 @@ from hetpipe.core.planning.groupings import Fitted, Grouping, GroupingSearch
 from hetpipe.core.planning.memory import MemoryRule, format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import VwPlan
-from hetpipe.core.planning.relays import prefix_ps_bytes
+from hetpipe.core.planning.ps_chain import wave_chain_s
+from hetpipe.core.planning.relays import plan_relays, prefix_ps_bytes
+from hetpipe.core.planning.simulate import PsNetwork
 from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder, largest_fine_batch
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
@@ -23,8 +25,10 @@ KEEP_FEWER = 0.9  # only the fastest VWs: planned when the estimate is within 10
 class PerVwWork:
     """Per-VW work for the groupings of one GroupingSearch; the PS's links carry `ps_bytes_per_s` in all."""
 
-    def __init__(self, search: GroupingSearch, ps_bytes_per_s: float) -> None:
-        self.search, self.ps_bytes_per_s = search, ps_bytes_per_s
+    def __init__(
+        self, search: GroupingSearch, ps_bytes_per_s: float, network: PsNetwork | None = None
+    ) -> None:
+        self.search, self.ps_bytes_per_s, self.network = search, ps_bytes_per_s, network
         self.options_of: dict[tuple, tuple[WorkOption, ...]] = {}
         rule = get_aggregation(search.config.ps.aggregation)
         self.pulls = lambda n: needs_pulls(n, rule)
@@ -87,7 +91,13 @@ class PerVwWork:
 
     def ps_s(self, vws: Sequence[VwPlan]) -> float:
         """The PS's seconds per wave: each VW pushes its weights every wave, and pulls them when it must; with
-        [ps] node_aggregation a relayed group's once for all its VWs (relays.ps_bytes_per_wave)."""
+        [ps] node_aggregation a relayed group's once for all its VWs (relays.ps_bytes_per_wave). Over a
+        PsNetwork's node links, the wave's pushes and then its pulls (ps_chain.wave_chain_s): at D = 0 a wave
+        shorter than that waits at the gate, so per-VW work makes waves no shorter."""
+        if self.network is not None:
+            inside = self.network.inside_gbps
+            relays = plan_relays([vw.gpus for vw in vws], self.node_aggregation, lambda n: inside[n])
+            return wave_chain_s(vws, self.network, relays, self.pulls(len(vws)), self.ps_bytes_per_s)
         if self.node_aggregation:
             return self.relayed_ps_s(prefix_ps_bytes(vws)[-1], len(vws))
         return sum(vw.param_bytes * (2 if self.pulls(len(vws)) else 1) for vw in vws) / self.ps_bytes_per_s

@@ -31,6 +31,7 @@ from hetpipe.core.planning.candidates import (
 from hetpipe.core.planning.capacity import PsFigures, plan_bounds, standalone_rates
 from hetpipe.core.planning.freeze_gain import frozen_plan, frozen_profiles
 from hetpipe.core.planning.groupings import Grouping, GroupingSearch
+from hetpipe.core.planning.headroom import HEADROOM, with_headroom
 from hetpipe.core.planning.memory import format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.per_vw_work import PerVwWork
@@ -45,6 +46,7 @@ from hetpipe.core.planning.profile_sources import (
 from hetpipe.core.planning.relays import Relay, plan_relays, ps_bytes_per_wave
 from hetpipe.core.planning.report import candidates_json, explain, format_plan, format_table
 from hetpipe.core.planning.simulate import PsNetwork, simulate
+from hetpipe.core.protocol.placement import spread_layers
 from hetpipe.core.wsp.aggregation import DEFAULT_AGGREGATION, get_aggregation, needs_pulls
 
 __all__ = [
@@ -134,6 +136,19 @@ class _Prediction:
             config.ps.node_aggregation,
             inside,
         )
+
+    def slowed(self, factor: float) -> _Prediction:
+        """The same prediction with every PS link (the shards', the nodes' and their inside links) at `factor`
+        x its speed."""
+        network = self.network
+        if network is not None:
+            network = dataclasses.replace(
+                network,
+                egress_gbps={k: v * factor for k, v in network.egress_gbps.items()},
+                inside_gbps={k: v * factor for k, v in network.inside_gbps.items()},
+            )
+        inside = {k: v * factor for k, v in self.inside_gbps.items()}
+        return dataclasses.replace(self, ps_gbps=self.ps_gbps * factor, network=network, inside_gbps=inside)
 
     @property
     def ps_bytes_per_s(self) -> float:
@@ -237,8 +252,10 @@ def plan_candidates(
         config, profiles_by_type, link_gbps or config.network.link_gbps, reserve_bytes, frozen_layers
     )
     rates = standalone_rates(config, profiles_by_type)
-    how = _Prediction.of(config, waves, ps_gbps, ps_network, rates, search.link)
-    work = PerVwWork(search, how.ps_bytes_per_s)
+    how = _Prediction.of(
+        config, waves, ps_gbps, spread_network(config, search, ps_network), rates, search.link
+    )
+    work = PerVwWork(search, how.ps_bytes_per_s, how.network)
     out: list[Candidate] = []
     for schedule in _schedules(config, schedules):
         for policy in _policies(config, policies):
@@ -259,7 +276,16 @@ def plan_candidates(
     if baselines:
         out += [baseline_bounds(c, rates) for c in (allreduce(search), sync_pipeline(search))]
     capacity = sum(rates.values())
-    return [dataclasses.replace(c, capacity=capacity) for c in out]
+    return [dataclasses.replace(c, capacity=capacity) for c in tie_broken(out, search, how)]
+
+
+def tie_broken(candidates: list[Candidate], search: GroupingSearch, how: _Prediction) -> list[Candidate]:
+    """headroom.with_headroom: the candidates tied with the best predicted again with every PS link at
+    HEADROOM x its speed."""
+    slow = how.slowed(HEADROOM)
+    return with_headroom(
+        candidates, lambda c: _placed_prediction(search, c.plan, c.notes, slow).samples_per_s
+    )  # type: ignore[arg-type]
 
 
 def _distinct(groupings: list[Grouping]) -> list[Grouping]:
@@ -388,6 +414,22 @@ def _after_freeze(
             ).samples_per_s,
         )
         for wave, layers in search.config.train.freeze
+    )
+
+
+def spread_network(
+    config: ClusterConfig, search: GroupingSearch, network: PsNetwork | None
+) -> PsNetwork | None:
+    """`network` with each layer's shard on its node under placement "spread" (spread_layers of the profile's
+    weights, as the runtime deals them; shard i on node i); as it is otherwise."""
+    if network is None or config.ps.placement != "spread":
+        return network
+    layer_bytes = [layer.param_bytes for layer in search.any_profile.layers]
+    shards = spread_layers(layer_bytes, len(config.nodes))
+    return dataclasses.replace(
+        network,
+        layer_nodes=tuple(config.nodes[shard].name for shard in shards),
+        layer_bytes=tuple(float(b) for b in layer_bytes),
     )
 
 

@@ -386,14 +386,16 @@ def _why_other_plan(c: Candidate, top: Candidate) -> list[str]:
     rates = [vw.nm * minibatch_time_s(vw, c.plan.schedule, c.plan.recompute) for vw in c.plan.vws]
     if abs(c.samples_per_s - top.samples_per_s) <= 0.01 * top.samples_per_s and c.gpus_used == top.gpus_used:
         lags = (own_lag(c.plan), own_lag(top.plan))
-        return [
-            "within 1% of the best, which "
-            + (
-                f"lags fewer own updates ({lags[1]} vs {lags[0]})"
-                if lags[0] > lags[1] and c.staleness == top.staleness
-                else "has the smaller D or comes first (np, ed, hd, dp, explicit)"
+        if lags[0] > lags[1] and c.staleness == top.staleness:
+            which = f"lags fewer own updates ({lags[1]} vs {lags[0]})"
+        elif top.headroom_samples_per_s > c.headroom_samples_per_s > 0:
+            which = (
+                "keeps more of its rate with the PS's links at half speed "
+                f"({top.headroom_samples_per_s:.4g} vs {c.headroom_samples_per_s:.4g} samples/s)"
             )
-        ]
+        else:
+            which = "has the smaller D or comes first (np, ed, hd, dp, explicit)"
+        return [f"within 1% of the best, which {which}"]
     if max(rates) > 1.1 * min(rates):
         slow, fast = rates.index(max(rates)), rates.index(min(rates))
         return [

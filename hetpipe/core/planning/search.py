@@ -32,6 +32,7 @@ from hetpipe.core.planning.planner import (
     _policies,
     _Prediction,
     _schedules,
+    tie_broken,
 )
 from hetpipe.core.planning.profile import ModelProfile
 from hetpipe.core.planning.profile_sources import check_profiles
@@ -304,7 +305,7 @@ def _result(
         out += [baseline_bounds(c, rates) for c in (allreduce(search), sync_pipeline(search))]
     capacity = sum(rates.values())
     return SearchResult(
-        [dataclasses.replace(c, capacity=capacity) for c in out],
+        [dataclasses.replace(c, capacity=capacity) for c in tie_broken(out, search, ctx.how)],
         tally.planned,
         tally.skipped,
         tally.infeasible,

@@ -121,12 +121,18 @@ def loser_reason(c: Candidate, top: Candidate) -> str:
 
 
 def _tie_break(c: Candidate, top: Candidate) -> str:
-    """Why the best wins a tie: smaller D, fewer own updates lagged, or listed first."""
+    """Why the best wins a tie: smaller D, fewer own updates lagged, more headroom on the PS links, or listed
+    first."""
     if (c.staleness or 0) > (top.staleness or 0):
         return f"the best has the smaller D ({top.staleness} vs {c.staleness})"
     lags = (own_lag(c.plan), own_lag(top.plan))
     if lags[0] > lags[1]:
         return f"the best's VWs lag fewer own updates ({lags[1]} vs {lags[0]})"
+    if top.headroom_samples_per_s > c.headroom_samples_per_s > 0:
+        return (
+            "the best keeps more of its rate with the PS's links at half speed "
+            f"({top.headroom_samples_per_s:.4g} vs {c.headroom_samples_per_s:.4g} samples/s)"
+        )
     return f"a tie, and the best is searched first ({top.policy} {top.schedule})"
 
 

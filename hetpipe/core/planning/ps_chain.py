@@ -1,0 +1,58 @@
+"""How long one wave's PS traffic takes over the nodes' own links (a PsNetwork): every push of the wave, then
+the pulls the next gates wait for. Under WSP the gate of wave c needs every VW's wave c - D - 2, so this
+chain must fit in the D + 1 waves between (docs/planning.md#per-vw-work); per-VW work sizes waves by it. Pure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from hetpipe.core.planning.plan import VwPlan
+from hetpipe.core.planning.relays import Relay
+from hetpipe.core.planning.simulate import PsNetwork, stage_param_bytes
+
+__all__ = ["wave_chain_s"]
+
+_Parts = list[tuple[str, float, float]]  # (link name, Gbit/s, bytes)
+
+
+def wave_chain_s(
+    vws: Sequence[VwPlan],
+    network: PsNetwork,
+    relays: Sequence[Relay] = (),
+    pulls: bool = True,
+    ps_bytes_per_s: float = math.inf,
+) -> float:
+    """Seconds for every push of one wave of `vws` to cross its links, plus the same for the pulls after
+    them: each phase as long as its busiest link (bytes over it / its rate, no faster than `ps_bytes_per_s`,
+    as the simulator caps them). A relayed VW's stages cross their node's inside link to the relay, and the
+    relay sends one copy of the model upstream (simulate.simulate's relays)."""
+    relay_of = {v: relay for relay in relays for v in relay.vws}
+    push: _Parts = []
+    pull: _Parts = []
+    for v, vw in enumerate(vws):
+        for stage, nbytes in zip(vw.stages, stage_param_bytes(vw), strict=True):
+            relay = relay_of.get(v)
+            if relay is not None:
+                push.append((*network.route(stage.gpu, True, relay.node), nbytes))
+                pull.append((*network.route(stage.gpu, False, relay.node), nbytes))
+            else:
+                push += network.parts(stage.gpu, stage.start, stage.stop, nbytes, True)
+                pull += network.parts(stage.gpu, stage.start, stage.stop, nbytes, False)
+    layers = len(network.layer_nodes) or 1
+    for relay in relays:
+        nbytes = max(sum(stage_param_bytes(vws[v])) for v in relay.vws)
+        push += network.parts(f"{relay.node}:relay", 0, layers, nbytes, True)
+        pull += network.parts(f"{relay.node}:relay", 0, layers, nbytes, False)
+    return _busiest_s(push, ps_bytes_per_s) + (_busiest_s(pull, ps_bytes_per_s) if pulls else 0.0)
+
+
+def _busiest_s(parts: _Parts, cap: float) -> float:
+    """The busiest link's seconds for `parts`, each link at the lesser of its rate and `cap` bytes/s."""
+    load: dict[str, float] = {}
+    rate: dict[str, float] = {}
+    for name, gbps, nbytes in parts:
+        load[name] = load.get(name, 0.0) + nbytes
+        rate[name] = min(cap, gbps * 1e9 / 8)
+    return max((load[name] / rate[name] for name in load if rate[name] > 0), default=0.0)
