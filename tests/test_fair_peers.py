@@ -197,6 +197,16 @@ def test_fastest_overrides_give_one_vw_per_titan_v() -> None:
     assert fast.allocation.policy == "explicit"
 
 
+def test_fastest_on_one_node_keeps_its_ps_shard_there_under_a_per_node_placement() -> None:
+    """bench.toml's TITAN Vs both sit on n0: under "spread" (a shard on every node) the pair would push and
+    pull over n0's link to n1 and n2; its row runs one balanced shard instead, on the PS node."""
+    config = apply_overrides(load_config(BENCH), ['ps.placement="spread"', "ps.shards=3"])
+    overrides = throughput.fastest_overrides(config, peers.devices(config))
+    assert overrides[-2:] == ['ps.placement="balanced"', "ps.shards=1"]
+    fast = apply_overrides(config, overrides)
+    assert (fast.ps.placement, fast.ps.shards, fast.ps.shard_per_node) == ("balanced", 1, False)
+
+
 def test_fastest_keeps_the_whole_clusters_slowdowns_under_auto_time_scale() -> None:
     """The runtime derives slowdowns from its VWs' GPUs alone (worker/jobs.py emulated_slowdowns): the pinned
     time_scale gives the TITAN Vs the slowdown they have among all six GPUs."""

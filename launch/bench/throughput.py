@@ -223,14 +223,18 @@ def fastest_overrides(config: ClusterConfig, devs: Sequence[peers.Device]) -> li
     """--set overrides that give `config` one VW per GPU of its fastest type and no other (policy dp on those
     GPUs, listed as explicit VWs) at the slowdowns they have in the whole cluster (emulation.time_scale pinned
     to the whole cluster's: the runtime derives slowdowns from its VWs' GPUs alone); [] when every GPU is of
-    one type (the same as hetpipe on all GPUs)."""
+    one type (the same as hetpipe on all GPUs). A placement with a shard on every node ("local", "spread") is
+    set back to one balanced shard when those GPUs all sit on one node: shards on the other nodes would send
+    their traffic over the node's link, which one shard on the PS node keeps off it."""
     top = max(d.speed for d in devs)
     fastest = [d for d in devs if d.speed == top]
     if len(fastest) == len(devs):
         return []
     vws = ", ".join(f'{{ gpus = ["{d.gpu}"] }}' for d in fastest)
     pinned = [f"emulation.time_scale={min(d.slowdown for d in devs)!r}"] if config.emulation.enabled else []
-    return ['allocation.policy="explicit"', f"virtual_workers=[{vws}]", *pinned]
+    one_node = len({d.gpu.rsplit(":", 1)[0] for d in fastest}) == 1
+    placed = ['ps.placement="balanced"', "ps.shards=1"] if config.ps.shard_per_node and one_node else []
+    return ['allocation.policy="explicit"', f"virtual_workers=[{vws}]", *pinned, *placed]
 
 
 def hetpipe_config(
