@@ -505,3 +505,25 @@ def test_local_placement_keeps_each_nodes_layers_on_its_own_shard(tmp_path: Path
     layers = [{int(k.split("/")[-1].split(".")[0]) for k in found if not k.startswith("_")} for found in keys]
     assert layers == [{0, 1}, {2, 3, 4}], keys
     assert model_of(config).num_layers == 5
+
+
+def test_spread_placement_with_node_relays_puts_whole_layers_on_each_nodes_shard(tmp_path: Path):
+    """Spread: two nodes, two one-GPU VWs on each, pushing and pulling through their node's relay (one per
+    shard); the largest layer (1: 784 x 24 weights) is all of shard 0's, the four small ones shard 1's, and
+    the audited WSP guarantees hold."""
+    from hetpipe.server.checkpoint import load_newest
+
+    path = write_config(
+        tmp_path, vws=[["n0:0"], ["n0:1"], ["n1:0"], ["n1:1"]], nm=2, staleness=0, waves=3, hidden=(24, 16, 16)
+    )
+    text = path.read_text().replace(
+        '[checkpoint]\ndir = ""', f'[checkpoint]\ndir = "{tmp_path / "unused"}"\nevery = 1'
+    )
+    text = text.replace("[wsp]", '[ps]\nshards = 2\nplacement = "spread"\nnode_aggregation = true\n[wsp]')
+    path.write_text(text + '\n[[nodes]]\nname = "n1"\ngpus = ["g0", "g0"]\ndevices = ["cpu", "cpu"]\n')
+    config = load_config(path)
+    summary = train(config, TrainOptions(run_dir=tmp_path / "run", progress=False, audit=True))
+    assert summary["audit_final_ledgers_exact"] is True
+    keys = [set(load_newest(tmp_path / "run" / "ps" / f"shard-{s}", print).arrays) for s in (0, 1)]
+    layers = [{int(k.split("/")[-1].split(".")[0]) for k in found if not k.startswith("_")} for found in keys]
+    assert layers == [{1}, {0, 2, 3, 4}], keys
