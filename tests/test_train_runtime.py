@@ -514,7 +514,12 @@ def test_spread_placement_with_node_relays_puts_whole_layers_on_each_nodes_shard
     from hetpipe.server.checkpoint import load_newest
 
     path = write_config(
-        tmp_path, vws=[["n0:0"], ["n0:1"], ["n1:0"], ["n1:1"]], nm=2, staleness=0, waves=3, hidden=(24, 16, 16)
+        tmp_path,
+        vws=[["n0:0"], ["n0:1"], ["n1:0"], ["n1:1"]],
+        nm=2,
+        staleness=0,
+        waves=3,
+        hidden=(24, 16, 16),
     )
     text = path.read_text().replace(
         '[checkpoint]\ndir = ""', f'[checkpoint]\ndir = "{tmp_path / "unused"}"\nevery = 1'
