@@ -80,6 +80,20 @@ def toy_profile(
     return ModelProfile("toy", batch, gpu_type, "float32", "x", a // 4, out)
 
 
+def explicit_candidates(config: ClusterConfig, network: PsNetwork | None, **options) -> list:
+    """plan_candidates of `config`'s explicit VWs of "fast" GPUs (toy_profile), D 0, over `network`."""
+    return plan_candidates(
+        config,
+        {"fast": toy_profile("fast", 1.0)},
+        ps_gbps=10.0,
+        d_values=(0,),
+        policies=["explicit"],
+        baselines=False,
+        ps_network=network,
+        **options,
+    )
+
+
 def small() -> tuple[ClusterConfig, dict[str, ModelProfile]]:
     """Two nodes: two fast 8 GiB GPUs, two slow 4 GiB GPUs (slow = half the speed)."""
     config = cluster([["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 4.0)})
@@ -266,15 +280,7 @@ def test_a_vw_beside_the_ps_is_priced_at_its_nodes_loopback_with_a_ps_network() 
     def rate(gpu: str, ps_network: PsNetwork | None) -> float:
         extra = {"virtual_workers": [{"gpus": [gpu]}]}
         config = cluster([["fast"], ["fast"]], {"fast": (2.0, 8.0)}, extra=extra)
-        found = plan_candidates(
-            config,
-            {"fast": toy_profile("fast", 1.0)},
-            ps_gbps=10.0,
-            d_values=(0,),
-            policies=["explicit"],
-            baselines=False,
-            ps_network=ps_network,
-        )
+        found = explicit_candidates(config, ps_network)
         return found[0].samples_per_s
 
     assert rate("n0:0", None) == rate("n1:0", None)  # one PS link for all: where a VW sits does not matter
@@ -296,15 +302,7 @@ def test_local_placement_keeps_ed_vws_ps_traffic_inside_their_nodes() -> None:
 
     def rate(ps: dict) -> float:
         config = cluster([["fast", "fast"], ["fast", "fast"]], {"fast": (2.0, 8.0)}, extra={**vws, "ps": ps})
-        found = plan_candidates(
-            config,
-            {"fast": toy_profile("fast", 1.0)},
-            ps_gbps=10.0,
-            d_values=(0,),
-            policies=["explicit"],
-            baselines=False,
-            ps_network=network,
-        )
+        found = explicit_candidates(config, network)
         return found[0].samples_per_s
 
     one_node = rate({"shards": 1})
@@ -998,16 +996,7 @@ def test_of_plans_tied_on_the_measured_links_the_one_with_headroom_wins() -> Non
     network = PsNetwork("n0", {"n0": 0.01}, {"n0": 2.0})
     extra = {"virtual_workers": [{"gpus": ["n0:0"]}, {"gpus": ["n0:1"]}]}
     config = cluster([["fast", "fast"]], {"fast": (2.0, 8.0)}, extra=extra)
-    found = plan_candidates(
-        config,
-        {"fast": toy_profile("fast", 1.0)},
-        ps_gbps=10.0,
-        d_values=(0,),
-        policies=["explicit"],
-        baselines=False,
-        ps_network=network,
-        nm_max=4,
-    )
+    found = explicit_candidates(config, network, nm_max=4)
     top = best(found)
     one = [c for c in found if c.feasible and c.nm == 1 and own_lag(c.plan) == own_lag(top.plan)]
     assert one and all(c.samples_per_s == pytest.approx(top.samples_per_s, rel=1e-9) for c in one)  # tied
