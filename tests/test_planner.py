@@ -15,6 +15,7 @@ from hetpipe.core.config.parse import parse_config
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.hardware.emulate import slowdowns
+from hetpipe.core.planning.headroom import with_headroom
 from hetpipe.core.planning.plan import Plan
 from hetpipe.core.planning.planner import (
     ALLREDUCE,
@@ -1004,3 +1005,8 @@ def test_of_plans_tied_on_the_measured_links_the_one_with_headroom_wins() -> Non
     assert all(0 < c.headroom_samples_per_s < 0.95 * top.headroom_samples_per_s for c in one)
     assert top.headroom_samples_per_s == pytest.approx(top.samples_per_s)  # a longer wave hides it still
     assert "keeps more of its rate with the PS's links at half speed" in explain([top, one[0]])
+    # the fast search leaves ties of plans it would not simulate (more stages than it simulates) as they are
+    fresh = [dataclasses.replace(c, headroom_samples_per_s=0.0) for c in found]
+    assert all(c.headroom_samples_per_s == 0.0 for c in with_headroom(fresh, lambda c: 1.0, max_stages=1))
+    marked = [c for c in with_headroom(fresh, lambda c: 1.0, max_stages=2) if c.headroom_samples_per_s]
+    assert len(marked) >= 2 and all(len(c.plan.vws) == 2 for c in marked)  # two one-stage VWs each

@@ -7,6 +7,7 @@ and a real link, or a CPU busy with the emulation, is slower than a probe measur
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 from hetpipe.core.planning.candidates import Candidate, own_lag, ranked, same_rate
@@ -32,11 +33,17 @@ def tied_with_best(candidates: Sequence[Candidate]) -> list[Candidate]:
 
 
 def with_headroom(
-    candidates: Sequence[Candidate], rate_at_headroom: Callable[[Candidate], float]
+    candidates: Sequence[Candidate],
+    rate_at_headroom: Callable[[Candidate], float],
+    max_stages: float = math.inf,
 ) -> list[Candidate]:
     """`candidates` with headroom_samples_per_s set on those tied with the best (`rate_at_headroom(c)`: its
-    samples/s with every PS link at HEADROOM x its speed), so that `ranked` breaks their tie by it."""
-    tied = {id(c): rate_at_headroom(c) for c in tied_with_best(candidates)}
+    samples/s with every PS link at HEADROOM x its speed), so that `ranked` breaks their tie by it; unchanged
+    when a tied plan has more than `max_stages` stages in all (the fast search simulates none that large)."""
+    tied_ones = tied_with_best(candidates)
+    if any(sum(len(vw.stages) for vw in c.plan.vws) > max_stages for c in tied_ones if c.plan is not None):
+        return list(candidates)
+    tied = {id(c): rate_at_headroom(c) for c in tied_ones}
     return [
         dataclasses.replace(c, headroom_samples_per_s=tied[id(c)]) if id(c) in tied else c for c in candidates
     ]

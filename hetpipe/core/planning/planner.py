@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -279,13 +280,18 @@ def plan_candidates(
     return [dataclasses.replace(c, capacity=capacity) for c in tie_broken(out, search, how)]
 
 
-def tie_broken(candidates: list[Candidate], search: GroupingSearch, how: _Prediction) -> list[Candidate]:
+def tie_broken(
+    candidates: list[Candidate], search: GroupingSearch, how: _Prediction, max_stages: float = math.inf
+) -> list[Candidate]:
     """headroom.with_headroom: the candidates tied with the best predicted again with every PS link at
-    HEADROOM x its speed."""
+    HEADROOM x its speed (when none has more than `max_stages` stages)."""
     slow = how.slowed(HEADROOM)
-    return with_headroom(
-        candidates, lambda c: _placed_prediction(search, c.plan, c.notes, slow).samples_per_s
-    )  # type: ignore[arg-type]
+
+    def rate(c: Candidate) -> float:
+        assert c.plan is not None  # tied with the best: runnable
+        return _placed_prediction(search, c.plan, c.notes, slow).samples_per_s
+
+    return with_headroom(candidates, rate, max_stages)
 
 
 def _distinct(groupings: list[Grouping]) -> list[Grouping]:

@@ -305,7 +305,7 @@ def _result(
         out += [baseline_bounds(c, rates) for c in (allreduce(search), sync_pipeline(search))]
     capacity = sum(rates.values())
     return SearchResult(
-        [dataclasses.replace(c, capacity=capacity) for c in tie_broken(out, search, ctx.how)],
+        [dataclasses.replace(c, capacity=capacity) for c in tie_broken(out, search, ctx.how, SIM_MAX_STAGES)],
         tally.planned,
         tally.skipped,
         tally.infeasible,
