@@ -186,7 +186,7 @@ def test_over_slow_node_links_per_vw_work_makes_waves_no_shorter_than_their_ps_r
     """A fast GPU on n0 (beside the PS) and one of half its speed on n1, 6 MiB of weights, 0.05 Gbit/s
     egress: a wave's push from n1 and the pull back over n0's egress take 2 x 6 MiB / 6.25 MB/s = 2.01 s,
     which under D = 0 must fit in the wave before the gate. Per-VW work sizes the waves by it: Nm 12 and 6
-    (2.16 s each), not the shortest equal waves (2 and 1), whose gates would wait for the links."""
+    (2.16 s each). Without it the best plan was a common Nm 16, the slow VW pacing the fast one."""
     network = PsNetwork("n0", {"n0": 0.05, "n1": 0.05}, {"n0": 10.0, "n1": 10.0})
     config = cluster([["fast"], ["slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)})
     profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
