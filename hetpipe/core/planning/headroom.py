@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from hetpipe.core.planning.candidates import Candidate, own_lag, ranked, same_rate
 
-__all__ = ["HEADROOM", "tied_with_best", "with_headroom"]
+__all__ = ["HEADROOM", "headroom_text", "tied_with_best", "with_headroom"]
 
 HEADROOM = 0.5  # the PS links' speed, as a share of the measured, at which tied candidates are compared
 
@@ -47,3 +47,13 @@ def with_headroom(
     return [
         dataclasses.replace(c, headroom_samples_per_s=tied[id(c)]) if id(c) in tied else c for c in candidates
     ]
+
+
+def headroom_text(c: Candidate, top: Candidate) -> str:
+    """Why `top` won its tie with `c` by headroom ("keeps more of its rate ..."), or "" when it did not."""
+    if not top.headroom_samples_per_s > c.headroom_samples_per_s > 0:
+        return ""
+    return (
+        "keeps more of its rate with the PS's links at half speed "
+        f"({top.headroom_samples_per_s:.4g} vs {c.headroom_samples_per_s:.4g} samples/s)"
+    )

@@ -10,6 +10,7 @@ from typing import Any
 from hetpipe.core.errors import HetpipeError
 from hetpipe.core.pipeline.schedule import get_schedule
 from hetpipe.core.planning.candidates import ALLREDUCE, D_TOLERANCE, SYNC_PIPELINE, Candidate, best, own_lag
+from hetpipe.core.planning.headroom import headroom_text
 from hetpipe.core.planning.memory import format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import Plan, VwPlan
@@ -388,13 +389,8 @@ def _why_other_plan(c: Candidate, top: Candidate) -> list[str]:
         lags = (own_lag(c.plan), own_lag(top.plan))
         if lags[0] > lags[1] and c.staleness == top.staleness:
             which = f"lags fewer own updates ({lags[1]} vs {lags[0]})"
-        elif top.headroom_samples_per_s > c.headroom_samples_per_s > 0:
-            which = (
-                "keeps more of its rate with the PS's links at half speed "
-                f"({top.headroom_samples_per_s:.4g} vs {c.headroom_samples_per_s:.4g} samples/s)"
-            )
         else:
-            which = "has the smaller D or comes first (np, ed, hd, dp, explicit)"
+            which = headroom_text(c, top) or "has the smaller D or comes first (np, ed, hd, dp, explicit)"
         return [f"within 1% of the best, which {which}"]
     if max(rates) > 1.1 * min(rates):
         slow, fast = rates.index(max(rates)), rates.index(min(rates))

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetpipe.core.planning.candidates import D_TOLERANCE, Candidate, best, own_lag, ranked
+from hetpipe.core.planning.headroom import headroom_text
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.report import (
     D_COLUMN,
@@ -128,11 +129,8 @@ def _tie_break(c: Candidate, top: Candidate) -> str:
     lags = (own_lag(c.plan), own_lag(top.plan))
     if lags[0] > lags[1]:
         return f"the best's VWs lag fewer own updates ({lags[1]} vs {lags[0]})"
-    if top.headroom_samples_per_s > c.headroom_samples_per_s > 0:
-        return (
-            "the best keeps more of its rate with the PS's links at half speed "
-            f"({top.headroom_samples_per_s:.4g} vs {c.headroom_samples_per_s:.4g} samples/s)"
-        )
+    if headroom := headroom_text(c, top):
+        return f"the best {headroom}"
     return f"a tie, and the best is searched first ({top.policy} {top.schedule})"
 
 
