@@ -32,19 +32,18 @@ def wave_chain_s(
     push: _Parts = []
     pull: _Parts = []
     for v, vw in enumerate(vws):
+        relay = relay_of.get(v)
         for stage, nbytes in zip(vw.stages, stage_param_bytes(vw), strict=True):
-            relay = relay_of.get(v)
             if relay is not None:
                 push.append((*network.route(stage.gpu, True, relay.node), nbytes))
                 pull.append((*network.route(stage.gpu, False, relay.node), nbytes))
             else:
                 push += network.parts(stage.gpu, stage.start, stage.stop, nbytes, True)
                 pull += network.parts(stage.gpu, stage.start, stage.stop, nbytes, False)
-    layers = len(network.layer_nodes) or 1
-    for relay in relays:
-        nbytes = max(sum(stage_param_bytes(vws[v])) for v in relay.vws)
-        push += network.parts(f"{relay.node}:relay", 0, layers, nbytes, True)
-        pull += network.parts(f"{relay.node}:relay", 0, layers, nbytes, False)
+    for group in relays:
+        nbytes = max(sum(stage_param_bytes(vws[v])) for v in group.vws)
+        push += network.relay_parts(group.node, nbytes, True)
+        pull += network.relay_parts(group.node, nbytes, False)
     return _busiest_s(push, ps_bytes_per_s) + (_busiest_s(pull, ps_bytes_per_s) if pulls else 0.0)
 
 

@@ -190,6 +190,11 @@ class PsNetwork:
             by_node[node] = by_node.get(node, 0.0) + nbytes * weight / total
         return [(*self.route(gpu, push, node), part) for node, part in by_node.items()]
 
+    def relay_parts(self, node: str, nbytes: float, push: bool) -> list[tuple[str, float, float]]:
+        """parts of node `node`'s relay pushing (else pulling) the whole model's `nbytes` to its shards: the
+        links a GPU of that node crosses for every layer."""
+        return self.parts(f"{node}:relay", 0, len(self.layer_nodes), nbytes, push)
+
 
 # ---------------------------------------------------------------------------------------------- WSP run
 
@@ -299,8 +304,7 @@ class _Links:
         its node crosses to the shards (the one PS link without a PsNetwork); when every part has arrived."""
         if self.network is None:
             return self._send([("PS", math.inf, nbytes)], now)
-        layers = len(self.network.layer_nodes)
-        return self._send(self.network.parts(f"{relay.node}:relay", 0, layers, nbytes, push), now)
+        return self._send(self.network.relay_parts(relay.node, nbytes, push), now)
 
     def _send(self, parts: Sequence[tuple[str, float, float]], now: float) -> float:
         end = now
