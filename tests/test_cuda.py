@@ -207,6 +207,37 @@ def test_the_frozen_layers_cache_on_one_gpu_trains_as_the_reference_does(tmp_pat
             torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_unequal_work_on_two_nodes_under_spread_trains_as_the_reference_does(tmp_path: Path, relay: bool):
+    """Per-VW work on CUDA (docs/wsp.md#per-vw-work): 3 VWs at Nm 2 x 16, 5 x 32 and 3 x 16 with 2, 1 and 3
+    stages on two nodes, a PS shard on each node holding whole layers (ps.placement = "spread"), with and
+    without node relays; the result is the CPU reference's, weighted by each VW's samples, to float
+    tolerance."""
+    from hetpipe.compute.reference import run_reference
+
+    from equivalence import listed_work, run
+
+    vws = [["n0:0", "n0:1"], ["n1:0"], ["n1:1", "n1:2", "n1:3"]]
+    path = write_config(
+        tmp_path, vws=vws, nm=2, staleness=1, waves=4, device="cuda:0", work=[(2, 16), (5, 32), (3, 16)]
+    )
+    text = path.read_text().replace("[wsp]", '[ps]\nshards = 2\nplacement = "spread"\n[wsp]')
+    nodes = '\n[[nodes]]\nname = "n1"\ngpus = ["g0", "g0", "g0", "g0"]\n'
+    path.write_text(text + nodes + 'devices = ["cuda:0", "cuda:0", "cuda:0", "cuda:0"]\n')
+    config = apply_overrides(load_config(path), [f"ps.node_aggregation={str(relay).lower()}"])
+    splits = [(2, 2), (4,), (1, 2, 1)]
+    summary, stage_weights, ps_weights = run(tmp_path, config, splits)
+    assert summary["work"] == [{"nm": 2, "batch": 16}, {"nm": 5, "batch": 32}, {"nm": 3, "batch": 16}]
+    ref = run_reference(config, splits, order_seed=1, work=listed_work(config))
+    for sid, weights in stage_weights.items():
+        for key, value in weights.items():
+            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5)
+    for key, value in ps_weights.items():
+        torch.testing.assert_close(
+            torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5
+        )
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["own-pinned", "shared-with-agent-process"])
 def test_push_and_pull_staging_move_every_key_through_their_buffers(shared: bool):
     """PushStaging: each wave's arrays hold its tensors once ready() returns, integer buffers converted, the
