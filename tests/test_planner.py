@@ -417,6 +417,15 @@ def test_emulated_profiles_follow_the_runtime_slowdowns() -> None:
     for name in derived:
         assert costly[name].layers[0].forward_s == pytest.approx(1.4 * derived[name].layers[0].forward_s)
         assert costly[name].step_s == pytest.approx(1.4 * derived[name].step_s)
+    # a fifth of that step fixed: each type's profile keeps the share for at_batch; the CPU profile rescaled
+    # from batch 4 to 8 by proportion first is set back to it (0.8 x 2 + 0.2 = 1.8 x the batch-4 step, not 2x)
+    fixed = dataclasses.replace(origin, emulation_fixed_share=0.2)
+    kept = emulated_profiles(config, dataclasses.replace(cpu, origin=fixed), cores=2)
+    assert all(kept[name].origin.fixed_share == 0.2 for name in derived)
+    assert kept["slow"].step_s == pytest.approx(costly["slow"].step_s)
+    rescaled = emulated_profiles(config, dataclasses.replace(cpu, origin=fixed).at_batch(8), cores=2)
+    assert rescaled["slow"].step_s == pytest.approx(1.8 * costly["slow"].step_s)
+    assert rescaled["slow"].origin.fixed_share == pytest.approx(0.2 / 1.8)
 
 
 def test_supplied_profiles_scale_missing_types_by_speed() -> None:

@@ -140,6 +140,23 @@ def test_at_batch_scales_per_minibatch_quantities_only() -> None:
         p.at_batch(0)
 
 
+def test_at_batch_keeps_the_fixed_share_of_every_time() -> None:
+    """An emulated type's profile with a quarter of each time fixed (each block's cold start): at half the
+    batch a time is 0.75 / 2 + 0.25 = 0.625 of itself, at twice 1.75, and the fixed part, the same seconds,
+    is then a larger or smaller share of the new times; back at the first batch, the first times."""
+    p = profile(fixed_share=0.25)
+    half, double = p.at_batch(4), p.at_batch(16)
+    for a, h, d in zip(p.layers, half.layers, double.layers, strict=True):
+        assert (h.forward_s, h.backward_s) == pytest.approx((0.625 * a.forward_s, 0.625 * a.backward_s))
+        assert d.forward_s == pytest.approx(1.75 * a.forward_s)
+        assert (h.output_bytes, d.output_bytes) == (a.output_bytes // 2, 2 * a.output_bytes)  # memory x batch
+    assert half.origin.fixed_share == pytest.approx(0.4)
+    assert double.origin.fixed_share == pytest.approx(0.25 / 1.75)
+    back = half.at_batch(8)
+    assert [x.forward_s for x in back.layers] == pytest.approx([x.forward_s for x in p.layers])
+    assert back.origin.fixed_share == pytest.approx(0.25)
+
+
 def test_derive_by_flop_rate_records_where_it_came_from() -> None:
     # a 15 TFLOPS GPU from a profile measured on a 0.1 TFLOPS device: times / 150, memory unchanged
     p = profile()

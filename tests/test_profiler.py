@@ -16,10 +16,12 @@ import torch
 
 from hetpipe.compute.machine import cpu_model, host_fingerprint
 from hetpipe.compute.profiler import (
+    MAX_FIXED_SHARE,
     PROFILER_VERSION,
     WARMUP,
     cached_profile,
     emulation_cost,
+    fixed_share,
     options_digest,
     profile_cache_path,
     profile_checked,
@@ -207,17 +209,26 @@ def test_cache_refuses_or_remeasures_a_wrong_file(tmp_path: Path) -> None:
 def test_emulation_cost_times_the_steps_its_wall_budget_begins(
     budget_s: float, dilated: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At least one dilated step, and at most 15 (a large model's one step can take the whole budget)."""
+    """At least one dilated step, and at most 15 (a large model's one step can take the whole budget), at the
+    batch and at a quarter of it."""
     from hetpipe.compute.stage_compute import StageCompute
 
     spec = get_model("mlp", image_size=4, hidden=(8,))
     layers = [spec.build_layer(i, torch.device("cpu")) for i in range(spec.num_layers)]
-    x0, target = spec.example_input(2), torch.tensor([1, 2])
+    x0, target = spec.example_input(4), torch.tensor([1, 2, 3, 4])
     updates = []
     plain_update = StageCompute.update
     monkeypatch.setattr(StageCompute, "update", lambda self, p: (updates.append(p), plain_update(self, p)))
-    cost = emulation_cost(spec, layers, x0, target, "momentum", 1e-4, slowdown=1.0, budget_s=budget_s)
-    assert len(updates) == WARMUP + dilated and 0 < cost < math.inf
+    cost, share = emulation_cost(spec, layers, x0, target, "momentum", 1e-4, slowdown=1.0, budget_s=budget_s)
+    assert len(updates) == 2 * (WARMUP + dilated) and 0 < cost < math.inf and 0 <= share <= MAX_FIXED_SHARE
+
+
+def test_fixed_share_is_the_steps_line_at_batch_zero() -> None:
+    # 2.0 s at 64 and 1.2 at 32: 0.025 s a sample, 0.4 s at batch 0, a fifth of the step
+    assert fixed_share(2.0, 64, 1.2, 32) == pytest.approx(0.2)
+    assert fixed_share(2.0, 64, 1.0, 32) == 0.0  # by proportion
+    assert fixed_share(2.0, 64, 0.9, 32) == 0.0  # cheaper a sample at the smaller batch: as proportional
+    assert fixed_share(2.0, 64, 2.0, 32) == MAX_FIXED_SHARE  # as costly at half: bounded
 
 
 def test_derive_profile_scales_times_only(mlp_profile: ModelProfile) -> None:
@@ -246,20 +257,23 @@ def test_derive_profile_scales_times_only(mlp_profile: ModelProfile) -> None:
 
 
 def test_origin_records_the_emulation_cost(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU profile measures what a dilated step costs over its layers and keeps it, rounded, in its
-    origin (not the default 1.0 of a profile that did not measure it)."""
+    """A CPU profile measures what a dilated step costs over its layers, and how much of it the batch does
+    not scale, and keeps both, rounded, in its origin (not the defaults of a profile that did not measure
+    them)."""
     import hetpipe.compute.profiler as profiler
 
-    seen: list[float] = []
+    batches: list[int] = []
 
-    def measured(*args: object) -> float:
-        seen.append(float(args[-1]))  # the layers' step time it compares against
-        return 1.23456
+    def measured(spec: object, layers: object, x: torch.Tensor, *args: object) -> tuple[float, float]:
+        batches.append(len(x))
+        # forward + backward: 0.4 s fixed and 0.2 s a sample; an update of 0.5 s at any batch
+        return {BATCH: (2.0, 0.5), BATCH // 4: (0.8, 0.5)}[len(x)]
 
-    monkeypatch.setattr(profiler, "emulation_cost", measured)
+    monkeypatch.setattr(profiler, "dilated_step_s", measured)
     got = profile_model(get_model("mlp", image_size=8, hidden=(16,)), BATCH, repeats=2)
-    assert got.origin is not None and got.origin.emulation_cost == 1.235
-    assert seen == [got.step_s]
+    assert got.origin is not None and got.origin.emulation_cost == round(2.5 / got.step_s, 3)
+    assert got.origin.emulation_fixed_share == 0.16  # 0.4 of the whole step's 2.5 s
+    assert batches == [BATCH, BATCH // 4] and got.origin.fixed_share == 0.0  # the CPU's own: by proportion
 
 
 def test_origin_says_when_where_and_how(mlp_profile: ModelProfile) -> None:

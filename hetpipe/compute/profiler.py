@@ -58,9 +58,7 @@ DTYPES = ("float32", "bfloat16")  # what a model may be profiled in besides its 
 
 WARMUP = 3  # untimed forward+backward runs per layer before the timed ones
 COST_SLOWDOWN = 10.0  # the dilation emulation_cost is measured at: bench.toml's fastest type's on 2 cores
-COST_BUDGET_S = (
-    2.0  # wall seconds of dilated steps emulation_cost times (1 to 15 steps; each sleeps ~slowdown x)
-)
+COST_BUDGET_S = 2.0  # wall seconds of dilated steps at each of emulation_cost's two batches (1 to 15 steps)
 
 
 def profile_model(
@@ -121,8 +119,12 @@ def profile_model(
         input_bytes=tensor_bytes(x0),
         layers=measured,
     )
-    cost = emulation_cost(spec, layers, x0, target, optimizer, profile.step_s) if dev.type == "cpu" else 1.0
-    origin = _origin(profile, spec, dev, cast, optimizer, repeats, load_before, cost)
+    cost, share = (
+        emulation_cost(spec, layers, x0, target, optimizer, profile.step_s)
+        if dev.type == "cpu"
+        else (1.0, 0.0)
+    )
+    origin = _origin(profile, spec, dev, cast, optimizer, repeats, load_before, cost, share)
     return replace(profile, origin=origin)
 
 
@@ -214,6 +216,7 @@ def _origin(
     repeats: int,
     load_before: float | None,
     cost: float,
+    fixed_share: float,
 ) -> ProfileOrigin:
     """Where, when and how noisily `profile` was measured: the load per core is the higher of before and now,
     the device's matmul rate is measured now, and the flags are noise_flags'."""
@@ -233,6 +236,7 @@ def _origin(
         load_per_core=load,
         flags=noise_flags(profile, load),
         emulation_cost=round(cost, 3),
+        emulation_fixed_share=round(fixed_share, 3),
     )
 
 
@@ -245,46 +249,83 @@ def emulation_cost(
     step_s: float,
     slowdown: float = COST_SLOWDOWN,
     budget_s: float = COST_BUDGET_S,
-) -> float:
-    """The CPU time of the whole model's training step run as an emulated device runs it, over `step_s` (the
-    layers' sum): forward, backward and update each a block in the emulation's own Dilator at `slowdown`, as a
-    stage runs them (worker/stage.py), so the step pays what emulation costs beyond the profile (caches and
-    clocks cold after each sleep, the whole step's own overheads). The median of the steps begun within
-    `budget_s` of wall time, 1 to 15, after WARMUP undilated ones: a dilated step sleeps about slowdown x its
-    CPU time, so a large model's one step (where cold caches weigh little) can take the whole budget, a small
-    one's takes a few ms (where they weigh most, and the median of many is needed); on one thread, like the
-    profile."""
+) -> tuple[float, float]:
+    """What emulation costs a whole training step beyond the layer-by-layer profile, and how much of it the
+    batch does not scale: (the dilated step's CPU time over `step_s`, the layers' sum; the fixed part of its
+    forward and backward, from fixed_share of them at `x0`'s batch and at a quarter of it (a long lever: the
+    steps are noisy), as a share of the whole step). The update, the same at any batch, stays by proportion
+    as the profile has it (a flushing schedule runs it once a wave). Each a dilated_step_s in `budget_s` of
+    wall time."""
+    full_fb, full_u = dilated_step_s(spec, layers, x0, target, optimizer, slowdown, budget_s)
+    batch, part = len(x0), len(x0) // 4
+    share = 0.0
+    if part >= 1:
+        part_fb, _ = dilated_step_s(spec, layers, x0[:part], target[:part], optimizer, slowdown, budget_s)
+        share = fixed_share(full_fb, batch, part_fb, part) * full_fb / (full_fb + full_u)
+    return (full_fb + full_u) / max(step_s, 1e-12), share
+
+
+MAX_FIXED_SHARE = 0.9  # a step as costly at a smaller batch still scales a little: no batch is free
+
+
+def fixed_share(full_s: float, batch: int, part_s: float, part: int) -> float:
+    """Of a step's `full_s` at `batch`, the share that does not scale with the batch: the line through
+    (part, part_s) and (batch, full_s) at batch 0, over full_s; within [0, MAX_FIXED_SHARE] (a step that
+    cost less per sample at the smaller batch is taken as proportional). Pure."""
+    per_sample = (full_s - part_s) / (batch - part)
+    fixed = full_s - per_sample * batch
+    return min(max(fixed / full_s, 0.0), MAX_FIXED_SHARE) if full_s > 0 else 0.0
+
+
+def dilated_step_s(
+    spec: ModelSpec,
+    layers: Sequence[nn.Module],
+    x0: Tensor,
+    target: Tensor,
+    optimizer: str,
+    slowdown: float = COST_SLOWDOWN,
+    budget_s: float = COST_BUDGET_S,
+) -> tuple[float, float]:
+    """The CPU time of the whole model's training step run as an emulated device runs it, as (forward +
+    backward, update): each a block in the emulation's own Dilator at `slowdown`, as a stage runs them
+    (worker/stage.py), so the step pays what emulation costs beyond the profile (caches and clocks cold after
+    each sleep, the whole step's own overheads). The median of the steps begun within `budget_s` of wall
+    time, 1 to 15, after WARMUP undilated ones: a dilated step sleeps about slowdown x its CPU time, so a
+    large model's one step (where cold caches weigh little) can take the whole budget, a small one's takes a
+    few ms (where they weigh most, and the median of many is needed); on one thread, like the profile."""
     from hetpipe.compute.stage_compute import StageCompute, StageRules
     from hetpipe.core.hardware.emulate import device_dilator
 
     compute = StageCompute(nn.Sequential(*layers), optimizer, 0.0, 0.9, 0.0, StageRules(nm=1))
     dilator = device_dilator(slowdown)
 
-    def step(dilated: bool) -> float:
-        spent = dilator.compute_s
+    def step(dilated: bool) -> list[float]:
         blocks = (
             lambda: compute.forward(0, x0, target, spec.loss, input_grad=False),
             lambda: compute.backward(0, None, target, spec.loss),
             lambda: compute.update(0),
         )
+        spent = []
         for name, block in zip("FBU", blocks, strict=True):
+            before = dilator.compute_s
             if dilated:
                 with dilator.compute(name):
                     block()
             else:
                 block()
+            spent.append(dilator.compute_s - before)
         compute.sums.clear()
-        return dilator.compute_s - spent
+        return spent
 
     for _ in range(WARMUP):
         step(dilated=False)
-    costs: list[float] = []
+    costs: list[list[float]] = []
     deadline = (
         time.perf_counter() + budget_s
     )  # wall time, measured: a costly emulation takes far over slowdown x
     while len(costs) < 15 and (not costs or time.perf_counter() < deadline):
         costs.append(step(dilated=True))
-    return statistics.median(costs) / max(step_s, 1e-12)
+    return statistics.median(f + b for f, b, _ in costs), statistics.median(u for *_, u in costs)
 
 
 def profile_checked(

@@ -36,7 +36,7 @@ __all__ = [
     "repeat_spread",
 ]
 
-PROFILER_VERSION = 7  # part of the cache key: bump when what a profile measures changes (7: emulation_cost)
+PROFILER_VERSION = 8  # part of the cache key: bump when what a profile measures changes (8: fixed share)
 
 
 def variant_digest(options: Iterable[tuple[str, Any]], input_shape: Iterable[int], input_dtype: str) -> str:
@@ -117,6 +117,13 @@ class ProfileOrigin:
     # times are the profile's x this (docs/emulation.md#what-dilation-costs). 1.0: not measured (a GPU, an
     # older profile)
     emulation_cost: float = 1.0
+    # CPU profiles: of that dilated step's time, the share that does not scale with the batch (fitted from its
+    # forward and backward at the measured batch and at a quarter of it: a block's cold start costs the same
+    # at any batch)
+    emulation_fixed_share: float = 0.0
+    # the share of every time that ModelProfile.at_batch keeps as it is: 0.0 (by proportion) but for the
+    # emulated types' profiles (emulated_profiles: the step's emulation_fixed_share)
+    fixed_share: float = 0.0
 
     @property
     def flagged(self) -> bool:
@@ -167,8 +174,9 @@ class ModelProfile:
         return replace(self, gpu_type=gpu_type, layers=layers)
 
     def at_batch(self, batch_size: int) -> ModelProfile:
-        """The profile at another batch size by proportion: times, activations (output, saved, working) and
-        the input x batch_size / batch_size measured; weights and optimizer state unchanged.
+        """The profile at another batch size: activations (output, saved, working) and the input x
+        batch_size / batch_size measured; weights and optimizer state unchanged; times by proportion too, but
+        for the share origin.fixed_share of each, which stays (an emulated device's cold start of a block).
 
         Close on a CPU, whose time per sample barely depends on the batch; on a GPU a small batch leaves the
         device partly idle, so times scaled up from one are pessimistic. origin.measured_batch keeps the
@@ -177,18 +185,23 @@ class ModelProfile:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         f = batch_size / self.batch_size
+        share = self.origin.fixed_share if self.origin is not None else 0.0
+        t = (1 - share) * f + share
         layers = tuple(
             replace(
                 layer,
-                forward_s=layer.forward_s * f,
-                backward_s=layer.backward_s * f,
+                forward_s=layer.forward_s * t,
+                backward_s=layer.backward_s * t,
                 output_bytes=round(layer.output_bytes * f),
                 saved_bytes=round(layer.saved_bytes * f),
                 working_bytes=round(layer.working_bytes * f),
             )
             for layer in self.layers
         )
-        return replace(self, batch_size=batch_size, input_bytes=round(self.input_bytes * f), layers=layers)
+        origin = self.origin if not share else replace(self.origin, fixed_share=share / t)
+        return replace(
+            self, batch_size=batch_size, input_bytes=round(self.input_bytes * f), layers=layers, origin=origin
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -5,6 +5,7 @@ from another device's; and the check that they fit the config. Pure."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
@@ -24,19 +25,34 @@ def emulated_profiles(
     "auto", auto_time_scale over all the cluster's GPUs (the runtime uses the GPUs of the run's VWs: the same
     set when a plan uses every GPU). So predictions are in wall seconds of `hetpipe train` on this machine.
     Times are also x the profile's origin.emulation_cost: what a whole step costs an emulated device in CPU
-    time beyond the layer-by-layer profile (docs/emulation.md#what-dilation-costs).
+    time beyond the layer-by-layer profile (docs/emulation.md#what-dilation-costs). Of that, the share
+    origin.emulation_fixed_share does not scale with the batch: each type's profile keeps it as its
+    origin.fixed_share, so ModelProfile.at_batch moves only the rest (and a CPU profile rescaled from another
+    batch before is set back to that share here).
     """
 
     speeds = gpu_speeds(config)
     time_scale = config.emulation.time_scale or auto_time_scale(speeds, cores)
     fastest = max(speeds.values())
     used = {config.gpu(ref).name for ref in config.all_gpus()}
-    cost = cpu_profile.origin.emulation_cost if cpu_profile.origin is not None else 1.0
-    return {
-        name: derive_profile(cpu_profile, t.speed, fastest, time_scale * cost, gpu_type=name)
-        for name, t in config.gpu_types.items()
-        if name in used
-    }
+    origin = cpu_profile.origin
+    cost, rebase, share = 1.0, 1.0, 0.0
+    if origin is not None:
+        f = cpu_profile.batch_size / origin.measured_batch
+        t = (1 - origin.emulation_fixed_share) * f + origin.emulation_fixed_share
+        cost, rebase, share = origin.emulation_cost, t / f, origin.emulation_fixed_share / t
+    out = {}
+    for name, gpu_type in config.gpu_types.items():
+        if name in used:
+            derived = derive_profile(
+                cpu_profile, gpu_type.speed, fastest, time_scale * cost * rebase, gpu_type=name
+            )
+            out[name] = (
+                derived
+                if origin is None
+                else replace(derived, origin=replace(derived.origin, fixed_share=share))
+            )
+    return out
 
 
 def supplied_profiles(
