@@ -1,4 +1,5 @@
-"""Calls to the PS shards: requests sent, resent every retry_s under their id, timed out, answered.
+"""Calls to the PS shards: requests sent, resent under their id (after retry_s, then twice as long each
+time), timed out, answered.
 
 A call that moves many bytes (a register with W_0, a pull of the weights) over a slow link is given time for
 them: timeout_s plus its bytes at the link's rate, and its resends wait as long. Once timeout_s has passed the
@@ -48,6 +49,7 @@ class PSTimeout(HetpipeError):
 
 
 BULK_BYTES = 64 << 10  # a call moving more than this waits for its bytes beyond timeout_s
+BACKOFF_DOUBLINGS = 3  # each resend of a request waits twice the one before, up to 8 x the first wait
 SLOWEST_LINK_BYTES_PER_S = 125_000.0  # 1 Mbit/s: the rate assumed when the client is told none
 NOT_ASKED = wire.Message("none", {}, {})  # the reply slot of a shard a call does not go to
 
@@ -62,6 +64,7 @@ class Call:
     gate: int = -1  # the wave whose gate a pull waits for (for the timeout message)
     replies: list[wire.Message | None] = field(default_factory=list)
     sent_at: list[float] = field(default_factory=list)
+    sends: list[int] = field(default_factory=list)  # per shard: times the request went out
     started: float = field(default_factory=time.monotonic)
     error: HetpipeError | None = None
     wave: int = -1  # a push's wave
@@ -97,9 +100,9 @@ class ReplyWatcher(Protocol):
 
 class ShardCalls:
     """Sends calls over one socket per shard and completes them (docs/ps-protocol.md#request-ids-and-retries):
-    request ids, resends every `retry_s`, the timeout after `timeout_s` (worded by `describe_timeout(what,
-    waited, gate)`), replies matched by (shard, id). A request the client sent by itself that fails for good
-    becomes `fatal`, which `poll` raises.
+    request ids, resends after `retry_s` and twice as long each time, the timeout after `timeout_s` (worded
+    by `describe_timeout(what, waited, gate)`), replies matched by (shard, id). A request the client sent by
+    itself that fails for good becomes `fatal`, which `poll` raises.
 
     What the requests say is the client's business (worker/ps_client.py); what a reply means beside
     completing its call is the `watcher`'s (worker/ps_recovery.py: surviving a shard's restart)."""
@@ -160,6 +163,7 @@ class ShardCalls:
             gate,
             [None if r is not None else NOT_ASKED for r in requests],
             [-1e9] * len(requests),
+            [0] * len(requests),
             wave=wave,
             background=background,
             moved=moved,
@@ -181,12 +185,13 @@ class ShardCalls:
                 continue
             if now - call.started > self.timeout_s and self._expired(call, shard, now - call.started):
                 expired.append(call)
-            elif now - call.sent_at[shard] >= max(self.retry_s, self._link_s(call.moved[shard])):
+            elif now - call.sent_at[shard] >= self._resend_s(call, shard):
                 # never block: a DEALER whose connection failed its handshake has nowhere to queue; an
                 # unsent request is tried again after retry_s, and the timeout still counts
                 with contextlib.suppress(zmq.Again):
                     self.sockets[shard].send_multipart(call.frames[shard], copy=False, flags=zmq.NOBLOCK)
                 call.sent_at[shard] = now
+                call.sends[shard] += 1
         # closed first: the message below asks the PS for its status with a call of its own
         for call in expired:
             call.error = PSTimeout(f"{call.what} timed out")
@@ -207,6 +212,14 @@ class ShardCalls:
             self.held_bytes[shard] = sent
             return 2 * sent if fields.get("want_weights") else sent
         return sent + (self.held_bytes[shard] if msg_type == "pull" else 0)
+
+    def _resend_s(self, call: Call, shard: int) -> float:
+        """How long after its last send a request to `shard` goes again: retry_s or its bytes' time, whichever
+        is longer, doubled at each resend up to BACKOFF_DOUBLINGS times. On a link slower than the client was
+        told, a resent request queues behind the bytes of the first and is sent twice (each a push's or a
+        pull's whole payload): the doubling bounds what that costs a congested link."""
+        doublings = min(max(call.sends[shard] - 1, 0), BACKOFF_DOUBLINGS)
+        return max(self.retry_s, self._link_s(call.moved[shard])) * 2**doublings
 
     def _link_s(self, nbytes: int) -> float:
         """Seconds `nbytes` take over the link (0 below BULK_BYTES)."""
