@@ -31,6 +31,17 @@ def first_and_last_loss(run_dir: Path) -> tuple[float, float]:
     return sum(losses[:4]) / 4, sum(losses[-4:]) / 4
 
 
+def assert_close_to(ref, stage_weights: dict, ps_weights: dict) -> None:
+    """Every stage's and the PS's final weights equal the CPU reference's `ref` to float tolerance."""
+    for sid, weights in stage_weights.items():
+        for key, value in weights.items():
+            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5)
+    for key, value in ps_weights.items():
+        torch.testing.assert_close(
+            torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5
+        )
+
+
 def test_two_stages_of_one_vw_share_one_gpu(tmp_path: Path):
     # NCCL refuses two ranks on one device; co-located stages go over gloo with pinned staging
     path = write_config(
@@ -170,13 +181,7 @@ def test_a_re_plan_on_one_gpu_trains_as_the_reference_does(tmp_path: Path):
     splits = [(2, 2), (3, 1), (4,), (4,), (1, 3)]
     _, stage_weights, ps_weights = run(tmp_path, config, splits)
     ref = run_reference(config, splits, order_seed=1)
-    for sid, weights in stage_weights.items():
-        for key, value in weights.items():
-            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5)
-    for key, value in ps_weights.items():
-        torch.testing.assert_close(
-            torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5
-        )
+    assert_close_to(ref, stage_weights, ps_weights)
 
 
 def test_the_frozen_layers_cache_on_one_gpu_trains_as_the_reference_does(tmp_path: Path):
@@ -229,13 +234,7 @@ def test_unequal_work_on_two_nodes_under_spread_trains_as_the_reference_does(tmp
     summary, stage_weights, ps_weights = run(tmp_path, config, splits)
     assert summary["work"] == [{"nm": 2, "batch": 16}, {"nm": 5, "batch": 32}, {"nm": 3, "batch": 16}]
     ref = run_reference(config, splits, order_seed=1, work=listed_work(config))
-    for sid, weights in stage_weights.items():
-        for key, value in weights.items():
-            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5)
-    for key, value in ps_weights.items():
-        torch.testing.assert_close(
-            torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5
-        )
+    assert_close_to(ref, stage_weights, ps_weights)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-pinned", "shared-with-agent-process"])
