@@ -32,10 +32,17 @@ def first_and_last_loss(run_dir: Path) -> tuple[float, float]:
 
 
 def assert_close_to(ref, stage_weights: dict, ps_weights: dict) -> None:
-    """Every stage's and the PS's final weights equal the CPU reference's `ref` to float tolerance."""
+    """Every stage's and the PS's final weights equal the CPU reference's `ref` to float tolerance (ps_weights
+    {}: the PS's not compared)."""
     for sid, weights in stage_weights.items():
         for key, value in weights.items():
-            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                value.cpu(),
+                ref.stage_weights[sid][key].cpu(),
+                rtol=1e-4,
+                atol=1e-5,
+                msg=lambda m, sid=sid, key=key: f"stage {sid} {key}: {m}",
+            )
     for key, value in ps_weights.items():
         torch.testing.assert_close(
             torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5
@@ -150,19 +157,7 @@ def test_two_vws_on_one_gpu_train_as_the_reference_does(tmp_path: Path, agent: s
     ref = run_reference(config, splits, order_seed=1)
     relay_logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("relay-*"))
     assert ("registered upstream for vws" in relay_logs) == relay
-    for sid, weights in stage_weights.items():
-        for key, value in weights.items():
-            torch.testing.assert_close(
-                value.cpu(),
-                ref.stage_weights[sid][key].cpu(),
-                rtol=1e-4,
-                atol=1e-5,
-                msg=lambda m, sid=sid, key=key: f"stage {sid} {key}: {m}",
-            )
-    for key, value in ps_weights.items():
-        torch.testing.assert_close(
-            torch.as_tensor(value), torch.as_tensor(ref.ps_weights[key]), rtol=1e-4, atol=1e-5
-        )
+    assert_close_to(ref, stage_weights, ps_weights)
 
 
 def test_a_re_plan_on_one_gpu_trains_as_the_reference_does(tmp_path: Path):
@@ -207,9 +202,7 @@ def test_the_frozen_layers_cache_on_one_gpu_trains_as_the_reference_does(tmp_pat
     summary, stage_weights, _ = run(tmp_path, config, splits)
     assert summary["frozen_cache"]["hits"] > 0, summary["frozen_cache"]
     ref = run_reference(config, splits, order_seed=1)
-    for sid, weights in stage_weights.items():
-        for key, value in weights.items():
-            torch.testing.assert_close(value.cpu(), ref.stage_weights[sid][key].cpu(), rtol=1e-4, atol=1e-5)
+    assert_close_to(ref, stage_weights, {})
 
 
 @pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])

@@ -30,9 +30,14 @@ class Watcher:
         return False
 
 
+def calls_on(sock: Socket, retry_s: float) -> ShardCalls:
+    """Calls over `sock` that never time out in these tests, resent after `retry_s` and on."""
+    return ShardCalls([sock], 1e6, retry_s, None, Watcher(), lambda what, waited, gate: what)  # type: ignore[list-item, arg-type]
+
+
 def resend_times(retry_s: float, until: float) -> list[float]:
     sock = Socket()
-    calls = ShardCalls([sock], 1e6, retry_s, None, Watcher(), lambda what, waited, gate: what)  # type: ignore[list-item, arg-type]
+    calls = calls_on(sock, retry_s)
     call = calls.send([("push", PUSH, {"k": np.zeros(4, np.float32)})], "push")
     start = call.sent_at[0]
     sock.sent = [0.0]
@@ -49,7 +54,7 @@ def test_each_resend_waits_twice_as_long_up_to_eight_times_the_first() -> None:
 
 def test_a_request_to_a_restarted_shard_goes_again_at_once() -> None:
     sock = Socket()
-    calls = ShardCalls([sock], 1e6, 1.0, None, Watcher(), lambda what, waited, gate: what)  # type: ignore[list-item, arg-type]
+    calls = calls_on(sock, 1.0)
     call = calls.send([("push", PUSH, {"k": np.zeros(4, np.float32)})], "push")
     start = call.sent_at[0]
     for now in (1.0, 3.0, 7.0):
