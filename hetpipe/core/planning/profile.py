@@ -28,6 +28,7 @@ __all__ = [
     "LayerProfile",
     "ModelProfile",
     "ProfileOrigin",
+    "batch_time_factor",
     "cache_file_name",
     "variant_digest",
     "derive_profile",
@@ -186,7 +187,7 @@ class ModelProfile:
             raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         f = batch_size / self.batch_size
         share = self.origin.fixed_share if self.origin is not None else 0.0
-        t = (1 - share) * f + share
+        t = batch_time_factor(f, share)
         layers = tuple(
             replace(
                 layer,
@@ -222,6 +223,12 @@ class ModelProfile:
     @classmethod
     def load(cls, path: Path) -> ModelProfile:
         return cls.from_json(path.read_text())
+
+
+def batch_time_factor(f: float, fixed_share: float) -> float:
+    """A time at `f` x the batch, as a multiple of itself, when `fixed_share` of it does not scale with the
+    batch; the fixed part is then fixed_share / this of the new time. Pure."""
+    return (1 - fixed_share) * f + fixed_share
 
 
 def derive_profile(

@@ -10,7 +10,7 @@ from dataclasses import replace
 from hetpipe.core.config.schema import ClusterConfig
 from hetpipe.core.errors import UsageError
 from hetpipe.core.hardware.emulate import auto_time_scale, gpu_speeds
-from hetpipe.core.planning.profile import ModelProfile, derive_profile
+from hetpipe.core.planning.profile import ModelProfile, batch_time_factor, derive_profile
 
 __all__ = ["check_profiles", "derived_profiles", "emulated_profiles", "supplied_profiles"]
 
@@ -39,7 +39,7 @@ def emulated_profiles(
     cost, rebase, share = 1.0, 1.0, 0.0
     if origin is not None:
         f = cpu_profile.batch_size / origin.measured_batch
-        t = (1 - origin.emulation_fixed_share) * f + origin.emulation_fixed_share
+        t = batch_time_factor(f, origin.emulation_fixed_share)
         cost, rebase, share = origin.emulation_cost, t / f, origin.emulation_fixed_share / t
     out = {}
     for name, gpu_type in config.gpu_types.items():
