@@ -24,17 +24,23 @@ def network(**extra) -> PsNetwork:
 
 def test_one_shard_node_sends_every_pull_over_its_own_link():
     vws = [vw("n0:0"), vw("n1:0"), vw("n2:0")]
-    # pushes: n1 and n2 egress 1 GB each (1 s), n0's over its loopback (0.1 s); pulls: n0's egress carries
-    # n1's and n2's (2 s)
-    assert wave_chain_s(vws, network()) == pytest.approx(1.0 + 2.0)
-    assert wave_chain_s(vws, network(), pulls=False) == pytest.approx(1.0)
-    # no link is faster than the PS itself: 0.5 GB/s makes n1's push 2 s and n0's pulls 4 s
-    assert wave_chain_s(vws, network(), ps_bytes_per_s=0.5 * GB) == pytest.approx(2.0 + 4.0)
+    # pushes: n1 and n2 egress 1 GB each (1 s), both into n0's ingress (2 s), n0's over its loopback (0.1 s);
+    # pulls: n0's egress carries n1's and n2's (2 s)
+    assert wave_chain_s(vws, network()) == pytest.approx(2.0 + 2.0)
+    assert wave_chain_s(vws, network(), pulls=False) == pytest.approx(2.0)
+    # no link is faster than the PS itself: 0.5 GB/s makes n0's ingress 4 s and its egress 4 s
+    assert wave_chain_s(vws, network(), ps_bytes_per_s=0.5 * GB) == pytest.approx(4.0 + 4.0)
+
+
+def test_one_remote_vw_is_bound_by_its_own_links():
+    """n1's push crosses n1's egress and n0's ingress, each 1 s at once (not one after the other)."""
+    assert wave_chain_s([vw("n1:0")], network()) == pytest.approx(1.0 + 1.0)
 
 
 def test_shards_on_every_node_fan_the_pulls_out():
     """A third of the weights on each node: each node's egress carries two thirds of a push (to the other two
-    shards) and its own third to each of the two other nodes' pulls."""
+    shards) and its own third to each of the two other nodes' pulls; its ingress a third from each other node
+    both ways."""
     spread = network(layer_nodes=("n0", "n1", "n2"))
     vws = [vw("n0:0"), vw("n1:0"), vw("n2:0")]
     assert wave_chain_s(vws, spread) == pytest.approx(2 / 3 + 2 / 3)

@@ -203,10 +203,11 @@ def test_larger_d_lets_the_fast_worker_run_ahead_and_raises_throughput() -> None
 NETWORK = PsNetwork("n0", {"n0": 8.0, "n1": 8.0, "n2": 8.0}, {"n0": 80.0, "n1": 80.0, "n2": 80.0})
 
 
-def test_pushes_leave_over_their_own_nodes_egress_and_pulls_share_the_ps_nodes() -> None:
+def test_pushes_leave_over_their_own_nodes_egress_and_share_the_ps_nodes_ingress() -> None:
     # The shared-link case above, with vw0 on n1 and vw1 on n2: PUSH0 at 3 crosses n1's and n2's egress at
-    # once (both land at 4, not 4 and 5). The gate opens at 4; both pulls leave over n0's egress: vw0's 4-5,
-    # vw1's 5-6. F1 3-4, B1 4-6, PUSH1 6-7 each; both pulls are in by 6: F2 6-7, B2 7-9, PUSH2 9-10.
+    # once, but both enter n0 over its ingress: vw0's lands at 4, vw1's at 5. The gate opens at 5; both pulls
+    # leave over n0's egress: vw0's 5-6, vw1's 6-7. F1 3-4, B1 4-6 each; PUSH1 at 6 lands 7 and 8. F2 6-7 and
+    # 7-8 (after each pull), B2 7-9 and 8-10; PUSH2 9-10 and 10-11.
     result = simulate(
         plan(
             vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")), vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))
@@ -215,10 +216,11 @@ def test_pushes_leave_over_their_own_nodes_egress_and_pulls_share_the_ps_nodes()
         ps_gbps=math.inf,
         network=NETWORK,
     )
-    assert result.makespan_s == 10.0
-    assert result.vws[0].wave_done_s == result.vws[1].wave_done_s == (4.0, 7.0, 10.0)
+    assert result.makespan_s == 11.0
+    assert result.vws[0].wave_done_s == (4.0, 7.0, 10.0) and result.vws[1].wave_done_s == (5.0, 8.0, 11.0)
     assert (result.vws[0].pull_s, result.vws[1].pull_s) == (1.0, 2.0)
-    assert result.ps_utilisation == pytest.approx(3 / 10)  # each egress carried 3 pushes; n0's 2 pulls
+    assert result.ps_link == "n0 ingress"
+    assert result.ps_utilisation == pytest.approx(6 / 11)  # n0's ingress carried all 6 pushes
     shared = simulate(
         plan(
             vw(stage(1.0, 2.0, params=int(GB), gpu="n1:0")), vw(stage(1.0, 2.0, params=int(GB), gpu="n2:0"))
@@ -268,13 +270,15 @@ def test_a_stage_spanning_shards_splits_its_bytes_by_layer() -> None:
     assert split.parts("n1:0", 0, 2, 100.0, push=True) == [
         ("n1 loopback", 80.0, 75.0),
         ("n1 egress", 8.0, 25.0),
+        ("n2 ingress", 8.0, 25.0),
     ]
     assert split.parts("n1:0", 0, 2, 100.0, push=False) == [
         ("n1 loopback", 80.0, 75.0),
         ("n2 egress", 8.0, 25.0),
+        ("n1 ingress", 8.0, 25.0),
     ]
     even = PsNetwork("n0", NETWORK.egress_gbps, NETWORK.inside_gbps, layer_nodes=("n1", "n2"))
-    assert [p[2] for p in even.parts("n2:0", 0, 2, 100.0, push=True)] == [50.0, 50.0]
+    assert [p[2] for p in even.parts("n2:0", 0, 2, 100.0, push=True)] == [50.0, 50.0, 50.0]
     with pytest.raises(UsageError, match=r"layers \[1, 3\) of 'n1:0' are outside the 2 layers"):
         even.parts("n1:0", 1, 3, 1.0, push=True)
 
@@ -303,9 +307,21 @@ def test_a_relay_pushes_once_its_group_has_and_pulls_once_for_it_by_hand() -> No
         assert one.wave_done_s == pytest.approx((4.2, 7.2, 10.2)) and one.gate_wait_s == 0.0
     assert (result.vws[0].pull_s, result.vws[1].pull_s) == pytest.approx((1.1, 1.2))
     moved = {name: nbytes / GB for name, nbytes in result.link_bytes}
-    assert moved == {"n1 loopback": 8.0, "n1 egress": 3.0, "n0 egress": 1.0}  # 6 pushes + 2 pulls on n1
+    # 6 pushes + 2 pulls on n1's loopback; 3 relayed pushes out of n1 into n0, 1 pull back
+    assert moved == {
+        "n1 loopback": 8.0,
+        "n1 egress": 3.0,
+        "n0 ingress": 3.0,
+        "n0 egress": 1.0,
+        "n1 ingress": 1.0,
+    }
     alone = simulate(two, waves=3, ps_gbps=math.inf, network=NETWORK)
-    assert {name: nbytes / GB for name, nbytes in alone.link_bytes} == {"n1 egress": 6.0, "n0 egress": 2.0}
+    assert {name: nbytes / GB for name, nbytes in alone.link_bytes} == {
+        "n1 egress": 6.0,
+        "n0 ingress": 6.0,
+        "n0 egress": 2.0,
+        "n1 ingress": 2.0,
+    }
 
 
 def test_node_aggregation_halves_the_bytes_over_the_remote_nodes_egress_and_the_wave() -> None:

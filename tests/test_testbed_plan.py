@@ -62,13 +62,11 @@ def test_plan_of_the_bench_cluster() -> None:
 
 def test_the_ps_network_routes_each_gpu_over_its_nodes_links() -> None:
     network = plan_topology(load_config(BENCH), "t", 0.001).ps_network()  # the PS on n0
-    name, gbps = network.route("n0:1", push=True)
+    [(name, gbps)] = network.route("n0:1", push=True)
     assert name == "n0 loopback" and gbps == pytest.approx(0.2)  # 2 GPUs x 100 Gbit/s x 0.001
-    assert network.route("n1:0", push=True) == ("n1 egress", pytest.approx(0.01))
-    assert network.route("n2:1", push=False) == (
-        "n0 egress",
-        pytest.approx(0.01),
-    )  # pulls leave the PS's node
+    # a push leaves its node and enters the PS's; a pull leaves the PS's node and enters the GPU's
+    assert network.route("n1:0", push=True) == [("n1 egress", pytest.approx(0.01)), ("n0 ingress", 0.01)]
+    assert network.route("n2:1", push=False) == [("n0 egress", pytest.approx(0.01)), ("n2 ingress", 0.01)]
 
 
 def test_effective_config_puts_every_node_and_the_ps_on_its_address() -> None:

@@ -35,8 +35,8 @@ def wave_chain_s(
         relay = relay_of.get(v)
         for stage, nbytes in zip(vw.stages, stage_param_bytes(vw), strict=True):
             if relay is not None:
-                push.append((*network.route(stage.gpu, True, relay.node), nbytes))
-                pull.append((*network.route(stage.gpu, False, relay.node), nbytes))
+                push += [(*link, nbytes) for link in network.route(stage.gpu, True, relay.node)]
+                pull += [(*link, nbytes) for link in network.route(stage.gpu, False, relay.node)]
             else:
                 push += network.parts(stage.gpu, stage.start, stage.stop, nbytes, True)
                 pull += network.parts(stage.gpu, stage.start, stage.stop, nbytes, False)

@@ -143,8 +143,10 @@ def stage_param_bytes(vw: VwPlan) -> list[float]:
 @dataclass(frozen=True)
 class PsNetwork:
     """The nodes' own links as the PS's bytes cross them (the testbed, or a cluster of machines), in Gbit/s
-    per node name. A shard on the sender's own node is reached over that node's loopback; else a push leaves
-    over the sender's egress and a pull over the shard node's egress (shared by every VW it serves). The
+    per node name. A shard on the sender's own node is reached over that node's loopback; else a transfer
+    leaves over the sender's egress and arrives over the receiver's ingress: a push from the GPU's node to
+    the shard's, a pull back (the shard node's egress and ingress are shared by every VW it serves). A node's
+    NIC runs `egress_gbps` each way (full duplex, as the testbed shapes both ends of a node's veth). The
     shards run on `ps_node`, or with placement "local" each layer's on `layer_nodes[layer]`; a stage's bytes
     are then split over its layers by `layer_bytes` (default: evenly)."""
 
@@ -154,9 +156,9 @@ class PsNetwork:
     layer_nodes: tuple[str, ...] = ()
     layer_bytes: tuple[float, ...] = ()
 
-    def route(self, gpu: str, push: bool, shard_node: str | None = None) -> tuple[str, float]:
-        """(the link's name, its Gbit/s) that a push (else a pull) of GPU "n1:0" to a shard on `shard_node`
-        (default: ps_node) crosses."""
+    def route(self, gpu: str, push: bool, shard_node: str | None = None) -> list[tuple[str, float]]:
+        """(each link's name, its Gbit/s) that a push (else a pull) of GPU "n1:0" to a shard on `shard_node`
+        (default: ps_node) crosses: the node's loopback, or the sender's egress and the receiver's ingress."""
         node = gpu.rsplit(":", 1)[0]
         shard_node = shard_node or self.ps_node
         for name in (node, shard_node):
@@ -166,9 +168,10 @@ class PsNetwork:
                     f"(nodes: {', '.join(self.egress_gbps)}); build it from the same config as the plan"
                 )
         if node == shard_node:
-            return f"{node} loopback", self.inside_gbps[node]
-        sender = node if push else shard_node
-        return f"{sender} egress", self.egress_gbps[sender]
+            return [(f"{node} loopback", self.inside_gbps[node])]
+        sender, receiver = (node, shard_node) if push else (shard_node, node)
+        out, into = self.egress_gbps[sender], self.egress_gbps[receiver]
+        return [(f"{sender} egress", out), (f"{receiver} ingress", into)]
 
     def parts(
         self, gpu: str, start: int, stop: int, nbytes: float, push: bool
@@ -176,7 +179,7 @@ class PsNetwork:
         """(link name, Gbit/s, bytes) of each link a stage's transfer of `nbytes` for layers [start, stop)
         crosses."""
         if not self.layer_nodes:
-            return [(*self.route(gpu, push), nbytes)]
+            return [(name, gbps, nbytes) for name, gbps in self.route(gpu, push)]
         if not 0 <= start < stop <= len(self.layer_nodes):
             raise UsageError(
                 f"layers [{start}, {stop}) of {gpu!r} are outside the {len(self.layer_nodes)} layers "
@@ -188,7 +191,9 @@ class PsNetwork:
         for layer, weight in zip(range(start, stop), weights, strict=True):
             node = self.layer_nodes[layer]
             by_node[node] = by_node.get(node, 0.0) + nbytes * weight / total
-        return [(*self.route(gpu, push, node), part) for node, part in by_node.items()]
+        return [
+            (name, gbps, part) for node, part in by_node.items() for name, gbps in self.route(gpu, push, node)
+        ]
 
     def relay_parts(self, node: str, nbytes: float, push: bool) -> list[tuple[str, float, float]]:
         """parts of node `node`'s relay pushing (else pulling) the whole model's `nbytes` to its shards: the
@@ -297,7 +302,7 @@ class _Links:
             if name not in self.by_name:
                 self.by_name[name] = _Link(relay.inside_gbps * 1e9 / 8)
             return self.by_name[name].transfer(now, nbytes)
-        return self._send([(*self.network.route(vw.gpus[j], push, relay.node), nbytes)], now)
+        return self._send([(*link, nbytes) for link in self.network.route(vw.gpus[j], push, relay.node)], now)
 
     def upstream(self, relay: Relay, nbytes: float, push: bool, now: float) -> float:
         """Queue a relay's push (else pull) of the whole model's `nbytes` at `now`, over the links a GPU of
