@@ -206,3 +206,54 @@ def test_over_slow_node_links_per_vw_work_makes_waves_no_shorter_than_their_ps_r
     waves = [vw.nm * 6 * 0.03 * (1 if vw.gpus == ("n0:0",) else 2) for vw in top.plan.vws]
     assert len(top.plan.vws) == 2 and min(waves) >= round_trip
     assert [vw.nm for vw in top.plan.vws] == [12, 6] and top.gate_wait_share == 0.0
+
+
+def test_at_d_1_per_vw_work_spreads_the_ps_round_trip_over_two_waves() -> None:
+    """The cluster above at D = 1: the gate of wave c needs wave c - 3, so the push and the pull (1.01 s
+    each: 6 MiB over n1's egress and n0's ingress, then back) may take two waves, but the pushes of one wave
+    must cross before the next wave's: waves of 1.01 s at least. Per-VW work sizes them so: Nm 6 and 3
+    (1.08 s each), where D = 0 needed Nm 12 and 6."""
+    network = PsNetwork("n0", {"n0": 0.05, "n1": 0.05}, {"n0": 10.0, "n1": 10.0})
+    config = cluster([["fast"], ["slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)})
+    profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
+    found = plan_candidates(
+        config,
+        profiles,
+        ps_gbps=10.0,
+        d_values=(0, 1),
+        ps_network=network,
+        policies=["dp"],
+        schedules=["pipedream"],
+        baselines=False,
+        nm_max=16,
+    )
+    phase = 6 * 2**20 / (0.05e9 / 8)
+    sized = {
+        c.staleness: [vw.nm for vw in c.plan.vws]
+        for c in found
+        if any(n.startswith("per-VW work") for n in c.notes)
+    }
+    assert sized == {0: [12, 6], 1: [6, 3]}
+    at_1 = next(c for c in found if c.staleness == 1 and any(n.startswith("per-VW work") for n in c.notes))
+    waves = [vw.nm * 6 * 0.03 * (1 if vw.gpus == ("n0:0",) else 2) for vw in at_1.plan.vws]
+    assert min(waves) >= phase and at_1.gate_wait_share == 0.0
+
+
+def test_per_vw_work_sizes_each_d_within_the_memory_of_that_d() -> None:
+    """A stage keeps D + 2 update sums: the fast GPUs' 31.7 MiB hold the fast VW's stage at Nm 2 x batch 4
+    at D = 0 (test_memory_at_a_larger_batch_holds_a_vw_back_and_is_named) but not at D = 1, one more sum of
+    its weights. Per-VW work at D = 1 gives it less work, within memory, where the grouping sized for D = 0
+    would not fit at D = 1."""
+    config = cluster([["fast", "fast"], ["slow", "slow"]], {"fast": (2.0, 0.031), "slow": (1.0, 8.0)})
+    profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
+    found = plan_candidates(
+        config, profiles, ps_gbps=0.1, d_values=(0, 1), policies=["np"], schedules=["wsp"], baselines=False
+    )
+    per_vw = {
+        c.staleness: c for c in found if c.feasible and any(n.startswith("per-VW work") for n in c.notes)
+    }
+    assert set(per_vw) == {0, 1}
+    fast = [c.plan.vws[0] for c in (per_vw[0], per_vw[1])]
+    assert fast[1].nm * fast[1].batch(4) < fast[0].nm * fast[0].batch(4)
+    for c in per_vw.values():
+        assert all(u.memory_bytes <= u.limit_bytes for u in c.memory)

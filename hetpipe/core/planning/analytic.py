@@ -206,7 +206,8 @@ def _gate_s(
     `relay`: (its group's traffic over the inside link, that link's bytes/s): WSP keeps the group's VWs in
     step, so the relay's push waits for every push of the group over that link, then the whole model crosses
     the PS link both ways, then the stage's pull crosses the inside link (behind the group's others with
-    `contention` 1)."""
+    `contention` 1). With `contention` 1 the pull also queues behind the VW's (or its relay's) own next push:
+    in a FIFO link the push of wave c - D - 1 may go first."""
     k = len(vw.stages)
     forward, backward = stage_times(vw)
     if recompute:
@@ -214,6 +215,7 @@ def _gate_s(
     per_minibatch = minibatch_time_s(vw, schedule, recompute)
     own = _traffic(vw, True)
     weights = stage_param_bytes(vw)
+    ahead = own / 2 / rate  # with contention: the VW's own next push, queued before the pull on the link
     out = 0.0
     for j, (n_forward, n_backward, periods) in enumerate(gate_points(schedule, k, vw.nm, staleness)):
         busy = forward[j] + backward[j]
@@ -222,11 +224,11 @@ def _gate_s(
         if own <= 0:
             latency = 0.0
         elif relay is None:
-            latency = 2 * weights[j] / rate * (1 + contention * (total - own) / own)
+            latency = 2 * weights[j] / rate * (1 + contention * (total - own) / own) + contention * ahead
         else:
             group, inside = relay
             hop = (group / 2 + weights[j] + contention * (group / 2 - weights[j])) / inside
-            latency = hop + own / rate * (1 + contention * (total - own) / own)
+            latency = hop + own / rate * (1 + contention * (total - own) / own) + contention * ahead
         out = max(out, (latency + work) / periods)
     return out
 

@@ -11,7 +11,7 @@ from hetpipe.core.planning.groupings import Fitted, Grouping, GroupingSearch
 from hetpipe.core.planning.memory import MemoryRule, format_bytes
 from hetpipe.core.planning.partition import minibatch_time_s
 from hetpipe.core.planning.plan import VwPlan
-from hetpipe.core.planning.ps_chain import wave_chain_s
+from hetpipe.core.planning.ps_chain import gate_bound_s, wave_phases_s
 from hetpipe.core.planning.relays import plan_relays, prefix_ps_bytes
 from hetpipe.core.planning.simulate import PsNetwork
 from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder, largest_fine_batch
@@ -89,15 +89,17 @@ class PerVwWork:
         scaled = vw.times_scaled(batch / base)
         return dataclasses.replace(scaled, nm=nm, batch_size=0 if batch == base else batch)
 
-    def ps_s(self, vws: Sequence[VwPlan]) -> float:
+    def ps_s(self, vws: Sequence[VwPlan], staleness: int = 0) -> float:
         """The PS's seconds per wave: each VW pushes its weights every wave, and pulls them when it must; with
         [ps] node_aggregation a relayed group's once for all its VWs (relays.ps_bytes_per_wave). Over a
-        PsNetwork's node links, the wave's pushes and then its pulls (ps_chain.wave_chain_s): at D = 0 a wave
-        shorter than that waits at the gate, so per-VW work makes waves no shorter."""
+        PsNetwork's node links, the wave's pushes and then its pulls spread over the D + 1 waves the gate
+        leaves them, each phase no longer than a wave (ps_chain.gate_bound_s): a shorter wave waits at the
+        gate, so per-VW work makes waves no shorter. Over one PS link both directions share it, whatever D."""
         if self.network is not None:
             inside = self.network.inside_gbps
             relays = plan_relays([vw.gpus for vw in vws], self.node_aggregation, lambda n: inside[n])
-            return wave_chain_s(vws, self.network, relays, self.pulls(len(vws)), self.ps_bytes_per_s)
+            phases = wave_phases_s(vws, self.network, relays, self.pulls(len(vws)), self.ps_bytes_per_s)
+            return gate_bound_s(phases, staleness)
         if self.node_aggregation:
             return self.relayed_ps_s(prefix_ps_bytes(vws)[-1], len(vws))
         return sum(vw.param_bytes * (2 if self.pulls(len(vws)) else 1) for vw in vws) / self.ps_bytes_per_s
@@ -107,27 +109,28 @@ class PerVwWork:
         (relays.prefix_ps_bytes)."""
         return one_pass * (2 if self.pulls(n) else 1) / self.ps_bytes_per_s
 
-    def balanced(self, vws: Sequence[VwPlan], fitted: Fitted) -> Balance | None:
-        """wave_balance.balance over these VWs' options, under the memory rule of this many VWs."""
-        rule = dataclasses.replace(fitted.rule, pulls=self.pulls(len(vws)))
+    def balanced(self, vws: Sequence[VwPlan], fitted: Fitted, staleness: int = 0) -> Balance | None:
+        """wave_balance.balance over these VWs' options, under the memory rule of this many VWs at D =
+        `staleness` (a stage keeps D + 2 update sums), with the PS's seconds per wave at that D."""
+        rule = dataclasses.replace(fitted.rule, pulls=self.pulls(len(vws)), staleness=staleness)
         options = [self.options(vw, rule, fitted.cap) for vw in vws]
-        return balance(options, self.ps_s(vws), self.search.batch)
+        return balance(options, self.ps_s(vws, staleness), self.search.batch)
 
-    def groupings(self, fitted: Fitted | str) -> list[Grouping]:
-        """The policy's VWs at per-VW work, then only its fastest 1, 2, ... at theirs, each kept when its
-        estimate is within KEEP_FEWER of the best one's; none when the policy cannot run."""
+    def groupings(self, fitted: Fitted | str, staleness: int = 0) -> list[Grouping]:
+        """The policy's VWs at per-VW work for D = `staleness`, then only its fastest 1, 2, ... at theirs,
+        each kept when its estimate is within KEEP_FEWER of the best one's; none when the policy can't run."""
         if isinstance(fitted, str) or not self.enabled:
             return []
-        return [g for variant in fitted.for_work() for g in self._groupings(variant)]
+        return [g for variant in fitted.for_work() for g in self._groupings(variant, staleness)]
 
-    def _groupings(self, fitted: Fitted) -> list[Grouping]:
+    def _groupings(self, fitted: Fitted, staleness: int) -> list[Grouping]:
         vws = [vw for *_, vw in fitted.vws]
         rule = fitted.rule
         fastest = sorted(vws, key=lambda vw: minibatch_time_s(vw, rule.schedule, rule.recompute))
         found: list[tuple[Balance, list[VwPlan]]] = []
         for n in range(len(vws), 0, -1):
             kept = [vw for vw in vws if any(vw is f for f in fastest[:n])]
-            chosen = self.balanced(kept, fitted)
+            chosen = self.balanced(kept, fitted, staleness)
             if chosen is not None:
                 found.append((chosen, kept))
         top = max((b.samples_per_s for b, _ in found), default=0.0)

@@ -7,7 +7,6 @@ Pure."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -269,8 +268,11 @@ def plan_candidates(
                 if slower_but_fewer
                 else search.fewer([grouping], schedule)
             )
-            groupings = _distinct(groupings + work.groupings(search.fit(policy, nm_max, schedule)))  # type: ignore[arg-type]
-            for found, d in itertools.product(groupings, ds):
+            fitted = search.fit(policy, nm_max, schedule)
+            # per-VW work sizes each VW's wave for one D (its memory, the gate's round trip): planned at it
+            planned = [(g, d) for g in groupings for d in ds]
+            planned += [(g, d) for d in ds for g in work.groupings(fitted, d)]  # type: ignore[arg-type]
+            for found, d in _distinct(planned):
                 out.append(_candidate(search, policy, schedule, found, d, how))
                 if progress is not None:
                     progress(f"plan: {len(out)} candidates planned and simulated ({schedule} {policy})")
@@ -294,12 +296,12 @@ def tie_broken(
     return with_headroom(candidates, rate, max_stages)
 
 
-def _distinct(groupings: list[Grouping]) -> list[Grouping]:
-    """Each distinct set of VWs once, the first listed kept."""
-    out: list[Grouping] = []
-    for vws, notes in groupings:
-        if all(vws != seen for seen, _ in out):
-            out.append((vws, notes))
+def _distinct(planned: list[tuple[Grouping, int]]) -> list[tuple[Grouping, int]]:
+    """Each distinct set of VWs once at each D, the first listed kept."""
+    out: list[tuple[Grouping, int]] = []
+    for (vws, notes), d in planned:
+        if all(vws != seen or d != seen_d for (seen, _), seen_d in out):
+            out.append(((vws, notes), d))
     return out
 
 

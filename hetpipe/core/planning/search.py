@@ -191,7 +191,7 @@ def search_candidates(
             if tally.best_est > 0 and _policy_bound(search, policy, schedule) * WINDOW < tally.best_est:
                 tally.skipped_policies += 1  # no grouping of its VWs can come within FINAL_MARGIN of the best
                 continue
-            found = shapes(search, work, policy, schedule, nm_max, interner)
+            found = shapes(search, work, policy, schedule, nm_max, interner, ctx.ds)
             if isinstance(found, str):
                 tally.seq += 1
                 tally.infeasible += 1
@@ -199,7 +199,7 @@ def search_candidates(
                     (tally.seq, Candidate(policy, None, None, 0.0, reason=found, schedule=schedule))
                 )
                 continue
-            seen: set[tuple[int, int]] = set()
+            seen: dict[tuple[int, int], set[int]] = {}  # each set of VWs: the D values it was planned at
             for shape in found:
                 if budget_s is not None and clock() - started > budget_s:
                     tally.complete = False
@@ -211,9 +211,11 @@ def search_candidates(
                         f"skipped, best {tally.best_est:.4g} samples/s so far "
                         f"({last_report - started:.0f} s; {schedule} {policy})"
                     )
-                if shape.key not in seen:
-                    seen.add(shape.key)
-                    _visit(ctx, tally, policy, schedule, recompute, shape)
+                done = seen.setdefault(shape.key, set())
+                ds = [d for d in (ctx.ds if shape.staleness is None else (shape.staleness,)) if d not in done]
+                if ds:
+                    done.update(ds)
+                    _visit(ctx, tally, policy, schedule, recompute, shape, ds)
             if not tally.complete:
                 break
         if not tally.complete:
@@ -221,16 +223,18 @@ def search_candidates(
     return _result(ctx, tally, rates, baselines, clock() - started)
 
 
-def _visit(ctx: _Context, tally: _Tally, policy: str, schedule: str, recompute: bool, shape: Shape) -> None:
-    """Predict one grouping at every D (each skipped when its bound cannot come near the best so far, or
-    counted when a stage's memory refuses it), keeping the `top` best estimates."""
+def _visit(
+    ctx: _Context, tally: _Tally, policy: str, schedule: str, recompute: bool, shape: Shape, ds: Sequence[int]
+) -> None:
+    """Predict one grouping at each D of `ds` (each skipped when its bound cannot come near the best so far,
+    or counted when a stage's memory refuses it), keeping the `top` best estimates."""
     search = ctx.search
     tally.shapes_seen += 1
     kinds = kinds_of(shape)
     pulls = needs_pulls(shape.k, ctx.aggregation)
     relays = _relayed(ctx.how, shape)
     bound = upper_bound(kinds, ctx.batch, schedule, recompute, pulls, ctx.ps_rate, relays)
-    for d in ctx.ds:
+    for d in ds:
         tally.seq += 1
         if bound * WINDOW < tally.best_est:
             tally.skipped += 1

@@ -54,14 +54,16 @@ class Interner:
 @dataclass(frozen=True)
 class Shape:
     """One grouping, lazily: its size, its VWs counted by kind (kind id, a VW of that kind, count), a key
-    (equal keys, equal sets of VWs), how to build its VWs and notes, and its VWs that node aggregation would
-    relay: per node holding two or more wholly, their kind ids (relays.node_kinds)."""
+    (equal keys, equal sets of VWs), how to build its VWs and notes, its VWs that node aggregation would
+    relay: per node holding two or more wholly, their kind ids (relays.node_kinds), and the D it is sized for
+    (None: planned at every D; per-VW work sizes each VW's wave for one D)."""
 
     k: int
     kinds: tuple[tuple[int, VwPlan, int], ...]
     key: tuple[int, int]
     build: Callable[[], Grouping]
     groups: Callable[[], dict[str, tuple[int, ...]]]
+    staleness: int | None = None
 
     def grouping(self) -> Grouping:
         """The VWs (in the policy's order) and the notes, as plan_candidates' groupings."""
@@ -129,10 +131,12 @@ def shapes(
     schedule: str,
     nm_max: int | None,
     interner: Interner,
+    ds: Sequence[int] = (0,),
 ) -> Iterator[Shape] | str:
     """The shapes plan_candidates plans for one policy and schedule (without slower_but_fewer), in its
-    order: the grouping at one common Nm and its fastest 1, 2, ...; then per-VW work. Or why the policy
-    cannot run. Duplicates (the same VWs) are the caller's to skip, by Shape.key."""
+    order: the grouping at one common Nm and its fastest 1, 2, ...; then per-VW work for each D of `ds`. Or
+    why the policy cannot run. Duplicates (the same VWs at the same D) are the caller's to skip, by
+    Shape.key and Shape.staleness."""
     grouping = search.grouping(policy, nm_max, schedule)
     if isinstance(grouping, str):
         return grouping
@@ -140,7 +144,8 @@ def shapes(
 
     def generate() -> Iterator[Shape]:
         yield from _common_shapes(vws, notes, schedule, interner)
-        yield from _work_shapes(search, work, search.fit(policy, nm_max, schedule), interner)
+        for d in ds:
+            yield from _work_shapes(search, work, search.fit(policy, nm_max, schedule), interner, d)
 
     return generate()
 
@@ -149,19 +154,19 @@ def shapes(
 
 
 def _work_shapes(
-    search: GroupingSearch, work: PerVwWork, fitted: Fitted | str, interner: Interner
+    search: GroupingSearch, work: PerVwWork, fitted: Fitted | str, interner: Interner, staleness: int
 ) -> Iterator[Shape]:
-    """PerVwWork.groupings, by kinds: for each n, the fastest n VWs each at the option wave_balance.balance
-    chooses (the same choice, counted per kind), kept when within KEEP_FEWER of the best estimate; each
-    built only when asked."""
+    """PerVwWork.groupings at D = `staleness`, by kinds: for each n, the fastest n VWs each at the option
+    wave_balance.balance chooses (the same choice, counted per kind), kept when within KEEP_FEWER of the best
+    estimate; each built only when asked."""
     if isinstance(fitted, str) or not work.enabled:
         return
     for variant in fitted.for_work():
-        yield from _variant_shapes(search, work, variant, interner)
+        yield from _variant_shapes(search, work, variant, interner, staleness)
 
 
 def _variant_shapes(
-    search: GroupingSearch, work: PerVwWork, fitted: Fitted, interner: Interner
+    search: GroupingSearch, work: PerVwWork, fitted: Fitted, interner: Interner, staleness: int
 ) -> Iterator[Shape]:
     """_work_shapes for one set of VWs (Fitted.for_work)."""
     vws = [vw for *_, vw in fitted.vws]
@@ -181,7 +186,7 @@ def _variant_shapes(
     one_pass = prefix_ps_bytes([vws[i] for i in fastest]) if work.node_aggregation else []
     for n in range(len(vws), 0, -1):
         ps_s = work.relayed_ps_s(one_pass[n - 1], n) if work.node_aggregation else None
-        chosen = _balance_kinds(work, dict(counts), rep_of, fitted, cache, ps_s)
+        chosen = _balance_kinds(work, dict(counts), rep_of, fitted, cache, staleness, ps_s)
         if chosen is not None:
             found.append((n, chosen))
         gone = kind_key[fastest[n - 1]]  # the slowest of the n leaves for n - 1
@@ -219,6 +224,7 @@ def _variant_shapes(
             (n, tag),
             _work_builder(search, work, fitted, vws, kind_key, kept, chosen),
             lambda groups=groups: groups,
+            staleness,
         )
 
 
@@ -269,17 +275,19 @@ def _balance_kinds(
     rep_of: dict[int, VwPlan],
     fitted: Fitted,
     cache: dict,
+    staleness: int,
     ps_s: float | None = None,
 ) -> _Choice | None:
     """wave_balance.balance over VWs counted by kind (`counts`: kind id -> VWs; rep_of: a VW of each kind):
     the same choice, one option per kind, scored with numpy over the candidate wave times; ladders and the
-    options each wave time picks are cached in `cache` per kind and per set of kinds. `ps_s`: the PS's
-    seconds per wave when the kinds do not tell it (node aggregation: PerVwWork.ps_s of the VWs)."""
+    options each wave time picks are cached in `cache` per kind and per set of kinds. Memory as at D =
+    `staleness`. `ps_s`: the PS's seconds per wave when the kinds do not tell it (node aggregation:
+    PerVwWork.ps_s of the VWs)."""
     from hetpipe.core.planning.wave_balance import _Ladder
 
     n_vws = sum(counts.values())
     pulls = work.pulls(n_vws)
-    rule = dataclasses.replace(fitted.rule, pulls=pulls)
+    rule = dataclasses.replace(fitted.rule, pulls=pulls, staleness=staleness)
     base = work.search.batch
     keys_list = sorted(counts)
     ladders: dict[int, _Ladder] = {}
