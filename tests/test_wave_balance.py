@@ -257,3 +257,31 @@ def test_per_vw_work_sizes_each_d_within_the_memory_of_that_d() -> None:
     assert fast[1].nm * fast[1].batch(4) < fast[0].nm * fast[0].batch(4)
     for c in per_vw.values():
         assert all(u.memory_bytes <= u.limit_bytes for u in c.memory)
+
+
+def test_a_plan_of_only_the_fastest_vws_says_what_all_of_them_would_cost() -> None:
+    """The two-node cluster above at 0.003 Gbit/s: the slow VW's push and pull cross n1's and n0's links,
+    2 x 6 MiB / 0.375 MB/s = 33.6 s a wave at D = 0, longer than any wave either VW can run. Per-VW work's
+    grouping of the fast VW alone names that bound and the estimate for both."""
+    network = PsNetwork("n0", {"n0": 0.003, "n1": 0.003}, {"n0": 10.0, "n1": 10.0})
+    config = cluster([["fast"], ["slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)})
+    profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
+    found = plan_candidates(
+        config,
+        profiles,
+        ps_gbps=10.0,
+        d_values=(0,),
+        ps_network=network,
+        policies=["dp"],
+        schedules=["pipedream"],
+        baselines=False,
+        nm_max=16,
+    )
+    per_vw = [c for c in found if any(n.startswith("per-VW work") for n in c.notes)]
+    [alone] = per_vw  # both VWs, estimated under 90% of the fast one alone, are not planned
+    round_trip = 2 * 6 * 2**20 / (0.003e9 / 8)
+    note = alone.notes[-1]
+    assert note.startswith("only the 1 fastest of the policy's 2 VWs, at per-VW work (all 2: about ")
+    assert f"bound by the PS's links {round_trip:.3g} s a wave against " in note
+    estimate = float(note.split("about ")[1].split(" samples/s")[0])
+    assert estimate < 0.9 * alone.samples_per_s

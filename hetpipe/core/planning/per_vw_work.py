@@ -17,7 +17,7 @@ from hetpipe.core.planning.simulate import PsNetwork
 from hetpipe.core.planning.wave_balance import Balance, WorkOption, balance, batch_ladder, largest_fine_batch
 from hetpipe.core.wsp.aggregation import get_aggregation, needs_pulls
 
-__all__ = ["KEEP_FEWER", "PerVwWork", "nm_cap", "work_text"]
+__all__ = ["KEEP_FEWER", "PerVwWork", "fewer_note", "nm_cap", "work_text"]
 
 KEEP_FEWER = 0.9  # only the fastest VWs: planned when the estimate is within 10% of the best one's
 
@@ -134,6 +134,7 @@ class PerVwWork:
             if chosen is not None:
                 found.append((chosen, kept))
         top = max((b.samples_per_s for b, _ in found), default=0.0)
+        every = found[0][0] if found and len(found[0][1]) == len(vws) else None
         out = []
         for chosen, kept in found:
             if chosen.samples_per_s < KEEP_FEWER * top:
@@ -142,11 +143,14 @@ class PerVwWork:
                 self.search.with_params(self.at(vw, o.nm, o.batch))
                 for vw, o in zip(kept, chosen.work, strict=True)
             )
-            out.append((plans, (*fitted.left_out, *self.notes(chosen, plans, len(vws)))))
+            out.append((plans, (*fitted.left_out, *self.notes(chosen, plans, len(vws), every))))
         return out
 
-    def notes(self, chosen: Balance, vws: Sequence[VwPlan], of: int) -> list[str]:
-        """What per-VW work chose, the VWs memory held back, and the VWs left out."""
+    def notes(
+        self, chosen: Balance, vws: Sequence[VwPlan], of: int, every: Balance | None = None
+    ) -> list[str]:
+        """What per-VW work chose, the VWs memory held back, and the VWs left out (with what all `of` would
+        make: `every`, their Balance)."""
         notes = [
             f"per-VW work (Nm x batch per VW): {work_text(vws, self.search.batch)}, so that every wave takes "
             f"about {chosen.wave_s:.3g} s"
@@ -156,8 +160,23 @@ class PerVwWork:
             for v, option in chosen.held
         ]
         if len(vws) < of:
-            notes.append(f"only the {len(vws)} fastest of the policy's {of} VWs, at per-VW work")
+            notes.append(fewer_note(len(vws), of, every and (every.samples_per_s, every.wave_s, every.ps_s)))
         return notes
+
+
+def fewer_note(k: int, n: int, every: tuple[float, float, float] | None) -> str:
+    """The note of a per-VW work grouping of only the fastest `k` of `n` VWs; `every`: (samples/s, slowest
+    wave, the PS's seconds per wave) of all n at per-VW work by the estimate, which says what they cost."""
+    note = f"only the {k} fastest of the policy's {n} VWs, at per-VW work"
+    if every is None:
+        return note
+    rate, wave, ps_s = every
+    bound = (
+        f"the PS's links {ps_s:.3g} s a wave against {wave:.3g} s of compute"
+        if ps_s > wave
+        else f"the slowest VW's wave {wave:.3g} s"
+    )
+    return f"{note} (all {n}: about {rate:.4g} samples/s by the estimate, bound by {bound})"
 
 
 def nm_cap(cap: int, batch: int, base: int) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 from hetpipe.core.planning.analytic import Kind
 from hetpipe.core.planning.groupings import Fitted, Grouping, GroupingSearch
 from hetpipe.core.planning.partition import minibatch_time_s
-from hetpipe.core.planning.per_vw_work import KEEP_FEWER, PerVwWork, work_text
+from hetpipe.core.planning.per_vw_work import KEEP_FEWER, PerVwWork, fewer_note, work_text
 from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.relays import home_node, node_kinds, prefix_ps_bytes
 from hetpipe.core.planning.wave_balance import TOLERANCE, WorkOption, _off
@@ -194,6 +194,7 @@ def _variant_shapes(
         if not counts[gone]:
             del counts[gone]
     top = max((c.samples_per_s for _, c in found), default=0.0)
+    every = found[0][1] if found and found[0][0] == len(vws) else None
     at: dict[
         tuple[int, WorkOption], tuple[int, VwPlan]
     ] = {}  # (kind, option) -> its kind at the option, a plan
@@ -222,7 +223,7 @@ def _variant_shapes(
             n,
             kinds,
             (n, tag),
-            _work_builder(search, work, fitted, vws, kind_key, kept, chosen),
+            _work_builder(search, work, fitted, vws, kind_key, kept, chosen, every),
             lambda groups=groups: groups,
             staleness,
         )
@@ -236,8 +237,10 @@ def _work_builder(
     kind_key: Sequence[VwPlan],
     kept: Sequence[int],
     chosen: _Choice,
+    every: _Choice | None,
 ) -> Callable[[], Grouping]:
-    """How to build a per-VW work shape's VWs and notes (PerVwWork.groupings' and .notes')."""
+    """How to build a per-VW work shape's VWs and notes (PerVwWork.groupings' and .notes'; `every`: the
+    choice for all the VWs)."""
 
     def grouping() -> Grouping:
         plans = tuple(
@@ -255,8 +258,9 @@ def _work_builder(
             f"per-VW work (Nm x batch per VW): {work_text(plans, search.batch)}, so that every wave takes "
             f"about {chosen.wave_s:.3g} s"
         )
-        extra = [f"only the {len(kept)} fastest of the policy's {len(vws)} VWs, at per-VW work"]
-        return plans, (*fitted.left_out, note, *held, *(extra if len(kept) < len(vws) else []))
+        fewer = every and (every.samples_per_s, every.wave_s, every.ps_s)
+        extra = [fewer_note(len(kept), len(vws), fewer)] if len(kept) < len(vws) else []
+        return plans, (*fitted.left_out, note, *held, *extra)
 
     return grouping
 
@@ -267,6 +271,7 @@ class _Choice:
     wave_s: float
     samples_per_s: float
     held: dict  # kind key -> the larger WorkOption memory refused
+    ps_s: float = 0.0  # the PS's seconds per wave
 
 
 def _balance_kinds(
@@ -329,4 +334,4 @@ def _balance_kinds(
         larger = ladders[key].held(float(wave[r]), option[key])
         if larger is not None:
             held[key] = larger
-    return _Choice(option, float(wave[r]), float(rate[r]), held)
+    return _Choice(option, float(wave[r]), float(rate[r]), held, float(ps_s))
