@@ -4,11 +4,15 @@ pull sends its whole payload again behind the first."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
+import zmq
 
-from hetpipe.worker.ps_calls import BACKOFF_DOUBLINGS, ShardCalls
+from hetpipe.core.protocol import wire
+from hetpipe.worker.ps_calls import BACKOFF_DOUBLINGS, BULK_BYTES, ShardCalls
+from hetpipe.worker.ps_sockets import ShardSockets
 
 
 class Socket:
@@ -62,3 +66,44 @@ def test_a_request_to_a_restarted_shard_goes_again_at_once() -> None:
     calls.resend_to(0)  # worker/ps_recovery.py, once the shard is back
     calls.send_due(start + 7.5)
     assert len(sock.sent) == 5
+
+
+def test_a_bulk_request_goes_again_when_its_connection_comes_back_and_not_on_a_timer() -> None:
+    """Over real sockets: a push of more than BULK_BYTES reaches the shard once and is not resent while the
+    connection stays up (20 x retry_s without an answer); when the shard's socket is replaced (a restart at
+    the same address) the client's DEALER reconnects, its monitor reports the handshake, and the push goes
+    again under the same id."""
+    context = zmq.Context()
+    shard = context.socket(zmq.ROUTER)
+    port = shard.bind_to_random_port("tcp://127.0.0.1")
+    client = ShardSockets([f"tcp://127.0.0.1:{port}"], b"client", None)
+    try:
+        calls = ShardCalls(client.sockets, 1e6, 0.05, None, Watcher(), lambda what, waited, gate: what)  # type: ignore[arg-type]
+        calls.send([("push", PUSH, {"k": np.zeros(BULK_BYTES // 4 + 1, np.float32)})], "push")
+
+        def received(sock: zmq.Socket, seconds: float) -> list[int]:
+            """The request ids `sock` took in while the client polled for `seconds`."""
+            ids: list[int] = []
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                calls.poll(10)
+                while sock.poll(0):
+                    frames = sock.recv_multipart()
+                    ids.append(wire.decode(frames[1:]).fields["id"])
+            return ids
+
+        first = received(shard, 1.0)
+        assert len(first) == 1 and calls.watched  # a timer would have resent it about 20 times
+        shard.close(linger=0)
+        shard = context.socket(zmq.ROUTER)
+        for _ in range(100):  # the old socket lets its port go in the background
+            try:
+                shard.bind(f"tcp://127.0.0.1:{port}")
+                break
+            except zmq.ZMQError:
+                time.sleep(0.05)
+        assert received(shard, 3.0) == first
+    finally:
+        shard.close(linger=0)
+        client.close()
+        context.term()

@@ -1,15 +1,17 @@
 """Calls to the PS shards: requests sent, resent under their id (after retry_s, then twice as long each
 time), timed out, answered.
 
-A call that moves many bytes (a register with W_0, a pull of the weights) over a slow link is given time for
-them: timeout_s plus its bytes at the link's rate, and its resends wait as long. Once timeout_s has passed the
+A call that moves many bytes (a register with W_0, a pull of the weights, a push) over a slow link is given
+time for them: timeout_s plus its bytes at the link's rate. Where the sockets report their connections
+(ShardSocketList.monitors), such a call is not resent while its connection stays up (ZeroMQ delivers it or
+the connection drops): it goes again when the connection comes back. Once timeout_s has passed the
 shard is asked for its status over a fresh connection (on the call's own connection the answer would queue
 behind the bytes still arriving): an answering PS is alive and the call waits out its bytes; a silent one
 fails the call at once."""
 
 from __future__ import annotations
 
-import contextlib
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +73,7 @@ class Call:
     background: str = ""  # "": the caller waits for it; else what the client itself sent it for
     moved: list[int] = field(default_factory=list)  # per shard: bytes of the request and the reply expected
     probed: dict[str, Any] | None = None  # the status a shard it waits for gave on a fresh connection
+    unsent: set[int] = field(default_factory=set)  # shards its last try did not reach (or must go again)
 
     @property
     def done(self) -> bool:
@@ -188,8 +191,11 @@ class ShardCalls:
             elif now - call.sent_at[shard] >= self._resend_s(call, shard):
                 # never block: a DEALER whose connection failed its handshake has nowhere to queue; an
                 # unsent request is tried again after retry_s, and the timeout still counts
-                with contextlib.suppress(zmq.Again):
+                try:
                     self.sockets[shard].send_multipart(call.frames[shard], copy=False, flags=zmq.NOBLOCK)
+                    call.unsent.discard(shard)
+                except zmq.Again:
+                    call.unsent.add(shard)
                 call.sent_at[shard] = now
                 call.sends[shard] += 1
         # closed first: the message below asks the PS for its status with a call of its own
@@ -217,7 +223,12 @@ class ShardCalls:
         """How long after its last send a request to `shard` goes again: retry_s or its bytes' time, whichever
         is longer, doubled at each resend up to BACKOFF_DOUBLINGS times. On a link slower than the client was
         told, a resent request queues behind the bytes of the first and is sent twice (each a push's or a
-        pull's whole payload): the doubling bounds what that costs a congested link."""
+        pull's whole payload): the doubling bounds what that costs a congested link. A bulk request that went
+        out over a watched connection waits for the connection to come back instead (never, while it
+        stays up: the timeout still counts)."""
+        sent = call.sends[shard] > 0 and shard not in call.unsent
+        if sent and self.watched and call.moved[shard] >= BULK_BYTES:
+            return math.inf
         doublings = min(max(call.sends[shard] - 1, 0), BACKOFF_DOUBLINGS)
         return max(self.retry_s, self._link_s(call.moved[shard])) * 2**doublings
 
@@ -252,11 +263,17 @@ class ShardCalls:
             f" bytes at {rate * 8 / 1e6:g} Mbit/s: raise [ps] timeout_s, or check the link"
         )
 
+    @property
+    def watched(self) -> bool:
+        """Whether the sockets report their connections' drops and handshakes (ShardSocketList.monitors)."""
+        return bool(getattr(self.sockets, "monitors", None))
+
     def resend_to(self, shard: int) -> None:
         """Let every open request to `shard` go again at the next `send_due`."""
         for (s, _), call in self._open.items():
             if s == shard:
                 call.sent_at[shard] = -1e9
+                call.unsent.add(shard)
 
     def _forget(self, call: Call) -> None:
         for shard, rid in enumerate(call.ids):
@@ -267,12 +284,16 @@ class ShardCalls:
         """Read every reply that arrives within timeout_ms into its Call; resend what is due. Returns which
         of `extra` (sockets the caller also waits on) became readable."""
         poller = zmq.Poller()
-        for sock in (*self.sockets, *extra):
+        monitors = getattr(self.sockets, "monitors", [])
+        for sock in (*self.sockets, *monitors, *extra):
             poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(timeout=timeout_ms))
         for shard, sock in enumerate(self.sockets):
             if sock in ready:
                 self._read(shard, sock)
+        if monitors:
+            for shard in self.sockets.reconnected(ready):  # type: ignore[attr-defined]
+                self.resend_to(shard)
         self.send_due(time.monotonic())
         if self.fatal is not None:
             raise self.fatal

@@ -4,14 +4,18 @@ over a fresh connection. No other requests."""
 from __future__ import annotations
 
 import os
+from collections.abc import Container
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from hetpipe.core.protocol import wire
 from hetpipe.core.protocol.keys import ClientKeys
 
-__all__ = ["ShardSocketList", "ShardSockets", "routing_id"]
+__all__ = ["MONITORED", "ShardSocketList", "ShardSockets", "routing_id"]
+
+MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED  # what a DEALER's monitor reports
 
 
 def routing_id(run: str, vw: int, stage: int) -> bytes:
@@ -20,11 +24,32 @@ def routing_id(run: str, vw: int, stage: int) -> bytes:
 
 
 class ShardSocketList(list):
-    """The DEALERs, one per shard, and how to reach each shard on a fresh connection (`probe`)."""
+    """The DEALERs, one per shard, each with a monitor of its connection (`monitors`, for `reconnected`), and
+    how to reach each shard on a fresh connection (`probe`)."""
 
     def __init__(self, context: zmq.Context, endpoints: list[str], curve: ClientKeys | None) -> None:
         super().__init__()
         self.context, self.endpoints, self.curve = context, endpoints, curve
+        self.monitors: list[zmq.Socket] = []
+        self._dropped: set[int] = set()  # shards whose connection dropped and has not come back yet
+
+    def reconnected(self, ready: Container[zmq.Socket]) -> list[int]:
+        """The shards whose connection dropped and came back (a handshake after a drop), from the events of
+        the monitors in `ready`: whatever was in flight on the old connection is lost, so the caller sends
+        its open requests to them again."""
+        out: list[int] = []
+        for shard, monitor in enumerate(self.monitors):
+            while monitor in ready:
+                try:
+                    event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)["event"]
+                except zmq.Again:
+                    break
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._dropped.add(shard)
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and shard in self._dropped:
+                    self._dropped.discard(shard)
+                    out.append(shard)
+        return out
 
     def probe(self, shard: int, run: str, timeout_s: float) -> dict[str, Any] | None:
         """The shard's status asked over a new connection of its own, so that it does not queue behind the
@@ -63,11 +88,15 @@ class ShardSockets:
                 sock.curve_serverkey = curve.server_public
                 sock.curve_publickey = curve.public
                 sock.curve_secretkey = curve.secret
+            self.sockets.monitors.append(sock.get_monitor_socket(MONITORED))
             sock.connect(endpoint)
             self.sockets.append(sock)
 
     def close(self) -> None:
-        """Close every socket without waiting for unsent messages, then the context."""
+        """Close every socket and its monitor without waiting for unsent messages, then the context."""
         for sock in self.sockets:
+            sock.disable_monitor()
             sock.close(linger=0)
+        for monitor in self.sockets.monitors:
+            monitor.close(linger=0)
         self.context.term()
