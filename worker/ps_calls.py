@@ -311,7 +311,7 @@ class ShardCalls:
             if call is None or call.replies[shard] is not None:
                 continue  # an answer to an earlier try of an earlier request
             if msg.type == "error":
-                if self.watcher.refused(self, shard, msg):
+                if self.watcher.refused(self, shard, msg) or self._behind(shard, call, msg):
                     continue
                 call.error = PSError(
                     msg.fields["code"], f"{call.what} refused by shard {shard}: {msg.fields['message']}"
@@ -322,6 +322,25 @@ class ShardCalls:
             call.replies[shard] = msg
             self._open.pop((shard, msg.fields["id"]), None)
             self.watcher.answered(self, shard, msg, call)
+
+    def _behind(self, shard: int, call: Call, msg: wire.Message) -> bool:
+        """A push refused as out of order while an earlier push to the same shard is open: it overtook that
+        one after a dropped connection (the earlier went again behind it). The earlier ones go again now, this
+        one after them (retry_s later), and the call stays open; False otherwise."""
+        if msg.fields.get("code") != "out_of_order" or call.wave < 0:
+            return False
+        earlier = [
+            c
+            for (s, _), c in self._open.items()
+            if s == shard and c is not call and 0 <= c.wave < call.wave and c.replies[shard] is None
+        ]
+        for c in earlier:
+            c.sent_at[shard] = -1e9
+            c.unsent.add(shard)
+        if earlier:
+            call.sent_at[shard] = time.monotonic()
+            call.unsent.add(shard)
+        return bool(earlier)
 
     def _background_failed(self, call: Call) -> None:
         """A request the client sent by itself failed: a heartbeat matters only when it says the VW is out."""

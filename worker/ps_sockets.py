@@ -34,9 +34,10 @@ class ShardSocketList(list):
         self._dropped: set[int] = set()  # shards whose connection dropped and has not come back yet
 
     def reconnected(self, ready: Container[zmq.Socket]) -> list[int]:
-        """The shards whose connection dropped and came back (a handshake after a drop), from the events of
+        """The shards whose connection dropped, or came back after a drop (its handshake), from the events of
         the monitors in `ready`: whatever was in flight on the old connection is lost, so the caller sends
-        its open requests to them again."""
+        its open requests to them again (queued in order while the DEALER reconnects, and once more when it
+        has)."""
         out: list[int] = []
         for shard, monitor in enumerate(self.monitors):
             while monitor in ready:
@@ -46,6 +47,7 @@ class ShardSocketList(list):
                     break
                 if event == zmq.EVENT_DISCONNECTED:
                     self._dropped.add(shard)
+                    out.append(shard)
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and shard in self._dropped:
                     self._dropped.discard(shard)
                     out.append(shard)
