@@ -182,25 +182,31 @@ def test_a_gpu_that_holds_the_model_only_at_a_smaller_batch_is_a_vw_of_its_own()
     assert best(found).gpus_used == 5
 
 
-def test_over_slow_node_links_per_vw_work_makes_waves_no_shorter_than_their_ps_round_trip() -> None:
-    """A fast GPU on n0 (beside the PS) and one of half its speed on n1, 6 MiB of weights, 0.05 Gbit/s
-    egress: a wave's push from n1 and the pull back over n0's egress take 2 x 6 MiB / 6.25 MB/s = 2.01 s,
-    which under D = 0 must fit in the wave before the gate. Per-VW work sizes the waves by it: Nm 12 and 6
-    (2.16 s each). Without it the best plan was a common Nm 16, the slow VW pacing the fast one."""
-    network = PsNetwork("n0", {"n0": 0.05, "n1": 0.05}, {"n0": 10.0, "n1": 10.0})
+def two_nodes(gbps: float, d_values: tuple[int, ...]) -> list:
+    """plan_candidates (dp, pipedream, Nm up to 16) for a fast GPU on n0, beside the PS, and one of half its
+    speed on n1, 6 MiB of weights, each node's link at `gbps` (10 Gbit/s inside)."""
+    network = PsNetwork("n0", {"n0": gbps, "n1": gbps}, {"n0": 10.0, "n1": 10.0})
     config = cluster([["fast"], ["slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)})
     profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
-    found = plan_candidates(
+    return plan_candidates(
         config,
         profiles,
         ps_gbps=10.0,
-        d_values=(0,),
+        d_values=d_values,
         ps_network=network,
         policies=["dp"],
         schedules=["pipedream"],
         baselines=False,
         nm_max=16,
     )
+
+
+def test_over_slow_node_links_per_vw_work_makes_waves_no_shorter_than_their_ps_round_trip() -> None:
+    """A fast GPU on n0 (beside the PS) and one of half its speed on n1, 6 MiB of weights, 0.05 Gbit/s
+    links: a wave's push from n1 (its egress, n0's ingress) and the pull back take 2 x 6 MiB / 6.25 MB/s =
+    2.01 s, which under D = 0 must fit in the wave before the gate. Per-VW work sizes the waves by it: Nm 12
+    and 6 (2.16 s each). Without it the best plan was a common Nm 16, the slow VW pacing the fast one."""
+    found = two_nodes(0.05, (0,))
     top = best(found)
     round_trip = 2 * 6 * 2**20 / (0.05e9 / 8)
     waves = [vw.nm * 6 * 0.03 * (1 if vw.gpus == ("n0:0",) else 2) for vw in top.plan.vws]
@@ -213,20 +219,7 @@ def test_at_d_1_per_vw_work_spreads_the_ps_round_trip_over_two_waves() -> None:
     each: 6 MiB over n1's egress and n0's ingress, then back) may take two waves, but the pushes of one wave
     must cross before the next wave's: waves of 1.01 s at least. Per-VW work sizes them so: Nm 6 and 3
     (1.08 s each), where D = 0 needed Nm 12 and 6."""
-    network = PsNetwork("n0", {"n0": 0.05, "n1": 0.05}, {"n0": 10.0, "n1": 10.0})
-    config = cluster([["fast"], ["slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)})
-    profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
-    found = plan_candidates(
-        config,
-        profiles,
-        ps_gbps=10.0,
-        d_values=(0, 1),
-        ps_network=network,
-        policies=["dp"],
-        schedules=["pipedream"],
-        baselines=False,
-        nm_max=16,
-    )
+    found = two_nodes(0.05, (0, 1))
     phase = 6 * 2**20 / (0.05e9 / 8)
     sized = {
         c.staleness: [vw.nm for vw in c.plan.vws]
@@ -263,20 +256,7 @@ def test_a_plan_of_only_the_fastest_vws_says_what_all_of_them_would_cost() -> No
     """The two-node cluster above at 0.003 Gbit/s: the slow VW's push and pull cross n1's and n0's links,
     2 x 6 MiB / 0.375 MB/s = 33.6 s a wave at D = 0, longer than any wave either VW can run. Per-VW work's
     grouping of the fast VW alone names that bound and the estimate for both."""
-    network = PsNetwork("n0", {"n0": 0.003, "n1": 0.003}, {"n0": 10.0, "n1": 10.0})
-    config = cluster([["fast"], ["slow"]], {"fast": (2.0, 8.0), "slow": (1.0, 8.0)})
-    profiles = {"fast": toy_profile("fast", 1.0), "slow": toy_profile("slow", 2.0)}
-    found = plan_candidates(
-        config,
-        profiles,
-        ps_gbps=10.0,
-        d_values=(0,),
-        ps_network=network,
-        policies=["dp"],
-        schedules=["pipedream"],
-        baselines=False,
-        nm_max=16,
-    )
+    found = two_nodes(0.003, (0,))
     per_vw = [c for c in found if any(n.startswith("per-VW work") for n in c.notes)]
     [alone] = per_vw  # both VWs, estimated under 90% of the fast one alone, are not planned
     round_trip = 2 * 6 * 2**20 / (0.003e9 / 8)
