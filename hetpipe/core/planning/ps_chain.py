@@ -13,21 +13,9 @@ from hetpipe.core.planning.plan import VwPlan
 from hetpipe.core.planning.relays import Relay
 from hetpipe.core.planning.simulate import PsNetwork, stage_param_bytes
 
-__all__ = ["gate_bound_s", "wave_chain_s", "wave_phases_s"]
+__all__ = ["gate_bound_s", "wave_phases_s"]
 
 _Parts = list[tuple[str, float, float]]  # (link name, Gbit/s, bytes)
-
-
-def wave_chain_s(
-    vws: Sequence[VwPlan],
-    network: PsNetwork,
-    relays: Sequence[Relay] = (),
-    pulls: bool = True,
-    ps_bytes_per_s: float = math.inf,
-) -> float:
-    """Seconds for every push of one wave of `vws` to cross its links, plus the same for the pulls after
-    them (wave_phases_s)."""
-    return sum(wave_phases_s(vws, network, relays, pulls, ps_bytes_per_s))
 
 
 def gate_bound_s(phases: tuple[float, float], staleness: int) -> float:
