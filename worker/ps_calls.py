@@ -75,6 +75,11 @@ class Call:
     probed: dict[str, Any] | None = None  # the status a shard it waits for gave on a fresh connection
     unsent: set[int] = field(default_factory=set)  # shards its last try did not reach (or must go again)
 
+    def go_again(self, shard: int) -> None:
+        """Send the request to `shard` again at the next ShardCalls.send_due, whatever its wait."""
+        self.sent_at[shard] = -1e9
+        self.unsent.add(shard)
+
     @property
     def done(self) -> bool:
         return self.error is not None or all(r is not None for r in self.replies)
@@ -264,16 +269,20 @@ class ShardCalls:
         )
 
     @property
+    def monitors(self) -> list[zmq.Socket]:
+        """The sockets' monitors of their connections' drops and handshakes (ShardSocketList.monitors)."""
+        return getattr(self.sockets, "monitors", [])
+
+    @property
     def watched(self) -> bool:
-        """Whether the sockets report their connections' drops and handshakes (ShardSocketList.monitors)."""
-        return bool(getattr(self.sockets, "monitors", None))
+        """Whether the sockets report their connections (bulk requests then wait for a drop to go again)."""
+        return bool(self.monitors)
 
     def resend_to(self, shard: int) -> None:
         """Let every open request to `shard` go again at the next `send_due`."""
         for (s, _), call in self._open.items():
             if s == shard:
-                call.sent_at[shard] = -1e9
-                call.unsent.add(shard)
+                call.go_again(shard)
 
     def _forget(self, call: Call) -> None:
         for shard, rid in enumerate(call.ids):
@@ -284,7 +293,7 @@ class ShardCalls:
         """Read every reply that arrives within timeout_ms into its Call; resend what is due. Returns which
         of `extra` (sockets the caller also waits on) became readable."""
         poller = zmq.Poller()
-        monitors = getattr(self.sockets, "monitors", [])
+        monitors = self.monitors
         for sock in (*self.sockets, *monitors, *extra):
             poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(timeout=timeout_ms))
@@ -335,8 +344,7 @@ class ShardCalls:
             if s == shard and c is not call and 0 <= c.wave < call.wave and c.replies[shard] is None
         ]
         for c in earlier:
-            c.sent_at[shard] = -1e9
-            c.unsent.add(shard)
+            c.go_again(shard)
         if earlier:
             call.sent_at[shard] = time.monotonic()
             call.unsent.add(shard)
