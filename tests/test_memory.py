@@ -102,6 +102,9 @@ def test_what_each_schedule_keeps() -> None:
     assert (keep("gpipe").in_flight, keep("gpipe").saved, keep("gpipe", recompute=True).saved) == (4, 4, 1)
     assert keep("wsp", weight_stashing=False).stashed == 0 and keep("wsp", weight_stashing=False).saved == 1
     assert keep("wsp").update_sums == 3 and keep("wsp", pulls=False).update_sums == 2  # D + 2 with pulls
+    # pushed waves' sums in host memory: the one in progress and one on its way back, at any D
+    assert [MemoryRule(staleness=d, host_sums=True).keeping(0, 1).update_sums for d in (0, 1, 4)] == [2, 2, 2]
+    assert [MemoryRule(staleness=d).keeping(0, 1).update_sums for d in (0, 1, 4)] == [2, 3, 6]
     server = keep("wsp", local_updates=False)
     assert not server.optimizer and not server.baseline
     assert set(SCHEDULES) == {"wsp", "pipedream", "pipedream-2bw", "1f1b-flush", "gpipe"}
@@ -197,3 +200,14 @@ def test_memory_rule_of_a_config_stages_pushes_unless_its_gpus_are_emulated_on_t
     real = replace(config, emulation=replace(config.emulation, enabled=False))
     on_cuda = replace(config, emulation=replace(config.emulation, device="cuda"))
     assert MemoryRule.of(real, 2).staged_push and MemoryRule.of(on_cuda, 2).staged_push
+
+
+def test_memory_rule_of_a_config_keeps_pushed_sums_off_the_gpu_at_every_d() -> None:
+    """Emulated or real, a run's stages keep the sums of pushed waves in host memory (a CUDA stage at D >= 1
+    moves them there: tests/test_update_sums.py), so D adds nothing to what a GPU holds for them."""
+    config = load_config(default_config_path())
+    real = replace(config, emulation=replace(config.emulation, enabled=False))
+    for c in (config, real):
+        rule = MemoryRule.of(c, 2)
+        assert rule.host_sums and rule.pulls
+        assert [replace(rule, staleness=d).keeping(0, 1).update_sums for d in (0, 1, 3)] == [2, 2, 2]

@@ -156,6 +156,7 @@ class PSHandOver:
             self.compute.forget(
                 wave if ahead is None else min(wave, gate_version(ahead, self.config.wsp.staleness) - 1)
             )
+            self.compute.keep_pushed(wave)
         while self._pushes and self._pushes[0][1].done():
             self._note_push(self._pushes.popleft()[1].result())
         self.hand_over_pull()

@@ -38,6 +38,7 @@ def save_stage(compute: StageCompute) -> tuple[dict[str, Any], dict[str, Tensor]
     tensors: weights, buffers, ledgers, optimizer state, update baselines and own per-wave sums, pending
     gradients, and each forward in flight (its input and the weight version it ran on; the outputs are
     recomputed on load)."""
+    compute.updates.settle()  # sums kept in host memory may still be on their way there
     tensors: dict[str, Tensor] = {}
     meta: dict[str, Any] = {
         "in_flight": [],

@@ -174,7 +174,10 @@ class StageCompute:
         tracked = {**(self.params if local else {}), **self.ledgers}  # what updates are recorded for
         average = rules.num_vws if "average" in mit and rules.num_vws > 1 else 0
         observe = self.versions.observe if self.versions.observes_updates else None
-        self.updates = UpdateSums(tracked, self.params, average, observe)
+        # CUDA at D >= 1: the sums of pushed waves wait for their pull in host memory (docs/memory.md)
+        device = _device_of(tracked)
+        host = torch.device("cpu") if device.type == "cuda" and rules.staleness >= 1 else None
+        self.updates = UpdateSums(tracked, self.params, average, observe, host)
         self.in_flight: dict[int, InFlight] = {}
         self.acc: dict[str, Tensor] = {}  # gradients of the backwards since the last update
         self.pending: list[int] = []  # those backwards' minibatches
@@ -376,6 +379,10 @@ class StageCompute:
     def forget(self, through: int) -> None:
         """Drop own update sums of waves <= through (a pull contains them, or no pull will ever come)."""
         self.updates.forget(through)
+
+    def keep_pushed(self, through: int) -> None:
+        """Own update sums of pushed waves <= through move to host memory (CUDA at D >= 1; else they stay)."""
+        self.updates.keep_pushed(through)
 
     @torch.no_grad()
     def rebase(self, pulled: Mapping[str, Tensor], own_through: int, version: int | None = None) -> None:

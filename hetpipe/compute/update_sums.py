@@ -29,14 +29,18 @@ class UpdateSums:
         params: Mapping[str, Tensor],
         average: int,
         observe: Callable[[list[str], list[Tensor]], None] | None,
+        host: torch.device | None = None,
     ) -> None:
         """`tracked`: the tensors updates are recorded for; `params`: the stage's parameters (`average` > 0:
         the rebase adds their own sums as sums[w] / average); `observe(keys, deltas)`: each update's change,
-        before it is summed."""
+        before it is summed; `host`: where `keep_pushed` moves the sums of pushed waves (None: they stay with
+        the tracked tensors)."""
         self.tracked = tracked
         self._params = params
         self._average = average
         self._observe = observe
+        self._host = host
+        self._kept: torch.cuda.Event | None = None  # CUDA: the last device-to-host copy of kept sums
         self.baseline = {k: t.detach().clone() for k, t in tracked.items()}
         self.sums: Sums = {}  # own update sums per wave, until a pull contains them
         self.gsums: Sums = {}  # aggregation server: gradient sums per wave
@@ -112,6 +116,32 @@ class UpdateSums:
             del self.sums[wave]
 
     @torch.no_grad()
+    def keep_pushed(self, through: int) -> None:
+        """Move the own sums of waves <= through (pushed: no update changes them any more) to `host`, so that
+        a stage's device holds only the sums of the wave in progress (docs/memory.md#what-a-stage-keeps). From
+        a CUDA device into pinned memory, queued in stream order: the rebase's copy back is queued after it,
+        and `settle` waits for it before the host reads them."""
+        if self._host is None:
+            return
+        moved = False
+        for wave, sums in self.sums.items():
+            if wave > through or wave == self.open_wave:
+                continue
+            for key, t in sums.items():
+                if t.device != self._host:
+                    sums[key] = _to_host(t, self._host)
+                    moved = moved or t.is_cuda
+        if moved:
+            self._kept = torch.cuda.Event()
+            self._kept.record()
+
+    def settle(self) -> None:
+        """Block until the sums `keep_pushed` moved have arrived (before the host reads them: checkpoints)."""
+        if self._kept is not None:
+            self._kept.synchronize()
+            self._kept = None
+
+    @torch.no_grad()
     def rebase(self, pulled: Mapping[str, Tensor], own_through: int) -> None:
         """tracked = pulled + own update sums of waves > own_through, added in wave order (average: parameter
         sums / VWs); the result is the new baseline. A key the pull did not bring (frozen: its value is the
@@ -123,10 +153,22 @@ class UpdateSums:
             now = [self.tracked[k] for k in keys]
             torch._foreach_copy_(now, [pulled[k] for k in keys])
             for wave in sorted(self.sums):
-                own = [self.sums[wave][k] for k in keys]
+                # a kept wave's sums come back from the host one wave at a time (in stream order on CUDA)
+                own = [
+                    self.sums[wave][k].to(t.device, non_blocking=True) for k, t in zip(keys, now, strict=True)
+                ]
                 if self._average:
                     own = [
                         t / self._average if k in self._params else t for k, t in zip(keys, own, strict=True)
                     ]
                 torch._foreach_add_(now, own)
             torch._foreach_copy_([self.baseline[k] for k in keys], now)
+
+
+def _to_host(t: Tensor, host: torch.device) -> Tensor:
+    """A copy of `t` on `host`: from a CUDA device into pinned memory, queued (not waited for)."""
+    if not t.is_cuda:
+        return t.to(host, copy=True)
+    out = torch.empty(t.shape, dtype=t.dtype, device=host, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out

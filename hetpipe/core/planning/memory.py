@@ -59,6 +59,7 @@ class MemoryRule:
     local_updates: bool = True  # the aggregation rule's local_optimizer: updates are applied on the stage
     ps: bool = True  # the stage pushes to a PS (False: a plain replica, e.g. a baseline's)
     staged_push: bool = False  # stages on CUDA: a push goes to the host through one flat device copy of it
+    host_sums: bool = False  # the sums of pushed waves wait for their pull in host memory (not the GPU's)
 
     @classmethod
     def of(cls, config: ClusterConfig, num_vws: int) -> MemoryRule:
@@ -74,6 +75,7 @@ class MemoryRule:
             pulls=needs_pulls(num_vws, rule),
             local_updates=rule.local_optimizer,
             staged_push=not on_cpu,
+            host_sums=True,  # CUDA stages move them to the host; an emulated GPU's host is the machine's
         )
 
     def with_nm(self, nm: int) -> MemoryRule:
@@ -97,8 +99,9 @@ def _keeping(rule: MemoryRule, stage: int, num_stages: int) -> Keeping:
     modes = kind.modes(rule.weight_stashing, rule.recompute)
     # own sums: a WAIT of wave c keeps the waves after c - D - 2 (up to D + 1 of them) and the one in
     # progress; without pulls a push lets its wave go, leaving the pushed one (until sent) and the one in
-    # progress
-    sums = (rule.staleness + 2 if rule.pulls else 2) if rule.ps else 0
+    # progress. With host_sums the pushed ones wait on the host: the GPU holds the one in progress and, at a
+    # rebase, one pushed wave's sums on their way back
+    sums = (rule.staleness + 2 if rule.pulls and not rule.host_sums else 2) if rule.ps else 0
     return Keeping(
         in_flight=seen.in_flight,
         saved=1 if modes.recompute else seen.in_flight,
