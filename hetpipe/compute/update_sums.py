@@ -153,16 +153,16 @@ class UpdateSums:
             now = [self.tracked[k] for k in keys]
             torch._foreach_copy_(now, [pulled[k] for k in keys])
             for wave in sorted(self.sums):
-                # a kept wave's sums come back from the host one wave at a time (in stream order on CUDA)
-                own = [
-                    self.sums[wave][k].to(t.device, non_blocking=True) for k, t in zip(keys, now, strict=True)
-                ]
-                if self._average:
-                    own = [
-                        t / self._average if k in self._params else t for k, t in zip(keys, own, strict=True)
-                    ]
+                # a kept wave's sums come back from the host one wave at a time (in stream order on CUDA);
+                # averaged, each tensor's copy is divided as it comes, not all copied first
+                own = [self._own(self.sums[wave][k], k, t.device) for k, t in zip(keys, now, strict=True)]
                 torch._foreach_add_(now, own)
             torch._foreach_copy_([self.baseline[k] for k in keys], now)
+
+    def _own(self, part: Tensor, key: str, device: torch.device) -> Tensor:
+        """A sum's part as the rebase adds it: on `device`, / average for a parameter when averaging."""
+        on_device = part.to(device, non_blocking=True)
+        return on_device / self._average if self._average and key in self._params else on_device
 
 
 def _to_host(t: Tensor, host: torch.device) -> Tensor:
