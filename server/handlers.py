@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from hetpipe.core.protocol import wire
 from hetpipe.core.wsp.state import WspError
@@ -60,7 +62,7 @@ def register_stage(shard: ShardServer, identity: bytes, msg: wire.Message) -> No
     values = admit_registration(shard, identity, msg)
     if again and owner is None:
         shard.say(f"vw {sid[0]} stage {sid[1]} registered again (it holds {state.pushed[sid]} of its waves)")
-    tensors = values if f["want_weights"] else {}
+    tensors = _differing(values, msg.tensors) if f["want_weights"] else {}
     fields = {
         "id": f["id"],
         "c_global": state.c_global,
@@ -69,6 +71,22 @@ def register_stage(shard: ShardServer, identity: bytes, msg: wire.Message) -> No
         "ckpt_from": shard.ckpt_from(),
     }
     shard.send(identity, wire.encode("registered", fields, tensors), lent=tensors)
+
+
+def _differing(initial: dict[str, Any], sent: Mapping[str, Any]) -> dict[str, Any]:
+    """W_0 of the keys whose values the stage sent differ from it, bit for bit: the stage keeps its own for
+    the rest. Stages built from the run's seed send W_0 itself, and sending it back costs what sending it did
+    (over a slow link, a minute for a few MB)."""
+    out = {}
+    for key, value in initial.items():
+        mine = sent.get(key)
+        if mine is None or getattr(mine, "packed", False) or not _same_bits(value, mine.to_array()):
+            out[key] = value
+    return out
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 def apply_push(shard: ShardServer, identity: bytes, msg: wire.Message) -> None:

@@ -230,3 +230,26 @@ def test_bfloat16_on_the_wire_both_ways_while_the_ps_adds_in_float32(children):
         np.testing.assert_array_equal(view.to_array(), bf16(w1))
         np.testing.assert_array_equal(ps.read()["k"], w1 + bf16(d1))  # admin reads stay float32, unrounded
         assert not np.array_equal(bf16(w1) + bf16(d1), w1 + bf16(d1))  # so rounding pulls would have shown
+
+
+def test_a_registration_gets_back_only_the_w0_that_differs_from_what_it_sent(children):
+    """The first registration of a key sets W_0. A later one with the same bits gets no tensors back (its W_0
+    is what it sent: over a slow link the reply would cost what the registration did) and register returns
+    its own values; one with other values (another seed, or -0.0 for 0.0) gets the PS's W_0 and register
+    returns that."""
+    endpoint, _ = start_shard(children, ShardSettings("w0", 0, "tcp://127.0.0.1:0", 0))
+    place = {"k": 0, "j": 0}
+    w0 = {"k": np.arange(6, dtype=np.float32) - 2.5, "j": np.zeros(3, np.float32)}
+    other = {"k": w0["k"] + 1.0, "j": -w0["j"]}  # -0.0: equal as numbers, not as bits
+    clients = [PSClient([endpoint], "w0", v, 0, 3, 1, place, timeout_s=5, retry_s=1) for v in range(3)]
+    replies: list = []
+    for client in clients:
+        wait = client.wait
+        client.wait = lambda call, wait=wait: replies.append(r := wait(call)) or r  # type: ignore[method-assign]
+    with clients[0], clients[1], clients[2]:
+        first = clients[0].register(w0)
+        same = clients[1].register({k: v.copy() for k, v in w0.items()})
+        differs = clients[2].register(other)
+    assert [sorted(r.tensors) for (r,) in replies] == [[], [], ["j", "k"]]
+    for got in (first, same, differs):
+        assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in w0.items()}

@@ -241,7 +241,8 @@ class PSClient:
     ) -> dict[str, np.ndarray]:
         """Declare this stage's keys with their initial values and kinds ("param", "buffer", "ledger"; default
         param), the run's length (0: unknown) and the wave this stage starts at (> 0: its VW rejoined);
-        returns the PS's W_0 for them. A copy of the registration is kept, to register again with a restarted
+        returns the PS's W_0 for them (a shard sends back only the keys whose W_0 differs from the values
+        sent: the others are these). A copy of the registration is kept, to register again with a restarted
         shard."""
         self.keys = list(tensors)
         kinds = kinds or {}
@@ -269,6 +270,8 @@ class PSClient:
         out: dict[str, np.ndarray] = {}
         for reply in replies:
             out.update({k: v.to_array() for k, v in reply.tensors.items()})
+        if want_weights:
+            out.update({k: v for k, v in tensors.items() if k not in out})  # W_0 is what this stage sent
         return out
 
     def send_push(self, wave: int, tensors: Mapping[str, np.ndarray], reused: bool = False) -> Call:
