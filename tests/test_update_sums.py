@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetpipe.compute.update_sums import UpdateSums
+from hetpipe.compute.update_sums import UpdateSums, host_for
 
 
 def step(sums: UpdateSums, wave: int, scale: float) -> None:
@@ -34,11 +34,13 @@ def test_keep_pushed_moves_the_pushed_waves_only() -> None:
 
 
 def test_without_a_host_keep_pushed_leaves_the_sums_where_they_are() -> None:
+    """CPU tensors are in host memory already: no host at any D, and forget(through, pushed) moves nothing."""
     tracked = {"w": torch.zeros(6)}
-    sums = UpdateSums(tracked, tracked, 0, None)
+    assert [host_for(tracked, d) for d in (0, 1, 3)] == [None, None, None]
+    sums = UpdateSums(tracked, tracked, 0, None, host_for(tracked, 1))
     step(sums, 0, 1.0)
     kept = sums.push(0)["w"]
-    sums.keep_pushed(0)
+    sums.forget(-1, 0)
     assert sums.sums[0]["w"] is kept
 
 
@@ -51,8 +53,10 @@ def test_on_cuda_pushed_sums_wait_in_pinned_memory_and_rebase_the_same(average: 
     device = torch.device("cuda:0")
     shapes = {"w": (256, 256), "b": (256,)}
     twins = []
-    for host in (None, torch.device("cpu")):
+    for d in (0, 1):  # host_for: none at D = 0, the host's memory at D = 1
         tracked = {k: torch.zeros(s, device=device) for k, s in shapes.items()}
+        host = host_for(tracked, d)
+        assert host == (torch.device("cpu") if d else None)
         twins.append(UpdateSums(tracked, tracked, average, None, host=host))
     plain, kept = twins
     weight_bytes = sum(t.numel() * 4 for t in kept.tracked.values())
@@ -62,7 +66,7 @@ def test_on_cuda_pushed_sums_wait_in_pinned_memory_and_rebase_the_same(average: 
             sums.push(wave)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated(device)
-        kept.keep_pushed(wave)
+        kept.forget(wave - 2, wave)  # wave - 2 is on the host already; the pushed wave moves there
         torch.cuda.synchronize()
         assert before - torch.cuda.memory_allocated(device) >= weight_bytes - 1024
         assert all(t.is_pinned() for s in kept.sums.values() for t in s.values())

@@ -154,9 +154,8 @@ class PSHandOver:
             # own sums the next pull will contain (or all, when no pull comes) are not needed any more
             ahead = self.waits[self.next_wait] if self.next_wait < len(self.waits) else None
             self.compute.forget(
-                wave if ahead is None else min(wave, gate_version(ahead, self.config.wsp.staleness) - 1)
+                wave if ahead is None else min(wave, gate_version(ahead, self.config.wsp.staleness) - 1), wave
             )
-            self.compute.keep_pushed(wave)
         while self._pushes and self._pushes[0][1].done():
             self._note_push(self._pushes.popleft()[1].result())
         self.hand_over_pull()

@@ -52,7 +52,7 @@ from hetpipe.compute.optim import make_optimizer, set_lr
 from hetpipe.compute.stage_buffers import BufferSlots
 from hetpipe.compute.stage_checkpoint import restore_stage, saved_flights
 from hetpipe.compute.stage_freezing import StageFreezing, auto_freeze_state
-from hetpipe.compute.update_sums import Sums, UpdateSums
+from hetpipe.compute.update_sums import Sums, UpdateSums, host_for
 from hetpipe.compute.weight_swap import WeightSwap
 from hetpipe.compute.weight_versions import Weights, WeightVersions
 from hetpipe.core.config.schema import ClusterConfig
@@ -174,10 +174,7 @@ class StageCompute:
         tracked = {**(self.params if local else {}), **self.ledgers}  # what updates are recorded for
         average = rules.num_vws if "average" in mit and rules.num_vws > 1 else 0
         observe = self.versions.observe if self.versions.observes_updates else None
-        # CUDA at D >= 1: the sums of pushed waves wait for their pull in host memory (docs/memory.md)
-        device = _device_of(tracked)
-        host = torch.device("cpu") if device.type == "cuda" and rules.staleness >= 1 else None
-        self.updates = UpdateSums(tracked, self.params, average, observe, host)
+        self.updates = UpdateSums(tracked, self.params, average, observe, host_for(tracked, rules.staleness))
         self.in_flight: dict[int, InFlight] = {}
         self.acc: dict[str, Tensor] = {}  # gradients of the backwards since the last update
         self.pending: list[int] = []  # those backwards' minibatches
@@ -376,13 +373,9 @@ class StageCompute:
         out.update(float_copies(self.buffers()) if copy_buffers else self.buffers())
         return out
 
-    def forget(self, through: int) -> None:
-        """Drop own update sums of waves <= through (a pull contains them, or no pull will ever come)."""
-        self.updates.forget(through)
-
-    def keep_pushed(self, through: int) -> None:
-        """Own update sums of pushed waves <= through move to host memory (CUDA at D >= 1; else they stay)."""
-        self.updates.keep_pushed(through)
+    def forget(self, through: int, pushed: int) -> None:
+        """Drop own update sums of waves <= through; those of pushed waves <= pushed wait in host memory."""
+        self.updates.forget(through, pushed)
 
     @torch.no_grad()
     def rebase(self, pulled: Mapping[str, Tensor], own_through: int, version: int | None = None) -> None:

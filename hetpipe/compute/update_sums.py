@@ -10,7 +10,7 @@ from torch import Tensor
 
 from hetpipe.compute.multi_tensor import add_into
 
-__all__ = ["UpdateSums"]
+__all__ = ["UpdateSums", "host_for"]
 
 Sums = dict[int, dict[str, Tensor]]
 
@@ -110,10 +110,13 @@ class UpdateSums:
             out[key] = torch.zeros_like(param) if g is None else g / nm
         return out
 
-    def forget(self, through: int) -> None:
-        """Drop own update sums of waves <= through (a pull contains them, or no pull will ever come)."""
+    def forget(self, through: int, pushed: int | None = None) -> None:
+        """Drop own update sums of waves <= through (a pull contains them, or no pull will ever come); with
+        `pushed`, move those of waves <= pushed that remain to `host` (keep_pushed)."""
         for wave in [w for w in self.sums if w <= through]:
             del self.sums[wave]
+        if pushed is not None:
+            self.keep_pushed(pushed)
 
     @torch.no_grad()
     def keep_pushed(self, through: int) -> None:
@@ -163,6 +166,13 @@ class UpdateSums:
         """A sum's part as the rebase adds it: on `device`, / average for a parameter when averaging."""
         on_device = part.to(device, non_blocking=True)
         return on_device / self._average if self._average and key in self._params else on_device
+
+
+def host_for(tracked: Mapping[str, Tensor], staleness: int) -> torch.device | None:
+    """Where a stage keeps the sums of pushed waves: host memory for CUDA tensors at D >= 1 (D + 1 pushed
+    waves' sums wait for their pull there, docs/memory.md#what-a-stage-keeps), else None (they stay)."""
+    on_cuda = any(t.is_cuda for t in tracked.values())
+    return torch.device("cpu") if on_cuda and staleness >= 1 else None
 
 
 def _to_host(t: Tensor, host: torch.device) -> Tensor:
