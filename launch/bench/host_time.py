@@ -131,7 +131,7 @@ def stage(config: Any, device: torch.device, batches: list, profile: bool) -> di
         "F": lambda p: compute.forward(p, batches[p][0], batches[p][1], spec.loss, input_grad=False),
         "B": lambda p: compute.backward(p, None, batches[p][1], spec.loss),
         "U": compute.update,
-        PUSH: lambda c: (compute.wave_push(c), compute.forget(c)),
+        PUSH: lambda c: (compute.wave_push(c), compute.forget(c, c)),
     }
     pushes = [i for i, a in enumerate(actions) if a.kind == PUSH]
     warm, timed_to = pushes[0] + 1, pushes[-1 - PROFILED // NM] + 1  # a wave untimed; the last ones profiled

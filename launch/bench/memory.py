@@ -165,7 +165,7 @@ def _run(case: Case, out: Any) -> None:
                 pushed = [compute.wave_push(a.index)][-1:]  # what the agent holds until the next push is out
                 ahead = next((c for c in waits if c > a.index), None)
                 through = a.index if ahead is None else min(a.index, gate_version(ahead, case.staleness) - 1)
-                compute.forget(through)
+                compute.forget(through, a.index)  # as worker/stage.py: pushed sums to the host (CUDA, D >= 1)
             elif a.kind == "WAIT" and case.pulls:
                 pulled = {k: t.detach().clone() for k, t in compute.values().items()}
                 compute.rebase(pulled, gate_version(a.index, case.staleness) - 1)
