@@ -212,6 +212,25 @@ def test_window_rate_counts_minibatches_while_every_vw_runs_and_refuses_vws_that
         gpu.throughput.window_rate({0: [1.0, 2.0, 3.0, 4.0], 1: [5.0, 6.0, 7.0, 8.0]}, batch=10, warmup=2)
 
 
+def test_hetpipe_warm_up_leaves_out_the_stall_at_the_first_gate_so_the_window_holds_the_steady_rate():
+    # D = 0, Nm 1, batch 10. VW 1 starts late (a slow link's registration): its waves end every 2 s from 12 s
+    # and each push arrives 3 s later. VW 0 runs its two ungated waves at once (1 s each), then wave c >= 2
+    # waits for VW 1's push of wave c - 2: it ends at 16, 18, ... Both then run a wave per 2 s: 10 samples/s.
+    slow = [12.0, 14.0, 16.0, 18.0, 20.0, 22.0]
+    fast = [1.0, 2.0]
+    for c in range(2, 7):
+        fast.append(max(fast[-1], slow[c - 2] + 3.0) + 1.0)
+    assert fast == [1.0, 2.0, 16.0, 18.0, 20.0, 22.0, 24.0]
+    streams = {0: fast, 1: slow}
+    warmup = gpu.throughput.warmup_waves(0, 2)
+    assert warmup == 2
+    assert gpu.throughput.window_rate(streams, batch=10, warmup=warmup) == 10.0
+    assert gpu.throughput.window_rate(streams, batch=10, warmup=1) == 9.0  # the stall counted as rate
+    # the gate lets D + 2 waves run free at any D; one VW has no gate: its first wave fills the pipeline
+    assert gpu.throughput.warmup_waves(1, 4) == 3
+    assert gpu.throughput.warmup_waves(3, 1) == 1
+
+
 def test_host_time_gives_a_plain_and_a_stage_row(tmp_path: Path):
     import host_time
 

@@ -181,7 +181,7 @@ def _main(
         for name in PLACEMENTS:
             setup, cfg = setups[name], configs[name]
             per_wave = setup.samples_per_wave(cfg.train.batch_size)
-            waves = throughput.WARMUP_WAVES + max(
+            waves = throughput.warmup_waves(setup.staleness, len(setup.vws)) + max(
                 5, math.ceil(seconds * (setup.predicted or 1.0) * 0.8 / per_wave)
             )
             run_dir = (work_dir / time.strftime("%Y%m%d-%H%M%S") / f"{name}-{next(runs)}").resolve()

@@ -14,7 +14,8 @@ Per repeat, in this order and under the same emulation (peers.py), one row each:
   heterogeneity-aware DDP (LB-BSP, Poplar) does, each rank's loss weighted by its share of the global batch;
 - pipeline: one torch.distributed.pipelining pipeline over all GPUs.
 Every rate is samples/s after warm-up: hetpipe's from its stage traces (backward ends on each VW's last
-stage), the peers' from their step end times.
+stage; warm-up: `warmup_waves`, the waves before the first gate, so a remote VW's start over a slow link is
+left out and recorded apart as `start_s`), the peers' from their step end times.
 
 The capacity bound is the sum of the devices' speeds in the same unit: samples/s of the whole model on one
 process at slowdown 1 (measured first, same batch), divided by each GPU's slowdown, summed over all GPUs.
@@ -90,7 +91,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "clusters" / "bench.toml"
 WARMUP_STEPS = (
     1  # peers: the rate starts when the first step ends (DDP builds buckets, pipelining infers shapes)
 )
-WARMUP_WAVES = 1  # hetpipe: the rate starts when every VW finished its first wave (pipeline full)
+WARMUP_WAVES = 1  # hetpipe, one VW: the rate starts when it finished its first wave (pipeline full)
 # The peers' best settings found on the default cluster (sweeps in the module docstring; rerun them for
 # another cluster): DDP at hetpipe's batch over every GPU that fits (the issue's baseline), and over the
 # fastest type at its best batch; the pipeline at the most microbatches of hetpipe's batch that MNIST-5k's
@@ -281,6 +282,14 @@ def trace_start(run_dir: Path) -> float:
     return min(starts)
 
 
+def warmup_waves(staleness: int, vws: int) -> int:
+    """Waves each VW runs before hetpipe's rate starts. One VW: its first (the pipeline fills). Several: the
+    D + 2 waves the gate lets run free (wsp.md#gate), since a fast VW runs them while a slow one still starts
+    (over a slow link its registration takes a minute), then stalls at its first gate until the slowest VW's
+    first push has arrived; that one-off stall is start-up, not the rate the run keeps."""
+    return WARMUP_WAVES if vws == 1 else staleness + 2
+
+
 def window_rate(
     streams: dict[int, list[float]], batch: int | Mapping[int, int], warmup: int | Mapping[int, int]
 ) -> float:
@@ -329,11 +338,14 @@ def run_hetpipe(
         f"vw{v}-s{j}": parts for (v, j), parts in stage_breakdown_ms(times, config.train.waves).items()
     }
     work = [lay.work(config) for lay in setup.layouts]
+    streams = trace_streams(run_dir)
     rate = window_rate(
-        trace_streams(run_dir),
+        streams,
         {v: w.batch for v, w in enumerate(work)},
-        {v: WARMUP_WAVES * w.nm for v, w in enumerate(work)},
+        {v: warmup_waves(setup.staleness, len(work)) * w.nm for v, w in enumerate(work)},
     )
+    # start-up, left out of the rate: from the first span of any stage to the last VW's first minibatch
+    summary["start_s"] = round(max(s[0] for s in streams.values()) - trace_start(run_dir), 1)
     return summary, rate
 
 
@@ -434,7 +446,8 @@ def hetpipe_peers(
             ) -> float:
                 per_wave = setup.samples_per_wave(config.train.batch_size)
                 guess = min(setup.predicted or capacity, capacity) * 0.6  # emulated runs fall short of plans
-                waves = WARMUP_WAVES + max(5, math.ceil(seconds * guess / per_wave))
+                warmup = warmup_waves(setup.staleness, len(setup.vws))
+                waves = warmup + max(5, math.ceil(seconds * guess / per_wave))
                 run_dir = work / f"{name}-{next(runs)}"
                 try:
                     summary, rate = run_hetpipe(
@@ -450,6 +463,7 @@ def hetpipe_peers(
                         "run_dir": str(run_dir),
                         "waves": waves,
                         "samples_per_s": round(rate, 1),
+                        "start_s": summary["start_s"],
                         "wave_breakdown_ms": summary["wave_breakdown_ms"],
                         "stage_breakdown_ms": summary["stage_breakdown_ms"],
                     }
