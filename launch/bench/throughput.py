@@ -152,6 +152,11 @@ class HetpipeSetup:
         return sum(nm * b for nm, b in self.work)
 
     @property
+    def prediction(self) -> str:
+        """ ", predicted N samples/s" where a planner gave one, else ""."""
+        return f", predicted {self.predicted:.0f} samples/s" if self.predicted else ""
+
+    @property
     def label(self) -> str:
         schedule = f", {self.schedule}" if self.schedule else ""
         own = [f" Nm {nm} x {b}" for nm, b in self.work] if self.work else [""] * len(self.vws)
@@ -379,7 +384,7 @@ def fastest_peers(
         print(f"hetpipe-fastest: left out: {exc}")
         return []
     for setup in setups:
-        print(f"hetpipe-fastest: {setup.label} ({setup.source})", flush=True)
+        print(f"hetpipe-fastest: {setup.label} ({setup.source}{setup.prediction})", flush=True)
     return options
 
 
@@ -628,6 +633,13 @@ def summarize(values: Sequence[float], digits: int = 1) -> dict[str, float]:
     return {
         k: round(f(values), digits) for k, f in (("median", statistics.median), ("min", min), ("max", max))
     }
+
+
+def measure_capacity(config: ClusterConfig, devs: Sequence[peers.Device], logs: Path) -> tuple[float, float]:
+    """(one process's samples/s at slowdown 1, the capacity bound: that over each GPU's slowdown, summed)."""
+    solo = peers.run_solo(config, config.train.batch_size, 12 + 3, logs)  # one process: no network
+    rate = solo.rate(3)
+    return rate, rate * sum(1.0 / d.slowdown for d in devs)
 
 
 def table(rows: list[dict[str, Any]], capacity: float) -> str:
@@ -931,9 +943,7 @@ def _main(
         + ("the testbed's shaped links" if topology else "free (loopback; no link costs anything)")
     )
 
-    solo = peers.run_solo(config, batch, 12 + 3, work / "logs")  # one process: no network
-    solo_rate = solo.rate(3)
-    capacity = solo_rate * sum(1.0 / d.slowdown for d in devs)
+    solo_rate, capacity = measure_capacity(config, devs, work / "logs")
     solo_step_s = batch / solo_rate
     print(
         f"one process, slowdown 1: {solo_rate:.0f} samples/s -> capacity {capacity:.0f} samples/s", flush=True
@@ -943,7 +953,7 @@ def _main(
     ds = [int(v) for v in staleness.split(",")] if staleness else [None]
     hetpipe_options, setups = hetpipe_peers(config, profile, planner, nms, ds, capacity, work, topology)
     for setup in setups:
-        print(f"hetpipe: {setup.label} ({setup.source})", flush=True)
+        print(f"hetpipe: {setup.label} ({setup.source}{setup.prediction})", flush=True)
     fastest = (
         fastest_peers(config, devs, profile, planner, nms, ds, capacity, work, topology)
         if with_fastest
@@ -961,15 +971,19 @@ def _main(
     chosen = [_best(group, seconds, work / "logs", sweep, network) for group in groups]
 
     rates: dict[str, list[float]] = {p.name: [] for p in chosen}
+    capacities: list[float] = []  # measured again in each repeat, beside its runs: the CPU's speed drifts
     for r in range(repeats):
+        capacities.append(measure_capacity(config, devs, work / "logs")[1])
         for peer in chosen:
             rates[peer.name].append(network.run(peer, seconds, work / "logs"))
         print(
             f"repeat {r + 1}/{repeats}: "
             + ", ".join(f"{n} {v[-1]:.0f}" for n, v in rates.items())
-            + " samples/s",
+            + f" samples/s; capacity {capacities[-1]:.0f}",
             flush=True,
         )
+    at_start, capacity = capacity, statistics.median(capacities)
+    shares = summarize([h / c for h, c in zip(rates["hetpipe"], capacities, strict=True)], 3)
 
     settings = {p.name: p.setting for p in chosen}
     rows = [
@@ -990,6 +1004,11 @@ def _main(
     print(
         "hetpipe / peer in the same repeat (median, min-max): "
         + ", ".join(f"{n} {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for n, s in ratios.items())
+    )
+    print(
+        f"capacity in each repeat {', '.join(f'{c:.0f}' for c in capacities)} (at the start {at_start:.0f}); "
+        f"hetpipe / capacity in the same repeat: {shares['median']:.0%} "
+        f"({shares['min']:.0%}-{shares['max']:.0%})"
     )
     print(format_breakdown(repeated))
     note = peers.env_note()
@@ -1014,6 +1033,9 @@ def _main(
             "meta": {**note, "loadavg_before": load_before},
             "batch": batch,
             "capacity_samples_per_s": round(capacity, 1),
+            "capacity_per_repeat": [round(c, 1) for c in capacities],
+            "capacity_at_start": round(at_start, 1),
+            "share_of_capacity_same_repeat": shares,
             "solo_samples_per_s": round(solo_rate, 1),
             "ddp_memory_need_bytes": need,
             "ddp_left_out": [d.gpu for d in left_out],
