@@ -231,6 +231,25 @@ def test_hetpipe_warm_up_leaves_out_the_stall_at_the_first_gate_so_the_window_ho
     assert gpu.throughput.warmup_waves(3, 1) == 1
 
 
+def test_a_planned_setup_prints_its_prediction_and_each_bound_the_planner_names():
+    setup = gpu.throughput.HetpipeSetup(
+        ((("n0:0",), (10,)), (("n1:0", "n1:1"), (5, 5))),
+        4,
+        1,
+        "planner: dp",
+        1470.4,
+        bounds=("idle GPUs (24% of capacity): 2 of 6 left out", "a link between GPUs: 24% transfers"),
+    )
+    assert setup.describe("hetpipe").splitlines() == [
+        "hetpipe: 2 VWs n0:0 10 | n1:0-n1:1 5/5, Nm=4, D=1 (planner: dp, predicted 1470 samples/s)",
+        "  bound: idle GPUs (24% of capacity): 2 of 6 left out",
+        "  bound: a link between GPUs: 24% transfers",
+    ]
+    assert gpu.throughput.HetpipeSetup(setup.vws, 4, 0, "config", None).describe("hetpipe") == (
+        "hetpipe: 2 VWs n0:0 10 | n1:0-n1:1 5/5, Nm=4, D=0 (config)"
+    )
+
+
 def test_host_time_gives_a_plain_and_a_stage_row(tmp_path: Path):
     import host_time
 

@@ -128,6 +128,8 @@ class HetpipeSetup:
     # each VW's own (Nm, minibatch size) where the plan gives VWs unequal work (docs/wsp.md#per-vw-work); ()
     # every VW at `nm` and the config's batch
     work: tuple[tuple[int, int], ...] = ()
+    # what the planner says bounds the plan below 90% of capacity, each with its figure (planning.md#capacity)
+    bounds: tuple[str, ...] = ()
 
     @property
     def layouts(self) -> tuple[VwLayout, ...]:
@@ -135,14 +137,23 @@ class HetpipeSetup:
         return tuple(VwLayout(gpus, split, *w) for (gpus, split), w in zip(self.vws, work, strict=True))
 
     @classmethod
-    def of_plan(cls, plan: Any, batch: int, source: str, predicted: float | None) -> HetpipeSetup:
+    def of_plan(
+        cls, plan: Any, batch: int, source: str, predicted: float | None, bounds: Sequence[str] = ()
+    ) -> HetpipeSetup:
         """A planner's plan (hetpipe.core.planning.plan.Plan) as a setup; `batch`: the config's minibatch size
         (a plan whose VWs all run it at one Nm needs no per-VW work)."""
         vws = tuple((tuple(vw.gpus), tuple(vw.split)) for vw in plan.vws)
         work = tuple((vw.nm, vw.batch(plan.batch_size)) for vw in plan.vws)
         uniform = len(set(work)) == 1 and work[0][1] == batch
         return cls(
-            vws, plan.vws[0].nm, plan.staleness, source, predicted, plan.schedule, () if uniform else work
+            vws,
+            plan.vws[0].nm,
+            plan.staleness,
+            source,
+            predicted,
+            plan.schedule,
+            () if uniform else work,
+            tuple(bounds),
         )
 
     def samples_per_wave(self, batch: int) -> int:
@@ -151,10 +162,11 @@ class HetpipeSetup:
             return self.nm * batch * len(self.vws)
         return sum(nm * b for nm, b in self.work)
 
-    @property
-    def prediction(self) -> str:
-        """ ", predicted N samples/s" where a planner gave one, else ""."""
-        return f", predicted {self.predicted:.0f} samples/s" if self.predicted else ""
+    def describe(self, row: str) -> str:
+        """The setup as the script prints it for `row`: its label, source and prediction, then a line per
+        bound the planner names."""
+        said = f", predicted {self.predicted:.0f} samples/s" if self.predicted else ""
+        return f"{row}: {self.label} ({self.source}{said})" + "".join(f"\n  bound: {b}" for b in self.bounds)
 
     @property
     def label(self) -> str:
@@ -216,7 +228,7 @@ def hetpipe_setup(
             candidates = [c for c in candidates if c.staleness in (None, staleness)]
         top = planner.best(candidates)
         return HetpipeSetup.of_plan(
-            top.plan, config.train.batch_size, f"planner: {top.label}", top.samples_per_s
+            top.plan, config.train.batch_size, f"planner: {top.label}", top.samples_per_s, top.bounds
         )
     from hetpipe.compute.build import model_of, vw_layouts
 
@@ -384,7 +396,7 @@ def fastest_peers(
         print(f"hetpipe-fastest: left out: {exc}")
         return []
     for setup in setups:
-        print(f"hetpipe-fastest: {setup.label} ({setup.source}{setup.prediction})", flush=True)
+        print(setup.describe("hetpipe-fastest"), flush=True)
     return options
 
 
@@ -468,6 +480,8 @@ def hetpipe_peers(
                         "run_dir": str(run_dir),
                         "waves": waves,
                         "samples_per_s": round(rate, 1),
+                        "predicted": setup.predicted,
+                        "bounds": list(setup.bounds),
                         "start_s": summary["start_s"],
                         "wave_breakdown_ms": summary["wave_breakdown_ms"],
                         "stage_breakdown_ms": summary["stage_breakdown_ms"],
@@ -953,7 +967,7 @@ def _main(
     ds = [int(v) for v in staleness.split(",")] if staleness else [None]
     hetpipe_options, setups = hetpipe_peers(config, profile, planner, nms, ds, capacity, work, topology)
     for setup in setups:
-        print(f"hetpipe: {setup.label} ({setup.source}{setup.prediction})", flush=True)
+        print(setup.describe("hetpipe"), flush=True)
     fastest = (
         fastest_peers(config, devs, profile, planner, nms, ds, capacity, work, topology)
         if with_fastest
