@@ -1008,6 +1008,9 @@ def _main(
     repeated = ours.details[-repeats:]  # the repeats' runs (a sweep's come before them)
     rows[0]["wave_breakdown_ms"] = [d["wave_breakdown_ms"] for d in repeated]
     rows[0]["stage_breakdown_ms"] = [d["stage_breakdown_ms"] for d in repeated]
+    rows[0]["start_s"] = [d.get("start_s") for d in repeated]  # left out of the rate (docs/testbed.md)
+    rows[0]["predicted"] = repeated[0].get("predicted") if repeated else None
+    rows[0]["bounds"] = repeated[0].get("bounds", []) if repeated else []
     ratios = {
         name: summarize([h / v for h, v in zip(rates["hetpipe"], values, strict=True)], 2)
         for name, values in rates.items()
