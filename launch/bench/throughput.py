@@ -18,7 +18,8 @@ stage; warm-up: `warmup_waves`, the waves before the first gate, so a remote VW'
 left out and recorded apart as `start_s`), the peers' from their step end times.
 
 The capacity bound is the sum of the devices' speeds in the same unit: samples/s of the whole model on one
-process at slowdown 1 (measured first, same batch), divided by each GPU's slowdown, summed over all GPUs.
+process at slowdown 1 (measured first, same batch, and again at the start of every repeat: the table uses the
+repeats' median), divided by each GPU's slowdown, summed over all GPUs.
 Settings given as lists (--ddp's batches, --micro, --nm, --staleness) are swept once first and the best one
 is repeated.
 
@@ -302,8 +303,8 @@ def trace_start(run_dir: Path) -> float:
 def warmup_waves(staleness: int, vws: int) -> int:
     """Waves each VW runs before hetpipe's rate starts. One VW: its first (the pipeline fills). Several: the
     D + 2 waves the gate lets run free (wsp.md#gate), since a fast VW runs them while a slow one still starts
-    (over a slow link its registration takes a minute), then stalls at its first gate until the slowest VW's
-    first push has arrived; that one-off stall is start-up, not the rate the run keeps."""
+    (over a slow link its registration takes tens of seconds), then stalls at its first gate until the
+    slowest VW's first push has arrived; that one-off stall is start-up, not the rate the run keeps."""
     return WARMUP_WAVES if vws == 1 else staleness + 2
 
 
@@ -799,7 +800,11 @@ def _best(
     help="Cluster config (the emulated cluster and the model).",
 )
 @click.option(
-    "--repeats", default=3, show_default=True, help="Runs of every system; the table shows median and spread."
+    "--repeats",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Runs of every system; the table shows median and spread.",
 )
 @click.option(
     "--seconds",
