@@ -17,9 +17,10 @@ Every rate is samples/s after warm-up: hetpipe's from its stage traces (backward
 stage; warm-up: `warmup_waves`, the waves before the first gate, so a remote VW's start over a slow link is
 left out and recorded apart as `start_s`), the peers' from their step end times.
 
-The capacity bound is the sum of the devices' speeds in the same unit: samples/s of the whole model on one
-process at slowdown 1 (measured first, same batch, and again at the start of every repeat: the table uses the
-repeats' median), divided by each GPU's slowdown, summed over all GPUs.
+The capacity bound is the sum of the GPUs' standalone rates (capacity.py): samples/s of the whole model on one
+process alone at each GPU type's slowdown, same batch, summed over all GPUs (measured first and again at the
+start of every repeat: the table uses the repeats' median). The earlier figure, one process at slowdown 1 over
+each GPU's slowdown (no cost for the emulation's sleeps), is printed and kept in the JSON beside it.
 Settings given as lists (--ddp's batches, --micro, --nm, --staleness) are swept once first and the best one
 is repeated.
 
@@ -69,7 +70,8 @@ import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers  # noqa: E402  (launch/bench is not a package)
+import capacity as bound  # noqa: E402  (launch/bench is not a package)
+import peers  # noqa: E402
 import plots  # noqa: E402
 from testbed_options import profile_option, testbed_options  # noqa: E402
 
@@ -650,13 +652,6 @@ def summarize(values: Sequence[float], digits: int = 1) -> dict[str, float]:
     }
 
 
-def measure_capacity(config: ClusterConfig, devs: Sequence[peers.Device], logs: Path) -> tuple[float, float]:
-    """(one process's samples/s at slowdown 1, the capacity bound: that over each GPU's slowdown, summed)."""
-    solo = peers.run_solo(config, config.train.batch_size, 12 + 3, logs)  # one process: no network
-    rate = solo.rate(3)
-    return rate, rate * sum(1.0 / d.slowdown for d in devs)
-
-
 def table(rows: list[dict[str, Any]], capacity: float) -> str:
     lines = [f"{'system':<16} {'samples/s':>9} {'min-max':>13} {'eff.':>5} {'hetpipe x':>9}  setting"]
     top = next(r for r in rows if r["system"] == "hetpipe")["samples_per_s"]["median"]
@@ -668,7 +663,7 @@ def table(rows: list[dict[str, Any]], capacity: float) -> str:
         )
     lines.append(
         f"{'capacity':<16} {capacity:>9.0f} {'':>13} {1:>5.0%} {top / capacity:>9.2f}  "
-        "sum over GPUs of (one process's samples/s at slowdown 1) / slowdown"
+        "sum over GPUs of their type's standalone samples/s (one process alone at its slowdown)"
     )
     return "\n".join(lines)
 
@@ -962,11 +957,10 @@ def _main(
         + ("the testbed's shaped links" if topology else "free (loopback; no link costs anything)")
     )
 
-    solo_rate, capacity = measure_capacity(config, devs, work / "logs")
+    first = bound.measure(config, devs, work / "logs")
+    solo_rate, capacity = first.solo_rate, first.total
     solo_step_s = batch / solo_rate
-    print(
-        f"one process, slowdown 1: {solo_rate:.0f} samples/s -> capacity {capacity:.0f} samples/s", flush=True
-    )
+    print(first.describe(), flush=True)
 
     nms = parse_ints(nm, "Nm caps") if nm else [None]
     ds = [int(v) for v in staleness.split(",")] if staleness else [None]
@@ -990,17 +984,19 @@ def _main(
     chosen = [_best(group, seconds, work / "logs", sweep, network) for group in groups]
 
     rates: dict[str, list[float]] = {p.name: [] for p in chosen}
-    capacities: list[float] = []  # measured again in each repeat, beside its runs: the CPU's speed drifts
+    measured: list[bound.Capacity] = []  # again in each repeat, beside its runs: the CPU's speed drifts
     for r in range(repeats):
-        capacities.append(measure_capacity(config, devs, work / "logs")[1])
+        measured.append(bound.measure(config, devs, work / "logs"))
+        print(f"repeat {r + 1}/{repeats}: {measured[-1].describe()}", flush=True)
         for peer in chosen:
             rates[peer.name].append(network.run(peer, seconds, work / "logs"))
         print(
             f"repeat {r + 1}/{repeats}: "
             + ", ".join(f"{n} {v[-1]:.0f}" for n, v in rates.items())
-            + f" samples/s; capacity {capacities[-1]:.0f}",
+            + f" samples/s; capacity {measured[-1].total:.0f}",
             flush=True,
         )
+    capacities = [c.total for c in measured]
     at_start, capacity = capacity, statistics.median(capacities)
     shares = summarize([h / c for h, c in zip(rates["hetpipe"], capacities, strict=True)], 3)
 
@@ -1057,6 +1053,8 @@ def _main(
             "capacity_samples_per_s": round(capacity, 1),
             "capacity_per_repeat": [round(c, 1) for c in capacities],
             "capacity_at_start": round(at_start, 1),
+            "capacity_measured": [c.record() for c in [first, *measured]],  # at the start, then each repeat
+            "capacity_ideal_per_repeat": [round(c.ideal, 1) for c in measured],
             "share_of_capacity_same_repeat": shares,
             "solo_samples_per_s": round(solo_rate, 1),
             "ddp_memory_need_bytes": need,
