@@ -382,14 +382,14 @@ def fastest_peers(
     capacity: float,
     work: Path,
     testbed: Topology | None = None,
-) -> list[Peer]:
+) -> tuple[list[Peer], list[HetpipeSetup]]:
     """The hetpipe-fastest row's settings (fastest_overrides: one VW per GPU of the fastest type), each (Nm
-    cap, D) as for hetpipe, their plans printed; none, with the reason printed, when all GPUs are of one type
-    or no plan fits."""
+    cap, D) as for hetpipe, their plans printed, and the setups; none, with the reason printed, when all GPUs
+    are of one type or no plan fits."""
     overrides = fastest_overrides(config, devs)
     if not overrides:
         print("hetpipe-fastest: every GPU is of one type, so it is hetpipe's own row; left out")
-        return []
+        return [], []
     fast = apply_overrides(config, overrides)
     try:
         options, setups = hetpipe_peers(
@@ -397,10 +397,19 @@ def fastest_peers(
         )
     except HetpipeError as exc:
         print(f"hetpipe-fastest: left out: {exc}")
-        return []
+        return [], []
     for setup in setups:
         print(setup.describe("hetpipe-fastest"), flush=True)
-    return options
+    return options, setups
+
+
+def largest_batch(setups: Sequence[HetpipeSetup], wanted: Sequence[tuple[str, list[int]]], base: int) -> int:
+    """The largest per-GPU minibatch any row runs: hetpipe's VWs' (a setup without per-VW work runs the
+    config's `base`) and DDP's per GPU (fit and fastest; prop splits its global batch, so each GPU runs less
+    than the batch it is given)."""
+    hetpipe = [b for s in setups for _, b in (s.work or [(s.nm, base)])]
+    ddp = [b for name, sizes in wanted if name != "prop" for b in sizes]
+    return max([base, *hetpipe, *ddp])
 
 
 def parse_micro(text: str) -> list[tuple[int, int]]:
@@ -967,11 +976,12 @@ def _main(
     hetpipe_options, setups = hetpipe_peers(config, profile, planner, nms, ds, capacity, work, topology)
     for setup in setups:
         print(setup.describe("hetpipe"), flush=True)
-    fastest = (
+    fastest, fastest_setups = (
         fastest_peers(config, devs, profile, planner, nms, ds, capacity, work, topology)
         if with_fastest
-        else []
+        else ([], [])
     )
+    larger = largest_batch([*setups, *fastest_setups], wanted, batch)
     param_bytes = sum(layer.param_bytes for layer in profile.layers)
     pairs = parse_micro(micro)
     groups = [
@@ -986,7 +996,7 @@ def _main(
     rates: dict[str, list[float]] = {p.name: [] for p in chosen}
     measured: list[bound.Capacity] = []  # again in each repeat, beside its runs: the CPU's speed drifts
     for r in range(repeats):
-        measured.append(bound.measure(config, devs, work / "logs"))
+        measured.append(bound.measure(config, devs, work / "logs", [larger]))
         print(f"repeat {r + 1}/{repeats}: {measured[-1].describe()}", flush=True)
         for peer in chosen:
             rates[peer.name].append(network.run(peer, seconds, work / "logs"))
