@@ -18,9 +18,10 @@ stage; warm-up: `warmup_waves`, the waves before the first gate, so a remote VW'
 left out and recorded apart as `start_s`), the peers' from their step end times.
 
 The capacity bound is the sum of the GPUs' standalone rates (capacity.py): samples/s of the whole model on one
-process alone at each GPU type's slowdown, same batch, summed over all GPUs (measured first and again at the
-start of every repeat: the table uses the repeats' median). The earlier figure, one process at slowdown 1 over
-each GPU's slowdown (no cost for the emulation's sleeps), is printed and kept in the JSON beside it.
+process alone at each GPU type's slowdown, the faster of the config's batch and the largest per-GPU batch any
+row runs, summed over all GPUs (measured first at the config's batch, and again at the start of every repeat:
+the table uses the repeats' median). The earlier figure, one process at slowdown 1 over each GPU's slowdown
+(no cost for the emulation's sleeps), is printed and kept in the JSON beside it.
 Settings given as lists (--ddp's batches, --micro, --nm, --staleness) are swept once first and the best one
 is repeated.
 
@@ -672,7 +673,7 @@ def table(rows: list[dict[str, Any]], capacity: float) -> str:
         )
     lines.append(
         f"{'capacity':<16} {capacity:>9.0f} {'':>13} {1:>5.0%} {top / capacity:>9.2f}  "
-        "sum over GPUs of their type's standalone samples/s (one process alone at its slowdown)"
+        "sum over GPUs of their type's standalone samples/s (alone at its slowdown, best batch)"
     )
     return "\n".join(lines)
 
