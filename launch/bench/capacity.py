@@ -2,10 +2,11 @@
 
 An emulated GPU's standalone rate is one process training the whole model, alone on the machine, at that
 GPU's slowdown: the emulation's sleeps cost something per step (docs/emulation.md#what-dilation-costs), so a
-GPU at slowdown 10 makes less than a tenth of what one process makes at slowdown 1. Each type is measured at
-the config's batch and at the larger per-GPU batches the run's rows use, and its rate is the fastest of them
-(a GPU makes more samples/s at a larger batch, so the bound is what the GPUs could make standalone at any of
-the run's batches). The bound sums those rates over the cluster's GPUs. The figure earlier runs used (one
+GPU at slowdown 10 makes less than a tenth of what one process makes at slowdown 1. throughput.py measures
+each type at the config's batch and at the largest per-GPU batch any of the run's rows uses, and takes the
+faster (a GPU often makes more samples/s at a larger batch, and a bound must hold for every row; the
+emulation does not hold a GPU to its memory, so a batch it could not hold counts too). The bound sums those
+rates over the cluster's GPUs. The figure earlier runs used (one
 process at slowdown 1 over each GPU's slowdown, at the config's batch, which leaves the sleeps' cost out) is
 kept beside it as `ideal`.
 
