@@ -47,7 +47,7 @@ class Capacity:
 
     def per_type(self) -> dict[str, float]:
         """Each type's standalone rate: its fastest batch's."""
-        return {name: max(rates.values()) for name, rates in self.per_batch.items()}
+        return best_rates(self.per_batch)
 
     def describe(self) -> str:
         types = "; ".join(
@@ -73,6 +73,11 @@ class Capacity:
         }
 
 
+def best_rates(per_batch: Mapping[str, Mapping[int, float]]) -> dict[str, float]:
+    """Each type's standalone rate: that of its fastest batch."""
+    return {name: max(rates.values()) for name, rates in per_batch.items()}
+
+
 def summed(
     devs: Sequence[peers.Device], solo_rate: float, per_batch: Mapping[str, Mapping[int, float]]
 ) -> Capacity:
@@ -80,7 +85,7 @@ def summed(
     missing = sorted(t for t in {d.gpu_type for d in devs} if not per_batch.get(t))
     if missing:
         raise ValueError(f"no standalone rate for GPU type(s) {', '.join(missing)}: measure every type")
-    best = {name: max(rates.values()) for name, rates in per_batch.items()}
+    best = best_rates(per_batch)
     return Capacity(
         solo_rate,
         {name: dict(rates) for name, rates in per_batch.items()},
