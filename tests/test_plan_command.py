@@ -1,8 +1,10 @@
 """hetpipe.app.plan_command: the progress line (nothing for a short search, then about one line a second),
-and the notes on a setting that moves fewer bytes over a busy PS link (link_note)."""
+the notes on a setting that moves fewer bytes over a busy PS link (link_note), and the note on the optimizer
+on the PS for a plan below capacity (optimizer_note)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from hetpipe.app.plan_command import (
     PlanRequest,
     PlanSearch,
     link_note,
+    optimizer_note,
     run_plan,
 )
 from hetpipe.app.progress_line import ProgressLine
@@ -97,6 +100,62 @@ def test_a_busy_link_plans_again_with_the_setting_on_and_notes_a_gain_over_2_per
     assert len(seen) == before
 
 
+def below_capacity(samples_per_s: float, capacity: float) -> Candidate:
+    return dataclasses.replace(chosen(samples_per_s, 0.5), capacity=capacity)
+
+
+def searched_by_rule(samples_per_s: float, seen: list[tuple[ClusterConfig, PlanRequest]]):
+    """A search that records the config and request it was given and finds one plan at `samples_per_s`,
+    against a capacity of 200."""
+
+    def search(config: ClusterConfig, asked: PlanRequest) -> PlanSearch:
+        seen.append((config, asked))
+        return PlanSearch([below_capacity(samples_per_s, 200.0)], config, [], 1.0, 0.0)
+
+    return search
+
+
+def test_a_plan_below_capacity_with_optimizer_state_plans_again_with_it_on_the_ps(
+    tmp_path: Path,
+) -> None:
+    """two-by-two.toml trains with momentum under `sum` (the stages keep the buffers): a plan at 50% of
+    capacity is planned again with aggregation "server" under the config's rule only, and the note gives
+    that plan, its share and its gain; at 90% or over, with plain SGD or with "server" already: no search."""
+    config = load_config(TWO_BY_TWO)
+    seen: list[tuple[ClusterConfig, PlanRequest]] = []
+    note = optimizer_note(
+        config, request(tmp_path), below_capacity(100.0, 200.0), searched_by_rule(150.0, seen)
+    )
+    ((planned, asked),) = seen
+    assert planned.ps.aggregation == "server" and planned.train.optimizer == "momentum"
+    assert not asked.search_rules  # the note's rule, not one a calibration would pick instead
+    assert note == (
+        "the best plan makes 50% of capacity and every stage holds the optimizer's state (momentum: one "
+        'buffer per weight): with the optimizer on the PS (set [ps] aggregation = "server"; the VWs push '
+        'gradients and hold no optimizer state; another training rule than "sum", so compare time to target) '
+        "the best plan would be dp wsp D=0: 150 samples/s predicted (75% of capacity), 1.50x"
+    )
+    adam = apply_overrides(config, ['train.optimizer="adam"'])
+    note = optimizer_note(
+        adam, request(tmp_path), below_capacity(100.0, 200.0), searched_by_rule(150.0, seen)
+    )
+    assert note is not None and "(adam: two moments per weight)" in note
+    # a gain of 2% or less: no note
+    assert (
+        optimizer_note(config, request(tmp_path), below_capacity(100.0, 200.0), searched_by_rule(102.0, seen))
+        is None
+    )
+    before = len(seen)
+    for quiet, at in (
+        (config, below_capacity(180.0, 200.0)),  # at 90% of capacity
+        (apply_overrides(config, ['train.optimizer="sgd"']), below_capacity(100.0, 200.0)),
+        (apply_overrides(config, ['ps.aggregation="server"']), below_capacity(100.0, 200.0)),
+        (config, below_capacity(100.0, 0.0)),  # no capacity known
+    ):
+        assert optimizer_note(quiet, request(tmp_path), at, searched_by_rule(300.0, seen)) is None
+    assert len(seen) == before
+
+
 def plan_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str], *settings: str) -> list[str]:
     config = apply_overrides(load_config(TWO_BY_TWO), list(settings))
     run_plan(config, request(tmp_path), out_path=None, show_why=False, as_json=False)
@@ -141,6 +200,28 @@ def test_hetpipe_plan_says_nothing_of_node_aggregation_without_a_busy_link_and_a
     assert not node_notes(lines)
     busy = float(next(line for line in lines if line.startswith("best: ")).split("PS link ")[1].split("%")[0])
     assert (busy < 85) == (gbps == 0.2)
+
+
+def optimizer_notes(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("note: the best plan makes") and "aggregation" in line]
+
+
+def test_hetpipe_plan_names_the_optimizer_on_the_ps_when_its_state_keeps_a_gpu_from_a_replica(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """two-by-two.toml with 10 MiB on each slow GPU and fast links: under momentum a slow GPU cannot hold a
+    replica with its buffer, so the best plan pipelines fast+slow (87% of capacity); with the optimizer on the
+    PS every GPU holds one, and that config's best plan is the one the note promised. At 5 MiB not even that
+    fits: no gain, no note."""
+    cramped = ("gpu_types.slow.memory_gib=0.01", "network.inter_node_gbps=10.0")
+    plain = plan_lines(tmp_path, capsys, *cramped)
+    (note,) = optimizer_notes(plain)
+    assert "(momentum: one buffer per weight)" in note and '(set [ps] aggregation = "server";' in note
+    served = plan_lines(tmp_path, capsys, *cramped, 'ps.aggregation="server"')
+    promised = float(note.split(" samples/s predicted")[0].split(": ")[-1])
+    assert best_rate(served) == promised > 1.02 * best_rate(plain)
+    assert not optimizer_notes(served)
+    assert not optimizer_notes(plan_lines(tmp_path, capsys, "gpu_types.slow.memory_gib=0.005", cramped[1]))
 
 
 def test_hetpipe_plan_predicts_the_best_plan_after_each_freeze_point(

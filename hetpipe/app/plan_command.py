@@ -24,6 +24,7 @@ from hetpipe.app.plan_inputs import default_profile_dir, plan_profiles
 from hetpipe.app.plan_replan import Replan, plan_file, replan_lines, replans, replans_json
 from hetpipe.app.progress_line import ProgressLine
 from hetpipe.core.config.schema import ClusterConfig
+from hetpipe.core.planning.capacity import CAPACITY_TARGET
 from hetpipe.core.planning.planner import (
     ALLREDUCE,
     D_VALUES,
@@ -40,6 +41,7 @@ from hetpipe.core.planning.planner import (
 )
 from hetpipe.core.planning.search import SearchResult, search_candidates
 from hetpipe.core.planning.summary import default_view, wrap
+from hetpipe.core.wsp.aggregation import get_aggregation
 
 __all__ = [
     "NODE_SETTING",
@@ -49,6 +51,7 @@ __all__ = [
     "PlanSearch",
     "link_note",
     "node_note",
+    "optimizer_note",
     "print_plans",
     "run_plan",
     "search_plans",
@@ -114,7 +117,11 @@ def run_plan(
     plan to `out_path`."""
     found = search_plans(config, request)
     chosen = best(found.candidates)
-    for note in (wire_note(config, request, chosen), node_note(config, request, chosen)):
+    for note in (
+        wire_note(config, request, chosen),
+        node_note(config, request, chosen),
+        optimizer_note(found.ruled, request, chosen),
+    ):
         if note:
             found.notes.append(note)
     later = replans(found.ruled, chosen, lambda plain, layers: _replanned(plain, layers, request, chosen))
@@ -185,21 +192,72 @@ def link_note(
     config refuses the setting beside its others (node aggregation with latest pulls, say)."""
     if not setting.off(config) or chosen.ps_utilisation < LINK_BUSY:
         return None
-    from hetpipe.core.config.overrides import apply_overrides
-    from hetpipe.core.errors import ConfigError
-
-    try:
-        changed = apply_overrides(config, [setting.override])
-    except ConfigError:
+    gained = _planned_again(config, request, chosen, setting.override, search)
+    if gained is None:
         return None
-    other = best((search or search_plans)(changed, request).candidates)
-    gain = other.samples_per_s / chosen.samples_per_s if chosen.samples_per_s > 0 else 0.0
-    if gain <= LINK_GAIN:
-        return None
+    other, gain = gained
     return (
         f"the PS link is {chosen.ps_utilisation:.0%} busy: {setting.says} the best plan would be "
         f"{other.label}: {other.samples_per_s:.4g} samples/s predicted, {gain:.2f}x"
     )
+
+
+SERVER_OVERRIDE = 'ps.aggregation="server"'
+
+
+def optimizer_note(
+    config: ClusterConfig,
+    request: PlanRequest,
+    chosen: Candidate,
+    search: Callable[[ClusterConfig, PlanRequest], PlanSearch] | None = None,
+) -> str | None:
+    """When the chosen plan is below CAPACITY_TARGET of the capacity and every stage keeps optimizer state
+    ([train] optimizer momentum or adam under a rule with a local optimizer): the same search with the
+    optimizer on the PS ([ps] aggregation = "server": the stages hold no moments, so a slow GPU of little
+    memory may hold a whole replica), and a note of that search's best plan when it predicts more than
+    LINK_GAIN x the chosen one. Another training rule: the user chooses, so the search keeps to it (no rule
+    search) and the note says to compare time to target. None when the config refuses it."""
+    below = chosen.capacity > 0 and chosen.samples_per_s < CAPACITY_TARGET * chosen.capacity
+    stateful = config.train.optimizer != "sgd" and get_aggregation(config.ps.aggregation).local_optimizer
+    if not (below and stateful):
+        return None
+    one_rule = dataclasses.replace(request, search_rules=False)
+    gained = _planned_again(config, one_rule, chosen, SERVER_OVERRIDE, search)
+    if gained is None:
+        return None
+    other, gain = gained
+    state = "two moments" if config.train.optimizer == "adam" else "one buffer"
+    share = f" ({other.samples_per_s / other.capacity:.0%} of capacity)" if other.capacity > 0 else ""
+    return (
+        f"the best plan makes {chosen.samples_per_s / chosen.capacity:.0%} of capacity and every stage holds "
+        f"the optimizer's state ({config.train.optimizer}: {state} per weight): with the optimizer on the PS "
+        f'(set [ps] aggregation = "server"; the VWs push gradients and hold no optimizer state; another '
+        f'training rule than "{config.ps.aggregation}", so compare time to target) the best plan would be '
+        f"{other.label}: "
+        f"{other.samples_per_s:.4g} samples/s predicted{share}, {gain:.2f}x"
+    )
+
+
+def _planned_again(
+    config: ClusterConfig,
+    request: PlanRequest,
+    chosen: Candidate,
+    override: str,
+    search: Callable[[ClusterConfig, PlanRequest], PlanSearch] | None,
+) -> tuple[Candidate, float] | None:
+    """The best plan of the same search (`search`, default search_plans) with `override` applied, and its
+    gain over `chosen`, when that gain is above LINK_GAIN; None otherwise, and when the config refuses the
+    override beside its other settings."""
+    from hetpipe.core.config.overrides import apply_overrides
+    from hetpipe.core.errors import ConfigError
+
+    try:
+        changed = apply_overrides(config, [override])
+    except ConfigError:
+        return None
+    other = best((search or search_plans)(changed, request).candidates)
+    gain = other.samples_per_s / chosen.samples_per_s if chosen.samples_per_s > 0 else 0.0
+    return (other, gain) if gain > LINK_GAIN else None
 
 
 def wire_note(config: ClusterConfig, request: PlanRequest, chosen: Candidate) -> str | None:
