@@ -24,6 +24,7 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (launch/bench is not a package)
+from testbed_options import parse_ints  # noqa: E402
 
 from hetpipe.core.config.files import load_config  # noqa: E402
 from hetpipe.core.config.overrides import apply_overrides  # noqa: E402
@@ -145,12 +146,7 @@ def measure(
 )
 def main(config_path: Path, sets: tuple[str, ...], batches: str, logs: Path) -> None:
     """Measure the capacity bound alone, as throughput.py does at the start of each repeat."""
-    try:
-        extra = [int(b) for b in batches.split(",") if b.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{batches!r}: give batches as integers separated by commas") from None
-    if any(b < 1 for b in extra):
-        raise click.BadParameter(f"{batches!r}: every batch must be at least 1")
+    extra = parse_ints(batches, "batches") if batches else []
     config = apply_overrides(load_config(config_path), list(sets))
     logs.mkdir(parents=True, exist_ok=True)
     print(measure(config, peers.devices(config), logs, extra).describe())

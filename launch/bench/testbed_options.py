@@ -1,5 +1,5 @@
 """Options the benchmarks share: --testbed, --testbed-scale and --probe-seconds (those that can run in the
-testbed), and --cached-profile."""
+testbed), --cached-profile, and the parsing of comma-separated counts."""
 
 from __future__ import annotations
 
@@ -49,3 +49,14 @@ def profile_option(command: Callable[..., Any]) -> Callable[..., Any]:
         is_flag=True,
         help="Reuse the cached CPU profile instead of measuring it afresh at the start.",
     )(command)
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    """Positive integers from "a,b,c"; a click error naming `what` otherwise."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{text!r}: give {what} as positive integers separated by commas")
+    return values

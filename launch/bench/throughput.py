@@ -74,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import capacity as bound  # noqa: E402  (launch/bench is not a package)
 import peers  # noqa: E402
 import plots  # noqa: E402
-from testbed_options import profile_option, testbed_options  # noqa: E402
+from testbed_options import parse_ints, profile_option, testbed_options  # noqa: E402
 
 from hetpipe.compute.build import VwLayout, dataset_of  # noqa: E402
 from hetpipe.core.config.files import load_config  # noqa: E402
@@ -425,16 +425,6 @@ def parse_micro(text: str) -> list[tuple[int, int]]:
     if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
         raise click.BadParameter(f"{text!r}: write MICROBATCHxCOUNT[,...], e.g. 256x12,128x24")
     return [(p[0], p[1]) for p in pairs]
-
-
-def parse_ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise click.BadParameter(f"{text!r}: give {what} as positive integers separated by commas")
-    return values
 
 
 @dataclass
