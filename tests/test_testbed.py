@@ -336,6 +336,38 @@ def test_a_stopped_run_tears_the_testbed_down(sig: signal.Signals, tmp_path: Pat
     assert _gone(sleeper), "the command the testbed ran outlived it"
 
 
+@needs_testbed
+def test_a_stop_while_the_command_starts_still_ends_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM that lands inside subprocess.Popen once the child runs, before run_command holds it (the CLI
+    test above hit this under load: its `sleep 120` outlived the run and held its pipes), stops the run when
+    Popen returns: the child is ended and the testbed torn down."""
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen_then_stop(argv, *args, **kwargs):
+        child = real(argv, *args, **kwargs)
+        if list(argv) == ["sleep", "120"]:
+            started.append(child)
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this returns
+        return child
+
+    monkeypatch.setattr(subprocess, "Popen", popen_then_stop)
+    config = load_config(two_nodes(tmp_path))
+    topology = plan_topology(config, run_id("p"), 0.01)
+    with pytest.raises(SystemExit) as stopped:
+        tb.run_command(topology, config, ["sleep", "120"])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    (child,) = started
+    try:
+        assert child.poll() is not None, "the command outlived the run"
+    finally:
+        child.kill()
+        child.wait()
+    assert leftovers(topology.run) == []
+
+
 @pytest.mark.slow
 @needs_testbed
 def test_the_next_up_removes_what_a_killed_run_left(tmp_path: Path, reaper) -> None:

@@ -301,6 +301,24 @@ def up(topology: Topology, config: ClusterConfig | None = None, *, owner: bool =
     return state_dir(topology.run)
 
 
+_deferred_stops: list[int] | None = None  # inside _stops_deferred: the stop signals caught, not yet raised
+
+
+@contextlib.contextmanager
+def _stops_deferred() -> Iterator[None]:
+    """A SIGTERM or SIGHUP caught in the block stops the run when the block ends, not inside it: a stop
+    raised inside subprocess.Popen, after its child started and before the caller holds it, would leave the
+    child running with nobody to end it."""
+    global _deferred_stops
+    _deferred_stops = []
+    try:
+        yield
+    finally:
+        caught, _deferred_stops = _deferred_stops, None
+        if caught:
+            raise SystemExit(128 + caught[0])
+
+
 @contextlib.contextmanager
 def _teardown_on_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP raise SystemExit in the main thread, as Ctrl-C raises KeyboardInterrupt, so the
@@ -310,6 +328,9 @@ def _teardown_on_signals() -> Iterator[None]:
         return
 
     def stop(signum: int, _frame: object) -> None:
+        if _deferred_stops is not None:
+            _deferred_stops.append(signum)
+            return
         raise SystemExit(128 + signum)
 
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -500,14 +521,16 @@ def run_command(topology: Topology, config: ClusterConfig, argv: Sequence[str]) 
             "HETPIPE_TESTBED_CONFIG": str(folder / "cluster.toml"),
         }
         before = egress_bytes(topology)
+        proc: subprocess.Popen | None = None
         try:
-            proc = subprocess.Popen(list(argv), env=env)
-        except OSError as exc:
-            raise UsageError(f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
-        try:
+            with _stops_deferred():
+                try:
+                    proc = subprocess.Popen(list(argv), env=env)
+                except OSError as exc:
+                    raise UsageError(f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
             code = proc.wait()
         finally:
-            if proc.poll() is None:
+            if proc is not None and proc.poll() is None:
                 proc.terminate()
                 try:
                     proc.wait(timeout=10)
