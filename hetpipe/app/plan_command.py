@@ -233,8 +233,7 @@ def optimizer_note(
         f"the optimizer's state ({config.train.optimizer}: {state} per weight): with the optimizer on the PS "
         f'(set [ps] aggregation = "server"; the VWs push gradients and hold no optimizer state; another '
         f'training rule than "{config.ps.aggregation}", so compare time to target) the best plan would be '
-        f"{other.label}: "
-        f"{other.samples_per_s:.4g} samples/s predicted{share}, {gain:.2f}x"
+        f"{other.label}: {other.samples_per_s:.4g} samples/s predicted{share}, {gain:.2f}x"
     )
 
 
