@@ -19,6 +19,7 @@ from hetpipe.core.planning.convergence import (
     Calibration,
     Measurement,
     Setting,
+    _least_squares,
     attach_samples,
     calibration_name,
     canonical,
@@ -180,6 +181,27 @@ def test_fit_recovers_a_model_the_points_follow_exactly() -> None:
     assert model.fit_error < 1e-3 and model.rms_log < 1e-4
     for key, value in truth.items():
         assert model.coefficients[key] == pytest.approx(value, abs=1e-3)
+
+
+def test_staleness_never_saves_samples_in_the_fit() -> None:
+    # noisy medians where more global lag needed fewer samples (two VWs' averaged updates at Nm 2 under the
+    # sequential run): plain least squares gives global_lag a negative sign, and the planner would follow it
+    # to the stalest plan it is let to price
+    points = {
+        "1x2/1:1f1b-flush": 1200.0,
+        "1x4/1:1f1b-flush": 1600.0,
+        "2x1/1:wsp:mean": 1100.0,
+        "2x2/1:pipedream:mean": 900.0,
+    }
+    pairs = [(canonical(parse_setting(k)), math.log(v / 1000.0)) for k, v in points.items()]
+    assert _least_squares(pairs, ["log_batch", "global_lag"])["global_lag"] < 0.0  # what the data alone says
+    model = fit_model(calibration(points))
+    assert model is not None and model.coefficients["global_lag"] == 0.0
+    assert model.coefficients["log_batch"] > 0.0
+    # a setting with more global lag is priced by its batch alone, never below one with less
+    three = parse_setting("3x1/1:wsp:mean")  # global lag 3, batch per update 3
+    assert model.factor(three) == pytest.approx(math.exp(model.coefficients["log_batch"] * math.log2(3)))
+    assert model.factor(three) >= model.factor(parse_setting("1x3/1:1f1b-flush"))
 
 
 def test_samples_come_measured_where_the_setting_was_measured_and_fitted_elsewhere() -> None:

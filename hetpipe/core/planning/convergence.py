@@ -419,8 +419,9 @@ def describe_fit(model: ConvergenceModel | None) -> str:
 @dataclass(frozen=True)
 class ConvergenceModel:
     """log(samples / sequential samples) = sum of coefficients x features (`features`), least squares over a
-    calibration's reached settings; `fit_error` is the largest |predicted / measured - 1| over them when each
-    is left out of its own fit (leave-one-out), `rms_log` the in-sample root mean square of the log error."""
+    calibration's reached settings with the staleness features' coefficients >= 0 (`_costs_fit`);
+    `fit_error` is the largest |predicted / measured - 1| over them when each is left out of its own fit
+    (leave-one-out), `rms_log` the in-sample root mean square of the log error."""
 
     coefficients: Mapping[str, float]
     fit_error: float
@@ -486,16 +487,37 @@ def fit_model(calibration: Calibration, names: Iterable[str] | None = None) -> C
     keys = [k for k in keys if any(features(s)[k] != 0.0 for s, _ in points)][: max(0, len(points) - 1)]
     if not keys:
         return None
-    coef = _least_squares(points, keys)
+    coef = _costs_fit(points, keys)
     rms = math.sqrt(sum((_predict(coef, s) - y) ** 2 for s, y in points) / len(points))
     residuals = {}
     for i, (s, y) in enumerate(points):
         rest = points[:i] + points[i + 1 :]
-        loo = _least_squares(rest, keys)
+        loo = _costs_fit(rest, keys)
         residuals[s.label] = math.exp(_predict(loo, s) - y) - 1.0
     worst = max((abs(r) for r in residuals.values()), default=0.0)
     span = {k: max(features(s)[k] for s, _ in points) for k in keys}
     return ConvergenceModel(coef, worst, rms, len(points), residuals, span)
+
+
+# features that can only cost samples: staleness and summed steps' overshoot never make training need fewer
+# (a least-squares fit over noisy medians can give them a negative sign, which the planner would then follow
+# to the stalest plans it can find)
+COST_FEATURES = ("local_lag", "global_lag", "sum_overshoot")
+
+
+def _costs_fit(points: Sequence[tuple[Setting, float]], keys: Sequence[str]) -> dict[str, float]:
+    """Least squares with COST_FEATURES' coefficients >= 0: while one comes out negative, the most negative
+    is fixed at 0 and the rest refitted (an active set; four features at most). A fixed feature keeps its
+    coefficient, 0: the fit has seen it and found it costs nothing measurable."""
+    free = list(keys)
+    while True:
+        coef = _least_squares(points, free)
+        negative = [k for k in free if k in COST_FEATURES and coef[k] < 0.0]
+        if not negative:
+            return {k: coef.get(k, 0.0) for k in keys}
+        free.remove(min(negative, key=lambda k: coef[k]))
+        if not free:
+            return dict.fromkeys(keys, 0.0)
 
 
 def _predict(coef: Mapping[str, float], setting: Setting) -> float:
