@@ -15,6 +15,7 @@ from hetpipe.core.runs.testbed import (
     Tbf,
     Topology,
     WorkerPlace,
+    describe_drift,
     effective_config,
     format_nodes,
     is_stale,
@@ -160,6 +161,23 @@ def test_compute_communication_ratio_is_kept() -> None:
     assert emulated == pytest.approx(real)
 
 
+def test_speed_drift_says_how_the_links_compare_with_the_end_of_the_run() -> None:
+    # derived from a 52 ms CPU step; at the end the machine takes 39 ms: compute is 1.33x faster, so a scale
+    # derived then is 1.33x larger and the run's links were 0.75x, slower than the end's speed calls for
+    start = LinkScale(cpu_step_s=0.052, time_scale=10.0, step_flops=2.68e9, gpu_tflops=14.9)
+    drift = start.drift(0.039)
+    assert drift["cpu_step_ratio"] == pytest.approx(0.75)
+    assert drift["scale_at_end"] == pytest.approx(start.scale / 0.75)
+    assert drift["links_over_end"] == pytest.approx(0.75)
+    assert "52 ms at the start, 39 ms at the end (0.75x)" in describe_drift(drift)
+    assert "were 0.75x, slower than" in describe_drift(drift)
+    # a scale given instead of the derived one is what the links had
+    given = start.drift(0.052, used_scale=2 * start.scale)
+    assert given["links_over_end"] == pytest.approx(2.0)
+    assert "faster than" in describe_drift(given)
+    assert "as fast as" in describe_drift(start.drift(0.052))
+
+
 def test_worker_places() -> None:
     vws = [["n0:0", "n1:0"], ["n1:1", "n1:2"], ["n2:0"]]
     assert worker_places(vws) == [
@@ -243,3 +261,27 @@ def test_ddp_on_one_node_pays_for_its_all_reduce_at_the_inside_rate() -> None:
     assert throughput.allreduce_s(param_bytes, one_node, topology) == pytest.approx(8e6 / 0.1e9)
     assert throughput.allreduce_s(param_bytes, two_nodes, topology) == pytest.approx(8e6 / 0.01e9)
     assert throughput.allreduce_s(param_bytes, one_node, None) == 0.0
+
+
+def test_the_benches_measure_the_profile_again_at_the_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """throughput.speed_drift profiles the model afresh and sets it against the record's derivation."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "launch" / "bench"))
+    import throughput
+
+    from hetpipe.app.testbed import derive_link_scale
+
+    config = apply_overrides(
+        load_config(BENCH), ['model.name="mnist-cnn"', "model.options={ channels = [4, 8], hidden = 16 }"]
+    )
+    start = derive_link_scale(config, tmp_path)
+    halved = LinkScale(**{**vars(start), "cpu_step_s": start.cpu_step_s / 2})  # as if the start ran 2x faster
+    record = {"scale": halved.scale, "scale_derived": halved.to_dict()}
+    drift = throughput.speed_drift(config, tmp_path, record)
+    assert drift["cpu_step_s_start"] == pytest.approx(start.cpu_step_s / 2)
+    assert drift["cpu_step_s_end"] > 0.0
+    assert drift["links_over_end"] == pytest.approx(drift["cpu_step_ratio"])
+    assert "ms at the end" in capsys.readouterr().out

@@ -479,10 +479,13 @@ def _drain(server: socket.socket, deadline: float) -> None:
 # ---------------------------------------------------------------------------------------------- scale
 
 
-def derive_link_scale(config: ClusterConfig, cache_dir: Path, efficiency: float = 1.0) -> LinkScale:
+def derive_link_scale(
+    config: ClusterConfig, cache_dir: Path, efficiency: float = 1.0, refresh: bool = False
+) -> LinkScale:
     """The link scale of hetpipe.core.runs.testbed.LinkScale for `config`'s model at its batch: the CPU
-    profile (measured on one thread and cached in cache_dir), the step's FLOPs, the fastest GPU type's speed
-    read as FP32 TFLOPS (as launch/clusters/bench*.toml give them) and the fastest emulated GPU's slowdown."""
+    profile (measured on one thread and cached in cache_dir; refresh: measured again now), the step's FLOPs,
+    the fastest GPU type's speed read as FP32 TFLOPS (as launch/clusters/bench*.toml give them) and the
+    fastest emulated GPU's slowdown."""
     import torch
 
     from hetpipe.compute.build import model_of
@@ -492,7 +495,7 @@ def derive_link_scale(config: ClusterConfig, cache_dir: Path, efficiency: float 
 
     torch.set_num_threads(1)
     spec, batch = model_of(config), config.train.batch_size
-    profile = cached_profile(spec, batch, "cpu", cache_dir, optimizer=config.train.optimizer)
+    profile = cached_profile(spec, batch, "cpu", cache_dir, optimizer=config.train.optimizer, refresh=refresh)
     speeds = gpu_speeds(config)
     time_scale = (
         min(slowdowns(speeds, cpu_cores(), config.emulation.time_scale).values())

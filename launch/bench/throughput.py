@@ -55,6 +55,7 @@ In the testbed, on the communication-heavy model (the peers' defaults were swept
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
@@ -89,7 +90,14 @@ from hetpipe.core.runs.metrics import (  # noqa: E402
     stage_totals,
     wave_breakdown_ms,
 )
-from hetpipe.core.runs.testbed import Topology, format_nodes, plan_topology, within  # noqa: E402
+from hetpipe.core.runs.testbed import (  # noqa: E402
+    LinkScale,
+    Topology,
+    describe_drift,
+    format_nodes,
+    plan_topology,
+    within,
+)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "clusters" / "bench.toml"
 WARMUP_STEPS = (
@@ -715,6 +723,19 @@ class Network:
         return rate
 
 
+def speed_drift(config: ClusterConfig, cache: Path, record: dict[str, Any]) -> dict[str, float]:
+    """At the end of a testbed run: the CPU profile measured again and set against the one the run's link
+    scale came from (LinkScale.drift), printed; for the JSON's testbed record."""
+    from hetpipe.app import testbed as tb
+
+    derived = record["scale_derived"]
+    start = LinkScale(**{f.name: derived[f.name] for f in dataclasses.fields(LinkScale)})
+    end = tb.derive_link_scale(config, cache, start.efficiency, refresh=True)
+    drift = start.drift(end.cpu_step_s, record["scale"])
+    print(describe_drift(drift), flush=True)
+    return drift
+
+
 def open_testbed(
     config: ClusterConfig, cache: Path, scale: float | None, probe_s: float, stack: contextlib.ExitStack
 ) -> tuple[Topology, dict[str, Any]]:
@@ -1046,6 +1067,8 @@ def _main(
                 for name, runs in network.egress.items()
             )
         )
+    if testbed_record is not None:
+        testbed_record["speed_drift"] = speed_drift(config, cache, testbed_record)
     if out is not None:
         document = {
             "config": str(config_path),

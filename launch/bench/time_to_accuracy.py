@@ -827,7 +827,10 @@ def _task(
         **summary(rows, [s for s in systems if s in chosen]),
     }
     if testbed_record is not None:
-        found["testbed"] = testbed_record
+        found["testbed"] = {
+            **testbed_record,
+            "speed_drift": throughput.speed_drift(config, profiles_dir, testbed_record),
+        }
     png_rows = [replace_label(r) for r in rows]
     return found, rows, png_rows, network
 

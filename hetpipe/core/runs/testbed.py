@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.schema import ClusterConfig
@@ -36,6 +36,7 @@ __all__ = [
     "Tbf",
     "Topology",
     "WorkerPlace",
+    "describe_drift",
     "effective_config",
     "format_nodes",
     "is_stale",
@@ -167,6 +168,31 @@ class LinkScale:
             "real_step_s": self.real_step_s,
             "scale": self.scale,
         }
+
+    def drift(self, end_cpu_step_s: float, used_scale: float | None = None) -> dict[str, float]:
+        """How far this machine's speed moved from the profile this scale was derived from to a profile taken
+        at the end of the run (`end_cpu_step_s`): the end's CPU step over the start's, the scale the end's
+        profile would derive, and the run's links (this scale, or `used_scale` when one was given instead)
+        over the ones it would give (above 1: faster than the end's speed calls for, below 1 slower)."""
+        end = replace(self, cpu_step_s=end_cpu_step_s)
+        used = self.scale if used_scale is None else used_scale
+        return {
+            "cpu_step_s_start": self.cpu_step_s,
+            "cpu_step_s_end": end.cpu_step_s,
+            "cpu_step_ratio": end.cpu_step_s / self.cpu_step_s,
+            "scale_at_end": end.scale,
+            "links_over_end": used / end.scale,
+        }
+
+
+def describe_drift(drift: Mapping[str, float]) -> str:
+    """One line for LinkScale.drift: the CPU step at both ends and what it means for the run's links."""
+    links = drift["links_over_end"]
+    how = "as fast as" if abs(links - 1.0) < 0.005 else ("faster than" if links > 1.0 else "slower than")
+    start, end = drift["cpu_step_s_start"] * 1e3, drift["cpu_step_s_end"] * 1e3
+    steps = f"CPU step {start:.3g} ms at the start, {end:.3g} ms at the end ({drift['cpu_step_ratio']:.2f}x)"
+    now = f"a profile taken now would derive scale {drift['scale_at_end']:.3g}"
+    return f"{steps}: {now}, so this run's links were {links:.2f}x, {how} the end's speed calls for"
 
 
 # ---------------------------------------------------------------------------------------------- topology
