@@ -166,6 +166,7 @@ def test_speed_drift_says_how_the_links_compare_with_the_end_of_the_run() -> Non
     # derived from a 52 ms CPU step; at the end the machine takes 39 ms: compute is 1.33x faster, so a scale
     # derived then is 1.33x larger and the run's links were 0.75x, slower than the end's speed calls for
     start = LinkScale(cpu_step_s=0.052, time_scale=10.0, step_flops=2.68e9, gpu_tflops=14.9)
+    assert LinkScale.from_dict(start.to_dict()) == start  # as the benches read it back from their record
     drift = start.drift(0.039)
     assert drift["cpu_step_ratio"] == pytest.approx(0.75)
     assert drift["scale_at_end"] == pytest.approx(start.scale / 0.75)

@@ -55,7 +55,6 @@ In the testbed, on the communication-heavy model (the peers' defaults were swept
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import math
@@ -728,8 +727,7 @@ def speed_drift(config: ClusterConfig, cache: Path, record: dict[str, Any]) -> d
     scale came from (LinkScale.drift), printed; for the JSON's testbed record."""
     from hetpipe.app import testbed as tb
 
-    derived = record["scale_derived"]
-    start = LinkScale(**{f.name: derived[f.name] for f in dataclasses.fields(LinkScale)})
+    start = LinkScale.from_dict(record["scale_derived"])
     end = tb.derive_link_scale(config, cache, start.efficiency, refresh=True)
     drift = start.drift(end.cpu_step_s, record["scale"])
     print(describe_drift(drift), flush=True)

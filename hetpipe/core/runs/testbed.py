@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from hetpipe.core.config.overrides import apply_overrides
 from hetpipe.core.config.schema import ClusterConfig
@@ -168,6 +168,11 @@ class LinkScale:
             "real_step_s": self.real_step_s,
             "scale": self.scale,
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, float]) -> LinkScale:
+        """The scale `to_dict` wrote (its derived figures are recomputed, not read)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
 
     def drift(self, end_cpu_step_s: float, used_scale: float | None = None) -> dict[str, float]:
         """How far this machine's speed moved from the profile this scale was derived from to a profile taken
